@@ -1,0 +1,61 @@
+"""Attention references for the hybrid models: rotary embeddings and GQA attention over a KV cache.
+
+Glossary: hq query heads, hkv key/value heads (hq % hkv == 0), e head dim,
+r rotary dim (partial RoPE rotates the first r channels of each head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0):
+    """cos, sin tables for NeoX-style (half-split) RoPE.
+
+    positions: (b, l) int. Returns cos, sin: (b, l, r) float32.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first r channels of each head. x: (b, l, heads, e); cos, sin: (b, l, r)."""
+    r = cos.shape[-1]
+    xr, xpass = x[..., :r].float(), x[..., r:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = xr * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+    return torch.cat([out.to(x.dtype), xpass], dim=-1)
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_lens: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of new queries over a (cached) key/value prefix.
+
+    q: (b, lq, hq, e) — the last lq tokens of each sequence; k, v: (b, lk, hkv, e).
+    kv_lens: (b,) number of valid keys per row (all lk when None); query i of row
+    j sits at position kv_lens[j] - lq + i and sees keys at positions <= its own.
+    Returns (b, lq, hq, e) in q's dtype; softmax in float32.
+    """
+    b, lq, hq, e = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    scale = e**-0.5 if softmax_scale is None else softmax_scale
+    lens = torch.full((b,), lk, device=q.device) if kv_lens is None else kv_lens.to(q.device)
+    kf = k.float().repeat_interleave(hq // hkv, dim=2)
+    vf = v.float().repeat_interleave(hq // hkv, dim=2)
+    scores = torch.einsum("bihe,bjhe->bhij", q.float(), kf) * scale
+    q_pos = lens[:, None] - lq + torch.arange(lq, device=q.device)  # (b, lq)
+    k_pos = torch.arange(lk, device=q.device)
+    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < lens[:, None, None])
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out = torch.einsum("bhij,bjhe->bihe", scores.softmax(dim=-1), vf)
+    return out.to(q.dtype)
