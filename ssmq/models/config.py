@@ -1,0 +1,94 @@
+"""ModelConfig: one dataclass describing Mamba-1, Mamba-2 and hybrid (Mamba-2 + attention) LMs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+ARCHS = ("mamba1", "mamba2", "hybrid")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of an SSM language model (the vocabulary size is the padded embedding size).
+
+    Mamba-2 / hybrid SSM layers: d_inner = expand · d_model = nheads · headdim.
+    Hybrid: layers listed in ``attn_layer_idx`` are attention, the rest Mamba-2;
+    every hybrid layer has a gated MLP when ``mlp_hidden > 0``.
+    """
+
+    arch: str
+    d_model: int
+    n_layer: int
+    vocab_size: int
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    dt_rank: int | None = None  # Mamba-1 only; None means ceil(d_model / 16)
+    headdim: int = 64  # Mamba-2
+    ngroups: int = 1  # Mamba-2
+    chunk_size: int = 256  # Mamba-2
+    norm_group_size: int | None = None  # gated-norm group; None = d_inner // ngroups (mamba_ssm)
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    norm_eps: float = 1e-5
+    residual_in_fp32: bool = True
+    tie_embeddings: bool = True
+    # attention layers of hybrids
+    attn_layer_idx: tuple[int, ...] = field(default_factory=tuple)
+    attn_heads: int = 0
+    attn_kv_heads: int = 0
+    attn_head_dim: int = 0
+    rotary_dim: int = 0
+    rope_theta: float = 10000.0
+    attn_bias: bool = False
+    mlp_hidden: int = 0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown architecture {self.arch!r}; expected one of {', '.join(ARCHS)}")
+        self.attn_layer_idx = tuple(int(i) for i in self.attn_layer_idx)
+        self.dt_limit = (float(self.dt_limit[0]), float(self.dt_limit[1]))
+        if self.arch in ("mamba2", "hybrid") and self.d_inner % self.headdim:
+            raise ValueError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
+        if self.arch in ("mamba2", "hybrid") and self.nheads % self.ngroups:
+            raise ValueError(f"nheads {self.nheads} is not a multiple of ngroups {self.ngroups}")
+        if self.arch == "hybrid" and self.attn_layer_idx and self.attn_heads % max(self.attn_kv_heads, 1):
+            raise ValueError(f"attention heads {self.attn_heads} not a multiple of kv heads {self.attn_kv_heads}")
+
+    @property
+    def d_inner(self) -> int:
+        return self.expand * self.d_model
+
+    @property
+    def nheads(self) -> int:
+        return self.d_inner // self.headdim
+
+    @property
+    def dt_rank_(self) -> int:
+        return self.dt_rank if self.dt_rank is not None else math.ceil(self.d_model / 16)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: x only for Mamba-1, [x, B, C] for Mamba-2."""
+        return self.d_inner if self.arch == "mamba1" else self.d_inner + 2 * self.ngroups * self.d_state
+
+    def layer_kind(self, i: int) -> str:
+        if self.arch == "mamba1":
+            return "mamba1"
+        return "attention" if i in self.attn_layer_idx else "mamba2"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["dt_limit"] = [d["dt_limit"][0], "inf" if math.isinf(d["dt_limit"][1]) else d["dt_limit"][1]]
+        d["attn_layer_idx"] = list(self.attn_layer_idx)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        if "dt_limit" in d:
+            d["dt_limit"] = tuple(float(v) for v in d["dt_limit"])
+        return cls(**d)

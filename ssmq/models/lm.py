@@ -1,0 +1,103 @@
+"""SSMLM: embedding → blocks (norm → mixer [→ norm → MLP]) → final norm → lm_head, for every family.
+
+Each block keeps the residual stream separately (float32 when ``residual_in_fp32``) and
+fuses "add residual, then RMSNorm", as mamba_ssm does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ssmq import kernels
+from ssmq.models.config import ModelConfig
+from ssmq.models.hybrid import Attention, GatedMLP
+from ssmq.models.mamba1 import Mamba1Mixer
+from ssmq.models.mamba2 import Mamba2Mixer
+
+MIXERS = {"mamba1": Mamba1Mixer, "mamba2": Mamba2Mixer, "attention": Attention}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float, residual_in_fp32: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps, self.residual_in_fp32 = eps, residual_in_fp32
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Returns (norm(x + residual), x + residual)."""
+        return kernels.rms_norm(x, self.weight, self.eps, residual, self.residual_in_fp32)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.kind = cfg.layer_kind(layer_idx)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
+        self.mixer = MIXERS[self.kind](cfg, layer_idx)
+        if cfg.arch == "hybrid" and cfg.mlp_hidden:
+            self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
+            self.mlp = GatedMLP(cfg)
+        else:
+            self.mlp_norm = self.mlp = None
+
+    def forward(self, hidden, residual, cache=None, slots=None, decode: bool = False):
+        normed, residual = self.norm(hidden, residual)
+        hidden = self.mixer.step(normed, cache, slots) if decode else self.mixer(normed, cache, slots)
+        if self.mlp is not None:
+            normed, residual = self.mlp_norm(hidden, residual)
+            hidden = self.mlp(normed)
+        return hidden, residual
+
+
+class SSMLM(nn.Module):
+    """A Mamba-1, Mamba-2 or hybrid language model with parallel ``forward`` and recurrent ``step``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embedding.weight
+
+    def _run(self, hidden, cache, slots, decode):
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cache, slots, decode)
+        hidden, _ = self.norm_f(hidden, residual)
+        return self.lm_head(hidden)
+
+    def _slots(self, cache, slots, b, device):
+        if cache is None:
+            return None
+        if slots is None:
+            return torch.arange(b, device=device)
+        return torch.as_tensor(slots, device=device, dtype=torch.long)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
+        """input_ids: (b, l) → logits (b, l, vocab). With a cache, continues the sequences in rows ``slots``."""
+        slots = self._slots(cache, slots, input_ids.shape[0], input_ids.device)
+        logits = self._run(self.embedding(input_ids), cache, slots, decode=False)
+        if cache is not None:
+            cache.seqlens[slots] += input_ids.shape[1]
+        return logits
+
+    def step(self, input_ids: torch.Tensor, cache, slots=None) -> torch.Tensor:
+        """input_ids: (b,) one new token per row → logits (b, vocab); advances the rows ``slots`` by one."""
+        slots = self._slots(cache, slots, input_ids.shape[0], input_ids.device)
+        logits = self._run(self.embedding(input_ids), cache, slots, decode=True)
+        cache.seqlens[slots] += 1
+        return logits
+
+    def allocate_cache(self, max_batch: int, max_seqlen: int, dtype=None, device=None, ssm_dtype=None):
+        from ssmq.runtime.cache import InferenceCache
+
+        p = self.embedding.weight
+        return InferenceCache.allocate(self.config, max_batch, max_seqlen, dtype or p.dtype, device or p.device,
+                                       ssm_dtype=ssm_dtype)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,79 @@
+"""Mamba-1 mixer: in_proj → causal conv → selective scan (Δ, B, C from x_proj) → out_proj.
+
+Glossary: b batch, l length, d d_inner, n d_state, r dt_rank, w d_conv, s cache slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmq import kernels
+from ssmq.models.config import ModelConfig
+
+
+class Mamba1Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        d, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank_
+        self.d_inner, self.d_state, self.dt_rank = d, n, r
+        self.in_proj = nn.Linear(cfg.d_model, 2 * d, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(d, d, cfg.d_conv, groups=d, bias=cfg.conv_bias)
+        self.x_proj = nn.Linear(d, r + 2 * n, bias=False)
+        self.dt_proj = nn.Linear(r, d, bias=True)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(d, 1))
+        self.D = nn.Parameter(torch.ones(d))
+        self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
+        for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
+            setattr(self, tap, nn.Identity())
+
+    def _ssm_inputs(self, x: torch.Tensor):
+        """x: (..., d) conv output → Δ (..., d) before bias/softplus, B, C (..., n), through the taps."""
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = self.act_dt(F.linear(dt, self.dt_proj.weight))  # dt_proj's bias is applied inside the scan
+        return dt, self.act_B(B), self.act_C(C)
+
+    def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
+        """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)
+        conv_w = self.conv1d.weight.squeeze(1)
+        if cache is None:
+            x = kernels.causal_conv1d(x.transpose(1, 2), conv_w, self.conv1d.bias, activation="silu")
+        else:
+            x, conv_final = kernels.causal_conv1d(
+                x.transpose(1, 2), conv_w, self.conv1d.bias,
+                initial_states=cache.conv_states[self.layer_idx][slots], return_final_states=True, activation="silu",
+            )
+            cache.conv_states[self.layer_idx][slots] = conv_final.to(cache.conv_states[self.layer_idx].dtype)
+        x = self.act_x(x.transpose(1, 2))  # (b, l, d)
+        dt, B, C = self._ssm_inputs(x)
+        z = self.act_z(z)
+        A = -torch.exp(self.A_log.float())
+        out = kernels.selective_scan(
+            x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
+            D=self.D.float(), z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+            initial_state=None if cache is None else cache.ssm_states[self.layer_idx][slots],
+            return_last_state=cache is not None,
+        )
+        if cache is not None:
+            out, last = out
+            cache.ssm_states[self.layer_idx][slots] = last.to(cache.ssm_states[self.layer_idx].dtype)
+        return self.out_proj(self.act_y(out.transpose(1, 2)))
+
+    def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
+        """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
+        x, z = self.in_proj(hidden).chunk(2, dim=-1)
+        x = kernels.causal_conv1d_update(
+            x, cache.conv_states[self.layer_idx], self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            activation="silu", conv_state_indices=slots,
+        )
+        x = self.act_x(x)
+        dt, B, C = self._ssm_inputs(x)
+        A = -torch.exp(self.A_log.float())
+        y = kernels.selective_state_update(
+            cache.ssm_states[self.layer_idx], x, dt, A, B, C, D=self.D.float(), z=self.act_z(z),
+            dt_bias=self.dt_proj.bias.float(), dt_softplus=True, state_batch_indices=slots,
+        )
+        return self.out_proj(self.act_y(y))

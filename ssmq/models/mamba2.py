@@ -1,0 +1,114 @@
+"""Mamba-2 mixer: in_proj → [z | x B C | Δ] → causal conv on xBC → SSD → gated RMSNorm → out_proj.
+
+Glossary: b batch, l length, d d_inner, h heads, p headdim, g ngroups, n d_state, w d_conv, s cache slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmq import kernels
+from ssmq.models.config import ModelConfig
+
+
+class GatedRMSNorm(nn.Module):
+    """norm(y · silu(z)) · weight, per group of ``group_size`` channels."""
+
+    def __init__(self, d: int, eps: float, group_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps, self.group_size = eps, group_size
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.cfg = cfg
+        d, h, g, n = cfg.d_inner, cfg.nheads, cfg.ngroups, cfg.d_state
+        self.in_proj = nn.Linear(cfg.d_model, 2 * d + 2 * g * n + h, bias=cfg.proj_bias)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
+        self.dt_bias = nn.Parameter(torch.zeros(h))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(h))
+        self.norm = GatedRMSNorm(d, cfg.norm_eps, cfg.norm_group_size or d // g)
+        self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
+        for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
+            setattr(self, tap, nn.Identity())
+
+    def _split_proj(self, zxbcdt: torch.Tensor):
+        c = self.cfg
+        return zxbcdt.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
+
+    def _split_xbc(self, xbc: torch.Tensor):
+        c = self.cfg
+        x, B, C = xbc.split([c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+        return self.act_x(x), self.act_B(B), self.act_C(C)
+
+    def _clamped_dt(self, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """Decode's state update knows no dt_limit: apply bias, softplus and the clamp here when one is set."""
+        if self.cfg.dt_limit == (0.0, math.inf):
+            return dt, self.dt_bias.float(), True
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.cfg.dt_limit)
+        return dt, None, False
+
+    def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
+        """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
+        c = self.cfg
+        b, l, _ = hidden.shape
+        z, xbc, dt = self._split_proj(self.in_proj(hidden))
+        conv_w = self.conv1d.weight.squeeze(1)
+        if cache is None:
+            xbc = kernels.causal_conv1d(xbc.transpose(1, 2), conv_w, self.conv1d.bias, activation="silu")
+        else:
+            xbc, conv_final = kernels.causal_conv1d(
+                xbc.transpose(1, 2), conv_w, self.conv1d.bias,
+                initial_states=cache.conv_states[self.layer_idx][slots], return_final_states=True, activation="silu",
+            )
+            cache.conv_states[self.layer_idx][slots] = conv_final.to(cache.conv_states[self.layer_idx].dtype)
+        x, B, C = self._split_xbc(xbc.transpose(1, 2))
+        dt = self.act_dt(dt)
+        A = -torch.exp(self.A_log.float())
+        y = kernels.ssd_chunk_scan(
+            x.reshape(b, l, c.nheads, c.headdim), dt, A,
+            B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
+            D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=c.dt_limit,
+            initial_states=None if cache is None else cache.ssm_states[self.layer_idx][slots],
+            return_final_states=cache is not None,
+        )
+        if cache is not None:
+            y, final = y
+            cache.ssm_states[self.layer_idx][slots] = final.to(cache.ssm_states[self.layer_idx].dtype)
+        y = self.norm(y.reshape(b, l, c.d_inner), self.act_z(z))
+        return self.out_proj(self.act_y(y))
+
+    def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
+        """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
+        c = self.cfg
+        b = hidden.shape[0]
+        h, p = c.nheads, c.headdim
+        z, xbc, dt = self._split_proj(self.in_proj(hidden))
+        xbc = kernels.causal_conv1d_update(
+            xbc, cache.conv_states[self.layer_idx], self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            activation="silu", conv_state_indices=slots,
+        )
+        x, B, C = self._split_xbc(xbc)
+        dt, dt_bias, softplus = self._clamped_dt(self.act_dt(dt))
+        A = -torch.exp(self.A_log.float())
+        y = kernels.selective_state_update(
+            cache.ssm_states[self.layer_idx], x.reshape(b, h, p), dt[:, :, None].expand(b, h, p),
+            A[:, None, None].expand(h, p, c.d_state),
+            B.reshape(b, c.ngroups, c.d_state), C.reshape(b, c.ngroups, c.d_state),
+            D=self.D.float()[:, None].expand(h, p),
+            dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p),
+            dt_softplus=softplus, state_batch_indices=slots,
+        )
+        y = self.norm(y.reshape(b, c.d_inner), self.act_z(z))
+        return self.out_proj(self.act_y(y))

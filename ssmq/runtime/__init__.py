@@ -1,0 +1,1 @@
+"""Inference runtime: slot-indexed caches, generation, CUDA-graph decode."""
