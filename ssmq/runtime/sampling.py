@@ -1,0 +1,54 @@
+"""Next-token choice: greedy, or temperature sampling with top-k and top-p (nucleus) filtering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssmq.errors import SSMQError
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k filter
+    top_p: float = 1.0  # 1 means no nucleus filter
+    stop_at_eos: bool = True
+    eos_id: int = 0
+    vocab_limit: int | None = None  # ids >= this (embedding padding) are never produced
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise SSMQError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise SSMQError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SSMQError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SSMQError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits: (b, vocab) → next token ids (b,) long."""
+    logits = logits.float()
+    if params.vocab_limit is not None and params.vocab_limit < logits.shape[-1]:
+        logits = logits.clone()
+        logits[:, params.vocab_limit:] = float("-inf")
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token once the mass before it already reaches top_p (the top token always stays)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

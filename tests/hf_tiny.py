@@ -1,0 +1,51 @@
+"""Tiny random transformers checkpoints of each family, saved to a folder (the independent implementation)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _perturb(model, seed: int) -> None:
+    """HF's init leaves many weights at 0/1 (norms, D, biases); randomise everything so a wrong mapping shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2 - 1)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5 * 3)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, ngroups: int = 2):
+    """A transformers model of ``arch`` (mamba1 | mamba2 | hybrid) with random float32 weights."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if arch == "mamba1":
+        cfg = tf.MambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                             conv_kernel=4, time_step_rank=4, tie_word_embeddings=True)
+        model = tf.MambaForCausalLM(cfg)
+    elif arch == "mamba2":
+        cfg = tf.Mamba2Config(vocab_size=96, hidden_size=32, state_size=16, num_heads=8, head_dim=8, expand=2,
+                              n_groups=ngroups, chunk_size=8, num_hidden_layers=2, tie_word_embeddings=True)
+        model = tf.Mamba2ForCausalLM(cfg)
+    elif arch == "hybrid":
+        cfg = tf.BambaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                             attn_layer_indices=[1], num_attention_heads=4, num_key_value_heads=2,
+                             mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=ngroups, mamba_d_state=16,
+                             mamba_chunk_size=8, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                              "partial_rotary_factor": 0.5})
+        model = tf.BambaForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    _perturb(model, seed)
+    return model.eval()
+
+
+def save_tiny(arch: str, folder, seed: int = 0, ngroups: int = 2):
+    model = tiny_hf_model(arch, seed, ngroups)
+    model.save_pretrained(folder)
+    return model

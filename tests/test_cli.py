@@ -1,0 +1,39 @@
+"""The ssmq command: defaults, output, and one-line errors with a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from conftest import shared_or_skip
+from hf_tiny import save_tiny
+
+
+def run(*args, env=None):
+    import os
+
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ssmq.cli", *args], capture_output=True, text=True, env=full_env,
+                          timeout=300)
+
+
+def test_generate_with_no_model_argument_uses_the_default_model():
+    shared_or_skip("models", "mamba2")
+    r = run("generate", "--max-new-tokens", "8", env={"SSMQ_MODEL": ""})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The history of") and len(r.stdout.strip()) > len("The history of")
+
+
+def test_info_reports_parameters_and_state(tmp_path):
+    save_tiny("hybrid", tmp_path)
+    shared_or_skip("tokenizers")
+    r = run("info", "--model", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "hybrid" in r.stdout and "KV cache per token" in r.stdout and "state per sequence" in r.stdout
+
+
+def test_errors_are_one_line_and_nonzero(tmp_path):
+    for args in (["generate", "--model", str(tmp_path / "nope")], ["info", "--model", str(tmp_path)]):
+        r = run(*args)
+        assert r.returncode == 1
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("ssmq: error:"), r.stderr

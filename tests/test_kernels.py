@@ -1,0 +1,248 @@
+"""Triton kernels equal their ``ssmq.ops`` references (relative error ‖out − ref‖ / ‖ref‖).
+
+All tests are ``gpu``: they skip without CUDA. ``SSMQ_TRITON_INTERPRET=1`` runs a
+smaller sweep on CPU tensors through Triton's interpreter instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from ssmq import ops
+
+INTERPRET = os.environ.get("SSMQ_TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before their import
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter computes through numpy, which has no bfloat16
+DTYPES = [torch.float32, torch.float16] if INTERPRET else [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def K():
+    """The kernel modules (imported here so collection needs no triton)."""
+    pytest.importorskip("triton")
+    if INTERPRET:
+        _patch_interpreter_scalars()
+    import importlib
+
+    return {m: importlib.import_module(f"ssmq.kernels.{m}") for m in
+            ("conv1d", "state_update", "ssd", "scan", "norm")}
+
+
+def _patch_interpreter_scalars():
+    # triton 3.6's interpreter turns a scalar argument into int() of a 1-element array,
+    # which numpy >= 2.4 refuses (`range(0, n, BK)` in a kernel); read the element instead
+    from triton.runtime import interpreter
+
+    orig = interpreter._patch_lang_tensor
+    if getattr(orig, "_ssmq", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._ssmq = True
+    interpreter._patch_lang_tensor = patched
+
+
+def cases(gpu, interp):
+    return interp if INTERPRET else gpu
+
+
+def rnd(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device=DEV) * scale).to(dtype)
+
+
+def rel(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(out, ref, tol):
+    outs, refs = (out, ref) if isinstance(ref, tuple) else ((out,), (ref,))
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape and o.dtype == r.dtype, (o.shape, r.shape, o.dtype, r.dtype)
+        err = rel(o, r)
+        assert err < tol, f"relative error {err:.3g} >= {tol:g}"  # NaN fails too
+
+
+# --- causal conv1d -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,d,l,w", cases([(2, 37, 1, 4), (2, 200, 333, 4), (1, 5120 + 256, 1024, 4), (3, 64, 2, 3)],
+                                          [(2, 37, 1, 4), (2, 40, 77, 4), (1, 24, 2, 3)]))
+@pytest.mark.parametrize("full", [False, True])
+def test_causal_conv1d(K, dtype, b, d, l, w, full):
+    torch.manual_seed(0)
+    x = rnd(b, l, d, dtype=dtype).transpose(1, 2)  # (b, d, l) with d contiguous, as sliced from in_proj
+    weight = rnd(d, w, dtype=dtype)
+    kw = dict(bias=rnd(d, dtype=dtype), initial_states=rnd(b, d, w - 1, dtype=dtype), return_final_states=True,
+              activation="silu") if full else {}
+    check(K["conv1d"].causal_conv1d(x, weight, **kw), ops.causal_conv1d_ref(x, weight, **kw), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s,d,w", cases([(1, 1, 5120, 4), (5, 9, 333, 4), (32, 40, 1000, 3)], [(3, 7, 40, 4)]))
+def test_causal_conv1d_update(K, dtype, b, s, d, w):
+    torch.manual_seed(1)
+    state = rnd(s, d, w - 1, dtype=dtype)
+    state_k = state.clone()
+    slots = torch.randperm(s, device=DEV)[:b]  # out of order, some slots untouched
+    x, weight, bias = rnd(b, d, dtype=dtype), rnd(d, w, dtype=dtype), rnd(d, dtype=dtype)
+    ref = ops.causal_conv1d_update_ref(x, state, weight, bias, "silu", slots)
+    out = K["conv1d"].causal_conv1d_update(x, state_k, weight, bias, "silu", slots)
+    check(out, ref, TOL[dtype])
+    check(state_k, state, TOL[dtype])
+
+
+# --- selective state update (decode) -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s,h,p,n,g", cases([(1, 1, 80, 64, 128, 1), (4, 7, 8, 64, 128, 2), (3, 5, 6, 20, 24, 3)],
+                                              [(3, 5, 6, 20, 24, 3)]))
+@pytest.mark.parametrize("state_fp32", [False, True])
+def test_selective_state_update_mamba2(K, dtype, b, s, h, p, n, g, state_fp32):
+    torch.manual_seed(2)
+    state = rnd(s, h, p, n, dtype=torch.float32 if state_fp32 else dtype)
+    state_k = state.clone()
+    slots = torch.randperm(s, device=DEV)[:b]
+    x, z = rnd(b, h, p, dtype=dtype), rnd(b, h, p, dtype=dtype)
+    # per-head scalars expanded over p with stride 0, as the models pass them
+    dt = rnd(b, h, dtype=dtype)[..., None].expand(b, h, p)
+    A = (-torch.rand(h, device=DEV) - 0.1)[:, None, None].expand(h, p, n)
+    D, dt_bias = rnd(h)[:, None].expand(h, p), rnd(h)[:, None].expand(h, p)
+    B, C = rnd(b, g, n, dtype=dtype), rnd(b, g, n, dtype=dtype)
+    args = (x, dt, A, B, C, D, z, dt_bias, True, slots)
+    ref = ops.selective_state_update_ref(state, *args)
+    check(K["state_update"].selective_state_update(state_k, *args), ref, TOL[dtype])
+    check(state_k, state, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s,d,n", cases([(1, 1, 5120, 16), (6, 8, 333, 16), (2, 3, 64, 5)], [(3, 4, 40, 6)]))
+def test_selective_state_update_mamba1(K, dtype, b, s, d, n):
+    torch.manual_seed(3)
+    state = rnd(s, d, n)
+    state_k = state.clone()
+    slots = torch.randperm(s, device=DEV)[:b]
+    x, z, dt = rnd(b, d, dtype=dtype), rnd(b, d, dtype=dtype), rnd(b, d, dtype=dtype)
+    A = -torch.rand(d, n, device=DEV) - 0.1
+    args = (x, dt, A, rnd(b, n, dtype=dtype), rnd(b, n, dtype=dtype), rnd(d), z, rnd(d), True, slots)
+    ref = ops.selective_state_update_ref(state, *args)
+    check(K["state_update"].selective_state_update(state_k, *args), ref, TOL[dtype])
+    check(state_k, state, TOL[dtype])
+
+
+# --- SSD chunked scan (Mamba-2 prefill) ---------------------------------------------------------------------------
+
+SSD_SHAPES = cases(
+    [(1, 1024, 8, 64, 1, 128, 256), (2, 1000, 8, 64, 2, 128, 256), (2, 333, 6, 32, 3, 64, 64), (1, 7, 4, 64, 1, 128, 256),
+     (3, 129, 4, 20, 2, 24, 32)],
+    [(2, 37, 4, 16, 2, 16, 16), (1, 50, 2, 20, 1, 24, 32), (1, 5, 2, 16, 1, 16, 16)],
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,l,h,p,g,n,T", SSD_SHAPES)
+@pytest.mark.parametrize("variant", ["plain", "full", "limit"])
+def test_ssd_chunk_scan(K, dtype, b, l, h, p, g, n, T, variant):
+    torch.manual_seed(4)
+    # x, z as slices of one projection, like the model's in_proj output: strided over l
+    proj = rnd(b, l, 2 * h * p + 7, dtype=dtype)
+    x = proj[..., : h * p].unflatten(-1, (h, p))
+    z = proj[..., h * p: 2 * h * p].unflatten(-1, (h, p))
+    A = -torch.rand(h, device=DEV) - 0.5
+    B, C = rnd(b, l, g, n, dtype=dtype), rnd(b, l, g, n, dtype=dtype)
+    if variant == "plain":  # already-discretised, positive Δ
+        dt, kw = (torch.rand(b, l, h, device=DEV) * 0.2).to(dtype), {}
+    else:
+        dt = rnd(b, l, h, dtype=dtype)
+        kw = dict(dt_bias=rnd(h) - 2, dt_softplus=True, return_final_states=True)
+        if variant == "full":
+            kw.update(D=rnd(h), z=z, initial_states=rnd(b, h, p, n))
+        else:
+            kw.update(D=rnd(h, p), dt_limit=(0.01, 0.3))
+    ref = ops.ssd_chunk_scan_ref(x, dt, A, B, C, T, **kw)
+    check(K["ssd"].ssd_chunk_scan(x, dt, A, B, C, T, **kw), ref, TOL[dtype])
+
+
+def test_ssd_chunk_scan_equals_sequential(K):
+    """The kernel against the token-by-token recurrence too, not only the chunked reference."""
+    torch.manual_seed(5)
+    b, l, h, p, g, n = 2, 45, 4, 16, 2, 16
+    x, dt = rnd(b, l, h, p), torch.rand(b, l, h, device=DEV) * 0.3
+    A, B, C = -torch.rand(h, device=DEV) - 0.5, rnd(b, l, g, n), rnd(b, l, g, n)
+    init = rnd(b, h, p, n)
+    ref = ops.ssd_sequential_ref(x, dt, A, B, C, initial_states=init, return_final_states=True)
+    check(K["ssd"].ssd_chunk_scan(x, dt, A, B, C, 16, initial_states=init, return_final_states=True), ref, 1e-4)
+
+
+# --- selective scan (Mamba-1 prefill) -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,d,l,n,g", cases([(1, 1536, 1024, 16, 1), (2, 333, 77, 16, 1), (2, 64, 130, 16, 4),
+                                             (1, 40, 9, 5, 2)],
+                                            [(2, 24, 19, 16, 1), (1, 20, 7, 6, 2)]))
+@pytest.mark.parametrize("full", [False, True])
+def test_selective_scan(K, dtype, b, d, l, n, g, full):
+    torch.manual_seed(6)
+    u = rnd(b, d, l, dtype=dtype)
+    A = -torch.rand(d, n, device=DEV) - 0.2
+    B = rnd(b, g, n, l, dtype=dtype) if g > 1 else rnd(b, n, l, dtype=dtype)
+    C = torch.randn_like(B)
+    if full:
+        delta = rnd(b, d, l, dtype=dtype)
+        kw = dict(D=rnd(d), z=rnd(b, d, l, dtype=dtype), delta_bias=rnd(d) - 2, delta_softplus=True,
+                  initial_state=rnd(b, d, n), return_last_state=True)
+    else:
+        delta, kw = (torch.rand(b, d, l, device=DEV) * 0.2).to(dtype), {}
+    ref = ops.selective_scan_ref(u, delta, A, B, C, **kw)
+    check(K["scan"].selective_scan(u, delta, A, B, C, **kw), ref, TOL[dtype])
+
+
+# --- norms ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", cases([(3, 5, 2560), (7, 333), (1, 1, 64)], [(3, 5, 40)]))
+@pytest.mark.parametrize("mode", ["first", "fp32", "native"])
+def test_rms_norm(K, dtype, shape, mode):
+    torch.manual_seed(7)
+    x, w = rnd(*shape, dtype=dtype), 1 + 0.1 * rnd(shape[-1], dtype=dtype)
+    kw = {"first": {}, "fp32": dict(residual=rnd(*shape)), "native": dict(residual=rnd(*shape, dtype=dtype),
+                                                                         residual_in_fp32=False)}[mode]
+    check(K["norm"].rms_norm(x, w, **kw), ops.rms_norm_ref(x, w, **kw), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,group", cases([((2, 9, 5120), 5120), ((2, 9, 5120), 640), ((7, 40), 10)],
+                                              [((3, 5, 40), 40), ((3, 5, 40), 8)]))
+@pytest.mark.parametrize("gate", ["none", "after", "before"])
+def test_rmsnorm_gated(K, dtype, shape, group, gate):
+    torch.manual_seed(8)
+    x, w = rnd(*shape, dtype=dtype), 1 + 0.1 * rnd(shape[-1], dtype=dtype)
+    kw = {} if gate == "none" else dict(z=rnd(*shape, dtype=dtype), norm_before_gate=gate == "before")
+    kw["group_size"] = group
+    check(K["norm"].rmsnorm_gated(x, w, **kw), ops.rmsnorm_gated_ref(x, w, **kw), TOL[dtype])
+
+
+# --- dispatch -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch sends CUDA tensors to the kernels")
+def test_dispatch_uses_kernels_on_cuda(K, monkeypatch):
+    from ssmq.kernels import dispatch
+
+    called = []
+    monkeypatch.setattr(K["norm"], "rms_norm", lambda *a, **k: called.append(1) or ("k", None))
+    assert dispatch.rms_norm(rnd(2, 8), rnd(8))[0] == "k" and called
+    x = torch.randn(2, 8)
+    assert torch.equal(dispatch.rms_norm(x, torch.ones(8))[0], ops.rms_norm_ref(x, torch.ones(8))[0])  # CPU: reference
