@@ -44,8 +44,11 @@ class Attention(nn.Module):
         if cache is None:
             out = ops.attention_ref(q, k, v)
         else:
-            k_all, v_all = cache.append_kv(self.layer_idx, slots, positions, k, v)
-            out = ops.attention_ref(q, k_all, v_all, kv_lens=start + l)
+            cache.append_kv(self.layer_idx, slots, positions, k, v)
+            # prefill reads the filled prefix; decode reads the whole buffer (static shape for CUDA graphs)
+            end = int(positions.max()) + 1 if l > 1 else cache.max_seqlen
+            keys, values = cache.key_cache[self.layer_idx][slots, :end], cache.value_cache[self.layer_idx][slots, :end]
+            out = ops.attention_ref(q, keys, values, kv_lens=start + l)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:

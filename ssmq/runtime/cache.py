@@ -60,15 +60,18 @@ class InferenceCache:
         self.seqlens[idx] = 0
 
     def append_kv(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of rows ``slots``; return the rows' caches up to their end."""
-        if int(positions.max()) >= self.max_seqlen:
+        """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots``.
+
+        The bound check reads a device value, so it is skipped while a CUDA graph is being captured
+        (the graph runner checks lengths on the host instead).
+        """
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and int(positions.max()) >= self.max_seqlen:
             raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
         kc, vc = self.key_cache[layer], self.value_cache[layer]
         rows = slots[:, None].expand_as(positions)
         kc[rows, positions] = k.to(kc.dtype)
         vc[rows, positions] = v.to(vc.dtype)
-        end = int(positions.max()) + 1
-        return kc[slots, :end], vc[slots, :end]
 
     def nbytes(self) -> int:
         bufs = (*self.conv_states, *self.ssm_states, *self.key_cache, *self.value_cache)

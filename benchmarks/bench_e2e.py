@@ -1,0 +1,245 @@
+"""End-to-end speed: TTFT, TPOT and peak memory of ssmq vs mamba_ssm (Triton kernels) and transformers,
+and the bandwidth limit of decode, at published configs with random weights.
+
+    python benchmarks/bench_e2e.py --models mamba2-2.7b --out out/e2e [--peers mamba_ssm,hf]
+
+TTFT: prefill of a prompt (batch 1) to the first token's logits. TPOT: one decode step with
+CUDA graphs. Limit: (weight bytes + state bytes read and written) / measured copy bandwidth.
+Writes e2e.json, e2e.md and e2e.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from published_configs import PUBLISHED, hf_config, mamba_ssm_config_dict  # noqa: E402
+from random_model import random_model  # noqa: E402
+
+from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
+
+
+def time_ms(fn, warmup=2, reps=10, setup=None) -> float:
+    """Median wall time of fn() in ms, timed with CUDA events; ``setup`` runs untimed before each call."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    times = []
+    for _ in range(reps):
+        if setup:
+            setup()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), warmup=3, reps=20)
+    del a, b
+    return 2 * n / (ms / 1e3)
+
+
+def model_bytes(model) -> tuple[int, int]:
+    """(weight bytes, recurrent state bytes per sequence)."""
+    w = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = model.allocate_cache(1, 1)
+    s = cache.nbytes()
+    del cache
+    return w, s
+
+
+def bench_ssmq(cfg, prompt_lens, batches, dtype, steps) -> dict:
+    out = {}
+    model = random_model(cfg, dtype=dtype)
+    for L in prompt_lens:
+        ids = torch.randint(0, 50000, (1, L), device="cuda")
+        cache = model.allocate_cache(1, L + 1)
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            out[f"ttft_{L}_ms"] = time_ms(lambda: model(ids, cache)[:, -1].argmax(-1), setup=cache.reset)
+        out[f"ttft_{L}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        del cache
+    for bs in batches:
+        torch.cuda.reset_peak_memory_stats()
+        dec = CudaGraphDecoder(model, max_batch=bs, max_seqlen=steps + 64, buckets=(bs,))
+        tokens = torch.randint(0, 50000, (bs,), device="cuda")
+        slots = torch.arange(bs, device="cuda")
+        dec(tokens, slots)
+        graph = dec.graphs[bs][0]
+        reps = steps
+
+        def run():
+            for _ in range(reps):
+                graph.replay()
+
+        out[f"tpot_b{bs}_ms"] = time_ms(run, warmup=1, reps=5) / reps
+        out[f"tpot_b{bs}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        del dec
+    out["weight_bytes"], out["state_bytes"] = model_bytes(model)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_mamba_ssm(cfg, prompt_lens, batches, dtype, steps) -> dict:
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    out = {}
+    model = MambaLMHeadModel(MambaConfig(**mamba_ssm_config_dict(cfg)), device="cuda", dtype=dtype).eval()
+    for L in prompt_lens:
+        ids = torch.randint(0, 50000, (1, L), device="cuda")
+        with torch.inference_mode():
+            out[f"ttft_{L}_ms"] = time_ms(lambda: model(ids, num_last_tokens=1).logits.argmax(-1))
+    for bs in batches:
+        ids = torch.randint(0, 50000, (bs, 16), device="cuda")
+
+        def gen(n):
+            return lambda: model.generate(ids, max_length=16 + n, cg=True, return_dict_in_generate=True,
+                                          output_scores=False, enable_timing=False)
+
+        # TPOT from the difference of two generation lengths: prefill and graph capture cancel out
+        t_short, t_long = time_ms(gen(1), warmup=1, reps=3), time_ms(gen(1 + steps), warmup=1, reps=3)
+        out[f"tpot_b{bs}_ms"] = (t_long - t_short) / steps
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_hf(cfg, prompt_lens, batches, dtype, steps) -> dict:
+    import transformers as tf
+
+    out = {}
+    with torch.device("cuda"):
+        cls = tf.MambaForCausalLM if cfg.arch == "mamba1" else tf.Mamba2ForCausalLM
+        model = cls(hf_config(cfg)).to(dtype).eval()
+    for L in prompt_lens:
+        ids = torch.randint(0, 50000, (1, L), device="cuda")
+        with torch.inference_mode():
+            out[f"ttft_{L}_ms"] = time_ms(lambda: model(ids, logits_to_keep=1).logits.argmax(-1), warmup=1, reps=3)
+    n = min(steps, 16)
+    for bs in batches[:1]:  # transformers decodes far slower; batch 1 only
+        ids = torch.randint(0, 50000, (bs, 16), device="cuda")
+
+        def gen(k):
+            return lambda: model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+
+        out[f"tpot_b{bs}_ms"] = (time_ms(gen(1 + n), warmup=1, reps=2) - time_ms(gen(1), warmup=1, reps=2)) / n
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="mamba2-130m,mamba2-1.3b,mamba2-2.7b,mamba2-8b,mamba-2.8b")
+    ap.add_argument("--peers", default="mamba_ssm,hf", help="comma list of mamba_ssm, hf (empty: none)")
+    ap.add_argument("--hf-models", default="mamba2-130m,mamba2-2.7b", help="transformers is slow: only these")
+    ap.add_argument("--prompt-lens", default="1024,2048")
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per TPOT timing")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/e2e"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_e2e: needs a CUDA GPU")
+    dtype = getattr(torch, args.dtype)
+    prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    peers = [p for p in args.peers.split(",") if p]
+    bw = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
+               "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "models": {}}
+    runners = {"ssmq": bench_ssmq, "mamba_ssm": bench_mamba_ssm, "hf": bench_hf}
+    for name in tqdm(args.models.split(","), desc="models"):
+        cfg = PUBLISHED[name]
+        entry = {}
+        for who in ["ssmq", *peers]:
+            if who == "hf" and name not in args.hf_models.split(","):
+                continue
+            t0 = time.time()
+            try:
+                entry[who] = runners[who](cfg, prompt_lens, batches, dtype, args.steps)
+            except Exception as e:  # a peer that cannot run this model is reported, not fatal
+                entry[who] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+                torch.cuda.empty_cache()
+            entry[who]["wall_s"] = round(time.time() - t0, 1)
+            print(name, who, json.dumps(entry[who]), flush=True)
+        s = entry["ssmq"]
+        if "weight_bytes" in s:
+            entry["limit"] = {f"tpot_b{bs}_ms": (s["weight_bytes"] + 2 * bs * s["state_bytes"]) / bw * 1e3
+                              for bs in batches}
+        results["models"][name] = entry
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(results, indent=1))
+    table = markdown_table(results, prompt_lens, batches)
+    (out / "e2e.md").write_text(table)
+    print(table)
+    plot(results, batches, out / "e2e.png")
+
+
+def markdown_table(results, prompt_lens, batches) -> str:
+    cols = [f"TTFT {L}" for L in prompt_lens] + [f"TPOT b{b}" for b in batches]
+    keys = [f"ttft_{L}_ms" for L in prompt_lens] + [f"tpot_b{b}_ms" for b in batches]
+    lines = [f"{results['device']}, {results['dtype']}, {results['date']}, copy bandwidth "
+             f"{results['copy_bandwidth_GBps']:.0f} GB/s; times in ms (median)\n",
+             "| model | impl | " + " | ".join(cols) + " | peak GiB |", "|---" * (len(cols) + 3) + "|"]
+    for name, entry in results["models"].items():
+        for who in ("ssmq", "mamba_ssm", "hf", "limit"):
+            r = entry.get(who)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {name} | {who} | " + " | ".join("—" for _ in cols) + f" | {r['error'][:60]} |")
+                continue
+            cells = [f"{r[k]:.2f}" if k in r else "" for k in keys]
+            peak = max((v for k, v in r.items() if k.endswith("peak_gib")), default=None)
+            lines.append(f"| {name} | {who} | " + " | ".join(cells) + f" | {'' if peak is None else f'{peak:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, batches, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    names = list(results["models"])
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, bs in zip(axes[0], batches):
+        key = f"tpot_b{bs}_ms"
+        for i, who in enumerate(("ssmq", "mamba_ssm", "hf", "limit")):
+            vals = [results["models"][n].get(who, {}).get(key, 0) for n in names]
+            ax.bar([x + 0.2 * i for x in range(len(names))], vals, width=0.2, label=who)
+        ax.set_xticks([x + 0.3 for x in range(len(names))], names, rotation=30, fontsize=7)
+        ax.set_title(f"TPOT batch {bs} (ms)")
+        ax.set_yscale("log")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
