@@ -134,6 +134,7 @@ _HF_RENAMES = [  # (pattern, replacement), applied in order
     (r"^model\.layers\.(\d+)\.pre_ff_layernorm\.", r"layers.\1.mlp_norm."),
     (r"^model\.layers\.(\d+)\.(mamba|self_attn)\.", r"layers.\1.mixer."),
     (r"^model\.layers\.(\d+)\.feed_forward\.", r"layers.\1.mlp."),
+    (r"\.mixer\.dt_proj\.bias$", ".mixer.dt_bias"),  # Mamba-1
 ]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ssmq import kernels
 from ssmq.models.config import ModelConfig
@@ -22,7 +21,10 @@ class Mamba1Mixer(nn.Module):
         self.in_proj = nn.Linear(cfg.d_model, 2 * d, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(d, d, cfg.d_conv, groups=d, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(d, r + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(r, d, bias=True)
+        # dt_proj's bias lives apart (as Mamba-2's dt_bias) so dt_proj is a plain, swappable Linear
+        # and the bias is added in float32 inside the scan, before the softplus
+        self.dt_proj = nn.Linear(r, d, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(d))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(d, 1))
         self.D = nn.Parameter(torch.ones(d))
         self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
@@ -32,7 +34,7 @@ class Mamba1Mixer(nn.Module):
     def _ssm_inputs(self, x: torch.Tensor):
         """x: (..., d) conv output → Δ (..., d) before bias/softplus, B, C (..., n), through the taps."""
         dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
-        dt = self.act_dt(F.linear(dt, self.dt_proj.weight))  # dt_proj's bias is applied inside the scan
+        dt = self.act_dt(self.dt_proj(dt))
         return dt, self.act_B(B), self.act_C(C)
 
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
@@ -53,7 +55,7 @@ class Mamba1Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         out = kernels.selective_scan(
             x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
-            D=self.D.float(), z=z.transpose(1, 2), delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
+            D=self.D.float(), z=z.transpose(1, 2), delta_bias=self.dt_bias.float(), delta_softplus=True,
             initial_state=None if cache is None else cache.ssm_states[self.layer_idx][slots],
             return_last_state=cache is not None,
         )
@@ -74,6 +76,6 @@ class Mamba1Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         y = kernels.selective_state_update(
             cache.ssm_states[self.layer_idx], x, dt, A, B, C, D=self.D.float(), z=self.act_z(z),
-            dt_bias=self.dt_proj.bias.float(), dt_softplus=True, state_batch_indices=slots,
+            dt_bias=self.dt_bias.float(), dt_softplus=True, state_batch_indices=slots,
         )
         return self.out_proj(self.act_y(y))
