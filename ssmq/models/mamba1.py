@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from ssmq import kernels
+from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 
 
@@ -30,6 +31,7 @@ class Mamba1Mixer(nn.Module):
         self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
+        self._f32 = FloatParamCache()
 
     def _ssm_inputs(self, x: torch.Tensor):
         """x: (..., d) conv output → Δ (..., d) before bias/softplus, B, C (..., n), through the taps."""
@@ -52,10 +54,11 @@ class Mamba1Mixer(nn.Module):
         x = self.act_x(x.transpose(1, 2))  # (b, l, d)
         dt, B, C = self._ssm_inputs(x)
         z = self.act_z(z)
-        A = -torch.exp(self.A_log.float())
+        A = self._f32.get(self, "A_log")
         out = kernels.selective_scan(
             x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
-            D=self.D.float(), z=z.transpose(1, 2), delta_bias=self.dt_bias.float(), delta_softplus=True,
+            D=self._f32.get(self, "D"), z=z.transpose(1, 2), delta_bias=self._f32.get(self, "dt_bias"),
+            delta_softplus=True,
             initial_state=None if cache is None else cache.ssm_states[self.layer_idx][slots],
             return_last_state=cache is not None,
         )
@@ -73,9 +76,9 @@ class Mamba1Mixer(nn.Module):
         )
         x = self.act_x(x)
         dt, B, C = self._ssm_inputs(x)
-        A = -torch.exp(self.A_log.float())
+        A = self._f32.get(self, "A_log")
         y = kernels.selective_state_update(
-            cache.ssm_states[self.layer_idx], x, dt, A, B, C, D=self.D.float(), z=self.act_z(z),
-            dt_bias=self.dt_bias.float(), dt_softplus=True, state_batch_indices=slots,
+            cache.ssm_states[self.layer_idx], x, dt, A, B, C, D=self._f32.get(self, "D"), z=self.act_z(z),
+            dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, state_batch_indices=slots,
         )
         return self.out_proj(self.act_y(y))

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmq import kernels
+from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 
 
@@ -42,6 +43,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
+        self._f32 = FloatParamCache()
 
     def _split_proj(self, zxbcdt: torch.Tensor):
         c = self.cfg
@@ -55,8 +57,8 @@ class Mamba2Mixer(nn.Module):
     def _clamped_dt(self, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """Decode's state update knows no dt_limit: apply bias, softplus and the clamp here when one is set."""
         if self.cfg.dt_limit == (0.0, math.inf):
-            return dt, self.dt_bias.float(), True
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.cfg.dt_limit)
+            return dt, self._f32.get(self, "dt_bias"), True
+        dt = F.softplus(dt.float() + self._f32.get(self, "dt_bias")).clamp(*self.cfg.dt_limit)
         return dt, None, False
 
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
@@ -75,11 +77,11 @@ class Mamba2Mixer(nn.Module):
             cache.conv_states[self.layer_idx][slots] = conv_final.to(cache.conv_states[self.layer_idx].dtype)
         x, B, C = self._split_xbc(xbc.transpose(1, 2))
         dt = self.act_dt(dt)
-        A = -torch.exp(self.A_log.float())
+        A = self._f32.get(self, "A_log")
         y = kernels.ssd_chunk_scan(
             x.reshape(b, l, c.nheads, c.headdim), dt, A,
             B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
-            D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=c.dt_limit,
+            D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, dt_limit=c.dt_limit,
             initial_states=None if cache is None else cache.ssm_states[self.layer_idx][slots],
             return_final_states=cache is not None,
         )
@@ -101,12 +103,12 @@ class Mamba2Mixer(nn.Module):
         )
         x, B, C = self._split_xbc(xbc)
         dt, dt_bias, softplus = self._clamped_dt(self.act_dt(dt))
-        A = -torch.exp(self.A_log.float())
+        A = self._f32.get(self, "A_log")
         y = kernels.selective_state_update(
             cache.ssm_states[self.layer_idx], x.reshape(b, h, p), dt[:, :, None].expand(b, h, p),
             A[:, None, None].expand(h, p, c.d_state),
             B.reshape(b, c.ngroups, c.d_state), C.reshape(b, c.ngroups, c.d_state),
-            D=self.D.float()[:, None].expand(h, p),
+            D=self._f32.get(self, "D")[:, None].expand(h, p),
             dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p),
             dt_softplus=softplus, state_batch_indices=slots,
         )
