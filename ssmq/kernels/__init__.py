@@ -1,0 +1,26 @@
+"""Fast ops: Triton kernels on CUDA tensors, the ``ssmq.ops`` references elsewhere.
+
+Each public function here has the signature of its reference in ``ssmq.ops`` and
+dispatches on the device of its first tensor argument, so model code calls one
+name on CPU and GPU alike.
+"""
+
+from ssmq.kernels.dispatch import (
+    causal_conv1d,
+    causal_conv1d_update,
+    rms_norm,
+    rmsnorm_gated,
+    selective_scan,
+    selective_state_update,
+    ssd_chunk_scan,
+)
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "rms_norm",
+    "rmsnorm_gated",
+    "selective_scan",
+    "selective_state_update",
+    "ssd_chunk_scan",
+]

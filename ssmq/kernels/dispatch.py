@@ -1,0 +1,64 @@
+"""Device dispatch: Triton kernel for CUDA tensors when one exists, the reference otherwise.
+
+Kernel modules are imported on first use, so ``import ssmq`` never needs triton
+(CI has none); without triton, CUDA tensors also fall back to the references.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+from ssmq import ops
+
+# SSMQ_REF_OPS=1 forces the references everywhere (debugging, accuracy baselines on GPU).
+_FORCE_REF = os.environ.get("SSMQ_REF_OPS", "0") == "1"
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(t) -> bool:
+    return t.is_cuda and _HAS_TRITON and not _FORCE_REF
+
+
+def _kernels(module: str):
+    return importlib.import_module(f"ssmq.kernels.{module}")
+
+
+def causal_conv1d(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
+    impl = _kernels("conv1d").causal_conv1d if _use_triton(x) else ops.causal_conv1d_ref
+    return impl(x, weight, bias, initial_states, return_final_states, activation)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None):
+    impl = _kernels("conv1d").causal_conv1d_update if _use_triton(x) else ops.causal_conv1d_update_ref
+    return impl(x, conv_state, weight, bias, activation, conv_state_indices)
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   initial_state=None, return_last_state=False):
+    impl = _kernels("scan").selective_scan if _use_triton(u) else ops.selective_scan_ref
+    return impl(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False):
+    impl = _kernels("ssd").ssd_chunk_scan if _use_triton(x) else ops.ssd_chunk_scan_ref
+    return impl(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
+                return_final_states)
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                           state_batch_indices=None):
+    impl = _kernels("state_update").selective_state_update if _use_triton(state) else ops.selective_state_update_ref
+    return impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+
+
+def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):
+    impl = _kernels("norm").rms_norm if _use_triton(x) else ops.rms_norm_ref
+    return impl(x, weight, eps, residual, residual_in_fp32)
+
+
+def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False):
+    impl = _kernels("norm").rmsnorm_gated if _use_triton(x) else ops.rmsnorm_gated_ref
+    return impl(x, weight, z, eps, group_size, norm_before_gate)

@@ -1,0 +1,21 @@
+"""Quantization core: primitives, observers, calibration, quantized modules, transforms, recipes, checkpoints.
+
+    from ssmq.quant import quantize, load_calibration, save_quantized
+    model = quantize(model, "gptq-w4a16-g128", load_calibration())
+    save_quantized(model, "out/")          # ssmq.load_model("out/") loads it back
+"""
+
+from ssmq.quant.api import quantize
+from ssmq.quant.calibration import CalibrationData, load_calibration
+from ssmq.quant.checkpoint import load_quantized, register_module_kind, save_quantized
+from ssmq.quant.linear import QuantEmbedding, QuantLinear
+from ssmq.quant.primitives import PerChannel, PerGroup, PerTensor, PerToken
+from ssmq.quant.recipe import RECIPES, Recipe, Rule, Transform, check_recipe, get_recipe, register_recipe
+from ssmq.quant.spec import ActSpec, WeightSpec
+
+__all__ = [
+    "quantize", "CalibrationData", "load_calibration", "load_quantized", "save_quantized", "register_module_kind",
+    "QuantLinear", "QuantEmbedding", "PerTensor", "PerChannel", "PerGroup", "PerToken",
+    "RECIPES", "Recipe", "Rule", "Transform", "check_recipe", "get_recipe", "register_recipe",
+    "ActSpec", "WeightSpec",
+]

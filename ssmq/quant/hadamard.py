@@ -1,0 +1,191 @@
+"""Hadamard matrices of order 2^p * m, a fast normalised transform, and fusion into linears.
+
+Construction (all by formula; every base matrix is checked H @ H.T == n I exactly when built):
+    Sylvester   H_1 = [1], H_2k = [[H_k, H_k], [H_k, -H_k]]                 orders 2^p
+    Paley I     prime q = 3 (mod 4):  order q + 1     (12, 20, 24, 32, 44, 48, 60, 68, 72, 80, 84, ...)
+    Paley II    prime q = 1 (mod 4):  order 2 (q + 1)  (12, 28, 36, 60, 76, 84, 108, ...)
+Order n = 2^s * b uses the smallest base b (= 2^j * m, m odd, from Paley) and H_n = H_{2^s} (x) H_b
+(Kronecker). Examples: 768 = 64 * 12, 1536 = 128 * 12, 2560 = 128 * 20, 5120 = 256 * 20,
+3584 = 128 * 28, 8192 = 2^13. Orders whose odd part needs another construction (e.g. m = 23,
+order 92, Williamson) are refused with an error.
+
+Convention: ``hadamard_transform(x)`` computes y = x @ H_n.T / sqrt(n) along the last dim, i.e.
+y = Q x per vector with Q = H_n / sqrt(n) orthogonal (Q^-1 = Q.T). Cost: O(n log n) for the
+2^s part (butterflies) plus O(n b) for the base part.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmq.errors import SSMQError
+
+
+def _is_prime(q: int) -> bool:
+    return q >= 2 and all(q % d for d in range(2, math.isqrt(q) + 1))
+
+
+def _jacobsthal(q: int) -> torch.Tensor:
+    """(q, q) Q[i, j] = chi(j - i) over GF(q), q prime; chi = quadratic character."""
+    squares = {(a * a) % q for a in range(1, q)}
+    chi = torch.tensor([0] + [1 if a in squares else -1 for a in range(1, q)], dtype=torch.int64)
+    idx = torch.arange(q)
+    return chi[(idx.unsqueeze(0) - idx.unsqueeze(1)) % q]
+
+
+def _paley1(q: int) -> torch.Tensor:
+    """Order q + 1 for prime q = 3 mod 4: H = I + S, S skew with the Jacobsthal core."""
+    Q = _jacobsthal(q)
+    S = torch.zeros(q + 1, q + 1, dtype=torch.int64)
+    S[0, 1:] = 1
+    S[1:, 0] = -1
+    S[1:, 1:] = Q
+    return S + torch.eye(q + 1, dtype=torch.int64)
+
+
+def _paley2(q: int) -> torch.Tensor:
+    """Order 2 (q + 1) for prime q = 1 mod 4: symmetric conference matrix C, entries expanded to 2x2."""
+    Q = _jacobsthal(q)
+    C = torch.zeros(q + 1, q + 1, dtype=torch.int64)
+    C[0, 1:] = 1
+    C[1:, 0] = 1
+    C[1:, 1:] = Q
+    zero_block = torch.tensor([[1, -1], [-1, -1]])
+    one_block = torch.tensor([[1, 1], [1, -1]])
+    return torch.kron(C, one_block) + torch.kron((C == 0).long(), zero_block)
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    H = torch.ones(1, 1, dtype=torch.int64)
+    while H.shape[0] < n:
+        H = torch.cat((torch.cat((H, H), 1), torch.cat((H, -H), 1)), 0)
+    return H
+
+
+def _check(H: torch.Tensor) -> torch.Tensor:
+    n = H.shape[0]
+    Hd = H.float()  # exact: entries +-1, integer sums below 2^24; float GEMM is fast, int64 is not
+    if not torch.equal(Hd @ Hd.T, n * torch.eye(n)):
+        raise AssertionError(f"construction of order {n} is not Hadamard")  # a bug, not user error
+    return H
+
+
+@functools.lru_cache(maxsize=None)
+def base_matrix(b: int) -> torch.Tensor | None:
+    """A Hadamard matrix of order b from Paley I/II (int64), or None if neither applies."""
+    if b % 4 == 0 and _is_prime(b - 1) and (b - 1) % 4 == 3:
+        return _check(_paley1(b - 1))
+    if b % 4 == 0 and _is_prime(b // 2 - 1) and (b // 2 - 1) % 4 == 1:
+        return _check(_paley2(b // 2 - 1))
+    return None
+
+
+def split_order(n: int) -> tuple[int, int]:
+    """n -> (2^s, b) with n = 2^s * b and b the smallest constructible base (1 for powers of two)."""
+    if n < 1:
+        raise SSMQError(f"Hadamard order must be positive, got {n}")
+    m, two = n, 1
+    while m % 2 == 0:
+        m, two = m // 2, two * 2
+    if m == 1:
+        return n, 1
+    b = 4 * m  # a Hadamard order > 2 is a multiple of 4
+    while b <= n:
+        if base_matrix(b) is not None:
+            return n // b, b
+        b *= 2
+    raise SSMQError(
+        f"no Hadamard matrix of order {n} = 2^{int(math.log2(two))} * {m}: needs a base of order "
+        f"2^j * {m} (j >= 2) from Paley I/II, and none fits; pad the width or use a power of two")
+
+
+def has_hadamard(n: int) -> bool:
+    try:
+        split_order(n)
+        return True
+    except SSMQError:
+        return False
+
+
+@functools.lru_cache(maxsize=16)
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """(n, n) int64 unnormalised Hadamard matrix, H_{2^s} (x) H_b; H @ H.T == n I."""
+    two, b = split_order(n)
+    H = _sylvester(two) if b == 1 else torch.kron(_sylvester(two), base_matrix(b))
+    return H  # the bases are checked; a Kronecker product of Hadamard matrices is Hadamard
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """x (..., n) -> x @ H_n.T / sqrt(n), same shape and dtype (computed in float32 or float64)."""
+    n = x.shape[-1]
+    two, b = split_order(n)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = x.to(work).reshape(*x.shape[:-1], two, b)  # (..., 2^s, b): row-major, so H_2^s (x) H_b
+    if b > 1:
+        y = y @ base_matrix(b).to(device=x.device, dtype=work).T
+    lead = y.shape[:-2]
+    h = 1
+    while h < two:  # butterflies over the 2^s axis: pairs (i, i + h) inside blocks of 2h
+        y = y.reshape(*lead, two // (2 * h), 2, h, b)
+        y = torch.stack((y[..., 0, :, :] + y[..., 1, :, :], y[..., 0, :, :] - y[..., 1, :, :]), dim=-3)
+        h *= 2
+    return (y.reshape(x.shape) / math.sqrt(n)).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# fusion into linear weights (Q = H / sqrt(n) orthogonal, so Q^-1 = Q.T)
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def rotate_input_(linear: nn.Linear) -> None:
+    """W <- W Q.T in place, so that linear'(Q x) == linear(x). Weight (n_out, k)."""
+    linear.weight.copy_(hadamard_transform(linear.weight.double()).to(linear.weight.dtype))
+
+
+@torch.no_grad()
+def rotate_output_(linear: nn.Linear) -> None:
+    """W <- Q W, b <- Q b in place, so that linear'(x) == Q linear(x)."""
+    linear.weight.copy_(hadamard_transform(linear.weight.double().T).T.to(linear.weight.dtype))
+    if linear.bias is not None:
+        linear.bias.copy_(hadamard_transform(linear.bias.double()).to(linear.bias.dtype))
+
+
+@torch.no_grad()
+def rotate_embedding_(embedding: nn.Embedding) -> None:
+    """Rows e_t <- Q e_t in place (weight (vocab, d))."""
+    embedding.weight.copy_(hadamard_transform(embedding.weight.double()).to(embedding.weight.dtype))
+
+
+class RotatedLinear(nn.Linear):
+    """A linear that applies the online transform x -> Q x before its (pre-rotated) weight.
+
+    ``RotatedLinear.from_linear(lin)(x) == lin(x)`` in exact arithmetic: the weight holds W Q.T.
+    The input is what gets quantized downstream, which is the point: Q spreads outliers.
+    State-dict names are those of nn.Linear (weight, bias).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(hadamard_transform(x), self.weight, self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "RotatedLinear":
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                  device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            new.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias)
+        rotate_input_(new)
+        return new
+
+    def spec(self) -> dict:
+        return {"kind": "RotatedLinear", "in_features": self.in_features, "out_features": self.out_features,
+                "bias": self.bias is not None}
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype=torch.float32, device=None) -> "RotatedLinear":
+        return cls(spec["in_features"], spec["out_features"], spec["bias"], dtype=dtype, device=device)

@@ -1,0 +1,227 @@
+"""Quantized modules: ONE ``QuantLinear`` for W8A8, W4A8, W4A16, W8A16, FP8, and ``QuantEmbedding``.
+
+Their forwards here are the exact CPU references the GPU kernels reproduce. Everything a module
+holds is a plain tensor buffer (state dict = tensors), its structure is ``spec()`` (a dict), and
+``from_spec(spec)`` rebuilds an empty module of the same structure for loading.
+
+Buffers of QuantLinear (n = out_features, k = in_features):
+    weight_q      int8 (n, k) for int8; uint8 (n, k // 2) for int4 (``pack_int4`` layout:
+                  low nibble = even column); float8_e4m3fn (n, k) for fp8
+    weight_scale  float32: () per_tensor, (n,) per_channel, (n, k // g) per_group:g
+    weight_zero   int32, same shape as weight_scale (asymmetric weights only)
+    act_scale     float32 () (static activation scale only)
+    bias          (n,) in the model's float dtype (if the float linear had one)
+Scales stay float32: move a quantized model with ``.to(device)``, not ``.to(dtype)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmq.errors import SSMQError
+from ssmq.quant.hadamard import hadamard_transform
+from ssmq.quant.primitives import (
+    PerChannel,
+    PerGroup,
+    PerTensor,
+    PerToken,
+    choose_qparams,
+    dequantize,
+    int_matmul_ref,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+from ssmq.quant.spec import ActSpec, WeightSpec, validate_pair
+
+
+def _scale_shape(gran, n: int, k: int) -> tuple[int, ...]:
+    if isinstance(gran, PerTensor):
+        return ()
+    if isinstance(gran, PerChannel):
+        return (n,)
+    if k % gran.group_size:
+        raise SSMQError(f"group size {gran.group_size} does not divide in_features {k}")
+    return (n, k // gran.group_size)
+
+
+def _code_buffer(dtype: str, n: int, k: int, device=None) -> torch.Tensor:
+    if dtype == "int4":
+        if k % 2:
+            raise SSMQError(f"int4 weights need an even number of columns, got {k}")
+        return torch.zeros(n, k // 2, dtype=torch.uint8, device=device)
+    return torch.zeros(n, k, dtype=torch.float8_e4m3fn if dtype == "fp8" else torch.int8, device=device)
+
+
+class _QuantWeight(nn.Module):
+    """Shared storage of a quantized (n, k) weight matrix (QuantLinear, QuantEmbedding)."""
+
+    def _init_weight(self, spec: WeightSpec, n: int, k: int, device=None) -> None:
+        self.wspec = spec
+        shape = _scale_shape(spec.granularity, n, k)
+        self.register_buffer("weight_q", _code_buffer(spec.dtype, n, k, device))
+        self.register_buffer("weight_scale", torch.ones(shape, dtype=torch.float32, device=device))
+        if not spec.symmetric:
+            self.register_buffer("weight_zero", torch.zeros(shape, dtype=torch.int32, device=device))
+        else:
+            self.weight_zero = None
+
+    @torch.no_grad()
+    def _set_weight(self, weight: torch.Tensor, qweight=None) -> None:
+        """Quantize ``weight`` (n, k) by round to nearest, or store given (codes int8 (n, k), scale, zero)."""
+        s = self.wspec
+        if qweight is None:
+            scale, zero = choose_qparams(weight, s.granularity, s.dtype, s.symmetric)
+            codes = quantize(weight, scale, zero, s.granularity, s.dtype)
+        else:
+            codes, scale, zero = qweight
+        self.weight_q.copy_(pack_int4(codes) if s.dtype == "int4" else codes)
+        self.weight_scale.copy_(scale.reshape(self.weight_scale.shape))
+        if self.weight_zero is not None:
+            self.weight_zero.copy_(zero.reshape(self.weight_zero.shape))
+
+    def weight_codes(self) -> torch.Tensor:
+        """(n, k) codes: int8 (int8 and int4) or float8_e4m3fn."""
+        return unpack_int4(self.weight_q) if self.wspec.dtype == "int4" else self.weight_q
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(n, k) float32."""
+        return dequantize(self.weight_codes(), self.weight_scale, self.weight_zero, self.wspec.granularity)
+
+
+class QuantLinear(_QuantWeight):
+    """y = x W.T + b with quantized W (and optionally quantized x), parametrized by specs.
+
+    x: (..., k) float -> y: (..., n) in x's dtype.
+      act None   (W8A16, W4A16, FP8 weight-only): y = F.linear(x, dequant(W) in x's dtype, b)
+      act int8   (W8A8, W4A8): x_q = quantize(x) with the static ``act_scale`` or a dynamic
+                 per-tensor / per-token absmax scale, then ``int_matmul_ref`` (exact int32
+                 accumulation, float32 epilogue), + b
+      act fp8    (FP8): float32 GEMM of the dequantized fp8 operands (e4m3 products are exact in
+                 float32; accumulation order differs between kernels, so this one is not bit-exact)
+    ``rotate_input``: x -> Q x (normalised Hadamard, ``hadamard_transform``) first; the weight was
+    rotated offline (W Q.T), so the function is unchanged and the quantized input is the rotated one.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 weight: WeightSpec = WeightSpec(), act: ActSpec | None = None,
+                 rotate_input: bool = False, dtype=torch.float32, device=None):
+        super().__init__()
+        validate_pair(weight, act)
+        self.in_features, self.out_features = in_features, out_features
+        self.act, self.rotate_input = act, rotate_input
+        self._init_weight(weight, out_features, in_features, device)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+        if act is not None and act.static:
+            self.register_buffer("act_scale", torch.ones((), dtype=torch.float32, device=device))
+        else:
+            self.act_scale = None
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, weight: WeightSpec, act: ActSpec | None = None,
+                   act_scale: torch.Tensor | None = None, qweight=None) -> "QuantLinear":
+        """Quantize a float linear (or ``RotatedLinear``). ``act_scale``: () for static activations.
+
+        qweight: optional (codes int8 (n, k), scale, zero) computed elsewhere (e.g. GPTQ).
+        """
+        from ssmq.quant.hadamard import RotatedLinear
+
+        w = linear.weight
+        m = cls(linear.in_features, linear.out_features, linear.bias is not None, weight, act,
+                rotate_input=isinstance(linear, RotatedLinear), dtype=w.dtype, device=w.device)
+        m._set_weight(w.detach(), qweight)
+        if linear.bias is not None:
+            m.bias.data.copy_(linear.bias.detach())
+        if m.act_scale is not None:
+            if act_scale is None:
+                raise SSMQError("static activation quantization needs a calibrated act_scale")
+            m.act_scale.copy_(act_scale.reshape(()))
+        return m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotate_input:
+            x = hadamard_transform(x)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (m, k)
+        a = self.act
+        if a is None:
+            out = F.linear(x2, self.dequantized_weight().to(x.dtype), self.bias)
+        else:
+            gran = a.granularity
+            if self.act_scale is not None:
+                scale = self.act_scale
+            else:
+                scale, _ = choose_qparams(x2, gran, a.dtype, True)
+            x_q = quantize(x2, scale, None, gran, a.dtype)
+            if a.dtype == "int8":
+                wg = self.wspec.granularity
+                out = int_matmul_ref(x_q, scale, self.weight_codes(), self.weight_scale,
+                                     wg.group_size if isinstance(wg, PerGroup) else None, self.bias)
+            else:
+                x_f = dequantize(x_q, scale, None, gran)
+                out = F.linear(x_f, self.dequantized_weight(), None if self.bias is None else self.bias.float())
+        return out.to(x.dtype).reshape(*lead, self.out_features)
+
+    def spec(self) -> dict:
+        return {"kind": "QuantLinear", "in_features": self.in_features, "out_features": self.out_features,
+                "bias": self.bias is not None, "weight": self.wspec.to_dict(),
+                "act": None if self.act is None else self.act.to_dict(), "rotate_input": self.rotate_input}
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype=torch.float32, device=None) -> "QuantLinear":
+        act = None if spec["act"] is None else ActSpec.from_dict(spec["act"])
+        return cls(spec["in_features"], spec["out_features"], spec["bias"], WeightSpec.from_dict(spec["weight"]),
+                   act, spec["rotate_input"], dtype=dtype, device=device)
+
+    def extra_repr(self) -> str:
+        a = "16" if self.act is None else self.act.dtype
+        return (f"{self.in_features}, {self.out_features}, w={self.wspec.dtype}, a={a}, "
+                f"rotate_input={self.rotate_input}")
+
+
+class QuantEmbedding(_QuantWeight):
+    """Embedding table (vocab, d) stored quantized (weight-only); ids (...) long -> (..., d) float.
+
+    Rows are dequantized on lookup: per_channel = one scale per token row, per_group:g along d.
+    The output dtype follows the module's float dtype (a zero-size non-persistent buffer, so
+    ``.to(dtype)`` works as for nn.Embedding).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, weight: WeightSpec = WeightSpec(),
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        weight.validate()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self._init_weight(weight, num_embeddings, embedding_dim, device)
+        self.register_buffer("_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    @classmethod
+    def from_float(cls, emb: nn.Embedding, weight: WeightSpec, qweight=None) -> "QuantEmbedding":
+        m = cls(emb.num_embeddings, emb.embedding_dim, weight, dtype=emb.weight.dtype, device=emb.weight.device)
+        m._set_weight(emb.weight.detach(), qweight)
+        return m
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        s = self.wspec
+        rows = self.weight_q[ids]  # (..., d) or packed (..., d // 2)
+        codes = unpack_int4(rows) if s.dtype == "int4" else rows
+        if isinstance(s.granularity, PerTensor):
+            scale, zero = self.weight_scale, self.weight_zero
+        else:  # per-row parameters follow their rows
+            scale = self.weight_scale[ids]
+            zero = None if self.weight_zero is None else self.weight_zero[ids]
+        # gathered per-row scales are shaped (...) over codes (..., d): the per-token layout
+        gran = s.granularity if isinstance(s.granularity, (PerTensor, PerGroup)) else PerToken()
+        return dequantize(codes, scale, zero, gran).to(self._dtype.dtype)
+
+    def spec(self) -> dict:
+        return {"kind": "QuantEmbedding", "num_embeddings": self.num_embeddings,
+                "embedding_dim": self.embedding_dim, "weight": self.wspec.to_dict()}
+
+    @classmethod
+    def from_spec(cls, spec: dict, dtype=torch.float32, device=None) -> "QuantEmbedding":
+        return cls(spec["num_embeddings"], spec["embedding_dim"], WeightSpec.from_dict(spec["weight"]),
+                   dtype=dtype, device=device)

@@ -1,0 +1,85 @@
+"""QuaRot-style rotation of a whole model with normalised Hadamard matrices Q (orthogonal).
+
+1. Fold every RMSNorm weight into the linears that read it (W <- W diag(w), w <- 1), so the norms
+   commute with Q: RMSNorm(Q x) = Q RMSNorm(x). The final norm folds into lm_head (untied first).
+2. Rotate the residual stream by Q (d_model): embedding rows e <- Q e; writers (out_proj, o_proj,
+   down_proj) W <- Q W; readers (in_proj, q/k/v_proj, gate/up_proj, lm_head) W <- W Q.T.
+3. ``online``: the writers become ``RotatedLinear``s: their input is rotated at run time
+   (x -> Q' x, Q' of the writer's in_features) with W <- W Q'.T, which is what spreads outliers of the
+   out_proj input (the SSM output y) before it is quantized.
+The float function is unchanged (up to rounding). Needs Hadamard orders for d_model and each
+writer's in_features (``rotation_sizes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from ssmq.quant.hadamard import RotatedLinear, rotate_embedding_, rotate_input_, rotate_output_
+
+
+def readers_writers(model: nn.Module) -> list[tuple[str, list[str], list[str]]]:
+    """Per norm: (norm path, reader linear paths, writer linear paths of the block it feeds)."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}"
+        if layer.kind == "attention":
+            out.append((f"{p}.norm", [f"{p}.mixer.{n}_proj" for n in "qkv"], [f"{p}.mixer.o_proj"]))
+        else:
+            out.append((f"{p}.norm", [f"{p}.mixer.in_proj"], [f"{p}.mixer.out_proj"]))
+        if layer.mlp is not None:
+            out.append((f"{p}.mlp_norm", [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [f"{p}.mlp.down_proj"]))
+    return out
+
+
+def rotation_sizes(model: nn.Module, online: bool = True) -> dict[str, int]:
+    """{what: order} of the Hadamard matrices ``rotate_model_`` needs."""
+    sizes = {"d_model": model.config.d_model}
+    if online:
+        for _, _, writers in readers_writers(model):
+            for w in writers:
+                sizes[w] = model.get_submodule(w).in_features
+    return sizes
+
+
+def untie_lm_head_(model: nn.Module) -> None:
+    """Give lm_head its own weight (a copy) and record it in the config (the checkpoint rebuilds it so)."""
+    if model.lm_head.weight is model.embedding.weight:
+        model.lm_head.weight = nn.Parameter(model.embedding.weight.detach().clone(), requires_grad=False)
+    if model.config.tie_embeddings:
+        model.config = dataclasses.replace(model.config, tie_embeddings=False)
+
+
+@torch.no_grad()
+def fold_norm_(norm: nn.Module, readers: list[nn.Linear]) -> None:
+    for lin in readers:
+        lin.weight.mul_(norm.weight.to(lin.weight.dtype).unsqueeze(0))
+    norm.weight.fill_(1.0)
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+@torch.no_grad()
+def rotate_model_(model: nn.Module, online: bool = True) -> None:
+    """Rotate a float SSMLM in place (see the module docstring)."""
+    untie_lm_head_(model)
+    sites = readers_writers(model)
+    get = model.get_submodule
+    for norm, readers, _ in sites:
+        fold_norm_(get(norm), [get(r) for r in readers])
+    fold_norm_(model.norm_f, [model.lm_head])
+    rotate_embedding_(model.embedding)
+    for _, readers, writers in sites:
+        for r in readers:
+            rotate_input_(get(r))
+        for w in writers:
+            rotate_output_(get(w))
+            if online:
+                _set(model, w, RotatedLinear.from_linear(get(w)))
+    rotate_input_(model.lm_head)

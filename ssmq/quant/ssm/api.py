@@ -1,0 +1,116 @@
+"""``quantize_ssm(model, recipe, calib)``: apply a Quamba / Quamba2 recipe to a float SSMLM, in place.
+
+Order: refuse what does not apply (``check_ssm_recipe``), before any work -> transforms in recipe
+order (sort_cluster calibrates its own channel ranges) -> SSM taps calibrated and swapped for
+``ActQuantizer``s -> the linears by the core's ``quantize`` (static scales and GPTQ Hessians are
+observed with the taps already quantized, as the layers will see them) -> head-to-toe embedding ->
+int8 state cache (scales from states of the quantized model). ``mixed`` recipes go to ``mixed.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ssmq.errors import SSMQError
+from ssmq.quant.calibration import CalibrationData
+from ssmq.quant.linear import QuantEmbedding
+from ssmq.quant.recipe import Recipe, check_recipe
+from ssmq.quant.ssm.recipe import SSMRecipe, get_ssm_recipe
+from ssmq.quant.ssm.transforms import hadamard_both_, hadamard_y_, sort_and_cluster_, ssm_layers
+
+
+def linear_recipe(recipe: SSMRecipe) -> Recipe:
+    """The core recipe of an SSM recipe's linear rules (no transforms: those are done here)."""
+    return Recipe(f"{recipe.name}/linears", list(recipe.linears), description=recipe.description)
+
+
+def check_ssm_recipe(recipe: SSMRecipe, model: nn.Module) -> None:
+    """Raise SSMQError when ``recipe`` does not apply to ``model``; does no work on the model."""
+    from ssmq.quant.hadamard import has_hadamard
+    from ssmq.quant.rotation import rotation_sizes
+    from ssmq.quant.ssm.permute import permutable_block
+
+    recipe.validate()
+    cfg = model.config
+    if cfg.arch not in recipe.supported_archs:
+        raise SSMQError(f"recipe {recipe.name!r} supports {', '.join(recipe.supported_archs)}, not {cfg.arch}")
+    if recipe.mixed is not None:
+        ratio = recipe.mixed_param("a8_to_a16")
+        if len(ratio) != 2 or min(ratio) < 0 or sum(ratio) == 0:
+            raise SSMQError(f"recipe {recipe.name!r}: a8_to_a16 must be two non-negative counts, got {ratio}")
+        for key in ("a8", "a16"):
+            check_ssm_recipe(get_ssm_recipe(recipe.mixed_param(key)), model)
+        return
+    for rule in recipe.taps:
+        if cfg.arch not in rule.archs:
+            continue
+        if rule.layout == "cluster" and not recipe.has("sort_cluster"):
+            raise SSMQError(f"recipe {recipe.name!r}: the cluster layout of {rule.taps} needs the sort_cluster transform")
+        if rule.layout == "cluster" and rule.taps != ["act_x"]:
+            raise SSMQError(f"recipe {recipe.name!r}: only act_x has cluster scales, not {rule.taps}")
+        if rule.layout == "state_group" and (set(rule.taps) - {"act_B", "act_C"} or cfg.d_state % rule.state_groups):
+            raise SSMQError(f"recipe {recipe.name!r}: state_group scales are for act_B/act_C with state_groups "
+                            f"dividing d_state {cfg.d_state}")
+    if recipe.has("hadamard_y") and not has_hadamard(cfg.d_inner):
+        raise SSMQError(f"recipe {recipe.name!r}: no Hadamard matrix of order d_inner {cfg.d_inner}")
+    if recipe.has("hadamard"):
+        for what, n in rotation_sizes(model, True).items():
+            if not has_hadamard(n):
+                raise SSMQError(f"recipe {recipe.name!r}: no Hadamard matrix of order {n} ({what})")
+    if recipe.has("sort_cluster"):
+        if min(recipe.param("sort_cluster", "m"), recipe.param("sort_cluster", "n")) < 1:
+            raise SSMQError(f"recipe {recipe.name!r}: sort_cluster needs m, n >= 1")
+        if cfg.arch == "mamba2":
+            permutable_block(cfg)
+    check_recipe(linear_recipe(recipe), model)
+    if recipe.embedding is not None and recipe.embedding.method != "rtn":
+        raise SSMQError(f"recipe {recipe.name!r}: the embedding is quantized by round to nearest only")
+
+
+@torch.no_grad()
+def quantize_ssm(model: nn.Module, recipe, calib: CalibrationData, *, batch_size: int = 8, progress: bool = True,
+                 heldout: CalibrationData | None = None, state_windows: int = 64) -> nn.Module:
+    """Quantize ``model`` in place by an SSM recipe (name, JSON path or SSMRecipe); returns it.
+
+    heldout: windows for the mixed-precision search's fitness (default: drawn with seed + 1).
+    state_windows: calibration windows used for the int8 state scales.
+    """
+    from ssmq.quant.api import quantize as quantize_linears
+
+    recipe = get_ssm_recipe(recipe)
+    check_ssm_recipe(recipe, model)
+    if calib is None:
+        raise SSMQError(f"recipe {recipe.name!r} needs calibration data")
+    if getattr(model, "quantization", None) is not None:
+        raise SSMQError("this model is already quantized; start from the float model")
+    if recipe.mixed is not None:
+        from ssmq.quant.ssm.mixed import quantize_mixed
+
+        return quantize_mixed(model, recipe, calib, heldout=heldout, batch_size=batch_size, progress=progress)
+    kw = {"batch_size": batch_size, "progress": progress}
+
+    clusters: dict[int, torch.Tensor] = {}
+    for t in recipe.transforms:
+        if t["name"] == "sort_cluster":
+            clusters = sort_and_cluster_(model, calib, recipe.param("sort_cluster", "m"),
+                                         recipe.param("sort_cluster", "n"), **kw)
+        elif t["name"] == "hadamard_y":
+            hadamard_y_(model)
+        elif t["name"] == "hadamard":
+            hadamard_both_(model)
+
+    from ssmq.quant.ssm.taps import install_tap_quantizers
+
+    install_tap_quantizers(model, recipe.taps, clusters, calib, **kw)
+    quantize_linears(model, linear_recipe(recipe), calib, batch_size=batch_size, progress=progress)
+    if recipe.embedding is not None:
+        model.embedding = QuantEmbedding.from_float(model.embedding, recipe.embedding)
+    if recipe.state_bits == 8:
+        from ssmq.quant.ssm.state_cache import enable_int8_state
+
+        enable_int8_state(model, clusters, calib.input_ids[:state_windows], batch_size=batch_size, progress=progress)
+    model.quantization = {"recipe": recipe.to_dict(), "calibration": calib.record(),
+                          "ssm": {"clusters": {i: int(c.max()) + 1 for i, c in clusters.items()},
+                                  "ssm_layers": ssm_layers(model)}}
+    return model

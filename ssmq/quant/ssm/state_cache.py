@@ -1,0 +1,126 @@
+"""8-bit SSM state cache (Quamba2): states are quantized before they are written to the cache and
+dequantized when read, with static scales that reuse x's groups (d_state × G scales, G = m·n).
+
+Glossary: s cache slots, d d_inner, h heads, p headdim, n d_state, G scale groups of x.
+
+The mixers keep their float maths; ``Int8StateMixin`` only changes what crosses the cache boundary:
+before prefill (with a cache) or a decode step it dequantizes the rows ``slots`` of the int8 buffer
+into a float work copy, runs the float mixer on it, and writes the rows back re-quantized
+(``ssmq.ops.quant_ssm.quantize_state_ref``), exactly ``quant_state_update_ref`` for decode.
+Allocate the cache with ``model.allocate_cache(..., ssm_dtype=torch.int8)``; a float cache keeps
+working unchanged. Scales are calibrated on the states reached at chunk boundaries of the windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from ssmq.models.config import ModelConfig
+from ssmq.models.mamba1 import Mamba1Mixer
+from ssmq.models.mamba2 import Mamba2Mixer
+from ssmq.ops.quant_ssm import dequantize_state_ref, quantize_state_ref
+
+
+class Int8StateMixin:
+    """Mixed into a mixer class; buffers state_scale (G, n) and, for G > 1, state_index (d,)."""
+
+    def init_state_quant(self, n_groups: int, d: int, n: int, index: torch.Tensor | None = None) -> None:
+        self.state_groups = n_groups
+        self.register_buffer("state_scale", torch.ones(n_groups, n, dtype=torch.float32))
+        if n_groups > 1:
+            self.register_buffer("state_index", torch.zeros(d, dtype=torch.long) if index is None else index.long())
+        else:
+            self.state_index = None
+
+    def _through_float_state(self, run, cache, slots):
+        buf = cache.ssm_states[self.layer_idx]
+        if buf.dtype != torch.int8:
+            return run(cache)
+        work = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
+        work[slots] = dequantize_state_ref(buf[slots], self.state_scale, self.state_index)
+        states = list(cache.ssm_states)
+        states[self.layer_idx] = work
+        out = run(dataclasses.replace(cache, ssm_states=states))  # shares conv states, seqlens, KV
+        buf[slots] = quantize_state_ref(work[slots], self.state_scale, self.state_index)
+        return out
+
+    def forward(self, hidden, cache=None, slots=None):
+        if cache is None:
+            return super().forward(hidden)
+        return self._through_float_state(lambda c: super(Int8StateMixin, self).forward(hidden, c, slots), cache, slots)
+
+    def step(self, hidden, cache, slots):
+        return self._through_float_state(lambda c: super(Int8StateMixin, self).step(hidden, c, slots), cache, slots)
+
+    def spec(self) -> dict:
+        return {"kind": "SSMInt8StateMixer", "config": self.config_dict, "layer_idx": self.layer_idx,
+                "state_groups": self.state_groups}
+
+
+class Int8StateMamba1Mixer(Int8StateMixin, Mamba1Mixer):
+    pass
+
+
+class Int8StateMamba2Mixer(Int8StateMixin, Mamba2Mixer):
+    pass
+
+
+_CLASSES = {"mamba1": Int8StateMamba1Mixer, "mamba2": Int8StateMamba2Mixer}
+
+
+def empty_int8_state_mixer(cfg: ModelConfig, layer_idx: int, n_groups: int) -> nn.Module:
+    kind = cfg.layer_kind(layer_idx)
+    m = _CLASSES[kind](cfg, layer_idx)
+    m.config_dict = cfg.to_dict()
+    m.init_state_quant(n_groups, cfg.d_inner, cfg.d_state)
+    return m
+
+
+def from_spec(spec: dict, dtype=None, device=None) -> nn.Module:
+    """Checkpoint loader entry (``register_module_kind("SSMInt8StateMixer", from_spec)``)."""
+    cfg = ModelConfig.from_dict(spec["config"])
+    return empty_int8_state_mixer(cfg, spec["layer_idx"], spec["state_groups"])
+
+
+def to_int8_state(mixer: nn.Module, cfg: ModelConfig, index: torch.Tensor | None, n_groups: int) -> nn.Module:
+    """A mixer of the Int8State class holding ``mixer``'s submodules and parameters (no copy)."""
+    new = empty_int8_state_mixer(cfg, mixer.layer_idx, n_groups)
+    for name, child in mixer.named_children():
+        setattr(new, name, child)
+    for name, prm in mixer.named_parameters(recurse=False):
+        setattr(new, name, prm)
+    if index is not None:
+        new.state_index.copy_(index)
+    return new.to(next(mixer.parameters()).device)
+
+
+@torch.no_grad()
+def calibrate_state_scales(model: nn.Module, windows: torch.Tensor, chunk: int = 128, batch_size: int = 8,
+                           progress: bool = False) -> dict[int, torch.Tensor]:
+    """{layer: absmax (d, n)} of the float states at every chunk boundary of the windows (b, l)."""
+    from tqdm.auto import tqdm
+
+    dev = next(model.parameters()).device
+    amax: dict[int, torch.Tensor] = {}
+    for i in tqdm(range(0, windows.shape[0], batch_size), desc="state scales", disable=not progress):
+        ids = windows[i:i + batch_size].to(dev)
+        cache = model.allocate_cache(ids.shape[0], ids.shape[1], dtype=torch.float32, ssm_dtype=torch.float32)
+        for t in range(0, ids.shape[1], chunk):
+            model(ids[:, t:t + chunk], cache=cache)
+            for layer, st in enumerate(cache.ssm_states):
+                if st is None:
+                    continue
+                a = st.abs().reshape(st.shape[0], -1, st.shape[-1]).amax(0)  # (d, n)
+                amax[layer] = a if layer not in amax else torch.maximum(amax[layer], a)
+    return amax
+
+
+def group_state_absmax(amax: torch.Tensor, index: torch.Tensor | None, n_groups: int) -> torch.Tensor:
+    """(d, n) per-channel absmax -> (G, n) per x group."""
+    if index is None:
+        return amax.amax(0, keepdim=True)
+    out = torch.zeros(n_groups, amax.shape[1], device=amax.device)
+    return out.scatter_reduce(0, index.to(amax.device)[:, None].expand_as(amax), amax, reduce="amax")
