@@ -158,6 +158,7 @@ def main():
     ap.add_argument("--steps", type=int, default=64, help="decode steps per TPOT timing")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--out", default=os.environ.get("OUT", "out/e2e"))
+    ap.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step per model")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_e2e: needs a CUDA GPU")
@@ -171,6 +172,8 @@ def main():
     runners = {"ssmq": bench_ssmq, "mamba_ssm": bench_mamba_ssm, "hf": bench_hf}
     for name in tqdm(args.models.split(","), desc="models"):
         cfg = PUBLISHED[name]
+        if args.profile:
+            profile_decode(cfg, dtype)
         entry = {}
         for who in ["ssmq", *peers]:
             if who == "hf" and name not in args.hf_models.split(","):
@@ -195,6 +198,30 @@ def main():
     (out / "e2e.md").write_text(table)
     print(table)
     plot(results, batches, out / "e2e.png")
+
+
+def profile_decode(cfg, dtype, bs: int = 1) -> None:
+    """Kernel launches and GPU time of one eager decode step, by kernel name (what a graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = random_model(cfg, dtype=dtype)
+    cache = model.allocate_cache(bs, 8)
+    tokens = torch.zeros(bs, dtype=torch.long, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            model.step(tokens, cache)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.step(tokens, cache)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    n = sum(e.count for e in events)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"decode step, batch {bs}: {n} kernel launches, {total / 1e3:.2f} ms GPU time")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"  {e.count:5d} x {e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:90]}")
+    del model, cache
+    torch.cuda.empty_cache()
 
 
 def markdown_table(results, prompt_lens, batches) -> str:

@@ -1,0 +1,184 @@
+"""Time each Triton kernel against its ``ssmq.ops`` reference and mamba_ssm's Triton kernel, on one GPU.
+
+Shapes: Mamba2-2.7B (d_model 2560, d_inner 5120, 80 heads of 64, d_state 128, ngroups 1,
+chunk 256, conv width 4), decode at batch 1 and 32, prefill of 1024 and 2048 tokens at batch 1;
+the Mamba-1 selective scan at Mamba-1 2.8b's d_inner 5120, d_state 16.
+
+Each row also gives the fewest bytes the op must move (inputs read once, outputs written once)
+over the measured device-to-device copy bandwidth: the time no kernel can beat.
+
+    PYTHONPATH=/path/to/mamba_ssm_src python benchmarks/bench_kernels.py [--json out.json] [--dtype float16]
+
+mamba_ssm is optional (its rows are blank without it); it is a peer to compare with, never imported by ssmq.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from functools import partial as bind
+
+import torch
+import triton.testing as tt
+
+from ssmq import ops
+from ssmq.kernels import conv1d, norm, scan, ssd, state_update
+
+DEV = "cuda"
+D_MODEL, D_INNER, H, P, N, G, T, W = 2560, 5120, 80, 64, 128, 1, 256, 4
+CONV_DIM = D_INNER + 2 * G * N
+
+
+def peer():
+    """mamba_ssm's Triton kernels, or None when the package is not on the path."""
+    try:
+        from mamba_ssm.ops.triton.layer_norm import rms_norm_fn
+        from mamba_ssm.ops.triton.layernorm_gated import rmsnorm_fn
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 - any import failure just drops the peer column
+        print(f"mamba_ssm not available ({type(e).__name__}: {e}); peer column left blank")
+        return None
+    return dict(ssd=mamba_chunk_scan_combined, ssu=selective_state_update, gated=rmsnorm_fn, rms=rms_norm_fn)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.randn(256 * 2**20, device=DEV)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms = tt.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)
+
+
+def nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def timeit(fn, graph: bool, rep_ms: int = 200):
+    """Median ms; decode-size ops replay a CUDA graph so launch overhead does not dominate."""
+    try:
+        for _ in range(3):  # compile, and let mamba_ssm's autotuner settle, outside the timing
+            fn()
+        torch.cuda.synchronize()
+        if graph:
+            return tt.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+        return tt.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - a failing peer/ref must not end the table
+        print(f"  timing failed: {type(e).__name__}: {e}")
+        return math.nan
+
+
+def cases(dtype, pk):
+    """(name, bytes moved, graph?, ours, reference, peer-or-None) for every benchmarked op.
+
+    Callables are bound with ``bind`` (functools.partial), never closures: a lambda made in
+    a loop would see the loop's last tensors when it runs.
+    """
+    r = lambda *s, dt=dtype: torch.randn(*s, device=DEV, dtype=dt)  # noqa: E731
+    out = []
+    for b in (1, 32):  # decode
+        x, wt, bias = r(b, CONV_DIM), r(CONV_DIM, W), r(CONV_DIM)
+        cs = r(b, CONV_DIM, W - 1)
+        out.append((f"conv1d_update b={b}", nbytes(x, wt, bias, cs, cs, x), True,
+                    bind(conv1d.causal_conv1d_update, x, cs, wt, bias, "silu"),
+                    bind(ops.causal_conv1d_update_ref, x, cs, wt, bias, "silu"), None))
+        st = r(b, H, P, N)
+        xs, zs = r(b, H, P), r(b, H, P)
+        dt = r(b, H)[..., None].expand(b, H, P)
+        A = -torch.rand(H, device=DEV)[:, None, None].expand(H, P, N)
+        Bs, Cs = r(b, G, N), r(b, G, N)
+        Dv, dtb = torch.randn(H, device=DEV)[:, None].expand(H, P), torch.randn(H, device=DEV)[:, None].expand(H, P)
+        idx = torch.arange(b, device=DEV, dtype=torch.int32)
+        args = (xs, dt, A, Bs, Cs, Dv, zs, dtb, True)
+        out.append((f"state_update m2 b={b}", 2 * nbytes(st) + nbytes(xs, zs, xs), True,
+                    bind(state_update.selective_state_update, st, *args, state_batch_indices=idx),
+                    bind(ops.selective_state_update_ref, st, *args, state_batch_indices=idx),
+                    bind(pk["ssu"], st, *args, state_batch_indices=idx) if pk else None))
+        st1 = torch.randn(b, D_INNER, 16, device=DEV)
+        x1, dt1, z1 = r(b, D_INNER), r(b, D_INNER), r(b, D_INNER)
+        A1, B1, C1 = -torch.rand(D_INNER, 16, device=DEV), r(b, 16), r(b, 16)
+        a1 = (x1, dt1, A1, B1, C1, torch.randn(D_INNER, device=DEV), z1, torch.randn(D_INNER, device=DEV), True)
+        out.append((f"state_update m1 b={b}", 2 * nbytes(st1) + nbytes(A1, x1, dt1, z1, x1), True,
+                    bind(state_update.selective_state_update, st1, *a1),
+                    bind(ops.selective_state_update_ref, st1, *a1),
+                    bind(pk["ssu"], st1, *a1) if pk else None))
+        out += norm_cases(r, dtype, b, True, pk)
+    for l in (1024, 2048):  # prefill, batch 1
+        x, wt, bias = r(1, l, CONV_DIM).transpose(1, 2), r(CONV_DIM, W), r(CONV_DIM)
+        out.append((f"conv1d l={l}", 2 * nbytes(x) + nbytes(x[..., :3]), False,
+                    bind(conv1d.causal_conv1d, x, wt, bias, None, True, "silu"),
+                    bind(ops.causal_conv1d_ref, x, wt, bias, None, True, "silu"), None))
+        proj = r(1, l, 2 * D_INNER + 2 * G * N + H)  # in_proj output: z, x, B, C, dt as strided views
+        z = proj[..., :D_INNER].unflatten(-1, (H, P))
+        xs = proj[..., D_INNER:2 * D_INNER].unflatten(-1, (H, P))
+        Bs = proj[..., 2 * D_INNER:2 * D_INNER + G * N].unflatten(-1, (G, N))
+        Cs = proj[..., 2 * D_INNER + G * N:2 * D_INNER + 2 * G * N].unflatten(-1, (G, N))
+        dt = proj[..., -H:]
+        A = -torch.rand(H, device=DEV) - 0.5
+        Dv, dtb = torch.randn(H, device=DEV), torch.randn(H, device=DEV) - 3
+        kw = dict(D=Dv, z=z, dt_bias=dtb, dt_softplus=True, return_final_states=True)
+        out.append((f"ssd_chunk_scan l={l}", nbytes(proj) + nbytes(xs) + 1 * H * P * N * 4, False,
+                    bind(ssd.ssd_chunk_scan, xs, dt, A, Bs, Cs, T, **kw),
+                    bind(ops.ssd_chunk_scan_ref, xs, dt, A, Bs, Cs, T, **kw),
+                    bind(pk["ssd"], xs, dt, A, Bs, Cs, T, **kw) if pk else None))
+        u, delta, z1 = r(1, D_INNER, l), r(1, D_INNER, l), r(1, D_INNER, l)
+        A1, B1, C1 = -torch.rand(D_INNER, 16, device=DEV), r(1, 16, l), r(1, 16, l)
+        kw1 = dict(D=torch.randn(D_INNER, device=DEV), z=z1, delta_bias=torch.randn(D_INNER, device=DEV) - 3,
+                   delta_softplus=True, return_last_state=True)
+        out.append((f"selective_scan m1 l={l}", nbytes(u, delta, z1, B1, C1, u) + D_INNER * 16 * 4, False,
+                    bind(scan.selective_scan, u, delta, A1, B1, C1, **kw1),
+                    bind(ops.selective_scan_ref, u, delta, A1, B1, C1, **kw1) if l == 1024 else None, None))
+        out += norm_cases(r, dtype, l, False, pk)
+    return out
+
+
+def norm_cases(r, dtype, rows, graph, pk):
+    x, res, w = r(rows, D_MODEL), torch.randn(rows, D_MODEL, device=DEV), r(D_MODEL)
+    y, zg, wg = r(rows, D_INNER), r(rows, D_INNER), r(D_INNER)
+    tag = f"b={rows}" if graph else f"l={rows}"
+    return [
+        (f"rms_norm+res {tag}", nbytes(x, res, x, res), graph,
+         lambda: norm.rms_norm(x, w, 1e-5, res, True), lambda: ops.rms_norm_ref(x, w, 1e-5, res, True),
+         (lambda: pk["rms"](x, w, None, residual=res, prenorm=True, residual_in_fp32=True, eps=1e-5)) if pk else None),
+        (f"rmsnorm_gated {tag}", nbytes(y, zg, y), graph,
+         lambda: norm.rmsnorm_gated(y, wg, zg, 1e-5, D_INNER // G, False),
+         lambda: ops.rmsnorm_gated_ref(y, wg, zg, 1e-5, D_INNER // G, False),
+         (lambda: pk["gated"](y, wg, None, zg, 1e-5, D_INNER // G, False)) if pk else None),
+    ]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {args.dtype}")
+    rows = []
+    for name, nb, graph, ours, ref, pe in cases(dtype, peer()):
+        # ours and the peer always as CUDA-graph replays: the host launches of a few-kernel op can
+        # otherwise outlast the GPU work and be timed instead of it; the references (long Python loops) plainly
+        t_ours = timeit(ours, True)
+        t_ref = timeit(ref, graph) if ref is not None else math.nan
+        t_peer = timeit(pe, True) if pe is not None else math.nan
+        floor = nb / bw * 1e3
+        rows.append(dict(op=name, ours_ms=t_ours, ref_ms=t_ref, mamba_ssm_ms=t_peer, bytes=nb, floor_ms=floor,
+                         ours_of_floor=t_ours / floor, graph=graph))
+        print(f"  {name:26s} ours {t_ours * 1e3:9.1f} us", flush=True)
+    hdr = f"{'op':26s} {'ours us':>9s} {'ref us':>10s} {'mamba_ssm':>10s} {'vs peer':>8s} {'MB':>8s} {'floor us':>9s} {'x floor':>8s}"
+    print(hdr)
+    for r in rows:
+        vs = r["mamba_ssm_ms"] / r["ours_ms"]
+        print(f"{r['op']:26s} {r['ours_ms'] * 1e3:9.1f} {r['ref_ms'] * 1e3:10.1f} {r['mamba_ssm_ms'] * 1e3:10.1f} "
+              f"{vs:8.2f} {r['bytes'] / 1e6:8.2f} {r['floor_ms'] * 1e3:9.1f} {r['ours_of_floor']:8.2f}")
+    print("(ours and mamba_ssm: CUDA-graph replays; ref: graph for decode rows only; 'vs peer' > 1 means ours is faster; 'x floor' = ours / bytes-bound)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=bw, dtype=args.dtype, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

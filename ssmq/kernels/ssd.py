@@ -1,0 +1,275 @@
+"""Triton SSD chunked scan (Mamba-2 prefill), written from the state-space-duality algorithm.
+
+Per head, with scalar decay a_t = exp(Δ_t A) and chunks of T tokens:
+    y_t = Σ_{s<=t in chunk} (C_t·B_s) exp(cs_t - cs_s) Δ_s x_s   (intra-chunk, a masked matmul)
+        + exp(cs_t) C_t H_in                                    (state entering the chunk)
+where cs is the in-chunk cumulative sum of Δ A. Five launches:
+    1. _chunk_cumsum   Δ (bias, softplus, clamp) and cs, per (b, h, chunk)
+    2. _chunk_cb       C Bᵀ per (b, chunk, group): shared by the h/g heads of a group
+    3. _chunk_state    state each chunk adds, decayed to its end: Xᵀ diag(w) B
+    4. _state_passing  the c-step recurrence over chunks, giving each chunk's entering state
+    5. _chunk_scan     y from 2-4 on tensor cores, D skip and z gate fused
+Same signature and result as ``ssmq.ops.ssd.ssd_chunk_scan_ref``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ssmq.kernels._common import dot_precision, pow2, silu, softplus
+
+
+@triton.jit
+def _chunk_cumsum(
+    dt_ptr, A_ptr, dtb_ptr, dt_out_ptr, cs_ptr,
+    l, h, T, nc, dt_min, dt_max,
+    s_b, s_l, s_h,
+    HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    BT: tl.constexpr, BH: tl.constexpr,
+):
+    pid_b, pid_c, pid_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_t = tl.arange(0, BT)
+    offs_h = pid_h * BH + tl.arange(0, BH)
+    pos = pid_c * T + offs_t
+    mh = offs_h < h
+    valid = (offs_t < T)[:, None] & (pos < l)[:, None] & mh[None, :]
+    dt = tl.load(dt_ptr + pid_b * s_b + pos[:, None] * s_l + offs_h[None, :] * s_h, mask=valid, other=0.0)
+    dt = dt.to(tl.float32)
+    if HAS_DTB:
+        dt += tl.load(dtb_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    if SOFTPLUS:
+        dt = softplus(dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    # padded steps get Δ = 0: decay 1 and no input, so they leave the state alone
+    dt = tl.where(valid, dt, 0.0)
+    cs = tl.cumsum(dt * tl.load(A_ptr + offs_h, mask=mh, other=0.0).to(tl.float32)[None, :], axis=0)
+    # (b, h, c, T) layout: the scan kernels read a chunk's T values contiguously
+    out_off = ((pid_b * h + offs_h[None, :]) * nc + pid_c) * T + offs_t[:, None]
+    keep = (offs_t < T)[:, None] & mh[None, :]
+    tl.store(dt_out_ptr + out_off, dt, mask=keep)
+    tl.store(cs_ptr + out_off, cs, mask=keep)
+
+
+@triton.jit
+def _chunk_cb(
+    C_ptr, B_ptr, cb_ptr,
+    l, n, T, nc, g,
+    s_Cb, s_Cl, s_Cg, s_Cn, s_Bb, s_Bl, s_Bg, s_Bn,
+    DOT_PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_bcg, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # blocks strictly above the diagonal are never read: skip them
+    if pid_n * BN <= pid_m * BM + BM - 1:
+        grp = pid_bcg % g
+        pid_c = (pid_bcg // g) % nc
+        pid_b = pid_bcg // (g * nc)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_s = pid_n * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        pos_m, pos_s = pid_c * T + offs_m, pid_c * T + offs_s
+        mm = (offs_m < T) & (pos_m < l)
+        ms = (offs_s < T) & (pos_s < l)
+        Cp = C_ptr + pid_b * s_Cb + grp * s_Cg + pos_m[:, None] * s_Cl
+        Bp = B_ptr + pid_b * s_Bb + grp * s_Bg + pos_s[None, :] * s_Bl
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, n, BK):
+            kk = k + offs_k
+            c = tl.load(Cp + kk[None, :] * s_Cn, mask=mm[:, None] & (kk < n)[None, :], other=0.0)
+            bt = tl.load(Bp + kk[:, None] * s_Bn, mask=(kk < n)[:, None] & ms[None, :], other=0.0)
+            acc = tl.dot(c, bt, acc, input_precision=DOT_PREC)
+        out = cb_ptr + pid_bcg.to(tl.int64) * T * T + offs_m[:, None] * T + offs_s[None, :]
+        tl.store(out, acc, mask=(offs_m < T)[:, None] & (offs_s < T)[None, :])
+
+
+@triton.jit
+def _chunk_state(
+    x_ptr, B_ptr, dt_ptr, cs_ptr, st_ptr,
+    l, h, p, n, T, nc, heads_per_group,
+    s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
+    DOT_PREC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    pid_bch, pid_p, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hh = pid_bch % h
+    pid_c = (pid_bch // h) % nc
+    pid_b = pid_bch // (h * nc)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    chunk_len = tl.minimum(T, l - pid_c * T)
+    dcs = dt_ptr + ((pid_b * h + hh) * nc + pid_c) * T  # this chunk's Δ and cs rows
+    ccs = cs_ptr + ((pid_b * h + hh) * nc + pid_c) * T
+    cs_last = tl.load(ccs + T - 1)
+    xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[:, None] * s_xp
+    Bp = B_ptr + pid_b * s_Bb + (hh // heads_per_group) * s_Bg + offs_n[None, :] * s_Bn
+    acc = tl.zeros((BP, BN), dtype=tl.float32)
+    for k in range(0, chunk_len, BK):
+        kk = k + offs_k
+        mk = kk < chunk_len
+        pos = pid_c * T + kk
+        xt = tl.load(xp + pos[None, :] * s_xl, mask=(offs_p < p)[:, None] & mk[None, :], other=0.0)
+        wk = tl.load(dcs + kk, mask=mk, other=0.0) * tl.exp(cs_last - tl.load(ccs + kk, mask=mk, other=0.0))
+        xw = (xt.to(tl.float32) * wk[None, :]).to(x_ptr.dtype.element_ty)
+        bk = tl.load(Bp + pos[:, None] * s_Bl, mask=mk[:, None] & (offs_n < n)[None, :], other=0.0)
+        acc = tl.dot(xw, bk.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PREC)
+    out = st_ptr + pid_bch.to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :]
+    tl.store(out, acc, mask=(offs_p < p)[:, None] & (offs_n < n)[None, :])
+
+
+@triton.jit
+def _state_passing(
+    st_ptr, cs_ptr, init_ptr, final_ptr,
+    h, pn, T, nc,
+    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid_bh, pid_e = tl.program_id(0), tl.program_id(1)
+    hh = pid_bh % h
+    pid_b = pid_bh // h
+    offs = pid_e * BLOCK + tl.arange(0, BLOCK)
+    m = offs < pn
+    if HAS_INIT:
+        s = tl.load(init_ptr + pid_bh.to(tl.int64) * pn + offs, mask=m, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(nc):
+        # in place: chunk c's own contribution is replaced by the state entering it
+        ptr = st_ptr + ((pid_b * nc + c) * h + hh).to(tl.int64) * pn + offs
+        added = tl.load(ptr, mask=m, other=0.0)
+        tl.store(ptr, s, mask=m)
+        s = tl.exp(tl.load(cs_ptr + (pid_bh * nc + c) * T + T - 1)) * s + added
+    tl.store(final_ptr + pid_bh.to(tl.int64) * pn + offs, s, mask=m)
+
+
+@triton.jit
+def _chunk_scan(
+    x_ptr, C_ptr, cb_ptr, dt_ptr, cs_ptr, st_ptr, D_ptr, z_ptr, y_ptr,
+    l, h, p, n, T, nc, g, heads_per_group,
+    s_xb, s_xl, s_xh, s_xp, s_Cb, s_Cl, s_Cg, s_Cn, s_Dh, s_Dp,
+    s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
+    BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+):
+    pid_bch, pid_m, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hh = pid_bch % h
+    pid_c = (pid_bch // h) % nc
+    pid_b = pid_bch // (h * nc)
+    grp = hh // heads_per_group
+    chunk_len = tl.minimum(T, l - pid_c * T)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_k = tl.arange(0, BK)
+    offs_n = tl.arange(0, BN)
+    mm, mp = offs_m < chunk_len, offs_p < p
+    pos_m = pid_c * T + offs_m
+    row = ((pid_b * h + hh) * nc + pid_c) * T
+    cs_m = tl.load(cs_ptr + row + offs_m, mask=mm, other=0.0)
+    ty = x_ptr.dtype.element_ty
+
+    # state entering the chunk: exp(cs_t) C_t H_in, with H_in (p, n) read as Hᵀ (n, p)
+    acc = tl.zeros((BM, BP), dtype=tl.float32)
+    Cp = C_ptr + pid_b * s_Cb + grp * s_Cg + pos_m[:, None] * s_Cl
+    Sp = st_ptr + pid_bch.to(tl.int64) * p * n + offs_p[None, :] * n
+    for k in range(0, n, BN):
+        kn = k + offs_n
+        c = tl.load(Cp + kn[None, :] * s_Cn, mask=mm[:, None] & (kn < n)[None, :], other=0.0)
+        s = tl.load(Sp + kn[:, None], mask=(kn < n)[:, None] & mp[None, :], other=0.0)
+        acc = tl.dot(c.to(ty), s.to(ty), acc, input_precision=DOT_PREC)
+    acc *= tl.exp(cs_m)[:, None]
+
+    # intra-chunk: causal (C Bᵀ ∘ decay ∘ Δ) X, only the blocks at or left of the diagonal
+    cbp = cb_ptr + ((pid_b * nc + pid_c) * g + grp).to(tl.int64) * T * T + offs_m[:, None] * T
+    xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[None, :] * s_xp
+    hi = tl.minimum((pid_m + 1) * BM, chunk_len)
+    for k in range(0, hi, BK):
+        kk = k + offs_k
+        mk = kk < chunk_len
+        cb = tl.load(cbp + kk[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
+        cs_k = tl.load(cs_ptr + row + kk, mask=mk, other=0.0)
+        dt_k = tl.load(dt_ptr + row + kk, mask=mk, other=0.0)
+        # mask before exp: above the diagonal exp(cs_t - cs_s) can overflow, and inf * 0 is NaN
+        causal = offs_m[:, None] >= kk[None, :]
+        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+        sc = cb * decay * dt_k[None, :]
+        xk = tl.load(xp + (pid_c * T + kk)[:, None] * s_xl, mask=mk[:, None] & mp[None, :], other=0.0)
+        acc = tl.dot(sc.to(ty), xk, acc, input_precision=DOT_PREC)
+
+    m2 = mm[:, None] & mp[None, :]
+    if HAS_D:
+        xm = tl.load(xp + pos_m[:, None] * s_xl, mask=m2, other=0.0).to(tl.float32)
+        acc += xm * tl.load(D_ptr + hh * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)[None, :]
+    if HAS_Z:
+        zz = tl.load(z_ptr + pid_b * s_zb + pos_m[:, None] * s_zl + hh * s_zh + offs_p[None, :] * s_zp,
+                     mask=m2, other=0.0).to(tl.float32)
+        acc *= silu(zz)
+    tl.store(y_ptr + pid_b * s_yb + pos_m[:, None] * s_yl + hh * s_yh + offs_p[None, :] * s_yp,
+             acc.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
+                   dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False):
+    """Chunked SSD scan, as ``ssd_chunk_scan_ref``.
+
+    x, z: (b, l, h, p); dt: (b, l, h); A: (h,); B, C: (b, l, g, n);
+    D: (h,) or (h, p); dt_bias: (h,); initial_states: (b, h, p, n).
+    Returns y (b, l, h, p) in x's dtype and, if asked, final states (b, h, p, n) float32.
+    """
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    if h % g:
+        raise ValueError(f"nheads {h} is not a multiple of ngroups {g}")
+    T = chunk_size
+    nc = triton.cdiv(l, T)
+    dev, f32 = x.device, torch.float32
+    prec = dot_precision(x.dtype)
+    y = torch.empty((b, l, h, p), device=dev, dtype=x.dtype)
+    final = torch.empty((b, h, p, n), device=dev, dtype=f32)
+    if l == 0:
+        final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
+        return (y, final) if return_final_states else y
+
+    dt_out = torch.empty((b, h, nc, T), device=dev, dtype=f32)
+    cs = torch.empty_like(dt_out)
+    BT, BH = pow2(T, 16), 8 if T <= 256 else 2
+    has_limit = tuple(dt_limit) != (0.0, math.inf)
+    _chunk_cumsum[(b, nc, triton.cdiv(h, BH))](
+        dt, A, dt_bias if dt_bias is not None else A, dt_out, cs,
+        l, h, T, nc, float(dt_limit[0]), float(dt_limit[1]), *dt.stride(),
+        HAS_DTB=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit, BT=BT, BH=BH, num_warps=4,
+    )
+
+    cb = torch.empty((b, nc, g, T, T), device=dev, dtype=f32)
+    BMc = min(64, pow2(T, 16))
+    _chunk_cb[(b * nc * g, triton.cdiv(T, BMc), triton.cdiv(T, BMc))](
+        C, B, cb, l, n, T, nc, g, *C.stride(), *B.stride(),
+        DOT_PREC=prec, BM=BMc, BN=BMc, BK=min(64, pow2(n, 16)), num_warps=4, num_stages=2,
+    )
+
+    states = torch.empty((b, nc, h, p, n), device=dev, dtype=f32)
+    BP, BN = min(64, pow2(p, 16)), min(64, pow2(n, 16))
+    _chunk_state[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
+        x, B, dt_out, cs, states, l, h, p, n, T, nc, h // g, *x.stride(), *B.stride(),
+        DOT_PREC=prec, BP=BP, BN=BN, BK=min(64, pow2(T, 16)), num_warps=4, num_stages=2,
+    )
+
+    init = initial_states.contiguous() if initial_states is not None else final
+    PBLOCK = min(1024, pow2(p * n, 16))
+    _state_passing[(b * h, triton.cdiv(p * n, PBLOCK))](
+        states, cs, init, final, h, p * n, T, nc, HAS_INIT=initial_states is not None, BLOCK=PBLOCK, num_warps=4,
+    )
+
+    Dhp = None if D is None else (D[:, None].expand(h, p) if D.dim() == 1 else D)
+    BM = min(64, pow2(T, 16))
+    BPs = min(64, pow2(p, 16))
+    _chunk_scan[(b * nc * h, triton.cdiv(T, BM), triton.cdiv(p, BPs))](
+        x, C, cb, dt_out, cs, states, Dhp if Dhp is not None else x, z if z is not None else x, y,
+        l, h, p, n, T, nc, g, h // g,
+        *x.stride(), *C.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),
+        *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
+        HAS_D=D is not None, HAS_Z=z is not None, DOT_PREC=prec,
+        BM=BM, BP=BPs, BK=min(64, pow2(T, 16)), BN=min(128, pow2(n, 16)), num_warps=4, num_stages=2,
+    )
+    return (y, final) if return_final_states else y
