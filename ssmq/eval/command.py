@@ -1,0 +1,91 @@
+"""``ssmq eval``: perplexity and the zero-shot suite for one model, or a side-by-side comparison of several.
+
+    ssmq eval --model ../shared/models/mamba2 --tasks wikitext2,lambada --limit 100 --out results.json
+    ssmq eval --compare fp16=../shared/models/mamba2 w4a8=out/mamba2-w4a8 --tasks all --out cmp.json
+
+Wire-up: ``ssmq.eval.command.register(subparsers)`` adds the subcommand with ``func=run`` (``run(args) -> int``).
+Standalone: ``python -m ssmq.eval.command ...`` (same arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ssmq.errors import SSMQError
+
+HELP_TASKS = ("comma-separated: wikitext2, lambada_openai (lambada), hellaswag, piqa, arc_easy, arc_challenge, "
+              "winogrande, mmlu, ppl:PATH (perplexity of a text file), or all (default)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model folder; hf:PATH for the transformers reference; LABEL=PATH to name it")
+    p.add_argument("--quantized", help="quantized checkpoint folder of --model")
+    p.add_argument("--compare", nargs="+", metavar="MODEL",
+                   help="evaluate several models on the same data; deltas against the first")
+    p.add_argument("--tasks", default="all", help=HELP_TASKS)
+    p.add_argument("--limit", type=int, help="first N documents per task (MMLU: per subject; wikitext2: windows)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per forward (default 16)")
+    p.add_argument("--max-batch-tokens", type=int, default=32768,
+                   help="cap on padded tokens per forward, bounding the (rows, length, vocab) logits (default 32768)")
+    p.add_argument("--ppl-batch-size", type=int, help="windows per forward for perplexity (default: --batch-size)")
+    p.add_argument("--seqlen", type=int, default=2048, help="perplexity window length in tokens (default 2048)")
+    p.add_argument("--max-length", type=int, default=2048,
+                   help="zero-shot requests are left-truncated to this many tokens (lm-eval's default 2048)")
+    p.add_argument("--dtype", default="auto", help="float16 | bfloat16 | float32 (auto: float16 on CUDA, else float32)")
+    p.add_argument("--device", default="auto", help="cuda | cuda:N | cpu (auto: cuda if available)")
+    p.add_argument("--out", help="results JSON path (a Markdown table and a PNG chart are written beside it)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("eval", help="perplexity, zero-shot accuracy (lm-eval definitions), comparisons",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ssmq.eval import report, suite
+
+    if bool(args.model) == bool(args.compare):
+        raise SSMQError("give either --model M or --compare A B ...")
+    if args.compare and args.quantized:
+        raise SSMQError("--quantized goes with --model; in --compare give each quantized checkpoint folder itself")
+    suite.check_limit(args.limit)
+    for name, v in (("--batch-size", args.batch_size), ("--seqlen", args.seqlen), ("--max-length", args.max_length),
+                    ("--max-batch-tokens", args.max_batch_tokens), ("--ppl-batch-size", args.ppl_batch_size)):
+        if v is not None and v < 1:
+            raise SSMQError(f"{name} must be positive, got {v}")
+    task_names = suite.parse_tasks(args.tasks)
+    if any(not n.startswith("ppl:") for n in task_names):
+        suite.data_dir()  # fail before loading any model when the data folder is missing
+    kwargs = dict(limit=args.limit, batch_size=args.batch_size, seqlen=args.seqlen, max_length=args.max_length,
+                  ppl_batch_size=args.ppl_batch_size, max_batch_tokens=args.max_batch_tokens,
+                  progress=not args.no_progress, dtype=args.dtype,
+                  device=args.device)
+    if args.compare:
+        runs = report.compare(args.compare, task_names, **kwargs)
+    else:
+        runs = [report.evaluate_spec(args.model, task_names, quantized=args.quantized, **kwargs)]
+    print(report.markdown(runs))
+    if args.out:
+        paths = report.write(runs, args.out)
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ssmq.eval.command", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except SSMQError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,114 @@
+"""Load a model to evaluate from a spec string, and say how long a sequence it supports.
+
+Specs:
+- ``PATH`` — ``ssmq.load_model(PATH)`` (a mamba_ssm / HF checkpoint folder, or a quantized checkpoint folder).
+- ``PATH`` with ``quantized=DIR`` — the quantized checkpoint ``DIR`` of the model ``PATH`` (tokenizer from ``PATH``).
+- ``hf:PATH`` — the Hugging Face ``transformers`` implementation of ``PATH`` (the independent reference), wrapped so
+  that ``forward(input_ids) -> logits`` like ours.
+- ``LABEL=SPEC`` — any of the above, shown as ``LABEL`` in reports.
+
+The scorers only need ``forward(input_ids (b, l) long) -> logits (b, l, V)`` and ``.parameters()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ssmq.errors import SSMQError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+class HFCausalLM(torch.nn.Module):
+    """Adapter: a ``transformers`` causal LM whose ``forward(input_ids)`` returns the logits tensor."""
+
+    def __init__(self, hf_model: torch.nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # (b, l) -> (b, l, V)
+        return self.hf(input_ids=input_ids, use_cache=False).logits
+
+
+@dataclass
+class ModelSpec:
+    label: str
+    path: str
+    backend: str = "ssmq"  # "ssmq" | "hf"
+    quantized: str | None = None
+
+
+def parse_spec(spec: str, quantized: str | None = None) -> ModelSpec:
+    label = None
+    head, sep, tail = spec.partition("=")
+    if sep and head and "/" not in head and ":" not in head:
+        label, spec = head, tail
+    backend = "ssmq"
+    if spec.startswith("hf:"):
+        backend, spec = "hf", spec[3:]
+    if not spec:
+        raise SSMQError("empty model path")
+    if label is None:
+        label = ("hf:" if backend == "hf" else "") + Path(spec).name + (f"+{Path(quantized).name}" if quantized else "")
+    return ModelSpec(label, spec, backend, quantized)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """Default: float16 on CUDA, float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return torch.float16 if str(device).startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise SSMQError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SSMQError(f"device {device!r} requested but CUDA is not available")
+    return device
+
+
+def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str):
+    """(model in eval mode, tokenizer) for a spec."""
+    from ssmq.tokenizer import load_tokenizer
+
+    if not Path(spec.path).exists():
+        raise SSMQError(f"model {spec.path} not found")
+    if spec.backend == "hf":
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            raise SSMQError("hf: models need the transformers package (pip install transformers)") from None
+        model = HFCausalLM(AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)).to(device)
+    else:
+        import ssmq
+
+        load_model = getattr(ssmq, "load_model", None)
+        if load_model is None:
+            raise SSMQError("ssmq.load_model is not available in this build; evaluate hf:PATH instead")
+        if spec.quantized is not None and not Path(spec.quantized).exists():
+            raise SSMQError(f"quantized checkpoint {spec.quantized} not found")
+        model = load_model(spec.quantized or spec.path, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(spec.path if Path(spec.path).is_dir() else None)
+    return model.eval(), tokenizer
+
+
+def max_model_length(model) -> int | None:
+    """Longest sequence the model supports, or None when unbounded (pure SSMs). Read from ``model.config``."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "arch", None) in ("mamba1", "mamba2"):  # recurrent: no positional limit
+        return None
+    for name in ("max_seqlen", "max_position_embeddings", "n_positions"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
