@@ -3,7 +3,8 @@ and the bandwidth limit of decode, at published configs with random weights.
 
     python benchmarks/bench_e2e.py --models mamba2-2.7b --out out/e2e [--peers mamba_ssm,hf]
 
-TTFT: prefill of a prompt (batch 1) to the first token's logits. TPOT: one decode step with
+TTFT: prefill of a prompt (batch 1) to the first token's logits, replayed from CUDA graphs of the
+prompt's binary pieces (``ttft_*_eager_ms``: the same without graphs). TPOT: one decode step with
 CUDA graphs. Limit: (weight bytes + state bytes read and written) / measured copy bandwidth.
 Writes e2e.json, e2e.md and e2e.png to --out.
 """
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published_configs import PUBLISHED, hf_config, mamba_ssm_config_dict  # noqa: E402
 from random_model import random_model  # noqa: E402
 
-from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
+from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill  # noqa: E402
 
 
 def time_ms(fn, warmup=2, reps=10, setup=None) -> float:
@@ -71,12 +72,15 @@ def bench_ssmq(cfg, prompt_lens, batches, dtype, steps) -> dict:
     model = random_model(cfg, dtype=dtype)
     for L in prompt_lens:
         ids = torch.randint(0, 50000, (1, L), device="cuda")
-        cache = model.allocate_cache(1, L + 1)
+        cache = model.allocate_cache(2, L + 1)  # slot 1 is the graphs' scratch slot
         torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():
-            out[f"ttft_{L}_ms"] = time_ms(lambda: model(ids, cache)[:, -1].argmax(-1), setup=cache.reset)
+            out[f"ttft_{L}_eager_ms"] = time_ms(lambda: model(ids, cache, [0], num_last_tokens=1).argmax(-1),
+                                                setup=cache.reset)
+            prefill = CudaGraphPrefill(model, cache, max_len=L)
+            out[f"ttft_{L}_ms"] = time_ms(lambda: prefill(ids, 0).argmax(-1), setup=lambda: cache.reset([0]))
         out[f"ttft_{L}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        del cache
+        del cache, prefill
     for bs in batches:
         torch.cuda.reset_peak_memory_stats()
         dec = CudaGraphDecoder(model, max_batch=bs, max_seqlen=steps + 64, buckets=(bs,))

@@ -148,13 +148,119 @@ def norm_cases(r, dtype, rows, graph, pk):
     ]
 
 
+def _load_file_module(path, name):
+    """A kernel module kept outside the package (e.g. an earlier version, for before/after timings)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def sweep(dtype, pk, old_dir=None, quick=False):
+    """Time ssd_chunk_scan and selective_scan over their launch configurations (ssd.CFG, scan.CFG),
+    and the earlier versions in ``old_dir`` (ssd_orig.py, scan_orig.py) when given. Returns rows."""
+    import copy
+    import os
+
+    rows = []
+    old_ssd = old_scan = None
+    if old_dir:
+        old_ssd = _load_file_module(os.path.join(old_dir, "ssd_orig.py"), "ssd_orig")
+        old_scan = _load_file_module(os.path.join(old_dir, "scan_orig.py"), "scan_orig")
+    base_ssd, base_scan = copy.deepcopy(ssd.CFG), copy.deepcopy(scan.CFG)
+    ssd_variants = [("default", {})]
+    for BM, BK, w, s in [(64, 64, 4, 1), (64, 32, 4, 2), (64, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2),
+                         (128, 32, 8, 2), (64, 32, 4, 3)]:
+        ssd_variants.append((f"scan BM{BM} BK{BK} w{w} s{s}", {"scan": dict(BM=BM, BK=BK, num_warps=w, num_stages=s)}))
+    for BP, BN, BK, w, s in [(32, 64, 64, 4, 2), (64, 128, 64, 8, 3), (32, 128, 64, 4, 2), (64, 64, 64, 4, 3),
+                             (64, 64, 32, 4, 2)]:
+        ssd_variants.append((f"fused BP{BP} BN{BN} BK{BK} w{w} s{s}",
+                             {"fused": dict(BP=BP, BN=BN, BK=BK, num_warps=w, num_stages=s)}))
+    ssd_variants.append(("split states", {"STATES": "split"}))
+    scan_variants = [(f"BD{bd} w{w} segs{s}", dict(base_scan, BD=bd, num_warps=w, SEGS=s))
+                     for bd, w, s in [(16, 1, 24), (16, 1, 0), (16, 1, 12), (16, 1, 48), (8, 1, 16), (8, 1, 32),
+                                      (32, 2, 24)]]
+    if quick:
+        ssd_variants = ssd_variants[:1]
+        scan_variants = scan_variants[:1] if quick == "final" else scan_variants
+    r = lambda *s: torch.randn(*s, device=DEV, dtype=dtype)  # noqa: E731
+    for l in (1024, 2048):
+        proj = r(1, l, 2 * D_INNER + 2 * G * N + H)
+        z = proj[..., :D_INNER].unflatten(-1, (H, P))
+        xs = proj[..., D_INNER:2 * D_INNER].unflatten(-1, (H, P))
+        Bs = proj[..., 2 * D_INNER:2 * D_INNER + G * N].unflatten(-1, (G, N))
+        Cs = proj[..., 2 * D_INNER + G * N:2 * D_INNER + 2 * G * N].unflatten(-1, (G, N))
+        dt = proj[..., -H:]
+        A = -torch.rand(H, device=DEV) - 0.5
+        kw = dict(D=torch.randn(H, device=DEV), z=z, dt_bias=torch.randn(H, device=DEV) - 3, dt_softplus=True,
+                  return_final_states=True)
+        args = (xs, dt, A, Bs, Cs, T)
+        ref = ssd.ssd_chunk_scan(*args, **kw)
+        if pk:
+            rows.append(dict(op=f"ssd l={l}", variant="mamba_ssm", us=timeit(bind(pk["ssd"], *args, **kw), True) * 1e3))
+        if old_ssd:
+            rows.append(dict(op=f"ssd l={l}", variant="old", us=timeit(bind(old_ssd.ssd_chunk_scan, *args, **kw), True) * 1e3))
+        for name, upd in ssd_variants:
+            ssd.CFG.clear()
+            ssd.CFG.update(copy.deepcopy(base_ssd))
+            ssd.CFG.update(upd)
+            try:
+                out = ssd.ssd_chunk_scan(*args, **kw)
+                err = max(((o.float() - q.float()).norm() / q.float().norm()).item() for o, q in zip(out, ref))
+                t = timeit(bind(ssd.ssd_chunk_scan, *args, **kw), True) * 1e3
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile just drops out
+                print(f"  {name}: {type(e).__name__}: {e}")
+                err, t = math.nan, math.nan
+            rows.append(dict(op=f"ssd l={l}", variant=name, us=t, err_vs_default=err))
+            print(f"  ssd l={l} {name:34s} {t:8.1f} us  err {err:.2g}", flush=True)
+        ssd.CFG.clear()
+        ssd.CFG.update(base_ssd)
+
+        u, delta, z1 = r(1, D_INNER, l), r(1, D_INNER, l), r(1, D_INNER, l)
+        A1, B1, C1 = -torch.rand(D_INNER, 16, device=DEV), r(1, 16, l), r(1, 16, l)
+        kw1 = dict(D=torch.randn(D_INNER, device=DEV), z=z1, delta_bias=torch.randn(D_INNER, device=DEV) - 3,
+                   delta_softplus=True, return_last_state=True)
+        a1 = (u, delta, A1, B1, C1)
+        if old_scan:
+            rows.append(dict(op=f"selective_scan l={l}", variant="old",
+                             us=timeit(bind(old_scan.selective_scan, *a1, **kw1), True) * 1e3))
+        for name, cfg in scan_variants:
+            scan.CFG.clear()
+            scan.CFG.update(cfg)
+            try:
+                t = timeit(bind(scan.selective_scan, *a1, **kw1), True) * 1e3
+            except Exception as e:  # noqa: BLE001
+                print(f"  scan {name}: {type(e).__name__}: {e}")
+                t = math.nan
+            rows.append(dict(op=f"selective_scan l={l}", variant=name, us=t))
+            print(f"  selective_scan l={l} {name:20s} {t:8.1f} us", flush=True)
+        scan.CFG.clear()
+        scan.CFG.update(base_scan)
+    print("sweep summary (us):")
+    for row in rows:
+        print(f"  {row['op']:22s} {row['variant']:34s} {row['us']:9.1f}")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time ssd/selective_scan launch configurations instead")
+    ap.add_argument("--quick", default=None, choices=["scan", "final"],
+                    help="--sweep with the ssd default only; 'final': the scan default only too")
+    ap.add_argument("--old", default=None, help="folder with ssd_orig.py / scan_orig.py to time as 'old' in --sweep")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
+    if args.sweep:
+        rows = sweep(dtype, peer(), args.old, args.quick)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), dtype=args.dtype, rows=rows), f, indent=1)
+        return
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {args.dtype}")
     rows = []

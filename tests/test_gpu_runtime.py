@@ -7,7 +7,7 @@ import torch
 from hf_tiny import save_tiny
 
 import ssmq
-from ssmq.runtime.cuda_graph import CudaGraphDecoder
+from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
 from ssmq.runtime.generate import generate
 from ssmq.runtime.sampling import SamplingParams
 
@@ -38,6 +38,20 @@ def test_cuda_graph_decode_equals_eager(tiny_folder):
     dec = CudaGraphDecoder(model, max_batch=4, max_seqlen=64)
     graphed = generate(model, prompts, params, cache=dec.cache, decode_fn=dec)
     assert graphed == eager
+
+
+def test_cuda_graph_prefill_equals_eager_and_decodes_on(tiny_folder):
+    model = ssmq.load_model(tiny_folder, device="cuda")
+    ids = torch.randint(0, 96, (1, 29), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    with torch.inference_mode():
+        full = model(ids)
+        dec = CudaGraphDecoder(model, max_batch=2, max_seqlen=64)
+        pre = CudaGraphPrefill(model, dec.cache, max_len=32, pool=dec.pool)
+        last = pre(ids[:, :25], slot=1)  # 25 = 16 + 8 + 1: three graphs, each continuing the state
+        torch.testing.assert_close(last, full[:, 24], atol=1e-4, rtol=1e-4)
+        steps = [dec(ids[:, t], torch.tensor([1], device="cuda")) for t in range(25, 29)]
+    torch.testing.assert_close(torch.cat(steps), full[0, 25:], atol=1e-4, rtol=1e-4)
+    assert int(dec.cache.seqlens[1]) == 29
 
 
 def test_bf16_generation_runs_on_reference_model():

@@ -176,6 +176,20 @@ def test_ssd_chunk_scan(K, dtype, b, l, h, p, g, n, T, variant):
     check(K["ssd"].ssd_chunk_scan(x, dt, A, B, C, T, **kw), ref, TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ssd_chunk_scan_split_states(K, dtype, monkeypatch):
+    """The alternative chunk-state path (parallel float32 chunk states, then the recurrence over chunks)."""
+    monkeypatch.setitem(K["ssd"].CFG, "STATES", "split")
+    torch.manual_seed(9)
+    b, l, h, p, g, n, T = (2, 333, 6, 32, 3, 64, 64) if not INTERPRET else (2, 37, 4, 16, 2, 16, 16)
+    x, z = rnd(b, l, h, p, dtype=dtype), rnd(b, l, h, p, dtype=dtype)
+    dt, A = rnd(b, l, h, dtype=dtype), -torch.rand(h, device=DEV) - 0.5
+    B, C = rnd(b, l, g, n, dtype=dtype), rnd(b, l, g, n, dtype=dtype)
+    kw = dict(D=rnd(h), z=z, dt_bias=rnd(h) - 2, dt_softplus=True, initial_states=rnd(b, h, p, n),
+              return_final_states=True)
+    check(K["ssd"].ssd_chunk_scan(x, dt, A, B, C, T, **kw), ops.ssd_chunk_scan_ref(x, dt, A, B, C, T, **kw), TOL[dtype])
+
+
 def test_ssd_chunk_scan_equals_sequential(K):
     """The kernel against the token-by-token recurrence too, not only the chunked reference."""
     torch.manual_seed(5)
@@ -208,6 +222,22 @@ def test_selective_scan(K, dtype, b, d, l, n, g, full):
         delta, kw = (torch.rand(b, d, l, device=DEV) * 0.2).to(dtype), {}
     ref = ops.selective_scan_ref(u, delta, A, B, C, **kw)
     check(K["scan"].selective_scan(u, delta, A, B, C, **kw), ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,d,l,n,g,nseg", cases([(2, 333, 203, 16, 1, 5), (1, 64, 130, 16, 4, 3), (1, 40, 9, 5, 2, 2)],
+                                                 [(2, 24, 19, 16, 1, 3), (1, 20, 26, 6, 2, 4)]))
+def test_selective_scan_segments(K, dtype, b, d, l, n, g, nseg, monkeypatch):
+    """Time split into segments (end states first, then y from each segment's entering state)."""
+    monkeypatch.setitem(K["scan"].CFG, "NSEG", nseg)
+    torch.manual_seed(10)
+    u, z, delta = rnd(b, d, l, dtype=dtype), rnd(b, d, l, dtype=dtype), rnd(b, d, l, dtype=dtype)
+    A = -torch.rand(d, n, device=DEV) - 0.2
+    B = rnd(b, g, n, l, dtype=dtype) if g > 1 else rnd(b, n, l, dtype=dtype)
+    C = torch.randn_like(B)
+    kw = dict(D=rnd(d), z=z, delta_bias=rnd(d) - 2, delta_softplus=True, initial_state=rnd(b, d, n),
+              return_last_state=True)
+    check(K["scan"].selective_scan(u, delta, A, B, C, **kw), ops.selective_scan_ref(u, delta, A, B, C, **kw), TOL[dtype])
 
 
 # --- norms ----------------------------------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
-"""Triton selective scan (Mamba-1 prefill): the recurrence run in time order, parallel over (b, d) blocks.
+"""Triton selective scan (Mamba-1 prefill), parallel over (b, d) blocks, 4 time steps per iteration.
 
-Same signature as ``ssmq.ops.selective_scan.selective_scan_ref``. A program owns
-BD channels of one row and keeps their (BD, n) state in registers for the whole
-sequence. Mamba-1's decay exp(Δ A) differs per (channel, state), so there is no
-matmul form as in SSD; each step costs BD*n exps and FMAs. Each step's inputs
-are loaded one step ahead so their latency overlaps the previous step's math;
-reading one column of (b, d, l) at a time still coalesces in L1, since the 64
-steps of a 128-byte line are consumed by consecutive iterations.
+Same signature as ``ssmq.ops.selective_scan.selective_scan_ref``. Mamba-1's decay exp(Δ A) differs per
+(channel, state), so there is no matmul form as in SSD: each (t, d, n) costs one exp2 and a few FMAs, and
+the floor at b=1, d=5120, n=16 is the exp unit's rate, not memory. The earlier kernel ran one step per
+iteration with n spread over 16 lanes and 2-warp programs: ~2 warps per SM, every step waiting on its
+loads and a 4-level shuffle reduction. This one:
+  * keeps the state as an (n, BD) tile, so each thread owns several n of one channel: the y reduction is
+    mostly in-thread (n over 4 lanes, 2 shuffle levels) and b*d*n/4 threads give ~5 warps per SM;
+  * advances 4 steps per iteration: the 4 steps' exps, Δ·u·B products and C loads are independent, only
+    the h FMA chain is serial, so they overlap; u, Δ, z are read and y written as 4-step vectors;
+  * loads the next iteration's inputs before this one's math (a one-iteration software pipeline).
+Steps past the end get Δ = 0 (decay 1, no input), so the carried state is the true last state.
 """
 
 from __future__ import annotations
@@ -19,80 +23,170 @@ from ssmq.kernels._common import pow2, silu, softplus
 
 
 @triton.jit
-def _load_step(u_ptr, dl_ptr, B_ptr, C_ptr, t, l, md, mn, s_ul, s_dl, s_Bl, s_Cl, GROUPED: tl.constexpr):
-    """Column t of u, Δ (BD,) and of B, C ((BD, BN) grouped, else (BN,)); zeros past the end."""
-    ok = t < l
-    u = tl.load(u_ptr + t * s_ul, mask=md & ok, other=0.0).to(tl.float32)
-    dl = tl.load(dl_ptr + t * s_dl, mask=md & ok, other=0.0).to(tl.float32)
-    if GROUPED:
-        mbc = md[:, None] & mn[None, :] & ok
+def _split4(v):
+    """(BD, 4) -> four (BD,) columns."""
+    a, b = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))  # a: steps 0, 2; b: steps 1, 3
+    v0, v2 = tl.split(a)
+    v1, v3 = tl.split(b)
+    return v0, v1, v2, v3
+
+
+@triton.jit
+def _join4(v0, v1, v2, v3):
+    """Four (BD,) columns -> (BD, 4)."""
+    v = tl.join(tl.join(v0, v1), tl.join(v2, v3))  # [d, j, k]: k picks (v0,v1)|(v2,v3), j within
+    return tl.reshape(tl.permute(v, (0, 2, 1)), (v0.shape[0], 4))
+
+
+@triton.jit
+def _load4(u_p, dl_p, z_p, B_p, C_p, t0, l, md, mn, s_ul, s_dl, s_zl, s_Bl, s_Cl,
+           HAS_Z: tl.constexpr, GROUPED: tl.constexpr, NEED_C: tl.constexpr):
+    """Steps t0..t0+3: u, Δ, z as (BD, 4) tiles; B, C as four (BN, BD) | (BN,) columns."""
+    offs_t = t0 + tl.arange(0, 4)
+    m = md[:, None] & (offs_t < l)[None, :]
+    u = tl.load(u_p[:, None] + offs_t[None, :] * s_ul, mask=m, other=0.0)
+    dl = tl.load(dl_p[:, None] + offs_t[None, :] * s_dl, mask=m, other=0.0)
+    if HAS_Z:
+        z = tl.load(z_p[:, None] + offs_t[None, :] * s_zl, mask=m, other=0.0)
     else:
-        mbc = mn & ok
-    Bt = tl.load(B_ptr + t * s_Bl, mask=mbc, other=0.0).to(tl.float32)
-    Ct = tl.load(C_ptr + t * s_Cl, mask=mbc, other=0.0).to(tl.float32)
-    return u, dl, Bt, Ct
+        z = u
+    if GROUPED:
+        mb = md[None, :] & mn[:, None]
+    else:
+        mb = mn
+    B0 = tl.load(B_p + t0 * s_Bl, mask=mb & (t0 < l), other=0.0)
+    B1 = tl.load(B_p + (t0 + 1) * s_Bl, mask=mb & (t0 + 1 < l), other=0.0)
+    B2 = tl.load(B_p + (t0 + 2) * s_Bl, mask=mb & (t0 + 2 < l), other=0.0)
+    B3 = tl.load(B_p + (t0 + 3) * s_Bl, mask=mb & (t0 + 3 < l), other=0.0)
+    if NEED_C:
+        C0 = tl.load(C_p + t0 * s_Cl, mask=mb & (t0 < l), other=0.0)
+        C1 = tl.load(C_p + (t0 + 1) * s_Cl, mask=mb & (t0 + 1 < l), other=0.0)
+        C2 = tl.load(C_p + (t0 + 2) * s_Cl, mask=mb & (t0 + 2 < l), other=0.0)
+        C3 = tl.load(C_p + (t0 + 3) * s_Cl, mask=mb & (t0 + 3 < l), other=0.0)
+    else:
+        C0, C1, C2, C3 = B0, B1, B2, B3
+    return u, dl, z, B0, B1, B2, B3, C0, C1, C2, C3
+
+
+@triton.jit
+def _bcast(v, GROUPED: tl.constexpr):
+    """B/C column as (BN, BD) | (BN, 1) float32."""
+    if GROUPED:
+        return v.to(tl.float32)
+    else:
+        return v.to(tl.float32)[:, None]
 
 
 @triton.jit
 def _selective_scan(
-    u_ptr, dl_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dbias_ptr, init_ptr, y_ptr, last_ptr,
-    d, n, l, ch_per_group,
+    u_ptr, dl_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dbias_ptr, init_ptr, y_ptr, last_ptr, hseg_ptr, dsum_ptr,
+    d, n, l, ch_per_group, seg_len, nseg,
     s_ub, s_ud, s_ul, s_db, s_dd, s_dl, s_Ad, s_An, s_Bb, s_Bg, s_Bn, s_Bl, s_Cb, s_Cg, s_Cn, s_Cl,
     s_zb, s_zd, s_zl, s_ib, s_id, s_in, s_yb, s_yd, s_yl,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DB: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_INIT: tl.constexpr, GROUPED: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    HAS_INIT: tl.constexpr, GROUPED: tl.constexpr, SEG_STATE: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
 ):
-    pid_b, pid_d = tl.program_id(0), tl.program_id(1)
+    """One time segment [s*seg_len, (s+1)*seg_len) of BD channels. SEG_STATE: the segment's own end state
+    from a zero state, and its Σ Δ (so its decay is exp(A ΣΔ)); otherwise y, starting from the state
+    entering the segment, folded from the earlier segments' end states (and the initial state)."""
+    pid_b, pid_d, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_d = pid_d * BD + tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
     md, mn = offs_d < d, offs_n < n
-    m2 = md[:, None] & mn[None, :]
+    m2 = mn[:, None] & md[None, :]  # state tiles are (n, d): n along registers and a few lanes
     # A pre-scaled by log2(e): the per-step decay is then one exp2
-    A2 = tl.load(A_ptr + offs_d[:, None] * s_Ad + offs_n[None, :] * s_An, mask=m2, other=0.0).to(tl.float32) * 1.4426950408889634
+    A2 = tl.load(A_ptr + offs_n[:, None] * s_An + offs_d[None, :] * s_Ad, mask=m2, other=0.0).to(tl.float32)
+    A2 = A2 * 1.4426950408889634
     if HAS_DB:
         db = tl.load(dbias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
-    if HAS_INIT:
-        h = tl.load(init_ptr + pid_b * s_ib + offs_d[:, None] * s_id + offs_n[None, :] * s_in, mask=m2, other=0.0)
-        h = h.to(tl.float32)
+    seg_off = (pid_b * nseg).to(tl.int64) * d
+    if SEG_STATE:
+        h = tl.zeros((BN, BD), dtype=tl.float32)
+        dsum = tl.zeros((BD,), dtype=tl.float32)
     else:
-        h = tl.zeros((BD, BN), dtype=tl.float32)
+        if HAS_INIT:
+            h = tl.load(init_ptr + pid_b * s_ib + offs_n[:, None] * s_in + offs_d[None, :] * s_id, mask=m2, other=0.0)
+            h = h.to(tl.float32)
+        else:
+            h = tl.zeros((BN, BD), dtype=tl.float32)
+        for j in range(pid_s):  # the state entering this segment
+            hj = tl.load(hseg_ptr + (seg_off + j * d + offs_d[None, :]) * n + offs_n[:, None], mask=m2, other=0.0)
+            dj = tl.load(dsum_ptr + seg_off + j * d + offs_d, mask=md, other=0.0)
+            h = tl.exp2(A2 * dj[None, :]) * h + hj
+    t_lo = pid_s * seg_len
+    t_hi = tl.minimum(l, t_lo + seg_len)
 
     u_p = u_ptr + pid_b * s_ub + offs_d * s_ud
     dl_p = dl_ptr + pid_b * s_db + offs_d * s_dd
+    z_p = z_ptr + pid_b * s_zb + offs_d * s_zd
+    y_p = y_ptr + pid_b * s_yb + offs_d * s_yd
     if GROUPED:
         grp = offs_d // ch_per_group
-        B_p = B_ptr + pid_b * s_Bb + grp[:, None] * s_Bg + offs_n[None, :] * s_Bn
-        C_p = C_ptr + pid_b * s_Cb + grp[:, None] * s_Cg + offs_n[None, :] * s_Cn
+        B_p = B_ptr + pid_b * s_Bb + grp[None, :] * s_Bg + offs_n[:, None] * s_Bn
+        C_p = C_ptr + pid_b * s_Cb + grp[None, :] * s_Cg + offs_n[:, None] * s_Cn
     else:
         B_p = B_ptr + pid_b * s_Bb + offs_n * s_Bn
         C_p = C_ptr + pid_b * s_Cb + offs_n * s_Cn
-    z_p = z_ptr + pid_b * s_zb + offs_d * s_zd
-    y_p = y_ptr + pid_b * s_yb + offs_d * s_yd
+    LOAD_Z: tl.constexpr = HAS_Z and not SEG_STATE
 
-    u, dl, Bt, Ct = _load_step(u_p, dl_p, B_p, C_p, 0, l, md, mn, s_ul, s_dl, s_Bl, s_Cl, GROUPED)
-    for t in range(l):
-        u_n, dl_n, B_n, C_n = _load_step(u_p, dl_p, B_p, C_p, t + 1, l, md, mn, s_ul, s_dl, s_Bl, s_Cl, GROUPED)
-        if HAS_Z:
-            zt = tl.load(z_p + t * s_zl, mask=md, other=0.0).to(tl.float32)
+    nxt = _load4(u_p, dl_p, z_p, B_p, C_p, t_lo, t_hi, md, mn, s_ul, s_dl, s_zl, s_Bl, s_Cl, LOAD_Z, GROUPED,
+                 not SEG_STATE)
+    for t0 in range(t_lo, t_hi, 4):
+        u4, dl4, z4, B0, B1, B2, B3, C0, C1, C2, C3 = nxt
+        nxt = _load4(u_p, dl_p, z_p, B_p, C_p, t0 + 4, t_hi, md, mn, s_ul, s_dl, s_zl, s_Bl, s_Cl, LOAD_Z,
+                     GROUPED, not SEG_STATE)
+        u4 = u4.to(tl.float32)
+        dl4 = dl4.to(tl.float32)
         if HAS_DB:
-            dl += db
+            dl4 += db[:, None]
         if SOFTPLUS:
-            dl = softplus(dl)
-        if GROUPED:
-            h = tl.exp2(dl[:, None] * A2) * h + (dl * u)[:, None] * Bt
-            y = tl.sum(h * Ct, axis=1)
+            dl4 = softplus(dl4)
+        dl4 = tl.where(((t0 + tl.arange(0, 4)) < t_hi)[None, :], dl4, 0.0)  # padded steps: decay 1, no input
+        du4 = dl4 * u4
+        dl0, dl1, dl2, dl3 = _split4(dl4)
+        du0, du1, du2, du3 = _split4(du4)
+        # the four steps' decays and inputs are independent: only the h chain below is serial
+        a0 = tl.exp2(dl0[None, :] * A2)
+        a1 = tl.exp2(dl1[None, :] * A2)
+        a2 = tl.exp2(dl2[None, :] * A2)
+        a3 = tl.exp2(dl3[None, :] * A2)
+        if SEG_STATE:
+            dsum += tl.sum(dl4, axis=1)
+            h = a0 * h + du0[None, :] * _bcast(B0, GROUPED)
+            h = a1 * h + du1[None, :] * _bcast(B1, GROUPED)
+            h = a2 * h + du2[None, :] * _bcast(B2, GROUPED)
+            h = a3 * h + du3[None, :] * _bcast(B3, GROUPED)
         else:
-            h = tl.exp2(dl[:, None] * A2) * h + (dl * u)[:, None] * Bt[None, :]
-            y = tl.sum(h * Ct[None, :], axis=1)
-        if HAS_D:
-            y += u * Dv
-        if HAS_Z:
-            y *= silu(zt)
-        tl.store(y_p + t * s_yl, y.to(y_ptr.dtype.element_ty), mask=md)
-        u, dl, Bt, Ct = u_n, dl_n, B_n, C_n
-    tl.store(last_ptr + pid_b * d * n + offs_d[:, None] * n + offs_n[None, :], h, mask=m2)
+            h = a0 * h + du0[None, :] * _bcast(B0, GROUPED)
+            y0 = tl.sum(h * _bcast(C0, GROUPED), axis=0)
+            h = a1 * h + du1[None, :] * _bcast(B1, GROUPED)
+            y1 = tl.sum(h * _bcast(C1, GROUPED), axis=0)
+            h = a2 * h + du2[None, :] * _bcast(B2, GROUPED)
+            y2 = tl.sum(h * _bcast(C2, GROUPED), axis=0)
+            h = a3 * h + du3[None, :] * _bcast(B3, GROUPED)
+            y3 = tl.sum(h * _bcast(C3, GROUPED), axis=0)
+            y4 = _join4(y0, y1, y2, y3)
+            if HAS_D:
+                y4 += u4 * Dv[:, None]
+            if HAS_Z:
+                y4 *= silu(z4.to(tl.float32))
+            offs_t = t0 + tl.arange(0, 4)
+            tl.store(y_p[:, None] + offs_t[None, :] * s_yl, y4.to(y_ptr.dtype.element_ty),
+                     mask=md[:, None] & (offs_t < t_hi)[None, :])
+    if SEG_STATE:
+        tl.store(hseg_ptr + (seg_off + pid_s * d + offs_d[None, :]) * n + offs_n[:, None], h, mask=m2)
+        tl.store(dsum_ptr + seg_off + pid_s * d + offs_d, dsum, mask=md)
+    elif pid_s == nseg - 1:
+        tl.store(last_ptr + pid_b * d * n + offs_n[:, None] + offs_d[None, :] * n, h, mask=m2)
+
+
+# launch configuration: channels per program and warps (n=16 gives (16, BD) state tiles);
+# module-level so the benchmark can sweep it
+# SEGS: programs per SM to aim for when splitting the sequence into time segments (0: never split);
+# each segment is >= MIN_SEG steps; NSEG, when set, forces the count.
+CFG = dict(BD=16, num_warps=1, SEGS=24, MIN_SEG=64)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -110,19 +204,33 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     g = B.shape[1]
     y = torch.empty((b, d, l), device=u.device, dtype=u.dtype)
     last = torch.empty((b, d, n), device=u.device, dtype=torch.float32)
-    BN = pow2(n, 2)
-    # enough programs to cover the SMs twice before the tile grows
-    BD = 32 if b * d >= 32 * 264 else 16
-    if BD * BN > 2048:
-        BD = max(1, 2048 // BN)
-    _selective_scan[(b, triton.cdiv(d, BD))](
-        u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
-        delta_bias if delta_bias is not None else u, initial_state if initial_state is not None else u, y, last,
-        d, n, l, d // g,
-        *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
-        *(z.stride() if z is not None else (0, 0, 0)),
-        *(initial_state.stride() if initial_state is not None else (0, 0, 0)), *y.stride(),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_DB=delta_bias is not None, SOFTPLUS=delta_softplus,
-        HAS_INIT=initial_state is not None, GROUPED=g > 1, BD=BD, BN=BN, num_warps=max(1, min(4, BD * BN // 256)),
-    )
+    BN = pow2(n, 4)
+    BD, nw = CFG["BD"], CFG["num_warps"]
+    BD = max(8, min(BD, 4096 // BN))  # cap the tile: each thread keeps a few (BN, BD) float32 tiles
+    nw = max(1, min(nw, BD * BN // 128))
+    if l == 0:
+        last.copy_(initial_state if initial_state is not None else torch.zeros_like(last))
+        return (y, last) if return_last_state else y
+    # b*d/BD programs alone leave most of the GPU idle at small batch (each is a chain of l/4 dependent
+    # iterations): split time into segments, run (1) each segment's end state from zero, in parallel,
+    # then (2) every segment again from its entering state (folded from (1)) writing y.
+    progs = b * triton.cdiv(d, BD)
+    target = CFG["SEGS"] * torch.cuda.get_device_properties(u.device).multi_processor_count if u.is_cuda else 0
+    nseg = max(1, min(triton.cdiv(target, progs), l // CFG["MIN_SEG"])) if CFG["SEGS"] else 1
+    nseg = CFG.get("NSEG") or nseg  # tests force a split
+    seg_len = triton.cdiv(triton.cdiv(l, nseg), 4) * 4
+    nseg = triton.cdiv(l, seg_len)
+    hseg = torch.empty((b, nseg, d, n), device=u.device, dtype=torch.float32)
+    dsum = torch.empty((b, nseg, d), device=u.device, dtype=torch.float32)
+    args = (u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
+            delta_bias if delta_bias is not None else u, initial_state if initial_state is not None else u, y, last,
+            hseg, dsum, d, n, l, d // g, seg_len, nseg,
+            *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
+            *(z.stride() if z is not None else (0, 0, 0)),
+            *(initial_state.stride() if initial_state is not None else (0, 0, 0)), *y.stride())
+    flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_DB=delta_bias is not None, SOFTPLUS=delta_softplus,
+                 HAS_INIT=initial_state is not None, GROUPED=g > 1, BD=BD, BN=BN, num_warps=nw)
+    if nseg > 1:  # the last segment's own end state is never needed
+        _selective_scan[(b, triton.cdiv(d, BD), nseg - 1)](*args, SEG_STATE=True, **flags)
+    _selective_scan[(b, triton.cdiv(d, BD), nseg)](*args, SEG_STATE=False, **flags)
     return (y, last) if return_last_state else y

@@ -121,8 +121,56 @@ def _chunk_state(
 
 
 @triton.jit
+def _chunk_state_fused(
+    x_ptr, B_ptr, dt_ptr, cs_ptr, init_ptr, st_ptr, final_ptr,
+    l, h, p, n, T, nc, heads_per_group,
+    s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
+    HAS_INIT: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Chunk states and the recurrence over chunks in one pass: a program owns a (BP, BN) tile of one
+    head's state and walks the chunks in order, writing the state *entering* each chunk in x's dtype
+    (what _chunk_scan feeds its tensor cores anyway) and the final state in float32. The per-chunk
+    matmul does not depend on the carried state, so the chunks' loads pipeline; no float32 per-chunk
+    states ever reach memory."""
+    pid_bh, pid_p, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hh = pid_bh % h
+    pid_b = pid_bh // h
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    mp, mn = offs_p < p, offs_n < n
+    m2 = mp[:, None] & mn[None, :]
+    if HAS_INIT:
+        s = tl.load(init_ptr + pid_bh.to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :],
+                    mask=m2, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros((BP, BN), dtype=tl.float32)
+    xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[:, None] * s_xp
+    Bp = B_ptr + pid_b * s_Bb + (hh // heads_per_group) * s_Bg + offs_n[None, :] * s_Bn
+    ty = x_ptr.dtype.element_ty
+    for c in range(nc):
+        row = (pid_bh * nc + c) * T  # this chunk's Δ and cs rows in (b, h, c, T)
+        chunk_len = tl.minimum(T, l - c * T)
+        cs_last = tl.load(cs_ptr + row + T - 1)
+        acc = tl.zeros((BP, BN), dtype=tl.float32)
+        for k in range(0, chunk_len, BK):
+            kk = k + offs_k
+            mk = kk < chunk_len
+            pos = c * T + kk
+            xt = tl.load(xp + pos[None, :] * s_xl, mask=mp[:, None] & mk[None, :], other=0.0)
+            wk = tl.load(dt_ptr + row + kk, mask=mk, other=0.0) * tl.exp(cs_last - tl.load(cs_ptr + row + kk, mask=mk, other=0.0))
+            xw = (xt.to(tl.float32) * wk[None, :]).to(ty)
+            bk = tl.load(Bp + pos[:, None] * s_Bl, mask=mk[:, None] & mn[None, :], other=0.0)
+            acc = tl.dot(xw, bk.to(ty), acc, input_precision=DOT_PREC)
+        out = st_ptr + ((pid_b * nc + c) * h + hh).to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :]
+        tl.store(out, s.to(st_ptr.dtype.element_ty), mask=m2)
+        s = tl.exp(cs_last) * s + acc
+    tl.store(final_ptr + pid_bh.to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :], s, mask=m2)
+
+
+@triton.jit
 def _state_passing(
-    st_ptr, cs_ptr, init_ptr, final_ptr,
+    st_ptr, cs_ptr, init_ptr, final_ptr, out_ptr,
     h, pn, T, nc,
     HAS_INIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
@@ -136,10 +184,10 @@ def _state_passing(
     else:
         s = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in range(nc):
-        # in place: chunk c's own contribution is replaced by the state entering it
-        ptr = st_ptr + ((pid_b * nc + c) * h + hh).to(tl.int64) * pn + offs
-        added = tl.load(ptr, mask=m, other=0.0)
-        tl.store(ptr, s, mask=m)
+        # chunk c's own contribution in, the state entering it out (in out_ptr's dtype)
+        idx = ((pid_b * nc + c) * h + hh).to(tl.int64) * pn + offs
+        added = tl.load(st_ptr + idx, mask=m, other=0.0)
+        tl.store(out_ptr + idx, s.to(out_ptr.dtype.element_ty), mask=m)
         s = tl.exp(tl.load(cs_ptr + (pid_bh * nc + c) * T + T - 1)) * s + added
     tl.store(final_ptr + pid_bh.to(tl.int64) * pn + offs, s, mask=m)
 
@@ -153,7 +201,9 @@ def _chunk_scan(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):
-    pid_bch, pid_m, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_bch, pid_p = tl.program_id(0), tl.program_id(2)
+    # the last row blocks have the most intra-chunk work: launch them first, so the short ones fill the tail
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     hh = pid_bch % h
     pid_c = (pid_bch // h) % nc
     pid_b = pid_bch // (h * nc)
@@ -209,6 +259,18 @@ def _chunk_scan(
              acc.to(y_ptr.dtype.element_ty), mask=m2)
 
 
+# Launch configurations (block sizes, warps, pipeline stages) per kernel; tuned on H100 for Mamba2 shapes
+# (chunk 256, head dim 64, d_state 128). ``STATES`` picks how chunk states are produced: "fused" (one
+# kernel walks the chunks, no float32 per-chunk states in memory) or "split" (parallel chunk states in
+# float32, then the recurrence over chunks). Module-level so the benchmark can sweep them.
+CFG = dict(
+    STATES="split",
+    fused=dict(BP=64, BN=64, BK=64, num_warps=4, num_stages=2),
+    state=dict(BP=64, BN=64, BK=64, num_warps=4, num_stages=2),
+    scan=dict(BM=64, BK=64, num_warps=4, num_stages=1),
+)
+
+
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False):
     """Chunked SSD scan, as ``ssd_chunk_scan_ref``.
@@ -248,28 +310,43 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
         DOT_PREC=prec, BM=BMc, BN=BMc, BK=min(64, pow2(n, 16)), num_warps=4, num_stages=2,
     )
 
-    states = torch.empty((b, nc, h, p, n), device=dev, dtype=f32)
-    BP, BN = min(64, pow2(p, 16)), min(64, pow2(n, 16))
-    _chunk_state[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
-        x, B, dt_out, cs, states, l, h, p, n, T, nc, h // g, *x.stride(), *B.stride(),
-        DOT_PREC=prec, BP=BP, BN=BN, BK=min(64, pow2(T, 16)), num_warps=4, num_stages=2,
-    )
-
     init = initial_states.contiguous() if initial_states is not None else final
-    PBLOCK = min(1024, pow2(p * n, 16))
-    _state_passing[(b * h, triton.cdiv(p * n, PBLOCK))](
-        states, cs, init, final, h, p * n, T, nc, HAS_INIT=initial_states is not None, BLOCK=PBLOCK, num_warps=4,
-    )
+    # states entering each chunk, in x's dtype: _chunk_scan's tensor-core operand
+    st_in = torch.empty((b, nc, h, p, n), device=dev, dtype=x.dtype)
+    if CFG["STATES"] == "fused":
+        c = CFG["fused"]
+        BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
+        _chunk_state_fused[(b * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
+            x, B, dt_out, cs, init, st_in, final, l, h, p, n, T, nc, h // g, *x.stride(), *B.stride(),
+            HAS_INIT=initial_states is not None, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
+            num_warps=c["num_warps"], num_stages=c["num_stages"],
+        )
+    else:
+        c = CFG["state"]
+        states = torch.empty((b, nc, h, p, n), device=dev, dtype=f32)
+        BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
+        _chunk_state[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
+            x, B, dt_out, cs, states, l, h, p, n, T, nc, h // g, *x.stride(), *B.stride(),
+            DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)), num_warps=c["num_warps"],
+            num_stages=c["num_stages"],
+        )
+        PBLOCK = min(1024, pow2(p * n, 16))
+        _state_passing[(b * h, triton.cdiv(p * n, PBLOCK))](
+            states, cs, init, final, st_in, h, p * n, T, nc, HAS_INIT=initial_states is not None, BLOCK=PBLOCK,
+            num_warps=4,
+        )
 
     Dhp = None if D is None else (D[:, None].expand(h, p) if D.dim() == 1 else D)
-    BM = min(64, pow2(T, 16))
+    c = CFG["scan"]
+    BM = min(c["BM"], pow2(T, 16))
     BPs = min(64, pow2(p, 16))
     _chunk_scan[(b * nc * h, triton.cdiv(T, BM), triton.cdiv(p, BPs))](
-        x, C, cb, dt_out, cs, states, Dhp if Dhp is not None else x, z if z is not None else x, y,
+        x, C, cb, dt_out, cs, st_in, Dhp if Dhp is not None else x, z if z is not None else x, y,
         l, h, p, n, T, nc, g, h // g,
         *x.stride(), *C.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, DOT_PREC=prec,
-        BM=BM, BP=BPs, BK=min(64, pow2(T, 16)), BN=min(128, pow2(n, 16)), num_warps=4, num_stages=2,
+        BM=BM, BP=BPs, BK=min(c["BK"], pow2(T, 16)), BN=min(128, pow2(n, 16)), num_warps=c["num_warps"],
+        num_stages=c["num_stages"],
     )
     return (y, final) if return_final_states else y

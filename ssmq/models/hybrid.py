@@ -45,8 +45,10 @@ class Attention(nn.Module):
             out = ops.attention_ref(q, k, v)
         else:
             cache.append_kv(self.layer_idx, slots, positions, k, v)
-            # prefill reads the filled prefix; decode reads the whole buffer (static shape for CUDA graphs)
-            end = int(positions.max()) + 1 if l > 1 else cache.max_seqlen
+            # eager prefill reads the filled prefix; decode and graph capture read the whole buffer
+            # (a static shape, no device-to-host read), masked by kv_lens
+            capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+            end = int(positions.max()) + 1 if l > 1 and not capturing else cache.max_seqlen
             keys, values = cache.key_cache[self.layer_idx][slots, :end], cache.value_cache[self.layer_idx][slots, :end]
             out = ops.attention_ref(q, keys, values, kv_lens=start + l)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))

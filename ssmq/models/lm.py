@@ -63,10 +63,12 @@ class SSMLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
 
-    def _run(self, hidden, cache, slots, decode):
+    def _run(self, hidden, cache, slots, decode, num_last_tokens=0):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cache, slots, decode)
+        if num_last_tokens:
+            hidden, residual = hidden[:, -num_last_tokens:], residual[:, -num_last_tokens:]
         hidden, _ = self.norm_f(hidden, residual)
         return self.lm_head(hidden)
 
@@ -77,10 +79,13 @@ class SSMLM(nn.Module):
             return torch.arange(b, device=device)
         return torch.as_tensor(slots, device=device, dtype=torch.long)
 
-    def forward(self, input_ids: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
-        """input_ids: (b, l) → logits (b, l, vocab). With a cache, continues the sequences in rows ``slots``."""
+    def forward(self, input_ids: torch.Tensor, cache=None, slots=None, num_last_tokens: int = 0) -> torch.Tensor:
+        """input_ids: (b, l) → logits (b, l, vocab), or (b, num_last_tokens, vocab) when that is > 0.
+
+        With a cache, continues the sequences in rows ``slots`` and leaves their states in it.
+        """
         slots = self._slots(cache, slots, input_ids.shape[0], input_ids.device)
-        logits = self._run(self.embedding(input_ids), cache, slots, decode=False)
+        logits = self._run(self.embedding(input_ids), cache, slots, decode=False, num_last_tokens=num_last_tokens)
         if cache is not None:
             cache.seqlens[slots] += input_ids.shape[1]
         return logits
@@ -95,7 +100,7 @@ class SSMLM(nn.Module):
     def allocate_cache(self, max_batch: int, max_seqlen: int, dtype=None, device=None, ssm_dtype=None):
         from ssmq.runtime.cache import InferenceCache
 
-        p = self.embedding.weight
+        p = self.norm_f.weight  # the embedding may be a quantized module without .weight
         return InferenceCache.allocate(self.config, max_batch, max_seqlen, dtype or p.dtype, device or p.device,
                                        ssm_dtype=ssm_dtype)
 

@@ -19,3 +19,6 @@ __all__ = [
     "RECIPES", "Recipe", "Rule", "Transform", "check_recipe", "get_recipe", "register_recipe",
     "ActSpec", "WeightSpec",
 ]
+
+# registers the SSM recipes (Quamba, Quamba2) and their module kinds for checkpoint loading
+import ssmq.quant.ssm  # noqa: E402,F401

@@ -69,16 +69,56 @@ def _hessian_chunks(model, paths: list[str], budget_bytes: int) -> list[list[str
 
 
 @torch.no_grad()
+def resolve_recipe(recipe):
+    """A core ``Recipe`` or an SSM recipe (Quamba, Quamba2: ``ssmq.quant.ssm``) from a name, JSON path or object."""
+    from ssmq.quant.ssm.recipe import SSM_RECIPES, SSMRecipe, get_ssm_recipe
+
+    if isinstance(recipe, (Recipe, SSMRecipe)):
+        return recipe
+    if isinstance(recipe, str) and recipe in SSM_RECIPES:
+        return SSM_RECIPES[recipe]
+    try:
+        return get_recipe(recipe)
+    except SSMQError as core_error:
+        try:  # a JSON file may hold either kind
+            return get_ssm_recipe(recipe)
+        except SSMQError:
+            raise core_error from None
+
+
+def check_any_recipe(recipe, model: nn.Module) -> None:
+    """Refuse a recipe (of either kind) that does not apply to ``model``, before any work."""
+    from ssmq.quant.ssm.api import check_ssm_recipe
+
+    recipe = resolve_recipe(recipe)
+    if isinstance(recipe, Recipe):
+        check_recipe(recipe, model)
+    else:
+        check_ssm_recipe(recipe, model)
+
+
+def needs_calibration(recipe) -> bool:
+    recipe = resolve_recipe(recipe)
+    return recipe.needs_calibration() if isinstance(recipe, Recipe) else True
+
+
 def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, batch_size: int = 8,
              device=None, progress: bool = True, hessian_budget_bytes: int = 2 << 30) -> nn.Module:
     """Quantize ``model`` in place by ``recipe`` (a name, a JSON path or a Recipe); returns it.
 
     calib: windows for recipes with static activation scales, GPTQ or SmoothQuant
-    (``load_calibration()``); recipes without any of those need none.
+    (``load_calibration()``); recipes without any of those need none. SSM recipes
+    (``quamba-*``, ``quamba2-*``) go to ``ssmq.quant.ssm.quantize_ssm``.
     """
     from tqdm.auto import tqdm
 
-    recipe = get_recipe(recipe)
+    recipe = resolve_recipe(recipe)
+    if not isinstance(recipe, Recipe):
+        from ssmq.quant.ssm.api import quantize_ssm
+
+        if calib is None:
+            raise SSMQError(f"recipe {recipe.name!r} needs calibration data")
+        return quantize_ssm(model, recipe, calib, batch_size=batch_size, progress=progress)
     check_recipe(recipe, model)
     if recipe.needs_calibration() and calib is None:
         raise SSMQError(f"recipe {recipe.name!r} needs calibration data (static scales, GPTQ or SmoothQuant)")

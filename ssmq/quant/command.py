@@ -13,10 +13,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def register(subparsers) -> None:
     from ssmq.cli import add_model_args
     from ssmq.quant.recipe import RECIPES
+    from ssmq.quant.ssm.recipe import SSM_RECIPES
 
     p = subparsers.add_parser("quantize", help="quantize a model by a recipe and save it (safetensors + quantization.json)",
                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                              epilog="recipes:\n" + "\n".join(f"  {n:<18} {r.description}" for n, r in RECIPES.items()))
+                              epilog="recipes:\n" + "\n".join(f"  {n:<18} {getattr(r, 'description', '')}"
+                                                              for n, r in {**RECIPES, **SSM_RECIPES}.items()))
     add_model_args(p)
     p.add_argument("--recipe", required=True, help="a recipe name (below) or a recipe JSON file")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
@@ -32,19 +34,18 @@ def register(subparsers) -> None:
 
 def run(args) -> None:
     from ssmq.cli import load_from_args
-    from ssmq.quant.api import quantize
+    from ssmq.quant.api import check_any_recipe, needs_calibration, quantize, resolve_recipe
     from ssmq.quant.calibration import load_calibration
     from ssmq.quant.checkpoint import save_quantized
-    from ssmq.quant.recipe import check_recipe, get_recipe
 
-    recipe = get_recipe(args.recipe)
+    recipe = resolve_recipe(args.recipe)
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise SSMQError(f"output folder {out} already exists (pass --overwrite to replace it)")
     model, tok, path = load_from_args(args)
-    check_recipe(recipe, model)  # before the (slow) calibration data
+    check_any_recipe(recipe, model)  # before the (slow) calibration data
     calib = None
-    if recipe.needs_calibration():
+    if needs_calibration(recipe):
         calib = load_calibration(args.calib, args.calib_samples, args.calib_seqlen, args.calib_seed, tok)
     quantize(model, recipe, calib, batch_size=args.batch_size)
     extra = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]

@@ -1,7 +1,13 @@
-"""CUDA-graph decode: one graph per batch-size bucket, captured once over a static cache.
+"""CUDA graphs for decode and prefill, captured once over a static cache.
 
-The cache gets one extra scratch slot: rows that pad a batch up to its bucket
-point there, so padding never touches a live sequence.
+Decode: one graph of ``model.step`` per batch-size bucket. The cache gets one extra
+scratch slot: rows that pad a batch up to its bucket point there, so padding never
+touches a live sequence.
+
+Prefill: one graph of ``model.forward`` per power-of-two length (batch 1). A prompt of
+L tokens is prefilled as the binary pieces of L, largest first, each continuing from
+the state the previous left in the cache: exact (no padding enters a state) and free
+of per-op Python launch cost.
 """
 
 from __future__ import annotations
@@ -13,16 +19,39 @@ from ssmq.errors import SSMQError
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+def _capture(fn, pool, reset):
+    """Warm ``fn`` up on a side stream (Triton compiles outside the capture), then capture it; returns (graph, out).
+
+    ``reset()`` runs before each warm-up and after the capture: the runs write to a scratch cache slot.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):
+            reset()
+            fn()
+        reset()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+        out = fn()
+    reset()
+    return graph, out
+
+
 class CudaGraphDecoder:
     """Replays ``model.step`` from captured graphs. Call as ``decoder(tokens (b,), slots (b,)) -> logits (b, vocab)``."""
 
-    def __init__(self, model, max_batch: int, max_seqlen: int, buckets=DEFAULT_BUCKETS, dtype=None, ssm_dtype=None):
+    def __init__(self, model, max_batch: int, max_seqlen: int, buckets=DEFAULT_BUCKETS, dtype=None, ssm_dtype=None,
+                 cache=None):
         if not model.embedding.weight.is_cuda:
             raise SSMQError("CUDA-graph decode needs the model on a CUDA device")
         self.model = model
         self.buckets = sorted(b for b in buckets if b < max_batch) + [max_batch]
-        self.cache = model.allocate_cache(max_batch + 1, max_seqlen, dtype=dtype, ssm_dtype=ssm_dtype)
-        self.scratch = max_batch  # the extra slot
+        self.cache = cache or model.allocate_cache(max_batch + 1, max_seqlen, dtype=dtype, ssm_dtype=ssm_dtype)
+        if self.cache.max_batch < max_batch + 1:
+            raise SSMQError(f"the decoder needs a cache of max_batch + 1 = {max_batch + 1} slots (one scratch)")
+        self.scratch = self.cache.max_batch - 1
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple] = {}
 
@@ -30,18 +59,8 @@ class CudaGraphDecoder:
         device = self.model.embedding.weight.device
         tokens = torch.zeros(bs, dtype=torch.long, device=device)
         slots = torch.full((bs,), self.scratch, dtype=torch.long, device=device)
-        seqlens = self.cache.seqlens.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):  # warm up: Triton compiles and autotunes outside the capture
-                self.model.step(tokens, self.cache, slots)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
-            logits = self.model.step(tokens, self.cache, slots)
-        self.cache.seqlens.copy_(seqlens)  # warm-up and capture advanced the scratch slot only; undo anyway
-        self.cache.reset([self.scratch])
+        graph, logits = _capture(lambda: self.model.step(tokens, self.cache, slots), self.pool,
+                                 lambda: self.cache.reset([self.scratch]))
         self.graphs[bs] = (graph, tokens, slots, logits)
 
     def capture_all(self) -> None:
@@ -61,3 +80,55 @@ class CudaGraphDecoder:
         static_slots[b:] = self.scratch
         graph.replay()
         return logits[:b]
+
+
+class CudaGraphPrefill:
+    """Replays ``model.forward`` over binary pieces of a prompt. Call as ``prefill(ids (1, L), slot) -> logits (1, vocab)``.
+
+    Shares the decoder's cache and memory pool when given one, so a prompt prefilled here decodes there.
+    """
+
+    def __init__(self, model, cache, max_len: int, pool=None):
+        if not model.embedding.weight.is_cuda:
+            raise SSMQError("CUDA-graph prefill needs the model on a CUDA device")
+        self.model, self.cache, self.max_len = model, cache, max_len
+        self.pool = pool or torch.cuda.graph_pool_handle()
+        self.scratch = cache.max_batch - 1
+        self.graphs: dict[int, tuple] = {}
+
+    def _capture(self, length: int):
+        device = self.model.embedding.weight.device
+        ids = torch.zeros(1, length, dtype=torch.long, device=device)
+        slot = torch.full((1,), self.scratch, dtype=torch.long, device=device)
+
+        def run():
+            return self.model(ids, self.cache, slot, num_last_tokens=1)[:, -1]
+
+        graph, logits = _capture(run, self.pool, lambda: self.cache.reset([self.scratch]))
+        self.graphs[length] = (graph, ids, slot, logits)
+
+    def capture_all(self) -> None:
+        k = 1
+        while k <= self.max_len:
+            self._capture(k)
+            k *= 2
+
+    def __call__(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
+        length = ids.shape[1]
+        if ids.shape[0] != 1 or not 0 < length <= self.max_len:
+            raise SSMQError(f"graph prefill takes one prompt of 1..{self.max_len} tokens, got {tuple(ids.shape)}")
+        if int(self.cache.seqlens[slot]) + length > self.cache.max_seqlen:
+            raise SSMQError(f"prompt does not fit the cache ({self.cache.max_seqlen} tokens)")
+        start, logits = 0, None
+        for bit in reversed(range(length.bit_length())):
+            piece = 1 << bit
+            if not length & piece:
+                continue
+            if piece not in self.graphs:
+                self._capture(piece)
+            graph, static_ids, static_slot, logits = self.graphs[piece]
+            static_ids.copy_(ids[:, start:start + piece])
+            static_slot.fill_(slot)
+            graph.replay()
+            start += piece
+        return logits

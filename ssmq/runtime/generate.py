@@ -41,7 +41,7 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
     tokens = torch.empty(len(prompts), dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
-        tokens[row] = sample_next(model(ids, cache, slots=[row])[:, -1], params, gen)[0]
+        tokens[row] = sample_next(model(ids, cache, slots=[row], num_last_tokens=1)[:, -1], params, gen)[0]
     active = torch.arange(len(prompts), device=device)
     for produced in range(1, params.max_new_tokens + 1):
         for row, tok in zip(active.tolist(), tokens[active].tolist()):

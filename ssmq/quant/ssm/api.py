@@ -70,11 +70,11 @@ def check_ssm_recipe(recipe: SSMRecipe, model: nn.Module) -> None:
 
 @torch.no_grad()
 def quantize_ssm(model: nn.Module, recipe, calib: CalibrationData, *, batch_size: int = 8, progress: bool = True,
-                 heldout: CalibrationData | None = None, state_windows: int = 64) -> nn.Module:
+                 heldout: CalibrationData | None = None, state_windows: int = 64, state_chunk: int = 128) -> nn.Module:
     """Quantize ``model`` in place by an SSM recipe (name, JSON path or SSMRecipe); returns it.
 
     heldout: windows for the mixed-precision search's fitness (default: drawn with seed + 1).
-    state_windows: calibration windows used for the int8 state scales.
+    state_windows, state_chunk: calibration windows for the int8 state scales, observed every state_chunk tokens.
     """
     from ssmq.quant.api import quantize as quantize_linears
 
@@ -109,7 +109,7 @@ def quantize_ssm(model: nn.Module, recipe, calib: CalibrationData, *, batch_size
     if recipe.state_bits == 8:
         from ssmq.quant.ssm.state_cache import enable_int8_state
 
-        enable_int8_state(model, clusters, calib.input_ids[:state_windows], batch_size=batch_size, progress=progress)
+        enable_int8_state(model, clusters, calib.input_ids[:state_windows], state_chunk, batch_size, progress)
     model.quantization = {"recipe": recipe.to_dict(), "calibration": calib.record(),
                           "ssm": {"clusters": {i: int(c.max()) + 1 for i, c in clusters.items()},
                                   "ssm_layers": ssm_layers(model)}}

@@ -107,7 +107,7 @@ def calibrate_state_scales(model: nn.Module, windows: torch.Tensor, chunk: int =
     amax: dict[int, torch.Tensor] = {}
     for i in tqdm(range(0, windows.shape[0], batch_size), desc="state scales", disable=not progress):
         ids = windows[i:i + batch_size].to(dev)
-        cache = model.allocate_cache(ids.shape[0], ids.shape[1], dtype=torch.float32, ssm_dtype=torch.float32)
+        cache = allocate_cache(model, ids.shape[0], ids.shape[1], ssm_dtype=torch.float32)
         for t in range(0, ids.shape[1], chunk):
             model(ids[:, t:t + chunk], cache=cache)
             for layer, st in enumerate(cache.ssm_states):
@@ -124,3 +124,34 @@ def group_state_absmax(amax: torch.Tensor, index: torch.Tensor | None, n_groups:
         return amax.amax(0, keepdim=True)
     out = torch.zeros(n_groups, amax.shape[1], device=amax.device)
     return out.scatter_reduce(0, index.to(amax.device)[:, None].expand_as(amax), amax, reduce="amax")
+
+
+def allocate_cache(model: nn.Module, max_batch: int, max_seqlen: int, ssm_dtype=None):
+    """``model.allocate_cache`` without reading ``embedding.weight`` (a QuantEmbedding has none).
+
+    Float buffers in float32 unless the model's float parameters are 16-bit; ``ssm_dtype=torch.int8``
+    gives the int8 state cache.
+    """
+    from ssmq.runtime.cache import InferenceCache
+
+    p = next(p for p in model.parameters() if p.is_floating_point())
+    return InferenceCache.allocate(model.config, max_batch, max_seqlen, p.dtype, p.device, ssm_dtype=ssm_dtype)
+
+
+@torch.no_grad()
+def enable_int8_state(model: nn.Module, clusters: dict[int, torch.Tensor], windows: torch.Tensor, chunk: int = 128,
+                      batch_size: int = 8, progress: bool = False) -> None:
+    """Calibrate (G, n) state scales per Mamba layer and swap its mixer for the Int8State class."""
+    amax = calibrate_state_scales(model, windows, chunk, batch_size, progress)
+    cfg = model.config
+    for i, a in amax.items():
+        index = clusters.get(i)
+        groups = 1 if index is None else int(index.max()) + 1
+        mixer = to_int8_state(model.layers[i].mixer, cfg, index, groups)
+        mixer.state_scale.copy_((group_state_absmax(a, index, groups) / 127.0).clamp(min=1e-8))
+        model.layers[i].mixer = mixer
+
+
+def state_bytes(cache) -> int:
+    """Bytes of the SSM states of a cache (conv states and KV excluded)."""
+    return sum(s.numel() * s.element_size() for s in cache.ssm_states if s is not None)
