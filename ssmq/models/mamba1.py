@@ -11,6 +11,7 @@ import torch.nn as nn
 from ssmq import kernels
 from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
+from ssmq.models.conv import conv_prefill
 
 
 class Mamba1Mixer(nn.Module):
@@ -42,16 +43,7 @@ class Mamba1Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
         x, z = self.in_proj(hidden).chunk(2, dim=-1)
-        conv_w = self.conv1d.weight.squeeze(1)
-        if cache is None:
-            x = kernels.causal_conv1d(x.transpose(1, 2), conv_w, self.conv1d.bias, activation="silu")
-        else:
-            x, conv_final = kernels.causal_conv1d(
-                x.transpose(1, 2), conv_w, self.conv1d.bias,
-                initial_states=cache.conv_states[self.layer_idx][slots], return_final_states=True, activation="silu",
-            )
-            cache.conv_states[self.layer_idx][slots] = conv_final.to(cache.conv_states[self.layer_idx].dtype)
-        x = self.act_x(x.transpose(1, 2))  # (b, l, d)
+        x = self.act_x(conv_prefill(self.conv1d, x, cache, self.layer_idx, slots))  # (b, l, d)
         dt, B, C = self._ssm_inputs(x)
         z = self.act_z(z)
         A = self._f32.get(self, "A_log")

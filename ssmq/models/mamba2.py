@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ssmq import kernels
 from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
+from ssmq.models.conv import conv_prefill
 
 
 class GatedRMSNorm(nn.Module):
@@ -66,16 +67,7 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         b, l, _ = hidden.shape
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
-        conv_w = self.conv1d.weight.squeeze(1)
-        if cache is None:
-            xbc = kernels.causal_conv1d(xbc.transpose(1, 2), conv_w, self.conv1d.bias, activation="silu")
-        else:
-            xbc, conv_final = kernels.causal_conv1d(
-                xbc.transpose(1, 2), conv_w, self.conv1d.bias,
-                initial_states=cache.conv_states[self.layer_idx][slots], return_final_states=True, activation="silu",
-            )
-            cache.conv_states[self.layer_idx][slots] = conv_final.to(cache.conv_states[self.layer_idx].dtype)
-        x, B, C = self._split_xbc(xbc.transpose(1, 2))
+        x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, cache, self.layer_idx, slots))
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
         y = kernels.ssd_chunk_scan(
