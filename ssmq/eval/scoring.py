@@ -52,6 +52,9 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+PAD_MULTIPLE = 64
+
+
 @torch.no_grad()
 def loglikelihood_tokens(
     model: torch.nn.Module,
@@ -90,23 +93,28 @@ def loglikelihood_tokens(
     device = model_device(model)
     out: list[tuple[float, bool] | None] = [None] * len(requests)
     for batch in tqdm(batches, desc=desc, disable=not progress, unit="batch"):
-        longest = len(batch[0])
+        # pad to a multiple of 64: few distinct shapes, so GPU kernels compile once per shape
+        # (right padding never changes a causal model's outputs at the real positions)
+        longest = -(-len(batch[0]) // PAD_MULTIPLE) * PAD_MULTIPLE
         ids = torch.zeros(len(batch), longest, dtype=torch.long)
         for row, inp in enumerate(batch):
             ids[row, :len(inp)] = torch.tensor(inp, dtype=torch.long)
         logits = model(ids.to(device))  # (b, l, V)
+        scored = []  # (request, ll, greedy) as device tensors: one device-to-host copy per batch
         for row, inp in enumerate(batch):
             n = len(inp)
             members = groups[inp]
             k_max = max(len(requests[i][1]) for i in members)
             logp = torch.log_softmax(logits[row, n - k_max:n].float(), dim=-1)  # (k_max, V)
-            greedy = logp.argmax(dim=-1).cpu()
-            logp = logp.cpu()
+            greedy = logp.argmax(dim=-1)
             for i in members:
-                cont = torch.tensor(requests[i][1], dtype=torch.long)
+                cont = torch.tensor(requests[i][1], dtype=torch.long, device=logp.device)
                 k = len(cont)
-                ll = logp[k_max - k:].gather(1, cont[:, None]).sum().item()
-                out[i] = (ll, bool((greedy[k_max - k:] == cont).all()))
+                scored.append((i, logp[k_max - k:].gather(1, cont[:, None]).sum(), (greedy[k_max - k:] == cont).all()))
+        lls = torch.stack([ll for _, ll, _ in scored]).double().cpu().tolist()
+        greedies = torch.stack([g for _, _, g in scored]).cpu().tolist()
+        for (i, _, _), ll, g in zip(scored, lls, greedies):
+            out[i] = (ll, bool(g))
     return out  # type: ignore[return-value]
 
 
