@@ -29,6 +29,32 @@ from ssmq.errors import SSMQError
 TokenRequest = tuple[list[int], list[int]]  # (context tokens, continuation tokens)
 
 
+def _move_trailing_space(context: str, continuation: str) -> tuple[str, str]:
+    n_spaces = len(context) - len(context.rstrip())
+    return (context[:-n_spaces], context[-n_spaces:] + continuation) if n_spaces else (context, continuation)
+
+
+def batch_encoder(tokenizer, requests: Sequence[tuple[str, str]]) -> Callable[[str], list[int]]:
+    """``encode`` for every string ``encode_pair`` will ask of these requests, tokenized once each, in parallel.
+
+    Multiple-choice requests share their context (MMLU: a 5-shot prompt per question), and the tokenizer's
+    batch call runs on all cores: per-string calls made tokenization most of an MMLU run's time.
+    """
+    texts = []
+    for c, x in requests:
+        if c == "":
+            texts.append(x)
+        else:
+            c, x = _move_trailing_space(c, x)
+            texts += [c + x, c]
+    unique = list(dict.fromkeys(texts))
+    if hasattr(tokenizer, "encode_batch"):
+        table = dict(zip(unique, tokenizer.encode_batch(unique)))
+    else:
+        table = {t: tokenizer.encode(t) for t in unique}
+    return table.__getitem__
+
+
 def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str, prefix_id: int) -> TokenRequest:
     """Token ids of one request, split as lm-eval's ``TemplateLM`` splits them (see the module docstring)."""
     if context == "":
@@ -36,10 +62,7 @@ def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: 
         if not cont:
             raise SSMQError("empty continuation in a loglikelihood request")
         return ([prefix_id], cont) if cont[0] != prefix_id else (cont[:1], cont[1:])
-    n_spaces = len(context) - len(context.rstrip())
-    if n_spaces:
-        continuation = context[-n_spaces:] + continuation
-        context = context[:-n_spaces]
+    context, continuation = _move_trailing_space(context, continuation)
     whole = encode(context + continuation)
     ctx = encode(context)
     return ctx, whole[len(ctx):]
@@ -129,7 +152,8 @@ def loglikelihood(
     max_batch_tokens: int | None = 32768,
 ) -> list[tuple[float, bool]]:
     """Score string requests ``(context, continuation)``; ``tokenizer`` has ``encode`` and ``eos_id``."""
-    token_requests = [encode_pair(tokenizer.encode, c, x, tokenizer.eos_id) for c, x in requests]
+    encode = batch_encoder(tokenizer, requests)
+    token_requests = [encode_pair(encode, c, x, tokenizer.eos_id) for c, x in requests]
     return loglikelihood_tokens(model, token_requests, batch_size, max_length, progress, desc, max_batch_tokens)
 
 
