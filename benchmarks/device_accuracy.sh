@@ -26,7 +26,7 @@ if [[ $steps == *baselines* ]]; then
   pack
 fi
 if [[ $steps == *quamba* && -f benchmarks/run_quamba_table.py ]]; then
-  python3 benchmarks/run_quamba_table.py --models "/tmp/shared/models/$m" --full ${QUAMBA_ARGS:-} --out "$out/quamba" \
+  python3 benchmarks/run_quamba_table.py --models "/tmp/shared/models/$m" ${QUAMBA_ARGS:---full} --out "$out/quamba" \
     2>&1 | grep -v "it/s\]\|s/it\]" | tee "$out/quamba.log" || rc=1
   pack
 fi
