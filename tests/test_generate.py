@@ -87,3 +87,17 @@ def test_bad_sampling_parameters():
 def test_empty_prompt_is_refused(tiny_model):
     with pytest.raises(SSMQError, match="at least one token"):
         generate(tiny_model, [[]], SamplingParams())
+
+
+def test_generation_from_a_quantized_checkpoint_with_quantized_embedding(tmp_path):
+    from ssmq.quant import save_quantized
+    from ssmq.quant.linear import QuantEmbedding
+    from ssmq.quant.ssm.tiny import synthetic_calibration, tiny_model
+
+    model = tiny_model("mamba2")
+    ssmq.quantize(model, "quamba2-w8a8", synthetic_calibration(model.config.vocab_size))
+    assert isinstance(model.embedding, QuantEmbedding)  # head-to-toe: no .weight to read the device from
+    save_quantized(model, tmp_path / "q")
+    loaded = ssmq.load_model(tmp_path / "q")
+    params = SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    assert generate(loaded, [[1, 2, 3]], params) == generate(model, [[1, 2, 3]], params)

@@ -104,5 +104,10 @@ class SSMLM(nn.Module):
         return InferenceCache.allocate(self.config, max_batch, max_seqlen, dtype or p.dtype, device or p.device,
                                        ssm_dtype=ssm_dtype)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (read off the final norm: a quantized embedding has no ``.weight``)."""
+        return self.norm_f.weight.device
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

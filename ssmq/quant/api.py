@@ -71,19 +71,7 @@ def _hessian_chunks(model, paths: list[str], budget_bytes: int) -> list[list[str
 @torch.no_grad()
 def resolve_recipe(recipe):
     """A core ``Recipe`` or an SSM recipe (Quamba, Quamba2: ``ssmq.quant.ssm``) from a name, JSON path or object."""
-    from ssmq.quant.ssm.recipe import SSM_RECIPES, SSMRecipe, get_ssm_recipe
-
-    if isinstance(recipe, (Recipe, SSMRecipe)):
-        return recipe
-    if isinstance(recipe, str) and recipe in SSM_RECIPES:
-        return SSM_RECIPES[recipe]
-    try:
-        return get_recipe(recipe)
-    except SSMQError as core_error:
-        try:  # a JSON file may hold either kind
-            return get_ssm_recipe(recipe)
-        except SSMQError:
-            raise core_error from None
+    return get_recipe(recipe)
 
 
 def check_any_recipe(recipe, model: nn.Module) -> None:

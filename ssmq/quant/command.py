@@ -13,12 +13,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def register(subparsers) -> None:
     from ssmq.cli import add_model_args
     from ssmq.quant.recipe import RECIPES
-    from ssmq.quant.ssm.recipe import SSM_RECIPES
 
     p = subparsers.add_parser("quantize", help="quantize a model by a recipe and save it (safetensors + quantization.json)",
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="recipes:\n" + "\n".join(f"  {n:<18} {getattr(r, 'description', '')}"
-                                                              for n, r in {**RECIPES, **SSM_RECIPES}.items()))
+                                                              for n, r in RECIPES.items()))
     add_model_args(p)
     p.add_argument("--recipe", required=True, help="a recipe name (below) or a recipe JSON file")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")

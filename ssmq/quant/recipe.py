@@ -140,17 +140,21 @@ class Recipe:
 # ---------------------------------------------------------------------------------------------
 # registry
 # ---------------------------------------------------------------------------------------------
-RECIPES: dict[str, Recipe] = {}
+RECIPES: dict = {}  # name -> Recipe, or SSMRecipe (ssmq.quant.ssm: Quamba, Quamba2)
 
 
-def register_recipe(recipe: Recipe) -> Recipe:
+def register_recipe(recipe):
+    """Add a recipe of either kind to the one registry (validated first)."""
     RECIPES[recipe.name] = recipe.validate()
     return recipe
 
 
-def get_recipe(name_or_path) -> Recipe:
-    """A registered name, a path to a JSON file, or a Recipe (returned as is)."""
-    if isinstance(name_or_path, Recipe):
+def get_recipe(name_or_path):
+    """A registered name, a path to a JSON file, or a recipe object (returned validated).
+
+    JSON files with ``"kind": "ssm"`` are SSM recipes (``ssmq.quant.ssm.SSMRecipe``), others core ``Recipe``s.
+    """
+    if hasattr(name_or_path, "validate") and hasattr(name_or_path, "name"):
         return name_or_path.validate()
     key = str(name_or_path)
     if key in RECIPES:
@@ -158,8 +162,16 @@ def get_recipe(name_or_path) -> Recipe:
     p = Path(key).expanduser()
     if p.is_file():
         try:
-            return Recipe.from_json(p.read_text())
-        except SSMQError as e:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise SSMQError(f"{p}: not valid JSON: {e}") from None
+        try:
+            if isinstance(d, dict) and d.get("kind") == "ssm":
+                from ssmq.quant.ssm.recipe import SSMRecipe
+
+                return SSMRecipe.from_dict(d).validate()
+            return Recipe.from_dict(d)
+        except (SSMQError, KeyError, TypeError) as e:
             raise SSMQError(f"{p}: {e}") from None
     raise SSMQError(f"unknown recipe {key!r}: not a file, and not one of {', '.join(sorted(RECIPES))}")
 

@@ -44,7 +44,7 @@ class CudaGraphDecoder:
 
     def __init__(self, model, max_batch: int, max_seqlen: int, buckets=DEFAULT_BUCKETS, dtype=None, ssm_dtype=None,
                  cache=None):
-        if not model.embedding.weight.is_cuda:
+        if model.device.type != "cuda":
             raise SSMQError("CUDA-graph decode needs the model on a CUDA device")
         self.model = model
         self.buckets = sorted(b for b in buckets if b < max_batch) + [max_batch]
@@ -56,7 +56,7 @@ class CudaGraphDecoder:
         self.graphs: dict[int, tuple] = {}
 
     def _capture(self, bs: int):
-        device = self.model.embedding.weight.device
+        device = self.model.device
         tokens = torch.zeros(bs, dtype=torch.long, device=device)
         slots = torch.full((bs,), self.scratch, dtype=torch.long, device=device)
         graph, logits = _capture(lambda: self.model.step(tokens, self.cache, slots), self.pool,
@@ -89,7 +89,7 @@ class CudaGraphPrefill:
     """
 
     def __init__(self, model, cache, max_len: int, pool=None):
-        if not model.embedding.weight.is_cuda:
+        if model.device.type != "cuda":
             raise SSMQError("CUDA-graph prefill needs the model on a CUDA device")
         self.model, self.cache, self.max_len = model, cache, max_len
         self.pool = pool or torch.cuda.graph_pool_handle()
@@ -97,7 +97,7 @@ class CudaGraphPrefill:
         self.graphs: dict[int, tuple] = {}
 
     def _capture(self, length: int):
-        device = self.model.embedding.weight.device
+        device = self.model.device
         ids = torch.zeros(1, length, dtype=torch.long, device=device)
         slot = torch.full((1,), self.scratch, dtype=torch.long, device=device)
 

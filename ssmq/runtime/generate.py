@@ -26,7 +26,7 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SSMQError("every prompt must have at least one token")
-    device = model.embedding.weight.device
+    device = model.device
     max_len = max(len(p) for p in prompts) + params.max_new_tokens
     if cache is None:
         cache = model.allocate_cache(len(prompts), max_len)

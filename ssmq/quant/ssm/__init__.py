@@ -22,10 +22,10 @@ from ssmq.quant.ssm import recipes as _recipes  # noqa: F401  (registers the nam
 from ssmq.quant.ssm import state_cache as _state_cache
 from ssmq.quant.ssm.api import check_ssm_recipe, quantize_ssm
 from ssmq.quant.ssm.quantizer import ActQuantizer
-from ssmq.quant.ssm.recipe import SSM_RECIPES, SSMRecipe, TapRule, get_ssm_recipe, register_ssm_recipe
+from ssmq.quant.ssm.recipe import SSMRecipe, TapRule, get_ssm_recipe, register_ssm_recipe, ssm_recipes
 
 register_module_kind("SSMActQuantizer", ActQuantizer.from_spec)
 register_module_kind("SSMInt8StateMixer", _state_cache.from_spec)
 
-__all__ = ["ActQuantizer", "SSM_RECIPES", "SSMRecipe", "TapRule", "check_ssm_recipe", "get_ssm_recipe",
+__all__ = ["ActQuantizer", "ssm_recipes", "SSMRecipe", "TapRule", "check_ssm_recipe", "get_ssm_recipe",
            "quantize_ssm", "register_ssm_recipe"]

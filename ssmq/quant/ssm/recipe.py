@@ -152,25 +152,24 @@ class SSMRecipe:
         return json.dumps(self.to_dict(), indent=2)
 
 
-SSM_RECIPES: dict[str, SSMRecipe] = {}
-
-
 def register_ssm_recipe(recipe: SSMRecipe) -> SSMRecipe:
-    SSM_RECIPES[recipe.name] = recipe.validate()
-    return recipe
+    """SSM recipes live in the one registry of ``ssmq.quant.recipe`` beside the core ones."""
+    from ssmq.quant.recipe import register_recipe
+
+    return register_recipe(recipe)
+
+
+def ssm_recipes() -> dict[str, SSMRecipe]:
+    from ssmq.quant.recipe import RECIPES
+
+    return {n: r for n, r in RECIPES.items() if isinstance(r, SSMRecipe)}
 
 
 def get_ssm_recipe(name_or_path) -> SSMRecipe:
     """A registered name, a JSON file (with "kind": "ssm"), or an SSMRecipe."""
-    if isinstance(name_or_path, SSMRecipe):
-        return name_or_path.validate()
-    key = str(name_or_path)
-    if key in SSM_RECIPES:
-        return SSM_RECIPES[key]
-    p = Path(key).expanduser()
-    if p.is_file():
-        try:
-            return SSMRecipe.from_dict(json.loads(p.read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SSMQError(f"{p}: malformed SSM recipe: {e}") from None
-    raise SSMQError(f"unknown SSM recipe {key!r}: not a file, and not one of {', '.join(sorted(SSM_RECIPES))}")
+    from ssmq.quant.recipe import get_recipe
+
+    recipe = get_recipe(name_or_path)
+    if not isinstance(recipe, SSMRecipe):
+        raise SSMQError(f"recipe {recipe.name!r} is not an SSM recipe; SSM recipes: {', '.join(sorted(ssm_recipes()))}")
+    return recipe
