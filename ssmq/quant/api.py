@@ -68,17 +68,11 @@ def _hessian_chunks(model, paths: list[str], budget_bytes: int) -> list[list[str
     return chunks + ([cur] if cur else [])
 
 
-@torch.no_grad()
-def resolve_recipe(recipe):
-    """A core ``Recipe`` or an SSM recipe (Quamba, Quamba2: ``ssmq.quant.ssm``) from a name, JSON path or object."""
-    return get_recipe(recipe)
-
-
 def check_any_recipe(recipe, model: nn.Module) -> None:
     """Refuse a recipe (of either kind) that does not apply to ``model``, before any work."""
     from ssmq.quant.ssm.api import check_ssm_recipe
 
-    recipe = resolve_recipe(recipe)
+    recipe = get_recipe(recipe)
     if isinstance(recipe, Recipe):
         check_recipe(recipe, model)
     else:
@@ -86,10 +80,11 @@ def check_any_recipe(recipe, model: nn.Module) -> None:
 
 
 def needs_calibration(recipe) -> bool:
-    recipe = resolve_recipe(recipe)
+    recipe = get_recipe(recipe)
     return recipe.needs_calibration() if isinstance(recipe, Recipe) else True
 
 
+@torch.no_grad()
 def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, batch_size: int = 8,
              device=None, progress: bool = True, hessian_budget_bytes: int = 2 << 30) -> nn.Module:
     """Quantize ``model`` in place by ``recipe`` (a name, a JSON path or a Recipe); returns it.
@@ -100,7 +95,7 @@ def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, 
     """
     from tqdm.auto import tqdm
 
-    recipe = resolve_recipe(recipe)
+    recipe = get_recipe(recipe)
     if not isinstance(recipe, Recipe):
         from ssmq.quant.ssm.api import quantize_ssm
 

@@ -33,11 +33,12 @@ def register(subparsers) -> None:
 
 def run(args) -> None:
     from ssmq.cli import load_from_args
-    from ssmq.quant.api import check_any_recipe, needs_calibration, quantize, resolve_recipe
+    from ssmq.quant.api import check_any_recipe, needs_calibration, quantize
+    from ssmq.quant.recipe import get_recipe
     from ssmq.quant.calibration import load_calibration
     from ssmq.quant.checkpoint import save_quantized
 
-    recipe = resolve_recipe(args.recipe)
+    recipe = get_recipe(args.recipe)
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise SSMQError(f"output folder {out} already exists (pass --overwrite to replace it)")
