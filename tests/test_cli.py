@@ -37,3 +37,12 @@ def test_errors_are_one_line_and_nonzero(tmp_path):
         r = run(*args)
         assert r.returncode == 1
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("ssmq: error:"), r.stderr
+
+
+def test_eval_with_no_model_argument_uses_the_default_model(tmp_path):
+    shared_or_skip("models", "mamba2")
+    shared_or_skip("data", "eval", "wikitext2")
+    out = tmp_path / "r.json"
+    r = run("eval", "--tasks", "wikitext2", "--limit", "1", "--seqlen", "128", "--out", str(out), env={"SSMQ_MODEL": ""})
+    assert r.returncode == 0, r.stderr
+    assert "mamba2" in out.read_text() and "ppl" in out.read_text()

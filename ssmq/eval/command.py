@@ -49,8 +49,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ssmq.eval import report, suite
 
-    if bool(args.model) == bool(args.compare):
-        raise SSMQError("give either --model M or --compare A B ...")
+    if args.model and args.compare:
+        raise SSMQError("give either --model M or --compare A B ..., not both")
+    if not args.model and not args.compare:
+        from ssmq.cli import default_model
+
+        args.model = default_model()
     if args.compare and args.quantized:
         raise SSMQError("--quantized goes with --model; in --compare give each quantized checkpoint folder itself")
     suite.check_limit(args.limit)
