@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ssmq.eval import tasks as T
-from ssmq.eval.toy import BigramLM, ToyLM
+from toy_lm import BigramLM, ToyLM
 from ssmq.paths import shared_path
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm_eval not installed (pip install lm_eval==0.4.13)")

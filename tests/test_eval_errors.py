@@ -8,7 +8,7 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.eval import command, suite
 from ssmq.eval import tasks as T
-from ssmq.eval.toy import ToyLM
+from toy_lm import ToyLM
 
 
 def args(**kw):

@@ -7,7 +7,7 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.eval.perplexity import perplexity_of_file, perplexity_of_ids, windows, wikitext2_path
-from ssmq.eval.toy import ToyLM
+from toy_lm import ToyLM
 from ssmq.paths import shared_path
 
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ssmq.eval import report, suite
-from ssmq.eval.toy import ToyLM
+from toy_lm import ToyLM
 from ssmq.paths import shared_path
 
 

@@ -7,7 +7,7 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.eval.scoring import choice_metrics, encode_pair, loglikelihood, loglikelihood_tokens, mean_stderr
-from ssmq.eval.toy import BigramLM, ToyLM
+from toy_lm import BigramLM, ToyLM
 
 
 class ByteTokenizer:

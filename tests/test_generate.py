@@ -92,7 +92,7 @@ def test_empty_prompt_is_refused(tiny_model):
 def test_generation_from_a_quantized_checkpoint_with_quantized_embedding(tmp_path):
     from ssmq.quant import save_quantized
     from ssmq.quant.linear import QuantEmbedding
-    from ssmq.quant.ssm.tiny import synthetic_calibration, tiny_model
+    from tiny_ssm import synthetic_calibration, tiny_model
 
     model = tiny_model("mamba2")
     ssmq.quantize(model, "quamba2-w8a8", synthetic_calibration(model.config.vocab_size))

@@ -4,7 +4,7 @@ import torch
 
 from ssmq.quant.ssm import get_ssm_recipe, quantize_ssm
 from ssmq.quant.ssm.mixed import a16_count, evolutionary_search, hc_first, hc_last, window_ppl
-from ssmq.quant.ssm.tiny import synthetic_calibration, tiny_model
+from tiny_ssm import synthetic_calibration, tiny_model
 
 
 def test_search_finds_the_best_assignment_and_keeps_the_ratio():

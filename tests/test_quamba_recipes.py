@@ -12,7 +12,7 @@ from ssmq.ops.quant_ssm import conv1d_silu_quant_ref, quant_selective_scan_ref
 from ssmq.quant.ssm import SSMRecipe, TapRule, get_ssm_recipe, quantize_ssm
 from ssmq.quant.ssm.mixed import window_ppl
 from ssmq.quant.ssm.state_cache import allocate_cache, state_bytes
-from ssmq.quant.ssm.tiny import synthetic_calibration, tiny_model
+from tiny_ssm import synthetic_calibration, tiny_model
 
 CALIB = synthetic_calibration(64, 8, 32)
 TEST = synthetic_calibration(64, 4, 32, seed=7).input_ids

@@ -1,4 +1,4 @@
-"""Tiny random Mamba models and synthetic calibration windows, for tests and CPU smoke runs.
+"""Tiny random Mamba models and synthetic calibration windows, for the tests.
 
 Weights are random but shaped like trained ones where it matters for quantization: Δ biases of
 softplus⁻¹(U[1e-3, 1e-1]), A = -[1..16], a few SSM channels with 10x larger in_proj rows (the
