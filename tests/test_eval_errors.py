@@ -45,8 +45,8 @@ def test_limit_zero_and_bad_sizes():
     one_line(e)
     with pytest.raises(SSMQError, match="--batch-size must be positive"):
         command.run(args(model="x", batch_size=0))
-    with pytest.raises(SSMQError, match="either --model M or --compare"):
-        command.run(args())
+    with pytest.raises(SSMQError, match="either --model M or --compare A B ..., not both"):
+        command.run(args(model="x", compare=["a", "b"]))
 
 
 def test_missing_data_folder(monkeypatch, tmp_path):
