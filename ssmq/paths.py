@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+from ssmq.errors import SSMQError
 
 
 def shared_dir() -> Path | None:
@@ -25,3 +28,13 @@ def shared_path(*parts: str) -> Path | None:
         return None
     p = root.joinpath(*parts)
     return p if p.exists() else None
+
+
+def read_json(path: Path, missing: str) -> dict:
+    """The JSON object in ``path``; one-line SSMQError ``missing`` when absent, or naming the parse error."""
+    if not path.is_file():
+        raise SSMQError(missing)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SSMQError(f"corrupt {path}: {e}") from None

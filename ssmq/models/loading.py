@@ -20,6 +20,7 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
 from ssmq.models.lm import SSMLM
+from ssmq.paths import read_json
 
 HF_MODEL_TYPES = {"mamba": "mamba1", "mamba2": "mamba2", "bamba": "hybrid"}
 
@@ -196,13 +197,7 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
 
 
 def load_config(folder: Path) -> tuple[ModelConfig, str]:
-    cfg_file = folder / "config.json"
-    if not cfg_file.exists():
-        raise SSMQError(f"no config.json in {folder}")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise SSMQError(f"corrupt config.json in {folder}: {e}") from None
+    raw = read_json(folder / "config.json", f"no config.json in {folder}")
     fmt = detect_format(raw)
     try:
         cfg = config_from_mamba_ssm(raw) if fmt == "mamba_ssm" else config_from_hf(raw)

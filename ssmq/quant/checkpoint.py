@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ssmq.errors import SSMQError
+from ssmq.paths import read_json
 from ssmq.quant.hadamard import RotatedLinear
 from ssmq.quant.linear import QuantEmbedding, QuantLinear
 
@@ -123,13 +124,7 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 
 def read_manifest(folder: str | os.PathLike) -> dict:
     folder = Path(folder)
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise SSMQError(f"{folder} is not a quantized checkpoint (no {MANIFEST})")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SSMQError(f"corrupt {path}: {e}") from None
+    manifest = read_json(folder / MANIFEST, f"{folder} is not a quantized checkpoint (no {MANIFEST})")
     version = manifest.get("format_version")
     if version != FORMAT_VERSION:
         raise SSMQError(f"{folder}: quantized checkpoint format version {version}, this ssmq reads "
