@@ -108,7 +108,8 @@ def ladder_recipes():
 
 
 # ---------------------------------------------------------------------------------------------- main
-def run_model(path: str, args, out: dict) -> None:
+def run_model(path: str, args, out: dict, save) -> None:
+    """Fills ``out[path]`` row by row, calling ``save()`` after each so that a killed run keeps its rows."""
     import ssmq
     from ssmq.quant.calibration import load_calibration
 
@@ -125,13 +126,13 @@ def run_model(path: str, args, out: dict) -> None:
     def zero_shot(model):
         if not args.tasks:
             return None
-        from ssmq.eval.suite import evaluate, headline
+        from ssmq.eval.suite import evaluate, headline, parse_tasks
 
-        return headline(evaluate(model, tok, args.tasks.split(","), limit=args.task_limit, progress=False))
+        return headline(evaluate(model, tok, parse_tasks(args.tasks), limit=args.task_limit, progress=False))
 
-    def measure(label, model, seconds=0.0, extra=None):
+    def measure(label, model, seconds=0.0, extra=None, zero_shot_too=True):
         row = {"label": label, "ppl": perplexity(model, windows, args.batch_size), "quantize_s": round(seconds, 1)}
-        zs = zero_shot(model)
+        zs = zero_shot(model) if zero_shot_too else None
         if zs:
             row["zero_shot"] = zs
         row.update(extra or {})
@@ -142,54 +143,78 @@ def run_model(path: str, args, out: dict) -> None:
     fp16 = copy.deepcopy(float_model).half() if dev != "cpu" else float_model
     res["story"].append(measure("FP16" if dev != "cpu" else "FP32 (CPU)", fp16))
     del fp16
+    save()
 
     def quantized(recipe):
         t0 = time.perf_counter()
         m = quantize_ssm(copy.deepcopy(float_model), recipe, calib, batch_size=args.calib_batch, progress=False)
         return m, time.perf_counter() - t0
 
+    sections = args.sections.split(",")
     for label, recipe in story_recipes(arch):
-        if recipe.mixed is not None and args.skip_mixed:
+        is_mixed = recipe.mixed is not None
+        if ("mixed" if is_mixed else "story") not in sections:
             continue
         m, s = quantized(recipe)
         res["story"].append(measure(label, m, s, {"mixed": m.quantization.get("mixed")}))
         del m
-    if not args.skip_ladder:
+        save()
+    if "state" in sections:  # 8-bit state cache, on Quamba2 W8A8
+        m, _ = quantized(get_ssm_recipe("quamba2-w8a8").with_changes(name="quamba2-w8a8-state8", state_bits=8))
+        st = {"chunk": args.state_chunk}
+        for name, dtype in (("16-bit", torch.float16), ("8-bit", torch.int8)):
+            st[name] = {"ppl": perplexity(m, windows, args.batch_size, args.state_chunk, dtype),
+                        "state_bytes": state_bytes(allocate_cache(m, 1, args.seqlen, ssm_dtype=dtype))}
+            print(f"  state cache {name}: ppl {st[name]['ppl']:.3f}, {st[name]['state_bytes']} bytes / sequence",
+                  flush=True)
+        res["state"] = st
+        del m
+        save()
+    if "ladder" in sections:
         print("  ladder:", flush=True)
         for label, recipe in ladder_recipes():
             m, s = quantized(recipe)
-            res["ladder"].append(measure(label, m, s))
+            res["ladder"].append(measure(label, m, s, zero_shot_too=False))
             del m
-    # 8-bit state cache, on Quamba2 W8A8
-    m, _ = quantized(get_ssm_recipe("quamba2-w8a8").with_changes(name="quamba2-w8a8-state8", state_bits=8))
-    st = {"chunk": args.state_chunk}
-    for name, dtype in (("16-bit", torch.float16), ("8-bit", torch.int8)):
-        st[name] = {"ppl": perplexity(m, windows, args.batch_size, args.state_chunk, dtype),
-                    "state_bytes": state_bytes(allocate_cache(m, 1, args.seqlen, ssm_dtype=dtype))}
-        print(f"  state cache {name}: ppl {st[name]['ppl']:.3f}, {st[name]['state_bytes']} bytes / sequence", flush=True)
-    res["state"] = st
+            save()
+
+
+def zero_shot_avg(row: dict) -> float | None:
+    """Mean accuracy over the zero-shot tasks, in points (LAMBADA counts by its accuracy)."""
+    zs = row.get("zero_shot")
+    return 100 * sum(zs.values()) / len(zs) if zs else None
 
 
 def markdown(out: dict, meta: dict) -> str:
     lines = [f"# Quamba / Quamba2 on the reference models ({meta['date']}, {meta['device']})", "",
              f"Command: `{meta['command']}`", ""]
+    if meta.get("tasks"):
+        lim = f"first {meta['task_limit']} examples of each" if meta.get("task_limit") else "all examples"
+        lines += [f"Zero-shot ({lim}; story rows only): {meta['tasks']}. Accuracies in %, avg = their mean.", ""]
     for path, r in out.items():
         base = r["story"][0]["ppl"]
+        base_zs = zero_shot_avg(r["story"][0])
+        tasks = list(r["story"][0].get("zero_shot", {}))
         lines += [f"## {Path(path).name} ({r['arch']}), WikiText-2 test, {r['eval_windows'][0]} x {r['eval_windows'][1]} "
                   f"tokens; calibration {r['calibration']['n_samples']} x {r['calibration']['seqlen']}", "",
-                  "| setting | ppl | vs FP16 | zero-shot |", "|---|---|---|---|"]
+                  "| setting | ppl | vs FP16 | " + "".join(f"{t} | " for t in tasks) + ("avg | Δavg |" if tasks else ""),
+                  "|---|---|---|" + "---|" * (len(tasks) + (2 if tasks else 0))]
         for table in ("story", "ladder"):
             if table == "ladder" and r["ladder"]:
-                lines += ["| **Quamba2 W4A8 ladder** | | | |"]
+                lines += ["| **Quamba2 W4A8 ladder** | | |" + " |" * (len(tasks) + (2 if tasks else 0))]
             for row in r[table]:
-                zs = ", ".join(f"{k} {v:.3f}" for k, v in row.get("zero_shot", {}).items())
-                lines.append(f"| {row['label']} | {row['ppl']:.3f} | {100 * (row['ppl'] / base - 1):+.2f}% | {zs} |")
+                cells = [row["label"], f"{row['ppl']:.3f}", f"{100 * (row['ppl'] / base - 1):+.2f}%"]
+                if tasks:
+                    zs, avg = row.get("zero_shot", {}), zero_shot_avg(row)
+                    cells += [f"{100 * zs[t]:.1f}" if t in zs else "" for t in tasks]
+                    cells += [f"{avg:.2f}", f"{avg - base_zs:+.2f}"] if avg is not None else ["", ""]
+                lines.append("| " + " | ".join(cells) + " |")
         mixed = next((row["mixed"] for row in r["story"] if row.get("mixed")), None)
         if mixed:
             lines += ["", f"Mixed: assignment {mixed['assignment']}, held-out ppl {mixed['fitness_ppl']:.3f}; "
                           f"baselines {json.dumps({k: round(v, 3) for k, v in mixed['baselines_ppl'].items()})}"]
         s = r["state"]
-        if s:
+        if s and "8-bit" in s:
             d = 100 * (s["8-bit"]["ppl"] / s["16-bit"]["ppl"] - 1)
             lines += ["", f"State cache (Quamba2 W8A8, prefill in chunks of {s['chunk']}): 16-bit ppl "
                           f"{s['16-bit']['ppl']:.3f}, 8-bit {s['8-bit']['ppl']:.3f} ({d:+.2f}%); bytes per sequence "
@@ -215,23 +240,27 @@ def main(argv=None) -> None:
     p.add_argument("--tasks", default="", help="zero-shot tasks, e.g. lambada,hellaswag,piqa,arc_easy,arc_challenge,winogrande")
     p.add_argument("--task-limit", type=int, default=None)
     p.add_argument("--state-chunk", type=int, default=256)
-    p.add_argument("--skip-mixed", action="store_true")
-    p.add_argument("--skip-ladder", action="store_true")
+    p.add_argument("--sections", default="story,mixed,state,ladder",
+                   help="comma list, run in this order: story (FP16 ... Quamba2 W4A16), mixed (the W4AX search row), "
+                        "state (8-bit state cache), ladder (Quamba2 W4A8 one component at a time; perplexity only)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quamba"))
     args = p.parse_args(argv)
     if args.full:
         args.calib_samples = 512
     torch.manual_seed(0)
-    out: dict = {}
-    for path in args.models:
-        run_model(path, args, out)
     meta = {"date": datetime.date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
-            "torch": torch.__version__}
+            "torch": torch.__version__, "tasks": args.tasks, "task_limit": args.task_limit}
     dst = Path(args.out)
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "quamba_table.json").write_text(json.dumps({"meta": meta, "results": out}, indent=2, default=str))
-    (dst / "quamba_table.md").write_text(markdown(out, meta))
+    out: dict = {}
+
+    def save():
+        (dst / "quamba_table.json").write_text(json.dumps({"meta": meta, "results": out}, indent=2, default=str))
+        (dst / "quamba_table.md").write_text(markdown(out, meta))
+
+    for path in args.models:
+        run_model(path, args, out, save)
     print(f"wrote {dst / 'quamba_table.md'}")
 
 

@@ -49,7 +49,8 @@ def test_cuda_graph_prefill_equals_eager_and_decodes_on(tiny_folder):
         pre = CudaGraphPrefill(model, dec.cache, max_len=32, pool=dec.pool)
         last = pre(ids[:, :25], slot=1)  # 25 = 16 + 8 + 1: three graphs, each continuing the state
         torch.testing.assert_close(last, full[:, 24], atol=1e-4, rtol=1e-4)
-        steps = [dec(ids[:, t], torch.tensor([1], device="cuda")) for t in range(25, 29)]
+        # .clone(): each call returns the graph's output buffer, which the next replay overwrites
+        steps = [dec(ids[:, t], torch.tensor([1], device="cuda")).clone() for t in range(25, 29)]
     torch.testing.assert_close(torch.cat(steps), full[0, 25:], atol=1e-4, rtol=1e-4)
     assert int(dec.cache.seqlens[1]) == 29
 

@@ -40,7 +40,11 @@ def _capture(fn, pool, reset):
 
 
 class CudaGraphDecoder:
-    """Replays ``model.step`` from captured graphs. Call as ``decoder(tokens (b,), slots (b,)) -> logits (b, vocab)``."""
+    """Replays ``model.step`` from captured graphs. Call as ``decoder(tokens (b,), slots (b,)) -> logits (b, vocab)``.
+
+    The logits returned are a view of the graph's output buffer, overwritten by the next call of the same
+    bucket (copying them would cost a (b, vocab) write per token): sample from them, or ``.clone()`` to keep.
+    """
 
     def __init__(self, model, max_batch: int, max_seqlen: int, buckets=DEFAULT_BUCKETS, dtype=None, ssm_dtype=None,
                  cache=None):
@@ -86,6 +90,7 @@ class CudaGraphPrefill:
     """Replays ``model.forward`` over binary pieces of a prompt. Call as ``prefill(ids (1, L), slot) -> logits (1, vocab)``.
 
     Shares the decoder's cache and memory pool when given one, so a prompt prefilled here decodes there.
+    Like the decoder's, the logits returned live in a graph's output buffer until its next replay.
     """
 
     def __init__(self, model, cache, max_len: int, pool=None):
