@@ -2,12 +2,14 @@
 
 Shapes: Mamba2-2.7B (d_model 2560, d_inner 5120, 80 heads of 64, d_state 128, ngroups 1,
 chunk 256, conv width 4), decode at batch 1 and 32, prefill of 1024 and 2048 tokens at batch 1;
-the Mamba-1 selective scan at Mamba-1 2.8b's d_inner 5120, d_state 16.
+the Mamba-1 selective scan at Mamba-1 2.8b's d_inner 5120, d_state 16. The decode GEMV
+(``gemv`` rows) against ``F.linear`` (cuBLAS) at Mamba2-2.7B's in_proj, out_proj and lm_head, 1 and 8 rows.
 
 Each row also gives the fewest bytes the op must move (inputs read once, outputs written once)
 over the measured device-to-device copy bandwidth: the time no kernel can beat.
 
-    PYTHONPATH=/path/to/mamba_ssm_src python benchmarks/bench_kernels.py [--json out.json] [--dtype float16]
+    PYTHONPATH=/path/to/mamba_ssm_src python benchmarks/bench_kernels.py [--json out.json] [--dtype float16] \
+        [--only gemv]
 
 mamba_ssm is optional (its rows are blank without it); it is a peer to compare with, never imported by ssmq.
 """
@@ -20,14 +22,19 @@ import math
 from functools import partial as bind
 
 import torch
+import torch.nn.functional as F
 import triton.testing as tt
 
 from ssmq import ops
-from ssmq.kernels import conv1d, norm, scan, ssd, state_update
+from ssmq.kernels import conv1d, gemv, norm, scan, ssd, state_update
 
 DEV = "cuda"
 D_MODEL, D_INNER, H, P, N, G, T, W = 2560, 5120, 80, 64, 128, 1, 256, 4
 CONV_DIM = D_INNER + 2 * G * N
+VOCAB = 50288  # Mamba2-2.7B's padded vocabulary
+# (name, out features, in features) of the decode GEMVs; in_proj makes z, x, B, C and dt
+GEMV_SHAPES = (("in_proj", 2 * D_INNER + 2 * G * N + H, D_MODEL), ("out_proj", D_MODEL, D_INNER),
+               ("lm_head", VOCAB, D_MODEL))
 
 
 def peer():
@@ -130,6 +137,38 @@ def cases(dtype, pk):
                     bind(scan.selective_scan, u, delta, A1, B1, C1, **kw1),
                     bind(ops.selective_scan_ref, u, delta, A1, B1, C1, **kw1) if l == 1024 else None, None))
         out += norm_cases(r, dtype, l, False, pk)
+    out += gemv_cases(r, dtype)
+    return out
+
+
+def l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(DEV) if torch.cuda.is_available() else None
+    return getattr(props, "L2_cache_size", 0) or 50 * 2**20
+
+
+def each_weight(fn, x, ws):
+    """fn(x, w) for each copy of a weight, in turn."""
+    for w in ws:
+        fn(x, w)
+
+
+def gemv_cases(r, dtype, shapes=GEMV_SHAPES, rows=(1, 8)):
+    """Decode GEMV rows: ours (``gemv.linear_decode``) and cuBLAS (``F.linear``) on the same inputs.
+
+    In decode every layer's weight comes from HBM; a replay of one weight would find it in L2
+    (50 MB on an H100: out_proj's 26 MB fits). So each row runs over enough copies of the weight
+    to pass 4x the L2 size, named 'xC' in the row, its bytes and times summed over the C copies.
+    """
+    out = []
+    esize = torch.empty((), dtype=dtype).element_size()
+    for name, n, k in shapes:
+        copies = max(1, math.ceil(4 * l2_bytes() / (n * k * esize)))
+        ws = [r(n, k) * k ** -0.5 for _ in range(copies)]
+        for b in rows:
+            x = r(b, k)
+            nb = copies * (nbytes(ws[0], x) + b * n * esize)
+            out.append((f"gemv {name} b={b} x{copies}", nb, True, bind(each_weight, gemv.linear_decode, x, ws),
+                        bind(each_weight, F.linear, x, ws), None))
     return out
 
 
@@ -252,6 +291,7 @@ def main():
     ap.add_argument("--quick", default=None, choices=["scan", "final"],
                     help="--sweep with the ssd default only; 'final': the scan default only too")
     ap.add_argument("--old", default=None, help="folder with ssd_orig.py / scan_orig.py to time as 'old' in --sweep")
+    ap.add_argument("--only", default="", help="time only the rows whose name contains this (e.g. gemv)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -264,7 +304,7 @@ def main():
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s  dtype {args.dtype}")
     rows = []
-    for name, nb, graph, ours, ref, pe in cases(dtype, peer()):
+    for name, nb, graph, ours, ref, pe in (c for c in cases(dtype, peer()) if args.only in c[0]):
         # ours and the peer always as CUDA-graph replays: the host launches of a few-kernel op can
         # otherwise outlast the GPU work and be timed instead of it; the references (long Python loops) plainly
         t_ours = timeit(ours, True)
@@ -274,13 +314,17 @@ def main():
         rows.append(dict(op=name, ours_ms=t_ours, ref_ms=t_ref, mamba_ssm_ms=t_peer, bytes=nb, floor_ms=floor,
                          ours_of_floor=t_ours / floor, graph=graph))
         print(f"  {name:26s} ours {t_ours * 1e3:9.1f} us", flush=True)
-    hdr = f"{'op':26s} {'ours us':>9s} {'ref us':>10s} {'mamba_ssm':>10s} {'vs peer':>8s} {'MB':>8s} {'floor us':>9s} {'x floor':>8s}"
+    hdr = (f"{'op':26s} {'ours us':>9s} {'ref us':>10s} {'mamba_ssm':>10s} {'vs peer':>8s} {'vs ref':>7s} {'MB':>8s} "
+           f"{'floor us':>9s} {'x floor':>8s}")
     print(hdr)
     for r in rows:
         vs = r["mamba_ssm_ms"] / r["ours_ms"]
         print(f"{r['op']:26s} {r['ours_ms'] * 1e3:9.1f} {r['ref_ms'] * 1e3:10.1f} {r['mamba_ssm_ms'] * 1e3:10.1f} "
-              f"{vs:8.2f} {r['bytes'] / 1e6:8.2f} {r['floor_ms'] * 1e3:9.1f} {r['ours_of_floor']:8.2f}")
-    print("(ours and mamba_ssm: CUDA-graph replays; ref: graph for decode rows only; 'vs peer' > 1 means ours is faster; 'x floor' = ours / bytes-bound)")
+              f"{vs:8.2f} {r['ref_ms'] / r['ours_ms']:7.2f} {r['bytes'] / 1e6:8.2f} {r['floor_ms'] * 1e3:9.1f} "
+              f"{r['ours_of_floor']:8.2f}")
+    print("(ours and mamba_ssm: CUDA-graph replays; ref: graph for decode rows only; 'vs peer' / 'vs ref' > 1 means "
+          "ours is faster; 'x floor' = ours / bytes-bound; gemv rows: ref is F.linear, times summed over the xC "
+          "weight copies)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=bw, dtype=args.dtype, rows=rows), f, indent=1)

@@ -34,7 +34,7 @@ def K():
     import importlib
 
     return {m: importlib.import_module(f"ssmq.kernels.{m}") for m in
-            ("conv1d", "state_update", "ssd", "scan", "norm")}
+            ("conv1d", "state_update", "ssd", "scan", "norm", "gemv")}
 
 
 def _patch_interpreter_scalars():
@@ -265,6 +265,67 @@ def test_rmsnorm_gated(K, dtype, shape, group, gate):
     check(K["norm"].rmsnorm_gated(x, w, **kw), ops.rmsnorm_gated_ref(x, w, **kw), TOL[dtype])
 
 
+# --- decode GEMV ------------------------------------------------------------------------------------------------
+
+def _linear_ref(x, w, b):
+    """F.linear in float64 on the same (rounded) inputs, cast back to x's dtype like the kernel's output."""
+    return torch.nn.functional.linear(x.double(), w.double(), b.double() if b is not None else None).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("n,k", cases([(70, 130), (300, 2560), (2560, 5120), (1000, 64)], [(70, 130), (300, 2560)]))
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(K, dtype, rows, n, k, bias):
+    torch.manual_seed(11)
+    x, w = rnd(rows, k, dtype=dtype), rnd(n, k, dtype=dtype, scale=k ** -0.5)
+    b = rnd(n, dtype=dtype) if bias else None
+    check(K["gemv"].linear_decode(x, w, b), _linear_ref(x, w, b), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["fma", "dot", "split"])
+def test_gemv_paths(K, dtype, path):
+    """Each code path forced, whatever the heuristic would pick: both tile kinds at any row count,
+    a K split with a ragged last split (K not a multiple of BLOCK_K), more rows than one program
+    serves (several row blocks)."""
+    torch.manual_seed(12)
+    cfg = {"fma": dict(PATH="fma"), "dot": dict(PATH="dot"),
+           "split": dict(MIN_SPLIT_K=16, WAVES=10**6, BK_FMA=32, BK_DOT=32)}[path]
+    for rows, n, k in [(1, 45, 200), (6, 33, 170), (19, 20, 96)]:
+        x, w, b = rnd(rows, k, dtype=dtype), rnd(n, k, dtype=dtype, scale=k ** -0.5), rnd(n, dtype=dtype)
+        c = K["gemv"]._config(rows, n, k, 132, {**K["gemv"].CFG, **cfg})
+        assert c["split"] > 1 if path == "split" else c["DOT"] == (path == "dot")
+        check(K["gemv"].linear_decode(x, w, b, cfg=cfg), _linear_ref(x, w, b), TOL[dtype])
+
+
+def test_gemv_leading_dims_and_empty(K):
+    torch.manual_seed(13)
+    x, w, b = rnd(2, 1, 96), rnd(40, 96), rnd(40)
+    check(K["gemv"].linear_decode(x, w, b), _linear_ref(x, w, b), TOL[torch.float32])
+    xt = rnd(96, 3).t()  # unit stride on rows, not on K: copied
+    check(K["gemv"].linear_decode(xt, w), _linear_ref(xt, w, None), TOL[torch.float32])
+    xs, bs = rnd(3, 200)[:, 50:146], rnd(80)[::2]  # rows 200 apart, read in place; a strided bias
+    check(K["gemv"].linear_decode(xs, w, bs), _linear_ref(xs, w, bs), TOL[torch.float32])
+    assert K["gemv"].linear_decode(rnd(0, 96), w).shape == (0, 40)
+    # K = 0: no products, the output is the bias alone, as in F.linear
+    check(K["gemv"].linear_decode(rnd(2, 0), rnd(40, 0), b), b.expand(2, 40), 1e-7)
+
+
+def test_gemv_config_heuristic():
+    """Pure-Python launch sizing: few output blocks get a K split, many get none, splits cover K."""
+    triton = pytest.importorskip("triton")
+    from ssmq.kernels import gemv
+
+    for m, n, k in [(1, 10576, 2560), (1, 2560, 5120), (8, 2560, 5120), (1, 50288, 2560), (8, 50288, 2560),
+                    (3, 70, 130), (20, 100, 1000), (1, 1, 1)]:
+        c = gemv._config(m, n, k, 132)
+        assert c["k_split"] % c["BLOCK_K"] == 0 and (c["split"] - 1) * c["k_split"] < k <= c["split"] * c["k_split"]
+        assert c["grid"] == (triton.cdiv(n, c["BLOCK_N"]) * triton.cdiv(m, c["BLOCK_M"]), c["split"])
+    assert gemv._config(1, 50288, 2560, 132)["split"] == 1
+    assert gemv._config(8, 2560, 5120, 132)["split"] > 1
+
+
 # --- dispatch -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch sends CUDA tensors to the kernels")
@@ -276,3 +337,19 @@ def test_dispatch_uses_kernels_on_cuda(K, monkeypatch):
     assert dispatch.rms_norm(rnd(2, 8), rnd(8))[0] == "k" and called
     x = torch.randn(2, 8)
     assert torch.equal(dispatch.rms_norm(x, torch.ones(8))[0], ops.rms_norm_ref(x, torch.ones(8))[0])  # CPU: reference
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch sends CUDA tensors to the kernels")
+def test_dispatch_linear(K, monkeypatch):
+    from ssmq.kernels import dispatch
+
+    called = []
+    real = K["gemv"].linear_decode
+    monkeypatch.setattr(K["gemv"], "linear_decode", lambda *a: called.append(1) or real(*a))
+    w, b = rnd(64, 32, dtype=torch.float16), rnd(64, dtype=torch.float16)
+    x = rnd(2, 3, 32, dtype=torch.float16)
+    check(dispatch.linear(x, w, b), _linear_ref(x, w, b), TOL[torch.float16])
+    assert called == [1]
+    dispatch.linear(rnd(9, 32, dtype=torch.float16), w, b)  # past 8 rows: cuBLAS
+    dispatch.linear(rnd(2, 32), rnd(64, 32))  # float32: cuBLAS
+    assert called == [1]

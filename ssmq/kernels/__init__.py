@@ -8,6 +8,7 @@ name on CPU and GPU alike.
 from ssmq.kernels.dispatch import (
     causal_conv1d,
     causal_conv1d_update,
+    linear,
     rms_norm,
     rmsnorm_gated,
     selective_scan,
@@ -18,6 +19,7 @@ from ssmq.kernels.dispatch import (
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
+    "linear",
     "rms_norm",
     "rmsnorm_gated",
     "selective_scan",

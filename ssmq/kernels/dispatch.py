@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import os
+
+import torch
+import torch.nn.functional as F
 
 from ssmq import ops
 
@@ -62,3 +66,14 @@ def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):
 def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False):
     impl = _kernels("norm").rmsnorm_gated if _use_triton(x) else ops.rmsnorm_gated_ref
     return impl(x, weight, z, eps, group_size, norm_before_gate)
+
+
+_DECODE_ROWS = 8  # gemv.MAX_ROWS: one weight pass serves this many rows; more rows are GEMMs, cuBLAS's ground
+
+
+def linear(x, weight, bias=None):
+    """``F.linear``, through the Triton GEMV for decode-sized fp16/bf16 inputs (<= 8 rows) on CUDA."""
+    if (_use_triton(x) and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and (bias is None or bias.dtype == x.dtype) and 0 < math.prod(x.shape[:-1]) <= _DECODE_ROWS):
+        return _kernels("gemv").linear_decode(x, weight, bias)
+    return F.linear(x, weight, bias)
