@@ -76,11 +76,17 @@ def cmd_generate(args) -> None:
                             top_p=args.top_p, eos_id=tok.eos_id, vocab_limit=len(tok), seed=args.seed,
                             stop_at_eos=not args.ignore_eos)
     ids = tok.encode_batch(prompts)
+    run = {}
+    if model.device.type == "cuda" and not args.eager:  # decode from CUDA graphs over the decoder's cache
+        from ssmq.runtime.cuda_graph import CudaGraphDecoder
+
+        dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + args.max_new_tokens)
+        run = {"cache": dec.cache, "decode_fn": dec}
     if len(prompts) == 1:  # stream: print the new text as each token arrives
         print(prompts[0], end="", flush=True)
         out: list[int] = []
         shown = ""
-        for _, t in stream_generate(model, ids, params):
+        for _, t in stream_generate(model, ids, params, **run):
             out.append(t)
             text = tok.decode(out)
             print(text[len(shown):], end="", flush=True)
@@ -88,7 +94,7 @@ def cmd_generate(args) -> None:
         print()
         return
     outs: list[list[int]] = [[] for _ in prompts]
-    for row, t in stream_generate(model, ids, params):
+    for row, t in stream_generate(model, ids, params, **run):
         outs[row].append(t)
     for prompt, out in zip(prompts, outs):
         print(f"--- {prompt!r}\n{prompt}{tok.decode(out)}")
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
+    p.add_argument("--eager", action="store_true", help="on CUDA, decode without CUDA graphs")
     p.set_defaults(func=cmd_generate)
 
     for module in PLUGIN_COMMANDS:

@@ -63,3 +63,17 @@ def test_bf16_generation_runs_on_reference_model():
     tok = ssmq.load_tokenizer(folder)
     out = generate(model, [tok.encode("The history of the city")], SamplingParams(max_new_tokens=16))
     assert len(out[0]) >= 1 and all(0 <= t < 50277 for t in out[0])
+
+
+def test_cli_generate_on_cuda_decodes_from_graphs_like_eager(capsys):
+    from conftest import shared_or_skip
+
+    from ssmq.cli import main
+
+    folder = shared_or_skip("models", "mamba2")
+    outs = []
+    for extra in ([], ["--eager"]):
+        assert main(["generate", "--model", str(folder), "--device", "cuda", "--dtype", "float32",
+                     "--prompt", "The history of", "--prompt", "In 1990 the", "--max-new-tokens", "12", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].count("--- ") == 2

@@ -6,6 +6,8 @@ modules lazily so that ``import ssmq`` never does.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -29,6 +31,17 @@ def softplus(x):
 @triton.jit
 def silu(x):
     return x / (1.0 + tl.exp(-x))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H100 SXM, for interpreter runs on CPU)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 132
 
 
 def pow2(x: int, lo: int = 1) -> int:

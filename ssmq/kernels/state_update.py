@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import pow2, silu, softplus
+from ssmq.kernels._common import pow2, silu, sm_count, softplus
 
 
 @triton.jit
@@ -96,6 +96,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
            and (dt_bias is None or dt_bias.stride(1) == 0))
     BN = pow2(n, 16)
     BP = max(4, min(pow2(p), 4096 // BN))  # ~4K state elements a program: enough loads in flight
+    # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
+    # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
+    while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
+        BP //= 2
     grid = (b, h, triton.cdiv(p, BP))
     _state_update[grid](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ssmq import ops
 from ssmq.models.config import ModelConfig
+from ssmq.models.linear import Linear
 
 
 class Attention(nn.Module):
@@ -19,10 +20,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.hq, self.hkv, self.e = cfg.attn_heads, cfg.attn_kv_heads, cfg.attn_head_dim
         self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
-        self.q_proj = nn.Linear(cfg.d_model, self.hq * self.e, bias=cfg.attn_bias)
-        self.k_proj = nn.Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
-        self.v_proj = nn.Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
-        self.o_proj = nn.Linear(self.hq * self.e, cfg.d_model, bias=cfg.attn_bias)
+        self.q_proj = Linear(cfg.d_model, self.hq * self.e, bias=cfg.attn_bias)
+        self.k_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
+        self.v_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
+        self.o_proj = Linear(self.hq * self.e, cfg.d_model, bias=cfg.attn_bias)
 
     def _qkv(self, hidden: torch.Tensor, positions: torch.Tensor):
         """hidden: (b, l, d_model); positions: (b, l) → rotated q (b, l, hq, e), k, v (b, l, hkv, e)."""
@@ -63,9 +64,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
-        self.down_proj = nn.Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+        self.gate_proj = Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.up_proj = Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
+        self.down_proj = Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ssmq import kernels
 from ssmq.models.config import ModelConfig
+from ssmq.models.linear import Linear
 from ssmq.models.hybrid import Attention, GatedMLP
 from ssmq.models.mamba1 import Mamba1Mixer
 from ssmq.models.mamba2 import Mamba2Mixer
@@ -59,7 +60,7 @@ class SSMLM(nn.Module):
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
 

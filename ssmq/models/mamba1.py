@@ -11,6 +11,7 @@ import torch.nn as nn
 from ssmq import kernels
 from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
+from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
 
 
@@ -20,16 +21,16 @@ class Mamba1Mixer(nn.Module):
         self.layer_idx = layer_idx
         d, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank_
         self.d_inner, self.d_state, self.dt_rank = d, n, r
-        self.in_proj = nn.Linear(cfg.d_model, 2 * d, bias=cfg.proj_bias)
+        self.in_proj = Linear(cfg.d_model, 2 * d, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(d, d, cfg.d_conv, groups=d, bias=cfg.conv_bias)
-        self.x_proj = nn.Linear(d, r + 2 * n, bias=False)
+        self.x_proj = Linear(d, r + 2 * n, bias=False)
         # dt_proj's bias lives apart (as Mamba-2's dt_bias) so dt_proj is a plain, swappable Linear
         # and the bias is added in float32 inside the scan, before the softplus
-        self.dt_proj = nn.Linear(r, d, bias=False)
+        self.dt_proj = Linear(r, d, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(d))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(d, 1))
         self.D = nn.Parameter(torch.ones(d))
-        self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
+        self.out_proj = Linear(d, cfg.d_model, bias=cfg.proj_bias)
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ssmq import kernels
 from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
+from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
 
 
@@ -35,13 +36,13 @@ class Mamba2Mixer(nn.Module):
         self.layer_idx = layer_idx
         self.cfg = cfg
         d, h, g, n = cfg.d_inner, cfg.nheads, cfg.ngroups, cfg.d_state
-        self.in_proj = nn.Linear(cfg.d_model, 2 * d + 2 * g * n + h, bias=cfg.proj_bias)
+        self.in_proj = Linear(cfg.d_model, 2 * d + 2 * g * n + h, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(h))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(h))
         self.norm = GatedRMSNorm(d, cfg.norm_eps, cfg.norm_group_size or d // g)
-        self.out_proj = nn.Linear(d, cfg.d_model, bias=cfg.proj_bias)
+        self.out_proj = Linear(d, cfg.d_model, bias=cfg.proj_bias)
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ssmq.errors import SSMQError
+from ssmq.models.linear import Linear
 from ssmq.paths import read_json
 from ssmq.quant.hadamard import RotatedLinear
 from ssmq.quant.linear import QuantEmbedding, QuantLinear
@@ -185,7 +186,7 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
             mod._parameters[attr] = nn.Parameter(keep, requires_grad=False)
         else:
             mod._buffers[attr] = keep
-    if cfg.tie_embeddings and type(model.lm_head) is nn.Linear and type(model.embedding) is nn.Embedding:
+    if cfg.tie_embeddings and type(model.lm_head) in (nn.Linear, Linear) and type(model.embedding) is nn.Embedding:
         model.lm_head.weight = model.embedding.weight  # re-tie: the embedding got a new Parameter above
     float_dtype = dtype or getattr(torch, manifest.get("dtype", "float32"))
     for m in model.modules():  # non-persistent dtype markers (QuantEmbedding) follow the float dtype
