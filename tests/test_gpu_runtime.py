@@ -77,3 +77,17 @@ def test_cli_generate_on_cuda_decodes_from_graphs_like_eager(capsys):
                      "--prompt", "The history of", "--prompt", "In 1990 the", "--max-new-tokens", "12", *extra]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] and outs[0].count("--- ") == 2
+
+
+def test_fp16_decode_on_cuda_matches_the_float32_reference(tiny_folder):
+    """fp16 decode runs the decode-only kernels (GEMV, gated norm fused into out_proj): same logits as fp32 CPU."""
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = ssmq.load_model(tiny_folder)(ids)[:, 16:]
+        model = ssmq.load_model(tiny_folder, dtype=torch.float16, device="cuda")
+        cache = model.allocate_cache(2, 32)
+        slots = torch.arange(2, device="cuda")
+        model(ids[:, :16].cuda(), cache, slots)
+        steps = [model.step(ids[:, t].cuda(), cache, slots).float().cpu() for t in range(16, 24)]
+    out = torch.stack(steps, 1)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-2

@@ -326,6 +326,113 @@ def test_gemv_config_heuristic():
     assert gemv._config(8, 2560, 5120, 132)["split"] > 1
 
 
+# --- gated RMSNorm + out_proj (the GEMV with the norm as its prologue) ---------------------------------------------
+
+def _gated_ref(y, z, nw, eps, gs, w, b):
+    """gated_rmsnorm_linear_ref in float64 on the same (rounded) inputs, cast back to y's dtype."""
+    d = lambda t: t.double() if t is not None else None  # noqa: E731
+    return ops.gated_rmsnorm_linear_ref(d(y), d(z), d(nw), eps, gs, d(w), d(b)).to(y.dtype)
+
+
+def _gated_inputs(lead, n, k, dtype, bias, scale=1.0):
+    y, z = rnd(*lead, k, dtype=dtype, scale=scale), rnd(*lead, k, dtype=dtype, scale=scale)
+    nw, w = 1 + 0.1 * rnd(k, dtype=dtype), rnd(n, k, dtype=dtype, scale=k ** -0.5)
+    return y, z, nw, w, rnd(n, dtype=dtype) if bias else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,k,groups", cases(
+    # Mamba2-2.7B's out_proj (one group of 5120), a Mamba2-8B-like one (8 groups of 1024)
+    [(70, 256, 1), (96, 512, 4), (2560, 5120, 1), (2560, 5120, 8), (4096, 8192, 8)],
+    [(70, 256, 1), (70, 256, 4), (96, 512, 1), (96, 512, 4)]))
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_rmsnorm_linear(K, dtype, rows, n, k, groups, bias):
+    torch.manual_seed(14)
+    y, z, nw, w, b = _gated_inputs((rows,), n, k, dtype, bias)
+    check(K["gemv"].gated_rmsnorm_linear(y, z, nw, 1e-5, k // groups, w, b),
+          _gated_ref(y, z, nw, 1e-5, k // groups, w, b), TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["fma", "dot", "split"])
+def test_gated_rmsnorm_linear_paths(K, dtype, path):
+    """Each path forced; a K split must give whole groups (several splits of several groups each, and
+    splits of one group); several row blocks."""
+    torch.manual_seed(15)
+    gemv = K["gemv"]
+    cfg = {"fma": dict(PATH="fma"), "dot": dict(PATH="dot"),
+           "split": dict(MIN_SPLIT_K=16, WAVES=10**6, BK_FMA=32, BK_DOT=32)}[path]
+    for rows, n, k, gs in [(1, 45, 256, 64), (6, 33, 192, 32), (19, 20, 96, 48), (3, 40, 128, 16)]:
+        y, z, nw, w, b = _gated_inputs((rows,), n, k, dtype, True)
+        c = gemv._config(rows, n, k, 132, {**gemv.CFG, **cfg}, group=gs)
+        assert gs % c["BLOCK_K"] == 0 and c["k_split"] % gs == 0
+        assert c["split"] > 1 if path == "split" else c["DOT"] == (path == "dot")
+        check(gemv.gated_rmsnorm_linear(y, z, nw, 1e-5, gs, w, b, cfg=cfg), _gated_ref(y, z, nw, 1e-5, gs, w, b),
+              TOL[dtype])
+
+
+def test_gated_rmsnorm_linear_split_whole_groups(K):
+    """The plain GEMV would split K mid-group here; the prologue's plan splits on group boundaries only,
+    or not at all (one group: narrower output blocks instead)."""
+    gemv = K["gemv"]
+    c = gemv._config(8, 2560, 5120, 132, group=5120)
+    assert gemv._config(8, 2560, 5120, 132)["split"] > 1 and c["split"] == 1 and c["BLOCK_N"] == 16
+    c = gemv._config(8, 4096, 8192, 132, group=1024)
+    assert c["split"] > 1 and c["k_split"] % 1024 == 0 and (c["split"] - 1) * c["k_split"] < 8192
+    torch.manual_seed(16)
+    y, z, nw, w, b = _gated_inputs((8,), 24, 384, torch.float32, True)
+    cfg = dict(MIN_SPLIT_K=16, WAVES=10**6)
+    c = gemv._config(8, 24, 384, 132, {**gemv.CFG, **cfg}, group=128)
+    assert c["split"] == 3 and c["k_split"] == 128
+    check(gemv.gated_rmsnorm_linear(y, z, nw, 1e-5, 128, w, b, cfg=cfg), _gated_ref(y, z, nw, 1e-5, 128, w, b),
+          TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rmsnorm_linear_fallback(K, dtype, monkeypatch):
+    """Groups of 40 (no BLOCK_K >= 16 divides them): no plan, the norm kernel then linear_decode."""
+    gemv, norm = K["gemv"], K["norm"]
+    torch.manual_seed(17)
+    assert gemv._config(2, 30, 160, 132, group=40) is None
+    called = []
+    real = norm.rmsnorm_gated
+    monkeypatch.setattr(norm, "rmsnorm_gated", lambda *a: called.append(1) or real(*a))
+    y, z, nw, w, b = _gated_inputs((2,), 30, 160, dtype, True)
+    check(gemv.gated_rmsnorm_linear(y, z, nw, 1e-5, 40, w, b), _gated_ref(y, z, nw, 1e-5, 40, w, b), TOL[dtype])
+    assert called == [1]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu(-big) in numpy: exp -> inf, x / inf -> 0
+@pytest.mark.parametrize("path", ["fma", "dot"])
+def test_gated_rmsnorm_linear_large_activations(K, path):
+    """y * silu(z) past float16's range (~300 * 300): the reference normalises in float32; the DOT path
+    feeds tl.dot float16 tiles, scaled per row to unit rms, so nothing overflows either."""
+    torch.manual_seed(18)
+    dtype = torch.float16
+    y, z, nw, w, b = _gated_inputs((4,), 40, 256, dtype, True, scale=300.0)
+    assert ((y.float() * torch.nn.functional.silu(z.float())).abs().max() > 65504).item()
+    out = K["gemv"].gated_rmsnorm_linear(y, z, nw, 1e-5, 64, w, b, cfg=dict(PATH=path))
+    check(out, _gated_ref(y, z, nw, 1e-5, 64, w, b), TOL[dtype])
+
+
+def test_gated_rmsnorm_linear_layouts(K):
+    """Leading dims, z and y as strided views of wider rows (in_proj's output), group_size None, no rows."""
+    gemv = K["gemv"]
+    torch.manual_seed(19)
+    y, z, nw, w, b = _gated_inputs((2, 1), 40, 128, torch.float32, True)
+    check(gemv.gated_rmsnorm_linear(y, z, nw, 1e-6, None, w, b), _gated_ref(y, z, nw, 1e-6, None, w, b),
+          TOL[torch.float32])
+    proj = rnd(3, 400)
+    zs, ys = proj[:, 10:138], rnd(3, 300)[:, 100:228]  # rows 400 and 300 apart, read in place
+    ws = rnd(40, 256)[:, ::2]  # no unit stride on K: copied
+    check(gemv.gated_rmsnorm_linear(ys, zs, nw, 1e-6, 32, ws, None), _gated_ref(ys, zs, nw, 1e-6, 32, ws, None),
+          TOL[torch.float32])
+    assert gemv.gated_rmsnorm_linear(rnd(0, 128), rnd(0, 128), nw, 1e-6, 64, w).shape == (0, 40)
+    with pytest.raises(ValueError):
+        gemv.gated_rmsnorm_linear(y, z, nw, 1e-6, 48, w, b)
+
+
 # --- dispatch -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch sends CUDA tensors to the kernels")
@@ -352,4 +459,22 @@ def test_dispatch_linear(K, monkeypatch):
     assert called == [1]
     dispatch.linear(rnd(9, 32, dtype=torch.float16), w, b)  # past 8 rows: cuBLAS
     dispatch.linear(rnd(2, 32), rnd(64, 32))  # float32: cuBLAS
+    assert called == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="dispatch sends CUDA tensors to the kernels")
+def test_dispatch_gated_rmsnorm_linear(K, monkeypatch):
+    from ssmq.kernels import dispatch
+
+    called = []
+    real = K["gemv"].gated_rmsnorm_linear
+    monkeypatch.setattr(K["gemv"], "gated_rmsnorm_linear", lambda *a: called.append(1) or real(*a))
+    f16 = torch.float16
+    y, z, nw, w, b = _gated_inputs((2, 3), 64, 256, f16, True)
+    check(dispatch.gated_rmsnorm_linear(y, z, nw, 1e-5, 64, w, b), _gated_ref(y, z, nw, 1e-5, 64, w, b), TOL[f16])
+    assert called == [1]
+    y9, z9 = rnd(9, 256, dtype=f16), rnd(9, 256, dtype=f16)  # past 8 rows: norm kernel then cuBLAS
+    check(dispatch.gated_rmsnorm_linear(y9, z9, nw, 1e-5, 64, w, b), _gated_ref(y9, z9, nw, 1e-5, 64, w, b), TOL[f16])
+    dispatch.gated_rmsnorm_linear(y, z, nw.float(), 1e-5, 64, w, b)  # mixed dtypes: composition
+    dispatch.gated_rmsnorm_linear(y.float(), z.float(), nw.float(), 1e-5, 64, w.float())  # float32: composition
     assert called == [1]
