@@ -3,10 +3,7 @@
 Shapes: Mamba2-2.7B (d_model 2560, d_inner 5120, 80 heads of 64, d_state 128, ngroups 1,
 chunk 256, conv width 4), decode at batch 1 and 32, prefill of 1024 and 2048 tokens at batch 1;
 the Mamba-1 selective scan at Mamba-1 2.8b's d_inner 5120, d_state 16. The decode GEMV
-(``gemv`` rows) against ``F.linear`` (cuBLAS) at Mamba2-2.7B's in_proj, out_proj and lm_head, 1 and 8 rows;
-the GEMV with Mamba-2's gated RMSNorm as its prologue (``gemv gated`` rows) against the two kernels it
-replaces (norm kernel, then ``linear_decode``; 'ref' column) and the dispatched path that model code takes
-now (``kernels.rmsnorm_gated`` then ``kernels.linear``; 'mamba_ssm' column, 'vs peer') at out_proj.
+(``gemv`` rows) against ``F.linear`` (cuBLAS) at Mamba2-2.7B's in_proj, out_proj and lm_head, 1 and 8 rows.
 
 Each row also gives the fewest bytes the op must move (inputs read once, outputs written once)
 over the measured device-to-device copy bandwidth: the time no kernel can beat.
@@ -28,7 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing as tt
 
-from ssmq import kernels, ops
+from ssmq import ops
 from ssmq.kernels import conv1d, gemv, norm, scan, ssd, state_update
 
 DEV = "cuda"
@@ -172,37 +169,6 @@ def gemv_cases(r, dtype, shapes=GEMV_SHAPES, rows=(1, 8)):
             nb = copies * (nbytes(ws[0], x) + b * n * esize)
             out.append((f"gemv {name} b={b} x{copies}", nb, True, bind(each_weight, gemv.linear_decode, x, ws),
                         bind(each_weight, F.linear, x, ws), None))
-    return out + gated_gemv_cases(r, dtype, rows)
-
-
-def each_weight_gated(fn, y, z, nw, ws):
-    """fn(y, z, norm_weight, eps, group_size, w) for each copy of a weight, in turn."""
-    for w in ws:
-        fn(y, z, nw, 1e-5, D_INNER // G, w)
-
-
-def _norm_then(linear, norm_fn, y, z, nw, eps, gs, w):
-    return linear(norm_fn(y, nw, z, eps, gs), w)
-
-
-def gated_gemv_cases(r, dtype, rows=(1, 8)):
-    """Gated RMSNorm + out_proj (Mamba2-2.7B: groups of d_inner / ngroups = 5120): ours fused
-    (``gemv.gated_rmsnorm_linear``); ref: the two-kernel composition (``norm.rmsnorm_gated`` then
-    ``gemv.linear_decode``); peer column: the dispatched path (``kernels.rmsnorm_gated`` then
-    ``kernels.linear``), what Mamba2Mixer runs without the fusion. Weight copies as in gemv_cases."""
-    out = []
-    esize = torch.empty((), dtype=dtype).element_size()
-    n, k = D_MODEL, D_INNER
-    copies = max(1, math.ceil(4 * l2_bytes() / (n * k * esize)))
-    ws = [r(n, k) * k ** -0.5 for _ in range(copies)]
-    nw = 1 + 0.1 * r(k)
-    for b in rows:
-        y, z = r(b, k), r(b, k)
-        nb = copies * (nbytes(ws[0], y, z, nw) + b * n * esize)
-        out.append((f"gemv gated out_proj b={b} x{copies}", nb, True,
-                    bind(each_weight_gated, gemv.gated_rmsnorm_linear, y, z, nw, ws),
-                    bind(each_weight_gated, bind(_norm_then, gemv.linear_decode, norm.rmsnorm_gated), y, z, nw, ws),
-                    bind(each_weight_gated, bind(_norm_then, kernels.linear, kernels.rmsnorm_gated), y, z, nw, ws)))
     return out
 
 
@@ -358,8 +324,7 @@ def main():
               f"{r['ours_of_floor']:8.2f}")
     print("(ours and mamba_ssm: CUDA-graph replays; ref: graph for decode rows only; 'vs peer' / 'vs ref' > 1 means "
           "ours is faster; 'x floor' = ours / bytes-bound; gemv rows: ref is F.linear, times summed over the xC "
-          "weight copies; gemv gated rows: ref is the norm kernel + linear_decode, peer is the dispatched "
-          "kernels.rmsnorm_gated + kernels.linear)")
+          "weight copies)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=bw, dtype=args.dtype, rows=rows), f, indent=1)

@@ -41,6 +41,19 @@ def tiny(request, tmp_path_factory):
     return request.param, folder, hf
 
 
+def test_model_loaded_under_inference_mode_runs_and_decodes(tiny):
+    # parameters created under inference_mode are inference tensors (no version counter)
+    _, folder, _ = tiny
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    ref = ssmq.load_model(folder)(ids).detach()
+    with torch.inference_mode():
+        model = ssmq.load_model(folder)
+        cache = model.allocate_cache(1, 16)
+        model(ids[:, :8], cache, torch.tensor([0]))
+        last = model.step(ids[:, 8], cache, torch.tensor([0]))
+    torch.testing.assert_close(last, ref[:, 8], atol=1e-4, rtol=1e-4)
+
+
 def test_logits_match_transformers(tiny):
     arch, folder, hf = tiny
     ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,6 @@ name on CPU and GPU alike.
 from ssmq.kernels.dispatch import (
     causal_conv1d,
     causal_conv1d_update,
-    gated_rmsnorm_linear,
     linear,
     rms_norm,
     rmsnorm_gated,
@@ -20,7 +19,6 @@ from ssmq.kernels.dispatch import (
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
-    "gated_rmsnorm_linear",
     "linear",
     "rms_norm",
     "rmsnorm_gated",

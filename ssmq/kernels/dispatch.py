@@ -77,15 +77,3 @@ def linear(x, weight, bias=None):
             and (bias is None or bias.dtype == x.dtype) and 0 < math.prod(x.shape[:-1]) <= _DECODE_ROWS):
         return _kernels("gemv").linear_decode(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def gated_rmsnorm_linear(y, z, norm_weight, eps, group_size, weight, bias=None):
-    """Gated RMSNorm then out_proj (``ops.gated_rmsnorm_linear_ref``): one Triton GEMV with the norm as its
-    prologue for decode-sized fp16/bf16 inputs (<= 8 rows, all one dtype) on CUDA; else ``rmsnorm_gated``
-    then ``linear``, each dispatched (prefill: the norm kernel and cuBLAS)."""
-    dt = y.dtype
-    if (_use_triton(y) and dt in (torch.float16, torch.bfloat16)
-            and z.dtype == norm_weight.dtype == weight.dtype == dt and (bias is None or bias.dtype == dt)
-            and 0 < math.prod(y.shape[:-1]) <= _DECODE_ROWS):
-        return _kernels("gemv").gated_rmsnorm_linear(y, z, norm_weight, eps, group_size, weight, bias)
-    return linear(rmsnorm_gated(y, norm_weight, z, eps, group_size), weight, bias)

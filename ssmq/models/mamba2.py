@@ -105,15 +105,5 @@ class Mamba2Mixer(nn.Module):
             dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p),
             dt_softplus=softplus, state_batch_indices=slots,
         )
-        y = y.reshape(b, c.d_inner)
-        if self._float_out():  # one decode GEMV with the gated norm as its prologue: a kernel less a layer
-            n = self.norm
-            return kernels.gated_rmsnorm_linear(y, z, n.weight, n.eps, n.group_size, self.out_proj.weight,
-                                                self.out_proj.bias)
-        return self.out_proj(self.act_y(self.norm(y, self.act_z(z))))
-
-    def _float_out(self) -> bool:
-        """True while the norm, out_proj and the taps around them are the float model's (no transform or
-        quantization has replaced one)."""
-        return (type(self.norm) is GatedRMSNorm and type(self.out_proj) is Linear
-                and type(self.act_z) is nn.Identity and type(self.act_y) is nn.Identity)
+        y = self.norm(y.reshape(b, c.d_inner), self.act_z(z))
+        return self.out_proj(self.act_y(y))

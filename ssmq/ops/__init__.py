@@ -12,7 +12,7 @@ Glossary (used in every docstring of this package):
 
 from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
 from ssmq.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
-from ssmq.ops.norm import gated_rmsnorm_linear_ref, rms_norm_ref, rmsnorm_gated_ref
+from ssmq.ops.norm import rms_norm_ref, rmsnorm_gated_ref
 from ssmq.ops.selective_scan import selective_scan_ref
 from ssmq.ops.ssd import ssd_chunk_scan_ref, ssd_sequential_ref
 from ssmq.ops.state_update import selective_state_update_ref
@@ -23,7 +23,6 @@ __all__ = [
     "rotary_cos_sin",
     "causal_conv1d_ref",
     "causal_conv1d_update_ref",
-    "gated_rmsnorm_linear_ref",
     "rms_norm_ref",
     "rmsnorm_gated_ref",
     "selective_scan_ref",

@@ -1,5 +1,4 @@
-"""RMSNorm references: the block norm with fused residual add, and Mamba-2's gated norm (alone, and
-followed by its out_proj)."""
+"""RMSNorm references: the block norm with fused residual add, and Mamba-2's gated norm."""
 
 from __future__ import annotations
 
@@ -53,21 +52,3 @@ def rmsnorm_gated_ref(
     if z is not None and norm_before_gate:
         out = out * F.silu(z.float())
     return out.to(dtype_in)
-
-
-def gated_rmsnorm_linear_ref(
-    y: torch.Tensor,
-    z: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    group_size: int | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Mamba-2's gated RMSNorm then its out_proj: ``F.linear(rmsnorm_gated_ref(y, norm_weight, z, eps,
-    group_size), weight, bias)``.
-
-    y, z: (..., K); norm_weight: (K,); group_size divides K (None: one group, K); weight: (N, K);
-    bias: (N,) or None. Returns (..., N) in y's dtype (the normalised input is rounded to it first).
-    """
-    return F.linear(rmsnorm_gated_ref(y, norm_weight, z, eps, group_size), weight, bias)
