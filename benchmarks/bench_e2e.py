@@ -12,6 +12,7 @@ Writes e2e.json, e2e.md and e2e.png to --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -182,6 +183,10 @@ def main():
         for who in ["ssmq", *peers]:
             if who == "hf" and name not in args.hf_models.split(","):
                 continue
+            # the previous run's graphs and caches sit in reference cycles: free them now, or their memory
+            # counts in this run's peak (it did: Mamba-1's TTFT peak read 21 GiB after Mamba2-2.7B's run)
+            gc.collect()
+            torch.cuda.empty_cache()
             t0 = time.time()
             try:
                 entry[who] = runners[who](cfg, prompt_lens, batches, dtype, args.steps)
