@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ssmq.eval.perplexity import perplexity_of_ids
 from ssmq.quant.ssm import get_ssm_recipe, quantize_ssm
 from ssmq.quant.ssm.recipes import naive_w8a8, quamba_w8a8
 from ssmq.quant.ssm.state_cache import allocate_cache, state_bytes
@@ -37,35 +38,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------------------------------------- evaluation
 def eval_windows(tok, seqlen: int, limit: int | None) -> torch.Tensor:
-    from ssmq.paths import shared_path
+    """(n, seqlen) non-overlapping windows of WikiText-2 test, as ``ssmq eval`` cuts them."""
+    from ssmq.eval.perplexity import windows, wikitext2_path
 
-    text = (shared_path("data", "eval", "wikitext2", "test.txt")).read_text(encoding="utf-8")
-    ids = torch.tensor(tok.encode(text))
-    n = ids.numel() // seqlen
-    w = ids[:n * seqlen].view(n, seqlen)
-    return w if limit is None else w[:limit]
+    return windows(tok.encode(wikitext2_path("test").read_text(encoding="utf-8")), seqlen, limit)
 
 
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor, batch_size: int, chunk: int | None = None, ssm_dtype=None) -> float:
     """exp(mean NLL) over windows; with ``chunk``, each window is prefilled chunk by chunk through a cache."""
-    try:  # the eval package's definition when present (same formula: non-overlapping windows)
-        from ssmq.eval.perplexity import perplexity_of_ids
-
-        if chunk is None:
-            return perplexity_of_ids(model, windows.reshape(-1).tolist(), windows.shape[1], batch_size,
-                                     progress=False)["ppl"]
-    except ImportError:
-        pass
+    if chunk is None:  # the eval package's definition
+        return perplexity_of_ids(model, windows.reshape(-1).tolist(), windows.shape[1], batch_size,
+                                 progress=False)["ppl"]
     dev = next(p for p in model.parameters() if p.is_floating_point()).device
     nll, count = 0.0, 0
     for i in range(0, windows.shape[0], batch_size):
         x = windows[i:i + batch_size].to(dev)
-        if chunk is None:
-            logits = model(x)
-        else:
-            cache = allocate_cache(model, x.shape[0], x.shape[1], ssm_dtype=ssm_dtype)
-            logits = torch.cat([model(x[:, t:t + chunk], cache=cache) for t in range(0, x.shape[1], chunk)], 1)
+        cache = allocate_cache(model, x.shape[0], x.shape[1], ssm_dtype=ssm_dtype)
+        logits = torch.cat([model(x[:, t:t + chunk], cache=cache) for t in range(0, x.shape[1], chunk)], 1)
         nll += F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
                                reduction="sum").item()
         count += x[:, 1:].numel()
