@@ -76,6 +76,30 @@ def timeit(fn, graph: bool, rep_ms: int = 200):
         return math.nan
 
 
+def ssd_prefill_inputs(r, l: int):
+    """Mamba-2 prefill of ``l`` tokens (batch 1): (in_proj output, (x, dt, A, B, C, T), kwargs), x/z/B/C/dt
+    being strided views of the in_proj output as in the model."""
+    proj = r(1, l, 2 * D_INNER + 2 * G * N + H)
+    z = proj[..., :D_INNER].unflatten(-1, (H, P))
+    xs = proj[..., D_INNER:2 * D_INNER].unflatten(-1, (H, P))
+    Bs = proj[..., 2 * D_INNER:2 * D_INNER + G * N].unflatten(-1, (G, N))
+    Cs = proj[..., 2 * D_INNER + G * N:2 * D_INNER + 2 * G * N].unflatten(-1, (G, N))
+    dt = proj[..., -H:]
+    A = -torch.rand(H, device=DEV) - 0.5
+    kw = dict(D=torch.randn(H, device=DEV), z=z, dt_bias=torch.randn(H, device=DEV) - 3, dt_softplus=True,
+              return_final_states=True)
+    return proj, (xs, dt, A, Bs, Cs, T), kw
+
+
+def scan_prefill_inputs(r, l: int):
+    """Mamba-1 prefill of ``l`` tokens (batch 1, d_inner 5120, d_state 16): ((u, delta, A, B, C), kwargs)."""
+    u, delta, z = r(1, D_INNER, l), r(1, D_INNER, l), r(1, D_INNER, l)
+    A, B, C = -torch.rand(D_INNER, 16, device=DEV), r(1, 16, l), r(1, 16, l)
+    kw = dict(D=torch.randn(D_INNER, device=DEV), z=z, delta_bias=torch.randn(D_INNER, device=DEV) - 3,
+              delta_softplus=True, return_last_state=True)
+    return (u, delta, A, B, C), kw
+
+
 def cases(dtype, pk):
     """(name, bytes moved, graph?, ours, reference, peer-or-None) for every benchmarked op.
 
@@ -116,26 +140,15 @@ def cases(dtype, pk):
         out.append((f"conv1d l={l}", 2 * nbytes(x) + nbytes(x[..., :3]), False,
                     bind(conv1d.causal_conv1d, x, wt, bias, None, True, "silu"),
                     bind(ops.causal_conv1d_ref, x, wt, bias, None, True, "silu"), None))
-        proj = r(1, l, 2 * D_INNER + 2 * G * N + H)  # in_proj output: z, x, B, C, dt as strided views
-        z = proj[..., :D_INNER].unflatten(-1, (H, P))
-        xs = proj[..., D_INNER:2 * D_INNER].unflatten(-1, (H, P))
-        Bs = proj[..., 2 * D_INNER:2 * D_INNER + G * N].unflatten(-1, (G, N))
-        Cs = proj[..., 2 * D_INNER + G * N:2 * D_INNER + 2 * G * N].unflatten(-1, (G, N))
-        dt = proj[..., -H:]
-        A = -torch.rand(H, device=DEV) - 0.5
-        Dv, dtb = torch.randn(H, device=DEV), torch.randn(H, device=DEV) - 3
-        kw = dict(D=Dv, z=z, dt_bias=dtb, dt_softplus=True, return_final_states=True)
-        out.append((f"ssd_chunk_scan l={l}", nbytes(proj) + nbytes(xs) + 1 * H * P * N * 4, False,
-                    bind(ssd.ssd_chunk_scan, xs, dt, A, Bs, Cs, T, **kw),
-                    bind(ops.ssd_chunk_scan_ref, xs, dt, A, Bs, Cs, T, **kw),
-                    bind(pk["ssd"], xs, dt, A, Bs, Cs, T, **kw) if pk else None))
-        u, delta, z1 = r(1, D_INNER, l), r(1, D_INNER, l), r(1, D_INNER, l)
-        A1, B1, C1 = -torch.rand(D_INNER, 16, device=DEV), r(1, 16, l), r(1, 16, l)
-        kw1 = dict(D=torch.randn(D_INNER, device=DEV), z=z1, delta_bias=torch.randn(D_INNER, device=DEV) - 3,
-                   delta_softplus=True, return_last_state=True)
-        out.append((f"selective_scan m1 l={l}", nbytes(u, delta, z1, B1, C1, u) + D_INNER * 16 * 4, False,
-                    bind(scan.selective_scan, u, delta, A1, B1, C1, **kw1),
-                    bind(ops.selective_scan_ref, u, delta, A1, B1, C1, **kw1) if l == 1024 else None, None))
+        proj, a2, kw = ssd_prefill_inputs(r, l)
+        out.append((f"ssd_chunk_scan l={l}", nbytes(proj) + nbytes(a2[0]) + 1 * H * P * N * 4, False,
+                    bind(ssd.ssd_chunk_scan, *a2, **kw), bind(ops.ssd_chunk_scan_ref, *a2, **kw),
+                    bind(pk["ssd"], *a2, **kw) if pk else None))
+        a1, kw1 = scan_prefill_inputs(r, l)
+        u, delta, _, B1, C1 = a1
+        out.append((f"selective_scan m1 l={l}", nbytes(u, delta, kw1["z"], B1, C1, u) + D_INNER * 16 * 4, False,
+                    bind(scan.selective_scan, *a1, **kw1),
+                    bind(ops.selective_scan_ref, *a1, **kw1) if l == 1024 else None, None))
         out += norm_cases(r, dtype, l, False, pk)
     out += gemv_cases(r, dtype)
     return out
@@ -226,16 +239,7 @@ def sweep(dtype, pk, old_dir=None, quick=False):
         scan_variants = scan_variants[:1] if quick == "final" else scan_variants
     r = lambda *s: torch.randn(*s, device=DEV, dtype=dtype)  # noqa: E731
     for l in (1024, 2048):
-        proj = r(1, l, 2 * D_INNER + 2 * G * N + H)
-        z = proj[..., :D_INNER].unflatten(-1, (H, P))
-        xs = proj[..., D_INNER:2 * D_INNER].unflatten(-1, (H, P))
-        Bs = proj[..., 2 * D_INNER:2 * D_INNER + G * N].unflatten(-1, (G, N))
-        Cs = proj[..., 2 * D_INNER + G * N:2 * D_INNER + 2 * G * N].unflatten(-1, (G, N))
-        dt = proj[..., -H:]
-        A = -torch.rand(H, device=DEV) - 0.5
-        kw = dict(D=torch.randn(H, device=DEV), z=z, dt_bias=torch.randn(H, device=DEV) - 3, dt_softplus=True,
-                  return_final_states=True)
-        args = (xs, dt, A, Bs, Cs, T)
+        _, args, kw = ssd_prefill_inputs(r, l)
         ref = ssd.ssd_chunk_scan(*args, **kw)
         if pk:
             rows.append(dict(op=f"ssd l={l}", variant="mamba_ssm", us=timeit(bind(pk["ssd"], *args, **kw), True) * 1e3))
@@ -257,11 +261,7 @@ def sweep(dtype, pk, old_dir=None, quick=False):
         ssd.CFG.clear()
         ssd.CFG.update(base_ssd)
 
-        u, delta, z1 = r(1, D_INNER, l), r(1, D_INNER, l), r(1, D_INNER, l)
-        A1, B1, C1 = -torch.rand(D_INNER, 16, device=DEV), r(1, 16, l), r(1, 16, l)
-        kw1 = dict(D=torch.randn(D_INNER, device=DEV), z=z1, delta_bias=torch.randn(D_INNER, device=DEV) - 3,
-                   delta_softplus=True, return_last_state=True)
-        a1 = (u, delta, A1, B1, C1)
+        a1, kw1 = scan_prefill_inputs(r, l)
         if old_scan:
             rows.append(dict(op=f"selective_scan l={l}", variant="old",
                              us=timeit(bind(old_scan.selective_scan, *a1, **kw1), True) * 1e3))
