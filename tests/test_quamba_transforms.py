@@ -77,7 +77,8 @@ def test_hadamard_fusions_preserve_function(arch, transform):
     model = tiny_model(arch)
     ref = logits(model)
     transform(model)
-    assert_same(ref, logits(model))
+    # float32 rotations of the weights: a few ulps relative to the largest logit (1.1e-5 seen)
+    assert_same(ref, logits(model), tol=5e-5)
 
 
 def test_all_transforms_compose():
