@@ -27,13 +27,15 @@ import triton.testing as tt
 
 from ssmq import ops
 from ssmq.kernels import conv1d, gemv, norm, scan, ssd, state_update
+from ssmq.ops.layout import mamba2_in_proj_segments
 
 DEV = "cuda"
 D_MODEL, D_INNER, H, P, N, G, T, W = 2560, 5120, 80, 64, 128, 1, 256, 4
 CONV_DIM = D_INNER + 2 * G * N
 VOCAB = 50288  # Mamba2-2.7B's padded vocabulary
 # (name, out features, in features) of the decode GEMVs; in_proj makes z, x, B, C and dt
-GEMV_SHAPES = (("in_proj", 2 * D_INNER + 2 * G * N + H, D_MODEL), ("out_proj", D_MODEL, D_INNER),
+IN_PROJ = mamba2_in_proj_segments(D_INNER, G, N, H)  # [z | x | B | C | dt]
+GEMV_SHAPES = (("in_proj", IN_PROJ.total, D_MODEL), ("out_proj", D_MODEL, D_INNER),
                ("lm_head", VOCAB, D_MODEL))
 
 
@@ -79,12 +81,10 @@ def timeit(fn, graph: bool, rep_ms: int = 200):
 def ssd_prefill_inputs(r, l: int):
     """Mamba-2 prefill of ``l`` tokens (batch 1): (in_proj output, (x, dt, A, B, C, T), kwargs), x/z/B/C/dt
     being strided views of the in_proj output as in the model."""
-    proj = r(1, l, 2 * D_INNER + 2 * G * N + H)
-    z = proj[..., :D_INNER].unflatten(-1, (H, P))
-    xs = proj[..., D_INNER:2 * D_INNER].unflatten(-1, (H, P))
-    Bs = proj[..., 2 * D_INNER:2 * D_INNER + G * N].unflatten(-1, (G, N))
-    Cs = proj[..., 2 * D_INNER + G * N:2 * D_INNER + 2 * G * N].unflatten(-1, (G, N))
-    dt = proj[..., -H:]
+    proj = r(1, l, IN_PROJ.total)
+    z, xs, Bs, Cs, dt = IN_PROJ.split(proj)
+    z, xs = z.unflatten(-1, (H, P)), xs.unflatten(-1, (H, P))
+    Bs, Cs = Bs.unflatten(-1, (G, N)), Cs.unflatten(-1, (G, N))
     A = -torch.rand(H, device=DEV) - 0.5
     kw = dict(D=torch.randn(H, device=DEV), z=z, dt_bias=torch.randn(H, device=DEV) - 3, dt_softplus=True,
               return_final_states=True)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels._common import dot_precision, pow2, silu, softplus
+from ssmq.ops.layout import has_dt_limit, heads_per_group
 
 
 @triton.jit
@@ -281,8 +282,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     """
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    if h % g:
-        raise ValueError(f"nheads {h} is not a multiple of ngroups {g}")
+    rep = heads_per_group(h, g)
     T = chunk_size
     nc = triton.cdiv(l, T)
     dev, f32 = x.device, torch.float32
@@ -296,7 +296,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     dt_out = torch.empty((b, h, nc, T), device=dev, dtype=f32)
     cs = torch.empty_like(dt_out)
     BT, BH = pow2(T, 16), 8 if T <= 256 else 2
-    has_limit = tuple(dt_limit) != (0.0, math.inf)
+    has_limit = has_dt_limit(dt_limit)
     _chunk_cumsum[(b, nc, triton.cdiv(h, BH))](
         dt, A, dt_bias if dt_bias is not None else A, dt_out, cs,
         l, h, T, nc, float(dt_limit[0]), float(dt_limit[1]), *dt.stride(),
@@ -317,7 +317,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
         c = CFG["fused"]
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
         _chunk_state_fused[(b * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
-            x, B, dt_out, cs, init, st_in, final, l, h, p, n, T, nc, h // g, *x.stride(), *B.stride(),
+            x, B, dt_out, cs, init, st_in, final, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
             HAS_INIT=initial_states is not None, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
@@ -326,7 +326,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
         states = torch.empty((b, nc, h, p, n), device=dev, dtype=f32)
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
         _chunk_state[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
-            x, B, dt_out, cs, states, l, h, p, n, T, nc, h // g, *x.stride(), *B.stride(),
+            x, B, dt_out, cs, states, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
             DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)), num_warps=c["num_warps"],
             num_stages=c["num_stages"],
         )
@@ -342,7 +342,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     BPs = min(64, pow2(p, 16))
     _chunk_scan[(b * nc * h, triton.cdiv(T, BM), triton.cdiv(p, BPs))](
         x, C, cb, dt_out, cs, st_in, Dhp if Dhp is not None else x, z if z is not None else x, y,
-        l, h, p, n, T, nc, g, h // g,
+        l, h, p, n, T, nc, g, rep,
         *x.stride(), *C.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, DOT_PREC=prec,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels._common import pow2, silu, sm_count, softplus
+from ssmq.ops.layout import heads_per_group
 
 
 @triton.jit
@@ -89,8 +90,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         B, C = B.unsqueeze(1), C.unsqueeze(1)
     b, h, p = x.shape
     n, g = state.shape[-1], B.shape[1]
-    if h % g:
-        raise ValueError(f"nheads {h} is not a multiple of ngroups {g}")
+    rep = heads_per_group(h, g)
     out = torch.empty((b, h, p), device=x.device, dtype=x.dtype)
     tie = (dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
            and (dt_bias is None or dt_bias.stride(1) == 0))
@@ -105,7 +105,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
         state_batch_indices if state_batch_indices is not None else x, out,
-        p, n, h // g,
+        p, n, rep,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
         *_strides(D, 2), *_strides(z, 3), *_strides(dt_bias, 2), *out.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,

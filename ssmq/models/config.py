@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ssmq.ops import layout
+from ssmq.ops.layout import LayerKind, Segments
+
 ARCHS = ("mamba1", "mamba2", "hybrid")
 
 
@@ -51,10 +54,10 @@ class ModelConfig:
             raise ValueError(f"unknown architecture {self.arch!r}; expected one of {', '.join(ARCHS)}")
         self.attn_layer_idx = tuple(int(i) for i in self.attn_layer_idx)
         self.dt_limit = (float(self.dt_limit[0]), float(self.dt_limit[1]))
-        if self.arch in ("mamba2", "hybrid") and self.d_inner % self.headdim:
+        if self.arch != "mamba1" and self.d_inner % self.headdim:
             raise ValueError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
-        if self.arch in ("mamba2", "hybrid") and self.nheads % self.ngroups:
-            raise ValueError(f"nheads {self.nheads} is not a multiple of ngroups {self.ngroups}")
+        if self.ssm_kind is LayerKind.MAMBA2:
+            layout.heads_per_group(self.nheads, self.ngroups)
         if self.arch == "hybrid" and self.attn_layer_idx and self.attn_heads % max(self.attn_kv_heads, 1):
             raise ValueError(f"attention heads {self.attn_heads} not a multiple of kv heads {self.attn_kv_heads}")
 
@@ -73,12 +76,50 @@ class ModelConfig:
     @property
     def conv_dim(self) -> int:
         """Channels of the conv: x only for Mamba-1, [x, B, C] for Mamba-2."""
-        return self.d_inner if self.arch == "mamba1" else self.d_inner + 2 * self.ngroups * self.d_state
+        return self.conv_segments().total
 
-    def layer_kind(self, i: int) -> str:
-        if self.arch == "mamba1":
-            return "mamba1"
-        return "attention" if i in self.attn_layer_idx else "mamba2"
+    @property
+    def ssm_kind(self) -> LayerKind:
+        """The kind of this model's SSM layers (hybrids: Mamba-2)."""
+        return LayerKind.MAMBA1 if self.arch == "mamba1" else LayerKind.MAMBA2
+
+    def layer_kind(self, i: int) -> LayerKind:
+        if self.arch != "mamba1" and i in self.attn_layer_idx:
+            return LayerKind.ATTENTION
+        return self.ssm_kind
+
+    def ssm_layers(self) -> list[int]:
+        """Indices of the Mamba layers."""
+        return [i for i in range(self.n_layer) if self.layer_kind(i).is_ssm]
+
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.n_layer) if self.layer_kind(i) is LayerKind.ATTENTION]
+
+    # the layouts of ``ssmq.ops.layout`` at this model's sizes
+    def in_proj_segments(self) -> Segments:
+        """Mamba-1 [x | z]; Mamba-2 [z | x | B | C | dt]."""
+        if self.ssm_kind is LayerKind.MAMBA1:
+            return layout.mamba1_in_proj_segments(self.d_inner)
+        return layout.mamba2_in_proj_segments(self.d_inner, self.ngroups, self.d_state, self.nheads)
+
+    def conv_segments(self) -> Segments:
+        """Mamba-1 [x]; Mamba-2 [x | B | C]."""
+        if self.ssm_kind is LayerKind.MAMBA1:
+            return layout.mamba1_conv_segments(self.d_inner)
+        return layout.mamba2_conv_segments(self.d_inner, self.ngroups, self.d_state)
+
+    def x_proj_segments(self) -> Segments:
+        """Mamba-1 only: [dt | B | C]."""
+        return layout.mamba1_x_proj_segments(self.dt_rank_, self.d_state)
+
+    @property
+    def heads_per_group(self) -> int:
+        return layout.heads_per_group(self.nheads, self.ngroups)
+
+    @property
+    def norm_group(self) -> int:
+        """Channels per gated-RMSNorm group (Mamba-2)."""
+        return layout.norm_group_size(self.d_inner, self.ngroups, self.norm_group_size)
 
     def to_dict(self) -> dict:
         d = asdict(self)

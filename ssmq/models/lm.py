@@ -15,8 +15,9 @@ from ssmq.models.linear import Linear
 from ssmq.models.hybrid import Attention, GatedMLP
 from ssmq.models.mamba1 import Mamba1Mixer
 from ssmq.models.mamba2 import Mamba2Mixer
+from ssmq.ops.layout import LayerKind
 
-MIXERS = {"mamba1": Mamba1Mixer, "mamba2": Mamba2Mixer, "attention": Attention}
+MIXERS = {LayerKind.MAMBA1: Mamba1Mixer, LayerKind.MAMBA2: Mamba2Mixer, LayerKind.ATTENTION: Attention}
 
 
 class RMSNorm(nn.Module):

@@ -21,9 +21,10 @@ class Mamba1Mixer(nn.Module):
         self.layer_idx = layer_idx
         d, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank_
         self.d_inner, self.d_state, self.dt_rank = d, n, r
-        self.in_proj = Linear(cfg.d_model, 2 * d, bias=cfg.proj_bias)
+        self.proj_segments, self.x_proj_segments = cfg.in_proj_segments(), cfg.x_proj_segments()  # [x|z], [dt|B|C]
+        self.in_proj = Linear(cfg.d_model, self.proj_segments.total, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(d, d, cfg.d_conv, groups=d, bias=cfg.conv_bias)
-        self.x_proj = Linear(d, r + 2 * n, bias=False)
+        self.x_proj = Linear(d, self.x_proj_segments.total, bias=False)
         # dt_proj's bias lives apart (as Mamba-2's dt_bias) so dt_proj is a plain, swappable Linear
         # and the bias is added in float32 inside the scan, before the softplus
         self.dt_proj = Linear(r, d, bias=False)
@@ -37,13 +38,13 @@ class Mamba1Mixer(nn.Module):
 
     def _ssm_inputs(self, x: torch.Tensor):
         """x: (..., d) conv output → Δ (..., d) before bias/softplus, B, C (..., n), through the taps."""
-        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt, B, C = self.x_proj_segments.split(self.x_proj(x))
         dt = self.act_dt(self.dt_proj(dt))
         return dt, self.act_B(B), self.act_C(C)
 
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
-        x, z = self.in_proj(hidden).chunk(2, dim=-1)
+        x, z = self.proj_segments.split(self.in_proj(hidden))
         x = self.act_x(conv_prefill(self.conv1d, x, cache, self.layer_idx, slots))  # (b, l, d)
         dt, B, C = self._ssm_inputs(x)
         z = self.act_z(z)
@@ -62,7 +63,7 @@ class Mamba1Mixer(nn.Module):
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
-        x, z = self.in_proj(hidden).chunk(2, dim=-1)
+        x, z = self.proj_segments.split(self.in_proj(hidden))
         x = kernels.causal_conv1d_update(
             x, cache.conv_states[self.layer_idx], self.conv1d.weight.squeeze(1), self.conv1d.bias,
             activation="silu", conv_state_indices=slots,

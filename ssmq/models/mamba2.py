@@ -5,13 +5,11 @@ Glossary: b batch, l length, d d_inner, h heads, p headdim, g ngroups, n d_state
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ssmq import kernels
+from ssmq.ops.layout import discretize_dt, has_dt_limit
 from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
@@ -35,33 +33,33 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.cfg = cfg
-        d, h, g, n = cfg.d_inner, cfg.nheads, cfg.ngroups, cfg.d_state
-        self.in_proj = Linear(cfg.d_model, 2 * d + 2 * g * n + h, bias=cfg.proj_bias)
+        d, h = cfg.d_inner, cfg.nheads
+        self.proj_segments = cfg.in_proj_segments().fuse(("x", "B", "C"), "xBC")  # [z | xBC | dt]
+        self.conv_segments = cfg.conv_segments()  # [x | B | C]
+        self.in_proj = Linear(cfg.d_model, self.proj_segments.total, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(h))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(h))
-        self.norm = GatedRMSNorm(d, cfg.norm_eps, cfg.norm_group_size or d // g)
+        self.norm = GatedRMSNorm(d, cfg.norm_eps, cfg.norm_group)
         self.out_proj = Linear(d, cfg.d_model, bias=cfg.proj_bias)
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()
 
     def _split_proj(self, zxbcdt: torch.Tensor):
-        c = self.cfg
-        return zxbcdt.split([c.d_inner, c.conv_dim, c.nheads], dim=-1)
+        """(…, 2d + 2gn + h) -> z (…, d), xBC (…, d + 2gn), dt (…, h)."""
+        return self.proj_segments.split(zxbcdt)
 
     def _split_xbc(self, xbc: torch.Tensor):
-        c = self.cfg
-        x, B, C = xbc.split([c.d_inner, c.ngroups * c.d_state, c.ngroups * c.d_state], dim=-1)
+        x, B, C = self.conv_segments.split(xbc)
         return self.act_x(x), self.act_B(B), self.act_C(C)
 
     def _clamped_dt(self, dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
         """Decode's state update knows no dt_limit: apply bias, softplus and the clamp here when one is set."""
-        if self.cfg.dt_limit == (0.0, math.inf):
+        if not has_dt_limit(self.cfg.dt_limit):
             return dt, self._f32.get(self, "dt_bias"), True
-        dt = F.softplus(dt.float() + self._f32.get(self, "dt_bias")).clamp(*self.cfg.dt_limit)
-        return dt, None, False
+        return discretize_dt(dt, self._f32.get(self, "dt_bias"), True, self.cfg.dt_limit), None, False
 
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""

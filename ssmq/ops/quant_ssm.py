@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ssmq.ops.conv1d import causal_conv1d_ref
+from ssmq.ops.layout import discretize_dt, heads_per_group
 from ssmq.ops.norm import rms_norm_ref
 from ssmq.ops.state_update import selective_state_update_ref
 from ssmq.quant.primitives import PerTensor, quantize
@@ -78,11 +79,8 @@ def quant_selective_scan_ref(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q,
     s_u = u_scale.float().reshape(-1, 1) if u_scale.dim() else u_scale.float().reshape(1, 1)  # (d|1, 1)
     s_B = B_scale.float().reshape(1, -1) if B_scale.dim() else B_scale.float().reshape(1, 1)  # (1, n|1)
     s_C = C_scale.float().reshape(-1) if C_scale.dim() else C_scale.float().reshape(1)
-    delta = dt_q.float() * dt_scale.float()
-    if delta_bias is not None:
-        delta = delta + delta_bias.float()[:, None]
-    if delta_softplus:
-        delta = F.softplus(delta)
+    delta = discretize_dt(dt_q.float() * dt_scale.float(), None if delta_bias is None else delta_bias[:, None],
+                          delta_softplus)
     su_sB = s_u * s_B  # (d|1, n|1): one scale product per (channel, state)
     u_codes, B_codes, C_codes = u_q.float(), B_q.float(), C_q.float()
     h = torch.zeros(b, d, n) if initial_state is None else initial_state.float().clone()
@@ -121,13 +119,11 @@ def quant_ssd_ref(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D
     B_q, C_q: (b, l, g, n) int8 with scales (g, k) (k state groups, k | n); D: (h,);
     initial_states: (b, h, p, n). Returns y (b, l, h, p) float32 (+ final states (b, h, p, n)).
     """
-    from ssmq.ops.ssd import _discretize_dt
-
     b, l, h, p = x_q.shape
     g, n = B_q.shape[2], B_q.shape[3]
     k = B_scale.shape[-1]
     T = chunk_size
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
     x = dequantize_ref(x_q, x_scale)
     Bf = (B_q.float().reshape(b, l, g, k, n // k) * B_scale.float()[..., None]).reshape(b, l, g, n)
     Cf = (C_q.float().reshape(b, l, g, k, n // k) * C_scale.float()[..., None]).reshape(b, l, g, n)
@@ -136,7 +132,7 @@ def quant_ssd_ref(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D
     xdt = F.pad(x * dtf[..., None], (0, 0, 0, 0, 0, pad)).reshape(b, nc, T, h, p)
     Acs = F.pad(dtf * A.float(), (0, 0, 0, pad)).reshape(b, nc, T, h).cumsum(2)
     padq = lambda t: F.pad(t, (0, 0, 0, 0, 0, pad)).reshape(b, nc, T, g, n)  # noqa: E731
-    rep = h // g
+    rep = heads_per_group(h, g)
 
     # 1. intra-chunk "attention": (C_t·B_s) exp(Acs_t - Acs_s), C·B from integer codes
     cb_int = _int_dot_per_state_group(padq(C_q), padq(B_q), k)  # (b, c, t, s, g, k)

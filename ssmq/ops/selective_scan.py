@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ssmq.ops.layout import discretize_dt
+
 
 def selective_scan_ref(
     u: torch.Tensor,
@@ -30,11 +32,8 @@ def selective_scan_ref(
     """
     dtype_in = u.dtype
     b, d, l = u.shape
-    u, delta = u.float(), delta.float()
-    if delta_bias is not None:
-        delta = delta + delta_bias.float()[:, None]
-    if delta_softplus:
-        delta = F.softplus(delta)
+    u = u.float()
+    delta = discretize_dt(delta, None if delta_bias is None else delta_bias[:, None], delta_softplus)
     Bf, Cf = B.float(), C.float()
     if Bf.dim() == 4:  # grouped B/C: expand groups over channels
         Bf = Bf.repeat_interleave(d // Bf.shape[1], dim=1)  # (b, d, n, l)

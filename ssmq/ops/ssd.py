@@ -15,18 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ssmq.ops.layout import discretize_dt, heads_per_group
 from ssmq.ops.state_update import selective_state_update_ref
-
-
-def _discretize_dt(dt, dt_bias, dt_softplus, dt_limit):
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if dt_softplus:
-        dt = F.softplus(dt)
-    if dt_limit != (0.0, math.inf):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
 
 
 def _skip_and_gate(y, x, D, z):
@@ -61,16 +51,15 @@ def ssd_chunk_scan_ref(
     """
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
-    if h % g:
-        raise ValueError(f"nheads {h} is not a multiple of ngroups {g}")
+    rep = heads_per_group(h, g)
     T = chunk_size
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
     pad = (-l) % T
     # zero-padded steps have Δ = 0: decay 1, no input, so they leave the state alone
     xdt = F.pad(x.float() * dtf.unsqueeze(-1), (0, 0, 0, 0, 0, pad))
     Adt = F.pad(dtf * A.float(), (0, 0, 0, pad))
-    Bh = F.pad(B.float(), (0, 0, 0, 0, 0, pad)).repeat_interleave(h // g, dim=2)
-    Ch = F.pad(C.float(), (0, 0, 0, 0, 0, pad)).repeat_interleave(h // g, dim=2)
+    Bh = F.pad(B.float(), (0, 0, 0, 0, 0, pad)).repeat_interleave(rep, dim=2)
+    Ch = F.pad(C.float(), (0, 0, 0, 0, 0, pad)).repeat_interleave(rep, dim=2)
     nc = (l + pad) // T
     xdt, Bh, Ch = (t.reshape(b, nc, T, h, -1) for t in (xdt, Bh, Ch))  # (b, c, T, h, ·)
     Acs = Adt.reshape(b, nc, T, h).cumsum(dim=2)  # (b, c, T, h)
@@ -122,7 +111,7 @@ def ssd_sequential_ref(
     """
     b, l, h, p = x.shape
     n = B.shape[-1]
-    dtf = _discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
     state = x.new_zeros(b, h, p, n, dtype=torch.float32) if initial_states is None else initial_states.float().clone()
     A_hpn = A.float()[:, None, None].expand(h, p, n)
     ys = [

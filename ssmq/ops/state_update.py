@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ssmq.ops.layout import discretize_dt, heads_per_group
+
 
 def selective_state_update_ref(
     state: torch.Tensor,
@@ -43,16 +45,10 @@ def selective_state_update_ref(
     h_state = state[idx].float()
     if not multihead:
         h_state = h_state.unsqueeze(1)
-    nheads, ngroups = x.shape[1], B.shape[1]
-    if nheads % ngroups:
-        raise ValueError(f"nheads {nheads} is not a multiple of ngroups {ngroups}")
-    Bh = B.float().repeat_interleave(nheads // ngroups, dim=1)  # (b, h, n)
-    Ch = C.float().repeat_interleave(nheads // ngroups, dim=1)
-    dtf = dt.float()
-    if dt_bias is not None:
-        dtf = dtf + dt_bias.float()
-    if dt_softplus:
-        dtf = F.softplus(dtf)
+    rep = heads_per_group(x.shape[1], B.shape[1])
+    Bh = B.float().repeat_interleave(rep, dim=1)  # (b, h, n)
+    Ch = C.float().repeat_interleave(rep, dim=1)
+    dtf = discretize_dt(dt, dt_bias, dt_softplus)
     dA = torch.exp(dtf.unsqueeze(-1) * A.float())  # (b, h, p, n)
     dBx = (dtf * x.float()).unsqueeze(-1) * Bh.unsqueeze(2)
     h_state = h_state * dA + dBx

@@ -18,6 +18,8 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from ssmq.ops.layout import LayerKind
+
 from ssmq.quant.hadamard import RotatedLinear, rotate_embedding_, rotate_input_, rotate_output_
 
 
@@ -26,7 +28,7 @@ def readers_writers(model: nn.Module) -> list[tuple[str, list[str], list[str]]]:
     out = []
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}"
-        if layer.kind == "attention":
+        if model.config.layer_kind(i) is LayerKind.ATTENTION:
             out.append((f"{p}.norm", [f"{p}.mixer.{n}_proj" for n in "qkv"], [f"{p}.mixer.o_proj"]))
         else:
             out.append((f"{p}.norm", [f"{p}.mixer.in_proj"], [f"{p}.mixer.out_proj"]))

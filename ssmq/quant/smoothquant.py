@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ssmq.ops.layout import LayerKind
+
 
 def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], alpha: float = 0.5) -> torch.Tensor:
     """act_absmax (k,), weights [(n_i, k)] -> s (k,) float32; channels never active keep s = 1."""
@@ -45,12 +47,12 @@ def smoothquant_groups(model: nn.Module) -> list[tuple[str, list[str]]]:
     groups = []
     for i, layer in enumerate(model.layers):
         p = f"layers.{i}"
-        kind = getattr(layer, "kind", model.config.layer_kind(i))
-        if kind == "attention":
+        kind = model.config.layer_kind(i)
+        if kind is LayerKind.ATTENTION:
             groups.append((f"{p}.norm", [f"{p}.mixer.q_proj", f"{p}.mixer.k_proj", f"{p}.mixer.v_proj"]))
         else:
             groups.append((f"{p}.norm", [f"{p}.mixer.in_proj"]))
-        if kind == "mamba2":
+        if kind is LayerKind.MAMBA2:
             groups.append((f"{p}.mixer.norm", [f"{p}.mixer.out_proj"]))
         if getattr(layer, "mlp", None) is not None:
             groups.append((f"{p}.mlp_norm", [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]))

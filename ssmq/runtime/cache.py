@@ -16,6 +16,7 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
+from ssmq.ops.layout import LayerKind
 
 
 @dataclass
@@ -34,14 +35,14 @@ class InferenceCache:
         conv, ssm, keys, values = [], [], [], []
         for i in range(cfg.n_layer):
             kind = cfg.layer_kind(i)
-            if kind == "attention":
+            if kind is LayerKind.ATTENTION:
                 shape = (max_batch, max_seqlen, cfg.attn_kv_heads, cfg.attn_head_dim)
                 conv.append(None), ssm.append(None)
                 keys.append(torch.zeros(shape, dtype=dtype, device=device))
                 values.append(torch.zeros(shape, dtype=dtype, device=device))
                 continue
             conv.append(torch.zeros(max_batch, cfg.conv_dim, cfg.d_conv - 1, dtype=dtype, device=device))
-            state = (cfg.d_inner, cfg.d_state) if kind == "mamba1" else (cfg.nheads, cfg.headdim, cfg.d_state)
+            state = (cfg.d_inner, cfg.d_state) if kind is LayerKind.MAMBA1 else (cfg.nheads, cfg.headdim, cfg.d_state)
             ssm.append(torch.zeros(max_batch, *state, dtype=ssm_dtype, device=device))
             keys.append(None), values.append(None)
         seqlens = torch.zeros(max_batch, dtype=torch.long, device=device)

@@ -19,7 +19,7 @@ def parameter_count(cfg: ModelConfig) -> dict[str, int]:
 
 
 def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "", path: str = "") -> dict[str, str]:
-    n_mamba = sum(cfg.layer_kind(i) != "attention" for i in range(cfg.n_layer))
+    n_mamba = len(cfg.ssm_layers())
     n_attn = cfg.n_layer - n_mamba
     conv = n_mamba * cfg.conv_dim * (cfg.d_conv - 1)
     ssm = n_mamba * cfg.d_inner * cfg.d_state

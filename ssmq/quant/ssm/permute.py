@@ -35,8 +35,9 @@ def permute_mamba1_(mixer: nn.Module, perm: torch.Tensor) -> None:
     d = mixer.d_inner
     if sorted(perm.tolist()) != list(range(d)):
         raise SSMQError("permute_mamba1_: perm is not a permutation of the d_inner channels")
-    _rows_(mixer.in_proj, 0, perm)
-    _rows_(mixer.in_proj, d, perm)
+    seg = mixer.proj_segments
+    _rows_(mixer.in_proj, seg.offset("x"), perm)
+    _rows_(mixer.in_proj, seg.offset("z"), perm)
     mixer.conv1d.weight.copy_(mixer.conv1d.weight[perm])
     if mixer.conv1d.bias is not None:
         _vec_(mixer.conv1d.bias, perm)
@@ -51,15 +52,17 @@ def permute_mamba1_(mixer: nn.Module, perm: torch.Tensor) -> None:
 def permute_mamba2_(mixer: nn.Module, perm: torch.Tensor, head_perm: torch.Tensor) -> None:
     """perm must keep each head's channels together: perm[i·p:(i+1)·p] ⊂ head head_perm[i]."""
     c = mixer.cfg
-    d, p, h = c.d_inner, c.headdim, c.nheads
+    p, h = c.headdim, c.nheads
     if not torch.equal(perm.reshape(h, p) // p, head_perm[:, None].expand(h, p)):
         raise SSMQError("permute_mamba2_: perm moves channels across heads")
-    _rows_(mixer.in_proj, 0, perm)  # z
-    _rows_(mixer.in_proj, d, perm)  # x
-    _rows_(mixer.in_proj, 2 * d + 2 * c.ngroups * c.d_state, head_perm)  # Δ
-    mixer.conv1d.weight[:d] = mixer.conv1d.weight[:d][perm]
+    seg = c.in_proj_segments()
+    _rows_(mixer.in_proj, seg.offset("z"), perm)
+    _rows_(mixer.in_proj, seg.offset("x"), perm)
+    _rows_(mixer.in_proj, seg.offset("dt"), head_perm)
+    xs = c.conv_segments().slice("x")
+    mixer.conv1d.weight[xs] = mixer.conv1d.weight[xs][perm]
     if mixer.conv1d.bias is not None:
-        mixer.conv1d.bias[:d] = mixer.conv1d.bias[:d][perm]
+        mixer.conv1d.bias[xs] = mixer.conv1d.bias[xs][perm]
     for prm in (mixer.dt_bias, mixer.A_log, mixer.D):
         _vec_(prm, head_perm)
     _vec_(mixer.norm.weight, perm)
@@ -70,8 +73,8 @@ def permutable_block(cfg) -> int:
     """Heads that may trade places in a Mamba-2 mixer: same B/C group and same gated-norm group."""
     import math
 
-    norm = cfg.norm_group_size or cfg.d_inner // cfg.ngroups
+    norm = cfg.norm_group
     if norm % cfg.headdim:
         raise SSMQError(f"sort-and-cluster needs gated-norm groups of whole heads; norm group {norm} "
                         f"is not a multiple of headdim {cfg.headdim}")
-    return math.gcd(cfg.nheads // cfg.ngroups, norm // cfg.headdim)
+    return math.gcd(cfg.heads_per_group, norm // cfg.headdim)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ssmq.ops.layout import LayerKind
 from ssmq.quant.calibration import CalibrationData, attach_observers, run_calibration
 from ssmq.quant.observers import make_observer
 from ssmq.quant.primitives import PerTensor
@@ -58,10 +59,11 @@ def tap_plan(model: nn.Module, rules, clusters: dict[int, torch.Tensor]) -> dict
 
 
 def _tap_width(mixer: nn.Module, cfg, tap: str) -> int:
+    """Channels of a tap: B, C, dt as the layout splits them (Mamba-1's dt is after dt_proj: d_inner)."""
     if tap in ("act_B", "act_C"):
-        return cfg.d_state * (1 if cfg.layer_kind(mixer.layer_idx) == "mamba1" else cfg.ngroups)
-    if tap == "act_dt" and cfg.layer_kind(mixer.layer_idx) == "mamba2":
-        return cfg.nheads
+        return cfg.conv_segments().size(tap[-1]) if cfg.ssm_kind is LayerKind.MAMBA2 else cfg.d_state
+    if tap == "act_dt" and cfg.ssm_kind is LayerKind.MAMBA2:
+        return cfg.in_proj_segments().size("dt")
     return cfg.d_inner
 
 

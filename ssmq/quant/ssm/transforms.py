@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ssmq.quant.calibration import CalibrationData, attach_observers, run_calibration
 from ssmq.quant.hadamard import RotatedLinear
+from ssmq.ops.layout import LayerKind
 from ssmq.quant.observers import MinMaxObserver
 from ssmq.quant.primitives import PerChannel
 from ssmq.quant.rotation import rotate_model_
@@ -21,7 +22,7 @@ from ssmq.quant.ssm.permute import permutable_block, permute_mamba1_, permute_ma
 
 def ssm_layers(model: nn.Module) -> list[int]:
     """Indices of the Mamba layers (the ones the SSM recipes touch)."""
-    return [i for i in range(model.config.n_layer) if model.config.layer_kind(i) in ("mamba1", "mamba2")]
+    return model.config.ssm_layers()
 
 
 def channel_absmax(model: nn.Module, calib: CalibrationData, tap: str = "act_x", **kw) -> dict[int, torch.Tensor]:
@@ -49,7 +50,7 @@ def sort_and_cluster_(model: nn.Module, calib: CalibrationData, m: int = 4, n: i
     for i, cmax in stats.items():
         mixer = model.layers[i].mixer
         cmax = cmax.cpu()
-        if cfg.layer_kind(i) == "mamba1":
+        if cfg.layer_kind(i) is LayerKind.MAMBA1:
             perm, index = cluster_channels(cmax, m, n)
             permute_mamba1_(mixer, perm.to(mixer.A_log.device))
         else:
