@@ -119,6 +119,8 @@ class QuantLinear(_QuantWeight):
             self.register_buffer("act_scale", torch.ones((), dtype=torch.float32, device=device))
         else:
             self.act_scale = None
+        # tensor parallelism: a row-parallel shard sees part of x, so its dynamic scale is reduced over ranks
+        self.scale_hook = None
 
     @classmethod
     def from_float(cls, linear: nn.Linear, weight: WeightSpec, act: ActSpec | None = None,
@@ -155,6 +157,8 @@ class QuantLinear(_QuantWeight):
                 scale = self.act_scale
             else:
                 scale, _ = choose_qparams(x2, gran, a.dtype, True)
+                if self.scale_hook is not None:
+                    scale = self.scale_hook(scale)
             x_q = quantize(x2, scale, None, gran, a.dtype)
             if a.dtype == "int8":
                 wg = self.wspec.granularity

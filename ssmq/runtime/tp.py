@@ -1,0 +1,469 @@
+"""Tensor parallelism: ``apply_tp(model, comm)`` shards a loaded SSMLM in place across the ranks of a group.
+
+gpt-fast style: every linear is either column-parallel (a subset of its output rows; no communication)
+or row-parallel (a slice of its input columns, then one all-reduce of the output). The embedding, the
+block norms, the final norm and lm_head are replicated, so the residual stream is identical on every rank.
+
+Glossary: W ranks, r this rank, d d_inner, h SSM heads, p headdim, g B/C groups, n d_state, e head dim,
+hq / hkv query / key-value heads; "_l" = this rank's share.
+
+    Mamba-2   heads sharded (h_l = h / W). in_proj column-parallel, rows picked from each of its segments
+              [z | x | B | C | dt] (ssmq.ops.layout): this rank's channels of z and x, its heads' dt, and
+              the B/C groups its heads read: sharded when g % W == 0, else the one group all its heads
+              share (replicated across the ranks of that group; g = 1: B/C everywhere). conv1d per channel
+              (x, then the same B/C groups). Gated norm: local when its groups do not straddle ranks; else
+              the per-group sum of squares is all-reduced (2 all-reduces per block), or, with one norm
+              group spanning d and nothing quantized between norm and out_proj, sent as one extra column
+              of out_proj's all-reduce and divided after it (1 all-reduce per block). out_proj row-parallel.
+    Mamba-1   d sharded. in_proj rows of this rank's x and z channels; conv, dt_proj rows, dt_bias, A, D per
+              channel; x_proj row-parallel: its all-reduce gives Δ (low rank), B, C on every rank, and
+              dt_proj lifts Δ to this rank's channels. 2 all-reduces per block (x_proj, out_proj).
+    Hybrid    attention: query heads sharded; KV heads sharded when hkv % W == 0, else each rank keeps the
+              one KV head its query heads read; o_proj row-parallel. MLP: gate/up column, down row.
+              2 all-reduces per attention block (o_proj, down_proj), Mamba-2 blocks as above (+1 for MLP).
+
+Quantized modules are split exactly like the float weights they replace: codes by the same rows/columns,
+per-channel scales with their rows, per-group scales with their column groups (a shard boundary must
+fall on a group boundary), static activation scales replicated, dynamic activation scales of row-parallel
+inputs reduced (max) over ranks, SSM tap and int8-state channel maps (``index``, ``state_index``) with
+their channels (Quamba2's clusters and permutations are baked into those maps and the weights). An online
+Hadamard input of a row-parallel linear spans all ranks: the input is all-gathered, rotated, and this
+rank's slice of the rotated input multiplies its columns (one all-gather more).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmq.errors import SSMQError
+try:
+    from ssmq.ops.layout import (mamba1_in_proj_segments, mamba2_conv_segments, mamba2_in_proj_segments,
+                                 norm_group_size)
+except ImportError:  # until issue 20's ssmq.ops.layout lands on main: the same facts, offsets only
+    from ssmq.runtime._layout_fallback import (mamba1_in_proj_segments, mamba2_conv_segments,  # noqa: F401
+                                               mamba2_in_proj_segments, norm_group_size)
+from ssmq.quant.hadamard import RotatedLinear, hadamard_transform
+from ssmq.quant.linear import QuantLinear
+from ssmq.quant.primitives import PerGroup, choose_qparams
+from ssmq.runtime.tp_comm import Communicator
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors
+# ---------------------------------------------------------------------------------------------
+def _put(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
+    if t is None:
+        return
+    t = t.contiguous()
+    if name in module._parameters:
+        module._parameters[name] = nn.Parameter(t, requires_grad=False)
+    else:
+        module._buffers[name] = t
+
+
+def _rows(t: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t.index_select(0, idx.to(t.device))
+
+
+def _span(start: int, size: int) -> torch.Tensor:
+    return torch.arange(start, start + size)
+
+
+class ShardView:
+    """A ModelConfig seen by one rank: the sharded sizes given here, everything else from the full config."""
+
+    def __init__(self, cfg, **local):
+        self._cfg = cfg
+        self.__dict__.update(local)
+
+    def __getattr__(self, name):
+        return getattr(self._cfg, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# linears
+# ---------------------------------------------------------------------------------------------
+def column_parallel_(lin: nn.Module, rows: torch.Tensor) -> None:
+    """Keep output rows ``rows`` (and their bias, per-channel / per-group weight scales) of a linear."""
+    if isinstance(lin, QuantLinear):
+        _put(lin, "weight_q", _rows(lin.weight_q, rows))
+        if lin.weight_scale.dim():
+            _put(lin, "weight_scale", _rows(lin.weight_scale, rows))
+            _put(lin, "weight_zero", _rows(lin.weight_zero, rows))
+    else:
+        _put(lin, "weight", _rows(lin.weight, rows))
+    _put(lin, "bias", _rows(lin.bias, rows))
+    lin.out_features = len(rows)
+
+
+def _cols(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t[:, start:stop]
+
+
+def row_parallel_(lin: nn.Module, start: int, stop: int, keep_bias: bool) -> None:
+    """Keep input columns [start, stop) of a linear; its bias only where ``keep_bias`` (added once)."""
+    if isinstance(lin, QuantLinear):
+        gran = lin.wspec.granularity
+        if lin.wspec.dtype == "int4":
+            if start % 2 or stop % 2:
+                raise SSMQError(f"int4 shard boundary {start}:{stop} splits a packed byte")
+            _put(lin, "weight_q", _cols(lin.weight_q, start // 2, stop // 2))
+        else:
+            _put(lin, "weight_q", _cols(lin.weight_q, start, stop))
+        if isinstance(gran, PerGroup):
+            g = gran.group_size
+            if start % g or stop % g:
+                raise SSMQError(f"the shard {start}:{stop} of a {lin.in_features}-column weight splits a "
+                                f"quantization group of {g}: choose a tensor-parallel degree whose shards are "
+                                f"whole groups")
+            _put(lin, "weight_scale", _cols(lin.weight_scale, start // g, stop // g))
+            if lin.weight_zero is not None:
+                _put(lin, "weight_zero", _cols(lin.weight_zero, start // g, stop // g))
+    else:
+        _put(lin, "weight", _cols(lin.weight, start, stop))
+    if lin.bias is not None and not keep_bias:
+        _put(lin, "bias", torch.zeros_like(lin.bias))
+    lin.in_features = stop - start
+
+
+def _is_rotated(lin: nn.Module) -> bool:
+    return isinstance(lin, RotatedLinear) or (isinstance(lin, QuantLinear) and lin.rotate_input)
+
+
+def _plain(lin: nn.Module) -> nn.Module:
+    """The same weights without the online rotation (the row-parallel wrapper rotates the gathered input)."""
+    if isinstance(lin, RotatedLinear):
+        new = nn.Linear(lin.in_features, lin.out_features, lin.bias is not None, device="meta")
+        new.weight, new.bias = lin.weight, lin.bias
+        return new
+    lin.rotate_input = False
+    return lin
+
+
+def _dynamic_act(lin: nn.Module) -> bool:
+    return isinstance(lin, QuantLinear) and lin.act is not None and lin.act_scale is None
+
+
+class RowParallel(nn.Module):
+    """A row-parallel shard: y = all_reduce(linear(x_l)). x: (..., k_l) -> (..., n).
+
+    rotated: the full linear had an online Hadamard on its input: x is all-gathered, rotated, and the
+    columns [start, stop) of the rotated input are used. Dynamic activation scales are those of the full
+    input (max over ranks; or of the gathered input when rotated).
+    """
+
+    def __init__(self, inner: nn.Module, comm: Communicator, start: int, stop: int, name: str):
+        super().__init__()
+        self.rotated = _is_rotated(inner)
+        row_parallel_(inner, start, stop, keep_bias=comm.rank == 0)
+        self.inner = _plain(inner) if self.rotated else inner
+        self.comm, self.start, self.stop, self.name = comm, start, stop, name
+        self._full_scale = None
+        if _dynamic_act(self.inner):
+            self.inner.scale_hook = self._full_scale_of if self.rotated else self._reduced_scale
+
+    def _reduced_scale(self, scale: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_max(scale, name=f"{self.name}.scale")
+
+    def _full_scale_of(self, scale: torch.Tensor) -> torch.Tensor:
+        return self._full_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotated:
+            full = hadamard_transform(self.comm.all_gather(x, name=f"{self.name}.gather"))
+            if _dynamic_act(self.inner):
+                a = self.inner.act
+                self._full_scale, _ = choose_qparams(full.reshape(-1, full.shape[-1]), a.granularity, a.dtype, True)
+            x = full[..., self.start:self.stop]
+        return self.comm.all_reduce(self.inner(x), name=self.name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mamba-2 gated norm across ranks
+# ---------------------------------------------------------------------------------------------
+class ShardedGatedNorm(nn.Module):
+    """norm(y · silu(z)) · w where this rank's channels lie inside norm group ``group`` of ``n_groups``
+    (of ``group_size`` channels each): the group's sum of squares is all-reduced. y, z: (..., d_l)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, group_size: int, group: int, n_groups: int,
+                 comm: Communicator, partial: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        self.eps, self.group_size, self.group, self.n_groups, self.comm = eps, group_size, group, n_groups, comm
+        self.partial = partial  # fused path: return u · w and leave the sum of squares in ``self.ss``
+        self.ss = None
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        u = y.float() * F.silu(z.float())
+        ss = u.pow(2).sum(-1, keepdim=True)  # (..., 1)
+        if self.partial:
+            self.ss = ss
+            return (u * self.weight.float()).to(y.dtype)
+        sums = torch.zeros(*ss.shape[:-1], self.n_groups, dtype=torch.float32, device=u.device)
+        sums[..., self.group:self.group + 1] = ss
+        ss = self.comm.all_reduce(sums, name="gated_norm")[..., self.group:self.group + 1]
+        return (u * torch.rsqrt(ss / self.group_size + self.eps) * self.weight.float()).to(y.dtype)
+
+
+class FusedNormOutProj(nn.Module):
+    """out_proj of a Mamba-2 mixer whose one norm group spans all ranks, with ONE all-reduce.
+
+    The norm left u·w (unnormalised) and its partial sum of squares; since out_proj is linear and the
+    norm factor rsqrt(mean + eps) is one scalar per token, out_proj(u·w)·factor == out_proj(norm(u)·w):
+    the partial sum of squares rides as an extra column of out_proj's all-reduce (float32) and the factor
+    is applied after it. The bias is added once, after.
+    """
+
+    def __init__(self, inner: nn.Module, norm: ShardedGatedNorm, comm: Communicator, start: int, stop: int):
+        super().__init__()
+        self.bias = None if inner.bias is None else nn.Parameter(inner.bias.detach().clone(), requires_grad=False)
+        row_parallel_(inner, start, stop, keep_bias=True)
+        inner.bias = None
+        self.inner, self.norm, self.comm = inner, norm, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        part = torch.cat([self.inner(x).float(), self.norm.ss], dim=-1)
+        red = self.comm.all_reduce(part, name="out_proj+norm")
+        out = red[..., :-1] * torch.rsqrt(red[..., -1:] / self.norm.group_size + self.norm.eps)
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-family sharding
+# ---------------------------------------------------------------------------------------------
+def _divide(what: str, total: int, world: int) -> int:
+    if total % world:
+        raise SSMQError(f"tensor parallelism over {world} ranks needs {what} ({total}) divisible by {world}")
+    return total // world
+
+
+def _tap_(mixer: nn.Module, tap: str, idx: torch.Tensor) -> None:
+    """An SSM activation quantizer keeps the channel -> scale-group map of its channels (scales replicated)."""
+    q = getattr(mixer, tap, None)
+    if q is None or isinstance(q, nn.Identity):
+        return
+    if getattr(q, "index", None) is not None:
+        _put(q, "index", _rows(q.index, idx))
+    q.d = len(idx)
+
+
+def _state_index_(mixer: nn.Module, channels: torch.Tensor) -> None:
+    if getattr(mixer, "state_index", None) is not None:
+        _put(mixer, "state_index", _rows(mixer.state_index, channels))
+
+
+def _conv_(conv: nn.Conv1d, idx: torch.Tensor) -> None:
+    _put(conv, "weight", _rows(conv.weight, idx))
+    _put(conv, "bias", _rows(conv.bias, idx))
+    conv.in_channels = conv.out_channels = conv.groups = len(idx)
+
+
+def bc_groups(nheads: int, ngroups: int, rank: int, world: int) -> torch.Tensor:
+    """The B/C groups read by this rank's heads: sharded when ngroups % world == 0, else the one group
+    all of this rank's heads share (replicated over the ranks inside it)."""
+    h_l = _divide("the SSM heads", nheads, world)
+    per_group = nheads // ngroups
+    if ngroups % world == 0:
+        return _span(rank * ngroups // world, ngroups // world)
+    if per_group % h_l == 0:
+        return torch.tensor([rank * h_l // per_group])
+    raise SSMQError(f"ngroups {ngroups} over {world} ranks: a rank's {h_l} heads would straddle B/C groups "
+                    f"of {per_group} heads")
+
+
+@torch.no_grad()
+def shard_mamba2_(mixer: nn.Module, comm: Communicator, fuse_norm: bool = True) -> int:
+    """Shard a Mamba-2 mixer in place; returns its all-reduces per call."""
+    c = mixer.cfg
+    r, W = comm.rank, comm.world
+    d, h, p, g, n = c.d_inner, c.nheads, c.headdim, c.ngroups, c.d_state
+    h_l = _divide("the SSM heads", h, W)
+    d_l = h_l * p
+    heads, ch = _span(r * h_l, h_l), _span(r * d_l, d_l)
+    groups = bc_groups(h, g, r, W)
+    g_l = len(groups)
+    bc = (groups[:, None] * n + torch.arange(n)).reshape(-1)
+    seg = mamba2_in_proj_segments(d, g, n, h)
+    rows = torch.cat([seg.offset("z") + ch, seg.offset("x") + ch, seg.offset("B") + bc, seg.offset("C") + bc,
+                      seg.offset("dt") + heads])
+    column_parallel_(mixer.in_proj, rows)
+    conv = mamba2_conv_segments(d, g, n)
+    _conv_(mixer.conv1d, torch.cat([conv.offset("x") + ch, conv.offset("B") + bc, conv.offset("C") + bc]))
+    for name in ("dt_bias", "A_log", "D"):
+        _put(mixer, name, _rows(getattr(mixer, name), heads))
+    for tap, idx in (("act_x", ch), ("act_z", ch), ("act_y", ch), ("act_dt", heads), ("act_B", bc), ("act_C", bc)):
+        _tap_(mixer, tap, idx)
+    _state_index_(mixer, ch)
+    mixer.cfg = ShardView(c, d_inner=d_l, nheads=h_l, ngroups=g_l, conv_dim=d_l + 2 * g_l * n)
+
+    ng = norm_group_size(d, g, c.norm_group_size)
+    weight = _rows(mixer.norm.weight, ch)
+    if d_l % ng == 0:  # whole norm groups on this rank: the norm is local
+        mixer.norm.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        mixer.out_proj = RowParallel(mixer.out_proj, comm, r * d_l, (r + 1) * d_l, "out_proj")
+        return 1
+    if ng % d_l:
+        raise SSMQError(f"gated-norm groups of {ng} channels straddle the {d_l}-channel shards of {W} ranks")
+    fusable = (ng == d and fuse_norm and isinstance(mixer.act_y, nn.Identity) and not _is_rotated(mixer.out_proj)
+               and (not isinstance(mixer.out_proj, QuantLinear) or mixer.out_proj.act is None))
+    mixer.norm = ShardedGatedNorm(weight, mixer.norm.eps, ng, r * d_l // ng, d // ng, comm, partial=fusable)
+    if fusable:
+        mixer.out_proj = FusedNormOutProj(mixer.out_proj, mixer.norm, comm, r * d_l, (r + 1) * d_l)
+        return 1
+    mixer.out_proj = RowParallel(mixer.out_proj, comm, r * d_l, (r + 1) * d_l, "out_proj")
+    return 2
+
+
+@torch.no_grad()
+def shard_mamba1_(mixer: nn.Module, comm: Communicator) -> int:
+    r, W = comm.rank, comm.world
+    d = mixer.d_inner
+    d_l = _divide("d_inner", d, W)
+    ch = _span(r * d_l, d_l)
+    seg = mamba1_in_proj_segments(d)
+    column_parallel_(mixer.in_proj, torch.cat([seg.offset("x") + ch, seg.offset("z") + ch]))
+    _conv_(mixer.conv1d, ch)
+    mixer.x_proj = RowParallel(mixer.x_proj, comm, r * d_l, (r + 1) * d_l, "x_proj")
+    column_parallel_(mixer.dt_proj, ch)
+    for name in ("dt_bias", "A_log", "D"):
+        _put(mixer, name, _rows(getattr(mixer, name), ch))
+    for tap in ("act_x", "act_z", "act_y", "act_dt"):
+        _tap_(mixer, tap, ch)
+    _state_index_(mixer, ch)
+    mixer.d_inner = d_l
+    mixer.out_proj = RowParallel(mixer.out_proj, comm, r * d_l, (r + 1) * d_l, "out_proj")
+    return 2
+
+
+def kv_heads(hq: int, hkv: int, rank: int, world: int) -> torch.Tensor:
+    """KV heads read by this rank's query heads: sharded when hkv % world == 0, else the one it shares."""
+    hq_l = _divide("the attention query heads", hq, world)
+    per_kv = hq // hkv
+    if hkv % world == 0:
+        return _span(rank * hkv // world, hkv // world)
+    if per_kv % hq_l == 0:
+        return torch.tensor([rank * hq_l // per_kv])
+    raise SSMQError(f"{hkv} KV heads over {world} ranks: a rank's {hq_l} query heads would read two KV heads")
+
+
+def _head_rows(heads: torch.Tensor, e: int) -> torch.Tensor:
+    return (heads[:, None] * e + torch.arange(e)).reshape(-1)
+
+
+@torch.no_grad()
+def shard_attention_(attn: nn.Module, comm: Communicator) -> int:
+    r, W = comm.rank, comm.world
+    hq_l = _divide("the attention query heads", attn.hq, W)
+    q = _span(r * hq_l, hq_l)
+    kv = kv_heads(attn.hq, attn.hkv, r, W)
+    column_parallel_(attn.q_proj, _head_rows(q, attn.e))
+    column_parallel_(attn.k_proj, _head_rows(kv, attn.e))
+    column_parallel_(attn.v_proj, _head_rows(kv, attn.e))
+    attn.o_proj = RowParallel(attn.o_proj, comm, r * hq_l * attn.e, (r + 1) * hq_l * attn.e, "o_proj")
+    attn.hq, attn.hkv = hq_l, len(kv)
+    return 1
+
+
+@torch.no_grad()
+def shard_mlp_(mlp: nn.Module, comm: Communicator) -> int:
+    r, W = comm.rank, comm.world
+    f_l = _divide("the MLP hidden size", mlp.gate_proj.out_features, W)
+    rows = _span(r * f_l, f_l)
+    column_parallel_(mlp.gate_proj, rows)
+    column_parallel_(mlp.up_proj, rows)
+    mlp.down_proj = RowParallel(mlp.down_proj, comm, r * f_l, (r + 1) * f_l, "down_proj")
+    return 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the model
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class TPInfo:
+    rank: int
+    world: int
+    all_reduces_per_layer: list[int]
+
+    @property
+    def all_reduces_per_token(self) -> int:
+        return sum(self.all_reduces_per_layer)
+
+
+def check_tp(cfg, world: int) -> None:
+    """Raise SSMQError when ``cfg`` cannot be split over ``world`` ranks (before any loading)."""
+    for i in range(cfg.n_layer):
+        kind = cfg.layer_kind(i)
+        for r in range(world):
+            if kind == "mamba2":
+                bc_groups(cfg.nheads, cfg.ngroups, r, world)
+            elif kind == "attention":
+                kv_heads(cfg.attn_heads, cfg.attn_kv_heads, r, world)
+        if kind == "mamba1":
+            _divide("d_inner", cfg.d_inner, world)
+    if cfg.arch == "hybrid" and cfg.mlp_hidden:
+        _divide("the MLP hidden size", cfg.mlp_hidden, world)
+
+
+@torch.no_grad()
+def apply_tp(model: nn.Module, comm: Communicator, fuse_norm: bool = True) -> nn.Module:
+    """Shard ``model`` (an SSMLM, float or quantized, on any device) in place for ``comm``'s rank.
+
+    fuse_norm: one all-reduce per Mamba-2 block where the maths allows (see the module docstring);
+    False keeps two (to measure the difference). Returns the model, with ``model.tp`` (TPInfo) and an
+    ``allocate_cache`` that allocates this rank's share of the cache.
+    """
+    if getattr(model, "tp", None) is not None:
+        raise SSMQError("this model is already sharded")
+    check_tp(model.config, comm.world)
+    per_layer = []
+    for layer in model.layers:
+        kind = str(layer.kind)
+        if kind == "mamba2":
+            k = shard_mamba2_(layer.mixer, comm, fuse_norm)
+        elif kind == "mamba1":
+            k = shard_mamba1_(layer.mixer, comm)
+        else:
+            k = shard_attention_(layer.mixer, comm)
+        if layer.mlp is not None:
+            k += shard_mlp_(layer.mlp, comm)
+        per_layer.append(k)
+    model.tp = TPInfo(comm.rank, comm.world, per_layer)
+    model.comm = comm
+    model.allocate_cache = types.MethodType(allocate_local_cache, model)
+    return model
+
+
+def allocate_local_cache(model: nn.Module, max_batch: int, max_seqlen: int, dtype=None, device=None,
+                         ssm_dtype=None):
+    """This rank's cache: the conv and SSM states of its channels and heads, the KV of its KV heads.
+
+    conv (s, conv_dim_l, w - 1); ssm (s, d_l, n) Mamba-1 | (s, h_l, p, n) Mamba-2; KV (s, L, hkv_l, e).
+    """
+    from ssmq.runtime.cache import InferenceCache
+
+    p = model.norm_f.weight
+    dtype, device = dtype or p.dtype, device or p.device
+    ssm_dtype = ssm_dtype or dtype
+    cfg = model.config
+    conv, ssm, keys, values = [], [], [], []
+    for layer in model.layers:
+        m = layer.mixer
+        if str(layer.kind) == "attention":
+            shape = (max_batch, max_seqlen, m.hkv, m.e)
+            conv.append(None), ssm.append(None)
+            keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            values.append(torch.zeros(shape, dtype=dtype, device=device))
+            continue
+        conv.append(torch.zeros(max_batch, m.conv1d.weight.shape[0], cfg.d_conv - 1, dtype=dtype, device=device))
+        state = tuple(m.A_log.shape) if str(layer.kind) == "mamba1" else (m.cfg.nheads, cfg.headdim, cfg.d_state)
+        ssm.append(torch.zeros(max_batch, *state, dtype=ssm_dtype, device=device))
+        keys.append(None), values.append(None)
+    seqlens = torch.zeros(max_batch, dtype=torch.long, device=device)
+    return InferenceCache(conv, ssm, keys, values, seqlens, max_seqlen)

@@ -1,0 +1,148 @@
+"""The collectives of tensor parallelism: one ``Communicator`` per process group.
+
+    all_reduce(x)      sum over ranks, returned in x's dtype. Backends (``mode``):
+        "nccl"         torch.distributed.all_reduce (NCCL on CUDA, gloo on CPU); graph-capturable on NCCL
+        "oneshot"      PyTorch symmetric memory: every rank copies x into a peer-mapped buffer and reads
+                       all peers' buffers directly (``symm_mem.one_shot_all_reduce_out``, no multicast);
+                       graph-capturable; CUDA only
+        "auto"         "oneshot" for messages up to ``oneshot_max_bytes`` when symmetric memory works,
+                       else "nccl" (the default)
+    ``payload`` quantizes what travels (beyond the paper's FP32 -> FP16):
+        "bf16"         bf16 codes
+        "int8"         int8 codes with one float32 scale per ``block`` values (absmax / 127)
+      A quantized all-reduce is an all-gather of the codes followed by a sum in float32, in rank order,
+      on every rank: all ranks get bit-identical results (a requirement: the residual stream is replicated).
+    all_reduce_max(x)  elementwise max (dynamic activation scales of row-parallel quantized linears)
+    all_gather(x)      concatenation along the last dim, in rank order (online Hadamard inputs)
+
+Every call is also counted per name (``counts``) while ``counting`` is on, to report collectives per token.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from ssmq.errors import SSMQError
+
+MODES = ("auto", "nccl", "oneshot")
+PAYLOADS = ("none", "bf16", "int8")
+DEFAULT_ONESHOT_MAX_BYTES = 512 * 1024  # vLLM's one-shot / NCCL crossover on 2 H100 is around 0.5 MB
+
+
+class Communicator:
+    def __init__(self, group=None, mode: str = "auto", payload: str = "none", block: int = 128,
+                 oneshot_max_bytes: int = DEFAULT_ONESHOT_MAX_BYTES, device=None):
+        if mode not in MODES:
+            raise SSMQError(f"unknown all-reduce mode {mode!r}; expected one of {', '.join(MODES)}")
+        if payload not in PAYLOADS:
+            raise SSMQError(f"unknown all-reduce payload {payload!r}; expected one of {', '.join(PAYLOADS)}")
+        self.group = group or dist.group.WORLD
+        self.world = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self.mode, self.payload, self.block = mode, payload, block
+        self.oneshot_max_bytes = oneshot_max_bytes
+        self.counting, self.counts = False, Counter()
+        self._symm = None  # (buffer, group name) once symmetric memory is set up
+        if mode in ("auto", "oneshot") and device is not None and torch.device(device).type == "cuda":
+            self._symm = _symmetric_buffer(self.group, oneshot_max_bytes, torch.device(device), strict=mode == "oneshot")
+        if mode == "oneshot" and self._symm is None:
+            raise SSMQError("the one-shot all-reduce needs CUDA and PyTorch symmetric memory")
+
+    def _count(self, name: str) -> None:
+        if self.counting:
+            self.counts[name] += 1
+
+    # -- sum ------------------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, name: str = "all_reduce") -> torch.Tensor:
+        """x: any shape, replicated shape on every rank -> the sum over ranks (a new tensor or x itself)."""
+        self._count(name)
+        if self.world == 1:
+            return x
+        if self.payload != "none":
+            return self._quantized_all_reduce(x)
+        nbytes = x.numel() * x.element_size()
+        if self._symm is not None and nbytes <= self.oneshot_max_bytes and x.is_cuda:
+            return self._oneshot(x)
+        x = x.contiguous()
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def _oneshot(self, x: torch.Tensor) -> torch.Tensor:
+        buf, name = self._symm
+        n = x.numel()
+        view = buf.view(x.dtype)[:n]
+        view.copy_(x.reshape(-1))
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", name, out.view(-1))
+        return out
+
+    def _quantized_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1)
+        if self.payload == "bf16":
+            parts = self._gather_flat(flat.to(torch.bfloat16))
+            total = sum(p.float() for p in parts)
+        else:
+            codes, scales = quantize_blocks(flat, self.block)
+            cs, ss = self._gather_flat(codes), self._gather_flat(scales)
+            total = sum(dequantize_blocks(c, s, flat.numel(), self.block) for c, s in zip(cs, ss))
+        return total.to(x.dtype).reshape(x.shape)
+
+    def _gather_flat(self, t: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return parts
+
+    # -- other collectives ------------------------------------------------------------------------
+    def all_reduce_max(self, x: torch.Tensor, name: str = "all_reduce_max") -> torch.Tensor:
+        self._count(name)
+        if self.world == 1:
+            return x
+        x = x.contiguous().clone()
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, name: str = "all_gather") -> torch.Tensor:
+        """x: (..., k) -> (..., world · k), rank order along the last dim."""
+        self._count(name)
+        if self.world == 1:
+            return x
+        return torch.cat(self._gather_flat(x), dim=-1)
+
+
+def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (N,) float -> int8 codes (ceil(N / block) · block,), float32 scales (ceil(N / block),); absmax / 127."""
+    n = x.numel()
+    pad = (-n) % block
+    xb = torch.nn.functional.pad(x.float(), (0, pad)).reshape(-1, block)
+    scale = (xb.abs().amax(1) / 127.0).clamp(min=1e-12)
+    codes = torch.round(xb / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(-1), scale
+
+
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    return (codes.reshape(-1, block).float() * scale[:, None]).reshape(-1)[:n]
+
+
+def _symmetric_buffer(group, nbytes: int, device: torch.device, strict: bool):
+    """(uint8 symmetric buffer of ``nbytes``, group name), or None where symmetric memory is unavailable.
+
+    NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set when absent); the one-shot
+    kernel only reads peers' buffers over peer-to-peer mappings.
+    """
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+            raise RuntimeError("torch.ops.symm_mem.one_shot_all_reduce_out is missing")
+        buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(buf, group.group_name)
+        return buf, group.group_name
+    except Exception as e:  # noqa: BLE001 - any failure means: fall back to NCCL
+        if strict:
+            raise SSMQError(f"symmetric memory unavailable for the one-shot all-reduce: {e}") from e
+        return None

@@ -1,0 +1,103 @@
+"""What the tensor-parallel tests run on every rank (and once without TP, as the reference)."""
+
+from __future__ import annotations
+
+import torch
+
+PROMPT = [3, 17, 5, 42, 9, 11, 2, 30, 7, 19, 23, 4, 8]  # 13 tokens: several SSD chunks of the tiny models
+
+
+def build(source):
+    """source: ("tiny", arch, overrides) | ("path", folder)."""
+    if source[0] == "tiny":
+        from tiny_ssm import tiny_model
+
+        return tiny_model(source[1], **source[2])
+    from ssmq.models.loading import load_model
+
+    return load_model(source[1], dtype=torch.float32, device="cpu").eval()
+
+
+@torch.no_grad()
+def run_model(model, prompt=PROMPT, steps: int = 4, batch: int = 2, ssm_dtype=None) -> dict:
+    """Logits of a full forward, of a cached prefill, of ``steps`` greedy decode steps; greedy tokens."""
+    ids = torch.tensor([prompt] * batch)
+    ids[1:, 0] = 1  # rows differ
+    full = model(ids)
+    cache = model.allocate_cache(batch, len(prompt) + steps + 1, dtype=torch.float32, ssm_dtype=ssm_dtype)
+    head = 5
+    model(ids[:, :head], cache)  # prefill in two pieces: continues from the cache
+    pre = model(ids[:, head:], cache)
+    decode, tok = [], pre[:, -1].argmax(-1)
+    for _ in range(steps):
+        logits = model.step(tok, cache)
+        decode.append(logits)
+        tok = logits.argmax(-1)
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    gen_cache = model.allocate_cache(2, len(prompt) + 9, dtype=torch.float32, ssm_dtype=ssm_dtype)
+    gen = generate(model, [prompt, prompt[:7]], SamplingParams(max_new_tokens=8, temperature=0.0, stop_at_eos=False),
+                   cache=gen_cache)
+    return {"full": full, "prefill": pre, "decode": torch.stack(decode), "generated": gen}
+
+
+
+def quantized_checkpoint(arch: str, recipe: str, folder, state_bits: int | None = None, **overrides) -> str:
+    """Quantize the tiny model of ``arch`` by ``recipe`` (SSM recipes: optionally an int8 state cache) and
+    save it; returns the folder."""
+    from tiny_ssm import synthetic_calibration, tiny_model
+
+    from ssmq.quant import quantize, save_quantized
+
+    model = tiny_model(arch, **overrides)
+    if state_bits is not None:
+        from ssmq.quant.ssm import get_ssm_recipe
+
+        recipe = get_ssm_recipe(recipe).with_changes(state_bits=state_bits)
+    quantize(model, recipe, synthetic_calibration(model.config.vocab_size, n=4, seqlen=32), progress=False)
+    save_quantized(model, folder)
+    return str(folder)
+
+
+def reference(source, ssm_dtype=None) -> dict:
+    return run_model(build(source), ssm_dtype=ssm_dtype)
+
+
+def tp_suite(comm, cases) -> list[dict]:
+    """cases: [(source, fuse_norm, ssm_dtype)] -> run_model of the sharded model for each."""
+    from ssmq.runtime.tp import apply_tp
+
+    out = []
+    for source, fuse_norm, ssm_dtype in cases:
+        model = build(source)
+        apply_tp(model, comm, fuse_norm=fuse_norm)
+        comm.counts.clear()
+        comm.counting = True
+        res = run_model(model, ssm_dtype=ssm_dtype)
+        comm.counting = False
+        res["all_reduces_per_layer"] = model.tp.all_reduces_per_layer
+        res["counts"] = dict(comm.counts)
+        out.append(res)
+    return out
+
+
+def peer_hangs(comm):
+    """Rank 1 never joins the collective; rank 0's all-reduce must time out."""
+    import time
+
+    if comm.rank == 1:
+        time.sleep(600)
+    comm.all_reduce(torch.ones(4))
+
+
+def rank_stalls(comm):
+    """Rank 0 stalls outside any collective; its watchdog must end it."""
+    import time
+
+    from ssmq.runtime.tp_launch import Watchdog
+
+    if comm.rank == 0:
+        with Watchdog(2.0, comm.rank):
+            time.sleep(600)
+    comm.all_reduce(torch.ones(4))

@@ -1,0 +1,84 @@
+"""Run a function on W CPU processes joined by gloo (tensor-parallel tests), collecting each rank's result.
+
+``run_ranks(fn, world, *args)`` spawns W processes; each joins the group, builds its Communicator and
+returns ``fn(comm, *args)`` (torch-saveable). Functions must live in an importable module (spawn).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def _worker(rank, world, init_file, out_dir, fn, args, comm_kw, timeout_s):
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from ssmq.runtime.tp_comm import Communicator
+    from ssmq.runtime.tp_launch import init_tp
+
+    init_tp(world, device="cpu", init_method=f"file://{init_file}", rank=rank, world=world, timeout_s=timeout_s)
+    result = fn(Communicator(mode="nccl", **comm_kw), *args)
+    torch.save(result, Path(out_dir) / f"{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, comm_kw=None, timeout_s: float = 60.0, join_s: float = 300.0):
+    """Results of fn on every rank, rank order; AssertionError with the exit codes when a rank fails."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world, init, tmp, fn, args, comm_kw or {}, timeout_s))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(join_s)
+        codes = [p.exitcode for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert codes == [0] * world, f"ranks exited with {codes}"
+        return [torch.load(Path(tmp) / f"{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _failing_worker(rank, world, init_file, log, fn, timeout_s):
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)
+    from ssmq.runtime.tp_comm import Communicator
+    from ssmq.runtime.tp_launch import guarded, init_tp
+
+    init_tp(world, device="cpu", init_method=f"file://{init_file}", rank=rank, world=world, timeout_s=timeout_s)
+    guarded(lambda: fn(Communicator(mode="nccl")), rank)
+
+
+def run_until_failure(fn, world: int, timeout_s: float, limit_s: float = 120.0):
+    """Run fn(comm) on every rank as torchrun would: when one rank exits non-zero, stop the others.
+
+    Returns (exit codes, {rank: stderr text}, seconds until the first failure).
+    """
+    import time
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [os.path.join(tmp, f"{r}.log") for r in range(world)]
+        procs = [ctx.Process(target=_failing_worker, args=(r, world, os.path.join(tmp, "init"), logs[r], fn, timeout_s))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        start = time.monotonic()
+        while time.monotonic() - start < limit_s:
+            if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
+                break
+            time.sleep(0.2)
+        elapsed = time.monotonic() - start
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        return [p.exitcode for p in procs], {r: open(logs[r]).read() for r in range(world)}, elapsed
