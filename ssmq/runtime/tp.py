@@ -41,12 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmq.errors import SSMQError
-try:
-    from ssmq.ops.layout import (mamba1_in_proj_segments, mamba2_conv_segments, mamba2_in_proj_segments,
-                                 norm_group_size)
-except ImportError:  # until issue 20's ssmq.ops.layout lands on main: the same facts, offsets only
-    from ssmq.runtime._layout_fallback import (mamba1_in_proj_segments, mamba2_conv_segments,  # noqa: F401
-                                               mamba2_in_proj_segments, norm_group_size)
+from ssmq.ops.layout import mamba1_in_proj_segments, mamba2_conv_segments, mamba2_in_proj_segments, norm_group_size
 from ssmq.quant.hadamard import RotatedLinear, hadamard_transform
 from ssmq.quant.linear import QuantLinear
 from ssmq.quant.primitives import PerGroup, choose_qparams
@@ -302,6 +297,8 @@ def shard_mamba2_(mixer: nn.Module, comm: Communicator, fuse_norm: bool = True) 
         _tap_(mixer, tap, idx)
     _state_index_(mixer, ch)
     mixer.cfg = ShardView(c, d_inner=d_l, nheads=h_l, ngroups=g_l, conv_dim=d_l + 2 * g_l * n)
+    mixer.proj_segments = mamba2_in_proj_segments(d_l, g_l, n, h_l).fuse(("x", "B", "C"), "xBC")
+    mixer.conv_segments = mamba2_conv_segments(d_l, g_l, n)
 
     ng = norm_group_size(d, g, c.norm_group_size)
     weight = _rows(mixer.norm.weight, ch)
@@ -338,6 +335,7 @@ def shard_mamba1_(mixer: nn.Module, comm: Communicator) -> int:
         _tap_(mixer, tap, ch)
     _state_index_(mixer, ch)
     mixer.d_inner = d_l
+    mixer.proj_segments = mamba1_in_proj_segments(d_l)
     mixer.out_proj = RowParallel(mixer.out_proj, comm, r * d_l, (r + 1) * d_l, "out_proj")
     return 2
 
