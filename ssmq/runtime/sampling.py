@@ -52,3 +52,31 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> torch.Tensor:
+    """logits: (b, vocab), one ``SamplingParams`` and generator (or None) per row → next ids (b,) long.
+
+    Each sampled row draws from its own generator, so a seeded request gets the same tokens whatever else
+    shares its batch; greedy rows are one argmax together.
+    """
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        out[idx] = sample_next(logits[idx], params[greedy[0]])
+    for i, p in enumerate(params):
+        if p.temperature != 0:
+            out[i] = sample_next(logits[i:i + 1], p, generators[i])[0]
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """Log-probabilities over the whole vocabulary, as the scorers compute them.
+
+    logits: (b, vocab); tokens: (b,) → (logprob of each token (b,), top-k logprobs (b, k), their ids (b, k)).
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
+    top = logp.topk(max(k, 1), dim=-1)
+    return chosen, top.values, top.indices

@@ -1,0 +1,310 @@
+"""Continuous-batching engine: requests join and leave the running decode batch at every step.
+
+Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for
+hybrids its KV block table); *chunk* a piece of a prompt prefilled in one call; *step* one turn of the engine
+loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt tokens (so a long prompt
+does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call.
+
+The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
+through its ``emit`` callback, called from the engine thread with one ``Event`` at a time.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ssmq.errors import SSMQError
+from ssmq.runtime.sampling import SamplingParams, sample_rows, top_logprobs
+
+log = logging.getLogger("ssmq.serve")
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 64  # cache slots = sequences decoded together
+    max_model_len: int = 2048  # prompt + generated tokens of one sequence
+    prefill_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill budget)
+    kv_block_size: int = 16  # tokens per KV block (hybrids)
+    kv_blocks: int | None = None  # KV blocks per attention layer; None: max_batch * max_model_len / 4 tokens' worth
+    max_waiting: int = 4096  # queued requests beyond which submit refuses
+    cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
+
+
+@dataclass
+class Event:
+    """``kind``: "prompt" (``prompt``: [(logprob, top)] for prompt tokens 1..), "token" (``token``, ``logprob``,
+    ``top``: [(id, logprob)] or None), "done" (``reason``: stop | length | abort), "error" (``message``)."""
+
+    kind: str
+    token: int | None = None
+    logprob: float | None = None
+    top: list | None = None
+    prompt: list | None = None
+    reason: str | None = None
+    message: str | None = None
+    status: int = 500  # HTTP status of an "error": 408 timed out, 500 engine failure, 503 shutting down
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams  # params.max_new_tokens is ignored: ``max_tokens`` rules (it may be 0 with echo)
+    max_tokens: int
+    emit: Callable[[Event], None]
+    logprobs: int | None = None  # top-k alternatives reported per generated token (None: no logprobs)
+    prompt_logprobs: bool = False  # report the logprob of every prompt token (echo + logprobs)
+    timeout: float | None = None  # seconds from arrival
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrival: float = field(default_factory=time.monotonic)
+    # engine-side state
+    slot: int = -1
+    pos: int = 0  # prompt tokens prefilled so far
+    output: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    carry: torch.Tensor | None = None  # log-softmax of the last prefilled position (prompt logprobs across chunks)
+    last_time: float = 0.0
+
+    def top_k(self) -> int:
+        return max(self.logprobs or 0, 1)
+
+
+class Engine:
+    """Owns the model, the cache and the loop thread. ``start()``, ``submit(req)``, ``abort(id)``, ``shutdown()``."""
+
+    def __init__(self, model, config: EngineConfig, eos_id: int = 0, vocab_limit: int | None = None, metrics=None):
+        self.model, self.cfg, self.metrics = model, config, metrics
+        self.eos_id, self.vocab_limit = eos_id, vocab_limit
+        self.device = model.device
+        self._inbox: collections.deque = collections.deque()
+        self._aborts: set[str] = set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.prefilling: list[Request] = []
+        self.decoding: list[Request] = []
+        self.cache, self.decode_fn, self.prefill_fn = self._build_runtime()
+        self.free_slots = list(range(config.max_batch))[::-1]
+        self.steps = 0
+
+    # ---------------------------------------------------------------- setup
+    def _state_dtype(self):
+        """int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)."""
+        return torch.int8 if any(hasattr(m, "state_scale") for m in self.model.modules()) else None
+
+    def _build_runtime(self):
+        cfg, model = self.cfg, self.model
+        ssm_dtype = self._state_dtype()
+        if self.device.type == "cuda" and cfg.cuda_graphs:
+            from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
+
+            dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, ssm_dtype=ssm_dtype)
+            pre = CudaGraphPrefill(model, dec.cache, max_len=cfg.prefill_tokens, pool=dec.pool)
+            dec.capture_all()
+            pre.capture_all()
+            return dec.cache, dec, pre
+        cache = model.allocate_cache(cfg.max_batch, cfg.max_model_len, ssm_dtype=ssm_dtype)
+        return cache, (lambda tokens, slots: model.step(tokens, cache, slots)), None
+
+    # ---------------------------------------------------------------- public, any thread
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="ssmq-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(self, req: Request) -> None:
+        if len(req.prompt) == 0:
+            raise SSMQError("empty prompt")
+        if len(req.prompt) + req.max_tokens > self.cfg.max_model_len:
+            raise SSMQError(f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds the engine's "
+                            f"max_model_len {self.cfg.max_model_len}")
+        with self._cv:
+            if len(self._inbox) + len(self.waiting) >= self.cfg.max_waiting:
+                raise SSMQError(f"the queue is full ({self.cfg.max_waiting} requests waiting)")
+            self._inbox.append(req)
+            self._cv.notify()
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request now (client gone): its slot is free for the next step."""
+        with self._cv:
+            self._aborts.add(request_id)
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        return {"waiting": len(self.waiting) + len(self._inbox), "running": len(self.prefilling) + len(self.decoding),
+                "slots_used": self.cfg.max_batch - len(self.free_slots), "slots_total": self.cfg.max_batch,
+                "steps": self.steps}
+
+    # ---------------------------------------------------------------- engine thread
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    if not self._inbox and not self._aborts and not self._busy() and not self._stop:
+                        self._cv.wait(timeout=0.1)
+                    if self._stop:
+                        break
+                    new, self._inbox = list(self._inbox), collections.deque()
+                    aborts, self._aborts = self._aborts, set()
+                self.waiting.extend(new)
+                self._drop(aborts)
+                self._expire()
+                self._admit()
+                if self.prefilling or self.decoding:
+                    try:
+                        self._step()
+                    except Exception as e:  # a bug or a device error: fail who is running, keep serving
+                        log.exception("engine step failed")
+                        for r in self.prefilling + self.decoding:
+                            self._finish(r, "error", f"engine error: {e}", 500)
+                self._report()
+        for r in list(self.waiting) + self.prefilling + self.decoding:
+            self._finish(r, "error", "server shutting down", 503)
+
+    def _busy(self) -> bool:
+        return bool(self.prefilling or self.decoding or (self.waiting and self.free_slots))
+
+    def _drop(self, ids: set[str]) -> None:
+        if not ids:
+            return
+        for r in [r for r in self.waiting if r.id in ids]:
+            self.waiting.remove(r)
+            self._finish(r, "abort")
+        for r in [r for r in self.prefilling + self.decoding if r.id in ids]:
+            self._finish(r, "abort")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for r in [r for r in list(self.waiting) + self.prefilling + self.decoding
+                  if r.timeout is not None and now - r.arrival > r.timeout]:
+            if r in self.waiting:
+                self.waiting.remove(r)
+            self._finish(r, "error", f"request timed out after {r.timeout:g} s", 408)
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_slots:
+            r = self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            self.cache.reset([r.slot])
+            if r.params.seed is not None:
+                r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
+            self.prefilling.append(r)
+
+    def _step(self) -> None:
+        self.steps += 1
+        budget = self.cfg.prefill_tokens
+        for r in list(self.prefilling):
+            if budget <= 0:
+                break
+            n = min(budget, len(r.prompt) - r.pos)
+            self._prefill(r, n)
+            budget -= n
+        if self.decoding:
+            rows = list(self.decoding)
+            tokens = torch.tensor([r.output[-1] for r in rows], dtype=torch.long, device=self.device)
+            slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
+            self._deliver(rows, self.decode_fn(tokens, slots))
+
+    def _prefill(self, r: Request, n: int) -> None:
+        ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
+        if r.prompt_logprobs:
+            logits = self.model(ids, self.cache, slots=[r.slot])[0]  # (n, vocab)
+            self._emit_prompt_logprobs(r, ids[0], logits)
+        elif self.prefill_fn is not None:
+            logits = self.prefill_fn(ids, r.slot)  # (1, vocab)
+        else:
+            logits = self.model(ids, self.cache, slots=[r.slot], num_last_tokens=1)[:, -1]
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(n)
+        r.pos += n
+        if r.pos < len(r.prompt):
+            return
+        self.prefilling.remove(r)
+        if r.max_tokens == 0:
+            self._finish(r, "length")
+            return
+        self.decoding.append(r)
+        self._deliver([r], logits[-1:])
+
+    def _emit_prompt_logprobs(self, r: Request, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """Logprob (and top-k) of each prompt token in this chunk given the tokens before it; the first prompt
+        token has none. ids: (n,), logits: (n, vocab)."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if r.carry is None:  # first chunk: the first prompt token has no logprob
+            prev, targets = logp[:-1], ids[1:]
+        else:
+            prev, targets = torch.cat([r.carry[None], logp[:-1]]), ids
+        r.carry = logp[-1]
+        if targets.numel() == 0:
+            return
+        chosen = prev.gather(1, targets[:, None]).squeeze(1).tolist()
+        top = prev.topk(r.top_k(), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        self._emit(r, Event("prompt", prompt=list(zip(chosen, tops))))
+
+    def _deliver(self, rows: list[Request], logits: torch.Tensor) -> None:
+        """Sample one token per row from logits (b, vocab), report it, finish rows that stop."""
+        toks = sample_rows(logits, [r.params for r in rows], [r.generator for r in rows])
+        want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        lp = {}
+        if want:
+            idx = torch.tensor(want, device=logits.device)
+            k = max(rows[i].top_k() for i in want)
+            chosen, values, indices = top_logprobs(logits[idx], toks[idx], k)
+            for j, i in enumerate(want):
+                kk = rows[i].top_k()
+                lp[i] = (chosen[j].item(), list(zip(indices[j, :kk].tolist(), values[j, :kk].tolist())))
+        now = time.monotonic()
+        for i, (r, tok) in enumerate(zip(rows, toks.tolist())):
+            if self.metrics is not None:
+                if r.output:
+                    self.metrics.tpot.observe(now - r.last_time)
+                else:
+                    self.metrics.ttft.observe(now - r.arrival)
+                self.metrics.generated_tokens.inc()
+            r.last_time = now
+            r.output.append(tok)
+            logprob, top = lp.get(i, (None, None))
+            self._emit(r, Event("token", token=tok, logprob=logprob, top=top))
+            if r.params.stop_at_eos and tok == r.params.eos_id:
+                self._finish(r, "stop")
+            elif len(r.output) >= r.max_tokens:
+                self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str, message: str | None = None, status: int = 500) -> None:
+        for queue in (self.prefilling, self.decoding):
+            if r in queue:
+                queue.remove(r)
+        if r.slot >= 0:
+            self.free_slots.append(r.slot)
+            r.slot = -1
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome=reason).inc()
+        self._emit(r, Event("error", message=message, status=status) if reason == "error" else Event("done", reason=reason))
+
+    @staticmethod
+    def _emit(r: Request, event: Event) -> None:
+        try:
+            r.emit(event)
+        except Exception:  # the client side is gone (e.g. its event loop closed): nothing left to tell
+            log.debug("could not report to request %s", r.id)
+
+    def _report(self) -> None:
+        if self.metrics is not None:
+            s = self.stats()
+            self.metrics.update(s)

@@ -1,0 +1,40 @@
+"""The server's Prometheus metrics, in a registry of their own (several servers may live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# seconds; TTFT spans CPU tests (tens of ms) to long queues, per-token latency ~1 ms (GPU) to 100 ms (CPU)
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
+TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.waiting = Gauge("ssmq_queue_length", "requests waiting for a cache slot", registry=r)
+        self.running = Gauge("ssmq_running_sequences", "sequences in prefill or decode", registry=r)
+        self.slots_used = Gauge("ssmq_cache_slots_used", "cache slots owned by running sequences", registry=r)
+        self.slots_total = Gauge("ssmq_cache_slots_total", "cache slots (max batch)", registry=r)
+        self.blocks_used = Gauge("ssmq_kv_blocks_used", "KV cache blocks in use (hybrid models)", registry=r)
+        self.blocks_total = Gauge("ssmq_kv_blocks_total", "KV cache blocks (hybrid models; 0 without attention)",
+                                  registry=r)
+        self.prompt_tokens = Counter("ssmq_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("ssmq_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter("ssmq_requests", "finished requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("ssmq_time_to_first_token_seconds", "arrival to first generated token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("ssmq_time_per_output_token_seconds", "time between consecutive generated tokens",
+                              buckets=TPOT_BUCKETS, registry=r)
+
+    def update(self, stats: dict) -> None:
+        """Gauges from ``Engine.stats()``."""
+        self.waiting.set(stats["waiting"])
+        self.running.set(stats["running"])
+        self.slots_used.set(stats["slots_used"])
+        self.slots_total.set(stats["slots_total"])
+        self.blocks_used.set(stats.get("kv_blocks_used", 0))
+        self.blocks_total.set(stats.get("kv_blocks_total", 0))
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
