@@ -1,4 +1,4 @@
-"""The ``ssmq`` command: info, generate, and the subcommands registered by eval/ and quant/.
+"""The ``ssmq`` command: info, generate, and the subcommands registered by eval/, quant/ and runtime/ (serve).
 
 Every user error ends as one line on stderr (``ssmq: error: ...``) and exit status 1.
 """
@@ -14,7 +14,7 @@ from ssmq.errors import SSMQError
 
 DEFAULT_HUB_MODEL = "state-spaces/mamba2-130m"
 # Subcommands owned by other packages; each module has register(subparsers).
-PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.command")
+PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.command", "ssmq.runtime.command")
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 

@@ -79,9 +79,8 @@ class Request:
 class Engine:
     """Owns the model, the cache and the loop thread. ``start()``, ``submit(req)``, ``abort(id)``, ``shutdown()``."""
 
-    def __init__(self, model, config: EngineConfig, eos_id: int = 0, vocab_limit: int | None = None, metrics=None):
+    def __init__(self, model, config: EngineConfig, metrics=None):
         self.model, self.cfg, self.metrics = model, config, metrics
-        self.eos_id, self.vocab_limit = eos_id, vocab_limit
         self.device = model.device
         self._inbox: collections.deque = collections.deque()
         self._aborts: set[str] = set()

@@ -1,0 +1,72 @@
+"""``ssmq serve``: an OpenAI-compatible HTTP server with continuous batching.
+
+    ssmq serve --model ../shared/models/mamba2 --port 8000
+    curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
+         -d '{"prompt": "The history of", "max_tokens": 32, "temperature": 0}'
+
+Wire-up: ``ssmq.runtime.command.register(subparsers)`` adds the subcommand (``func=run``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+from ssmq.errors import SSMQError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ssmq.cli import add_model_args
+
+    add_model_args(p)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (1 until ssmq.runtime.tp exists)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=64, help="cache slots: sequences decoded together (default 64)")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per sequence")
+    p.add_argument("--prefill-tokens", type=int, default=512,
+                   help="prompt tokens prefilled per engine step, interleaved with decode (default 512)")
+    p.add_argument("--served-model-name", help="name in /v1/models and requests (default: the model folder's name)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--eager", action="store_true", help="on CUDA, run without CUDA graphs")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible completions server (continuous batching)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def check_tp(n: int) -> None:
+    if n < 1:
+        raise SSMQError(f"--tp must be >= 1, got {n}")
+    if n > 1 and importlib.util.find_spec("ssmq.runtime.tp") is None:
+        raise SSMQError(f"--tp {n}: tensor parallelism is not available in this version of ssmq yet; use --tp 1")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ssmq.cli import load_from_args
+    from ssmq.runtime.engine import Engine, EngineConfig
+    from ssmq.runtime.server import ServerConfig, run_server
+
+    check_tp(args.tp)
+    if args.tp > 1:
+        raise SSMQError(f"--tp {args.tp}: serving over tensor parallelism is not wired up yet; use --tp 1")
+    for name in ("max_batch", "max_model_len", "prefill_tokens"):
+        if getattr(args, name) < 1:
+            raise SSMQError(f"--{name.replace('_', '-')} must be >= 1")
+    model, tok, path = load_from_args(args)
+    engine = Engine(model, EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
+                                        prefill_tokens=args.prefill_tokens, cuda_graphs=not args.eager))
+    names = tuple(dict.fromkeys(n for n in (args.served_model_name, Path(str(path)).name, args.model) if n))
+    print(f"ssmq serve: {names[0]} on http://{args.host}:{args.port} (max batch {args.max_batch}, "
+          f"max model len {args.max_model_len})", flush=True)
+    run_server(engine, tok, ServerConfig(names, max_body_bytes=args.max_body_bytes,
+                                         request_timeout_s=args.request_timeout),
+               host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,297 @@
+"""ssmq serve through real HTTP on 127.0.0.1: httpx and the openai client against uvicorn in a thread.
+
+Tiny random models (tests/tiny_ssm.py) and a 64-symbol character tokenizer; every expected output comes from the
+offline ``generate`` or the ``ssmq eval`` scorer on the same model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+
+from char_tokenizer import CharTokenizer
+from tiny_ssm import tiny_model
+
+from ssmq.runtime.engine import Engine, EngineConfig
+from ssmq.runtime.generate import generate
+from ssmq.runtime.sampling import SamplingParams
+from ssmq.runtime.server import BackgroundServer, ServerConfig
+
+TOK = CharTokenizer()
+NAME = "tiny"
+
+
+def start(model, max_batch=8, max_model_len=96, prefill_tokens=16, **server):
+    engine = Engine(model, EngineConfig(max_batch=max_batch, max_model_len=max_model_len,
+                                        prefill_tokens=prefill_tokens, kv_block_size=4))
+    return BackgroundServer(engine, TOK, ServerConfig((NAME,), **server))
+
+
+@pytest.fixture(scope="module")
+def mamba2():
+    return tiny_model("mamba2", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(mamba2):
+    with start(mamba2, max_body_bytes=20_000, body_timeout_s=1.0) as url:
+        yield url
+
+
+def offline_text(model, prompt_ids: list[int], max_tokens: int) -> str:
+    """What the server should answer for a greedy request: offline generate, the final EOS hidden."""
+    out = generate(model, [prompt_ids], SamplingParams(max_new_tokens=max_tokens, eos_id=TOK.eos_id,
+                                                       vocab_limit=len(TOK)))[0]
+    return TOK.decode(out[:-1] if out[-1] == TOK.eos_id else out)
+
+
+def random_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, len(TOK), (int(k),), generator=g).tolist() for k in torch.randint(1, 60, (n,), generator=g)]
+
+
+async def _httpx_call(url, body):
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        if not body.get("stream"):
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text, done = "", False
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert done, "the stream did not end with data: [DONE]"
+        return text
+
+
+async def _openai_call(client, body):
+    body = dict(body)
+    if not body.pop("stream", False):
+        return (await client.completions.create(**body)).choices[0].text
+    text = ""
+    async for chunk in await client.completions.create(stream=True, **body):
+        text += chunk.choices[0].text
+    return text
+
+
+def run_concurrently(url, bodies, via_openai):
+    """Send every body at once (httpx or the openai client per ``via_openai``); texts in order."""
+    import openai
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        calls = [_openai_call(client, b) if o else _httpx_call(url, b) for b, o in zip(bodies, via_openai)]
+        try:
+            return await asyncio.gather(*calls)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def test_32_concurrent_greedy_requests_equal_offline_generate(server, mamba2):
+    prompts = random_prompts(32)
+    max_tokens = [4 + (7 * i) % 17 for i in range(32)]
+    bodies = []
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        # token-id and string prompts, streaming and not, through both clients
+        prompt = p if i % 3 else TOK.decode(p)
+        bodies.append({"model": NAME, "prompt": prompt, "max_tokens": m, "temperature": 0, "stream": i % 2 == 0})
+    texts = run_concurrently(server, bodies, [i % 4 < 2 for i in range(32)])
+    for i, (p, m, text) in enumerate(zip(prompts, max_tokens, texts)):
+        assert text == offline_text(mamba2, p, m), f"request {i}"
+
+
+def test_hybrid_through_the_block_kv_cache_equals_offline():
+    model = tiny_model("hybrid", seed=5)
+    prompts = random_prompts(10, seed=1)
+    with start(model, max_batch=4, max_model_len=96, prefill_tokens=8) as url:
+        bodies = [{"prompt": p, "max_tokens": 12 + i, "temperature": 0, "stream": i % 2 == 1}
+                  for i, p in enumerate(prompts)]
+        texts = run_concurrently(url, bodies, [False] * len(bodies))
+        stats = httpx.get(f"{url}/health").json()
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        assert text == offline_text(model, p, 12 + i), f"request {i}"
+    assert stats["slots_used"] == 0 and stats.get("kv_blocks_used", 0) == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(server, mamba2):
+    prompt = random_prompts(1, seed=7)[0]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 1234,
+            "ignore_eos": True}
+    alone = run_concurrently(server, [body], [False])[0]
+    crowd = [dict(body, seed=s) for s in range(6)] + [body]
+    amid = run_concurrently(server, crowd, [False] * len(crowd))[-1]
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=20, top_p=0.95, seed=1234, stop_at_eos=False,
+                            eos_id=TOK.eos_id, vocab_limit=len(TOK))
+    assert alone == amid == TOK.decode(generate(mamba2, [prompt], params)[0])
+
+
+def test_n_choices_multiple_prompts_stop_strings_and_usage(server, mamba2):
+    prompts = random_prompts(2, seed=11)
+    full = [offline_text(mamba2, p, 20) for p in prompts]
+    stop = full[0][3:5]
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 20, "temperature": 0,
+                                                      "stop": [stop]}, timeout=60).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    for c in r["choices"]:
+        want = full[c["index"] // 2]
+        cut = want.find(stop)
+        assert c["text"] == (want[:cut] if cut >= 0 else want)
+        assert c["finish_reason"] == ("stop" if cut >= 0 else "length")
+    assert r["usage"]["prompt_tokens"] == sum(map(len, prompts))
+    assert r["usage"]["total_tokens"] == r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"]
+
+
+def _metric(url: str, name: str, labels: dict | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in fam.samples:
+            if s.name == name and (labels is None or all(s.labels.get(k) == v for k, v in labels.items())):
+                return s.value
+    return 0.0
+
+
+def test_client_disconnect_frees_the_slot(server):
+    aborted = _metric(server, "ssmq_requests_total", {"outcome": "abort"})
+    with httpx.Client(base_url=server, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 90, "ignore_eos": True,
+                                                        "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert c.get("/health").json()["slots_used"] == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        h = httpx.get(f"{server}/health").json()
+        if h["slots_used"] == 0 and h["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert h["slots_used"] == 0 and h["running"] == 0
+    assert _metric(server, "ssmq_requests_total", {"outcome": "abort"}) == aborted + 1
+
+
+BAD = [  # (body, status, the error message contains)
+    (b'{"prompt": "ab", "max_tokens": 3', 400, "malformed JSON"),
+    (b'[1, 2]', 400, "JSON object"),
+    (b'{"prompt": "ab", "model": "gpt-9"}', 400, "not served"),
+    (b'{"prompt": "ab", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": "ab", "max_tokens": -2}', 400, "max_tokens"),
+    (b'{"prompt": "ab", "max_tokens": 95}', 400, "maximum context length"),
+    (json.dumps({"prompt": [1] * 97, "max_tokens": 1}).encode(), 400, "maximum context length"),
+    (b'{"prompt": "ab", "temperature": -0.5}', 400, "temperature"),
+    (b'{"prompt": "ab", "top_p": 0}', 400, "top_p"),
+    (b'{"prompt": "ab", "top_p": 1.5}', 400, "top_p"),
+    (b'{"prompt": "ab", "n": 1000}', 400, "n must be"),
+    (b'{"prompt": "ab", "n": "2"}', 400, "n:"),
+    (b'{"prompt": "ab", "max_tokens": "8"}', 400, "max_tokens"),
+    (b'{"prompt": 5}', 400, "prompt"),
+    (b'{"prompt": ""}', 400, "empty"),
+    (b'{"prompt": []}', 400, "empty"),
+    (b'{"prompt": [[]]}', 400, "empty"),
+    (b'{"prompt": [1, 999]}', 400, "vocabulary"),
+    (b'{"max_tokens": 3}', 400, "prompt"),
+    (b'{"prompt": "ab", "logprobs": 99}', 400, "logprobs"),
+    (b'{"prompt": "ab", "stop": ["", "x"]}', 400, "stop"),
+    (json.dumps({"prompt": "a" * 30_000}).encode(), 413, "exceeds the limit"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, body, status, words):
+    r = httpx.post(f"{server}/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"]
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+
+
+def test_slow_and_vanishing_clients_do_not_hold_the_server(server):
+    host, port = server.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: 200\r\n\r\n").encode()
+    slow, gone = socket.create_connection((host, int(port))), socket.create_connection((host, int(port)))
+    slow.sendall(head + b'{"prompt": "a')  # and never the rest
+    gone.sendall(head + b'{"prompt"')
+    gone.close()
+    ok = httpx.post(f"{server}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200  # served while both bodies are pending
+    slow.settimeout(10)
+    reply = b""
+    while chunk := slow.recv(4096):  # the server closes the connection after its answer
+        reply += chunk
+    slow.close()
+    reply = reply.decode()
+    assert reply.startswith("HTTP/1.1 408") and "not received within" in reply
+
+
+def test_request_timeout(mamba2):
+    with start(mamba2, max_model_len=4096, request_timeout_s=0.3) as url:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4000, "ignore_eos": True},
+                       timeout=60)
+        assert r.status_code == 408 and "timed out" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/health").json()["slots_used"] == 0
+
+
+def test_metrics_parse_as_prometheus_text(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    httpx.post(f"{server}/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=30)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)}
+    for name in ("ssmq_queue_length", "ssmq_running_sequences", "ssmq_cache_slots_used", "ssmq_kv_blocks_used",
+                 "ssmq_prompt_tokens", "ssmq_generation_tokens", "ssmq_time_to_first_token_seconds",
+                 "ssmq_time_per_output_token_seconds"):
+        assert name in families, name
+    assert families["ssmq_time_to_first_token_seconds"].type == "histogram"
+    assert _metric(server, "ssmq_generation_tokens_total") >= 3
+    assert _metric(server, "ssmq_cache_slots_total") == 8
+
+
+def test_models_tokenize_detokenize(server):
+    models = httpx.get(f"{server}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": "Hello, world"}).json()["tokens"]
+    assert ids == TOK.encode("Hello, world")
+    assert httpx.post(f"{server}/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello, world"
+    assert httpx.post(f"{server}/detokenize", json={"tokens": [1, 10_000]}).status_code == 400
+    assert httpx.get(f"{server}/tokenizer_info").json()["eos_token"] == TOK.decode([TOK.eos_id])
+
+
+def test_lm_eval_local_completions_scores_as_ssmq_eval(server, mamba2):
+    """lm-evaluation-harness's own ``local-completions`` client (remote tokenizer: /tokenize, echo + logprobs)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from ssmq.eval.scoring import loglikelihood
+
+    requests = [("The cat sat on the", " mat"), ("Hello", ", world!"), ("", "abc def"), ("a b c d e f", " g h"),
+                ("Why, ", "because.")]
+    lm = LocalCompletionsAPI(base_url=f"{server}/v1/completions", model=NAME, tokenizer_backend="remote",
+                             max_length=96, batch_size=2, max_retries=1)
+    got = lm.loglikelihood([Instance("loglikelihood", {}, r, i) for i, r in enumerate(requests)],
+                           disable_tqdm=True)
+    want = loglikelihood(mamba2, TOK, requests, progress=False)
+    for (ll, greedy), (ll_ref, greedy_ref) in zip(got, want):
+        assert ll == pytest.approx(ll_ref, rel=1e-5, abs=1e-5)
+        assert greedy == greedy_ref
+
+
+def test_serve_refuses_tensor_parallel_until_it_exists():
+    import importlib.util
+
+    from ssmq.cli import main
+
+    if importlib.util.find_spec("ssmq.runtime.tp") is not None:
+        pytest.skip("ssmq.runtime.tp exists")
+    assert main(["serve", "--tp", "2"]) == 1
