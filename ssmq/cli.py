@@ -51,6 +51,11 @@ def load_from_args(args):
     default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
     dtype = getattr(torch, DTYPES[args.dtype or default_dtype])
     path = resolve_model_path(args.model or default_model())
+    if getattr(args, "tp", 1) > 1:
+        from ssmq.runtime.tp_launch import load_tp_model, start_tp
+
+        comm, device = start_tp(args, device)
+        return load_tp_model(path, comm, dtype=dtype, device=device), load_tokenizer(path), path
     model = load_model(path, dtype=dtype, device=device).eval()
     return model, load_tokenizer(path), path
 
@@ -100,6 +105,12 @@ def cmd_generate(args) -> None:
         print(f"--- {prompt!r}\n{prompt}{tok.decode(out)}")
 
 
+def add_tp_args(p: argparse.ArgumentParser) -> None:
+    from ssmq.runtime.tp_launch import add_tp_args as add
+
+    add(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssmq", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     p.add_argument("--eager", action="store_true", help="on CUDA, decode without CUDA graphs")
+    add_tp_args(p)
     p.set_defaults(func=cmd_generate)
 
     for module in PLUGIN_COMMANDS:
@@ -141,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ssmq: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if getattr(args, "tp", 1) <= 1:
+            raise
+        from ssmq.runtime.tp_launch import failure_line  # a tensor-parallel rank: one line, then torchrun stops the rest
+
+        print(failure_line(e, int(os.environ.get("RANK", 0))), file=sys.stderr)
+        return 1
     return 0
 
 

@@ -101,3 +101,15 @@ def rank_stalls(comm):
         with Watchdog(2.0, comm.rank):
             time.sleep(600)
     comm.all_reduce(torch.ones(4))
+
+
+def allreduce_payloads(comm) -> dict:
+    """The sum of a per-rank tensor with every payload; ranks must agree bit for bit."""
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(3, 300, generator=g)
+    out = {}
+    for payload in ("none", "bf16", "int8"):
+        comm.payload = payload
+        out[payload] = comm.all_reduce(x.clone())
+    comm.payload = "none"
+    return out

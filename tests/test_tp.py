@@ -209,3 +209,52 @@ def test_tp_refuses_heads_that_do_not_divide():
 
     with pytest.raises(SSMQError, match="divisible by 3"):
         check_tp(tiny_model("mamba2").config, 3)
+
+
+def test_int8_blocks_round_trip_within_half_a_step():
+    from ssmq.runtime.tp_comm import dequantize_blocks, quantize_blocks
+
+    x = torch.randn(3, 1000) * torch.linspace(0.01, 10, 1000)
+    codes, scale = quantize_blocks(x, 128)
+    assert codes.dtype == torch.int8 and scale.shape == (3, 8)
+    err = (dequantize_blocks(codes, scale, 1000, 128) - x).abs()
+    assert (err <= scale.repeat_interleave(128, dim=1)[:, :1000] / 2 + 1e-7).all()
+
+
+@pytest.mark.slow
+def test_quantized_allreduce_payloads_agree_across_ranks_and_bound_the_error():
+    from _tp_cases import allreduce_payloads
+
+    r0, r1 = run_ranks(allreduce_payloads, 2)
+    exact = sum(torch.randn(3, 300, generator=torch.Generator().manual_seed(r)) for r in range(2))
+    assert torch.allclose(r0["none"], exact, atol=1e-6)
+    for p in ("bf16", "int8"):
+        assert torch.equal(r0[p], r1[p]), f"{p}: ranks disagree"
+    assert (r0["bf16"] - exact).abs().max() <= 2 * 2**-8 * exact.abs().max()
+    assert (r0["int8"] - exact).abs().max() <= 2 * exact.abs().max() / 127
+
+
+def test_tp_without_torchrun_is_one_clear_error(capsys, monkeypatch):
+    from ssmq.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["generate", "--tp", "2", "--max-new-tokens", "2"]) == 1
+    assert "launch with torchrun --nproc_per_node 2 -m ssmq ... --tp 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_torchrun_generate_matches_one_process():
+    import os
+    import subprocess
+    import sys
+
+    model = shared_path("models", "mamba2")
+    if model is None:
+        pytest.skip("../shared/models/mamba2 is absent")
+    args = ["generate", "--model", str(model), "--max-new-tokens", "8", "--prompt", "The history of"]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    one = subprocess.run([sys.executable, "-m", "ssmq", *args], capture_output=True, text=True, env=env, timeout=300)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ssmq", *args,
+                          "--tp", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert one.stdout.strip() and two.stdout.strip() == one.stdout.strip()

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cuda | cuda:N | cpu (auto: cuda if available)")
     p.add_argument("--out", help="results JSON path (a Markdown table and a PNG chart are written beside it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    from ssmq.runtime.tp_launch import add_tp_args
+
+    add_tp_args(p)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -69,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
                   ppl_batch_size=args.ppl_batch_size, max_batch_tokens=args.max_batch_tokens,
                   progress=not args.no_progress, dtype=args.dtype,
                   device=args.device)
+    if args.tp > 1:  # every rank runs the same evaluation on its shard; rank 0 prints and writes
+        from ssmq.runtime.tp_launch import start_tp
+
+        comm, device = start_tp(args, None if args.device == "auto" else args.device)
+        kwargs.update(device=device, tp_comm=comm)
+        if comm.rank != 0:
+            args.out = None
     if args.compare:
         runs = report.compare(args.compare, task_names, **kwargs)
     else:

@@ -77,13 +77,15 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
-def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str):
-    """(model in eval mode, tokenizer) for a spec."""
+def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str, tp_comm=None):
+    """(model in eval mode, tokenizer) for a spec; with ``tp_comm``, this rank's tensor-parallel shard."""
     from ssmq.tokenizer import load_tokenizer
 
     if not Path(spec.path).exists():
         raise SSMQError(f"model {spec.path} not found")
     if spec.backend == "hf":
+        if tp_comm is not None:
+            raise SSMQError("--tp shards ssmq models, not the hf: reference")
         try:
             from transformers import AutoModelForCausalLM
         except ImportError:
@@ -97,7 +99,12 @@ def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str):
             raise SSMQError("ssmq.load_model is not available in this build; evaluate hf:PATH instead")
         if spec.quantized is not None and not Path(spec.quantized).exists():
             raise SSMQError(f"quantized checkpoint {spec.quantized} not found")
-        model = load_model(spec.quantized or spec.path, dtype=dtype, device=device)
+        if tp_comm is not None:
+            from ssmq.runtime.tp_launch import load_tp_model
+
+            model = load_tp_model(spec.quantized or spec.path, tp_comm, dtype=dtype, device=device)
+        else:
+            model = load_model(spec.quantized or spec.path, dtype=dtype, device=device)
     tokenizer = load_tokenizer(spec.path if Path(spec.path).is_dir() else None)
     return model.eval(), tokenizer
 

@@ -132,7 +132,7 @@ def evaluate_spec(spec_str: str, task_names: list[str], quantized: str | None = 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
     spec = parse_spec(spec_str, quantized)
-    model, tokenizer = load_for_eval(spec, torch_dtype, device)
+    model, tokenizer = load_for_eval(spec, torch_dtype, device, tp_comm=kwargs.pop("tp_comm", None))
     try:
         res = suite.evaluate(model, tokenizer, task_names, **kwargs)
     finally:

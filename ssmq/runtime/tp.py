@@ -223,7 +223,7 @@ class FusedNormOutProj(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = torch.cat([self.inner(x).float(), self.norm.ss], dim=-1)
-        red = self.comm.all_reduce(part, name="out_proj+norm")
+        red = self.comm.all_reduce(part, name="out_proj+norm", exact_cols=1)
         out = red[..., :-1] * torch.rsqrt(red[..., -1:] / self.norm.group_size + self.norm.eps)
         if self.bias is not None:
             out = out + self.bias.float()

@@ -9,7 +9,8 @@
                        else "nccl" (the default)
     ``payload`` quantizes what travels (beyond the paper's FP32 -> FP16):
         "bf16"         bf16 codes
-        "int8"         int8 codes with one float32 scale per ``block`` values (absmax / 127)
+        "int8"         int8 codes with one float32 scale per ``block`` values of a row (absmax / 127); the
+                       fused norm's sum-of-squares column travels unquantized (``exact_cols``)
       A quantized all-reduce is an all-gather of the codes followed by a sum in float32, in rank order,
       on every rank: all ranks get bit-identical results (a requirement: the residual stream is replicated).
     all_reduce_max(x)  elementwise max (dynamic activation scales of row-parallel quantized linears)
@@ -57,12 +58,20 @@ class Communicator:
             self.counts[name] += 1
 
     # -- sum ------------------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, name: str = "all_reduce") -> torch.Tensor:
-        """x: any shape, replicated shape on every rank -> the sum over ranks (a new tensor or x itself)."""
+    def all_reduce(self, x: torch.Tensor, name: str = "all_reduce", exact_cols: int = 0) -> torch.Tensor:
+        """x: any shape, the same on every rank -> the sum over ranks (a new tensor or x itself).
+
+        exact_cols: trailing columns never quantized by a quantized payload (the fused norm's sum of squares,
+        whose magnitude would flatten the int8 scale of the values beside it).
+        """
         self._count(name)
         if self.world == 1:
             return x
         if self.payload != "none":
+            if exact_cols:
+                head = self._quantized_all_reduce(x[..., :-exact_cols])
+                tail = sum(p.float() for p in self._gather_flat(x[..., -exact_cols:].float()))
+                return torch.cat([head, tail.to(x.dtype)], dim=-1)
             return self._quantized_all_reduce(x)
         nbytes = x.numel() * x.element_size()
         if self._symm is not None and nbytes <= self.oneshot_max_bytes and x.is_cuda:
@@ -81,14 +90,14 @@ class Communicator:
         return out
 
     def _quantized_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1)
+        """Blocks run along the last dim of each row (one token's vector), never across tokens."""
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         if self.payload == "bf16":
-            parts = self._gather_flat(flat.to(torch.bfloat16))
-            total = sum(p.float() for p in parts)
+            total = sum(p.float() for p in self._gather_flat(rows.to(torch.bfloat16)))
         else:
-            codes, scales = quantize_blocks(flat, self.block)
+            codes, scales = quantize_blocks(rows, self.block)
             cs, ss = self._gather_flat(codes), self._gather_flat(scales)
-            total = sum(dequantize_blocks(c, s, flat.numel(), self.block) for c, s in zip(cs, ss))
+            total = sum(dequantize_blocks(c, s, rows.shape[-1], self.block) for c, s in zip(cs, ss))
         return total.to(x.dtype).reshape(x.shape)
 
     def _gather_flat(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -114,17 +123,19 @@ class Communicator:
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (N,) float -> int8 codes (ceil(N / block) · block,), float32 scales (ceil(N / block),); absmax / 127."""
-    n = x.numel()
-    pad = (-n) % block
-    xb = torch.nn.functional.pad(x.float(), (0, pad)).reshape(-1, block)
-    scale = (xb.abs().amax(1) / 127.0).clamp(min=1e-12)
-    codes = torch.round(xb / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes.reshape(-1), scale
+    """x (m, k) float -> int8 codes (m, ceil(k / block) · block), float32 scales (m, ceil(k / block));
+    one absmax / 127 scale per ``block`` consecutive values of a row."""
+    m, k = x.shape
+    xb = torch.nn.functional.pad(x.float(), (0, (-k) % block)).reshape(m, -1, block)
+    scale = (xb.abs().amax(-1) / 127.0).clamp(min=1e-12)
+    codes = torch.round(xb / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.reshape(m, -1), scale
 
 
-def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    return (codes.reshape(-1, block).float() * scale[:, None]).reshape(-1)[:n]
+def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, k: int, block: int) -> torch.Tensor:
+    """-> (m, k) float32."""
+    m = codes.shape[0]
+    return (codes.reshape(m, -1, block).float() * scale[..., None]).reshape(m, -1)[:, :k]
 
 
 def _symmetric_buffer(group, nbytes: int, device: torch.device, strict: bool):
@@ -139,6 +150,8 @@ def _symmetric_buffer(group, nbytes: int, device: torch.device, strict: bool):
 
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
             raise RuntimeError("torch.ops.symm_mem.one_shot_all_reduce_out is missing")
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older torch, a no-op on newer
+            symm_mem.enable_symm_mem_for_group(group.group_name)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buf, group.group_name)
         return buf, group.group_name

@@ -107,14 +107,50 @@ class Watchdog:
                 os._exit(1)
 
 
+def failure_line(e: BaseException, rank: int) -> str:
+    """One line for an exception on a rank; collective failures say that a peer died or hangs."""
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    low = msg.lower()
+    if isinstance(e, dist.DistError) or "timed out" in low or "timeout" in low or "connection" in low:
+        msg = f"a collective did not complete (a peer rank died or hangs): {msg}"
+    return f"ssmq: error: rank {rank}: {msg}"
+
+
 def guarded(fn, rank: int):
     """Run fn(); any exception becomes one line on stderr and exit status 1 (torchrun stops the others)."""
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - the whole point: one clear line per failing rank
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if isinstance(e, dist.DistBackendError) or "timed out" in msg.lower() or "timeout" in msg.lower():
-            msg = f"a collective did not complete (a peer rank died or hangs): {msg}"
-        sys.stderr.write(f"ssmq: error: rank {rank}: {msg}\n")
+        sys.stderr.write(failure_line(e, rank) + "\n")
         sys.stderr.flush()
         os._exit(1)
+
+
+def add_tp_args(p) -> None:
+    """--tp and the all-reduce options, shared by ``ssmq generate`` and ``ssmq eval``."""
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; launch with "
+                   "torchrun --nproc_per_node N -m ssmq ... --tp N")
+    p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "oneshot"],
+                   help="TP all-reduce: auto = one-shot over peer memory for small messages, else NCCL")
+    p.add_argument("--allreduce-payload", default="none", choices=["none", "bf16", "int8"],
+                   help="quantize what the TP all-reduce sends (bf16, or int8 with per-128 scales)")
+    p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds before a collective that a rank never joins fails the job")
+
+
+def start_tp(args, device: str | None = None):
+    """(Communicator, device) for ``--tp N`` > 1 (joins torchrun's group), else (None, device).
+
+    Only rank 0 prints: the other ranks' stdout goes to /dev/null.
+    """
+    from ssmq.runtime.tp_comm import Communicator
+
+    if getattr(args, "tp", 1) <= 1:
+        return None, device
+    if args.tp < 1:
+        raise SSMQError(f"--tp must be >= 1, got {args.tp}")
+    rank, world, device = init_tp(args.tp, device=device, timeout_s=args.tp_timeout)
+    comm = Communicator(mode=args.allreduce, payload=args.allreduce_payload, device=device)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
+    return comm, device
