@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import time_ms as e2e_time_ms  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
@@ -46,20 +46,8 @@ DTYPE = torch.bfloat16
 
 
 def time_ms(fn, warmup=2, reps=7) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        dist.barrier()  # start the ranks together: a TP step waits for the slowest rank anyway
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    """bench_e2e's CUDA-event median, the ranks starting each call together (a TP step waits for the slowest)."""
+    return e2e_time_ms(fn, warmup, reps, setup=lambda: (dist.barrier(), torch.cuda.synchronize()))
 
 
 class Bench:
