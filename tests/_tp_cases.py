@@ -113,3 +113,12 @@ def allreduce_payloads(comm) -> dict:
         out[payload] = comm.all_reduce(x.clone())
     comm.payload = "none"
     return out
+
+
+def peer_dies(comm):
+    """Rank 1 exits before the collective; rank 0's all-reduce must fail, not hang."""
+    import os
+
+    if comm.rank == 1:
+        os._exit(3)
+    comm.all_reduce(torch.ones(4))

@@ -57,10 +57,11 @@ def _failing_worker(rank, world, init_file, log, fn, timeout_s):
     guarded(lambda: fn(Communicator(mode="nccl")), rank)
 
 
-def run_until_failure(fn, world: int, timeout_s: float, limit_s: float = 120.0):
-    """Run fn(comm) on every rank as torchrun would: when one rank exits non-zero, stop the others.
+def run_until_failure(fn, world: int, timeout_s: float, limit_s: float = 120.0, stop_others: bool = True):
+    """Run fn(comm) on every rank as torchrun would: when one rank exits non-zero, stop the others
+    (``stop_others=False``: wait until every rank has ended by itself).
 
-    Returns (exit codes, {rank: stderr text}, seconds until the first failure).
+    Returns (exit codes, {rank: stderr text}, seconds until the first failure, or until all ended).
     """
     import time
 
@@ -73,7 +74,8 @@ def run_until_failure(fn, world: int, timeout_s: float, limit_s: float = 120.0):
             p.start()
         start = time.monotonic()
         while time.monotonic() - start < limit_s:
-            if any(p.exitcode not in (None, 0) for p in procs) or all(p.exitcode is not None for p in procs):
+            failed = stop_others and any(p.exitcode not in (None, 0) for p in procs)
+            if failed or all(p.exitcode is not None for p in procs):
                 break
             time.sleep(0.2)
         elapsed = time.monotonic() - start

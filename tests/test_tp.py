@@ -258,3 +258,14 @@ def test_torchrun_generate_matches_one_process():
                           "--tp", "2"], capture_output=True, text=True, env=env, timeout=300)
     assert two.returncode == 0, two.stderr[-2000:]
     assert one.stdout.strip() and two.stdout.strip() == one.stdout.strip()
+
+
+@pytest.mark.slow
+def test_dead_peer_ends_job_with_one_clear_error():
+    from _tp_cases import peer_dies
+    from _tp_harness import run_until_failure
+
+    """Nobody stops the survivor (as if torchrun did not): its collective fails by itself, with the one line."""
+    codes, logs, elapsed = run_until_failure(peer_dies, 2, timeout_s=20.0, stop_others=False)
+    assert codes == [1, 3] and elapsed < 60, (codes, elapsed)
+    assert "ssmq: error: rank 0: a collective did not complete (a peer rank died or hangs)" in logs[0]
