@@ -340,8 +340,14 @@ def main():
     d_models = sorted({PUBLISHED[m].d_model for m in args.models.split(",")})
     allreduce_rows(bench, {k: comms[k] for k in ("nccl", "oneshot", "int8_payload")}, d_models,
                    [int(b) for b in args.ar_batches.split(",")])
+    # the model rows use "auto" only if every one-shot row worked (graphs included); rank 0 decides for all
+    bad = [r for r in bench.rows if r.get("mode") == "oneshot" and r.get("status") != "ok"] if rank == 0 else []
+    flag = torch.tensor([0.0 if comms["oneshot"] is None or bad else 1.0], device="cuda")
+    dist.broadcast(flag, 0)
+    tp_comm = comms["auto"] if flag.item() == 1 else comms["nccl"]
+    bench._record({"kind": "tp_comm", "status": "ok", "mode": "auto" if tp_comm is comms["auto"] else "nccl"})
     for name in args.models.split(","):
-        model_rows(bench, name, comms["auto"], comms["nccl"], comms["int8_payload"])
+        model_rows(bench, name, tp_comm, comms["nccl"], comms["int8_payload"])
     if rank == 0:
         md = markdown(bench.rows, world)
         (bench.out / "tp.md").write_text(md)
