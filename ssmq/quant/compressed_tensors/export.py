@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from ssmq.errors import SSMQError
 from ssmq.quant.checkpoint import MANIFEST, WEIGHTS, atomic_folder, load_quantized, read_manifest
-from ssmq.quant.compressed_tensors.schemes import compress_linear, decompress_weight, scheme_of
+from ssmq.quant.compressed_tensors.schemes import compress_linear, decompress_weight, require_library, scheme_of
 from ssmq.quant.linear import QuantLinear
 
 # module kinds of ssmq checkpoints that the format cannot hold, and what they are
@@ -76,6 +76,7 @@ def _groups(qlinears: dict[str, QuantLinear]) -> list[tuple[dict, list[str]]]:
 def export_compressed_tensors(model_dir: str | os.PathLike, out: str | os.PathLike,
                               overwrite: bool = False) -> Path:
     """Write the ssmq checkpoint ``model_dir`` as a compressed-tensors HF folder ``out`` (atomically)."""
+    require_library()
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import save_file

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ssmq.errors import SSMQError
 from ssmq.paths import read_json
-from ssmq.quant.compressed_tensors.schemes import quant_linear_from
+from ssmq.quant.compressed_tensors.schemes import quant_linear_from, require_library
 
 QUANT_METHOD = "compressed-tensors"
 SUPPORTED_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized", "mixed-precision")
@@ -62,13 +62,15 @@ def read_quantization_config(raw: dict, where: str):
 
 
 def _scheme_for(name: str, config, where: str):
-    from compressed_tensors.utils.match import is_match
+    """The scheme compressed-tensors itself would pick: exact name, then regex, then class target."""
+    from compressed_tensors.utils.match import match_targets
 
+    target_to_scheme = {t: scheme for scheme in config.config_groups.values() for t in scheme.targets}
     probe = torch.nn.Linear(1, 1, device="meta")  # class targets ("Linear") match any linear
-    for scheme in config.config_groups.values():
-        if is_match(name, probe, scheme.targets):
-            return scheme
-    raise SSMQError(f"{where}: {name} holds compressed tensors but no config group targets it")
+    matched = match_targets(name, probe, target_to_scheme)
+    if not matched:
+        raise SSMQError(f"{where}: {name} holds compressed tensors but no config group targets it")
+    return target_to_scheme[matched[0]]
 
 
 def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
@@ -86,6 +88,7 @@ def load_compressed_tensors(folder: str | os.PathLike, dtype: torch.dtype = torc
     from ssmq.models.lm import SSMLM
     from ssmq.models.loading import load_config, load_weights, read_state_dict, rename_to_ssmq
 
+    require_library()
     folder = Path(folder)
     where = str(folder)
     raw = read_json(folder / "config.json", f"no config.json in {folder}")
@@ -110,7 +113,7 @@ def load_compressed_tensors(folder: str | os.PathLike, dtype: torch.dtype = torc
         local = {k[len(prefix) + 1:]: state.pop(k) for k in list(state)
                  if k.startswith(prefix + ".") and "." not in k[len(prefix) + 1:] and not k.endswith(".bias")}
         q = quant_linear_from(local, _scheme_for(prefix, config, where), target.in_features, target.out_features,
-                              target.bias is not None, prefix)
+                              target.bias is not None, f"{where}: {prefix}")
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q)
     # biases (and Mamba-1's dt_proj.bias = dt_bias) and the float tensors load as for any HF folder

@@ -26,6 +26,15 @@ from ssmq.quant.primitives import PerChannel, PerGroup, PerTensor, PerToken, pac
 from ssmq.quant.spec import ActSpec, WeightSpec, validate_pair
 
 
+def require_library() -> None:
+    """One clear line when the optional ``compressed-tensors`` package is missing."""
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise SSMQError("the compressed-tensors format needs the compressed-tensors package: "
+                        "pip install 'ssmq[interop]'") from None
+
+
 def _args(**kw):
     from compressed_tensors.quantization import QuantizationArgs
 
