@@ -23,6 +23,10 @@ MIXED = Recipe.from_dict({"name": "mixed", "rules": [
     {"modules": ["*.in_proj"], "weight": {"dtype": "int4", "granularity": "per_group:16"}},
     {"modules": ["layers.*"], "exclude": ["*.dt_proj"], "weight": {"dtype": "int8"},
      "act": {"dtype": "int8", "granularity": "per_tensor", "static": True}}]})
+# fp8-w8a8 as the FP8 QuantLinear stores it (per-channel e4m3 weights, dynamic per-token e4m3 inputs)
+FP8_DYNAMIC = Recipe.from_dict({"name": "fp8", "rules": [
+    {"modules": ["layers.*"], "exclude": ["*.dt_proj"], "weight": {"dtype": "fp8", "granularity": "per_channel"},
+     "act": {"dtype": "fp8", "granularity": "per_token", "static": False}}]})
 # transformers' Mamba-2 gated norm spans all of d_inner and Bamba keeps the residual in the model dtype
 HF_SEMANTICS = {"mamba1": {}, "mamba2": {"ngroups": 1}, "hybrid": {"ngroups": 1, "residual_in_fp32": False}}
 
@@ -52,6 +56,8 @@ def _module_tensors(folder):
     ("rtn-w4a16-g128", "pack-quantized", {"weight_packed", "weight_scale", "weight_shape"}),
     ("static-w8a8", "int-quantized", {"weight", "weight_scale", "input_scale"}),
     ("dynamic-w8a8", "int-quantized", {"weight", "weight_scale"}),
+    ("smoothquant-w8a8", "int-quantized", {"weight", "weight_scale", "input_scale"}),
+    (FP8_DYNAMIC, "float-quantized", {"weight", "weight_scale"}),
 ])
 def test_export_decompresses_to_ssmq_weights(tmp_path, recipe, fmt, names):
     """compressed-tensors' own compressor, fed the exported tensors, returns ssmq's dequantized weights."""
