@@ -125,8 +125,10 @@ def _ct_checkpoint(folder, arch, schemes, ignore=("lm_head",)):
         lo, hi = blocks.amin(-1), blocks.amax(-1)
         if a.strategy == "tensor":
             lo, hi = w.min().reshape(1), w.max().reshape(1)
-        scale, _ = calculate_qparams(lo, hi, a)
+        scale, zero = calculate_qparams(lo, hi, a)
         mod.weight_scale.data.copy_(scale.reshape(mod.weight_scale.shape))
+        if not a.symmetric:
+            mod.weight_zero_point.data.copy_(zero.reshape(mod.weight_zero_point.shape))
         if scheme.input_activations is not None and not scheme.input_activations.dynamic:
             mod.input_scale.data.fill_(0.01 + 0.02 * torch.rand((), generator=g).item())
     compressor = ModelCompressor.from_pretrained_model(model)
@@ -167,6 +169,10 @@ def test_compressed_tensors_checkpoint_matches_transformers(tmp_path, arch):
     with torch.no_grad():
         ours = model(IDS[:, :12] % 96)
     assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+    if arch == "mamba1":  # the loaded model carries an ssmq recipe: it saves and loads as an ssmq checkpoint
+        again = ssmq.load_model(save_quantized(model, tmp_path / "ssmq"))
+        with torch.no_grad():
+            assert torch.equal(again(IDS[:, :12] % 96), ours)
 
 
 def test_dynamic_w8a8_checkpoint_loads_exact_weights(tmp_path):
@@ -186,6 +192,26 @@ def test_dynamic_w8a8_checkpoint_loads_exact_weights(tmp_path):
     with torch.no_grad():
         ours = model(IDS[:, :12] % 96)
     assert (ours - theirs).norm() < 0.05 * theirs.norm()  # measured 1.9e-2: the two rounding grids
+
+
+def test_asymmetric_int4_checkpoint_loads_exact_weights(tmp_path):
+    """W4A16_ASYM-style (packed int4 codes and packed zero points): the library's decompression, exactly."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    schemes = {"group_0": QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, strategy="group", group_size=16, symmetric=False))}
+    folder = _ct_checkpoint(tmp_path / "ct", "mamba2", schemes)
+    model = ssmq.load_model(folder)
+    qc = QuantizationConfig.model_validate(json.loads((folder / "config.json").read_text())["quantization_config"])
+    (scheme,) = qc.config_groups.values()
+    tensors = _module_tensors(folder)
+    for i, layer in enumerate(model.layers):
+        for name in ("in_proj", "out_proj"):
+            local = tensors[f"backbone.layers.{i}.mixer.{name}"]
+            assert "weight_zero_point" in local and getattr(layer.mixer, name).weight_zero is not None
+            weight = BaseCompressor.get_value_from_registry(qc.format).decompress(local, scheme)["weight"]
+            assert torch.equal(getattr(layer.mixer, name).dequantized_weight(), weight)
 
 
 # ------------------------------------------------------------------------------------------- refusals

@@ -10,7 +10,9 @@
 
 Only quantization that lives in linear layers has a representation in the format. Recipes that
 quantize inside the SSM (Quamba / Quamba2 tap scales, the int8 state), a quantized embedding, or
-an online Hadamard (not written yet) are refused with one line before anything is written.
+an online Hadamard are refused with one line before anything is written. (The format's
+``transform_config`` can state a power-of-two Sylvester Hadamard on a linear's input, but
+transformers 5.17 does not apply transform configs, so such a folder would run wrong there.)
 """
 
 from __future__ import annotations
@@ -55,9 +57,10 @@ def check_exportable(manifest: dict, where: str) -> None:
                      if s.get("kind") == "RotatedLinear" or s.get("rotate_input"))
     if rotated:
         raise SSMQError(f"{where}: recipe {name_of(manifest)!r} has an online Hadamard on the inputs of "
-                        f"{len(rotated)} linears ({rotated[0]}, ...); compressed-tensors can state one only as a "
-                        "'hadamard' transform_config (Sylvester, power-of-two orders), which ssmq does not write "
-                        "yet: export a recipe without the online rotation")
+                        f"{len(rotated)} linears ({rotated[0]}, ...); compressed-tensors states one only as a "
+                        "transform_config ('hadamard': Sylvester, power-of-two orders), which transformers 5.17 "
+                        "ignores (it would run without the rotation, silently wrong), so ssmq does not write it: "
+                        "export a recipe without the online rotation")
 
 
 def name_of(manifest: dict) -> str:

@@ -8,6 +8,7 @@ on ssmq's quantized kernels. Schemes ssmq has no kernel for are refused with one
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -100,6 +101,7 @@ def load_compressed_tensors(folder: str | os.PathLike, dtype: torch.dtype = torc
         raise SSMQError(f"{where}: config.json says compressed-tensors but no tensor is compressed")
     with torch.device("meta"):
         model = SSMLM(cfg)
+    rules: dict[str, list[str]] = {}  # (weight, act) specs -> module paths
     for prefix in prefixes:
         path = rename_to_ssmq(prefix + ".weight").removesuffix(".weight")
         try:
@@ -116,9 +118,22 @@ def load_compressed_tensors(folder: str | os.PathLike, dtype: torch.dtype = torc
                               target.bias is not None, f"{where}: {prefix}")
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, q)
+        rules.setdefault(json.dumps([q.wspec.to_dict(), q.act and q.act.to_dict()], sort_keys=True), []).append(path)
     # biases (and Mamba-1's dt_proj.bias = dt_bias) and the float tensors load as for any HF folder
     load_weights(model, {rename_to_ssmq(k): v for k, v in state.items()}, where=where)
     _cast_floats(model, dtype)
-    model.quantization = {"recipe": {"name": f"compressed-tensors:{config.format}", "source": where,
-                                     "quantization_config": raw["quantization_config"]}, "calibration": None}
+    model.quantization = {"recipe": _recipe(rules, config.format, where).to_dict(), "calibration": None}
     return model.to(device).eval()
+
+
+def _recipe(rules: dict[str, list[str]], fmt: str, where: str):
+    """The ssmq recipe that states what the checkpoint holds (one rule per scheme, exact module paths),
+    so a loaded model saves with ``save_quantized`` like any ssmq-quantized one."""
+    from ssmq.quant.recipe import Recipe, Rule
+    from ssmq.quant.spec import ActSpec, WeightSpec
+
+    out = []
+    for key, paths in rules.items():
+        w, a = json.loads(key)
+        out.append(Rule(paths, WeightSpec.from_dict(w), None if a is None else ActSpec.from_dict(a)))
+    return Recipe(f"compressed-tensors:{fmt}", out, description=f"loaded from {where}").validate()
