@@ -257,9 +257,7 @@ def test_load_refuses_unsupported_schemes(tmp_path, edit, match):
 
 
 def test_export_refuses_ssm_quantization_and_hadamard(tmp_path):
-    from ssmq.quant.ssm import quantize_ssm
-
-    model = quantize_ssm(tiny_model("mamba2"), "quamba2-w8a8", synthetic_calibration(64, 4, 32), progress=False)
+    model = quantize(tiny_model("mamba2"), "quamba2-w8a8", synthetic_calibration(64, 4, 32), progress=False)
     save_quantized(model, tmp_path / "quamba2")
     with pytest.raises(SSMQError, match=r"SSM's int8 inputs .* quantized embedding .* no representation") as e:
         export_compressed_tensors(tmp_path / "quamba2", tmp_path / "ct")

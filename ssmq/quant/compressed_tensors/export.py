@@ -43,7 +43,9 @@ def check_exportable(manifest: dict, where: str) -> None:
     """Refuse, with one line naming the parts, a checkpoint whose quantization is not only in linears."""
     kinds = Counter(spec.get("kind") for spec in manifest.get("modules", {}).values())
     parts = [text.format(n=kinds[k]) for k, text in NOT_REPRESENTABLE.items() if kinds[k]]
-    if manifest.get("recipe", {}).get("state_bits") == 8 and not kinds["SSMInt8StateMixer"]:
+    recipe = manifest.get("recipe", {})
+    state_bits = recipe.get("state_bits", (recipe.get("cache") or {}).get("state_bits"))  # recipe format 1 / 2
+    if state_bits == 8 and not kinds["SSMInt8StateMixer"]:
         parts.append("the int8 SSM state")
     unknown = sorted(set(kinds) - set(NOT_REPRESENTABLE) - {"QuantLinear", "RotatedLinear"})
     if unknown:
