@@ -14,7 +14,7 @@ from ssmq.errors import SSMQError
 
 DEFAULT_HUB_MODEL = "state-spaces/mamba2-130m"
 # Subcommands owned by other packages; each module has register(subparsers).
-PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.command", "ssmq.runtime.command")
+PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.command", "ssmq.quant.export_command", "ssmq.runtime.command")
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
 

@@ -19,6 +19,7 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
+from ssmq.models.hf_layout import SSMQ_CONFIG_KEY
 from ssmq.models.lm import SSMLM
 from ssmq.paths import read_json
 
@@ -200,9 +201,13 @@ def load_config(folder: Path) -> tuple[ModelConfig, str]:
     raw = read_json(folder / "config.json", f"no config.json in {folder}")
     fmt = detect_format(raw)
     try:
+        if fmt == "hf" and SSMQ_CONFIG_KEY in raw:  # written by ssmq (export): exact, incl. what HF cannot say
+            return ModelConfig.from_dict(raw[SSMQ_CONFIG_KEY]), fmt
         cfg = config_from_mamba_ssm(raw) if fmt == "mamba_ssm" else config_from_hf(raw)
     except KeyError as e:
         raise SSMQError(f"config.json in {folder} lacks the field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise SSMQError(f"config.json in {folder}: {SSMQ_CONFIG_KEY} is not a valid ssmq config ({e})") from None
     return cfg, fmt
 
 
@@ -213,6 +218,12 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
         from ssmq.quant.checkpoint import load_quantized
 
         return load_quantized(folder, dtype=dtype, device=device)
+    from ssmq.quant.compressed_tensors.load import is_compressed_tensors
+
+    if is_compressed_tensors(folder):  # llm-compressor / ssmq export: QuantLinears from the packed tensors
+        from ssmq.quant.compressed_tensors.load import load_compressed_tensors
+
+        return load_compressed_tensors(folder, dtype=dtype, device=device)
     cfg, _ = load_config(folder)
     state = {rename_to_ssmq(k): v for k, v in read_state_dict(folder).items()}
     with torch.device("meta"):
@@ -242,5 +253,5 @@ def load_weights(model: SSMLM, state: dict[str, torch.Tensor], where: str = "che
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, torch.nn.Parameter(t.float(), requires_grad=False))
-    if model.config.tie_embeddings:
+    if model.config.tie_embeddings and isinstance(model.lm_head, torch.nn.Linear):  # not a quantized head
         model.lm_head.weight = model.embedding.weight

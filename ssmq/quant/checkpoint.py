@@ -16,6 +16,7 @@ last), so an interrupted save leaves no folder at ``out``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -81,13 +82,7 @@ def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), ove
     info = getattr(model, "quantization", None)
     if info is None:
         raise SSMQError("save_quantized needs a model quantized by ssmq.quant.quantize")
-    out = Path(out).expanduser()
-    if out.exists() and not overwrite:
-        raise SSMQError(f"output folder {out} already exists (choose another, or overwrite)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic_folder(out, overwrite) as tmp:
         modules = {p: m.spec() for p, m in model.named_modules() if p and hasattr(m, "spec") and callable(m.spec)}
         save_file(_state(model), str(tmp / WEIGHTS), metadata={"format": "ssmq-quantized"})
         for f in extra_files:
@@ -103,7 +98,25 @@ def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), ove
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _fsync(tmp / MANIFEST)
-        if out.exists():  # overwrite: move the old one aside only once the new one is complete
+    return Path(out).expanduser()
+
+
+@contextlib.contextmanager
+def atomic_folder(out: str | os.PathLike, overwrite: bool = False):
+    """Yield a temporary folder beside ``out``; renamed to ``out`` when the block ends without an error.
+
+    An error (or an interrupt) removes the temporary folder, so nothing appears at ``out``; an
+    existing ``out`` (overwrite) is moved aside only once the new folder is complete.
+    """
+    out = Path(out).expanduser()
+    if out.exists() and not overwrite:
+        raise SSMQError(f"output folder {out} already exists (choose another, or overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
             trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             out.rename(trash)
             tmp.rename(out)
@@ -113,7 +126,6 @@ def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), ove
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
