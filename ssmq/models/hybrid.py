@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ssmq import ops
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
+from ssmq.models.state import KVState, RopeAtRead
 
 
 class Attention(nn.Module):
@@ -25,32 +26,33 @@ class Attention(nn.Module):
         self.v_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
         self.o_proj = Linear(self.hq * self.e, cfg.d_model, bias=cfg.attn_bias)
 
-    def _qkv(self, hidden: torch.Tensor, positions: torch.Tensor):
-        """hidden: (b, l, d_model); positions: (b, l) → rotated q (b, l, hq, e), k, v (b, l, hkv, e)."""
-        b, l, _ = hidden.shape
-        q = self.q_proj(hidden).view(b, l, self.hq, self.e)
-        k = self.k_proj(hidden).view(b, l, self.hkv, self.e)
-        v = self.v_proj(hidden).view(b, l, self.hkv, self.e)
-        if self.rotary_dim:
-            cos, sin = ops.rotary_cos_sin(positions, self.rotary_dim, self.rope_theta)
-            q, k = ops.apply_rotary_ref(q, cos, sin), ops.apply_rotary_ref(k, cos, sin)
-        return q, k, v
+    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, kv_keys_before_rope: bool = False,
+                       **_) -> KVState:
+        """K, V (s, max_seqlen, hkv, e); ``kv_keys_before_rope``: keys cached before RoPE, rotated at read."""
+        rope = RopeAtRead(self.rotary_dim, self.rope_theta) if kv_keys_before_rope and self.rotary_dim else None
+        return KVState.allocate(max_batch, max_seqlen, self.hkv, self.e, dtype, device, rope)
+
+    def _rotate(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """t: (b, l, heads, e); positions: (b, l) → RoPE of the first rotary_dim channels of each head."""
+        if not self.rotary_dim:
+            return t
+        cos, sin = ops.rotary_cos_sin(positions, self.rotary_dim, self.rope_theta)
+        return ops.apply_rotary_ref(t, cos, sin)
 
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, appends to the rows ``slots``."""
         b, l, _ = hidden.shape
         start = torch.zeros(b, dtype=torch.long, device=hidden.device) if cache is None else cache.seqlens[slots]
         positions = start[:, None] + torch.arange(l, device=hidden.device)
-        q, k, v = self._qkv(hidden, positions)
+        q = self._rotate(self.q_proj(hidden).view(b, l, self.hq, self.e), positions)
+        k = self.k_proj(hidden).view(b, l, self.hkv, self.e)
+        v = self.v_proj(hidden).view(b, l, self.hkv, self.e)
         if cache is None:
-            out = ops.attention_ref(q, k, v)
+            out = ops.attention_ref(q, self._rotate(k, positions), v)
         else:
-            cache.append_kv(self.layer_idx, slots, positions, k, v)
-            # eager prefill reads the filled prefix; decode and graph capture read the whole buffer
-            # (a static shape, no device-to-host read), masked by kv_lens
-            capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
-            end = int(positions.max()) + 1 if l > 1 and not capturing else cache.max_seqlen
-            keys, values = cache.key_cache[self.layer_idx][slots, :end], cache.value_cache[self.layer_idx][slots, :end]
+            state = cache.states[self.layer_idx]
+            state.append(slots, positions, k if state.keys_before_rope else self._rotate(k, positions), v)
+            keys, values = state.read(slots, start + l)  # the served rows, up to their longest length
             out = ops.attention_ref(q, keys, values, kv_lens=start + l)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))
 

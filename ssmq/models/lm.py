@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ssmq import kernels
+from ssmq.models.cache import InferenceCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.hybrid import Attention, GatedMLP
@@ -99,12 +100,18 @@ class SSMLM(nn.Module):
         cache.seqlens[slots] += 1
         return logits
 
-    def allocate_cache(self, max_batch: int, max_seqlen: int, dtype=None, device=None, ssm_dtype=None):
-        from ssmq.runtime.cache import InferenceCache
+    def allocate_cache(self, max_batch: int, max_seqlen: int, dtype=None, device=None, ssm_dtype=None,
+                       kv_keys_before_rope: bool = False) -> InferenceCache:
+        """A cache of ``max_batch`` slots; each layer's mixer allocates its own state (its shape, its format).
 
+        dtype: conv/KV buffers (default: the model's); ssm_dtype: SSM states (default dtype; torch.int8 for an
+        int8-state model); kv_keys_before_rope: attention caches keys before RoPE and rotates them at read.
+        """
         p = self.norm_f.weight  # the embedding may be a quantized module without .weight
-        return InferenceCache.allocate(self.config, max_batch, max_seqlen, dtype or p.dtype, device or p.device,
-                                       ssm_dtype=ssm_dtype)
+        dtype, device = dtype or p.dtype, device or p.device
+        states = [layer.mixer.allocate_state(max_batch, max_seqlen, dtype, device, ssm_dtype=ssm_dtype,
+                                             kv_keys_before_rope=kv_keys_before_rope) for layer in self.layers]
+        return InferenceCache(states, torch.zeros(max_batch, dtype=torch.long, device=device), max_seqlen)
 
     @property
     def device(self) -> torch.device:

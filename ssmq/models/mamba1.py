@@ -13,6 +13,7 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
+from ssmq.models.state import Int8StateScales, MambaState
 
 
 class Mamba1Mixer(nn.Module):
@@ -36,6 +37,15 @@ class Mamba1Mixer(nn.Module):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()
 
+    def state_scales(self) -> Int8StateScales | None:
+        """The int8 SSM state's calibrated scales, None for a float-state mixer."""
+        return None
+
+    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None, **_) -> MambaState:
+        """Conv (s, d, w-1) and SSM (s, d, n) state, sized by this mixer's own (possibly sharded) parameters."""
+        return MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0],
+                                   tuple(self.A_log.shape), dtype, device, ssm_dtype, self.state_scales())
+
     def _ssm_inputs(self, x: torch.Tensor):
         """x: (..., d) conv output → Δ (..., d) before bias/softplus, B, C (..., n), through the taps."""
         dt, B, C = self.x_proj_segments.split(self.x_proj(x))
@@ -45,7 +55,8 @@ class Mamba1Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
         x, z = self.proj_segments.split(self.in_proj(hidden))
-        x = self.act_x(conv_prefill(self.conv1d, x, cache, self.layer_idx, slots))  # (b, l, d)
+        state = None if cache is None else cache.states[self.layer_idx]
+        x = self.act_x(conv_prefill(self.conv1d, x, state, slots))  # (b, l, d)
         dt, B, C = self._ssm_inputs(x)
         z = self.act_z(z)
         A = self._f32.get(self, "A_log")
@@ -53,26 +64,28 @@ class Mamba1Mixer(nn.Module):
             x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
             D=self._f32.get(self, "D"), z=z.transpose(1, 2), delta_bias=self._f32.get(self, "dt_bias"),
             delta_softplus=True,
-            initial_state=None if cache is None else cache.ssm_states[self.layer_idx][slots],
-            return_last_state=cache is not None,
+            initial_state=None if state is None else state.read_ssm(slots),
+            return_last_state=state is not None,
         )
-        if cache is not None:
+        if state is not None:
             out, last = out
-            cache.ssm_states[self.layer_idx][slots] = last.to(cache.ssm_states[self.layer_idx].dtype)
+            state.write_ssm(slots, last)
         return self.out_proj(self.act_y(out.transpose(1, 2)))
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
+        state = cache.states[self.layer_idx]
         x, z = self.proj_segments.split(self.in_proj(hidden))
         x = kernels.causal_conv1d_update(
-            x, cache.conv_states[self.layer_idx], self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
             activation="silu", conv_state_indices=slots,
         )
         x = self.act_x(x)
         dt, B, C = self._ssm_inputs(x)
         A = self._f32.get(self, "A_log")
-        y = kernels.selective_state_update(
-            cache.ssm_states[self.layer_idx], x, dt, A, B, C, D=self._f32.get(self, "D"), z=self.act_z(z),
-            dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, state_batch_indices=slots,
-        )
+        z = self.act_z(z)
+        y = state.update_ssm(slots, lambda ssm, idx: kernels.selective_state_update(
+            ssm, x, dt, A, B, C, D=self._f32.get(self, "D"), z=z,
+            dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, state_batch_indices=idx,
+        ))
         return self.out_proj(self.act_y(y))

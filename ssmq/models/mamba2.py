@@ -14,6 +14,7 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
+from ssmq.models.state import Int8StateScales, MambaState
 
 
 class GatedRMSNorm(nn.Module):
@@ -47,6 +48,16 @@ class Mamba2Mixer(nn.Module):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()
 
+    def state_scales(self) -> Int8StateScales | None:
+        """The int8 SSM state's calibrated scales, None for a float-state mixer."""
+        return None
+
+    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None, **_) -> MambaState:
+        """Conv (s, c, w-1) and SSM (s, h, p, n) state, sized by this mixer's own (possibly sharded) parameters."""
+        shape = (self.A_log.shape[0], self.cfg.headdim, self.cfg.d_state)
+        return MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0], shape, dtype,
+                                   device, ssm_dtype, self.state_scales())
+
     def _split_proj(self, zxbcdt: torch.Tensor):
         """(…, 2d + 2gn + h) -> z (…, d), xBC (…, d + 2gn), dt (…, h)."""
         return self.proj_segments.split(zxbcdt)
@@ -66,19 +77,20 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         b, l, _ = hidden.shape
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
-        x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, cache, self.layer_idx, slots))
+        state = None if cache is None else cache.states[self.layer_idx]
+        x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
         y = kernels.ssd_chunk_scan(
             x.reshape(b, l, c.nheads, c.headdim), dt, A,
             B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
             D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, dt_limit=c.dt_limit,
-            initial_states=None if cache is None else cache.ssm_states[self.layer_idx][slots],
-            return_final_states=cache is not None,
+            initial_states=None if state is None else state.read_ssm(slots),
+            return_final_states=state is not None,
         )
-        if cache is not None:
+        if state is not None:
             y, final = y
-            cache.ssm_states[self.layer_idx][slots] = final.to(cache.ssm_states[self.layer_idx].dtype)
+            state.write_ssm(slots, final)
         y = self.norm(y.reshape(b, l, c.d_inner), self.act_z(z))
         return self.out_proj(self.act_y(y))
 
@@ -87,21 +99,22 @@ class Mamba2Mixer(nn.Module):
         c = self.cfg
         b = hidden.shape[0]
         h, p = c.nheads, c.headdim
+        state = cache.states[self.layer_idx]
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         xbc = kernels.causal_conv1d_update(
-            xbc, cache.conv_states[self.layer_idx], self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
             activation="silu", conv_state_indices=slots,
         )
         x, B, C = self._split_xbc(xbc)
         dt, dt_bias, softplus = self._clamped_dt(self.act_dt(dt))
         A = self._f32.get(self, "A_log")
-        y = kernels.selective_state_update(
-            cache.ssm_states[self.layer_idx], x.reshape(b, h, p), dt[:, :, None].expand(b, h, p),
+        y = state.update_ssm(slots, lambda ssm, idx: kernels.selective_state_update(
+            ssm, x.reshape(b, h, p), dt[:, :, None].expand(b, h, p),
             A[:, None, None].expand(h, p, c.d_state),
             B.reshape(b, c.ngroups, c.d_state), C.reshape(b, c.ngroups, c.d_state),
             D=self._f32.get(self, "D")[:, None].expand(h, p),
             dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p),
-            dt_softplus=softplus, state_batch_indices=slots,
-        )
+            dt_softplus=softplus, state_batch_indices=idx,
+        ))
         y = self.norm(y.reshape(b, c.d_inner), self.act_z(z))
         return self.out_proj(self.act_y(y))

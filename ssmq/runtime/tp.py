@@ -33,7 +33,6 @@ rank's slice of the rotated input multiplies its columns (one all-gather more).
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 
 import torch
@@ -414,8 +413,9 @@ def apply_tp(model: nn.Module, comm: Communicator, fuse_norm: bool = True) -> nn
     """Shard ``model`` (an SSMLM, float or quantized, on any device) in place for ``comm``'s rank.
 
     fuse_norm: one all-reduce per Mamba-2 block where the maths allows (see the module docstring);
-    False keeps two (to measure the difference). Returns the model, with ``model.tp`` (TPInfo) and an
-    ``allocate_cache`` that allocates this rank's share of the cache.
+    False keeps two (to measure the difference). Returns the model, with ``model.tp`` (TPInfo); its
+    ``allocate_cache`` allocates this rank's share of the cache, since each (sharded) mixer allocates its own
+    state from its own sizes: conv (s, conv_dim_l, w-1), SSM (s, d_l, n) | (s, h_l, p, n), KV (s, L, hkv_l, e).
     """
     if getattr(model, "tp", None) is not None:
         raise SSMQError("this model is already sharded")
@@ -434,34 +434,4 @@ def apply_tp(model: nn.Module, comm: Communicator, fuse_norm: bool = True) -> nn
         per_layer.append(k)
     model.tp = TPInfo(comm.rank, comm.world, per_layer)
     model.comm = comm
-    model.allocate_cache = types.MethodType(allocate_local_cache, model)
     return model
-
-
-def allocate_local_cache(model: nn.Module, max_batch: int, max_seqlen: int, dtype=None, device=None,
-                         ssm_dtype=None):
-    """This rank's cache: the conv and SSM states of its channels and heads, the KV of its KV heads.
-
-    conv (s, conv_dim_l, w - 1); ssm (s, d_l, n) Mamba-1 | (s, h_l, p, n) Mamba-2; KV (s, L, hkv_l, e).
-    """
-    from ssmq.runtime.cache import InferenceCache
-
-    p = model.norm_f.weight
-    dtype, device = dtype or p.dtype, device or p.device
-    ssm_dtype = ssm_dtype or dtype
-    cfg = model.config
-    conv, ssm, keys, values = [], [], [], []
-    for layer in model.layers:
-        m = layer.mixer
-        if str(layer.kind) == "attention":
-            shape = (max_batch, max_seqlen, m.hkv, m.e)
-            conv.append(None), ssm.append(None)
-            keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            values.append(torch.zeros(shape, dtype=dtype, device=device))
-            continue
-        conv.append(torch.zeros(max_batch, m.conv1d.weight.shape[0], cfg.d_conv - 1, dtype=dtype, device=device))
-        state = tuple(m.A_log.shape) if str(layer.kind) == "mamba1" else (m.cfg.nheads, cfg.headdim, cfg.d_state)
-        ssm.append(torch.zeros(max_batch, *state, dtype=ssm_dtype, device=device))
-        keys.append(None), values.append(None)
-    seqlens = torch.zeros(max_batch, dtype=torch.long, device=device)
-    return InferenceCache(conv, ssm, keys, values, seqlens, max_seqlen)

@@ -3,17 +3,14 @@ dequantized when read, with static scales that reuse x's groups (d_state × G sc
 
 Glossary: s cache slots, d d_inner, h heads, p headdim, n d_state, G scale groups of x.
 
-The mixers keep their float maths; ``Int8StateMixin`` only changes what crosses the cache boundary:
-before prefill (with a cache) or a decode step it dequantizes the rows ``slots`` of the int8 buffer
-into a float work copy, runs the float mixer on it, and writes the rows back re-quantized
-(``ssmq.ops.quant_ssm.quantize_state_ref``), exactly ``quant_state_update_ref`` for decode.
-Allocate the cache with ``model.allocate_cache(..., ssm_dtype=torch.int8)``; a float cache keeps
-working unchanged. Scales are calibrated on the states reached at chunk boundaries of the windows.
+The mixers keep their float maths; ``Int8StateMixin`` only hands its scales to the state it allocates
+(``ssmq.models.state.MambaState`` in the int8 format), which dequantizes the served rows before a
+prefill or decode step and re-quantizes them after (``ssmq.ops.quant_ssm.quantize_state_ref``),
+exactly ``quant_state_update_ref`` for decode. Allocate the cache with
+``model.allocate_cache(..., ssm_dtype=torch.int8)``; a float cache keeps working unchanged. Scales are calibrated on the states reached at chunk boundaries of the windows.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 import torch.nn as nn
@@ -21,7 +18,7 @@ import torch.nn as nn
 from ssmq.models.config import ModelConfig
 from ssmq.models.mamba1 import Mamba1Mixer
 from ssmq.models.mamba2 import Mamba2Mixer
-from ssmq.ops.quant_ssm import dequantize_state_ref, quantize_state_ref
+from ssmq.models.state import Int8StateScales
 
 
 class Int8StateMixin:
@@ -35,25 +32,9 @@ class Int8StateMixin:
         else:
             self.state_index = None
 
-    def _through_float_state(self, run, cache, slots):
-        buf = cache.ssm_states[self.layer_idx]
-        if buf.dtype != torch.int8:
-            return run(cache)
-        work = torch.zeros(buf.shape, dtype=torch.float32, device=buf.device)
-        work[slots] = dequantize_state_ref(buf[slots], self.state_scale, self.state_index)
-        states = list(cache.ssm_states)
-        states[self.layer_idx] = work
-        out = run(dataclasses.replace(cache, ssm_states=states))  # shares conv states, seqlens, KV
-        buf[slots] = quantize_state_ref(work[slots], self.state_scale, self.state_index)
-        return out
-
-    def forward(self, hidden, cache=None, slots=None):
-        if cache is None:
-            return super().forward(hidden)
-        return self._through_float_state(lambda c: super(Int8StateMixin, self).forward(hidden, c, slots), cache, slots)
-
-    def step(self, hidden, cache, slots):
-        return self._through_float_state(lambda c: super(Int8StateMixin, self).step(hidden, c, slots), cache, slots)
+    def state_scales(self) -> Int8StateScales:
+        # the buffers themselves, not copies: allocate the cache after moving the model
+        return Int8StateScales(self.state_scale, self.state_index)
 
     def spec(self) -> dict:
         return {"kind": "SSMInt8StateMixer", "config": self.config_dict, "layer_idx": self.layer_idx,
@@ -132,10 +113,8 @@ def allocate_cache(model: nn.Module, max_batch: int, max_seqlen: int, ssm_dtype=
     Float buffers in float32 unless the model's float parameters are 16-bit; ``ssm_dtype=torch.int8``
     gives the int8 state cache.
     """
-    from ssmq.runtime.cache import InferenceCache
-
     p = next(p for p in model.parameters() if p.is_floating_point())
-    return InferenceCache.allocate(model.config, max_batch, max_seqlen, p.dtype, p.device, ssm_dtype=ssm_dtype)
+    return model.allocate_cache(max_batch, max_seqlen, p.dtype, p.device, ssm_dtype=ssm_dtype)
 
 
 @torch.no_grad()

@@ -1,0 +1,70 @@
+"""InferenceCache: the slot-indexed cache, one state object per layer (``ssmq.models.state``).
+
+Every state has a leading slot dimension s (max batch), so decode can run on any subset of rows
+(continuous batching) and the buffers never move (CUDA graphs).
+    states[i]: MambaState (conv (s, c, w-1), ssm (s, d, n) | (s, h, p, n)) or KVState (k, v (s, L, hkv, e))
+    seqlens:   (s,) tokens seen per slot
+Mixers reach their state as ``cache.states[layer_idx]``. The lists ``conv_states``, ``ssm_states``,
+``key_cache``, ``value_cache`` (None for the other kind of layer) are views for older callers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssmq.models.state import KVState, MambaState
+
+
+class InferenceCache:
+    def __init__(self, states: list, seqlens: torch.Tensor, max_seqlen: int):
+        self.states, self.seqlens, self.max_seqlen = list(states), seqlens, max_seqlen
+
+    @classmethod
+    def allocate(cls, cfg, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None,
+                 kv_keys_before_rope: bool = False) -> InferenceCache:
+        """A cache from the config alone (float states; an int8 state needs its mixers' scales:
+        use ``model.allocate_cache``)."""
+        from ssmq.models.lm import SSMLM
+
+        with torch.device("meta"):
+            shell = SSMLM(cfg)
+        return shell.allocate_cache(max_batch, max_seqlen, dtype, device, ssm_dtype=ssm_dtype,
+                                    kv_keys_before_rope=kv_keys_before_rope)
+
+    @property
+    def max_batch(self) -> int:
+        return self.seqlens.shape[0]
+
+    def reset(self, slots=None) -> None:
+        """Forget the sequences in ``slots`` (all when None) so the slots can take new prompts."""
+        idx = None if slots is None else torch.as_tensor(slots, device=self.seqlens.device, dtype=torch.long)
+        for st in self.states:
+            st.reset(idx)
+        self.seqlens[slice(None) if idx is None else idx] = 0
+
+    def append_kv(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` of attention layer ``layer``."""
+        self.states[layer].append(slots, positions, k, v)
+
+    def nbytes(self) -> int:
+        return sum(st.nbytes() for st in self.states)
+
+    # views of the buffers, per layer, for callers written before the state objects
+    def _buffers(self, kind, attr):
+        return [getattr(st, attr) if isinstance(st, kind) else None for st in self.states]
+
+    @property
+    def conv_states(self) -> list:
+        return self._buffers(MambaState, "conv")
+
+    @property
+    def ssm_states(self) -> list:
+        return self._buffers(MambaState, "ssm")
+
+    @property
+    def key_cache(self) -> list:
+        return self._buffers(KVState, "k")
+
+    @property
+    def value_cache(self) -> list:
+        return self._buffers(KVState, "v")

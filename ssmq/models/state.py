@@ -1,0 +1,201 @@
+"""Per-layer inference state: what one layer keeps between tokens, in its storage format.
+
+Glossary: s cache slots (max batch), b rows served, c conv channels, w d_conv, d d_inner, n d_state,
+h heads, p headdim, G scale groups of the int8 state, L max_seqlen, hkv key/value heads, e head dim.
+
+Each state is allocated by its mixer (so a sharded mixer allocates its shard) and owned by the
+slot-indexed ``InferenceCache``. Every buffer has a leading slot dimension s and never moves (CUDA
+graphs capture its address). Mixers and kernels use only these ops:
+    MambaState   conv (s, c, w-1) buffer for the conv kernels, read_ssm / write_ssm around a prefill,
+                 update_ssm for a decode step, reset, nbytes
+    KVState      append after the projections, read for attention, reset, nbytes
+Each op touches the rows ``slots`` it serves and nothing else: an int8 state is dequantized row by
+row into a (b, …) float32 work copy, never for all s slots.
+
+Storage formats (``StateFormat``): float (the buffer's dtype), int8 (SSM state codes with their
+calibrated scales, Quamba2). The seams for later formats: a paged KV format replaces KVState's
+append/read with a block table; a quantized KV format stores codes + scales as int8 does here; a
+tensor-parallel state is the state its sharded mixer allocates (fewer channels / heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ssmq.errors import SSMQError
+
+
+class StateFormat(str, Enum):
+    FLOAT = "float"
+    INT8 = "int8"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Int8StateScales:
+    """Static scales of an int8 SSM state: ``scale`` (G, n) float32 and the channel -> group map ``index`` (d,)
+    (None: G = 1). Quamba2's d_state × G scales; see ``ssmq.ops.quant_ssm``."""
+
+    scale: torch.Tensor
+    index: torch.Tensor | None = None
+
+
+def _rows(slots) -> torch.Tensor | slice:
+    return slice(None) if slots is None else slots
+
+
+class MambaState:
+    """Conv and SSM state of one Mamba layer.
+
+    conv: (s, c, w-1) in the activation dtype; ssm: (s, d, n) Mamba-1 | (s, h, p, n) Mamba-2, float or int8
+    codes (with ``scales``).
+    """
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, scales: Int8StateScales | None = None):
+        if ssm.dtype == torch.int8 and scales is None:
+            raise SSMQError("an int8 SSM state needs calibrated scales: quantize the model with an int8-state "
+                            "recipe (state_bits 8), or allocate a float state")
+        self.conv, self.ssm, self.scales = conv, ssm, scales
+
+    @classmethod
+    def allocate(cls, max_batch: int, conv_channels: int, d_conv: int, state_shape: tuple[int, ...], dtype, device,
+                 ssm_dtype=None, scales: Int8StateScales | None = None) -> MambaState:
+        """Zeroed buffers for ``max_batch`` slots; ``ssm_dtype`` defaults to ``dtype`` (as mamba_ssm)."""
+        ssm_dtype = ssm_dtype or dtype
+        conv = torch.zeros(max_batch, conv_channels, d_conv - 1, dtype=dtype, device=device)
+        ssm = torch.zeros(max_batch, *state_shape, dtype=ssm_dtype, device=device)
+        return cls(conv, ssm, scales if ssm_dtype == torch.int8 else None)
+
+    @property
+    def format(self) -> StateFormat:
+        return StateFormat.INT8 if self.ssm.dtype == torch.int8 else StateFormat.FLOAT
+
+    # ------------------------------------------------------------------ conv
+    def read_conv(self, slots) -> torch.Tensor:
+        """(b, c, w-1): the last w-1 conv inputs of the rows ``slots``."""
+        return self.conv[_rows(slots)]
+
+    def write_conv(self, slots, values: torch.Tensor) -> None:
+        self.conv[_rows(slots)] = values.to(self.conv.dtype)
+
+    # ------------------------------------------------------------------ ssm
+    def read_ssm(self, slots) -> torch.Tensor:
+        """The rows ``slots`` as a prefill's initial state: (b, d, n) | (b, h, p, n), float (int8 dequantized)."""
+        rows = self.ssm[_rows(slots)]
+        if self.format is StateFormat.INT8:
+            from ssmq.ops.quant_ssm import dequantize_state_ref
+
+            return dequantize_state_ref(rows, self.scales.scale, self.scales.index)
+        return rows
+
+    def write_ssm(self, slots, values: torch.Tensor) -> None:
+        """Store a prefill's final state (b, …) in the rows ``slots``, in this state's format."""
+        if self.format is StateFormat.INT8:
+            from ssmq.ops.quant_ssm import quantize_state_ref
+
+            values = quantize_state_ref(values, self.scales.scale, self.scales.index)
+        self.ssm[_rows(slots)] = values.to(self.ssm.dtype)
+
+    def update_ssm(self, slots: torch.Tensor, step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
+        """One decode step of the rows ``slots``: ``step(state, indices)`` advances ``state`` in place and returns y.
+
+        Float: ``step(self.ssm, slots)`` (the kernel updates the served rows in place). Int8: the served rows
+        are dequantized into a (b, …) work copy, stepped with ``indices=None``, and written back re-quantized
+        (exactly ``ssmq.ops.quant_ssm.quant_state_update_ref``).
+        """
+        if self.format is StateFormat.FLOAT:
+            return step(self.ssm, slots)
+        work = self.read_ssm(slots).float()
+        y = step(work, None)
+        self.write_ssm(slots, work)
+        return y
+
+    # ------------------------------------------------------------------ bookkeeping
+    def reset(self, slots=None) -> None:
+        self.conv[_rows(slots)] = 0
+        self.ssm[_rows(slots)] = 0
+
+    def nbytes(self) -> int:
+        return self.conv_nbytes() + self.ssm_nbytes()
+
+    def conv_nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size()
+
+    def ssm_nbytes(self) -> int:
+        return self.ssm.numel() * self.ssm.element_size()
+
+
+@dataclass(frozen=True)
+class RopeAtRead:
+    """Keys are cached before RoPE and rotated when read (NeoX rotation of the first ``rotary_dim`` dims)."""
+
+    rotary_dim: int
+    theta: float
+
+
+class KVState:
+    """Keys and values of one attention layer: k, v (s, L, hkv, e) in the activation dtype.
+
+    With ``rope`` set, keys are stored before RoPE and rotated at read for positions 0..len-1
+    (equal to the post-RoPE cache in float: the same rotation of the same numbers, done later).
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rope: RopeAtRead | None = None):
+        self.k, self.v, self.rope = k, v, rope
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_seqlen: int, kv_heads: int, head_dim: int, dtype, device,
+                 rope: RopeAtRead | None = None) -> KVState:
+        shape = (max_batch, max_seqlen, kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device), rope)
+
+    format = StateFormat.FLOAT
+
+    @property
+    def max_seqlen(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def keys_before_rope(self) -> bool:
+        return self.rope is not None
+
+    def append(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (keys pre-RoPE when
+        ``keys_before_rope``). The bound check reads a device value, so it is skipped while a CUDA graph is
+        being captured (the graph runner checks lengths on the host instead)."""
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and int(positions.max()) >= self.max_seqlen:
+            raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
+        rows = slots[:, None].expand_as(positions)
+        self.k[rows, positions] = k.to(self.k.dtype)
+        self.v[rows, positions] = v.to(self.v.dtype)
+
+    def read(self, slots: torch.Tensor, kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE) and values of the rows ``slots``: (b, T, hkv, e) each, valid up to ``kv_lens`` (b,).
+
+        T = the longest of ``kv_lens`` (one device-to-host read), so a step copies only the positions its rows
+        hold; while a CUDA graph is captured T = L (static shapes, no host read; the mask hides the rest).
+        """
+        capturing = kv_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+        end = self.max_seqlen if capturing else int(kv_lens.max())
+        keys, values = self.k[slots, :end], self.v[slots, :end]
+        if self.rope is not None:
+            from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
+
+            pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)
+            cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
+            keys = apply_rotary_ref(keys, cos, sin)
+        return keys, values
+
+    def reset(self, slots=None) -> None:
+        self.k[_rows(slots)] = 0
+        self.v[_rows(slots)] = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v))
