@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels._common import pow2, silu, sm_count, softplus
+from ssmq.ops.layout import NO_DT_LIMIT, has_dt_limit, heads_per_group
 
 QUANT_EPS = tl.constexpr(1e-8)  # ssmq.ops.mamba2_decode.QUANT_EPS
 MAX_TAIL = 8192  # elements the tail kernel holds at once (norm groups up to this size)
@@ -256,7 +257,7 @@ def tiles_per_program(b: int, ntiles: int, group_tiles: int, device) -> int:
 
 
 def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
-                       ngroups, norm_group_size, eps, dt_limit=(0.0, math.inf), slots=None, quantize=False,
+                       ngroups, norm_group_size, eps, dt_limit=NO_DT_LIMIT, slots=None, quantize=False,
                        out_scale=None):
     """The fused decode step, as ``mamba2_decode_step_ref`` (same arguments, same returns)."""
     b = xbc.shape[0]
@@ -264,7 +265,8 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
     d = h * p
     conv_dim, w = conv_weight.shape
     gs = norm_group_size
-    if h % ngroups or d % gs or conv_dim != d + 2 * ngroups * n:
+    heads_per_group(h, ngroups)
+    if d % gs or conv_dim != d + 2 * ngroups * n:
         raise ValueError(f"inconsistent Mamba-2 decode shapes: h={h} g={ngroups} p={p} n={n} conv_dim={conv_dim} "
                          f"norm group {gs}")
     bp = tile_channels(b, h, p, n, gs, xbc.device)
@@ -299,7 +301,7 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
         A, D, dt_bias, norm_weight.contiguous(), idx, part, gw,
         d, p, n, ngroups, float(dt_limit[0]), float(min(dt_limit[1], 3.0e38)),
         xbc.stride(0), z.stride(0), *dt.stride(), *conv_state.stride(), *conv_weight.stride(), *ssm_state.stride(),
-        W=w, HAS_CBIAS=conv_bias is not None, HAS_IDX=slots is not None, CLAMP=tuple(dt_limit) != (0.0, math.inf),
+        W=w, HAS_CBIAS=conv_bias is not None, HAS_IDX=slots is not None, CLAMP=has_dt_limit(dt_limit),
         BP=bp, BN=pow2(n, 16), T=T, num_warps=NUM_WARPS, num_stages=1,
     )
     block = ngb * pow2(gs)

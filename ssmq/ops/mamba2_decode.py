@@ -18,12 +18,10 @@ dt_bias (h,); norm_weight (h·p,); slots (b,) the cache row of each batch row (r
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
 from ssmq.ops.conv1d import causal_conv1d_update_ref
+from ssmq.ops.layout import NO_DT_LIMIT, discretize_dt, has_dt_limit, mamba2_conv_segments
 from ssmq.ops.norm import rmsnorm_gated_ref
 from ssmq.ops.state_update import selective_state_update_ref
 
@@ -45,7 +43,7 @@ def mamba2_decode_step_ref(
     ngroups: int,
     norm_group_size: int,
     eps: float,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
+    dt_limit: tuple[float, float] = NO_DT_LIMIT,
     slots: torch.Tensor | None = None,
     quantize: bool = False,
     out_scale: torch.Tensor | None = None,
@@ -67,11 +65,11 @@ def compose(conv_update, state_update, norm, xbc, z, dt, conv_state, conv_weight
     b = xbc.shape[0]
     _, h, p, n = ssm_state.shape
     xbc = conv_update(xbc, conv_state, conv_weight, conv_bias, "silu", slots)
-    x, B, C = xbc.split([h * p, ngroups * n, ngroups * n], dim=-1)
-    if tuple(dt_limit) == (0.0, math.inf):  # the state update applies bias and softplus itself
+    x, B, C = mamba2_conv_segments(h * p, ngroups, n).split(xbc)
+    if not has_dt_limit(dt_limit):  # the state update applies bias and softplus itself
         dt, bias, softplus = dt, dt_bias, True
     else:  # it knows no clamp: discretize here
-        dt, bias, softplus = F.softplus(dt.float() + dt_bias.float()).clamp(*dt_limit), None, False
+        dt, bias, softplus = discretize_dt(dt, dt_bias, True, dt_limit), None, False
     y = state_update(
         ssm_state, x.reshape(b, h, p), dt[:, :, None].expand(b, h, p), A[:, None, None].expand(h, p, n),
         B.reshape(b, ngroups, n), C.reshape(b, ngroups, n), D=D[:, None].expand(h, p),
