@@ -50,6 +50,17 @@ FUSED_MAX_BATCH = 8
 
 
 @triton.jit
+def _row_and_slot(idx_ptr, HAS_IDX: tl.constexpr):
+    """(batch row of this program = program_id(1), its cache slot), both int64."""
+    row = tl.program_id(1).to(tl.int64)
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + row).to(tl.int64)
+    else:
+        slot = row
+    return row, slot
+
+
+@triton.jit
 def _mamba2_decode_step(
     xbc_ptr, z_ptr, dt_ptr, cs_ptr, cw_ptr, cb_ptr, st_ptr, A_ptr, D_ptr, dtb_ptr, nw_ptr, idx_ptr,
     part_ptr, gw_ptr,
@@ -58,13 +69,8 @@ def _mamba2_decode_step(
     W: tl.constexpr, HAS_CBIAS: tl.constexpr, HAS_IDX: tl.constexpr, CLAMP: tl.constexpr,
     BP: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
 ):
-    # grid (programs of a row, rows)
-    pid, pid_b = tl.program_id(0), tl.program_id(1)
-    row = pid_b.to(tl.int64)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + pid_b).to(tl.int64)
-    else:
-        slot = row
+    pid = tl.program_id(0)  # grid (programs of a row, rows)
+    row, slot = _row_and_slot(idx_ptr, HAS_IDX)
     io_ty = xbc_ptr.dtype.element_ty
     ntiles = d // BP  # tiles of BP channels in a row; this program owns T consecutive ones
     c_first = pid * T * BP
@@ -131,12 +137,8 @@ def _mamba2_decode_tail(
     BCB: tl.constexpr, NGB: tl.constexpr, GSB: tl.constexpr, PPG: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
     """One unit of one row: B/C conv state shift, gated norm from the tiles' partial sums, quantization."""
-    u, pid_b = tl.program_id(0), tl.program_id(1)
-    row = pid_b.to(tl.int64)
-    if HAS_IDX:
-        slot = tl.load(idx_ptr + pid_b).to(tl.int64)
-    else:
-        slot = row
+    u = tl.program_id(0)
+    row, slot = _row_and_slot(idx_ptr, HAS_IDX)
     ntiles = d // BP
     # B/C channels of the unit's groups: [d + lo, d + lo + len) and the same past g·n (C)
     bc_lo = (u * unit) // (d // ngroups) * n
