@@ -4,6 +4,9 @@ Shapes: Mamba2-2.7B (d_model 2560, d_inner 5120, 80 heads of 64, d_state 128, ng
 chunk 256, conv width 4), decode at batch 1 and 32, prefill of 1024 and 2048 tokens at batch 1;
 the Mamba-1 selective scan at Mamba-1 2.8b's d_inner 5120, d_state 16. The decode GEMV
 (``gemv`` rows) against ``F.linear`` (cuBLAS) at Mamba2-2.7B's in_proj, out_proj and lm_head, 1 and 8 rows.
+The fused Mamba-2 decode step (``fused_decode`` rows: conv + Δ + state update + gate + gated norm in one
+kernel; ``+q8`` with the int8 per-token output) against the three kernels it replaces (``unfused_decode``
+rows), at the 2.7B and 8B (80 | 128 heads, ngroups 1 | 8) shapes, batch 1, 8, 32, 128.
 
 Each row also gives the fewest bytes the op must move (inputs read once, outputs written once)
 over the measured device-to-device copy bandwidth: the time no kernel can beat.
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 import triton.testing as tt
 
 from ssmq import ops
-from ssmq.kernels import conv1d, gemv, norm, scan, ssd, state_update
+from ssmq.kernels import conv1d, gemv, mamba2_decode, norm, scan, ssd, state_update
 from ssmq.ops.layout import mamba2_in_proj_segments
 
 DEV = "cuda"
@@ -135,6 +138,7 @@ def cases(dtype, pk):
                     bind(ops.selective_state_update_ref, st1, *a1),
                     bind(pk["ssu"], st1, *a1) if pk else None))
         out += norm_cases(r, dtype, b, True, pk)
+    out += decode_step_cases(dtype)
     for l in (1024, 2048):  # prefill, batch 1
         x, wt, bias = r(1, l, CONV_DIM).transpose(1, 2), r(CONV_DIM, W), r(CONV_DIM)
         out.append((f"conv1d l={l}", 2 * nbytes(x) + nbytes(x[..., :3]), False,
@@ -183,6 +187,57 @@ def gemv_cases(r, dtype, shapes=GEMV_SHAPES, rows=(1, 8)):
             out.append((f"gemv {name} b={b} x{copies}", nb, True, bind(each_weight, gemv.linear_decode, x, ws),
                         bind(each_weight, F.linear, x, ws), None))
     return out
+
+
+# (tag, heads, ngroups) of the fused decode rows: Mamba2-2.7B and Mamba2-8B (headdim 64, d_state 128)
+DECODE_MODELS = (("2.7b", 80, 1), ("8b", 128, 8))
+
+
+def _with_knobs(knobs: dict, fn):
+    """fn() with module constants of the fused decode kernel set to other values (captured into the graph)."""
+    old = {k: getattr(mamba2_decode, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(mamba2_decode, k, v)
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            setattr(mamba2_decode, k, v)
+
+
+def decode_step_cases(dtype):
+    """Rows of one Mamba-2 layer's decode step between in_proj and out_proj: fused vs the unfused kernels."""
+    from ssmq.ops.mamba2_decode import compose
+
+    rows = []
+    unfused = bind(compose, conv1d.causal_conv1d_update, state_update.selective_state_update, norm.rmsnorm_gated)
+    for tag, h, g in DECODE_MODELS:
+        d, cdim = h * P, h * P + 2 * g * N
+        for b in (1, 8, 32, 128):
+            kw = dict(xbc=torch.randn(b, cdim, device=DEV, dtype=dtype), z=torch.randn(b, d, device=DEV, dtype=dtype),
+                      dt=torch.randn(b, h, device=DEV, dtype=dtype),
+                      conv_state=torch.randn(b, cdim, W - 1, device=DEV, dtype=dtype),
+                      conv_weight=torch.randn(cdim, W, device=DEV, dtype=dtype) * 0.3,
+                      conv_bias=torch.randn(cdim, device=DEV, dtype=dtype),
+                      ssm_state=torch.randn(b, h, P, N, device=DEV, dtype=dtype),
+                      A=-torch.rand(h, device=DEV), D=torch.randn(h, device=DEV), dt_bias=torch.randn(h, device=DEV) - 3,
+                      norm_weight=torch.ones(d, device=DEV, dtype=dtype), ngroups=g, norm_group_size=d // g, eps=1e-5,
+                      dt_limit=(0.0, math.inf), slots=torch.arange(b, device=DEV))
+            nb = 2 * nbytes(kw["ssm_state"], kw["conv_state"]) + nbytes(kw["xbc"], kw["z"], kw["dt"], kw["z"])
+            pos = [kw[k] for k in ("xbc", "z", "dt", "conv_state", "conv_weight", "conv_bias", "ssm_state", "A", "D",
+                                   "dt_bias", "norm_weight", "ngroups", "norm_group_size", "eps", "dt_limit", "slots")]
+            fused = bind(_with_knobs, {"FUSED_MAX_BATCH": 1 << 30}, bind(mamba2_decode.mamba2_decode_step, **kw))
+            rows.append((f"fused_decode {tag} b={b}", nb, True, fused, bind(ops.mamba2_decode_step_ref, **kw), None))
+            rows.append((f"unfused_decode {tag} b={b}", nb, True, bind(unfused, *pos, False, None), None, None))
+            if b in (1, 32):
+                rows.append((f"fused_decode+q8 {tag} b={b}", nb + b * d, True,
+                             bind(_with_knobs, {"FUSED_MAX_BATCH": 1 << 30},
+                                  bind(mamba2_decode.mamba2_decode_step, **kw, quantize=True)), None, None))
+            if b == 128:  # up to 16 tiles a program (the B/C convolution shared by them; off by default)
+                rows.append((f"fused_decode {tag} b={b} max_tiles=16", nb, True,
+                             bind(_with_knobs, {"FUSED_MAX_BATCH": 1 << 30, "MAX_TILES": 16},
+                                  bind(mamba2_decode.mamba2_decode_step, **kw)), None, None))
+    return rows
 
 
 def norm_cases(r, dtype, rows, graph, pk):

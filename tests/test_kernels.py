@@ -34,7 +34,7 @@ def K():
     import importlib
 
     return {m: importlib.import_module(f"ssmq.kernels.{m}") for m in
-            ("conv1d", "state_update", "ssd", "scan", "norm", "gemv")}
+            ("conv1d", "state_update", "ssd", "scan", "norm", "gemv", "mamba2_decode")}
 
 
 def _patch_interpreter_scalars():
@@ -238,6 +238,92 @@ def test_selective_scan_segments(K, dtype, b, d, l, n, g, nseg, monkeypatch):
     kw = dict(D=rnd(d), z=z, delta_bias=rnd(d) - 2, delta_softplus=True, initial_state=rnd(b, d, n),
               return_last_state=True)
     check(K["scan"].selective_scan(u, delta, A, B, C, **kw), ops.selective_scan_ref(u, delta, A, B, C, **kw), TOL[dtype])
+
+
+# --- fused Mamba-2 decode step ------------------------------------------------------------------------------------
+
+def _decode_inputs(b, s, h, p, g, n, dtype, state_dtype, gsize):
+    conv_dim, w = h * p + 2 * g * n, 4
+    return dict(
+        xbc=rnd(b, conv_dim + h * p + h, dtype=dtype)[:, h * p:h * p + conv_dim],  # strided, as sliced from in_proj
+        z=rnd(b, h * p, dtype=dtype), dt=rnd(b, h, dtype=dtype), conv_state=rnd(s, conv_dim, w - 1, dtype=dtype),
+        conv_weight=rnd(conv_dim, w, dtype=dtype) * 0.5, conv_bias=rnd(conv_dim, dtype=dtype),
+        ssm_state=rnd(s, h, p, n, dtype=state_dtype), A=-torch.rand(h, device=DEV) - 0.1, D=rnd(h),
+        dt_bias=rnd(h) - 2, norm_weight=1 + 0.1 * rnd(h * p, dtype=dtype), ngroups=g,
+        norm_group_size=gsize or h * p // g, eps=1e-5, slots=torch.randperm(s, device=DEV)[:b],
+    )
+
+
+# On the H100 (2026-11-23) the previous kernel failed these for most shapes with n = 128 (a conv-state race, see
+# ssmq/kernels/mamba2_decode.py); the fix has not run on a GPU yet. Non-strict: XPASS there means it is fixed, and
+# the kernel can become the default (SSMQ_FUSED_DECODE) and this mark go.
+_FUSED_ON_GPU = pytest.mark.xfail(not INTERPRET, reason="fused decode kernel not yet verified on a GPU", strict=False)
+
+
+@_FUSED_ON_GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,s,h,p,g,n,gsize", cases(
+    [(1, 2, 80, 64, 1, 128, None), (3, 7, 32, 64, 8, 128, None), (32, 33, 80, 64, 1, 128, None),
+     (256, 257, 32, 64, 8, 128, None), (5, 9, 12, 64, 4, 128, 384), (2, 3, 6, 20, 3, 24, None)],
+    [(3, 5, 4, 16, 2, 16, None), (1, 2, 4, 16, 1, 16, 32), (2, 3, 4, 16, 4, 16, 32)]))
+@pytest.mark.parametrize("variant", ["plain", "dt_limit", "state_fp32", "int8_dynamic", "int8_static"])
+def test_mamba2_decode_step(K, dtype, b, s, h, p, g, n, gsize, variant, monkeypatch):
+    monkeypatch.setattr(K["mamba2_decode"], "FUSED_MAX_BATCH", 1 << 30)  # the fused kernel at every batch
+    torch.manual_seed(13)
+    kw = _decode_inputs(b, s, h, p, g, n, dtype, torch.float32 if variant == "state_fp32" else dtype, gsize)
+    if variant == "dt_limit":
+        kw["dt_limit"] = (0.001, 0.1)
+    if variant.startswith("int8"):
+        kw["quantize"] = True
+        kw["out_scale"] = torch.tensor(0.01, device=DEV) if variant == "int8_static" else None
+    kk = {k: v.clone() if k in ("conv_state", "ssm_state") else v for k, v in kw.items()}
+    ref = ops.mamba2_decode_step_ref(**kw)
+    out = K["mamba2_decode"].mamba2_decode_step(**kk)
+    if not kw.get("quantize"):
+        check(out, ref, TOL[dtype])
+    else:
+        check(out[0], ref[0], TOL[dtype])
+        check(out[2], ref[2], TOL[dtype])
+        # codes: within one step where out or its scale differs by a rounding
+        assert out[1].dtype == torch.int8 and (out[1].int() - ref[1].int()).abs().max() <= 1
+        assert (out[1] != ref[1]).float().mean() < 0.02
+    check(kk["conv_state"], kw["conv_state"], TOL[dtype])
+    check(kk["ssm_state"], kw["ssm_state"], TOL[dtype])
+    # twice more: the row counters were reset by the first launch, so each launch still normalises once
+    for _ in range(2):
+        ref = ops.mamba2_decode_step_ref(**kw)
+        out = K["mamba2_decode"].mamba2_decode_step(**kk)
+    check(out[0] if kw.get("quantize") else out, ref[0] if kw.get("quantize") else ref, TOL[dtype])
+    check(kk["ssm_state"], kw["ssm_state"], TOL[dtype])
+
+
+@_FUSED_ON_GPU
+@pytest.mark.parametrize("quantize", [False, True])
+def test_mamba2_decode_step_several_tiles_and_tail_blocks(K, quantize, monkeypatch):
+    # few SMs: programs take several tiles each; a small tail block: the row is normalised in several blocks
+    mod = K["mamba2_decode"]
+    monkeypatch.setattr(mod, "sm_count", lambda device: 1)
+    monkeypatch.setattr(mod, "FUSED_MAX_BATCH", 1 << 30)
+    monkeypatch.setattr(mod, "MAX_TILES", 16)
+    monkeypatch.setattr(mod, "MAX_TAIL", 32)
+    torch.manual_seed(14)
+    kw = _decode_inputs(3, 5, 4, 16, 2, 16, torch.float32, torch.float32, None)
+    assert mod.tiles_per_program(3, 4, 2, "cpu") == 2
+    kk = {k: v.clone() if k in ("conv_state", "ssm_state") else v for k, v in kw.items()}
+    ref = ops.mamba2_decode_step_ref(**kw, quantize=quantize)
+    out = mod.mamba2_decode_step(**kk, quantize=quantize)
+    check(out[:1] + out[2:] if quantize else out, ref[:1] + ref[2:] if quantize else ref, TOL[torch.float32])
+    if quantize:
+        assert (out[1].int() - ref[1].int()).abs().max() <= 1
+    check(kk["conv_state"], kw["conv_state"], TOL[torch.float32])
+    check(kk["ssm_state"], kw["ssm_state"], TOL[torch.float32])
+
+
+def test_mamba2_decode_tile_fits_norm_groups(K):
+    tile = K["mamba2_decode"].tile_channels
+    cpu = torch.device("cpu")  # 132 SMs assumed
+    assert tile(1, 80, 64, 128, 5120, cpu) == 16 and tile(32, 80, 64, 128, 5120, cpu) == 32
+    assert tile(1, 6, 20, 24, 40, cpu) == 4 and tile(1, 6, 18, 24, 36, cpu) == 0  # 0: the unfused kernels run
 
 
 # --- norms ----------------------------------------------------------------------------------------------------------

@@ -58,6 +58,26 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
 
 
+# SSMQ_FUSED_DECODE=1 runs the fused Triton decode step; by default CUDA runs the three single-stage kernels
+# through the same op: the fused kernel is not yet verified on a GPU (see ssmq/kernels/mamba2_decode.py).
+_FUSED_DECODE = os.environ.get("SSMQ_FUSED_DECODE", "0") == "1"
+
+
+def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
+                       ngroups, norm_group_size, eps, dt_limit=(0.0, math.inf), slots=None, quantize=False,
+                       out_scale=None):
+    args = (xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
+            ngroups, norm_group_size, eps, dt_limit, slots, quantize, out_scale)
+    if not _use_triton(xbc):
+        return ops.mamba2_decode_step_ref(*args)
+    if _FUSED_DECODE:
+        return _kernels("mamba2_decode").mamba2_decode_step(*args)
+    from ssmq.ops.mamba2_decode import compose
+
+    return compose(_kernels("conv1d").causal_conv1d_update, _kernels("state_update").selective_state_update,
+                   _kernels("norm").rmsnorm_gated, *args)
+
+
 def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):
     impl = _kernels("norm").rms_norm if _use_triton(x) else ops.rms_norm_ref
     return impl(x, weight, eps, residual, residual_in_fp32)
