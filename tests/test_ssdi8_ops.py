@@ -169,6 +169,20 @@ def test_prefill_split_at_a_chunk_boundary_carries_the_int8_state_exactly():
     torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=0, atol=1e-6)
 
 
+def test_int_einsum_gives_the_int32_integers():
+    from ssmq.ops.ssd_int8 import int_einsum
+
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randint(-128, 128, (3, 256, 16), dtype=torch.int8, generator=gen)
+    b = torch.randint(-128, 128, (3, 256, 8), dtype=torch.int8, generator=gen)
+    a[0] = -128
+    b[0] = -128  # the largest sums: 256 · 2^14
+    got = int_einsum("xkm,xkn->xmn", a, b)
+    assert got.dtype == torch.int32
+    assert torch.equal(got, torch.einsum("xkm,xkn->xmn", a.to(torch.int32), b.to(torch.int32)))
+    assert got[0, 0, 0].item() == 256 * 128 * 128
+
+
 def test_int8_passing_needs_int8_state():
     pr = problem(l=16)
     sc = scales(pr, 16)

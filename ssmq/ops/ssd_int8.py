@@ -2,6 +2,9 @@
 
 Glossary as ``ssmq.ops.ssd_stages`` (b, l, c chunks, T, t / s, h, p, g, r = h / g, n, dt, Acs), plus
     *_q        int8 codes (torch.int8); accumulators are torch.int32, so "exact" is integer arithmetic
+               (``int_einsum``: int8 in, int32 out; summed on float64 BLAS, where every partial sum is an integer
+               below 2^53, so the integers are exact — the route ``int_matmul_ref`` takes on CUDA; torch's int32
+               einsum has no BLAS and is 10-50x slower on CPU. A test checks both routes give the same integers)
     B_scale, C_scale  (g,)    early B / C quantization: one scale per group (N excluded), done ONCE per layer
                               and reused by chunk_state, chunk_bmm and chunk_scan_off (no re-quantization
                               after the G -> H broadcast: the integer stages index groups directly)
@@ -57,6 +60,11 @@ class SSDi8Options:
         return dict(self.__dict__)
 
 
+def int_einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact integer contraction of two int8 tensors -> int32 (the sums stay below 2^31: see the module notes)."""
+    return torch.einsum(eq, a.to(torch.float64), b.to(torch.float64)).to(torch.int32)
+
+
 def _by_group(t: torch.Tensor, g: int) -> torch.Tensor:
     """(..., h, p) -> (..., g, r, p): heads split into their B/C groups."""
     return t.reshape(*t.shape[:-2], g, t.shape[-2] // g, t.shape[-1])
@@ -76,7 +84,7 @@ def state_lut(dtc: torch.Tensor, Acs: torch.Tensor) -> torch.Tensor:
 def chunk_state_int8(xs_q: torch.Tensor, B_q: torch.Tensor) -> torch.Tensor:
     """xs_q: (b, c, T, h, p) int8 (the quantized X_scaled); B_q: (b, c, T, g, n) int8 -> int32 (b, c, h, p, n)."""
     g = B_q.shape[3]
-    acc = torch.einsum("bcsgrp,bcsgn->bcgrpn", _by_group(xs_q, g).to(torch.int32), B_q.to(torch.int32))
+    acc = int_einsum("bcsgrp,bcsgn->bcgrpn", _by_group(xs_q, g), B_q)
     return acc.flatten(2, 3)
 
 
@@ -109,7 +117,7 @@ def state_passing_int8(chunk_q: torch.Tensor, decay_q: torch.Tensor, initial_q: 
 
 def chunk_bmm_int8(C_q: torch.Tensor, B_q: torch.Tensor) -> torch.Tensor:
     """C_q, B_q: (b, c, T, g, n) int8 -> C_t·B_s int32 (b, c, t, s, g), on the G axis (no broadcast)."""
-    return torch.einsum("bctgn,bcsgn->bctsg", C_q.to(torch.int32), B_q.to(torch.int32))
+    return int_einsum("bctgn,bcsgn->bctsg", C_q, B_q)
 
 
 def chunk_scan_off_int8(C_q, entering_q, Acs, C_scale, state_scale):
@@ -119,8 +127,7 @@ def chunk_scan_off_int8(C_q, entering_q, Acs, C_scale, state_scale):
     """
     b, nc, h, p, n = entering_q.shape
     g = C_q.shape[3]
-    acc = torch.einsum("bctgn,bcgrpn->bctgrp", C_q.to(torch.int32),
-                       entering_q.to(torch.int32).reshape(b, nc, g, h // g, p, n))
+    acc = int_einsum("bctgn,bcgrpn->bctgrp", C_q, entering_q.reshape(b, nc, g, h // g, p, n))
     lut = torch.exp(Acs) * _group_scale_per_head(C_scale, h)  # (b, c, T, h)
     return acc.flatten(3, 4).float() * lut[..., None] * state_scale.float()
 
