@@ -9,7 +9,7 @@ import torch
 from ssmq.ops.quant_ssm import dequantize_ref, quantize_ref
 from ssmq.ops.ssd import ssd_chunk_scan_ref
 from ssmq.ops.ssd_int8 import (SSDi8Options, chunk_bmm_int8, chunk_scan_diag_int8, chunk_scan_off_int8,
-                               chunk_state_int8, decay_fixed_point, requantize_state, ssd_int8_ranges,
+                               chunk_state_int8, decay_fixed_point, off_lut, requantize_state, ssd_int8_ranges,
                                ssd_int8_ref, state_lut, state_passing_int8)
 from ssmq.ops.ssd_stages import (chunk_bmm, chunk_cumsum, chunk_scan_diag, chunk_scan_off, chunk_state,
                                  chunk_tokens, heads_of_groups, ssd_stages_ref, state_passing)
@@ -79,7 +79,7 @@ def test_requantize_state_half_a_code(staged):
     s, h = staged, staged["h"]
     acc = torch.randint(-2000, 2000, (2, 3, h, 8, 16), dtype=torch.int32)
     in_scale, st = torch.rand(h, 8) * 1e-3, torch.full((h, 8), 2000 / 127) * 1e-3 * 1.01
-    q = requantize_state(acc, in_scale, st)
+    q = requantize_state(acc, in_scale / st)
     value = acc.float() * in_scale[..., None]
     assert q.dtype == torch.int8
     assert ((dequantize_ref(q, st[..., None]) - value).abs() <= st[..., None] * (0.5 + 1e-5)).all()
@@ -120,7 +120,7 @@ def test_chunk_scans_int8_equal_float_on_dequantized_codes(staged):
     s, h = staged, staged["h"]
     st = torch.rand(h, 8) * 0.05 + 0.01
     entering_q = torch.randint(-128, 128, (2, s["Acs"].shape[1], h, 8, 16), dtype=torch.int8)
-    y = chunk_scan_off_int8(s["Cq"], entering_q, s["Acs"], s["sc"]["C"], st)
+    y = chunk_scan_off_int8(s["Cq"], entering_q, off_lut(s["Acs"], s["sc"]["C"]), st)
     want = chunk_scan_off(heads_of_groups(s["Cd"], h), dequantize_ref(entering_q, st[..., None]), s["Acs"])
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)  # only float32 rounding: the scales are folded
     y = chunk_scan_diag_int8(chunk_bmm_int8(s["Cq"], s["Bq"]), s["xc"], s["dtc"], s["Acs"], s["sc"]["C"], s["sc"]["B"])

@@ -14,6 +14,7 @@ from ssmq.kernels.dispatch import (
     selective_scan,
     selective_state_update,
     ssd_chunk_scan,
+    ssd_int8,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "selective_scan",
     "selective_state_update",
     "ssd_chunk_scan",
+    "ssd_int8",
 ]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -88,10 +89,9 @@ def chunk_state_int8(xs_q: torch.Tensor, B_q: torch.Tensor) -> torch.Tensor:
     return acc.flatten(2, 3)
 
 
-def requantize_state(acc: torch.Tensor, in_scale: torch.Tensor, state_scale: torch.Tensor) -> torch.Tensor:
-    """int32 (b, c, h, p, n) with value scale in_scale (h, p) -> int8 codes at state_scale (h, p)."""
-    mult = (in_scale.float() / state_scale.float())[..., None]  # (h, p, 1): one float32 multiplier per row
-    return quantize_ref(acc.float() * mult, torch.ones(()))
+def requantize_state(acc: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+    """int32 (b, c, h, p, n) -> int8 Q(float32(acc)·mult[h, p]); mult = xs_scale·B_scale / state_scale."""
+    return quantize_ref(acc.float() * mult.float()[..., None], torch.ones(()))
 
 
 def decay_fixed_point(Acs: torch.Tensor) -> torch.Tensor:
@@ -120,15 +120,19 @@ def chunk_bmm_int8(C_q: torch.Tensor, B_q: torch.Tensor) -> torch.Tensor:
     return int_einsum("bctgn,bcsgn->bctsg", C_q, B_q)
 
 
-def chunk_scan_off_int8(C_q, entering_q, Acs, C_scale, state_scale):
-    """C_q: (b, c, T, g, n) int8; entering_q: (b, c, h, p, n) int8 -> y_off (b, c, T, h, p) float32.
+def off_lut(Acs: torch.Tensor, C_scale: torch.Tensor) -> torch.Tensor:
+    """LUT_off[t, h] = exp(Acs_t)·C_scale[g(h)]: (b, c, T, h)."""
+    return torch.exp(Acs) * _group_scale_per_head(C_scale, Acs.shape[-1])
 
-    int32 acc = Σ_n C_q·state_q, then float32(acc)·LUT_off[t, h]·state_scale[h, p].
+
+def chunk_scan_off_int8(C_q, entering_q, lut, state_scale):
+    """C_q: (b, c, T, g, n) int8; entering_q: (b, c, h, p, n) int8; lut: (b, c, T, h) -> y_off (b, c, T, h, p) f32.
+
+    int32 acc = Σ_n C_q·state_q, then float32(acc)·LUT_off[t, h]·state_scale[h, p] (in this order).
     """
     b, nc, h, p, n = entering_q.shape
     g = C_q.shape[3]
     acc = int_einsum("bctgn,bcgrpn->bctgrp", C_q, entering_q.reshape(b, nc, g, h // g, p, n))
-    lut = torch.exp(Acs) * _group_scale_per_head(C_scale, h)  # (b, c, T, h)
     return acc.flatten(3, 4).float() * lut[..., None] * state_scale.float()
 
 
@@ -143,8 +147,28 @@ def chunk_scan_diag_int8(CB, x, dtc, Acs, C_scale, B_scale):
     return torch.einsum("bctsh,bcshp->bcthp", cb * lut, x.float())
 
 
+def chunk_state_q(xs_q: torch.Tensor, B_q: torch.Tensor, mult: torch.Tensor) -> torch.Tensor:
+    """chunk_state_int8 with the requantization fused: int8 chunk states Q(float32(acc)·mult[h, p]) (b, c, h, p, n)."""
+    return requantize_state(chunk_state_int8(xs_q, B_q), mult)
+
+
+@dataclass(frozen=True)
+class IntStages:
+    """The integer stages, as a set: the references here, the Triton kernels in ``ssmq.kernels.ssd_int8``."""
+
+    chunk_state_q: Callable  # (xs_q, B_q, mult (h, p)) -> int8 (b, c, h, p, n)
+    state_passing: Callable  # (chunk_q, decay_q, initial_q) -> (entering int8, final int8)
+    chunk_bmm: Callable  # (C_q, B_q) -> int32 (b, c, t, s, g)
+    chunk_scan_off: Callable  # (C_q, entering_q, lut (b, c, T, h), state_scale (h, p)) -> float32 (b, c, T, h, p)
+
+
 # ---------------------------------------------------------------------------------------------- the scan
-def ssd_int8_ref(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size, D=None, z=None,
+def ssd_int8_ref(*args, **kwargs):
+    """SSDi8 prefill on the reference integer stages; arguments as ``run_ssd_int8`` after ``stages``."""
+    return run_ssd_int8(REF_STAGES, *args, **kwargs)
+
+
+def run_ssd_int8(stages: IntStages, x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size, D=None, z=None,
                  dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf), initial_states=None,
                  return_final_states=False, x_scale=None, options: SSDi8Options = SSDi8Options()):
     """SSDi8 prefill: x (b, l, h, p) float; dt (b, l, h); A (h,); B_q, C_q (b, l, g, n) int8 with scales (g,);
@@ -170,9 +194,11 @@ def ssd_int8_ref(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, ch
     # ChunkState
     if options.reformulate:
         xs_q = quantize_ref(xc * state_lut(dtc, Acs)[..., None], xs_scale.float())
-        acc = chunk_state_int8(xs_q, Bc)
         acc_scale = xs_scale.float() * _group_scale_per_head(B_scale, h)[:, None]  # (h, p)
-        chunk_states = requantize_state(acc, acc_scale, s_state) if options.int8_state else acc.float() * acc_scale[..., None]
+        if options.int8_state:
+            chunk_states = stages.chunk_state_q(xs_q, Bc, acc_scale / s_state)
+        else:
+            chunk_states = chunk_state_int8(xs_q, Bc).float() * acc_scale[..., None]
     else:
         xq = dequantize_ref(quantize_ref(xc, x_scale.float()), x_scale.float())
         Bh = heads_of_groups(dequantize_ref(Bc, B_scale.float()[:, None]), h)
@@ -184,19 +210,22 @@ def ssd_int8_ref(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, ch
     if not options.int8_state:
         entering, final = state_passing(chunk_states, Acs, initial_states)
     elif options.int8_passing:
-        entering, final = state_passing_int8(chunk_states, decay_fixed_point(Acs), initial_states)
+        entering, final = stages.state_passing(chunk_states, decay_fixed_point(Acs), initial_states)
     else:
         entering, final = _state_passing_requantized(chunk_states, Acs, s_state, initial_states)
 
     # ChunkScan1 (off-diagonal) and ChunkScan2 (diagonal)
     if options.int8_state:
-        y = chunk_scan_off_int8(Cc, entering, Acs, C_scale, s_state)
+        y = stages.chunk_scan_off(Cc, entering, off_lut(Acs, C_scale), s_state)
     else:
         Ch = heads_of_groups(dequantize_ref(Cc, C_scale.float()[:, None]), h)
         y = chunk_scan_off(Ch, entering, Acs)
-    y = chunk_scan_diag_int8(chunk_bmm_int8(Cc, Bc), xc, dtc, Acs, C_scale, B_scale) + y
+    y = chunk_scan_diag_int8(stages.chunk_bmm(Cc, Bc), xc, dtc, Acs, C_scale, B_scale) + y
     y = _skip_and_gate(y.reshape(b, -1, h, p)[:, :l], x, D, z)
     return (y, final) if return_final_states else y
+
+
+REF_STAGES = IntStages(chunk_state_q, state_passing_int8, chunk_bmm_int8, chunk_scan_off_int8)
 
 
 def _state_passing_requantized(chunk_q, Acs, state_scale, initial_q=None):

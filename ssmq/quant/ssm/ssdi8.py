@@ -3,7 +3,8 @@
 Glossary: as ``ssmq.ops.ssd_int8`` (b, l, h, p, g, n, c chunks, T); L layers; η mean-correction strength.
 
     SSDi8Scan         replaces a Mamba-2 mixer's ``ssd`` (``models.mamba2.ChunkScan``): quantizes B and C once
-                      (one scale per group), runs ``ops.ssd_int8.ssd_int8_ref`` with static scales, and gives the
+                      (one scale per group), runs ``kernels.ssd_int8`` (Triton integer stages on CUDA, the exact
+                      reference ``ops.ssd_int8.ssd_int8_ref`` elsewhere) with static scales, and gives the
                       cache its final state dequantized from the int8 codes (so the int8 state cache stores the
                       very codes the prefill computed: decode reads the int8 state the prefill wrote)
     install_ssdi8_    swap every Mamba-2 scan for an observing SSDi8Scan, calibrate, set the static scales
@@ -20,7 +21,8 @@ import torch
 import torch.nn as nn
 
 from ssmq.ops.quant_ssm import dequantize_ref, quantize_ref
-from ssmq.ops.ssd_int8 import SSDi8Options, ssd_int8_ranges, ssd_int8_ref
+from ssmq import kernels
+from ssmq.ops.ssd_int8 import SSDi8Options, ssd_int8_ranges
 from ssmq.quant.calibration import CalibrationData, run_calibration
 from ssmq.quant.rotation import fold_norm_
 from ssmq.quant.ssm.transforms import ssm_layers
@@ -53,7 +55,7 @@ class SSDi8Scan(nn.Module):
         init = initial_states
         if init is not None and self.options.int8_state:
             init = init if init.dtype == torch.int8 else quantize_ref(init.float(), s_state)
-        out = ssd_int8_ref(x, dt, A, B_q, self.B_scale, C_q, self.C_scale, self.xs_scale, self.state_scale,
+        out = kernels.ssd_int8(x, dt, A, B_q, self.B_scale, C_q, self.C_scale, self.xs_scale, self.state_scale,
                            chunk_size, D, z, dt_bias, dt_softplus, dt_limit, init, return_final_states,
                            self.x_scale, self.options)
         y, final = out if return_final_states else (out, None)
@@ -64,8 +66,6 @@ class SSDi8Scan(nn.Module):
 
     def _observe(self, x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
                  return_final_states):
-        from ssmq import kernels
-
         r = ssd_int8_ranges(x, dt, A, B, C, chunk_size, dt_bias, dt_softplus, dt_limit, initial_states)
         for k, v in r.items():
             v = v.to(self.state_scale.device)
