@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from ssmq.ops.layout import heads_per_group
 from ssmq.ops.quant_ssm import dequantize_ref, quantize_ref
 from ssmq.ops.ssd import _skip_and_gate
 from ssmq.ops.ssd_stages import (causal_decay, chunk_bmm, chunk_cumsum, chunk_scan_off, chunk_state,
@@ -73,7 +74,7 @@ def _by_group(t: torch.Tensor, g: int) -> torch.Tensor:
 
 def _group_scale_per_head(scale: torch.Tensor, h: int) -> torch.Tensor:
     """(g,) -> (h,)."""
-    return scale.float().repeat_interleave(h // scale.numel())
+    return scale.float().repeat_interleave(heads_per_group(h, scale.numel()))
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -180,9 +181,7 @@ def run_ssd_int8(stages: IntStages, x, dt, A, B_q, B_scale, C_q, C_scale, xs_sca
     the float stage on the dequantized codes (tests state the bounds).
     """
     b, l, h, p = x.shape
-    g = B_q.shape[2]
-    if h % g:
-        raise ValueError(f"nheads {h} is not a multiple of ngroups {g}")
+    heads_per_group(h, B_q.shape[2])
     if options.int8_passing and not options.int8_state:
         raise ValueError("int8 state passing needs the int8 state")
     T = chunk_size

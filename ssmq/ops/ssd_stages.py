@@ -24,7 +24,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ssmq.ops.ssd import _discretize_dt, _skip_and_gate
+from ssmq.ops.layout import discretize_dt, heads_per_group
+from ssmq.ops.ssd import _skip_and_gate
 
 
 def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0.0, math.inf)):
@@ -32,7 +33,7 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0
     b, l, h = dt.shape
     T = chunk_size
     pad = (-l) % T
-    dtf = F.pad(_discretize_dt(dt, dt_bias, dt_softplus, dt_limit), (0, 0, 0, pad))
+    dtf = F.pad(discretize_dt(dt, dt_bias, dt_softplus, dt_limit), (0, 0, 0, pad))
     nc = (l + pad) // T
     return dtf.reshape(b, nc, T, h), (dtf * A.float()).reshape(b, nc, T, h).cumsum(dim=2)
 
@@ -46,7 +47,7 @@ def chunk_tokens(t: torch.Tensor, T: int) -> torch.Tensor:
 
 def heads_of_groups(t: torch.Tensor, h: int) -> torch.Tensor:
     """(..., g, n) -> (..., h, n): each group serves h / g consecutive heads."""
-    return t.repeat_interleave(h // t.shape[-2], dim=-2)
+    return t.repeat_interleave(heads_per_group(h, t.shape[-2]), dim=-2)
 
 
 def chunk_state(B, xdt, Acs):
@@ -92,8 +93,7 @@ def ssd_stages_ref(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
                    dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False):
     """``ssd_chunk_scan_ref`` (same signature and shapes) built from the six stages."""
     b, l, h, p = x.shape
-    if h % B.shape[2]:
-        raise ValueError(f"nheads {h} is not a multiple of ngroups {B.shape[2]}")
+    heads_per_group(h, B.shape[2])
     T = chunk_size
     dtc, Acs = chunk_cumsum(dt, A, T, dt_bias, dt_softplus, dt_limit)
     xdt = chunk_tokens(x.float(), T) * dtc.unsqueeze(-1)
