@@ -18,9 +18,9 @@ def k():
     if not (torch.cuda.is_available() or INTERPRET):
         pytest.skip("needs CUDA (or SSMQ_TRITON_INTERPRET=1)")
     pytest.importorskip("triton")
-    from ssmq.kernels import ssd_int8
+    from ssmq.kernels import ssdi8
 
-    return ssd_int8
+    return ssdi8
 
 
 SHAPES = [(1, 2, 16, 4, 16, 2, 16)] if INTERPRET else [(2, 3, 64, 6, 64, 3, 64), (1, 4, 256, 8, 64, 1, 128)]

@@ -58,7 +58,7 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
     """SSDi8 prefill (``ssmq.ops.ssd_int8``): Triton integer stages on CUDA, the exact reference elsewhere."""
     from ssmq.ops.ssd_int8 import SSDi8Options, ssd_int8_ref
 
-    impl = _kernels("ssd_int8").ssd_int8 if _use_triton(x) else ssd_int8_ref
+    impl = _kernels("ssdi8").ssd_int8 if _use_triton(x) else ssd_int8_ref
     return impl(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size, D, z, dt_bias, dt_softplus,
                 dt_limit, initial_states, return_final_states, x_scale, options or SSDi8Options())
 

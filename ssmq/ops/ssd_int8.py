@@ -155,7 +155,7 @@ def chunk_state_q(xs_q: torch.Tensor, B_q: torch.Tensor, mult: torch.Tensor) -> 
 
 @dataclass(frozen=True)
 class IntStages:
-    """The integer stages, as a set: the references here, the Triton kernels in ``ssmq.kernels.ssd_int8``."""
+    """The integer stages, as a set: the references here, the Triton kernels in ``ssmq.kernels.ssdi8``."""
 
     chunk_state_q: Callable  # (xs_q, B_q, mult (h, p)) -> int8 (b, c, h, p, n)
     state_passing: Callable  # (chunk_q, decay_q, initial_q) -> (entering int8, final int8)
