@@ -21,6 +21,15 @@ def test_recipes_registered_and_round_trip_json():
     assert get_ssm_recipe("ssdi8-w8a8").param("mean_correction", "eta") == 0.15
 
 
+def test_listed_by_quantize_help(capsys):
+    from ssmq.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["quantize", "--help"])
+    out = capsys.readouterr().out
+    assert "ssdi8-w8a8" in out and "ssdi8-w4a8" in out
+
+
 def test_checks_refuse_before_work():
     r = get_ssm_recipe("ssdi8-w8a8")
     with pytest.raises(SSMQError, match="supports mamba2, hybrid, not mamba1"):
