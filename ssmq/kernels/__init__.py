@@ -15,6 +15,7 @@ from ssmq.kernels.dispatch import (
     selective_scan,
     selective_state_update,
     ssd_chunk_scan,
+    ssd_int8,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "selective_scan",
     "selective_state_update",
     "ssd_chunk_scan",
+    "ssd_int8",
 ]

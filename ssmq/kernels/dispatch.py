@@ -52,6 +52,17 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
                 return_final_states)
 
 
+def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size, D=None, z=None, dt_bias=None,
+             dt_softplus=False, dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False,
+             x_scale=None, options=None):
+    """SSDi8 prefill (``ssmq.ops.ssd_int8``): Triton integer stages on CUDA, the exact reference elsewhere."""
+    from ssmq.ops.ssd_int8 import SSDi8Options, ssd_int8_ref
+
+    impl = _kernels("ssdi8").ssd_int8 if _use_triton(x) else ssd_int8_ref
+    return impl(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size, D, z, dt_bias, dt_softplus,
+                dt_limit, initial_states, return_final_states, x_scale, options or SSDi8Options())
+
+
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                            state_batch_indices=None):
     impl = _kernels("state_update").selective_state_update if _use_triton(state) else ops.selective_state_update_ref

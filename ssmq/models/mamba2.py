@@ -29,6 +29,14 @@ class GatedRMSNorm(nn.Module):
         return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
 
 
+class ChunkScan(nn.Module):
+    """The SSD chunked scan of a mixer: ``kernels.ssd_chunk_scan`` (signature and shapes as there). A module, so
+    that a quantized scan with its own scales (SSDi8) can take its place and be saved with the model."""
+
+    def forward(self, *args, **kwargs):
+        return kernels.ssd_chunk_scan(*args, **kwargs)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -46,6 +54,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = Linear(d, cfg.d_model, bias=cfg.proj_bias)
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
+        self.ssd = ChunkScan()
         self._f32 = FloatParamCache()
 
     def state_scales(self) -> Int8StateScales | None:
@@ -81,7 +90,7 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
-        y = kernels.ssd_chunk_scan(
+        y = self.ssd(
             x.reshape(b, l, c.nheads, c.headdim), dt, A,
             B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
             D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, dt_limit=c.dt_limit,

@@ -14,6 +14,7 @@ Files, one job each:
     state_cache.py  int8 SSM state cache (mixers that read / write int8 states)
     recipe.py       SSMRecipe / TapRule (JSON) and the registry; recipes.py the named recipes
     api.py          quantize_ssm(model, recipe, calib); mixed.py the W4AX evolutionary search
+    ssdi8.py        SSDi8: the int8 SSD scan module, its calibration, γ migration, mean correction
 The exact int8 references live in ``ssmq.ops.quant_ssm``.
 """
 
@@ -22,10 +23,12 @@ from ssmq.quant.ssm import recipes as _recipes  # noqa: F401  (registers the nam
 from ssmq.quant.ssm import state_cache as _state_cache
 from ssmq.quant.ssm.api import check_ssm_recipe, quantize_ssm
 from ssmq.quant.ssm.quantizer import ActQuantizer
+from ssmq.quant.ssm.ssdi8 import SSDi8Scan
 from ssmq.quant.ssm.recipe import SSMRecipe, TapRule, get_ssm_recipe, register_ssm_recipe, ssm_recipes
 
 register_module_kind("SSMActQuantizer", ActQuantizer.from_spec)
 register_module_kind("SSMInt8StateMixer", _state_cache.from_spec)
+register_module_kind("SSDi8Scan", SSDi8Scan.from_spec)
 
 __all__ = ["ActQuantizer", "ssm_recipes", "SSMRecipe", "TapRule", "check_ssm_recipe", "get_ssm_recipe",
            "quantize_ssm", "register_ssm_recipe"]

@@ -9,6 +9,8 @@ int8 state cache (scales from states of the quantized model). ``mixed`` recipes 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -16,6 +18,7 @@ from ssmq.errors import SSMQError
 from ssmq.quant.calibration import CalibrationData
 from ssmq.quant.linear import QuantEmbedding
 from ssmq.quant.recipe import Recipe, check_recipe
+from ssmq.quant.ssm import ssdi8
 from ssmq.quant.ssm.recipe import SSMRecipe, get_ssm_recipe
 from ssmq.quant.ssm.transforms import hadamard_both_, hadamard_y_, sort_and_cluster_, ssm_layers
 
@@ -23,6 +26,25 @@ from ssmq.quant.ssm.transforms import hadamard_both_, hadamard_y_, sort_and_clus
 def linear_recipe(recipe: SSMRecipe) -> Recipe:
     """The core recipe of an SSM recipe's linear rules (no transforms: those are done here)."""
     return Recipe(f"{recipe.name}/linears", list(recipe.linears), description=recipe.description)
+
+
+def _check_ssdi8(recipe: SSMRecipe, cfg) -> None:
+    names = [t["name"] for t in recipe.transforms if t["name"] != "mean_correction"]
+    if recipe.has("mean_correction") and not recipe.has("ssdi8"):
+        raise SSMQError(f"recipe {recipe.name!r}: mean_correction is fitted against the float model that the "
+                        "ssdi8 transform keeps; add ssdi8")
+    if not recipe.has("ssdi8"):
+        return
+    if cfg.arch == "mamba1":
+        raise SSMQError(f"recipe {recipe.name!r}: ssdi8 quantizes the Mamba-2 SSD; this model is Mamba-1")
+    if names[-1] != "ssdi8":
+        raise SSMQError(f"recipe {recipe.name!r}: ssdi8 must come after every other transform (they change the "
+                        "float model its scales and the mean correction are calibrated on)")
+    state, passing = recipe.param("ssdi8", "int8_state"), recipe.param("ssdi8", "int8_passing")
+    if passing and not state:
+        raise SSMQError(f"recipe {recipe.name!r}: ssdi8 int8_passing needs int8_state")
+    if recipe.state_bits == 8 and not state:
+        raise SSMQError(f"recipe {recipe.name!r}: an 8-bit state cache with ssdi8 needs int8_state")
 
 
 def check_ssm_recipe(recipe: SSMRecipe, model: nn.Module) -> None:
@@ -52,6 +74,7 @@ def check_ssm_recipe(recipe: SSMRecipe, model: nn.Module) -> None:
         if rule.layout == "state_group" and (set(rule.taps) - {"act_B", "act_C"} or cfg.d_state % rule.state_groups):
             raise SSMQError(f"recipe {recipe.name!r}: state_group scales are for act_B/act_C with state_groups "
                             f"dividing d_state {cfg.d_state}")
+    _check_ssdi8(recipe, cfg)
     if recipe.has("hadamard_y") and not has_hadamard(cfg.d_inner):
         raise SSMQError(f"recipe {recipe.name!r}: no Hadamard matrix of order d_inner {cfg.d_inner}")
     if recipe.has("hadamard"):
@@ -91,6 +114,7 @@ def quantize_ssm(model: nn.Module, recipe, calib: CalibrationData, *, batch_size
     kw = {"batch_size": batch_size, "progress": progress}
 
     clusters: dict[int, torch.Tensor] = {}
+    reference = None
     for t in recipe.transforms:
         if t["name"] == "sort_cluster":
             clusters = sort_and_cluster_(model, calib, recipe.param("sort_cluster", "m"),
@@ -99,6 +123,13 @@ def quantize_ssm(model: nn.Module, recipe, calib: CalibrationData, *, batch_size
             hadamard_y_(model)
         elif t["name"] == "hadamard":
             hadamard_both_(model)
+        elif t["name"] == "gamma_migration":
+            ssdi8.gamma_migration_(model)
+        elif t["name"] == "ssdi8":
+            if recipe.has("mean_correction"):
+                reference = copy.deepcopy(model)  # the float model in the same (transformed) basis
+            ssdi8.install_ssdi8_(model, calib, ssdi8.SSDi8Options(**{k: recipe.param("ssdi8", k) for k in
+                                                                      ("reformulate", "int8_state", "int8_passing")}), **kw)
 
     from ssmq.quant.ssm.taps import install_tap_quantizers
 
@@ -106,7 +137,13 @@ def quantize_ssm(model: nn.Module, recipe, calib: CalibrationData, *, batch_size
     quantize_linears(model, linear_recipe(recipe), calib, batch_size=batch_size, progress=progress)
     if recipe.embedding is not None:
         model.embedding = QuantEmbedding.from_float(model.embedding, recipe.embedding)
-    if recipe.state_bits == 8:
+    if recipe.has("mean_correction"):
+        ssdi8.mean_correction_(model, reference,
+                               calib, float(recipe.param("mean_correction", "eta")), batch_size, progress)
+        del reference
+    if recipe.state_bits == 8 and recipe.has("ssdi8"):
+        ssdi8.enable_ssdi8_state(model)
+    elif recipe.state_bits == 8:
         from ssmq.quant.ssm.state_cache import enable_int8_state
 
         enable_int8_state(model, clusters, calib.input_ids[:state_windows], state_chunk, batch_size, progress)

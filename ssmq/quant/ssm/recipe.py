@@ -13,6 +13,9 @@ Transforms, applied in order to the float model (each preserves its function):
     hadamard_y    Quamba: online Hadamard on the out_proj input (y), its inverse fused into out_proj
     hadamard      Quamba2: residual stream rotated on both sides (W_out <- H W_out H'ᵀ online, W_in <- W_in Hᵀ),
                   the core's ``rotate_model_`` (norms folded first)
+    gamma_migration  SSDi8: each Mamba layer's RMSNorm γ folded into its in_proj
+    ssdi8         {reformulate, int8_state, int8_passing}: the Mamba-2 scans become int8 SSDs (``ssdi8.py``)
+    mean_correction  {eta}: per-channel bias at out_proj's output, fitted after the linears are quantized
 Taps: which mixer taps become ``ActQuantizer``s, their layout (per_tensor | state_group | cluster),
 observer (absmax | percentile at ``percentile``) and the architectures the rule applies to.
 """
@@ -30,7 +33,10 @@ from ssmq.quant.spec import WeightSpec
 FORMAT = 1
 SSM_ARCHS = ("mamba1", "mamba2")
 TAPS = ("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y")
-TRANSFORMS = {"sort_cluster": {"m": 4, "n": 4}, "hadamard_y": {}, "hadamard": {}}
+TRANSFORMS = {"sort_cluster": {"m": 4, "n": 4}, "hadamard_y": {}, "hadamard": {}, "gamma_migration": {},
+              "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True},
+              "mean_correction": {"eta": 0.15}}
+RECIPE_ARCHS = (*SSM_ARCHS, "hybrid")  # hybrids: the recipe touches the Mamba layers only
 MIXED_DEFAULTS = {"a8": "quamba2-w4a8", "a16": "quamba2-w4a16", "population": 40, "generations": 5,
                   "mutations": 10, "crossovers": 10, "a8_to_a16": [3, 1], "heldout_windows": 16,
                   "heldout_seqlen": 512, "seed": 0}
@@ -92,10 +98,10 @@ class SSMRecipe:
     description: str = ""
 
     def validate(self) -> "SSMRecipe":
-        bad = sorted(set(self.supported_archs) - set(SSM_ARCHS))
+        bad = sorted(set(self.supported_archs) - set(RECIPE_ARCHS))
         if bad:
             raise SSMQError(f"SSM recipe {self.name!r}: unsupported architecture(s) {bad}; "
-                            f"Quamba recipes support {', '.join(SSM_ARCHS)}")
+                            f"SSM recipes support {', '.join(RECIPE_ARCHS)}")
         for t in self.transforms:
             if t.get("name") not in TRANSFORMS:
                 raise SSMQError(f"unknown SSM transform {t.get('name')!r}; known: {', '.join(TRANSFORMS)}")

@@ -69,5 +69,20 @@ def quamba2_mixed() -> SSMRecipe:
                                  "calibration perplexity")
 
 
-for _r in (quamba_w8a8(), quamba2(8, 8), quamba2(4, 8), quamba2(4, 16), quamba2_mixed()):
+def ssdi8(wbits: int, eta: float = 0.15) -> SSMRecipe:
+    """SSDi8 W8A8 / W4A8: in_proj and out_proj only ("SSD-only": attention, MLP, embedding and lm_head of the model
+    stay 16-bit), static per-tensor int8 activations, γ migration + both-sides Hadamard, int8 SSD with persistent
+    int8 state (the state cache too, at the scan's scales), mean correction η at out_proj's output."""
+    w = _w("int4", "per_group:128", "gptq") if wbits == 4 else _w("int8", "per_channel")
+    return SSMRecipe(f"ssdi8-w{wbits}a8", [Rule(PROJ, w, STATIC_A8)], [],
+                     [{"name": "gamma_migration"}, {"name": "hadamard"}, {"name": "ssdi8"},
+                      {"name": "mean_correction", "params": {"eta": eta}}],
+                     state_bits=8, supported_archs=["mamba2", "hybrid"],
+                     description=f"SSDi8 W{wbits}A8: int8 SSD inside (early B/C quantization, reformulated chunk "
+                                 "state, persistent int8 state, fixed-point state passing), γ migration, both-sides "
+                                 f"Hadamard, {'GPTQ int4 g128' if wbits == 4 else 'int8 per-channel'} in/out_proj, "
+                                 f"mean correction η = {eta}; Mamba-2 layers only")
+
+
+for _r in (quamba_w8a8(), quamba2(8, 8), quamba2(4, 8), quamba2(4, 16), quamba2_mixed(), ssdi8(8), ssdi8(4)):
     register_ssm_recipe(_r)

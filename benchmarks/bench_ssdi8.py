@@ -1,0 +1,119 @@
+"""SSDi8 kernel benchmark (one GPU): int8 SSD vs our FP16 SSD vs mamba_ssm's ``mamba_chunk_scan_combined``.
+
+Shape: Mamba2-2.7B's SSD (80 heads of 64, d_state 128, ngroups 1, chunk 256), batch 1 and 32, L = 256 ... 8192,
+fp16 inputs. The int8 SSD takes int8 B / C (quantized once per layer, outside the timing, as the model does) and
+static scales from ``ssd_int8_ranges`` of the same inputs. Each row also gives the share of each sub-kernel of the
+int8 SSD (torch.profiler CUDA time by kernel name; "torch glue" = everything that is not one of the four Triton
+integer stages: Δ / cumsum, LUTs, X_scaled quantization, ChunkScan2 on float X, D skip).
+
+    PYTHONPATH=.:/path/to/mamba_ssm python benchmarks/bench_ssdi8.py --json out.json [--lengths 256,1024]
+
+Rows that run out of memory (the reference float glue materializes (b, c, T, T, h) tensors) are reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton.testing as tt
+
+from ssmq.kernels import ssd, ssdi8
+from ssmq.ops.quant_ssm import quantize_ref
+from ssmq.ops.ssd_int8 import ssd_int8_ranges
+
+DEV = "cuda"
+H, P, N, G, T = 80, 64, 128, 1, 256
+STAGES = {"_chunk_state_q": "ChunkState+requant (int8)", "_state_passing_q": "StatePassing (int8)",
+          "_chunk_bmm_q": "ChunkBMM (int8)", "_chunk_scan_off_q": "ChunkScan1 (int8)"}
+
+
+def peer():
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception as e:  # noqa: BLE001 - any import failure just drops the peer column
+        print(f"mamba_ssm not available ({type(e).__name__}: {e}); peer column left blank")
+        return None
+    return mamba_chunk_scan_combined
+
+
+def inputs(b: int, l: int):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=g, dtype=torch.float16)  # noqa: E731
+    x, dt, B, C = r(b, l, H, P), r(b, l, H), r(b, l, G, N), r(b, l, G, N)
+    A = -torch.rand(H, device=DEV) - 0.5
+    kw = dict(D=torch.randn(H, device=DEV), dt_bias=torch.randn(H, device=DEV) - 3, dt_softplus=True)
+    return x, dt, A, B, C, kw
+
+
+def timeit(fn) -> float:
+    try:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        return tt.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return math.inf
+    except Exception as e:  # noqa: BLE001 - a failing peer must not end the table
+        print(f"  timing failed: {type(e).__name__}: {e}")
+        return math.nan
+
+
+def shares(fn) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {}
+    total, out = 0.0, {v: 0.0 for v in (*STAGES.values(), "torch glue")}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if e.key.startswith(("aten::", "cuda", "Memcpy", "Memset")) or t <= 0:
+            continue  # aten ops are parents of the kernels counted below
+        total += t
+        out[next((v for k, v in STAGES.items() if k in e.key), "torch glue")] += t
+    return {k: round(v / total, 3) for k, v in out.items()} if total else {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    pk = peer()
+    rows = []
+    print(f"{'batch':>5} {'L':>5} {'fp16 ssd ms':>11} {'int8 ssd ms':>11} {'mamba_ssm ms':>12} {'fp16/int8':>9}  shares")
+    for b in map(int, args.batches.split(",")):
+        for l in map(int, args.lengths.split(",")):
+            x, dt, A, B, C, kw = inputs(b, l)
+            sc = {k: v / 127 for k, v in ssd_int8_ranges(x, dt, A, B, C, T, kw["dt_bias"], True).items()}
+            Bq, Cq = quantize_ref(B.float(), sc["B"][:, None]), quantize_ref(C.float(), sc["C"][:, None])
+            fp16 = timeit(lambda: ssd.ssd_chunk_scan(x, dt, A, B, C, T, **kw))
+            int8_fn = lambda: ssdi8.ssd_int8(x, dt, A, Bq, sc["B"], Cq, sc["C"], sc["xs"], sc["state"], T,  # noqa: E731
+                                                **kw)
+            i8 = timeit(int8_fn)
+            ms = timeit(lambda: pk(x, dt, A, B, C, T, **kw)) if pk else math.nan
+            sh = shares(int8_fn) if math.isfinite(i8) else {}
+            row = {"batch": b, "L": l, "fp16_ssd_ms": fp16, "int8_ssd_ms": i8, "mamba_ssm_ms": ms,
+                   "speedup_vs_fp16": fp16 / i8 if math.isfinite(i8) and i8 > 0 else None, "shares": sh}
+            rows.append(row)
+            print(f"{b:>5} {l:>5} {fp16:>11.3f} {i8:>11.3f} {ms:>12.3f} {row['speedup_vs_fp16'] or 0:>9.2f}  "
+                  + ", ".join(f"{k} {v:.0%}" for k, v in sh.items()), flush=True)
+            del x, dt, B, C, Bq, Cq
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": dict(h=H, p=P, n=N, g=G, T=T), "rows": rows}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()

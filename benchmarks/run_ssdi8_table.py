@@ -1,0 +1,152 @@
+"""SSDi8 vs FP and Quamba2 on the reference models: WikiText-2 perplexity, the ablation, long context.
+
+    python benchmarks/run_ssdi8_table.py --sections main,long --models ../shared/models/mamba2,../shared/models/hybrid
+    python benchmarks/run_ssdi8_table.py --sections ablation --models ../shared/models/mamba2 --out R.json
+    python benchmarks/run_ssdi8_table.py --calib-samples 512 --limit 144 --seqlen 2048   # the full size (GPU)
+
+Sections:
+  main      float, Quamba2 W8A8 / W4A8, SSDi8 W8A8 / W4A8 (hybrid: Quamba2 restricted to the Mamba layers'
+            in_proj / out_proj and SSM taps, the SSD-only setting of SSDi8; Quamba2 itself is not defined for hybrids)
+  ablation  SSDi8 W8A8 with one component changed per row
+  long      perplexity of windows of 2k / 4k / 8k tokens for float, Quamba2 W8A8 and SSDi8 W8A8 (one prefill each)
+Quantized models run the exact integer references in float32 (fake-quantized activations, dequantized weights).
+Each row is written to --out as soon as it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ssmq.eval.perplexity import perplexity_of_ids
+from ssmq.quant.ssm import get_ssm_recipe, quantize_ssm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def eval_windows(tok, seqlen: int, limit: int | None) -> torch.Tensor:
+    from ssmq.eval.perplexity import wikitext2_path, windows
+
+    return windows(tok.encode(wikitext2_path("test").read_text(encoding="utf-8")), seqlen, limit)
+
+
+def ppl(model, windows: torch.Tensor) -> float:
+    return perplexity_of_ids(model, windows.reshape(-1).tolist(), windows.shape[1], 1, progress=False)["ppl"]
+
+
+def with_ssdi8(recipe, **params):
+    """The recipe with the ssdi8 / mean_correction transform parameters changed (None: drop the transform)."""
+    ts = []
+    for t in recipe.transforms:
+        if t["name"] in params:
+            if params[t["name"]] is None:
+                continue
+            t = {"name": t["name"], "params": {**t.get("params", {}), **params[t["name"]]}}
+        ts.append(t)
+    return ts
+
+
+def quamba2_mamba_only(name: str):
+    """Quamba2 on a hybrid: the Mamba layers' in_proj / out_proj and SSM taps only (no head-to-toe)."""
+    r = get_ssm_recipe(name)
+    return r.with_changes(name=f"{name}-ssd-only", linears=[copy.deepcopy(r.linears[0])], embedding=None,
+                          supported_archs=["mamba2", "hybrid"])
+
+
+def main_rows(arch: str):
+    q2 = (lambda n: quamba2_mamba_only(n)) if arch == "hybrid" else get_ssm_recipe
+    return [("Quamba2 W8A8", q2("quamba2-w8a8")), ("Quamba2 W4A8", q2("quamba2-w4a8")),
+            ("SSDi8 W8A8", get_ssm_recipe("ssdi8-w8a8")), ("SSDi8 W4A8", get_ssm_recipe("ssdi8-w4a8"))]
+
+
+def ablation_rows():
+    r = get_ssm_recipe("ssdi8-w8a8")
+    row = lambda label, name, **kw: (label, r.with_changes(name=name, **kw))  # noqa: E731
+    return [
+        row("no reformulation (X quantized plainly, float chunk state)", "abl-noreform",
+            transforms=with_ssdi8(r, ssdi8={"reformulate": False})),
+        row("no persistent int8 state (float states, 16-bit cache)", "abl-floatstate", state_bits=16,
+            transforms=with_ssdi8(r, ssdi8={"int8_state": False, "int8_passing": False})),
+        row("no int8 StatePassing (int8 states, decay in float)", "abl-floatpass",
+            transforms=with_ssdi8(r, ssdi8={"int8_passing": False})),
+        row("mean correction η = 0", "abl-eta0", transforms=with_ssdi8(r, mean_correction=None)),
+        row("mean correction η = 1", "abl-eta1", transforms=with_ssdi8(r, mean_correction={"eta": 1.0})),
+        row("γ migration only (no Hadamard)", "abl-gamma", transforms=with_ssdi8(r, hadamard=None)),
+        row("no γ migration, no Hadamard", "abl-none", transforms=with_ssdi8(r, hadamard=None, gamma_migration=None)),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="../shared/models/mamba2,../shared/models/hybrid")
+    ap.add_argument("--sections", default="main,ablation,long")
+    ap.add_argument("--calib-samples", type=int, default=512)
+    ap.add_argument("--calib-seqlen", type=int, default=512)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--limit", type=int, default=None, help="evaluation windows (default: all)")
+    ap.add_argument("--long", default="2048,4096,8192")
+    ap.add_argument("--long-windows", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/ssdi8_cpu.json"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import ssmq
+    from ssmq.quant.calibration import load_calibration
+
+    out_path = Path(args.out)
+    out = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+           "torch": torch.__version__, "args": vars(args), "models": {}}
+    save = lambda: out_path.write_text(json.dumps(out, indent=2))  # noqa: E731
+    sections = args.sections.split(",")
+    for path in args.models.split(","):
+        tok = ssmq.load_tokenizer(path)
+        fm = ssmq.load_model(path, dtype=torch.float32).eval()
+        arch = fm.config.arch
+        win = eval_windows(tok, args.seqlen, args.limit)
+        calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok)
+        res = out["models"][path] = {"arch": arch, "eval_windows": list(win.shape), "calibration": calib.record(),
+                                     "main": [], "ablation": [], "long": []}
+        models = {"float32": fm}
+
+        def measure(section, label, recipe=None):
+            t0 = time.perf_counter()
+            m = fm if recipe is None else quantize_ssm(copy.deepcopy(fm), recipe, calib, batch_size=4, progress=False)
+            qs = time.perf_counter() - t0
+            row = {"label": label, "recipe": None if recipe is None else recipe.name, "ppl": ppl(m, win),
+                   "quantize_s": round(qs, 1)}
+            res[section].append(row)
+            save()
+            print(f"{path} {section:<9} {label:<60} ppl {row['ppl']:.3f}", flush=True)
+            return m
+
+        with torch.no_grad():
+            if "main" in sections or "ablation" in sections:
+                measure("main", "float32 (CPU)")
+            if "main" in sections:
+                for label, recipe in main_rows(arch):
+                    m = measure("main", label, recipe)
+                    if label.endswith("W8A8") and "long" in sections:
+                        models[label] = m
+            if "ablation" in sections:
+                for label, recipe in ablation_rows():
+                    measure("ablation", label, recipe)
+            if "long" in sections:
+                for L in (int(x) for x in args.long.split(",")):
+                    w = eval_windows(tok, L, args.long_windows)
+                    for label, m in models.items():
+                        res["long"].append({"label": label, "seqlen": L, "windows": int(w.shape[0]), "ppl": ppl(m, w)})
+                        save()
+                        print(f"{path} long {L:>5} {label:<20} ppl {res['long'][-1]['ppl']:.3f}", flush=True)
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":
+    main()
