@@ -38,8 +38,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 
-def load_from_args(args):
-    """(model, tokenizer, model path) from the --model/--dtype/--device arguments."""
+def load_from_args(args, load=None):
+    """(model, tokenizer, model path) from the --model/--dtype/--device arguments.
+
+    ``load(path, dtype, device)`` replaces ``load_model`` (e.g. loading this rank's tensor-parallel shard)."""
     import torch
 
     from ssmq.models.loading import load_model, resolve_model_path
@@ -56,7 +58,7 @@ def load_from_args(args):
 
         comm, device = start_tp(args, device)
         return load_tp_model(path, comm, dtype=dtype, device=device), load_tokenizer(path), path
-    model = load_model(path, dtype=dtype, device=device).eval()
+    model = (load or (lambda p, dtype, device: load_model(p, dtype=dtype, device=device)))(path, dtype, device).eval()
     return model, load_tokenizer(path), path
 
 

@@ -287,11 +287,62 @@ def test_lm_eval_local_completions_scores_as_ssmq_eval(server, mamba2):
         assert greedy == greedy_ref
 
 
-def test_serve_refuses_tensor_parallel_until_it_exists():
-    import importlib.util
+def _tp_rank(rank, world, init_file, port, ready, stop):
+    """One rank of a CPU (gloo) tensor-parallel server: rank 0 serves on ``port``, rank 1 follows."""
+    import sys
 
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from ssmq.runtime.engine import LocalRunner
+    from ssmq.runtime.tp import apply_tp
+    from ssmq.runtime.tp_comm import Communicator
+    from ssmq.runtime.tp_launch import init_tp
+    from ssmq.runtime.tp_serve import BroadcastRunner, follow
+
+    torch.set_num_threads(1)
+    init_tp(world, "cpu", init_method=f"file://{init_file}", rank=rank, world=world)
+    model = apply_tp(tiny_model("mamba2", seed=3), Communicator(device="cpu"))
+    cfg = EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=16)
+    local = LocalRunner(model, cfg)
+    if rank:
+        follow(local)
+        return
+    engine = Engine(model, cfg, runner=BroadcastRunner(local))
+    with BackgroundServer(engine, TOK, ServerConfig((NAME,)), port=port):
+        ready.set()
+        stop.wait(120)
+
+
+def test_tensor_parallel_server_equals_offline(tmp_path, mamba2):
+    """Two gloo ranks on CPU (as torchrun starts ``ssmq serve --tp 2``): rank 0 serves, rank 1 follows."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready, stop = ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_tp_rank, args=(r, 2, tmp_path / "pg", port, ready, stop), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert ready.wait(120), "the tensor-parallel server did not start"
+        prompts = random_prompts(6, seed=2)
+        bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0, "stream": i % 2 == 0}
+                  for i, p in enumerate(prompts)]
+        texts = run_concurrently(f"http://127.0.0.1:{port}", bodies, [False] * len(bodies))
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        assert text == offline_text(mamba2, p, 10), f"request {i}"
+
+
+def test_serve_refuses_a_bad_tp():
     from ssmq.cli import main
 
-    if importlib.util.find_spec("ssmq.runtime.tp") is not None:
-        pytest.skip("ssmq.runtime.tp exists")
-    assert main(["serve", "--tp", "2"]) == 1
+    assert main(["serve", "--tp", "0"]) == 1

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ssmq.cli import add_model_args
 
     add_model_args(p)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs (1 until ssmq.runtime.tp exists)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: launch as torchrun --nproc_per_node N -m ssmq serve ... --tp N")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=64, help="cache slots: sequences decoded together (default 64)")
@@ -49,24 +50,48 @@ def check_tp(n: int) -> None:
         raise SSMQError(f"--tp {n}: tensor parallelism is not available in this version of ssmq yet; use --tp 1")
 
 
-def run(args: argparse.Namespace) -> int:
-    from ssmq.cli import load_from_args
-    from ssmq.runtime.engine import Engine, EngineConfig
-    from ssmq.runtime.server import ServerConfig, run_server
+def engine_config(args):
+    from ssmq.runtime.engine import EngineConfig
 
-    check_tp(args.tp)
-    if args.tp > 1:
-        raise SSMQError(f"--tp {args.tp}: serving over tensor parallelism is not wired up yet; use --tp 1")
     for name in ("max_batch", "max_model_len", "prefill_tokens"):
         if getattr(args, name) < 1:
             raise SSMQError(f"--{name.replace('_', '-')} must be >= 1")
-    model, tok, path = load_from_args(args)
-    engine = Engine(model, EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
-                                        prefill_tokens=args.prefill_tokens, cuda_graphs=not args.eager))
+    return EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
+                        prefill_tokens=args.prefill_tokens, cuda_graphs=not args.eager)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ssmq.cli import load_from_args
+    from ssmq.runtime.engine import Engine, LocalRunner
+
+    check_tp(args.tp)
+    cfg = engine_config(args)
+    runner, rank = None, 0
+    if args.tp > 1:  # every rank loads its shard; rank 0 serves, the others follow its engine's calls
+        from ssmq.runtime.tp_comm import Communicator
+        from ssmq.runtime.tp_launch import init_tp, load_tp_model
+        from ssmq.runtime.tp_serve import BroadcastRunner, follow
+
+        rank, _, args.device = init_tp(args.tp, args.device)
+        comm = Communicator(device=args.device)
+        model, tok, path = load_from_args(args, load=lambda p, dtype, device: load_tp_model(p, comm, dtype, device))
+        local = LocalRunner(model, cfg)
+        if rank != 0:
+            follow(local)
+            return 0
+        runner = BroadcastRunner(local)
+    else:
+        model, tok, path = load_from_args(args)
+    serve(Engine(model, cfg, runner=runner), tok, args, path)
+    return 0
+
+
+def serve(engine, tok, args, path) -> None:
+    from ssmq.runtime.server import ServerConfig, run_server
+
     names = tuple(dict.fromkeys(n for n in (args.served_model_name, Path(str(path)).name, args.model) if n))
     print(f"ssmq serve: {names[0]} on http://{args.host}:{args.port} (max batch {args.max_batch}, "
-          f"max model len {args.max_model_len})", flush=True)
+          f"max model len {args.max_model_len}{f', tp {args.tp}' if args.tp > 1 else ''})", flush=True)
     run_server(engine, tok, ServerConfig(names, max_body_bytes=args.max_body_bytes,
                                          request_timeout_s=args.request_timeout),
                host=args.host, port=args.port, log_level=args.log_level)
-    return 0

@@ -76,12 +76,48 @@ class Request:
         return max(self.logprobs or 0, 1)
 
 
+class LocalRunner:
+    """The model calls of the engine on this process: the cache, and the CUDA graphs of decode and prefill on GPU."""
+
+    def __init__(self, model, cfg: EngineConfig):
+        self.model, self.device = model, model.device
+        # int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)
+        ssm_dtype = torch.int8 if any(hasattr(m, "state_scale") for m in model.modules()) else None
+        self.graph_prefill = None
+        if self.device.type == "cuda" and cfg.cuda_graphs:
+            from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
+
+            dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, ssm_dtype=ssm_dtype)
+            self.graph_prefill = CudaGraphPrefill(model, dec.cache, max_len=cfg.prefill_tokens, pool=dec.pool)
+            dec.capture_all()
+            self.graph_prefill.capture_all()
+            self.cache, self.decode = dec.cache, dec
+        else:
+            self.cache = model.allocate_cache(cfg.max_batch, cfg.max_model_len, ssm_dtype=ssm_dtype)
+
+    def reset(self, slot: int) -> None:
+        self.cache.reset([slot])
+
+    def prefill(self, ids: torch.Tensor, slot: int, all_logits: bool) -> torch.Tensor:
+        """ids: (1, n), continuing the slot's sequence → logits (n, vocab) if all_logits, else (1, vocab)."""
+        if all_logits:
+            return self.model(ids, self.cache, slots=[slot])[0]
+        if self.graph_prefill is not None:
+            return self.graph_prefill(ids, slot)
+        return self.model(ids, self.cache, slots=[slot], num_last_tokens=1)[:, -1]
+
+    def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """tokens, slots: (b,) → logits (b, vocab); CUDA graphs replace this method on GPU."""
+        return self.model.step(tokens, self.cache, slots)
+
+
 class Engine:
     """Owns the model, the cache and the loop thread. ``start()``, ``submit(req)``, ``abort(id)``, ``shutdown()``."""
 
-    def __init__(self, model, config: EngineConfig, metrics=None):
+    def __init__(self, model, config: EngineConfig, metrics=None, runner=None):
         self.model, self.cfg, self.metrics = model, config, metrics
-        self.device = model.device
+        self.runner = runner or LocalRunner(model, config)
+        self.device = self.runner.device
         self._inbox: collections.deque = collections.deque()
         self._aborts: set[str] = set()
         self._cv = threading.Condition()
@@ -90,28 +126,8 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
-        self.cache, self.decode_fn, self.prefill_fn = self._build_runtime()
         self.free_slots = list(range(config.max_batch))[::-1]
         self.steps = 0
-
-    # ---------------------------------------------------------------- setup
-    def _state_dtype(self):
-        """int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)."""
-        return torch.int8 if any(hasattr(m, "state_scale") for m in self.model.modules()) else None
-
-    def _build_runtime(self):
-        cfg, model = self.cfg, self.model
-        ssm_dtype = self._state_dtype()
-        if self.device.type == "cuda" and cfg.cuda_graphs:
-            from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
-
-            dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, ssm_dtype=ssm_dtype)
-            pre = CudaGraphPrefill(model, dec.cache, max_len=cfg.prefill_tokens, pool=dec.pool)
-            dec.capture_all()
-            pre.capture_all()
-            return dec.cache, dec, pre
-        cache = model.allocate_cache(cfg.max_batch, cfg.max_model_len, ssm_dtype=ssm_dtype)
-        return cache, (lambda tokens, slots: model.step(tokens, cache, slots)), None
 
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
@@ -174,6 +190,8 @@ class Engine:
                 self._report()
         for r in list(self.waiting) + self.prefilling + self.decoding:
             self._finish(r, "error", "server shutting down", 503)
+        if hasattr(self.runner, "stop"):
+            self.runner.stop()
 
     def _busy(self) -> bool:
         return bool(self.prefilling or self.decoding or (self.waiting and self.free_slots))
@@ -199,7 +217,7 @@ class Engine:
         while self.waiting and self.free_slots:
             r = self.waiting.popleft()
             r.slot = self.free_slots.pop()
-            self.cache.reset([r.slot])
+            self.runner.reset(r.slot)
             if r.params.seed is not None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
             self.prefilling.append(r)
@@ -217,17 +235,13 @@ class Engine:
             rows = list(self.decoding)
             tokens = torch.tensor([r.output[-1] for r in rows], dtype=torch.long, device=self.device)
             slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
-            self._deliver(rows, self.decode_fn(tokens, slots))
+            self._deliver(rows, self.runner.decode(tokens, slots))
 
     def _prefill(self, r: Request, n: int) -> None:
         ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
+        logits = self.runner.prefill(ids, r.slot, all_logits=r.prompt_logprobs)
         if r.prompt_logprobs:
-            logits = self.model(ids, self.cache, slots=[r.slot])[0]  # (n, vocab)
             self._emit_prompt_logprobs(r, ids[0], logits)
-        elif self.prefill_fn is not None:
-            logits = self.prefill_fn(ids, r.slot)  # (1, vocab)
-        else:
-            logits = self.model(ids, self.cache, slots=[r.slot], num_last_tokens=1)[:, -1]
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(n)
         r.pos += n

@@ -1,0 +1,67 @@
+"""Serving over tensor parallelism: rank 0 runs the engine and the HTTP server; every other rank follows.
+
+Each model call of an engine step (reset a slot, prefill a chunk, decode a batch) is broadcast by rank 0 as a
+header ``[op, n_a, n_b]`` and one int64 payload (the chunk's ids, or the tokens and slots), then run on every
+rank: the sharded model's own all-reduces keep the ranks in step, and every rank ends with the same logits
+(lm_head is replicated), of which rank 0 samples. ``STOP`` ends the followers when the server shuts down.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+RESET, PREFILL, PREFILL_ALL, DECODE, STOP = range(1, 6)
+
+
+class BroadcastRunner:
+    """Rank 0's runner: tells the followers each call, then makes it on its own shard."""
+
+    def __init__(self, local, group=None):
+        self.local, self.group = local, group
+        self.cache = local.cache
+        self.device = local.device
+
+    def _send(self, op: int, payload: torch.Tensor | None = None, n_a: int = 0) -> None:
+        n = 0 if payload is None else payload.numel()
+        dist.broadcast(torch.tensor([op, n_a, n - n_a], dtype=torch.long, device=self.device), 0, group=self.group)
+        if n:
+            dist.broadcast(payload.to(device=self.device, dtype=torch.long).contiguous(), 0, group=self.group)
+
+    def reset(self, slot: int) -> None:
+        self._send(RESET, torch.tensor([slot]), 1)
+        self.local.reset(slot)
+
+    def prefill(self, ids: torch.Tensor, slot: int, all_logits: bool) -> torch.Tensor:
+        self._send(PREFILL_ALL if all_logits else PREFILL, torch.cat([torch.tensor([slot], device=ids.device),
+                                                                      ids[0]]), 1)
+        return self.local.prefill(ids, slot, all_logits)
+
+    def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        self._send(DECODE, torch.cat([tokens, slots]), tokens.numel())
+        return self.local.decode(tokens, slots)
+
+    def stop(self) -> None:
+        self._send(STOP)
+
+
+@torch.inference_mode()
+def follow(local, group=None) -> None:
+    """A follower rank's loop: run what rank 0 broadcasts until STOP."""
+    device = local.device
+    while True:
+        head = torch.empty(3, dtype=torch.long, device=device)
+        dist.broadcast(head, 0, group=group)
+        op, n_a, n_b = head.tolist()
+        if op == STOP:
+            return
+        payload = torch.empty(n_a + n_b, dtype=torch.long, device=device)
+        if n_a + n_b:
+            dist.broadcast(payload, 0, group=group)
+        a, b = payload[:n_a], payload[n_a:]
+        if op == RESET:
+            local.reset(int(a[0]))
+        elif op in (PREFILL, PREFILL_ALL):
+            local.prefill(b[None], int(a[0]), op == PREFILL_ALL)
+        elif op == DECODE:
+            local.decode(a, b)
