@@ -1,0 +1,373 @@
+"""Triton twins of ``ssmq.ops.quant_linear``: low-bit GEMV / GEMM that dequantize in registers.
+
+``quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)`` and ``quantize_act(x, x_scale,
+per_token, dtype)`` have the references' signatures and formats (see ``ssmq.ops.quant_linear``).
+
+Weight layout: the kernels read the STORED checkpoint layout as is (no pre-shuffled copy):
+int8 / fp8 codes row-major (n, k); int4 packed (n, k // 2) uint8, low nibble = even column;
+float32 scales () / (n,) / (n, k // g); int32 zero points beside them. An int4 byte is
+sign-extended in registers by two shifts (low nibble ``(b << 4) >> 4``, high ``b >> 4``) and the
+matching x columns are taken apart the same way (even / odd), so that each half is one tensor-core
+product: x_even @ lo.T + x_odd @ hi.T.
+
+One kernel, ``_qmm``, does every case (tensor cores throughout; rows padded to 16 for decode):
+  weight-only (x float): acc += (x @ q.T - zero * sum(x)) * scale per group of k (BLOCK_K = g),
+      or once at the end per channel: the codes enter the product unscaled (integers, exact in
+      fp16 / bf16), so a weight element costs a load and a conversion, never a multiply by its scale;
+  int8 x (W8A8 / W4A8): int8 x int8 -> int32 products, then ``int_matmul_ref``'s float32 epilogue
+      in its order, compiled without FMA contraction, so the result is bit-exact;
+  fp8 x: e4m3 operands widened to fp16 (exact), float32 accumulation, scale epilogue.
+Decode (<= 16 rows): one weight pass serves all rows; when the output blocks alone give too few
+programs for the SMs, K is split (weight-only; float32 partials summed by a second kernel).
+Prefill (more rows): the same kernel with larger row tiles (weight-only, fp8 and W4A8) or, where
+measured faster, ``torch._int_mm`` + epilogue (W8A8) / ``torch._scaled_mm`` (fp8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ssmq.errors import SSMQError
+from ssmq.kernels._common import dot_precision, pow2, sm_count
+from ssmq.ops.quant_linear import EPS, FP8_MAX, quant_linear_ref, weight_format
+
+DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
+# Launch settings (tests and the benchmark override entries):
+#   BN_DEC / BK_DEC / warps_dec / stages_dec: decode tiles (BK is the group size for grouped weights)
+#   BM_PRE / BN_PRE / BK_PRE / warps_pre / stages_pre: prefill tiles
+#   WAVES, MAX_SPLIT, MIN_SPLIT_K: split K (weight-only decode) until WAVES programs per SM
+#   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue) or "triton" for per-channel/tensor W8A8
+#   PREFILL_A16: "triton" (dequantize in the main loop) or "cublas" (dequantize to fp16, then F.linear)
+CFG = dict(BN_DEC=64, BK_DEC=256, warps_dec=4, stages_dec=3,
+           BM_PRE=128, BN_PRE=128, BK_PRE=64, warps_pre=8, stages_pre=3,
+           WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="triton")
+
+
+@triton.jit
+def _qmm(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
+    M, N, K, k_split, n_groups, s_xm, s_wn, s_om, s_os,
+    A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, WS_MODE: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_n, pid_m, pid_k = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks, tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = offs_m < M, offs_n < N
+    WK: tl.constexpr = BLOCK_K // 2 if W4 else BLOCK_K  # weight bytes per row and tile
+    offs_kw = tl.arange(0, WK)
+    offs_kx = tl.arange(0, BLOCK_K)
+    k0 = pid_k * k_split
+    k_len = tl.minimum(k_split, K - k0)
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    w_ptrs = w_ptr + cols[:, None] * s_wn + ((k0 // 2) if W4 else k0) + offs_kw[None, :]
+    x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + offs_kx[None, :]
+    if A_MODE == 0:
+        OP = x_ptr.dtype.element_ty
+    elif A_MODE == 1:
+        OP = tl.int8
+    else:
+        OP = tl.float16
+    if A_MODE != 0:
+        if XS_ROWS:
+            xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
+        else:
+            xs = tl.load(xs_ptr + offs_m * 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A_MODE == 1:
+        acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mn[:, None], other=0)
+            xv = tl.load(x_ptrs, mask=mm[:, None], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=mn[:, None] & (offs_kw < (k_len - k) // (2 if W4 else 1))[None, :], other=0)
+            xv = tl.load(x_ptrs, mask=mm[:, None] & (offs_kx < k_len - k)[None, :], other=0)
+        xv = xv.to(OP)
+        if A_MODE == 1:
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if W4:
+            wb = w.to(tl.int8, bitcast=True)
+            lo = ((wb << 4) >> 4).to(OP)
+            hi = (wb >> 4).to(OP)
+            xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, BLOCK_K // 2, 2)))
+            part = tl.dot(xe, tl.trans(lo), part, input_precision=PRECISION)
+            part = tl.dot(xo, tl.trans(hi), part, input_precision=PRECISION)
+        else:
+            part = tl.dot(xv, tl.trans(w.to(OP)), part, input_precision=PRECISION)
+        if WS_MODE == 2:
+            t = (k0 + k) // GROUP
+            s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
+            if A_MODE == 0:
+                if HAS_ZERO:
+                    z = tl.load(wz_ptr + cols * n_groups + t, mask=mn, other=0).to(tl.float32)
+                    part -= z[None, :] * tl.sum(xv.to(tl.float32), axis=1)[:, None]
+                acc += part * s[None, :]
+            else:
+                # int_matmul_ref's order: s_t = a_scale * w_scale[:, t]; out += float(acc_t) * s_t
+                acc += part.to(tl.float32) * (xs[:, None] * s[None, :])
+        elif A_MODE == 1:
+            acc_i += part
+        else:
+            acc += part
+            if HAS_ZERO:
+                xsum += tl.sum(xv.to(tl.float32), axis=1)
+        w_ptrs += WK
+        x_ptrs += BLOCK_K
+    if WS_MODE != 2:
+        if WS_MODE == 1:
+            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
+        else:
+            s = tl.load(ws_ptr + offs_n * 0)
+        if A_MODE == 1:
+            acc = acc_i.to(tl.float32) * (xs[:, None] * s[None, :])
+        elif A_MODE == 2:
+            acc = acc * (xs[:, None] * s[None, :])
+        else:
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
+                acc -= z[None, :] * xsum[:, None]
+            acc = acc * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _sum_splits(p_ptr, b_ptr, out_ptr, MN, N, n_split, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(n_split):
+        acc += tl.load(p_ptr + s * MN + offs, mask=m, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, s_ptr, q_ptr, xs_ptr, K, s_xm, QMAX: tl.constexpr, EPS_: tl.constexpr,
+                   STATIC: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row: absmax -> scale -> codes, with the reference's IEEE division and rounding
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < K
+    x = tl.load(x_ptr + row * s_xm + offs, mask=m, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(s_ptr)
+    else:
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), EPS_)
+        tl.store(xs_ptr + row, scale)
+    y = tl.math.div_rn(x, scale)
+    if FP8:
+        q = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(q_ptr.dtype.element_ty)
+    else:
+        # round half to even as torch.round: adding and subtracting 1.5 * 2^23 leaves the float32 sum
+        # rounded to an integer by the hardware's round-to-nearest-even (exact for |y| < 2^22; y is
+        # clamped first, which changes no code)
+        y = tl.minimum(tl.maximum(y, -129.0), 128.0)
+        q = tl.minimum(tl.maximum((y + 12582912.0) - 12582912.0, -128.0), 127.0).to(tl.int8)
+    tl.store(q_ptr + row * K + offs, q, mask=m)
+
+
+@triton.jit
+def _dequant(w_ptr, ws_ptr, wz_ptr, out_ptr, N, K, n_groups, s_wn,
+             W4: tl.constexpr, WS_MODE: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # (BLOCK_N, BLOCK_K) tile of the dequantized weight, written in out's dtype (the cuBLAS prefill path)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    cols = offs_n.to(tl.int64)[:, None]
+    if W4:
+        b = tl.load(w_ptr + cols * s_wn + offs_k[None, :] // 2, mask=m, other=0).to(tl.int8, bitcast=True)
+        q = tl.where((offs_k % 2 == 0)[None, :], (b << 4) >> 4, b >> 4).to(tl.float32)
+    else:
+        q = tl.load(w_ptr + cols * s_wn + offs_k[None, :], mask=m, other=0).to(tl.float32)
+    if WS_MODE == 2:
+        p_off = cols * n_groups + (offs_k // GROUP)[None, :]
+    elif WS_MODE == 1:
+        p_off = cols + offs_k[None, :] * 0
+    else:
+        p_off = cols * 0 + offs_k[None, :] * 0
+    if HAS_ZERO:
+        q -= tl.load(wz_ptr + p_off, mask=m, other=0).to(tl.float32)
+    w = q * tl.load(ws_ptr + p_off, mask=m, other=0.0)
+    tl.store(out_ptr + cols * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _ws_mode(w_scale) -> int:
+    return 2 if w_scale.dim() == 2 else int(w_scale.dim() == 1)
+
+
+def _supported(f: dict, x: torch.Tensor) -> bool:
+    g = f["group_size"]
+    if g is not None and (g & (g - 1) or g < (32 if f["bits"] == 4 else 16)):
+        return False  # BLOCK_K = g must be a power of two that fills a tensor-core K step
+    return x.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
+
+
+def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> dict:
+    decode = M <= DECODE_ROWS
+    if decode:
+        BM, BN, BK, nw, ns = 16, cfg["BN_DEC"], cfg["BK_DEC"], cfg["warps_dec"], cfg["stages_dec"]
+    else:
+        BM, BN, BK, nw, ns = cfg["BM_PRE"], cfg["BN_PRE"], cfg["BK_PRE"], cfg["warps_pre"], cfg["stages_pre"]
+        BM = min(BM, pow2(M, 16))
+    BN = min(BN, pow2(N, 16))
+    g = f["group_size"]
+    BK = g if g is not None else min(BK, pow2(K, 32))
+    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    split = 1
+    if decode and a_mode == 0:  # float partial sums: only where the result is not bit-exact anyway
+        want = triton.cdiv(cfg["WAVES"] * sms, n_blocks * m_blocks)
+        split = max(1, min(cfg["MAX_SPLIT"], want, K // cfg["MIN_SPLIT_K"]))
+    k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    split = triton.cdiv(K, k_split)
+    return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, split=split,
+                k_split=k_split, EVEN_K=K % BK == 0 and k_split % BK == 0, grid=(n_blocks * m_blocks, split))
+
+
+def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
+    M, K = x2.shape
+    N = f["n"]
+    c = _plan(M, N, K, f, a_mode, sm_count(x2.device), cfg)
+    split = c["split"]
+    part = out if split == 1 else torch.empty((split, M, N), device=x2.device, dtype=torch.float32)
+    dummy = w_scale
+    _qmm[c["grid"]](
+        x2, xs if xs is not None else dummy, w_q, w_scale, w_zero if w_zero is not None else dummy,
+        bias if bias is not None else dummy, part,
+        M, N, K, c["k_split"], w_scale.shape[1] if w_scale.dim() == 2 else 1, x2.stride(0), w_q.stride(0),
+        N, M * N,
+        A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, WS_MODE=_ws_mode(w_scale),
+        HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None and split == 1, GROUP=f["group_size"] or 1,
+        EVEN_K=c["EVEN_K"], PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32",
+        BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+        # the integer paths reproduce int_matmul_ref's separately rounded products and sums
+        enable_fp_fusion=a_mode == 0,
+    )
+    if split > 1:
+        BLOCK = 1024
+        _sum_splits[(triton.cdiv(M * N, BLOCK),)](
+            part, bias if bias is not None else part, out, M * N, N, split,
+            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def dequantize_weight(w_q, w_scale, w_zero=None, dtype=torch.float16) -> torch.Tensor:
+    """(n, k) weight in ``dtype``: (q - zero) * scale in float32, rounded once (ops.dequantize_weight's values)."""
+    f = weight_format(w_q, w_scale, w_zero)
+    N, K = f["n"], f["k"]
+    out = torch.empty((N, K), device=w_q.device, dtype=dtype)
+    BN, BK = 32, 128
+    _dequant[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+        w_q, w_scale,
+        w_zero if w_zero is not None else w_scale, out, N, K,
+        w_scale.shape[1] if w_scale.dim() == 2 else 1, w_q.stride(0),
+        W4=f["bits"] == 4, WS_MODE=_ws_mode(w_scale), HAS_ZERO=w_zero is not None, GROUP=f["group_size"] or 1,
+        BLOCK_N=BN, BLOCK_K=BK, num_warps=4)
+    return out
+
+
+def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None, cfg=None):
+    """``ops.quant_linear_ref`` on the GPU (same signature and formats); ``cfg`` overrides CFG entries."""
+    cfg = CFG if cfg is None else {**CFG, **cfg}
+    f = weight_format(w_q, w_scale, w_zero)
+    if not _supported(f, x):
+        return quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
+    K, N = f["k"], f["n"]
+    if x.shape[-1] != K:
+        raise SSMQError(f"x has {x.shape[-1]} features, the quantized weight has {K}")
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    x2 = x.reshape(M, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    a_mode = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(x.dtype, 0)
+    if a_mode:
+        if x_scale is None:
+            raise SSMQError(f"{x.dtype} activations need their x_scale")
+        if (a_mode == 1 and (f["fp8"] or w_zero is not None)) or (a_mode == 2 and not f["fp8"]):
+            return quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)  # raises the error
+        xs = x_scale.reshape(-1) if x_scale.dim() else x_scale
+        out_dtype = out_dtype or torch.float32
+    else:
+        xs = None
+        out_dtype = out_dtype or x.dtype
+    out = torch.empty((*lead, N), device=x.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    out2 = out.view(M, N)
+    if M > DECODE_ROWS:
+        if a_mode == 1 and f["bits"] == 8 and f["group_size"] is None and cfg["PREFILL_A8"] == "int_mm" \
+                and K % 8 == 0 and N % 8 == 0:
+            # cuBLASLt's int8 GEMM (TN layout: w_q.t() is the stored rows), then the reference's epilogue
+            acc = torch._int_mm(x2, w_q.t())
+            y = acc.float() * ((xs.reshape(-1, 1) if xs.dim() else xs) * w_scale.reshape(1, -1))
+            out2.copy_(y if bias is None else y + bias.float())
+            return out
+        if a_mode == 2 and K % 16 == 0 and N % 16 == 0 and _SCALED_MM_OK.get(out_dtype, True):
+            try:
+                return _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out)
+            except RuntimeError:  # this torch's cuBLASLt path refuses the scale layout / output dtype
+                _SCALED_MM_OK[out_dtype] = False
+        if a_mode == 0 and cfg["PREFILL_A16"] == "cublas" and x.dtype != torch.float32:
+            w = dequantize_weight(w_q, w_scale, w_zero, x.dtype)
+            out2.copy_(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)))
+            return out
+    _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out2, f, a_mode, cfg)
+    return out
+
+
+_SCALED_MM_OK: dict = {}
+
+
+def _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out):
+    """FP8 prefill on cuBLASLt: per-row x scales and per-channel (or per-tensor) weight scales."""
+    M, N = out2.shape
+    sa = (xs.reshape(-1, 1) if xs.dim() else xs.reshape(1, 1).expand(M, 1)).contiguous()
+    sb = (w_scale.reshape(1, -1) if w_scale.dim() else w_scale.reshape(1, 1).expand(1, N)).contiguous()
+    y = torch._scaled_mm(x2, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=out2.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    out2.copy_(y)
+    return out
+
+
+def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
+    """``ops.quantize_act_ref`` on the GPU: one program per row; dynamic per-tensor takes its absmax first."""
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    x2 = x.reshape(M, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty((*lead, K), device=x.device, dtype=dtype)
+    fp8 = dtype == torch.float8_e4m3fn
+    qmax = FP8_MAX if fp8 else 127.0
+    static = x_scale is not None or not per_token
+    if x_scale is None and not per_token:
+        # one scale for the tensor: the reference's (absmax / qmax) clamped, computed by torch
+        x_scale = (x2.float().abs().amax() / qmax).clamp(min=EPS)
+    if x_scale is not None:
+        x_scale = x_scale.float().reshape(())
+    xs = x_scale if static else torch.empty(lead, device=x.device, dtype=torch.float32)
+    if M == 0:
+        return q, xs
+    _quantize_rows[(M,)](x2, x_scale if static else xs, q, xs, K, x2.stride(0), QMAX=qmax, EPS_=EPS,
+                         STATIC=static, FP8=fp8, BLOCK=pow2(K, 16), num_warps=4 if K <= 4096 else 8)
+    return q, xs
