@@ -4,7 +4,7 @@ and a GEMV / GEMM micro-benchmark of the kernels vs cuBLAS FP16 and the weight-b
     python benchmarks/bench_quant.py --models mamba2-2.7b --out out/quant [--micro] [--sweep] [--peers mamba_ssm]
 
 Models have random weights at published configs (``published_configs.py``), quantized on the GPU by each
-recipe (static scales calibrated on random tokens); with ``--via-disk`` (default for mamba2-2.7b) the
+recipe (static scales calibrated on random tokens); with ``--via-disk`` (default: rtn-w4a16-g128) the
 quantized model is saved and loaded back with ``ssmq.load_model(dir, device="cuda")``, recording the
 loader's peak GPU memory. TTFT: prefill of --prompt-len tokens at batch 1 from CUDA graphs. TPOT: one
 decode step from CUDA-graph replays at each batch. Limit: (model bytes + 2 * batch * state bytes) /
@@ -87,7 +87,7 @@ def run_e2e(args, bw, results) -> None:
             torch.cuda.empty_cache()
             t0 = time.time()
             try:
-                model, info = build(cfg, recipe, dtype, name in args.via_disk.split(","))
+                model, info = build(cfg, recipe, dtype, recipe in args.via_disk.split(","))
                 r = bench_model(model, [args.prompt_len], batches, args.steps)
                 r["model_bytes"], r["state_bytes"] = model_bytes(model)
                 r.update(info)
@@ -320,7 +320,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per TPOT timing")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    ap.add_argument("--via-disk", default="mamba2-2.7b", help="models saved and loaded back before timing")
+    ap.add_argument("--via-disk", default="rtn-w4a16-g128", help="recipes saved and loaded back before timing")
     ap.add_argument("--micro", action="store_true", help="GEMV / GEMM micro-benchmark at the first model's shapes")
     ap.add_argument("--micro-rows", default="1,2,8,16,32,1024")
     ap.add_argument("--formats", default=FORMATS)

@@ -5,6 +5,8 @@ rounding after the epilogue elsewhere. ``gpu`` tests; ``SSMQ_TRITON_INTERPRET=1`
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -37,8 +39,10 @@ def make_weight(n, k, bits, group, zero, fp8=False):
     return (pack_int4(codes) if bits == 4 else codes), scale, z
 
 
-ROWS = [1, 3, 16, 17, 130] if INTERPRET else [1, 2, 5, 8, 16, 17, 64, 256]
-N_K = [(40, 256)] if INTERPRET else [(100, 512), (333, 1024), (2560, 5120)]
+# SSMQ_GPU_QUICK=1: a shorter GPU sweep (one dtype, two shapes) for runs on a tight device budget
+QUICK = os.environ.get("SSMQ_GPU_QUICK") == "1"
+ROWS = [1, 3, 16, 17, 130] if INTERPRET else [1, 2, 5, 16, 17, 256] if QUICK else [1, 2, 5, 8, 16, 17, 64, 256]
+N_K = [(40, 256)] if INTERPRET else [(100, 512), (333, 1024)] if QUICK else [(100, 512), (333, 1024), (2560, 5120)]
 # (bits, group, zero): W8 per-channel sym / asym, W8 per-tensor, W4 g128 sym / asym, W4 g32
 WFMTS = [(8, None, False), (8, None, True), (8, "tensor", False), (4, 128, False), (4, 128, True), (4, 32, False)]
 
@@ -54,7 +58,7 @@ def _weight(n, k, fmt):
 @pytest.mark.parametrize("fmt", WFMTS)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", N_K)
-@pytest.mark.parametrize("dtype", [torch.float16] if INTERPRET else [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16] if INTERPRET or QUICK else [torch.float16, torch.bfloat16])
 def test_weight_only(QK, fmt, rows, n, k, dtype):
     torch.manual_seed(rows)
     w_q, w_s, w_z = _weight(n, k, fmt)

@@ -389,8 +389,7 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     if fma:
         BM = pow2(M)
         BK = g if g is not None else min(max(32, cfg["BK_FMA"] // BM), pow2(K, 32))
-        wk = BK // 2 if f["bits"] == 4 else BK
-        BN = min(max(1, cfg["TILE_FMA"] // (wk * BM)), pow2(N))
+        BN = min(max(1, cfg["TILE_FMA"] // (BK * BM)), pow2(N))  # TILE_FMA weight elements a tile
         nw, ns = cfg["warps_fma"], cfg["stages_fma"]
     elif decode:
         BM, BN, BK, nw, ns = 16, cfg["BN_DEC"], cfg["BK_DEC"], cfg["warps_dec"], cfg["stages_dec"]
