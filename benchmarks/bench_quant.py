@@ -130,7 +130,7 @@ def make_op(fmt: str, n: int, k: int, dev="cuda"):
     i4 = lambda: pack_int4(torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8))  # noqa: E731
     base, _, path = fmt.partition(":")
     cfg = {"cublas": {"PREFILL_A16": "cublas"}, "triton": {"PREFILL_A8": "triton"}}.get(path)
-    ql = kernels.dispatch._kernels("quant_linear").quant_linear
+    ql = kernels.dispatch._kernels("quant_gemm").quant_linear
 
     def a8(x, w, s, dtype=torch.int8):
         x_q, xs = kernels.quantize_act(x, None, True, dtype)
@@ -208,7 +208,7 @@ def run_sweep(args, bw, results) -> None:
 
     Best overall: the smallest sum over (shape, format) of time / the best time of that (shape, format).
     """
-    qk = kernels.dispatch._kernels("quant_linear")
+    qk = kernels.dispatch._kernels("quant_gemm")
     cfg = PUBLISHED[args.models.split(",")[0]]
     variants = [dict(TILE_FMA=t, warps_fma=nw, stages_fma=ns, WAVES=wv)
                 for t in (1024, 2048) for nw in (2, 4) for ns in (1, 3) for wv in (2, 6)]
@@ -327,20 +327,20 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="decode launch-setting sweep at batch 1")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step per recipe")
-    ap.add_argument("--cfg", default="", help="JSON object of kernel launch settings (kernels.quant_linear.CFG)")
+    ap.add_argument("--cfg", default="", help="JSON object of kernel launch settings (kernels.quant_gemm.CFG)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/quant"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_quant: needs a CUDA GPU")
     if args.cfg:
-        kernels.dispatch._kernels("quant_linear").CFG.update(json.loads(args.cfg))
+        kernels.dispatch._kernels("quant_gemm").CFG.update(json.loads(args.cfg))
     bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
                "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "command": " ".join(sys.argv),
                "models": {}}
     if args.sweep:
         run_sweep(args, bw, results)
-    results["kernel_cfg"] = dict(kernels.dispatch._kernels("quant_linear").CFG)
+    results["kernel_cfg"] = dict(kernels.dispatch._kernels("quant_gemm").CFG)
     if args.micro:
         run_micro(args, bw, results)
     if not args.no_e2e:

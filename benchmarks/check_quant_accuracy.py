@@ -30,7 +30,7 @@ RECIPES = "rtn-w8a16,rtn-w4a16-g128,dynamic-w8a8,fp8-w8a8"
 
 
 def reference_ops(on: bool) -> None:
-    """Route QuantLinear (``ssmq.kernels.quant_linear`` / ``quantize_act``) to the references or the kernels."""
+    """Route QuantLinear (``ssmq.kernels.quant_gemm`` / ``quantize_act``) to the references or the kernels."""
     if on:
         kernels.quant_linear = ops.quant_linear_ref
         kernels.quantize_act = ops.quantize_act_ref

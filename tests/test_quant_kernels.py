@@ -1,4 +1,4 @@
-"""The low-bit linear kernels (``ssmq.kernels.quant_linear``) equal ``ssmq.ops.quant_linear``'s references:
+"""The low-bit linear kernels (``ssmq.kernels.quant_gemm``) equal ``ssmq.ops.quant_linear``'s references:
 bit-exact where the arithmetic is integer (int8 / int4 x int8 -> int32, float32 epilogue), within fp16
 rounding after the epilogue elsewhere. ``gpu`` tests; ``SSMQ_TRITON_INTERPRET=1`` runs a smaller sweep on CPU.
 """
@@ -24,7 +24,7 @@ def QK():
         _patch_interpreter_scalars()
     import importlib
 
-    return importlib.import_module("ssmq.kernels.quant_linear")
+    return importlib.import_module("ssmq.kernels.quant_gemm")
 
 
 def make_weight(n, k, bits, group, zero, fp8=False):

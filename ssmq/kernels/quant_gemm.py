@@ -377,8 +377,9 @@ def _ws_mode(w_scale) -> int:
 
 def _supported(f: dict, x: torch.Tensor) -> bool:
     g = f["group_size"]
-    if g is not None and (g & (g - 1) or g < (32 if f["bits"] == 4 else 16)):
-        return False  # BLOCK_K = g must be a power of two that fills a tensor-core K step
+    # BLOCK_K = g must be a power of two whose (int4: half) width fills a tensor-core K step (16; int8: 32)
+    if g is not None and (g & (g - 1) or g < (16 if x.dtype != torch.int8 else 32) * (2 if f["bits"] == 4 else 1)):
+        return False
     return x.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
 
 
