@@ -10,17 +10,24 @@ sign-extended in registers by two shifts (low nibble ``(b << 4) >> 4``, high ``b
 matching x columns are taken apart the same way (even / odd), so that each half is one tensor-core
 product: x_even @ lo.T + x_odd @ hi.T.
 
-One kernel, ``_qmm``, does every case (tensor cores throughout; rows padded to 16 for decode):
+Two kernels do every case, with the same arguments:
+``_qgemv`` (1-2 rows, decode at batch 1-2): CUDA-core multiply-adds, products kept elementwise across the K
+  loop and reduced once; small register tiles, so many programs per SM keep loads in flight. Weight-only
+  groups are dequantized in registers ((q - z) * s, one group per tile); int8 x: int32 products, per group
+  reduced and scaled (``int_matmul_ref``'s order).
+``_qmm`` (more rows): tensor cores (rows padded to 16 up to 16 rows, one weight pass for all):
   weight-only (x float): acc += (x @ q.T - zero * sum(x)) * scale per group of k (BLOCK_K = g),
       or once at the end per channel: the codes enter the product unscaled (integers, exact in
       fp16 / bf16), so a weight element costs a load and a conversion, never a multiply by its scale;
+      for prefill tiles the group's tile is dequantized to x's dtype instead (``DEQ_W``: no second accumulator);
   int8 x (W8A8 / W4A8): int8 x int8 -> int32 products, then ``int_matmul_ref``'s float32 epilogue
       in its order, compiled without FMA contraction, so the result is bit-exact;
   fp8 x: e4m3 operands widened to fp16 (exact), float32 accumulation, scale epilogue.
-Decode (<= 16 rows): one weight pass serves all rows; when the output blocks alone give too few
-programs for the SMs, K is split (weight-only; float32 partials summed by a second kernel).
-Prefill (more rows): the same kernel with larger row tiles (weight-only, fp8 and W4A8) or, where
-measured faster, ``torch._int_mm`` + epilogue (W8A8) / ``torch._scaled_mm`` (fp8).
+fp8 codes travel as raw int8 bytes and are reinterpreted in the kernels (masked loads need an integer fill).
+Decode: when the output blocks alone give too few programs for the SMs, K is split (where the result is
+not bit-exact anyway; float32 partials summed by a second kernel). Prefill: ``torch._int_mm`` + one fused
+epilogue kernel for per-channel / per-tensor W8A8, ``torch._scaled_mm`` for fp8 (where this torch accepts
+the scales), the dequantized weight on cuBLAS from CUBLAS_ROWS rows for weight-only (see CFG), ``_qmm`` else.
 """
 
 from __future__ import annotations
@@ -41,11 +48,14 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   BM_PRE / BN_PRE / BK_PRE / warps_pre / stages_pre: prefill tiles
 #   WAVES, MAX_SPLIT, MIN_SPLIT_K: split K (weight-only decode) until WAVES programs per SM
 #   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue) or "triton" for per-channel/tensor W8A8
-#   PREFILL_A16: "triton" (dequantize in the main loop) or "cublas" (dequantize to fp16, then F.linear)
+#   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
+#     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes, 2026-11-23: the Triton GEMM won at
+#     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
 CFG = dict(FMA_MAX_ROWS=2, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=4,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
-           WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="triton")
+           WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
+           CUBLAS_ROWS=512)
 
 
 @triton.jit
@@ -508,7 +518,8 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
                 return _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out)
             except RuntimeError:  # this torch's cuBLASLt path refuses the scale layout / output dtype
                 _SCALED_MM_OK[out_dtype] = False
-        if a_mode == 0 and cfg["PREFILL_A16"] == "cublas" and x.dtype != torch.float32:
+        cublas = cfg["PREFILL_A16"] == "cublas" or (cfg["PREFILL_A16"] == "auto" and M >= cfg["CUBLAS_ROWS"])
+        if a_mode == 0 and cublas and x.dtype != torch.float32:
             w = dequantize_weight(w_q, w_scale, w_zero, x.dtype)
             out2.copy_(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)))
             return out
