@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import dot_precision, pow2, sm_count
+from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
 from ssmq.ops.quant_linear import EPS, FP8_MAX, quant_linear_ref, weight_format
 
 DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
@@ -296,18 +297,6 @@ def _qgemv(
         acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
     o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
-
-
-@triton.jit
-def _sum_splits(p_ptr, b_ptr, out_ptr, MN, N, n_split, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < MN
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(n_split):
-        acc += tl.load(p_ptr + s * MN + offs, mask=m, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
