@@ -60,8 +60,8 @@ def copy_bandwidth() -> float:
 
 
 def model_bytes(model) -> tuple[int, int]:
-    """(weight bytes, recurrent state bytes per sequence)."""
-    w = sum(p.numel() * p.element_size() for p in model.parameters())
+    """(weight bytes: parameters and buffers (quantized codes, scales), recurrent state bytes per sequence)."""
+    w = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
     cache = model.allocate_cache(1, 1)
     s = cache.nbytes()
     del cache
@@ -69,8 +69,12 @@ def model_bytes(model) -> tuple[int, int]:
 
 
 def bench_ssmq(cfg, prompt_lens, batches, dtype, steps) -> dict:
+    return bench_model(random_model(cfg, dtype=dtype), prompt_lens, batches, steps)
+
+
+def bench_model(model, prompt_lens, batches, steps) -> dict:
+    """TTFT (eager and graphs), TPOT from graph replays and their peak memory of one model (then freed)."""
     out = {}
-    model = random_model(cfg, dtype=dtype)
     for L in prompt_lens:
         ids = torch.randint(0, 50000, (1, L), device="cuda")
         cache = model.allocate_cache(2, L + 1)  # slot 1 is the graphs' scratch slot
@@ -211,9 +215,16 @@ def main():
 
 def profile_decode(cfg, dtype, bs: int = 1) -> None:
     """Kernel launches and GPU time of one eager decode step, by kernel name (what a graph replays)."""
+    model = random_model(cfg, dtype=dtype)
+    profile_step(model, bs)
+    del model
+    torch.cuda.empty_cache()
+
+
+def profile_step(model, bs: int = 1, top: int = 15) -> list[dict]:
+    """Print (and return) the kernels of one eager decode step of ``model`` at batch ``bs``, costliest first."""
     from torch.profiler import ProfilerActivity, profile
 
-    model = random_model(cfg, dtype=dtype)
     cache = model.allocate_cache(bs, 8)
     tokens = torch.zeros(bs, dtype=torch.long, device="cuda")
     with torch.inference_mode():
@@ -227,10 +238,12 @@ def profile_decode(cfg, dtype, bs: int = 1) -> None:
     n = sum(e.count for e in events)
     total = sum(e.self_device_time_total for e in events)
     print(f"decode step, batch {bs}: {n} kernel launches, {total / 1e3:.2f} ms GPU time")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
+    rows = []
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"  {e.count:5d} x {e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:90]}")
-    del model, cache
-    torch.cuda.empty_cache()
+        rows.append({"kernel": e.key[:120], "count": e.count, "us_each": e.self_device_time_total / max(e.count, 1)})
+    del cache
+    return rows
 
 
 def markdown_table(results, prompt_lens, batches) -> str:

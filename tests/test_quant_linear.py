@@ -87,3 +87,29 @@ def test_calibration_windows_and_hooks(tmp_path):
     hooks.remove()
     with pytest.raises(SSMQError, match="not found"):
         load_calibration(tmp_path / "missing.txt")
+
+
+def test_forward_runs_the_dispatched_ops(monkeypatch):
+    """QuantLinear's forward is kernels.quantize_act + kernels.quant_linear (what CUDA routes to Triton)."""
+    from ssmq import kernels
+
+    calls = []
+    for name in ("quant_linear", "quantize_act"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
+    lin = torch.nn.Linear(64, 8)
+    m = QuantLinear.from_float(lin, WeightSpec("int4", PerGroup(32)), ActSpec("int8", PerToken(), static=False))
+    m(torch.randn(3, 64))
+    assert calls == ["quantize_act", "quant_linear"]
+
+
+def test_kernel_module_does_not_shadow_the_op():
+    # importing the Triton module must leave ssmq.kernels.quant_linear the dispatched function (a submodule of
+    # that name once replaced it, and every quantized model on CUDA failed with "'module' object is not callable")
+    pytest.importorskip("triton")
+    import importlib
+
+    from ssmq import kernels
+
+    importlib.import_module("ssmq.kernels.quant_gemm")
+    assert callable(kernels.quant_linear) and callable(kernels.quantize_act)

@@ -9,7 +9,7 @@ from ssmq.quant.api import quantize
 from ssmq.quant.recipe import RECIPES, Recipe, check_recipe, get_recipe
 
 BASELINES = ["rtn-w8a16", "rtn-w4a16-g128", "static-w8a8", "dynamic-w8a8", "smoothquant-w8a8",
-             "hadamard-w8a8", "gptq-w4a16-g128"]
+             "hadamard-w8a8", "gptq-w4a16-g128", "fp8-w8a8"]
 
 
 def test_registry_and_json_roundtrip(tmp_path):

@@ -9,7 +9,12 @@ from ssmq.kernels.dispatch import (
     causal_conv1d,
     causal_conv1d_update,
     linear,
+<<<<<<< HEAD
     mamba2_decode_step,
+=======
+    quant_linear,
+    quantize_act,
+>>>>>>> qlinear
     rms_norm,
     rmsnorm_gated,
     selective_scan,
@@ -22,7 +27,12 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "linear",
+<<<<<<< HEAD
     "mamba2_decode_step",
+=======
+    "quant_linear",
+    "quantize_act",
+>>>>>>> qlinear
     "rms_norm",
     "rmsnorm_gated",
     "selective_scan",

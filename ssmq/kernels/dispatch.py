@@ -108,3 +108,15 @@ def linear(x, weight, bias=None):
             and (bias is None or bias.dtype == x.dtype) and 0 < math.prod(x.shape[:-1]) <= _DECODE_ROWS):
         return _kernels("gemv").linear_decode(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None):
+    """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear)."""
+    impl = _kernels("quant_gemm").quant_linear if _use_triton(w_q) else ops.quant_linear_ref
+    return impl(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
+
+
+def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
+    """``ops.quantize_act_ref``: (codes, scale) of a float activation, one Triton program per row on CUDA."""
+    impl = _kernels("quant_gemm").quantize_act if _use_triton(x) else ops.quantize_act_ref
+    return impl(x, x_scale, per_token, dtype)

@@ -164,8 +164,13 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
 
 @torch.no_grad()
 def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:
-    """Rebuild a quantized SSMLM; float tensors in ``dtype`` (default: as saved), scales float32."""
-    from safetensors.torch import load_file
+    """Rebuild a quantized SSMLM; float tensors in ``dtype`` (default: as saved), scales float32.
+
+    The skeleton is built on the meta device (no float weights are ever materialized) and each
+    stored tensor is read straight onto ``device`` and cast there, one at a time: peak memory
+    is the quantized model's own bytes plus one tensor.
+    """
+    from safetensors import safe_open
 
     from ssmq.models import SSMLM, ModelConfig
 
@@ -173,36 +178,43 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
     manifest = read_manifest(folder)
     verify(folder, manifest)
     cfg = ModelConfig.from_dict(manifest["model_config"])
-    model = SSMLM(cfg)
-    for path, spec in manifest["modules"].items():
-        kind = spec.get("kind")
-        if kind not in MODULE_KINDS:
-            raise SSMQError(f"{folder}: unknown module kind {kind!r} at {path} (saved by a newer ssmq?)")
-        _set(model, path, MODULE_KINDS[kind](spec))
-    state = load_file(str(folder / WEIGHTS))
+    with torch.device("meta"):
+        model = SSMLM(cfg)
+        for path, spec in manifest["modules"].items():
+            kind = spec.get("kind")
+            if kind not in MODULE_KINDS:
+                raise SSMQError(f"{folder}: unknown module kind {kind!r} at {path} (saved by a newer ssmq?)")
+            _set(model, path, MODULE_KINDS[kind](spec))
     expected = model.state_dict()
     if _tied(model):
         expected.pop("lm_head.weight", None)
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise SSMQError(f"{folder}: tensors do not match the recorded structure "
-                        f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    for name, t in state.items():
-        dst = expected[name]
-        if dst.shape != t.shape:
-            raise SSMQError(f"{folder}: shape mismatch for {name}: {tuple(t.shape)} vs {tuple(dst.shape)}")
-        owner, _, attr = name.rpartition(".")
-        mod = model.get_submodule(owner) if owner else model
-        keep = t.to(dtype) if dtype is not None and t.dtype in _FLOATS and "scale" not in attr else t
-        if attr in mod._parameters:
-            mod._parameters[attr] = nn.Parameter(keep, requires_grad=False)
-        else:
-            mod._buffers[attr] = keep
+    dev = torch.device(device)
+    with safe_open(str(folder / WEIGHTS), framework="pt", device=str(dev) if dev.type != "cpu" else "cpu") as f:
+        names = set(f.keys())
+        missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+        if missing or unexpected:
+            raise SSMQError(f"{folder}: tensors do not match the recorded structure "
+                            f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        for name in sorted(names):
+            t = f.get_tensor(name)
+            dst = expected[name]
+            if dst.shape != t.shape:
+                raise SSMQError(f"{folder}: shape mismatch for {name}: {tuple(t.shape)} vs {tuple(dst.shape)}")
+            owner, _, attr = name.rpartition(".")
+            mod = model.get_submodule(owner) if owner else model
+            keep = t.to(dtype) if dtype is not None and t.dtype in _FLOATS and "scale" not in attr else t
+            if attr in mod._parameters:
+                mod._parameters[attr] = nn.Parameter(keep, requires_grad=False)
+            else:
+                mod._buffers[attr] = keep
     if cfg.tie_embeddings and type(model.lm_head) in (nn.Linear, Linear) and type(model.embedding) is nn.Embedding:
         model.lm_head.weight = model.embedding.weight  # re-tie: the embedding got a new Parameter above
     float_dtype = dtype or getattr(torch, manifest.get("dtype", "float32"))
     for m in model.modules():  # non-persistent dtype markers (QuantEmbedding) follow the float dtype
         if "_dtype" in m._buffers:
-            m._buffers["_dtype"] = torch.empty(0, dtype=float_dtype)
+            m._buffers["_dtype"] = torch.empty(0, dtype=float_dtype, device=dev)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise SSMQError(f"{folder}: no stored value for {left[:3]}")
     model.quantization = {"recipe": manifest["recipe"], "calibration": manifest["calibration"]}
     return model.to(device).eval()

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ssmq import kernels
 from ssmq.errors import SSMQError
 from ssmq.quant.hadamard import hadamard_transform
 from ssmq.quant.primitives import (
@@ -29,7 +29,6 @@ from ssmq.quant.primitives import (
     PerToken,
     choose_qparams,
     dequantize,
-    int_matmul_ref,
     pack_int4,
     quantize,
     unpack_int4,
@@ -103,6 +102,8 @@ class QuantLinear(_QuantWeight):
                  float32; accumulation order differs between kernels, so this one is not bit-exact)
     ``rotate_input``: x -> Q x (normalised Hadamard, ``hadamard_transform``) first; the weight was
     rotated offline (W Q.T), so the function is unchanged and the quantized input is the rotated one.
+    Runs as ``kernels.quantize_act`` + ``kernels.quant_linear``: the exact references of
+    ``ssmq.ops.quant_linear`` on CPU, the low-bit Triton kernels on CUDA (stored buffers used as is).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -146,28 +147,21 @@ class QuantLinear(_QuantWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rotate_input:
             x = hadamard_transform(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)  # (m, k)
         a = self.act
         if a is None:
-            out = F.linear(x2, self.dequantized_weight().to(x.dtype), self.bias)
+            return kernels.quant_linear(x, self.weight_q, self.weight_scale, self.weight_zero, None, self.bias,
+                                        x.dtype)
+        codes = torch.int8 if a.dtype == "int8" else torch.float8_e4m3fn
+        if self.scale_hook is not None and self.act_scale is None:
+            # tensor parallelism: the dynamic scale of this shard's input is replaced (max over ranks) first
+            x2 = x.reshape(-1, self.in_features)
+            scale, _ = choose_qparams(x2, a.granularity, a.dtype, True)
+            scale = self.scale_hook(scale)
+            x_q = quantize(x2, scale, None, a.granularity, a.dtype).reshape(x.shape)
+            scale = scale.reshape(x.shape[:-1]) if scale.dim() else scale
         else:
-            gran = a.granularity
-            if self.act_scale is not None:
-                scale = self.act_scale
-            else:
-                scale, _ = choose_qparams(x2, gran, a.dtype, True)
-                if self.scale_hook is not None:
-                    scale = self.scale_hook(scale)
-            x_q = quantize(x2, scale, None, gran, a.dtype)
-            if a.dtype == "int8":
-                wg = self.wspec.granularity
-                out = int_matmul_ref(x_q, scale, self.weight_codes(), self.weight_scale,
-                                     wg.group_size if isinstance(wg, PerGroup) else None, self.bias)
-            else:
-                x_f = dequantize(x_q, scale, None, gran)
-                out = F.linear(x_f, self.dequantized_weight(), None if self.bias is None else self.bias.float())
-        return out.to(x.dtype).reshape(*lead, self.out_features)
+            x_q, scale = kernels.quantize_act(x, self.act_scale, isinstance(a.granularity, PerToken), codes)
+        return kernels.quant_linear(x_q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
 
     def spec(self) -> dict:
         return {"kind": "QuantLinear", "in_features": self.in_features, "out_features": self.out_features,

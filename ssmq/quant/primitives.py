@@ -38,8 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from ssmq.errors import SSMQError
+# int4 packing and the integer GEMM reference live with the quantized linear op that the kernels
+# reproduce (ssmq.ops.quant_linear); re-exported: every scheme stays reachable from this module
+from ssmq.ops.quant_linear import EPS, FP8_MAX, int_matmul_ref, pack_int4, unpack_int4  # noqa: F401
 
-EPS = 1e-8  # smallest scale: an all-zero tensor quantizes to zeros instead of dividing by 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +109,6 @@ def granularity_from_str(s: str) -> Granularity:
 # ---------------------------------------------------------------------------------------------
 QTYPES = ("int8", "int4", "fp8")
 _INT_RANGE = {"int8": (-128, 127), "int4": (-8, 7)}
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def check_qtype(qtype: str) -> str:
@@ -235,74 +236,3 @@ def fake_quantize(x: torch.Tensor, gran: Granularity, qtype: str, symmetric: boo
     scale, zp = choose_qparams(x, gran, qtype, symmetric)
     return dequantize(quantize(x, scale, zp, gran, qtype), scale, zp, gran).to(x.dtype)
 
-
-# ---------------------------------------------------------------------------------------------
-# int4 packing
-# ---------------------------------------------------------------------------------------------
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int4 codes (..., k) int8 in [-8, 7], k even -> uint8 (..., k // 2).
-
-    Layout: byte j holds element 2j in its LOW nibble and element 2j+1 in its HIGH
-    nibble, each as 4-bit two's complement (e.g. [-1, 2] -> 0x2F).
-    """
-    if q.shape[-1] % 2:
-        raise SSMQError(f"int4 packing needs an even last dim, got {q.shape[-1]}")
-    u = q.to(torch.int16) & 0xF  # two's complement nibble
-    return (u[..., 0::2] | (u[..., 1::2] << 4)).to(torch.uint8)
-
-
-def unpack_int4(p: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``pack_int4``: uint8 (..., k // 2) -> int8 (..., k) in [-8, 7]."""
-    b = p.to(torch.int16)
-    nib = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # (..., k): low, high, low, ...
-    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
-
-
-# ---------------------------------------------------------------------------------------------
-# the integer GEMM reference
-# ---------------------------------------------------------------------------------------------
-def int_matmul_ref(
-    a_q: torch.Tensor,
-    a_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    group_size: int | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Exact integer GEMM: the result every W8A8 / W4A8 GPU kernel must reproduce bit for bit.
-
-    a_q: (m, k) int8 activation codes (symmetric); a_scale: () per-tensor or (m,) per-token.
-    w_q: (n, k) int8 codes (int8 or unpacked int4, symmetric); w_scale: () per-tensor,
-    (n,) per-channel, or (n, k // group_size) per-group.
-    bias: (n,) or None. Returns (m, n) float32.
-
-    Semantics (the bit-exact contract):
-      1. acc = sum_j a_q[i, j] * w_q[o, j] in int32 (exact: |acc| < 2^31 for k < 2^17);
-         per group when ``group_size`` is set: acc_t over columns [t*g, (t+1)*g).
-      2. epilogue in float32, in this order: s = a_scale[i] * w_scale[o] (or w_scale[o, t]);
-         out = float32(acc) * s, and per-group: out = 0; out += float32(acc_t) * s_t for t = 0, 1, ...
-      3. out += bias (float32), if any.
-    """
-    if a_q.dtype != torch.int8 or w_q.dtype != torch.int8:
-        raise SSMQError(f"int_matmul_ref takes int8 codes, got {a_q.dtype} and {w_q.dtype}")
-    m, k = a_q.shape
-    n = w_q.shape[0]
-    # int32 GEMM is CPU-only in torch; float64 gives the same integers wherever it runs
-    # (every partial sum is an integer below 2^53), so CUDA tensors take that route.
-    acc_dtype = torch.float64 if a_q.is_cuda else torch.int32
-    a32, w32 = a_q.to(acc_dtype), w_q.to(acc_dtype)
-    a_s = a_scale.float().reshape(-1, 1) if a_scale.numel() > 1 else a_scale.float().reshape(1, 1)  # (m|1, 1)
-    if group_size is None:
-        w_s = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(1, 1)
-        out = (a32 @ w32.T).float() * (a_s * w_s)
-    else:
-        if k % group_size:
-            raise SSMQError(f"group size {group_size} does not divide k = {k}")
-        out = torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
-        for t in range(k // group_size):
-            cols = slice(t * group_size, (t + 1) * group_size)
-            acc = a32[:, cols] @ w32[:, cols].T  # (m, n) integers
-            out += acc.float() * (a_s * w_scale[:, t].float().reshape(1, n))
-    if bias is not None:
-        out = out + bias.float()
-    return out

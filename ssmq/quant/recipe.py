@@ -198,6 +198,9 @@ for _r in [
     Recipe("hadamard-w8a8", [_lin({"dtype": "int8"}, _DYNAMIC)], [Transform("hadamard", {"online": True})],
            description="QuaRot-style: Hadamard-rotated residual stream and online Hadamard on out_proj/"
                        "o_proj/down_proj inputs; per-channel weights, dynamic per-token activations"),
+    Recipe("fp8-w8a8", [_lin({"dtype": "fp8"}, {"dtype": "fp8", "granularity": "per_token", "static": False})],
+           description="FP8 e4m3 per-channel weights, dynamic per-token e4m3 activations (in_proj / out_proj "
+                       "etc.; conv1d and the SSM stay 16-bit)"),
     Recipe("gptq-w4a16-g128", [_lin({"dtype": "int4", "granularity": "per_group:128", "method": "gptq"})],
            description="GPTQ int4 weights, groups of 128, block 128, damp 0.01"),
 ]:

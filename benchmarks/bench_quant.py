@@ -1,0 +1,356 @@
+"""Quantized speed: end-to-end TTFT / TPOT / memory of quantized models on the low-bit kernels vs FP16,
+and a GEMV / GEMM micro-benchmark of the kernels vs cuBLAS FP16 and the weight-bandwidth limit.
+
+    python benchmarks/bench_quant.py --models mamba2-2.7b --out out/quant [--micro] [--sweep] [--peers mamba_ssm]
+
+Models have random weights at published configs (``published_configs.py``), quantized on the GPU by each
+recipe (static scales calibrated on random tokens); with ``--via-disk`` (default: rtn-w4a16-g128) the
+quantized model is saved and loaded back with ``ssmq.load_model(dir, device="cuda")``, recording the
+loader's peak GPU memory. TTFT: prefill of --prompt-len tokens at batch 1 from CUDA graphs. TPOT: one
+decode step from CUDA-graph replays at each batch. Limit: (model bytes + 2 * batch * state bytes) /
+measured copy bandwidth (model bytes: every parameter and buffer, i.e. codes and scales).
+Micro (--micro): each op at the in_proj / out_proj / lm_head shapes of the first model, for 1 ... 1024
+rows, weights rotated through copies larger than L2, timed as CUDA-graph replays; dynamic-activation
+formats include their activation quantization. --sweep: decode launch settings tried at batch 1.
+Writes quant.json, quant.md and quant.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import bench_mamba_ssm, bench_model, copy_bandwidth, model_bytes, profile_step, time_ms  # noqa: E402
+from published_configs import PUBLISHED  # noqa: E402
+from random_model import random_model  # noqa: E402
+
+import ssmq  # noqa: E402
+from ssmq import kernels  # noqa: E402
+from ssmq.ops.quant_linear import pack_int4  # noqa: E402
+from ssmq.quant import CalibrationData, quantize, save_quantized  # noqa: E402
+from ssmq.quant.api import needs_calibration  # noqa: E402
+
+RECIPES = "fp16,rtn-w8a16,rtn-w4a16-g128,static-w8a8,dynamic-w8a8,fp8-w8a8"
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+def build(cfg, recipe: str, dtype, via_disk: bool) -> tuple[torch.nn.Module, dict]:
+    """A random model quantized by ``recipe`` (on the GPU), optionally through a save / load round trip."""
+    model = random_model(cfg, dtype=dtype)
+    info: dict = {}
+    if recipe == "fp16":
+        return model, info
+    calib = CalibrationData(torch.randint(0, 50000, (4, 256)), source="random tokens", seed=0) \
+        if needs_calibration(recipe) else None
+    t0 = time.time()
+    quantize(model, recipe, calib, progress=False)
+    info["quantize_s"] = round(time.time() - t0, 1)
+    if via_disk:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_quantized(model, Path(tmp) / "q")
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t0 = time.time()
+            model = ssmq.load_model(Path(tmp) / "q", dtype=dtype, device="cuda")
+            torch.cuda.synchronize()
+            info["load_s"] = round(time.time() - t0, 1)
+            info["load_peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    gc.collect()
+    torch.cuda.empty_cache()
+    return model, info
+
+
+def run_e2e(args, bw, results) -> None:
+    dtype = getattr(torch, args.dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    for name in args.models.split(","):
+        cfg = PUBLISHED[name]
+        entry = results["models"].setdefault(name, {})
+        for recipe in tqdm(args.recipes.split(","), desc=name):
+            gc.collect()
+            torch.cuda.empty_cache()
+            t0 = time.time()
+            try:
+                model, info = build(cfg, recipe, dtype, recipe in args.via_disk.split(","))
+                r = bench_model(model, [args.prompt_len], batches, args.steps)
+                r["model_bytes"], r["state_bytes"] = model_bytes(model)
+                r.update(info)
+                r["limit"] = {f"tpot_b{b}_ms": (r["model_bytes"] + 2 * b * r["state_bytes"]) / bw * 1e3
+                              for b in batches}
+                if args.profile:
+                    r["profile_b1"] = profile_step(model, 1, top=8)
+                del model
+            except Exception as e:  # one recipe that cannot run is reported, not fatal
+                r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            r["wall_s"] = round(time.time() - t0, 1)
+            entry[recipe] = r
+            print(name, recipe, json.dumps({k: v for k, v in r.items() if k != "profile_b1"}), flush=True)
+            save(results, args)
+        if "mamba_ssm" in args.peers.split(","):
+            gc.collect()
+            torch.cuda.empty_cache()
+            try:
+                entry["mamba_ssm fp16"] = bench_mamba_ssm(cfg, [args.prompt_len], batches, dtype, args.steps)
+            except Exception as e:
+                entry["mamba_ssm fp16"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(name, "mamba_ssm", json.dumps(entry["mamba_ssm fp16"]), flush=True)
+            save(results, args)
+
+
+# ------------------------------------------------------------------------------------------ micro-benchmark
+
+def shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(n, k) of the linears a decode step streams: in_proj, out_proj, lm_head."""
+    d, di = cfg.d_model, cfg.d_inner
+    n_in = 2 * di + 2 * cfg.ngroups * cfg.d_state + cfg.nheads if cfg.arch == "mamba2" else 2 * di
+    return {"in_proj": (n_in, d), "out_proj": (d, di), "lm_head": (cfg.vocab_size, d)}
+
+
+def make_op(fmt: str, n: int, k: int, dev="cuda"):
+    """(weights tuple, bytes, op(x, weights) -> y) of one format; codes and scales random."""
+    ch = torch.rand(n, device=dev) * 0.01 + 1e-3
+    g = torch.rand(n, k // 128, device=dev) * 0.01 + 1e-3
+    i8 = lambda: torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)  # noqa: E731
+    i4 = lambda: pack_int4(torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8))  # noqa: E731
+    base, _, path = fmt.partition(":")
+    cfg = {"cublas": {"PREFILL_A16": "cublas"}, "triton": {"PREFILL_A8": "triton"}}.get(path)
+    ql = kernels.dispatch._kernels("quant_gemm").quant_linear
+
+    def a8(x, w, s, dtype=torch.int8):
+        x_q, xs = kernels.quantize_act(x, None, True, dtype)
+        return ql(x_q, w, s, None, xs, None, x.dtype, cfg=cfg)
+
+    if base == "fp16-cublas":
+        return (lambda: (torch.randn(n, k, device=dev, dtype=torch.float16),)), lambda x, w: F.linear(x, w[0])
+    if base == "fp16-gemv":
+        return (lambda: (torch.randn(n, k, device=dev, dtype=torch.float16),)), lambda x, w: kernels.linear(x, w[0])
+    if base == "w8a16":
+        return (lambda: (i8(), ch)), lambda x, w: ql(x, w[0], w[1], cfg=cfg)
+    if base == "w4a16-g128":
+        return (lambda: (i4(), g)), lambda x, w: ql(x, w[0], w[1], cfg=cfg)
+    if base == "w4a16-g128-asym":
+        z = torch.randint(-8, 8, (n, k // 128), device=dev, dtype=torch.int32)
+        return (lambda: (i4(), g, z)), lambda x, w: ql(x, w[0], w[1], w[2], cfg=cfg)
+    if base == "w8a8":
+        return (lambda: (i8(), ch)), lambda x, w: a8(x, w[0], w[1])
+    if base == "w4a8-g128":
+        return (lambda: (i4(), g)), lambda x, w: a8(x, w[0], w[1])
+    if base == "fp8":
+        f8 = lambda: torch.randn(n, k, device=dev).clamp(-400, 400).to(torch.float8_e4m3fn)  # noqa: E731
+        return (lambda: (f8(), ch)), lambda x, w: a8(x, w[0], w[1], torch.float8_e4m3fn)
+    raise ValueError(fmt)
+
+
+def time_op(make_w, op, rows: int, k: int, min_bytes: int = 400 << 20) -> tuple[float, int]:
+    """Median µs of op(x, w) with weights rotated through copies over ``min_bytes`` (past L2), graph-replayed."""
+    w0 = make_w()
+    wbytes = sum(t.numel() * t.element_size() for t in w0)
+    copies = [w0] + [make_w() for _ in range(min(31, max(1, math.ceil(min_bytes / wbytes)) - 1))]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
+    for w in copies[:2]:
+        op(x, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in copies:
+            op(x, w)
+    ms = time_ms(graph.replay, warmup=2, reps=10)
+    del graph
+    return ms * 1e3 / len(copies), wbytes
+
+
+FORMATS = ("fp16-cublas,fp16-gemv,w8a16,w8a16:cublas,w4a16-g128,w4a16-g128:cublas,w4a16-g128-asym,w8a8,w8a8:triton,"
+           "w4a8-g128,fp8")
+
+
+def run_micro(args, bw, results) -> None:
+    cfg = PUBLISHED[args.models.split(",")[0]]
+    rows_list = [int(r) for r in args.micro_rows.split(",")]
+    formats = args.formats.split(",")
+    micro = results.setdefault("micro", {"model": args.models.split(",")[0], "rows": rows_list, "ops": {}})
+    for sname, (n, k) in shapes(cfg).items():
+        for fmt in tqdm(formats, desc=f"micro {sname}"):
+            make_w, op = make_op(fmt, n, k)
+            row = {}
+            for rows in rows_list:
+                try:
+                    us, wbytes = time_op(make_w, op, rows, k)
+                    row[rows] = us
+                    row["limit_us"] = wbytes / bw * 1e6
+                except Exception as e:
+                    row[rows] = None
+                    row["error"] = f"{type(e).__name__}: {str(e)[:150]}"
+                gc.collect()
+                torch.cuda.empty_cache()
+            micro["ops"][f"{sname} {n}x{k} {fmt}"] = row
+            print(sname, fmt, json.dumps(row), flush=True)
+    save(results, args)
+
+
+def run_sweep(args, bw, results) -> None:
+    """Batch-1 launch settings of the CUDA-core GEMV at in_proj and out_proj; the best overall is applied to CFG.
+
+    Best overall: the smallest sum over (shape, format) of time / the best time of that (shape, format).
+    """
+    qk = kernels.dispatch._kernels("quant_gemm")
+    cfg = PUBLISHED[args.models.split(",")[0]]
+    variants = [dict(TILE_FMA=t, warps_fma=nw, stages_fma=ns, WAVES=wv)
+                for t in (1024, 2048) for nw in (2, 4) for ns in (1, 3) for wv in (2, 6)]
+    times: dict = {}
+    for sname, (n, k) in list(shapes(cfg).items())[:2]:
+        for fmt in ("w4a16-g128", "w8a16", "w8a8"):
+            make_w, _ = make_op(fmt, n, k)
+            for i, v in enumerate(variants):
+                def op(x, w, v=v, fmt=fmt):
+                    if fmt == "w8a8":
+                        x_q, xs = kernels.quantize_act(x)
+                        return qk.quant_linear(x_q, w[0], w[1], None, xs, None, x.dtype, cfg=v)
+                    return qk.quant_linear(x, *w, cfg=v)
+                try:
+                    us, wbytes = time_op(make_w, op, 1, k)
+                    times[(sname, fmt, i)] = us
+                except Exception as e:
+                    print("sweep", sname, fmt, v, "failed", str(e)[:200])
+            best = min((t for (a, b, _), t in times.items() if (a, b) == (sname, fmt)), default=None)
+            print("sweep", sname, fmt, f"best {best} us, limit {wbytes / bw * 1e6:.1f} us", flush=True)
+    keys = {(a, b) for a, b, _ in times}
+    best = {key: min(t for (a, b, _), t in times.items() if (a, b) == key) for key in keys}
+    score = {i: sum(times.get((a, b, i), 1e9) / best[(a, b)] for a, b in keys) for i in range(len(variants))}
+    pick = min(score, key=score.get)
+    qk.CFG.update(variants[pick])
+    results["sweep"] = {"variants": variants, "picked": variants[pick],
+                        "times_us": {f"{a} {b} {i}": round(t, 2) for (a, b, i), t in times.items()}}
+    print("sweep picked", variants[pick], "score", round(score[pick], 3), flush=True)
+    save(results, args)
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def save(results, args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quant.json").write_text(json.dumps(results, indent=1))
+
+
+def markdown(results, args) -> str:
+    batches = [int(b) for b in args.batches.split(",")]
+    L = args.prompt_len
+    lines = [f"{results['device']}, {results['dtype']}, {results['date']}, copy bandwidth "
+             f"{results['copy_bandwidth_GBps']:.0f} GB/s; times in ms (median), memory in GiB\n"]
+    if any(results["models"].values()):
+        cols = [f"TTFT {L}"] + [f"TPOT b{b}" for b in batches] + ["model GB", "peak b1 GiB", "load peak GiB"]
+        lines += ["| model | recipe | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+        for name, entry in results["models"].items():
+            for recipe, r in entry.items():
+                if "error" in r:
+                    lines.append(f"| {name} | {recipe} | {r['error'][:80]} |")
+                    continue
+                cells = [r.get(f"ttft_{L}_ms")] + [r.get(f"tpot_b{b}_ms") for b in batches]
+                cells = [f"{c:.2f}" if c is not None else "" for c in cells]
+                mb = r.get("model_bytes")
+                cells += [f"{mb / 1e9:.2f}" if mb else "", f"{r['tpot_b1_peak_gib']:.2f}" if "tpot_b1_peak_gib" in r
+                          else "", f"{r['load_peak_gib']:.2f}" if "load_peak_gib" in r else ""]
+                lines.append(f"| {name} | {recipe} | " + " | ".join(cells) + " |")
+                if "limit" in r:
+                    lim = [""] + [f"{r['limit'].get(f'tpot_b{b}_ms', 0):.2f}" for b in batches] + ["", "", ""]
+                    lines.append(f"| {name} | {recipe} limit | " + " | ".join(lim) + " |")
+    if "micro" in results:
+        m = results["micro"]
+        lines += ["", f"GEMV / GEMM at {m['model']} shapes, µs per call (A8 formats include the activation quantize)",
+                  "", "| op | " + " | ".join(f"{r} rows" for r in m["rows"]) + " | weight-read limit |",
+                  "|---" * (len(m["rows"]) + 2) + "|"]
+        for op, row in m["ops"].items():
+            cells = [f"{row[r]:.1f}" if row.get(r) is not None else "—" for r in m["rows"]]
+            lim = row.get("limit_us")
+            lines.append(f"| {op} | " + " | ".join(cells) + f" | {'' if lim is None else f'{lim:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, args, path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    batches = [int(b) for b in args.batches.split(",")]
+    models = [m for m, e in results["models"].items() if e]
+    if not models:
+        return
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        for recipe, r in results["models"][name].items():
+            ys = [r.get(f"tpot_b{b}_ms") for b in batches]
+            if any(y is not None for y in ys):
+                ax.plot(batches, [y if y is not None else float("nan") for y in ys], marker="o", label=recipe)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("TPOT (ms)")
+        ax.set_title(name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="mamba2-2.7b,mamba2-8b,mamba-2.8b")
+    ap.add_argument("--recipes", default=RECIPES)
+    ap.add_argument("--peers", default="", help="comma list: mamba_ssm (FP16 peer in the same run)")
+    ap.add_argument("--batches", default="1,8,32,128,256")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps per TPOT timing")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--via-disk", default="rtn-w4a16-g128", help="recipes saved and loaded back before timing")
+    ap.add_argument("--micro", action="store_true", help="GEMV / GEMM micro-benchmark at the first model's shapes")
+    ap.add_argument("--micro-rows", default="1,2,8,16,32,1024")
+    ap.add_argument("--formats", default=FORMATS)
+    ap.add_argument("--sweep", action="store_true", help="decode launch-setting sweep at batch 1")
+    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step per recipe")
+    ap.add_argument("--cfg", default="", help="JSON object of kernel launch settings (kernels.quant_gemm.CFG)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/quant"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_quant: needs a CUDA GPU")
+    if args.cfg:
+        kernels.dispatch._kernels("quant_gemm").CFG.update(json.loads(args.cfg))
+    bw = copy_bandwidth()
+    results = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "dtype": args.dtype,
+               "torch": torch.__version__, "copy_bandwidth_GBps": bw / 1e9, "command": " ".join(sys.argv),
+               "models": {}}
+    if args.sweep:
+        run_sweep(args, bw, results)
+    results["kernel_cfg"] = dict(kernels.dispatch._kernels("quant_gemm").CFG)
+    if args.micro:
+        run_micro(args, bw, results)
+    if not args.no_e2e:
+        run_e2e(args, bw, results)
+    save(results, args)
+    table = markdown(results, args)
+    (Path(args.out) / "quant.md").write_text(table)
+    print(table)
+    plot(results, args, Path(args.out) / "quant.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,556 @@
+"""Triton twins of ``ssmq.ops.quant_linear``: low-bit GEMV / GEMM that dequantize in registers.
+
+``quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)`` and ``quantize_act(x, x_scale,
+per_token, dtype)`` have the references' signatures and formats (see ``ssmq.ops.quant_linear``).
+
+Weight layout: the kernels read the STORED checkpoint layout as is (no pre-shuffled copy):
+int8 / fp8 codes row-major (n, k); int4 packed (n, k // 2) uint8, low nibble = even column;
+float32 scales () / (n,) / (n, k // g); int32 zero points beside them. An int4 byte is
+sign-extended in registers by two shifts (low nibble ``(b << 4) >> 4``, high ``b >> 4``) and the
+matching x columns are taken apart the same way (even / odd), so that each half is one tensor-core
+product: x_even @ lo.T + x_odd @ hi.T.
+
+Two kernels do every case, with the same arguments:
+``_qgemv`` (1-2 rows, decode at batch 1-2): CUDA-core multiply-adds, products kept elementwise across the K
+  loop and reduced once; small register tiles, so many programs per SM keep loads in flight. Weight-only
+  groups are dequantized in registers ((q - z) * s, one group per tile); int8 x: int32 products, per group
+  reduced and scaled (``int_matmul_ref``'s order).
+``_qmm`` (more rows): tensor cores (rows padded to 16 up to 16 rows, one weight pass for all):
+  weight-only (x float): acc += (x @ q.T - zero * sum(x)) * scale per group of k (BLOCK_K = g),
+      or once at the end per channel: the codes enter the product unscaled (integers, exact in
+      fp16 / bf16), so a weight element costs a load and a conversion, never a multiply by its scale;
+      for prefill tiles the group's tile is dequantized to x's dtype instead (``DEQ_W``: no second accumulator);
+  int8 x (W8A8 / W4A8): int8 x int8 -> int32 products, then ``int_matmul_ref``'s float32 epilogue
+      in its order, compiled without FMA contraction, so the result is bit-exact;
+  fp8 x: e4m3 operands widened to fp16 (exact), float32 accumulation, scale epilogue.
+fp8 codes travel as raw int8 bytes and are reinterpreted in the kernels (masked loads need an integer fill).
+Decode: when the output blocks alone give too few programs for the SMs, K is split (where the result is
+not bit-exact anyway; float32 partials summed by a second kernel). Prefill: ``torch._int_mm`` + one fused
+epilogue kernel for per-channel / per-tensor W8A8, ``torch._scaled_mm`` for fp8 (where this torch accepts
+the scales), the dequantized weight on cuBLAS from CUBLAS_ROWS rows for weight-only (see CFG), ``_qmm`` else.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ssmq.errors import SSMQError
+from ssmq.kernels._common import dot_precision, pow2, sm_count
+from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
+from ssmq.ops.quant_linear import EPS, FP8_MAX, quant_linear_ref, weight_format
+
+DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
+# Launch settings (tests and the benchmark override entries):
+#   BN_DEC / BK_DEC / warps_dec / stages_dec: decode tiles (BK is the group size for grouped weights)
+#   BM_PRE / BN_PRE / BK_PRE / warps_pre / stages_pre: prefill tiles
+#   WAVES, MAX_SPLIT, MIN_SPLIT_K: split K (weight-only decode) until WAVES programs per SM
+#   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue) or "triton" for per-channel/tensor W8A8
+#   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
+#     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes, 2026-11-23: the Triton GEMM won at
+#     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
+CFG = dict(FMA_MAX_ROWS=2, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
+           BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=4,
+           BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
+           WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
+           CUBLAS_ROWS=512)
+
+
+@triton.jit
+def _qmm(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
+    M, N, K, k_split, n_groups, s_xm, s_wn, s_om, s_os,
+    A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    DEQ_W: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_n, pid_m, pid_k = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks, tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = offs_m < M, offs_n < N
+    WK: tl.constexpr = BLOCK_K // 2 if W4 else BLOCK_K  # weight bytes per row and tile
+    offs_kw = tl.arange(0, WK)
+    offs_kx = tl.arange(0, BLOCK_K)
+    k0 = pid_k * k_split
+    k_len = tl.minimum(k_split, K - k0)
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    w_ptrs = w_ptr + cols[:, None] * s_wn + ((k0 // 2) if W4 else k0) + offs_kw[None, :]
+    x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + offs_kx[None, :]
+    if A_MODE == 0:
+        OP = x_ptr.dtype.element_ty
+        ACC = tl.float32
+    elif A_MODE == 1:
+        OP = tl.int8
+        ACC = tl.int32
+    else:
+        OP = tl.float16
+        ACC = tl.float32
+    if A_MODE != 0:
+        if XS_ROWS:
+            xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
+        else:
+            xs = tl.load(xs_ptr + offs_m * 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A_MODE == 1:
+        acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mn[:, None], other=0)
+            xv = tl.load(x_ptrs, mask=mm[:, None], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=mn[:, None] & (offs_kw < (k_len - k) // (2 if W4 else 1))[None, :], other=0)
+            xv = tl.load(x_ptrs, mask=mm[:, None] & (offs_kx < k_len - k)[None, :], other=0)
+        if A_MODE == 2:  # fp8 codes travel as raw bytes (masked loads need an integer fill value)
+            xv = xv.to(tl.float8e4nv, bitcast=True)
+        xv = xv.to(OP)
+        if W_FP8:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        if DEQ_W:
+            # prefill, weight-only, groups: the tile is dequantized to x's dtype in registers ((q - z) * s in
+            # float32, rounded once, the reference's weight) and accumulated by one product: no per-group
+            # partial accumulator to hold beside a large acc tile
+            t = (k0 + k) // GROUP
+            s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + cols * n_groups + t, mask=mn, other=0).to(tl.float32)
+            else:
+                z = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            if W4:
+                wb = w.to(tl.int8, bitcast=True)
+                lo = ((((wb << 4) >> 4).to(tl.float32) - z[:, None]) * s[:, None]).to(OP)
+                hi = (((wb >> 4).to(tl.float32) - z[:, None]) * s[:, None]).to(OP)
+                xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, BLOCK_K // 2, 2)))
+                acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PRECISION)
+                acc = tl.dot(xo, tl.trans(hi), acc, input_precision=PRECISION)
+            else:
+                wf = ((w.to(tl.float32) - z[:, None]) * s[:, None]).to(OP)
+                acc = tl.dot(xv, tl.trans(wf), acc, input_precision=PRECISION)
+        else:
+            # per group: a fresh partial product for the group's scale; else straight into the accumulator
+            if WS_MODE == 2:
+                if A_MODE == 1:
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+                else:
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            elif A_MODE == 1:
+                part = acc_i
+            else:
+                part = acc
+            if W4:
+                wb = w.to(tl.int8, bitcast=True)
+                lo = ((wb << 4) >> 4).to(OP)
+                hi = (wb >> 4).to(OP)
+                xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, BLOCK_K // 2, 2)))
+                part = tl.dot(xe, tl.trans(lo), part, input_precision=PRECISION, out_dtype=ACC)
+                part = tl.dot(xo, tl.trans(hi), part, input_precision=PRECISION, out_dtype=ACC)
+            else:
+                part = tl.dot(xv, tl.trans(w.to(OP)), part, input_precision=PRECISION, out_dtype=ACC)
+            if WS_MODE == 2:
+                t = (k0 + k) // GROUP
+                s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
+                if A_MODE == 0:
+                    if HAS_ZERO:
+                        z = tl.load(wz_ptr + cols * n_groups + t, mask=mn, other=0).to(tl.float32)
+                        part -= z[None, :] * tl.sum(xv.to(tl.float32), axis=1)[:, None]
+                    acc += part * s[None, :]
+                else:
+                    # int_matmul_ref's order: s_t = a_scale * w_scale[:, t]; out += float(acc_t) * s_t
+                    acc += part.to(tl.float32) * (xs[:, None] * s[None, :])
+            elif A_MODE == 1:
+                acc_i = part
+            else:
+                acc = part
+                if HAS_ZERO:
+                    xsum += tl.sum(xv.to(tl.float32), axis=1)
+        w_ptrs += WK
+        x_ptrs += BLOCK_K
+    if WS_MODE != 2 and not DEQ_W:
+        if WS_MODE == 1:
+            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
+        else:
+            s = tl.load(ws_ptr + offs_n * 0)
+        if A_MODE == 1:
+            acc = acc_i.to(tl.float32) * (xs[:, None] * s[None, :])
+        elif A_MODE == 2:
+            acc = acc * (xs[:, None] * s[None, :])
+        else:
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
+                acc -= z[None, :] * xsum[:, None]
+            acc = acc * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _qgemv(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
+    M, N, K, k_split, n_groups, s_xm, s_wn, s_om, s_os,
+    A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # One or two rows: multiply-adds on CUDA cores (a tensor-core tile would pad the rows to 16 and hold
+    # registers that cost occupancy, i.e. loads in flight). Products are kept elementwise across the K
+    # loop and reduced once at the end, except per group of int8 x (exact int32 per group, then its scale).
+    # Weight-only groups: each tile is one group (BLOCK_K == GROUP), dequantized in registers by its
+    # (BLOCK_N,) scales and zeros. A_MODE / WS_MODE as in _qmm.
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_n, pid_m, pid_k = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks, tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = offs_m < M, offs_n < N
+    WK: tl.constexpr = BLOCK_K // 2 if W4 else BLOCK_K
+    offs_w = tl.arange(0, WK)
+    k0 = pid_k * k_split
+    k_len = tl.minimum(k_split, K - k0)
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    w_ptrs = w_ptr + cols[:, None] * s_wn + ((k0 // 2) if W4 else k0) + offs_w[None, :]
+    # x columns matching the weight columns: even / odd ones for packed int4
+    x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + (offs_w * 2 if W4 else offs_w)[None, :]
+    if A_MODE == 1:
+        ACC = tl.int32
+    else:
+        ACC = tl.float32
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, WK), dtype=ACC)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    xsum = tl.zeros((BLOCK_M, 1, WK), dtype=tl.float32)
+    if A_MODE != 0:
+        if XS_ROWS:
+            xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
+        else:
+            xs = tl.load(xs_ptr + offs_m * 0)
+    for k in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mn[:, None], other=0)
+            xa = tl.load(x_ptrs, mask=mm[:, None], other=0)
+            if W4:
+                xb = tl.load(x_ptrs + 1, mask=mm[:, None], other=0)
+        else:
+            mk = offs_w < (k_len - k) // (2 if W4 else 1)
+            w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0)
+            xa = tl.load(x_ptrs, mask=mm[:, None] & mk[None, :], other=0)
+            if W4:
+                xb = tl.load(x_ptrs + 1, mask=mm[:, None] & mk[None, :], other=0)
+        if A_MODE == 2:
+            xa = xa.to(tl.float8e4nv, bitcast=True)
+        if W_FP8:
+            w = w.to(tl.float8e4nv, bitcast=True)
+        if W4:
+            wb = w.to(tl.int8, bitcast=True)
+            qa = ((wb << 4) >> 4).to(ACC)
+            qb = (wb >> 4).to(ACC)
+        else:
+            qa = w.to(ACC)
+        if WS_MODE == 2 and A_MODE == 0:
+            t = (k0 + k) // GROUP
+            s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)[:, None]
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + cols * n_groups + t, mask=mn, other=0).to(tl.float32)[:, None]
+                qa = (qa - z) * s
+                if W4:
+                    qb = (qb - z) * s
+            else:
+                qa = qa * s
+                if W4:
+                    qb = qb * s
+        prod = xa.to(ACC)[:, None, :] * qa[None, :, :]
+        if W4:
+            prod += xb.to(ACC)[:, None, :] * qb[None, :, :]
+        if WS_MODE == 2 and A_MODE == 1:
+            t = (k0 + k) // GROUP
+            s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
+            acc += tl.sum(prod, axis=2).to(tl.float32) * (xs[:, None] * s[None, :])
+        else:
+            acc3 += prod
+            if HAS_ZERO and WS_MODE != 2:
+                xsum += xa.to(tl.float32)[:, None, :]
+                if W4:
+                    xsum += xb.to(tl.float32)[:, None, :]
+        w_ptrs += WK
+        x_ptrs += BLOCK_K
+    if not (WS_MODE == 2 and A_MODE == 1):
+        acc = tl.sum(acc3, axis=2).to(tl.float32)
+    if WS_MODE != 2:
+        if WS_MODE == 1:
+            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
+        else:
+            s = tl.load(ws_ptr + offs_n * 0)
+        if A_MODE != 0:
+            acc = acc * (xs[:, None] * s[None, :])
+        else:
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
+                acc -= z[None, :] * tl.sum(xsum, axis=2)
+            acc = acc * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _int_epilogue(acc_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, XS_ROWS: tl.constexpr, WS_COLS: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # int_matmul_ref's epilogue over torch._int_mm's int32 result in one pass: float(acc) * (xs * ws) + bias
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = offs_m < M, offs_n < N
+    idx = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+    acc = tl.load(acc_ptr + idx, mask=mm[:, None] & mn[None, :], other=0).to(tl.float32)
+    xs = tl.load(xs_ptr + (offs_m if XS_ROWS else offs_m * 0), mask=mm, other=0.0)
+    ws = tl.load(ws_ptr + (offs_n if WS_COLS else offs_n * 0), mask=mn, other=0.0)
+    out = acc * (xs[:, None] * ws[None, :])
+    if HAS_BIAS:
+        out += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _quantize_rows(x_ptr, s_ptr, q_ptr, xs_ptr, K, s_xm, QMAX: tl.constexpr, EPS_: tl.constexpr,
+                   STATIC: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row: absmax -> scale -> codes, with the reference's IEEE division and rounding
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < K
+    x = tl.load(x_ptr + row * s_xm + offs, mask=m, other=0.0).to(tl.float32)
+    if STATIC:
+        scale = tl.load(s_ptr)
+    else:
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), EPS_)
+        tl.store(xs_ptr + row, scale)
+    y = tl.math.div_rn(x, scale)
+    if FP8:
+        q = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(q_ptr.dtype.element_ty)
+    else:
+        # round half to even as torch.round: adding and subtracting 1.5 * 2^23 leaves the float32 sum
+        # rounded to an integer by the hardware's round-to-nearest-even (exact for |y| < 2^22; y is
+        # clamped first, which changes no code)
+        y = tl.minimum(tl.maximum(y, -129.0), 128.0)
+        q = tl.minimum(tl.maximum((y + 12582912.0) - 12582912.0, -128.0), 127.0).to(tl.int8)
+    tl.store(q_ptr + row * K + offs, q, mask=m)
+
+
+@triton.jit
+def _dequant(w_ptr, ws_ptr, wz_ptr, out_ptr, N, K, n_groups, s_wn,
+             W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr, HAS_ZERO: tl.constexpr,
+             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # (BLOCK_N, BLOCK_K) tile of the dequantized weight, written in out's dtype (the cuBLAS prefill path)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    cols = offs_n.to(tl.int64)[:, None]
+    if W4:
+        b = tl.load(w_ptr + cols * s_wn + offs_k[None, :] // 2, mask=m, other=0).to(tl.int8, bitcast=True)
+        q = tl.where((offs_k % 2 == 0)[None, :], (b << 4) >> 4, b >> 4).to(tl.float32)
+    else:
+        q = tl.load(w_ptr + cols * s_wn + offs_k[None, :], mask=m, other=0)
+        if W_FP8:
+            q = q.to(tl.float8e4nv, bitcast=True)
+        q = q.to(tl.float32)
+    if WS_MODE == 2:
+        p_off = cols * n_groups + (offs_k // GROUP)[None, :]
+    elif WS_MODE == 1:
+        p_off = cols + offs_k[None, :] * 0
+    else:
+        p_off = cols * 0 + offs_k[None, :] * 0
+    if HAS_ZERO:
+        q -= tl.load(wz_ptr + p_off, mask=m, other=0).to(tl.float32)
+    w = q * tl.load(ws_ptr + p_off, mask=m, other=0.0)
+    tl.store(out_ptr + cols * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _ws_mode(w_scale) -> int:
+    return 2 if w_scale.dim() == 2 else int(w_scale.dim() == 1)
+
+
+def _supported(f: dict, x: torch.Tensor) -> bool:
+    g = f["group_size"]
+    # BLOCK_K = g must be a power of two whose (int4: half) width fills a tensor-core K step (16; int8: 32)
+    if g is not None and (g & (g - 1) or g < (16 if x.dtype != torch.int8 else 32) * (2 if f["bits"] == 4 else 1)):
+        return False
+    return x.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
+
+
+def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> dict:
+    g = f["group_size"]
+    fma = M <= cfg["FMA_MAX_ROWS"]
+    decode = M <= DECODE_ROWS
+    if fma:
+        BM = pow2(M)
+        BK = g if g is not None else min(max(32, cfg["BK_FMA"] // BM), pow2(K, 32))
+        BN = min(max(1, cfg["TILE_FMA"] // (BK * BM)), pow2(N))  # TILE_FMA weight elements a tile
+        nw, ns = cfg["warps_fma"], cfg["stages_fma"]
+    elif decode:
+        BM, BN, BK, nw, ns = 16, cfg["BN_DEC"], cfg["BK_DEC"], cfg["warps_dec"], cfg["stages_dec"]
+    else:
+        BM, BN, BK, nw, ns = cfg["BM_PRE"], cfg["BN_PRE"], cfg["BK_PRE"], cfg["warps_pre"], cfg["stages_pre"]
+        if g is not None:
+            BN = min(BN, cfg["BN_PRE_GROUP"])
+        BM = min(BM, pow2(M, 16))
+    if not fma:
+        BN = min(BN, pow2(N, 16))
+        BK = g if g is not None else min(BK, pow2(K, 32))
+    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    split = 1
+    # split K over programs (float32 partial sums) only where the result is not bit-exact anyway
+    if decode and (a_mode == 0 or (a_mode == 2 and fma)):
+        want = triton.cdiv(cfg["WAVES"] * sms, n_blocks * m_blocks)
+        split = max(1, min(cfg["MAX_SPLIT"], want, K // cfg["MIN_SPLIT_K"]))
+    k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    split = triton.cdiv(K, k_split)
+    return dict(FMA=fma, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, split=split,
+                DEQ_W=not decode and a_mode == 0 and g is not None,
+                k_split=k_split, EVEN_K=K % BK == 0 and k_split % BK == 0, grid=(n_blocks * m_blocks, split))
+
+
+def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
+    M, K = x2.shape
+    N = f["n"]
+    c = _plan(M, N, K, f, a_mode, sm_count(x2.device), cfg)
+    split = c["split"]
+    part = out if split == 1 else torch.empty((split, M, N), device=x2.device, dtype=torch.float32)
+    dummy = w_scale
+    if f["fp8"]:  # raw bytes: the kernel reinterprets them (see _qmm)
+        w_q = w_q.view(torch.int8)
+        x2 = x2.view(torch.int8) if a_mode == 2 else x2
+    args = (x2, xs if xs is not None else dummy, w_q, w_scale, w_zero if w_zero is not None else dummy,
+            bias if bias is not None else dummy, part,
+            M, N, K, c["k_split"], w_scale.shape[1] if w_scale.dim() == 2 else 1, x2.stride(0), w_q.stride(0),
+            N, M * N)
+    common = dict(A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, W_FP8=f["fp8"],
+                  WS_MODE=_ws_mode(w_scale), HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None and split == 1,
+                  GROUP=f["group_size"] or 1, EVEN_K=c["EVEN_K"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+                  BLOCK_K=c["BLOCK_K"], num_warps=c["num_warps"], num_stages=c["num_stages"],
+                  # the integer paths reproduce int_matmul_ref's separately rounded products and sums
+                  enable_fp_fusion=a_mode == 0)
+    if c["FMA"]:
+        _qgemv[c["grid"]](*args, **common)
+    else:
+        _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"],
+                        PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
+    if split > 1:
+        BLOCK = 1024
+        _sum_splits[(triton.cdiv(M * N, BLOCK),)](
+            part, bias if bias is not None else part, out, M * N, N, split,
+            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def dequantize_weight(w_q, w_scale, w_zero=None, dtype=torch.float16) -> torch.Tensor:
+    """(n, k) weight in ``dtype``: (q - zero) * scale in float32, rounded once (ops.dequantize_weight's values)."""
+    f = weight_format(w_q, w_scale, w_zero)
+    N, K = f["n"], f["k"]
+    out = torch.empty((N, K), device=w_q.device, dtype=dtype)
+    BN, BK = 32, 128
+    _dequant[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+        w_q.view(torch.int8) if f["fp8"] else w_q, w_scale,
+        w_zero if w_zero is not None else w_scale, out, N, K,
+        w_scale.shape[1] if w_scale.dim() == 2 else 1, w_q.stride(0),
+        W4=f["bits"] == 4, W_FP8=f["fp8"], WS_MODE=_ws_mode(w_scale), HAS_ZERO=w_zero is not None,
+        GROUP=f["group_size"] or 1, BLOCK_N=BN, BLOCK_K=BK, num_warps=4)
+    return out
+
+
+def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None, cfg=None):
+    """``ops.quant_linear_ref`` on the GPU (same signature and formats); ``cfg`` overrides CFG entries."""
+    cfg = CFG if cfg is None else {**CFG, **cfg}
+    f = weight_format(w_q, w_scale, w_zero)
+    if not _supported(f, x):
+        return quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
+    K, N = f["k"], f["n"]
+    if x.shape[-1] != K:
+        raise SSMQError(f"x has {x.shape[-1]} features, the quantized weight has {K}")
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    x2 = x.reshape(M, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    a_mode = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(x.dtype, 0)
+    if a_mode:
+        if x_scale is None:
+            raise SSMQError(f"{x.dtype} activations need their x_scale")
+        if (a_mode == 1 and (f["fp8"] or w_zero is not None)) or (a_mode == 2 and not f["fp8"]):
+            return quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)  # raises the error
+        xs = x_scale.reshape(-1) if x_scale.dim() else x_scale
+        out_dtype = out_dtype or torch.float32
+    else:
+        xs = None
+        out_dtype = out_dtype or x.dtype
+    out = torch.empty((*lead, N), device=x.device, dtype=out_dtype)
+    if M == 0 or N == 0:
+        return out
+    out2 = out.view(M, N)
+    if M > DECODE_ROWS:
+        if a_mode == 1 and f["bits"] == 8 and f["group_size"] is None and cfg["PREFILL_A8"] == "int_mm" \
+                and K % 8 == 0 and N % 8 == 0:
+            # cuBLASLt's int8 GEMM (TN layout: w_q.t() is the stored rows), then the reference's epilogue
+            acc = torch._int_mm(x2, w_q.t())
+            BM, BN = 32, 128
+            _int_epilogue[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+                acc, xs, w_scale, bias if bias is not None else w_scale, out2, M, N, XS_ROWS=xs.dim() == 1,
+                WS_COLS=w_scale.dim() == 1, HAS_BIAS=bias is not None, BLOCK_M=BM, BLOCK_N=BN, num_warps=4,
+                enable_fp_fusion=False)
+            return out
+        if a_mode == 2 and K % 16 == 0 and N % 16 == 0 and _SCALED_MM_OK.get(out_dtype, True):
+            try:
+                return _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out)
+            except RuntimeError:  # this torch's cuBLASLt path refuses the scale layout / output dtype
+                _SCALED_MM_OK[out_dtype] = False
+        cublas = cfg["PREFILL_A16"] == "cublas" or (cfg["PREFILL_A16"] == "auto" and M >= cfg["CUBLAS_ROWS"])
+        if a_mode == 0 and cublas and x.dtype != torch.float32:
+            w = dequantize_weight(w_q, w_scale, w_zero, x.dtype)
+            out2.copy_(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)))
+            return out
+    _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out2, f, a_mode, cfg)
+    return out
+
+
+_SCALED_MM_OK: dict = {}
+
+
+def _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out):
+    """FP8 prefill on cuBLASLt: per-row x scales and per-channel (or per-tensor) weight scales."""
+    M, N = out2.shape
+    sa = (xs.reshape(-1, 1) if xs.dim() else xs.reshape(1, 1).expand(M, 1)).contiguous()
+    sb = (w_scale.reshape(1, -1) if w_scale.dim() else w_scale.reshape(1, 1).expand(1, N)).contiguous()
+    y = torch._scaled_mm(x2, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=out2.dtype)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    out2.copy_(y)
+    return out
+
+
+def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
+    """``ops.quantize_act_ref`` on the GPU: one program per row; dynamic per-tensor takes its absmax first."""
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    x2 = x.reshape(M, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty((*lead, K), device=x.device, dtype=dtype)
+    fp8 = dtype == torch.float8_e4m3fn
+    qmax = FP8_MAX if fp8 else 127.0
+    static = x_scale is not None or not per_token
+    if x_scale is None and not per_token:
+        # one scale for the tensor: the reference's (absmax / qmax) clamped, computed by torch
+        x_scale = (x2.float().abs().amax() / qmax).clamp(min=EPS)
+    if x_scale is not None:
+        x_scale = x_scale.float().reshape(())
+    xs = x_scale if static else torch.empty(lead, device=x.device, dtype=torch.float32)
+    if M == 0:
+        return q, xs
+    _quantize_rows[(M,)](x2, x_scale if static else xs, q, xs, K, x2.stride(0), QMAX=qmax, EPS_=EPS,
+                         STATIC=static, FP8=fp8, BLOCK=pow2(K, 16), num_warps=4 if K <= 4096 else 8)
+    return q, xs

@@ -1,0 +1,223 @@
+"""The quantized linear op: exact CPU references of every low-bit GEMM / GEMV ssmq runs.
+
+One op for every quantized linear layer; the weight format is read off the tensors:
+
+    w_q      int8 (n, k)            int8 codes (W8*)
+             uint8 (n, k // 2)      int4 codes, two per byte (``pack_int4``: low nibble = even column)
+             float8_e4m3fn (n, k)   fp8 codes
+    w_scale  float32 () per-tensor, (n,) per-channel, (n, k // g) per-group (g = k // w_scale.shape[1])
+    w_zero   int32, w_scale's shape, or None (symmetric); codes dequantize as (q - zero) * scale
+
+and the activation format off x:
+
+    x float (m, k)          weight-only (W8A16, W4A16, FP8 weight-only): y = x @ dequant(W).T in x's dtype
+    x int8 (m, k)           W8A8 / W4A8: exact int32 accumulation, float32 epilogue (``int_matmul_ref``);
+                            x_scale float32 () per-tensor or (m,) per-token
+    x float8_e4m3fn (m, k)  FP8 W8A8: float32 GEMM of the dequantized operands; x_scale () or (m,)
+
+``quantize_act_ref`` makes (x_q, x_scale) from a float activation: a static per-tensor scale, or
+dynamic absmax per token / per tensor; it equals ``ssmq.quant.primitives.quantize`` with the
+parameters of ``choose_qparams`` bit for bit.
+
+Glossary: m rows of x (tokens), k in_features, n out_features, g group size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ssmq.errors import SSMQError
+
+EPS = 1e-8  # smallest scale (as ssmq.quant.primitives.EPS): an all-zero row quantizes to zeros
+FP8_MAX = 448.0
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 codes (..., k) int8 in [-8, 7], k even -> uint8 (..., k // 2).
+
+    Layout: byte j holds element 2j in its LOW nibble and element 2j+1 in its HIGH
+    nibble, each as 4-bit two's complement (e.g. [-1, 2] -> 0x2F).
+    """
+    if q.shape[-1] % 2:
+        raise SSMQError(f"int4 packing needs an even last dim, got {q.shape[-1]}")
+    u = q.to(torch.int16) & 0xF  # two's complement nibble
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: uint8 (..., k // 2) -> int8 (..., k) in [-8, 7]."""
+    b = p.to(torch.int16)
+    nib = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)  # (..., k): low, high, low, ...
+    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+
+
+def int_matmul_ref(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    group_size: int | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact integer GEMM: the result every W8A8 / W4A8 GPU kernel must reproduce bit for bit.
+
+    a_q: (m, k) int8 activation codes (symmetric); a_scale: () per-tensor or (m,) per-token.
+    w_q: (n, k) int8 codes (int8 or unpacked int4, symmetric); w_scale: () per-tensor,
+    (n,) per-channel, or (n, k // group_size) per-group.
+    bias: (n,) or None. Returns (m, n) float32.
+
+    Semantics (the bit-exact contract):
+      1. acc = sum_j a_q[i, j] * w_q[o, j] in int32 (exact: |acc| < 2^31 for k < 2^17);
+         per group when ``group_size`` is set: acc_t over columns [t*g, (t+1)*g).
+      2. epilogue in float32, in this order: s = a_scale[i] * w_scale[o] (or w_scale[o, t]);
+         out = float32(acc) * s, and per-group: out = 0; out += float32(acc_t) * s_t for t = 0, 1, ...
+         (each product rounded before the sum: kernels must not contract it into an FMA)
+      3. out += bias (float32), if any.
+    """
+    if a_q.dtype != torch.int8 or w_q.dtype != torch.int8:
+        raise SSMQError(f"int_matmul_ref takes int8 codes, got {a_q.dtype} and {w_q.dtype}")
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    # int32 GEMM is CPU-only in torch; float64 gives the same integers wherever it runs
+    # (every partial sum is an integer below 2^53), so CUDA tensors take that route.
+    acc_dtype = torch.float64 if a_q.is_cuda else torch.int32
+    a32, w32 = a_q.to(acc_dtype), w_q.to(acc_dtype)
+    a_s = a_scale.float().reshape(-1, 1) if a_scale.numel() > 1 else a_scale.float().reshape(1, 1)  # (m|1, 1)
+    if group_size is None:
+        w_s = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(1, 1)
+        out = (a32 @ w32.T).float() * (a_s * w_s)
+    else:
+        if k % group_size:
+            raise SSMQError(f"group size {group_size} does not divide k = {k}")
+        out = torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
+        for t in range(k // group_size):
+            cols = slice(t * group_size, (t + 1) * group_size)
+            acc = a32[:, cols] @ w32[:, cols].T  # (m, n) integers
+            out += acc.float() * (a_s * w_scale[:, t].float().reshape(1, n))
+    if bias is not None:
+        out = out + bias.float()
+    return out
+
+
+def weight_format(w_q: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor | None = None) -> dict:
+    """{"bits": 4 | 8, "fp8": bool, "n", "k", "group_size": g or None}; one-line errors on bad shapes."""
+    if w_q.dim() != 2:
+        raise SSMQError(f"quantized weight must be 2-D (n, k), got shape {tuple(w_q.shape)}")
+    if w_q.dtype == torch.uint8:
+        bits, fp8, n, k = 4, False, w_q.shape[0], 2 * w_q.shape[1]
+    elif w_q.dtype in (torch.int8, torch.float8_e4m3fn):
+        bits, fp8, (n, k) = 8, w_q.dtype == torch.float8_e4m3fn, w_q.shape
+    else:
+        raise SSMQError(f"quantized weight codes must be int8, uint8 (packed int4) or float8_e4m3fn, got {w_q.dtype}")
+    if w_scale.dtype != torch.float32:
+        raise SSMQError(f"weight scales must be float32, got {w_scale.dtype}")
+    group = None
+    if w_scale.dim() == 2:
+        if w_scale.shape[0] != n or w_scale.shape[1] == 0 or k % w_scale.shape[1]:
+            raise SSMQError(f"per-group weight scales {tuple(w_scale.shape)} do not fit a ({n}, {k}) weight")
+        group = k // w_scale.shape[1]
+    elif w_scale.shape not in ((), (n,)):
+        raise SSMQError(f"weight scales {tuple(w_scale.shape)} fit neither per-tensor (), per-channel ({n},) "
+                        f"nor per-group ({n}, k // g)")
+    if w_zero is not None and (w_zero.shape != w_scale.shape or w_zero.dtype != torch.int32):
+        raise SSMQError(f"weight zero points must be int32 shaped like the scales {tuple(w_scale.shape)}, "
+                        f"got {w_zero.dtype} {tuple(w_zero.shape)}")
+    if w_zero is not None and fp8:
+        raise SSMQError("fp8 weights are symmetric: no zero points")
+    return {"bits": bits, "fp8": fp8, "n": n, "k": k, "group_size": group}
+
+
+def weight_codes(w_q: torch.Tensor) -> torch.Tensor:
+    """(n, k) codes: int8 for int8 and int4 (unpacked), float8_e4m3fn for fp8."""
+    return unpack_int4(w_q) if w_q.dtype == torch.uint8 else w_q
+
+
+def dequantize_weight(w_q: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, k) float32: (q - zero) * scale, per-tensor / per-channel / per-group as the scale's shape says."""
+    f = weight_format(w_q, w_scale, w_zero)
+    y = weight_codes(w_q).float()
+
+    def expand(p):
+        if p.dim() == 2:
+            return p.repeat_interleave(f["group_size"], dim=1)
+        return p.reshape(-1, 1) if p.dim() == 1 else p.reshape(())
+
+    if w_zero is not None:
+        y = y - expand(w_zero).float()
+    return y * expand(w_scale)
+
+
+def quant_linear_ref(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y = x @ W.T + bias for a quantized W (format: module docstring).
+
+    x: (..., k) float, int8 or float8_e4m3fn; x_scale: () or x.shape[:-1] float32 for int8 / fp8 x.
+    bias: (n,) or None. Returns (..., n) in ``out_dtype`` (default: x's dtype for float x, float32 else).
+    """
+    f = weight_format(w_q, w_scale, w_zero)
+    k, n = f["k"], f["n"]
+    if x.shape[-1] != k:
+        raise SSMQError(f"x has {x.shape[-1]} features, the quantized weight has {k}")
+    if bias is not None and bias.shape != (n,):
+        raise SSMQError(f"bias must be ({n},), got {tuple(bias.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x.dtype in (torch.int8, torch.float8_e4m3fn):
+        if x_scale is None:
+            raise SSMQError(f"{x.dtype} activations need their x_scale")
+        if x_scale.numel() != 1 and x_scale.shape != lead:
+            raise SSMQError(f"x_scale must be () or {tuple(lead)}, got {tuple(x_scale.shape)}")
+        xs = x_scale.reshape(()) if x_scale.numel() == 1 and x_scale.dim() == 0 else x_scale.reshape(-1)
+        if x.dtype == torch.int8:
+            if f["fp8"] or w_zero is not None:
+                raise SSMQError("int8 activations need symmetric int8 / int4 weights")
+            out = int_matmul_ref(x2, xs, weight_codes(w_q), w_scale, f["group_size"], bias)
+        else:
+            if not f["fp8"]:
+                raise SSMQError("fp8 activations need fp8 weights")
+            xf = x2.float() * (xs.reshape(-1, 1) if xs.dim() else xs)
+            out = F.linear(xf, dequantize_weight(w_q, w_scale), None if bias is None else bias.float())
+        out_dtype = out_dtype or torch.float32
+    else:
+        if not x.is_floating_point():
+            raise SSMQError(f"activations must be float, int8 or float8_e4m3fn, got {x.dtype}")
+        w = dequantize_weight(w_q, w_scale, w_zero).to(x.dtype)
+        out = F.linear(x2, w, None if bias is None else bias.to(x.dtype))
+        out_dtype = out_dtype or x.dtype
+    return out.to(out_dtype).reshape(*lead, n)
+
+
+def quantize_act_ref(
+    x: torch.Tensor, x_scale: torch.Tensor | None = None, per_token: bool = True, dtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric activation quantization: x (..., k) float -> (codes (..., k) ``dtype``, scale float32).
+
+    x_scale given: static per-tensor scale (), returned as is. Else dynamic: scale = absmax / qmax
+    (at least EPS) per token (shape x.shape[:-1]) or per tensor (()). int8: round half to even of
+    the IEEE float32 quotient, clamped to [-128, 127]; float8_e4m3fn: the quotient clamped to ±448, cast.
+    """
+    if dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise SSMQError(f"activation codes are int8 or float8_e4m3fn, not {dtype}")
+    qmax = 127.0 if dtype == torch.int8 else FP8_MAX
+    xf = x.float()
+    if x_scale is None:
+        amax = xf.abs().amax(-1) if per_token else xf.abs().amax()
+        x_scale = (amax / qmax).clamp(min=EPS)
+        s = x_scale.unsqueeze(-1) if per_token else x_scale
+    else:
+        if x_scale.numel() != 1:
+            raise SSMQError(f"a static activation scale is per-tensor (), got shape {tuple(x_scale.shape)}")
+        x_scale = x_scale.float().reshape(())
+        s = x_scale
+    y = xf / s
+    if dtype == torch.int8:
+        return torch.round(y).clamp(-128, 127).to(torch.int8), x_scale
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale

@@ -1,0 +1,163 @@
+"""The low-bit linear kernels (``ssmq.kernels.quant_gemm``) equal ``ssmq.ops.quant_linear``'s references:
+bit-exact where the arithmetic is integer (int8 / int4 x int8 -> int32, float32 epilogue), within fp16
+rounding after the epilogue elsewhere. ``gpu`` tests; ``SSMQ_TRITON_INTERPRET=1`` runs a smaller sweep on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ssmq import ops
+from ssmq.ops.quant_linear import pack_int4
+from test_kernels import DEV, INTERPRET, _patch_interpreter_scalars, rel
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def QK():
+    pytest.importorskip("triton")
+    if INTERPRET:
+        _patch_interpreter_scalars()
+    import importlib
+
+    return importlib.import_module("ssmq.kernels.quant_gemm")
+
+
+def make_weight(n, k, bits, group, zero, fp8=False):
+    """Random codes and scales in the stored layout: (w_q, w_scale, w_zero)."""
+    shape = (n, k // group) if group else (n,)
+    scale = torch.rand(shape, device=DEV) * 0.02 + 0.001
+    if fp8:
+        return (torch.randn(n, k, device=DEV) * 100).clamp(-448, 448).to(torch.float8_e4m3fn), scale, None
+    lim = 8 if bits == 4 else 128
+    codes = torch.randint(-lim, lim, (n, k), device=DEV, dtype=torch.int8)
+    z = torch.randint(-lim, lim, shape, device=DEV, dtype=torch.int32) if zero else None
+    return (pack_int4(codes) if bits == 4 else codes), scale, z
+
+
+# SSMQ_GPU_QUICK=1: a shorter GPU sweep (one dtype, two shapes) for runs on a tight device budget
+QUICK = os.environ.get("SSMQ_GPU_QUICK") == "1"
+ROWS = [1, 3, 16, 17, 130] if INTERPRET else [1, 2, 5, 16, 17, 256] if QUICK else [1, 2, 5, 8, 16, 17, 64, 256]
+N_K = [(40, 256)] if INTERPRET else [(100, 512), (333, 1024)] if QUICK else [(100, 512), (333, 1024), (2560, 5120)]
+# (bits, group, zero): W8 per-channel sym / asym, W8 per-tensor, W4 g128 sym / asym, W4 g32
+WFMTS = [(8, None, False), (8, None, True), (8, "tensor", False), (4, 128, False), (4, 128, True), (4, 32, False)]
+
+
+def _weight(n, k, fmt):
+    bits, group, zero = fmt
+    if group == "tensor":
+        w_q, _, _ = make_weight(n, k, bits, None, False)
+        return w_q, torch.tensor(0.01, device=DEV), None
+    return make_weight(n, k, bits, group, zero)
+
+
+@pytest.mark.parametrize("fmt", WFMTS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", N_K)
+@pytest.mark.parametrize("dtype", [torch.float16] if INTERPRET or QUICK else [torch.float16, torch.bfloat16])
+def test_weight_only(QK, fmt, rows, n, k, dtype):
+    torch.manual_seed(rows)
+    w_q, w_s, w_z = _weight(n, k, fmt)
+    x = torch.randn(rows, k, device=DEV).to(dtype)
+    bias = torch.randn(n, device=DEV).to(dtype)
+    out = QK.quant_linear(x, w_q, w_s, w_z, None, bias)
+    ref = ops.quant_linear_ref(x, w_q, w_s, w_z, None, bias)
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z, None, bias.double())  # no fp16 weight rounding
+    assert out.dtype == dtype and out.shape == ref.shape
+    # within fp16 / bf16 rounding: no further from the float64 result than the reference, plus an ulp
+    eps = 2e-3 if dtype == torch.float16 else 1.6e-2
+    assert rel(out, exact) <= rel(ref, exact) + eps
+
+
+@pytest.mark.parametrize("fmt", [(8, None, False), (8, "tensor", False), (4, 128, False), (4, 32, False)])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", N_K + ([] if INTERPRET else [(64, 1000)]))  # odd k // 8: no int_mm
+@pytest.mark.parametrize("per_token", [True, False])
+def test_int8_activations_bit_exact(QK, fmt, rows, n, k, per_token):
+    if fmt[0] == 4 and k % fmt[1]:
+        pytest.skip("groups do not divide k")
+    torch.manual_seed(rows + 7)
+    w_q, w_s, _ = _weight(n, k, fmt)
+    x_q = torch.randint(-128, 128, (rows, k), device=DEV, dtype=torch.int8)
+    x_s = torch.rand(rows, device=DEV) * 0.1 if per_token else torch.tensor(0.05, device=DEV)
+    bias = torch.randn(n, device=DEV)
+    for out_dtype in (torch.float32, torch.float16):
+        out = QK.quant_linear(x_q, w_q, w_s, None, x_s, bias, out_dtype)
+        ref = ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, bias, out_dtype)
+        assert out.dtype == out_dtype
+        assert torch.equal(out, ref), f"max diff {(out.float() - ref.float()).abs().max().item()}"
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_activations_triton_prefill_bit_exact(QK, rows):
+    # the Triton int8 GEMM (not torch._int_mm) for per-channel weights, as PREFILL_A8="triton" runs it
+    torch.manual_seed(3)
+    n, k = N_K[0]
+    w_q, w_s, _ = _weight(n, k, (8, None, False))
+    x_q = torch.randint(-128, 128, (rows, k), device=DEV, dtype=torch.int8)
+    x_s = torch.rand(rows, device=DEV)
+    out = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32, cfg={"PREFILL_A8": "triton"})
+    assert torch.equal(out, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, None, torch.float32))
+
+
+@pytest.mark.skipif(INTERPRET, reason="fp8 needs a GPU (the interpreter has no e4m3 arithmetic)")
+@pytest.mark.parametrize("rows", ROWS)
+def test_fp8(QK, rows):
+    torch.manual_seed(4)
+    n, k = 256, 512
+    w_q, w_s, _ = make_weight(n, k, 8, None, False, fp8=True)
+    x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
+    x_q, x_s = ops.quantize_act_ref(x, None, True, torch.float8_e4m3fn)
+    out = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float16)
+    ref = ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, None, torch.float16)
+    assert rel(out, ref) < 2e-3
+    out16 = QK.quant_linear(x, w_q, w_s, None, None, None)  # fp8 weight-only
+    assert rel(out16, ops.quant_linear_ref(x, w_q, w_s)) < 2e-3
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("k", [40, 5120] if not INTERPRET else [40, 333])
+@pytest.mark.parametrize("mode", ["token", "tensor", "static"])
+@pytest.mark.parametrize("dtype", [torch.int8] if INTERPRET else [torch.int8, torch.float8_e4m3fn])
+def test_quantize_act_bit_exact(QK, rows, k, mode, dtype):
+    torch.manual_seed(k)
+    x = (torch.randn(rows, k, device=DEV) * torch.rand(rows, 1, device=DEV) * 5).half()
+    x[0, :3] = 0.0
+    if rows > 1:
+        x[1] = 0.0  # an all-zero row: scale EPS, codes 0
+    s = torch.tensor(0.013, device=DEV) if mode == "static" else None
+    q, qs = QK.quantize_act(x, s, mode == "token", dtype)
+    rq, rs = ops.quantize_act_ref(x, s, mode == "token", dtype)
+    assert q.dtype == dtype and torch.equal(qs, rs)
+    assert torch.equal(q.view(torch.int8), rq.view(torch.int8))
+
+
+@pytest.mark.parametrize("fmt", WFMTS)
+def test_dequantize_weight(QK, fmt):
+    w_q, w_s, w_z = _weight(48, 256, fmt)
+    ref = ops.dequantize_weight(w_q, w_s, w_z).half()
+    assert torch.equal(QK.dequantize_weight(w_q, w_s, w_z, torch.float16), ref)
+
+
+@pytest.mark.parametrize("path", ["cublas", "triton"])
+def test_prefill_paths(QK, path):
+    torch.manual_seed(5)
+    n, k = N_K[0]
+    w_q, w_s, w_z = _weight(n, k, (4, 128, True))
+    x = torch.randn(70, k, device=DEV).half()
+    out = QK.quant_linear(x, w_q, w_s, w_z, cfg={"PREFILL_A16": path})
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z)
+    assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z), exact) + 2e-3
+
+
+def test_leading_dims_and_empty(QK):
+    w_q, w_s, w_z = _weight(40, 256, (4, 128, True))
+    x = torch.randn(2, 3, 256, device=DEV).half()
+    out = QK.quant_linear(x, w_q, w_s, w_z)
+    assert out.shape == (2, 3, 40)
+    assert rel(out, ops.quant_linear_ref(x, w_q, w_s, w_z)) < 3e-3
+    assert QK.quant_linear(x[:0], w_q, w_s, w_z).shape == (0, 3, 40)
