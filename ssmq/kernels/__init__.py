@@ -9,12 +9,9 @@ from ssmq.kernels.dispatch import (
     causal_conv1d,
     causal_conv1d_update,
     linear,
-<<<<<<< HEAD
     mamba2_decode_step,
-=======
     quant_linear,
     quantize_act,
->>>>>>> qlinear
     rms_norm,
     rmsnorm_gated,
     selective_scan,
@@ -27,12 +24,9 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "linear",
-<<<<<<< HEAD
     "mamba2_decode_step",
-=======
     "quant_linear",
     "quantize_act",
->>>>>>> qlinear
     "rms_norm",
     "rmsnorm_gated",
     "selective_scan",
