@@ -19,7 +19,7 @@ def _decode(model, ids, fused: bool):
     """Prefill ids[:, :6], then decode the rest; returns (logits of the decoded tokens, cache)."""
     for layer in model.layers:
         if hasattr(layer.mixer, "_fusable"):
-            layer.mixer._fusable = (lambda: True) if fused else (lambda: False)
+            layer.mixer._fusable = (lambda state: True) if fused else (lambda state: False)
     with torch.no_grad():
         cache = model.allocate_cache(max_batch=5, max_seqlen=32)
         slots = torch.tensor([3, 0, 4])  # out of order, slots 1 and 2 untouched
@@ -41,12 +41,15 @@ def test_fused_step_equals_unfused_step(arch, over):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_quantized_tap_keeps_the_unfused_path():
+def test_quantized_tap_or_int8_state_keeps_the_unfused_path():
     model = tiny_model("mamba2")
     mixer = model.layers[0].mixer
-    assert mixer._fusable()
+    state = model.allocate_cache(max_batch=2, max_seqlen=8).states[0]
+    assert mixer._fusable(state)
+    state_int8 = type(state)(state.conv, state.ssm.to(torch.int8), scales=object())  # any int8 state
+    assert not mixer._fusable(state_int8)
     mixer.act_x = torch.nn.ReLU()  # any quantizer on a tap between in_proj and the norm
-    assert not mixer._fusable()
+    assert not mixer._fusable(state)
 
 
 def _inputs(b=3, s=5, h=4, p=8, g=2, n=16, w=4, dtype=torch.float32, seed=0):

@@ -103,10 +103,12 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(b, l, c.d_inner), self.act_z(z))
         return self.out_proj(self.act_y(y))
 
-    def _fusable(self) -> bool:
-        """No quantizer on a tap between in_proj and the norm, and the plain gated norm: one fused op can run it."""
+    def _fusable(self, state) -> bool:
+        """No quantizer on a tap between in_proj and the norm, the plain gated norm and a float SSM state (an int8
+        state steps through ``state.update_ssm``): one fused op can run it."""
         taps = (self.act_x, self.act_B, self.act_C, self.act_dt, self.act_z)
-        return all(type(t) is nn.Identity for t in taps) and type(self.norm) is GatedRMSNorm
+        return (all(type(t) is nn.Identity for t in taps) and type(self.norm) is GatedRMSNorm
+                and state.ssm.dtype != torch.int8)
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
@@ -115,10 +117,10 @@ class Mamba2Mixer(nn.Module):
         h, p = c.nheads, c.headdim
         state = cache.states[self.layer_idx]
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
-        if self._fusable():  # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step)
+        if self._fusable(state):  # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step)
             y = kernels.mamba2_decode_step(
-                xbc, z, dt, cache.conv_states[self.layer_idx], self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                cache.ssm_states[self.layer_idx], self._f32.get(self, "A_log"), self._f32.get(self, "D"),
+                xbc, z, dt, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                state.ssm, self._f32.get(self, "A_log"), self._f32.get(self, "D"),
                 self._f32.get(self, "dt_bias"), self.norm.weight, c.ngroups, self.norm.group_size, self.norm.eps,
                 c.dt_limit, slots,
             )
