@@ -15,7 +15,8 @@ export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=
 export SSMQ_SHARED=${SSMQ_SHARED:-$PWD/shared}
 rc=0
 if [[ $steps == *tests* ]]; then
-  SSMQ_GPU_QUICK=1 timeout 150 python3 -m pytest -q -m gpu tests/test_quant_kernels.py --maxfail=5 2>&1 | tail -25 \
+  SSMQ_GPU_QUICK=1 timeout 200 python3 -m pytest -q -m gpu tests/test_quant_kernels.py tests/test_gpu_quant_runtime.py \
+    --maxfail=5 2>&1 | tail -25 \
     | tee "$out/gpu_tests.log" || rc=1
 fi
 if [[ $steps == *accuracy* ]]; then
