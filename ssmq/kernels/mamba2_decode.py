@@ -42,7 +42,7 @@ import triton.language as tl
 from ssmq.kernels._common import pow2, silu, sm_count, softplus
 from ssmq.ops.layout import NO_DT_LIMIT, has_dt_limit, heads_per_group
 
-QUANT_EPS = tl.constexpr(1e-8)  # ssmq.ops.mamba2_decode.QUANT_EPS
+QUANT_EPS = tl.constexpr(1e-8)  # ssmq.ops.quant_linear.EPS
 MAX_TAIL = 8192  # elements the tail kernel holds at once (norm groups up to this size)
 # MAX_TILES > 1 (several tiles a program, the B/C conv shared by them) equals the reference in the interpreter
 # but gave wrong states on the H100 at batch 32 (T = 8), probably the conv-state race above: off until verified.
@@ -283,7 +283,7 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
     out = torch.empty((b, d), device=xbc.device, dtype=xbc.dtype)
     q = torch.empty((b, d), device=xbc.device, dtype=torch.int8) if quantize else out
     if out_scale is not None:
-        scale = out_scale.float().contiguous()
+        scale = out_scale.float().reshape(())
     else:
         scale = torch.empty(b, device=xbc.device, dtype=torch.float32) if quantize else out
     if b == 0:

@@ -23,9 +23,8 @@ import torch
 from ssmq.ops.conv1d import causal_conv1d_update_ref
 from ssmq.ops.layout import NO_DT_LIMIT, discretize_dt, has_dt_limit, mamba2_conv_segments
 from ssmq.ops.norm import rmsnorm_gated_ref
+from ssmq.ops.quant_linear import quantize_act_ref
 from ssmq.ops.state_update import selective_state_update_ref
-
-QUANT_EPS = 1e-8  # smallest per-token scale (ssmq.quant.primitives.EPS): a zero row quantizes to zeros
 
 
 def mamba2_decode_step_ref(
@@ -51,8 +50,8 @@ def mamba2_decode_step_ref(
     """Advance conv_state and ssm_state (in place) one token and return the gated-norm output.
 
     Returns out (b, h·p) in xbc's dtype; with ``quantize`` also its int8 codes (b, h·p) and float32
-    scale: ``out_scale`` (a static per-tensor scale, returned as given) or, when None, per token
-    (b,) = max(|out|, row) / 127 (symmetric, round half to even, clamp [-128, 127]).
+    scale, as ``ssmq.ops.quant_linear.quantize_act_ref`` makes them for ``quant_linear``: ``out_scale``
+    (a static per-tensor scale, returned as ()) or, when None, per token (b,) = max(|out|, row) / 127.
     """
     return compose(causal_conv1d_update_ref, selective_state_update_ref, rmsnorm_gated_ref,
                    xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
@@ -78,7 +77,5 @@ def compose(conv_update, state_update, norm, xbc, z, dt, conv_state, conv_weight
     out = norm(y.reshape(b, h * p), norm_weight, z, eps, norm_group_size, False)
     if not quantize:
         return out
-    scale = out_scale if out_scale is not None else (out.float().abs().amax(-1) / 127.0).clamp(min=QUANT_EPS)
-    # ssmq.quant.primitives' symmetric int8 rounding (that layer sits above ops: restated, not imported)
-    q = torch.round(out.float() / (scale if out_scale is not None else scale[:, None])).clamp(-128, 127)
-    return out, q.to(torch.int8), scale.float()
+    q, scale = quantize_act_ref(out, out_scale)  # the A8 linear's input: codes + per-token (or static) scale
+    return out, q, scale
