@@ -36,6 +36,7 @@ NOT_REPRESENTABLE = {
     "SSMActQuantizer": "the SSM's int8 inputs and their scales (x / B / C / z / dt taps, {n} quantizers)",
     "SSMInt8StateMixer": "the int8 SSM state ({n} mixers)",
     "QuantEmbedding": "the quantized embedding",
+    "SSDi8Scan": "SSDi8's integer SSD scan ({n} layers)",
 }
 
 
