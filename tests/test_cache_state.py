@@ -148,3 +148,43 @@ def test_reset_clears_only_the_given_slots():
     for buf in (*cache.conv_states, *cache.ssm_states, *cache.key_cache):
         if buf is not None:
             assert buf[1].abs().sum() == 0 and bool((buf[[0, 2]] == 1).all())
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2"])
+def test_int8_state_keeps_the_mixer_class_and_old_checkpoints_load(arch, tmp_path):
+    """One mixer per family: the int8 state is a spec of the same class; checkpoints whose manifest names the
+    pre-SSMMixer kind ``SSMInt8StateMixer`` load to the same model."""
+    import json
+
+    from ssmq.models.lm import MIXERS
+    from ssmq.quant.checkpoint import MANIFEST, load_quantized, save_quantized
+
+    model = int8_state_model(arch)
+    assert all(type(model.layers[i].mixer) is MIXERS[model.config.layer_kind(i)] for i in range(model.config.n_layer))
+    model.quantization = {"recipe": {"name": "int8-state-only"}, "calibration": {"source": "none"}}
+    save_quantized(model, tmp_path / "new")
+    manifest = json.loads((tmp_path / "new" / MANIFEST).read_text())
+    assert {s["kind"] for s in manifest["modules"].values()} == {"SSMMixer"}
+    for spec in manifest["modules"].values():  # rewrite as the code before SSMMixer wrote it
+        spec["kind"], spec["state_groups"] = "SSMInt8StateMixer", spec.pop("state")["groups"]
+    (tmp_path / "new" / MANIFEST).write_text(json.dumps(manifest))
+    old = load_quantized(tmp_path / "new")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        outs = []
+        for m in (model, old):
+            cache = m.allocate_cache(2, 16, ssm_dtype=torch.int8)
+            outs.append(torch.stack([m(ids[:, :8], cache)[:, -1]] + [m.step(ids[:, t], cache) for t in range(8, 12)]))
+    assert torch.equal(outs[0], outs[1])
+    assert type(old.layers[0].mixer) is type(model.layers[0].mixer)
+
+
+def test_float_state_mixers_are_not_recorded_in_checkpoints(tmp_path):
+    import json
+
+    from ssmq.quant.checkpoint import MANIFEST, save_quantized
+
+    model = tiny_model("mamba2")
+    model.quantization = {"recipe": {"name": "none"}, "calibration": {"source": "none"}}
+    save_quantized(model, tmp_path / "f")
+    assert json.loads((tmp_path / "f" / MANIFEST).read_text())["modules"] == {}

@@ -13,13 +13,14 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
-from ssmq.models.state import Int8StateScales, MambaState
+from ssmq.models.ssm_mixer import SSMMixer
 
 
-class Mamba1Mixer(nn.Module):
+class Mamba1Mixer(SSMMixer):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.cfg = cfg
         d, n, r = cfg.d_inner, cfg.d_state, cfg.dt_rank_
         self.d_inner, self.d_state, self.dt_rank = d, n, r
         self.proj_segments, self.x_proj_segments = cfg.in_proj_segments(), cfg.x_proj_segments()  # [x|z], [dt|B|C]
@@ -37,14 +38,8 @@ class Mamba1Mixer(nn.Module):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()
 
-    def state_scales(self) -> Int8StateScales | None:
-        """The int8 SSM state's calibrated scales, None for a float-state mixer."""
-        return None
-
-    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None, **_) -> MambaState:
-        """Conv (s, d, w-1) and SSM (s, d, n) state, sized by this mixer's own (possibly sharded) parameters."""
-        return MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0],
-                                   tuple(self.A_log.shape), dtype, device, ssm_dtype, self.state_scales())
+    def state_shape(self) -> tuple[int, int]:
+        return tuple(self.A_log.shape)  # (d, n) of this (maybe sharded) mixer
 
     def _ssm_inputs(self, x: torch.Tensor):
         """x: (..., d) conv output → Δ (..., d) before bias/softplus, B, C (..., n), through the taps."""

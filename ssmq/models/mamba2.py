@@ -14,7 +14,7 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
-from ssmq.models.state import Int8StateScales, MambaState
+from ssmq.models.ssm_mixer import SSMMixer
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,7 +37,7 @@ class ChunkScan(nn.Module):
         return kernels.ssd_chunk_scan(*args, **kwargs)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(SSMMixer):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -57,15 +57,8 @@ class Mamba2Mixer(nn.Module):
         self.ssd = ChunkScan()
         self._f32 = FloatParamCache()
 
-    def state_scales(self) -> Int8StateScales | None:
-        """The int8 SSM state's calibrated scales, None for a float-state mixer."""
-        return None
-
-    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None, **_) -> MambaState:
-        """Conv (s, c, w-1) and SSM (s, h, p, n) state, sized by this mixer's own (possibly sharded) parameters."""
-        shape = (self.A_log.shape[0], self.cfg.headdim, self.cfg.d_state)
-        return MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0], shape, dtype,
-                                   device, ssm_dtype, self.state_scales())
+    def state_shape(self) -> tuple[int, int, int]:
+        return (self.A_log.shape[0], self.cfg.headdim, self.cfg.d_state)  # (h, p, n); h of this (maybe sharded) mixer
 
     def _split_proj(self, zxbcdt: torch.Tensor):
         """(…, 2d + 2gn + h) -> z (…, d), xBC (…, d + 2gn), dt (…, h)."""

@@ -83,7 +83,8 @@ def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), ove
     if info is None:
         raise SSMQError("save_quantized needs a model quantized by ssmq.quant.quantize")
     with atomic_folder(out, overwrite) as tmp:
-        modules = {p: m.spec() for p, m in model.named_modules() if p and hasattr(m, "spec") and callable(m.spec)}
+        specs = ((p, m.spec()) for p, m in model.named_modules() if p and callable(getattr(m, "spec", None)))
+        modules = {p: s for p, s in specs if s is not None}  # None: nothing beyond the float skeleton
         save_file(_state(model), str(tmp / WEIGHTS), metadata={"format": "ssmq-quantized"})
         for f in extra_files:
             shutil.copyfile(f, tmp / Path(f).name)

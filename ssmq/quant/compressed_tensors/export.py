@@ -34,7 +34,8 @@ from ssmq.quant.linear import QuantLinear
 # module kinds of ssmq checkpoints that the format cannot hold, and what they are
 NOT_REPRESENTABLE = {
     "SSMActQuantizer": "the SSM's int8 inputs and their scales (x / B / C / z / dt taps, {n} quantizers)",
-    "SSMInt8StateMixer": "the int8 SSM state ({n} mixers)",
+    "SSMMixer": "the int8 SSM state ({n} mixers)",
+    "SSMInt8StateMixer": "the int8 SSM state ({n} mixers)",  # the kind before SSMMixer
     "QuantEmbedding": "the quantized embedding",
     "SSDi8Scan": "SSDi8's integer SSD scan ({n} layers)",
 }
@@ -46,7 +47,7 @@ def check_exportable(manifest: dict, where: str) -> None:
     parts = [text.format(n=kinds[k]) for k, text in NOT_REPRESENTABLE.items() if kinds[k]]
     recipe = manifest.get("recipe", {})
     state_bits = recipe.get("state_bits", (recipe.get("cache") or {}).get("state_bits"))  # recipe format 1 / 2
-    if state_bits == 8 and not kinds["SSMInt8StateMixer"]:
+    if state_bits == 8 and not (kinds["SSMMixer"] or kinds["SSMInt8StateMixer"]):
         parts.append("the int8 SSM state")
     unknown = sorted(set(kinds) - set(NOT_REPRESENTABLE) - {"QuantLinear", "RotatedLinear"})
     if unknown:

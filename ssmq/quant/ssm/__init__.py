@@ -27,7 +27,8 @@ from ssmq.quant.ssm.ssdi8 import SSDi8Scan
 from ssmq.quant.ssm.recipe import SSMRecipe, TapRule, get_ssm_recipe, register_ssm_recipe, ssm_recipes
 
 register_module_kind("SSMActQuantizer", ActQuantizer.from_spec)
-register_module_kind("SSMInt8StateMixer", _state_cache.from_spec)
+register_module_kind("SSMMixer", _state_cache.from_spec)
+register_module_kind("SSMInt8StateMixer", _state_cache.from_spec)  # checkpoints written before SSMMixer
 register_module_kind("SSDi8Scan", SSDi8Scan.from_spec)
 
 __all__ = ["ActQuantizer", "ssm_recipes", "SSMRecipe", "TapRule", "check_ssm_recipe", "get_ssm_recipe",

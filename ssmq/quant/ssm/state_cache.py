@@ -3,7 +3,8 @@ dequantized when read, with static scales that reuse x's groups (d_state × G sc
 
 Glossary: s cache slots, d d_inner, h heads, p headdim, n d_state, G scale groups of x.
 
-The mixers keep their float maths; ``Int8StateMixin`` only hands its scales to the state it allocates
+The mixers keep their float maths; a mixer with an int8 state (``SSMMixer.enable_int8_state``: buffers
+``state_scale`` (G, n), ``state_index`` (d,)) only hands its scales to the state it allocates
 (``ssmq.models.state.MambaState`` in the int8 format), which dequantizes the served rows before a
 prefill or decode step and re-quantizes them after (``ssmq.ops.quant_ssm.quantize_state_ref``),
 exactly ``quant_state_update_ref`` for decode. Allocate the cache with
@@ -15,67 +16,34 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
-from ssmq.models.mamba1 import Mamba1Mixer
-from ssmq.models.mamba2 import Mamba2Mixer
-from ssmq.models.state import Int8StateScales
-
-
-class Int8StateMixin:
-    """Mixed into a mixer class; buffers state_scale (G, n) and, for G > 1, state_index (d,)."""
-
-    def init_state_quant(self, n_groups: int, d: int, n: int, index: torch.Tensor | None = None) -> None:
-        self.state_groups = n_groups
-        self.register_buffer("state_scale", torch.ones(n_groups, n, dtype=torch.float32))
-        if n_groups > 1:
-            self.register_buffer("state_index", torch.zeros(d, dtype=torch.long) if index is None else index.long())
-        else:
-            self.state_index = None
-
-    def state_scales(self) -> Int8StateScales:
-        # the buffers themselves, not copies: allocate the cache after moving the model
-        return Int8StateScales(self.state_scale, self.state_index)
-
-    def spec(self) -> dict:
-        return {"kind": "SSMInt8StateMixer", "config": self.config_dict, "layer_idx": self.layer_idx,
-                "state_groups": self.state_groups}
-
-
-class Int8StateMamba1Mixer(Int8StateMixin, Mamba1Mixer):
-    pass
-
-
-class Int8StateMamba2Mixer(Int8StateMixin, Mamba2Mixer):
-    pass
-
-
-_CLASSES = {"mamba1": Int8StateMamba1Mixer, "mamba2": Int8StateMamba2Mixer}
 
 
 def empty_int8_state_mixer(cfg: ModelConfig, layer_idx: int, n_groups: int) -> nn.Module:
-    kind = cfg.layer_kind(layer_idx)
-    m = _CLASSES[kind](cfg, layer_idx)
-    m.config_dict = cfg.to_dict()
-    m.init_state_quant(n_groups, cfg.d_inner, cfg.d_state)
+    """The family's mixer for layer ``layer_idx`` with an int8 state of ``n_groups`` scale groups (scales 1)."""
+    from ssmq.models.lm import MIXERS
+
+    m = MIXERS[cfg.layer_kind(layer_idx)](cfg, layer_idx)
+    m.enable_int8_state(n_groups)
     return m
 
 
 def from_spec(spec: dict, dtype=None, device=None) -> nn.Module:
-    """Checkpoint loader entry (``register_module_kind("SSMInt8StateMixer", from_spec)``)."""
+    """Checkpoint loader entry for the kinds ``SSMMixer`` and, from checkpoints written before it,
+    ``SSMInt8StateMixer`` (``{"config", "layer_idx", "state_groups"}``): the same mixer, the same tensors."""
     cfg = ModelConfig.from_dict(spec["config"])
-    return empty_int8_state_mixer(cfg, spec["layer_idx"], spec["state_groups"])
+    groups = spec["state_groups"] if spec["kind"] == "SSMInt8StateMixer" else spec["state"]["groups"]
+    if spec["kind"] == "SSMMixer" and spec["state"].get("bits", 8) != 8:
+        raise SSMQError(f"SSM state of {spec['state']['bits']} bits: this ssmq has int8 states only")
+    return empty_int8_state_mixer(cfg, spec["layer_idx"], groups)
 
 
 def to_int8_state(mixer: nn.Module, cfg: ModelConfig, index: torch.Tensor | None, n_groups: int) -> nn.Module:
-    """A mixer of the Int8State class holding ``mixer``'s submodules and parameters (no copy)."""
-    new = empty_int8_state_mixer(cfg, mixer.layer_idx, n_groups)
-    for name, child in mixer.named_children():
-        setattr(new, name, child)
-    for name, prm in mixer.named_parameters(recurse=False):
-        setattr(new, name, prm)
-    if index is not None:
-        new.state_index.copy_(index)
-    return new.to(next(mixer.parameters()).device)
+    """Give ``mixer`` an int8 state of ``n_groups`` scale groups (channel map ``index`` (d,)); returns it (the same
+    module: the class does not change with the state format)."""
+    mixer.enable_int8_state(n_groups, index)
+    return mixer
 
 
 @torch.no_grad()
@@ -120,7 +88,7 @@ def allocate_cache(model: nn.Module, max_batch: int, max_seqlen: int, ssm_dtype=
 @torch.no_grad()
 def enable_int8_state(model: nn.Module, clusters: dict[int, torch.Tensor], windows: torch.Tensor, chunk: int = 128,
                       batch_size: int = 8, progress: bool = False) -> None:
-    """Calibrate (G, n) state scales per Mamba layer and swap its mixer for the Int8State class."""
+    """Calibrate (G, n) state scales per Mamba layer and give its mixer the int8 state format."""
     amax = calibrate_state_scales(model, windows, chunk, batch_size, progress)
     cfg = model.config
     for i, a in amax.items():
@@ -128,7 +96,6 @@ def enable_int8_state(model: nn.Module, clusters: dict[int, torch.Tensor], windo
         groups = 1 if index is None else int(index.max()) + 1
         mixer = to_int8_state(model.layers[i].mixer, cfg, index, groups)
         mixer.state_scale.copy_((group_state_absmax(a, index, groups) / 127.0).clamp(min=1e-8))
-        model.layers[i].mixer = mixer
 
 
 def state_bytes(cache) -> int:

@@ -1,0 +1,55 @@
+"""What the Mamba-1 and Mamba-2 mixers share: their per-layer state, in its storage format, and its spec.
+
+Glossary: s cache slots, d d_inner, n d_state, G scale groups of the int8 state.
+
+A mixer's SSM state is float unless ``enable_int8_state`` gave it calibrated scales (Quamba2's 8-bit
+cache): buffers ``state_scale`` (G, n) and, for G > 1, ``state_index`` (d,) (channel -> scale group).
+The class does not change with the state format: one mixer per family, its state spec a parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ssmq.models.state import Int8StateScales, MambaState
+
+SPEC_KIND = "SSMMixer"
+
+
+class SSMMixer(nn.Module):
+    """Base of ``Mamba1Mixer`` and ``Mamba2Mixer``; subclasses set ``cfg``, ``layer_idx`` and ``state_shape``."""
+
+    state_groups = 0  # 0: float state; G >= 1: int8 state with G scale groups
+
+    def state_shape(self) -> tuple[int, ...]:
+        """One slot's SSM state: (d, n) Mamba-1 | (h, p, n) Mamba-2, from this mixer's own (maybe sharded) sizes."""
+        raise NotImplementedError
+
+    def enable_int8_state(self, n_groups: int, index: torch.Tensor | None = None) -> None:
+        """Give the state an int8 format with ``n_groups`` scale groups (scales 1 until calibrated)."""
+        *lead, n = self.state_shape()
+        d, device = int(torch.Size(lead).numel()), self.A_log.device
+        self.state_groups = n_groups
+        self.register_buffer("state_scale", torch.ones(n_groups, n, dtype=torch.float32, device=device))
+        if n_groups > 1:
+            idx = torch.zeros(d, dtype=torch.long) if index is None else index.long()
+            self.register_buffer("state_index", idx.to(device))
+        else:
+            self.state_index = None
+
+    def state_scales(self) -> Int8StateScales | None:
+        """The int8 state's scales (the buffers themselves: allocate the cache after moving the model)."""
+        return Int8StateScales(self.state_scale, self.state_index) if self.state_groups else None
+
+    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None, **_) -> MambaState:
+        """Conv (s, c, w-1) and SSM (s, *state_shape) buffers; ``ssm_dtype=torch.int8`` needs an int8-state mixer."""
+        return MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0],
+                                   self.state_shape(), dtype, device, ssm_dtype, self.state_scales())
+
+    def spec(self) -> dict | None:
+        """The checkpoint's record of this mixer (None for a float state: the float skeleton rebuilds it)."""
+        if not self.state_groups:
+            return None
+        return {"kind": SPEC_KIND, "config": self.cfg.to_dict(), "layer_idx": self.layer_idx,
+                "state": {"bits": 8, "groups": self.state_groups}}
