@@ -12,6 +12,7 @@ through its ``emit`` callback, called from the engine thread with one ``Event`` 
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssmq.errors import SSMQError
+from ssmq.runtime.kv_blocks import BlockAllocator
 from ssmq.runtime.sampling import SamplingParams, sample_rows, top_logprobs
 
 log = logging.getLogger("ssmq.serve")
@@ -33,7 +35,7 @@ class EngineConfig:
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     prefill_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill budget)
     kv_block_size: int = 16  # tokens per KV block (hybrids)
-    kv_blocks: int | None = None  # KV blocks per attention layer; None: max_batch * max_model_len / 4 tokens' worth
+    kv_blocks: int | None = None  # KV blocks per attention layer; None: a quarter of max_batch * max_model_len tokens
     max_waiting: int = 4096  # queued requests beyond which submit refuses
     cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
 
@@ -83,20 +85,32 @@ class LocalRunner:
         self.model, self.device = model, model.device
         # int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)
         ssm_dtype = torch.int8 if any(hasattr(m, "state_scale") for m in model.modules()) else None
+        graphs = self.device.type == "cuda" and cfg.cuda_graphs
+        kw = {"ssm_dtype": ssm_dtype}
+        self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
+        paged = "kv_blocks" in inspect.signature(model.allocate_cache).parameters
+        if paged and any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
+            n = cfg.kv_blocks or max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
+            self.kv_blocks = (n + 1, cfg.kv_block_size)  # + the null block
+            kw.update(kv_blocks=n + 1, kv_block_size=cfg.kv_block_size)
+        # the graphs' padding rows use one more, scratch, slot
+        self.cache = model.allocate_cache(cfg.max_batch + graphs, cfg.max_model_len, **kw)
         self.graph_prefill = None
-        if self.device.type == "cuda" and cfg.cuda_graphs:
+        if graphs:
             from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
 
-            dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, ssm_dtype=ssm_dtype)
-            self.graph_prefill = CudaGraphPrefill(model, dec.cache, max_len=cfg.prefill_tokens, pool=dec.pool)
+            dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, cache=self.cache)
+            self.graph_prefill = CudaGraphPrefill(model, self.cache, max_len=cfg.prefill_tokens, pool=dec.pool)
             dec.capture_all()
             self.graph_prefill.capture_all()
-            self.cache, self.decode = dec.cache, dec
-        else:
-            self.cache = model.allocate_cache(cfg.max_batch, cfg.max_model_len, ssm_dtype=ssm_dtype)
+            self.decode = dec
 
     def reset(self, slot: int) -> None:
         self.cache.reset([slot])
+
+    def assign_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
+        """KV blocks ``blocks`` hold the slot's tokens from block index ``start`` on."""
+        self.cache.block_table.assign(slot, start, blocks)
 
     def prefill(self, ids: torch.Tensor, slot: int, all_logits: bool) -> torch.Tensor:
         """ids: (1, n), continuing the slot's sequence → logits (n, vocab) if all_logits, else (1, vocab)."""
@@ -127,7 +141,10 @@ class Engine:
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self.free_slots = list(range(config.max_batch))[::-1]
+        kv = getattr(self.runner, "kv_blocks", None)
+        self.blocks = BlockAllocator(*kv) if kv else None
         self.steps = 0
+        self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
 
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
@@ -142,12 +159,21 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def unfit(self, n_tokens: int) -> str | None:
+        """Why a sequence of ``n_tokens`` (prompt + max_tokens) can never run here, or None."""
+        if n_tokens > self.cfg.max_model_len:
+            return f"{n_tokens} tokens exceed the engine's max_model_len {self.cfg.max_model_len}"
+        if self.blocks is not None and self.blocks.blocks_for(n_tokens) > self.blocks.total:
+            return (f"{n_tokens} tokens need {self.blocks.blocks_for(n_tokens)} KV blocks; the cache has "
+                    f"{self.blocks.total} of {self.blocks.block_size} tokens")
+        return None
+
     def submit(self, req: Request) -> None:
         if len(req.prompt) == 0:
             raise SSMQError("empty prompt")
-        if len(req.prompt) + req.max_tokens > self.cfg.max_model_len:
-            raise SSMQError(f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) exceeds the engine's "
-                            f"max_model_len {self.cfg.max_model_len}")
+        why = self.unfit(len(req.prompt) + req.max_tokens)
+        if why:
+            raise SSMQError(why)
         with self._cv:
             if len(self._inbox) + len(self.waiting) >= self.cfg.max_waiting:
                 raise SSMQError(f"the queue is full ({self.cfg.max_waiting} requests waiting)")
@@ -161,12 +187,16 @@ class Engine:
             self._cv.notify()
 
     def stats(self) -> dict:
-        return {"waiting": len(self.waiting) + len(self._inbox), "running": len(self.prefilling) + len(self.decoding),
-                "slots_used": self.cfg.max_batch - len(self.free_slots), "slots_total": self.cfg.max_batch,
-                "steps": self.steps}
+        out = {"waiting": len(self.waiting) + len(self._inbox), "running": len(self.prefilling) + len(self.decoding),
+               "slots_used": self.cfg.max_batch - len(self.free_slots), "slots_total": self.cfg.max_batch,
+               "steps": self.steps}
+        if self.blocks is not None:
+            out.update(kv_blocks_used=self.blocks.used, kv_blocks_total=self.blocks.total)
+        return out
 
     # ---------------------------------------------------------------- engine thread
     def _loop(self) -> None:
+        torch.set_num_threads(self._threads)
         with torch.inference_mode():
             while True:
                 with self._cv:
@@ -214,10 +244,15 @@ class Engine:
             self._finish(r, "error", f"request timed out after {r.timeout:g} s", 408)
 
     def _admit(self) -> None:
-        while self.waiting and self.free_slots:
-            r = self.waiting.popleft()
+        while self.waiting and self.free_slots:  # first come, first served: the head waits for room
+            r = self.waiting[0]
+            if self.blocks is not None and not self.blocks.can_admit(len(r.prompt) + r.max_tokens):
+                break
+            self.waiting.popleft()
             r.slot = self.free_slots.pop()
             self.runner.reset(r.slot)
+            if self.blocks is not None:
+                self.blocks.admit(r.slot, len(r.prompt) + r.max_tokens)
             if r.params.seed is not None:
                 r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
             self.prefilling.append(r)
@@ -233,12 +268,15 @@ class Engine:
             budget -= n
         if self.decoding:
             rows = list(self.decoding)
+            for r in rows:  # the token fed now sits at position len(prompt) + len(output) - 1
+                self._grow(r, len(r.prompt) + len(r.output))
             tokens = torch.tensor([r.output[-1] for r in rows], dtype=torch.long, device=self.device)
             slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
             self._deliver(rows, self.runner.decode(tokens, slots))
 
     def _prefill(self, r: Request, n: int) -> None:
         ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
+        self._grow(r, r.pos + n)
         logits = self.runner.prefill(ids, r.slot, all_logits=r.prompt_logprobs)
         if r.prompt_logprobs:
             self._emit_prompt_logprobs(r, ids[0], logits)
@@ -253,6 +291,13 @@ class Engine:
             return
         self.decoding.append(r)
         self._deliver([r], logits[-1:])
+
+    def _grow(self, r: Request, length: int) -> None:
+        """KV blocks for the first ``length`` tokens of r's sequence (hybrids), taken as it grows."""
+        if self.blocks is not None:
+            start, new = self.blocks.grow(r.slot, length)
+            if new:
+                self.runner.assign_blocks(r.slot, start, new)
 
     def _emit_prompt_logprobs(self, r: Request, ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Logprob (and top-k) of each prompt token in this chunk given the tokens before it; the first prompt
@@ -304,6 +349,8 @@ class Engine:
             if r in queue:
                 queue.remove(r)
         if r.slot >= 0:
+            if self.blocks is not None:
+                self.blocks.release(r.slot)
             self.free_slots.append(r.slot)
             r.slot = -1
         if self.metrics is not None:

@@ -115,6 +115,10 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics: ServerM
         check_model(req.model)
         prompts = prompts_of(req, tokenizer)
         budgets = check(req, prompts, vocab, max_len)
+        for prompt, budget in zip(prompts, budgets):
+            why = engine.unfit(len(prompt.ids) + budget)
+            if why:
+                raise APIError(400, f"this request can never fit the cache: {why}", "max_tokens")
         stops = stop_strings(req)
         hide = None if req.ignore_eos else tokenizer.eos_id
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -193,20 +197,24 @@ async def _stream(engine, events, choices, ids, head, usage, include_usage):
 
     try:
         while not all(c.finished for c in choices):
-            index, ev = await events.get()
-            c = choices[index]
-            if c.finished:
-                continue
-            _handle(engine, c, ids[index], ev)
-            if c.error is not None:
-                yield sse(error_body(c.error.message, "timeout" if c.error.status == 408 else "server_error"))
-                continue
-            if ev.kind == "prompt" and not c.finished:
-                continue
-            text, lp = c.take()
-            if text or c.finished or (lp and lp["tokens"]):
-                yield sse({**head, "choices": [{"index": c.index, "text": text, "logprobs": lp,
-                                                "finish_reason": c.finish_reason}]})
+            batch = [await events.get()]
+            while not events.empty():  # behind the engine: one chunk per choice for all its new tokens
+                batch.append(events.get_nowait())
+            touched = []
+            for index, ev in batch:
+                c = choices[index]
+                if c.finished:
+                    continue
+                _handle(engine, c, ids[index], ev)
+                if c.error is not None:
+                    yield sse(error_body(c.error.message, "timeout" if c.error.status == 408 else "server_error"))
+                elif c not in touched:
+                    touched.append(c)
+            for c in touched:
+                text, lp = c.take()
+                if text or c.finished or (lp and lp["tokens"]):
+                    yield sse({**head, "choices": [{"index": c.index, "text": text, "logprobs": lp,
+                                                    "finish_reason": c.finish_reason}]})
         if include_usage:
             yield sse({**head, "choices": [], "usage": usage()})
         yield "data: [DONE]\n\n"

@@ -1,6 +1,6 @@
 """Serving over tensor parallelism: rank 0 runs the engine and the HTTP server; every other rank follows.
 
-Each model call of an engine step (reset a slot, prefill a chunk, decode a batch) is broadcast by rank 0 as a
+Each model call of an engine step (reset a slot, prefill a chunk, decode a batch, assign KV blocks) is broadcast by rank 0 as a
 header ``[op, n_a, n_b]`` and one int64 payload (the chunk's ids, or the tokens and slots), then run on every
 rank: the sharded model's own all-reduces keep the ranks in step, and every rank ends with the same logits
 (lm_head is replicated), of which rank 0 samples. ``STOP`` ends the followers when the server shuts down.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-RESET, PREFILL, PREFILL_ALL, DECODE, STOP = range(1, 6)
+RESET, PREFILL, PREFILL_ALL, DECODE, ASSIGN, STOP = range(1, 7)
 
 
 class BroadcastRunner:
@@ -19,8 +19,7 @@ class BroadcastRunner:
 
     def __init__(self, local, group=None):
         self.local, self.group = local, group
-        self.cache = local.cache
-        self.device = local.device
+        self.cache, self.device, self.kv_blocks = local.cache, local.device, local.kv_blocks
 
     def _send(self, op: int, payload: torch.Tensor | None = None, n_a: int = 0) -> None:
         n = 0 if payload is None else payload.numel()
@@ -40,6 +39,10 @@ class BroadcastRunner:
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         self._send(DECODE, torch.cat([tokens, slots]), tokens.numel())
         return self.local.decode(tokens, slots)
+
+    def assign_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
+        self._send(ASSIGN, torch.tensor([slot, start, *blocks]), 2)
+        self.local.assign_blocks(slot, start, blocks)
 
     def stop(self) -> None:
         self._send(STOP)
@@ -65,3 +68,5 @@ def follow(local, group=None) -> None:
             local.prefill(b[None], int(a[0]), op == PREFILL_ALL)
         elif op == DECODE:
             local.decode(a, b)
+        elif op == ASSIGN:
+            local.assign_blocks(int(a[0]), int(a[1]), b.tolist())

@@ -1,0 +1,347 @@
+"""Serving speed: throughput, TTFT and TPOT p50/p99 of `ssmq serve` under 1, 16, 64, 256 concurrent streaming
+clients, beside the offline batched throughput and offline TPOT of the same model in the same run.
+
+    python benchmarks/bench_serve.py --model mamba2-2.7b --out out/serve            # GPU, FP16, random weights
+    python benchmarks/bench_serve.py --model mamba2-2.7b --quant rtn-w8a16 --out out/serve-w8a16
+    python benchmarks/bench_serve.py --model tiny --concurrency 1,4,16 --prompt-len 32 --output-len 32  # CPU sanity
+
+The server runs in a child process (model, engine, uvicorn: what `ssmq serve` runs), which first measures the
+offline numbers with the same model: ``generate`` of C prompts at once (CUDA-graph decode on GPU) for the
+throughput, and single-sequence decode steps for the TPOT. The load comes from ``--client-procs`` processes of
+asyncio httpx clients on 127.0.0.1 only; each client sends its next request when the previous one ends (closed
+loop), ``ignore_eos`` so every request makes exactly ``--output-len`` tokens; a level stops after
+``--requests`` x C requests or ``--max-seconds``. Throughput counts generated tokens over the level's wall time.
+TTFT: request sent to first streamed token; TPOT: (last - first token time) / (tokens - 1), per request.
+Writes serve.json, serve.md and serve.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TINY = dict(arch="mamba2", d_model=256, n_layer=4, vocab_size=512, d_state=32, headdim=32, chunk_size=64)
+
+
+class IdTokenizer:
+    """Text is the ids, space-separated: the benchmark sends token-id prompts, and random weights have no vocabulary."""
+
+    eos_id = 0
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) % self.vocab for t in text.split() if t.isdigit()]
+
+    def decode(self, ids) -> str:
+        return "".join(f" {i}" for i in ids)
+
+    def __len__(self) -> int:
+        return self.vocab
+
+
+# ------------------------------------------------------------------------------------------------- server process
+def build_model(args):
+    import torch
+
+    from ssmq.models.config import ModelConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    if args.model == "tiny":
+        from random_model import random_model
+
+        model = random_model(ModelConfig(**TINY), device=device, dtype=dtype)
+    elif Path(args.model).is_dir():
+        from ssmq.models.loading import load_model
+
+        model = load_model(args.model, dtype=dtype, device=device).eval()
+    else:
+        from published_configs import PUBLISHED
+        from random_model import random_model
+
+        model = random_model(PUBLISHED[args.model], device=device, dtype=dtype)
+    if args.quant:
+        from ssmq.quant.api import quantize
+
+        model = quantize(model, args.quant, progress=False)
+    return model
+
+
+def offline(model, args, levels) -> dict:
+    """Offline TPOT (one sequence, decode steps) and batched throughput (``generate`` of C prompts) per level."""
+    import torch
+
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    cuda = model.device.type == "cuda"
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_new_tokens=args.output_len, stop_at_eos=False)
+    out = {"throughput_tok_s": {}}
+    for c in levels:
+        prompts = torch.randint(1, vocab, (c, args.prompt_len), generator=g).tolist()
+        run = {}
+        if cuda:
+            from ssmq.runtime.cuda_graph import CudaGraphDecoder
+
+            dec = CudaGraphDecoder(model, max_batch=c, max_seqlen=args.prompt_len + args.output_len + 1)
+            run = {"cache": dec.cache, "decode_fn": dec}
+        generate(model, prompts[:1], SamplingParams(max_new_tokens=4, stop_at_eos=False), **run)  # warm-up
+        sync()
+        t = time.perf_counter()
+        generate(model, prompts, params, **run)
+        sync()
+        out["throughput_tok_s"][c] = c * args.output_len / (time.perf_counter() - t)
+        if c == 1:  # TPOT: decode steps only, prefill excluded
+            steps = []
+            slot = torch.zeros(1, dtype=torch.long, device=model.device)
+            tok = torch.ones(1, dtype=torch.long, device=model.device)
+            if cuda:
+                step = run["decode_fn"]
+            else:
+                cache = model.allocate_cache(1, 1)
+                step = lambda x, s: model.step(x, cache, s)  # noqa: E731
+            with torch.inference_mode():
+                for _ in range(min(args.output_len, 200) + 5):
+                    sync()
+                    t = time.perf_counter()
+                    step(tok, slot).argmax(-1)
+                    sync()
+                    steps.append(time.perf_counter() - t)
+            out["tpot_ms"] = statistics.median(steps[5:]) * 1e3
+        del run
+    return out
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def serve_main(args) -> None:
+    """The child process: offline numbers to --offline-json, then serve on --port until killed."""
+    import torch
+
+    from ssmq.runtime.engine import Engine, EngineConfig
+    from ssmq.runtime.server import ServerConfig, run_server
+
+    torch.set_grad_enabled(False)
+    if not torch.cuda.is_available():
+        # one intra-op thread: on a loaded host, 2-thread ops wait ~30 ms on each other (measured on the 2-core box)
+        torch.set_num_threads(1)
+    model = build_model(args)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    t = time.perf_counter()
+    info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
+            "vocab": model.config.vocab_size,
+            "offline": offline(model, args, levels)}
+    info["offline_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    engine = Engine(model, EngineConfig(max_batch=max(levels), max_model_len=args.prompt_len + args.output_len + 1,
+                                        prefill_tokens=args.prefill_tokens))
+    info["engine_start_s"] = time.perf_counter() - t  # CUDA-graph capture on GPU
+    Path(args.offline_json).write_text(json.dumps(info))
+    run_server(engine, IdTokenizer(model.config.vocab_size),
+               ServerConfig(("bench",), request_timeout_s=None), port=args.port, log_level="warning")
+
+
+# ------------------------------------------------------------------------------------------------- load clients
+async def _client_loop(url, n_requests, deadline, body, records):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=None) as c:
+        while time.monotonic() < deadline and n_requests[0] > 0:
+            n_requests[0] -= 1
+            start, first, times, ok = time.perf_counter(), None, [], False
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        ok = True
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0]["text"]:
+                        first = first or now
+                        times.append(now)
+            if ok and first is not None:
+                records.append({"start": start, "first": first, "end": times[-1], "chunks": len(times)})
+
+
+def _client_proc(url, clients, n_requests, max_seconds, body):
+    """One load process: ``clients`` closed-loop clients sharing a budget of ``n_requests``."""
+    records, budget = [], [n_requests]
+    deadline = time.monotonic() + max_seconds
+
+    async def main():
+        await asyncio.gather(*(_client_loop(url, budget, deadline, body, records) for _ in range(clients)))
+
+    asyncio.run(main())
+    return records
+
+
+def run_level(url, c, args, vocab) -> dict:
+    import random
+
+    rng = random.Random(c)
+    body = {"model": "bench", "prompt": [rng.randrange(1, vocab) for _ in range(args.prompt_len)],
+            "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
+    n_total = args.requests * c
+    procs = max(1, min(args.client_procs, c))
+    shares = [c // procs + (i < c % procs) for i in range(procs)]
+    with mp.get_context("spawn").Pool(procs) as pool:
+        parts = pool.starmap(_client_proc, [(url, s, n_total * s // c, args.max_seconds, body) for s in shares])
+    records = [r for p in parts for r in p]
+    if not records:
+        return {"concurrency": c, "requests": 0}
+    wall = max(r["end"] for r in records) - min(r["start"] for r in records)
+    ttft = sorted(r["first"] - r["start"] for r in records)
+    tpot = sorted((r["end"] - r["first"]) / (args.output_len - 1) for r in records)
+    return {"concurrency": c, "requests": len(records), "wall_s": wall,
+            "throughput_tok_s": len(records) * args.output_len / wall,
+            "ttft_ms_p50": pct(ttft, 50) * 1e3, "ttft_ms_p99": pct(ttft, 99) * 1e3,
+            "tpot_ms_p50": pct(tpot, 50) * 1e3, "tpot_ms_p99": pct(tpot, 99) * 1e3}
+
+
+def pct(sorted_values, q):
+    i = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
+    return sorted_values[i]
+
+
+def wait_ready(url, proc, timeout_s) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server process exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server was not ready within {timeout_s} s")
+
+
+def report(res: dict, out: Path) -> None:
+    off = res["offline"]
+    lines = [f"# ssmq serve: {res['model']}{' ' + res['quant'] if res['quant'] else ''} on {res['device']}", "",
+             f"prompt {res['prompt_len']} tokens, output {res['output_len']} tokens (ignore_eos), streaming, "
+             f"closed-loop clients; offline TPOT {off['tpot_ms']:.2f} ms", "",
+             "| clients | requests | throughput tok/s | offline tok/s | ratio | TTFT p50 ms | TTFT p99 ms | "
+             "TPOT p50 ms | TPOT p99 ms | TPOT p50 / offline |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["levels"]:
+        if not r.get("requests"):
+            lines.append(f"| {r['concurrency']} | 0 | | | | | | | | |")
+            continue
+        o = off["throughput_tok_s"][str(r["concurrency"])]
+        lines.append(f"| {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.0f} | {o:.0f} | "
+                     f"{r['throughput_tok_s'] / o:.2f} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f} | "
+                     f"{r['tpot_ms_p50']:.2f} | {r['tpot_ms_p99']:.2f} | {r['tpot_ms_p50'] / off['tpot_ms']:.2f} |")
+    (out / "serve.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in res["levels"] if r.get("requests")]
+    cs = [r["concurrency"] for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
+    ax[0].plot(cs, [r["throughput_tok_s"] for r in rows], "o-", label="server")
+    ax[0].plot(cs, [off["throughput_tok_s"][str(c)] for c in cs], "s--", label="offline generate")
+    ax[0].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="generated tok/s", title="throughput")
+    ax[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-", label="p50")
+    ax[1].plot(cs, [r["ttft_ms_p99"] for r in rows], "o--", label="p99")
+    ax[1].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="TTFT")
+    ax[2].plot(cs, [r["tpot_ms_p50"] for r in rows], "o-", label="p50")
+    ax[2].plot(cs, [r["tpot_ms_p99"] for r in rows], "o--", label="p99")
+    ax[2].axhline(off["tpot_ms"], color="gray", ls=":", label="offline, 1 sequence")
+    ax[2].set(xscale="log", xlabel="concurrent clients", ylabel="ms", title="TPOT")
+    for a in ax:
+        a.legend(fontsize=8)
+    fig.suptitle(f"ssmq serve, {res['model']}{' ' + res['quant'] if res['quant'] else ''}, {res['device']}")
+    fig.tight_layout()
+    fig.savefig(out / "serve.png", dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="mamba2-2.7b", help="published config name (random weights), tiny, or a folder")
+    p.add_argument("--quant", help="quantize with this recipe first (one without calibration, e.g. rtn-w8a16)")
+    p.add_argument("--concurrency", default="1,16,64,256")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--requests", type=int, default=3, help="requests per client per level (default 3)")
+    p.add_argument("--max-seconds", type=float, default=60, help="time cap per level")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--client-procs", type=int, default=4, help="load-generating processes")
+    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument("--out", default="out/serve")
+    p.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--offline-json", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.output_len < 2:
+        raise SystemExit("--output-len must be >= 2 (TPOT needs two tokens)")
+    if args.serve_only:
+        return serve_main(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.port:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args.port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{args.port}"
+    import tempfile
+
+    offline_json = Path(tempfile.mkdtemp(prefix="bench_serve_")) / "offline.json"  # not in --out: few files back
+    child = [sys.executable, __file__, "--serve-only", "--offline-json", str(offline_json)] + [
+        a for a in sys.argv[1:]]
+    if "--port" not in sys.argv:
+        child += ["--port", str(args.port)]
+    proc = subprocess.Popen(child, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_ready(url, proc, args.ready_timeout)
+        info = json.loads(offline_json.read_text())
+        info["offline"]["throughput_tok_s"] = {str(k): v for k, v in info["offline"]["throughput_tok_s"].items()}
+        levels = []
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            levels.append(run_level(url, c, args, info["vocab"]))
+            print(json.dumps(levels[-1]), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    res = {"model": args.model, "quant": args.quant, "prompt_len": args.prompt_len, "output_len": args.output_len,
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+           **info, "levels": levels}
+    (out / "serve.json").write_text(json.dumps(res, indent=1))
+    report(res, out)
+
+
+if __name__ == "__main__":
+    main()
