@@ -27,9 +27,9 @@ TOK = CharTokenizer()
 NAME = "tiny"
 
 
-def start(model, max_batch=8, max_model_len=96, prefill_tokens=16, **server):
+def start(model, max_batch=8, max_model_len=96, prefill_tokens=16, kv_blocks=None, **server):
     engine = Engine(model, EngineConfig(max_batch=max_batch, max_model_len=max_model_len,
-                                        prefill_tokens=prefill_tokens, kv_block_size=4))
+                                        prefill_tokens=prefill_tokens, kv_block_size=4, kv_blocks=kv_blocks))
     return BackgroundServer(engine, TOK, ServerConfig((NAME,), **server))
 
 
@@ -112,16 +112,20 @@ def test_32_concurrent_greedy_requests_equal_offline_generate(server, mamba2):
 
 
 def test_hybrid_through_the_block_kv_cache_equals_offline():
+    """20 blocks of 4 tokens: requests of up to 20 blocks wait for blocks as well as for slots (max batch 4)."""
     model = tiny_model("hybrid", seed=5)
     prompts = random_prompts(10, seed=1)
-    with start(model, max_batch=4, max_model_len=96, prefill_tokens=8) as url:
+    with start(model, max_batch=4, max_model_len=96, prefill_tokens=8, kv_blocks=20) as url:
         bodies = [{"prompt": p, "max_tokens": 12 + i, "temperature": 0, "stream": i % 2 == 1}
                   for i, p in enumerate(prompts)]
         texts = run_concurrently(url, bodies, [False] * len(bodies))
         stats = httpx.get(f"{url}/health").json()
+        assert _metric(url, "ssmq_kv_blocks_total") == 20
+        too_big = httpx.post(f"{url}/v1/completions", json={"prompt": [1] * 90, "max_tokens": 6}, timeout=30)
+        assert too_big.status_code == 400 and "KV blocks" in too_big.json()["error"]["message"]
     for i, (p, text) in enumerate(zip(prompts, texts)):
         assert text == offline_text(model, p, 12 + i), f"request {i}"
-    assert stats["slots_used"] == 0 and stats.get("kv_blocks_used", 0) == 0
+    assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == 20
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(server, mamba2):

@@ -27,9 +27,13 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.hq * self.e, cfg.d_model, bias=cfg.attn_bias)
 
     def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, kv_keys_before_rope: bool = False,
-                       **_) -> KVState:
+                       kv_table=None, **_):
         """K, V (s, max_seqlen, hkv, e); ``kv_keys_before_rope``: keys cached before RoPE, rotated at read."""
         rope = RopeAtRead(self.rotary_dim, self.rope_theta) if kv_keys_before_rope and self.rotary_dim else None
+        if kv_table is not None:  # paged: blocks of a pool shared by the slots, through the model's block table
+            from ssmq.models.paged_kv import PagedKVState
+
+            return PagedKVState.allocate(kv_table, max_seqlen, self.hkv, self.e, dtype, device, rope)
         return KVState.allocate(max_batch, max_seqlen, self.hkv, self.e, dtype, device, rope)
 
     def _rotate(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

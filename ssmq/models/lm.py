@@ -101,17 +101,28 @@ class SSMLM(nn.Module):
         return logits
 
     def allocate_cache(self, max_batch: int, max_seqlen: int, dtype=None, device=None, ssm_dtype=None,
-                       kv_keys_before_rope: bool = False) -> InferenceCache:
+                       kv_keys_before_rope: bool = False, kv_blocks: int | None = None,
+                       kv_block_size: int = 16) -> InferenceCache:
         """A cache of ``max_batch`` slots; each layer's mixer allocates its own state (its shape, its format).
 
         dtype: conv/KV buffers (default: the model's); ssm_dtype: SSM states (default dtype; torch.int8 for an
-        int8-state model); kv_keys_before_rope: attention caches keys before RoPE and rotates them at read.
+        int8-state model); kv_keys_before_rope: attention caches keys before RoPE and rotates them at read;
+        kv_blocks: attention keeps its KV in that many blocks of kv_block_size tokens, handed out through
+        ``cache.block_table`` (``ssmq.models.paged_kv``; the serving engine assigns them as sequences grow).
         """
         p = self.norm_f.weight  # the embedding may be a quantized module without .weight
         dtype, device = dtype or p.dtype, device or p.device
+        table = None
+        if kv_blocks is not None:  # attention KV in kv_blocks blocks of kv_block_size tokens (ssmq.models.paged_kv)
+            from ssmq.models.paged_kv import BlockTable
+
+            table = BlockTable(max_batch, max_seqlen, kv_block_size, kv_blocks, device)
         states = [layer.mixer.allocate_state(max_batch, max_seqlen, dtype, device, ssm_dtype=ssm_dtype,
-                                             kv_keys_before_rope=kv_keys_before_rope) for layer in self.layers]
-        return InferenceCache(states, torch.zeros(max_batch, dtype=torch.long, device=device), max_seqlen)
+                                             kv_keys_before_rope=kv_keys_before_rope, kv_table=table)
+                  for layer in self.layers]
+        cache = InferenceCache(states, torch.zeros(max_batch, dtype=torch.long, device=device), max_seqlen)
+        cache.block_table = table
+        return cache
 
     @property
     def device(self) -> torch.device:

@@ -32,6 +32,7 @@ from ssmq.errors import SSMQError
 class StateFormat(str, Enum):
     FLOAT = "float"
     INT8 = "int8"
+    PAGED = "paged"  # KV in fixed-size blocks through a block table (ssmq.models.paged_kv)
 
     def __str__(self) -> str:
         return self.value

@@ -12,7 +12,6 @@ through its ``emit`` callback, called from the engine thread with one ``Event`` 
 from __future__ import annotations
 
 import collections
-import inspect
 import logging
 import threading
 import time
@@ -88,8 +87,7 @@ class LocalRunner:
         graphs = self.device.type == "cuda" and cfg.cuda_graphs
         kw = {"ssm_dtype": ssm_dtype}
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
-        paged = "kv_blocks" in inspect.signature(model.allocate_cache).parameters
-        if paged and any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
+        if any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
             n = cfg.kv_blocks or max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
             self.kv_blocks = (n + 1, cfg.kv_block_size)  # + the null block
             kw.update(kv_blocks=n + 1, kv_block_size=cfg.kv_block_size)

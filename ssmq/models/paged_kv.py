@@ -1,0 +1,97 @@
+"""Paged KV state: an attention layer's keys and values in fixed-size blocks, found through a block table.
+
+Glossary: s cache slots, N blocks in the pool, B tokens per block, M blocks per sequence at most (max_seqlen / B),
+b rows served, T tokens read, hkv key/value heads, e head dim.
+
+    pool k, v:    (N, B, hkv, e), shared by every slot of one layer
+    BlockTable:   rows (s, M) long on the device, shared by every attention layer of the model; token t of
+                  slot i sits at block rows[i, t // B], offset t % B
+
+Blocks are handed out as sequences grow (``ssmq.runtime.kv_blocks.BlockAllocator`` on the host, written here
+with ``BlockTable.assign``), so a slot holds KV for the tokens it has, not for max_seqlen. Block 0 is the null
+block: entries not assigned point there, so the padding rows of a CUDA graph and positions past a row's end
+read and write it, never another sequence's block (attention masks what they read by ``kv_lens``).
+Same ops as ``KVState`` (append, read, reset, nbytes): the attention layer does not know which it has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssmq.errors import SSMQError
+from ssmq.models.state import RopeAtRead, StateFormat
+
+
+class BlockTable:
+    def __init__(self, max_batch: int, max_seqlen: int, block_size: int, num_blocks: int, device):
+        if block_size < 1 or num_blocks < 2:
+            raise SSMQError(f"a paged KV cache needs >= 2 blocks of >= 1 token, got {num_blocks} of {block_size}")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.rows = torch.zeros(max_batch, -(-max_seqlen // block_size), dtype=torch.long, device=device)
+
+    def assign(self, slot: int, start: int, blocks: list[int]) -> None:
+        """Blocks ``blocks`` hold the tokens of ``slot`` from block index ``start`` on."""
+        if blocks:
+            self.rows[slot, start:start + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+
+    def reset(self, slots=None) -> None:
+        self.rows[slice(None) if slots is None else slots] = 0
+
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of the tokens at ``positions`` (b, l) of the rows ``slots`` (b,)."""
+        index = (positions // self.block_size).clamp(max=self.rows.shape[1] - 1)
+        return self.rows[slots[:, None].expand_as(positions), index], positions % self.block_size
+
+
+class PagedKVState:
+    format = StateFormat.PAGED
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, table: BlockTable, max_seqlen: int,
+                 rope: RopeAtRead | None = None):
+        self.k, self.v, self.table, self.max_seqlen, self.rope = k, v, table, max_seqlen, rope
+
+    @classmethod
+    def allocate(cls, table: BlockTable, max_seqlen: int, kv_heads: int, head_dim: int, dtype, device,
+                 rope: RopeAtRead | None = None) -> PagedKVState:
+        shape = (table.num_blocks, table.block_size, kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device),
+                   table, max_seqlen, rope)
+
+    @property
+    def keys_before_rope(self) -> bool:
+        return self.rope is not None
+
+    def append(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots``, into their blocks."""
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and int(positions.max()) >= self.max_seqlen:
+            raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
+        block, offset = self.table.locate(slots, positions)
+        self.k[block, offset] = k.to(self.k.dtype)
+        self.v[block, offset] = v.to(self.v.dtype)
+
+    def read(self, slots: torch.Tensor, kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE) and values of the rows ``slots``: (b, T, hkv, e), valid up to ``kv_lens`` (b,).
+
+        T = the longest of ``kv_lens`` rounded up to whole blocks (max_seqlen while a CUDA graph is captured)."""
+        capturing = kv_lens.is_cuda and torch.cuda.is_current_stream_capturing()
+        end = self.max_seqlen if capturing else int(kv_lens.max())
+        n = -(-end // self.table.block_size)
+        blocks = self.table.rows[slots, :n]  # (b, n)
+        b, bs = blocks.shape[0], self.table.block_size
+        keys = self.k[blocks].reshape(b, n * bs, *self.k.shape[2:])
+        values = self.v[blocks].reshape(b, n * bs, *self.v.shape[2:])
+        if self.rope is not None:
+            from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
+
+            pos = torch.arange(n * bs, device=keys.device).expand(b, n * bs)
+            cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
+            keys = apply_rotary_ref(keys, cos, sin)
+        return keys, values
+
+    def reset(self, slots=None) -> None:
+        """Forget the rows ``slots``: their table entries go back to the null block (the allocator frees blocks)."""
+        self.table.reset(slots)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v)) + self.table.rows.numel() * 8
