@@ -309,11 +309,13 @@ def _tp_rank(rank, world, init_file, port, ready, stop):
     local = LocalRunner(model, cfg)
     if rank:
         follow(local)
-        return
-    engine = Engine(model, cfg, runner=BroadcastRunner(local))
-    with BackgroundServer(engine, TOK, ServerConfig((NAME,)), port=port):
-        ready.set()
-        stop.wait(600)
+    else:
+        engine = Engine(model, cfg, runner=BroadcastRunner(local))
+        with BackgroundServer(engine, TOK, ServerConfig((NAME,)), port=port):
+            ready.set()
+            stop.wait(600)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # a group left to the interpreter's exit can abort the process
 
 
 def test_tensor_parallel_server_equals_offline(tmp_path, mamba2):
