@@ -1,4 +1,4 @@
-"""The ``ssmq`` command: info, generate, and the subcommands registered by eval/, quant/ and runtime/ (serve).
+"""The ``ssmq`` command: info, generate, quantize, and the subcommands registered by eval/ and runtime/ (serve).
 
 Every user error ends as one line on stderr (``ssmq: error: ...``) and exit status 1.
 """
@@ -7,27 +7,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from ssmq.errors import SSMQError
+from ssmq.paths import DEFAULT_HUB_MODEL, default_model  # noqa: F401  (DEFAULT_HUB_MODEL: re-exported)
 
-DEFAULT_HUB_MODEL = "state-spaces/mamba2-130m"
 # Subcommands owned by other packages; each module has register(subparsers).
-PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.command", "ssmq.runtime.command")
+PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.runtime.command")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-
-def default_model() -> str:
-    """$SSMQ_MODEL, else ../shared/models/mamba2 when present, else the hub id of Mamba2-130m."""
-    from ssmq.paths import shared_path
-
-    env = os.environ.get("SSMQ_MODEL")
-    if env:
-        return env
-    local = shared_path("models", "mamba2")
-    return str(local) if local is not None else DEFAULT_HUB_MODEL
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -42,7 +31,8 @@ def load_from_args(args):
     """(model, tokenizer, model path) from the --model/--dtype/--device arguments."""
     import torch
 
-    from ssmq.models.loading import load_model, resolve_model_path
+    from ssmq.models.loading import resolve_model_path
+    from ssmq.quant import load_model
     from ssmq.tokenizer import load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -100,6 +90,46 @@ def cmd_generate(args) -> None:
         print(f"--- {prompt!r}\n{prompt}{tok.decode(out)}")
 
 
+def cmd_quantize(args) -> None:
+    from pathlib import Path
+
+    from ssmq.quant import check, get_recipe, load_calibration, quantize, save_quantized
+
+    recipe = get_recipe(args.recipe)
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise SSMQError(f"output folder {out} already exists (pass --overwrite to replace it)")
+    model, tok, path = load_from_args(args)
+    check(recipe, model)  # before the (slow) calibration data
+    calib = None
+    if recipe.needs_calibration():
+        calib = load_calibration(args.calib, args.calib_samples, args.calib_seqlen, args.calib_seed, tok)
+    quantize(model, recipe, calib, batch_size=args.batch_size)
+    extra = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
+    save_quantized(model, out, extra_files=extra, overwrite=args.overwrite)
+    n = len([m for m in model.modules() if hasattr(m, "wspec")])
+    print(f"quantized {n} modules with {recipe.name} -> {out}")
+
+
+def add_quantize_parser(sub) -> None:
+    from ssmq.quant import RECIPES
+
+    p = sub.add_parser("quantize", help="quantize a model by a recipe and save it (safetensors + quantization.json)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="recipes:\n" + "\n".join(f"  {n:<18} {r.description}" for n, r in RECIPES.items()))
+    add_model_args(p)
+    p.add_argument("--recipe", required=True, help="a recipe name (below) or a recipe JSON file")
+    p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--calib", default=None, help="calibration text (.txt/.txt.gz, or a name in ../shared/data/train/; "
+                   "default wikitext2_train.txt.gz)")
+    p.add_argument("--calib-samples", type=int, default=512, help="calibration windows (default 512)")
+    p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--calib-seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (atomically)")
+    p.set_defaults(func=cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssmq", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true", help="on CUDA, decode without CUDA graphs")
     p.set_defaults(func=cmd_generate)
 
+    add_quantize_parser(sub)
     for module in PLUGIN_COMMANDS:
         try:
             mod = importlib.import_module(module)

@@ -209,10 +209,8 @@ def load_config(folder: Path) -> tuple[ModelConfig, str]:
 def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> SSMLM:
     """Build an SSMLM from a checkpoint folder or hub id; weights cast to ``dtype`` on ``device``."""
     folder = resolve_model_path(name_or_path)
-    if (folder / "quantization.json").exists():
-        from ssmq.quant.checkpoint import load_quantized
-
-        return load_quantized(folder, dtype=dtype, device=device)
+    if (folder / "quantization.json").exists():  # the models layer does not know quantized modules
+        raise SSMQError(f"{folder} is a quantized checkpoint: load it with ssmq.load_model (ssmq.quant.load_model)")
     cfg, _ = load_config(folder)
     state = {rename_to_ssmq(k): v for k, v in read_state_dict(folder).items()}
     with torch.device("meta"):

@@ -8,6 +8,8 @@
                             "modules": {path: spec of each replaced module}, "files": {name: sha256}}
       tokenizer files       copied from the source model (``extra_files``), also checksummed
 
+``load_model`` is the loader every caller uses (``ssmq.load_model``): a quantized folder loads here, anything
+else through ``ssmq.models.load_model`` (the models layer knows nothing of quantization).
 Loading rebuilds the float skeleton from ``model_config``, swaps in empty modules from
 ``modules`` (``MODULE_KINDS``), and copies the tensors in: no Python class is pickled. The
 folder is written under a temporary name beside ``out`` and renamed at the end (quantization.json
@@ -75,8 +77,9 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), overwrite: bool = False) -> Path:
     """Write ``model`` (quantized by ``ssmq.quant.quantize``) to the folder ``out``, atomically."""
-    import ssmq
     from safetensors.torch import save_file
+
+    from ssmq.version import __version__
 
     info = getattr(model, "quantization", None)
     if info is None:
@@ -96,7 +99,7 @@ def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), ove
         for name in files:
             _fsync(tmp / name)
         manifest = {
-            "format_version": FORMAT_VERSION, "ssmq_version": ssmq.__version__,
+            "format_version": FORMAT_VERSION, "ssmq_version": __version__,
             "recipe": info["recipe"], "calibration": info["calibration"],
             "model_config": model.config.to_dict(), "dtype": str(_float_dtype(model)).replace("torch.", ""),
             "modules": modules, "files": {name: sha256_file(tmp / name) for name in files},
@@ -150,6 +153,16 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
+def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
+    """An SSMLM from a float checkpoint folder or hub id, or from a quantized folder (``quantization.json``)."""
+    from ssmq.models.loading import load_model as load_float, resolve_model_path
+
+    folder = resolve_model_path(name_or_path)
+    if (folder / MANIFEST).exists():
+        return load_quantized(folder, dtype=dtype, device=device)
+    return load_float(folder, dtype=dtype, device=device)
+
+
 @torch.no_grad()
 def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:
     """Rebuild a quantized SSMLM; float tensors in ``dtype`` (default: as saved), scales float32."""
@@ -192,5 +205,8 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
     for m in model.modules():  # non-persistent dtype markers (QuantEmbedding) follow the float dtype
         if "_dtype" in m._buffers:
             m._buffers["_dtype"] = torch.empty(0, dtype=float_dtype)
-    model.quantization = {"recipe": manifest["recipe"], "calibration": manifest["calibration"]}
+    from ssmq.quant.recipe import Recipe
+
+    recipe = Recipe.from_dict(manifest["recipe"]).to_dict()  # a format-1 recipe (ssmq 0.1) reads as format 2
+    model.quantization = {"recipe": recipe, "calibration": manifest["calibration"]}
     return model.to(device).eval()
