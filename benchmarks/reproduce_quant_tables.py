@@ -43,8 +43,10 @@ def main() -> None:
     calib = load_calibration(None, args.calib_samples, 512, seed=0, tokenizer=tok)
     out = Path(args.out)
     res = json.loads(out.read_text()) if out.is_file() else {}
-    res.setdefault("setting", {"windows": args.windows, "seqlen": 2048, "calib": [args.calib_samples, 512],
-                               "dtype": "float32", "device": "cpu"})
+    setting = {"windows": args.windows, "seqlen": 2048, "calib": [args.calib_samples, 512], "dtype": "float32",
+               "device": "cpu"}
+    if res.setdefault("setting", setting) != setting:
+        raise SystemExit(f"{out} holds rows measured with {res['setting']}, not {setting}")
     for name in args.models.split(","):
         folder = shared_path("models", name)
         row = res.setdefault(name, {})
@@ -54,6 +56,8 @@ def main() -> None:
             print(name, "float", row["float"], flush=True)
         for recipe in args.recipes.split(","):
             label = Path(recipe).stem if recipe.endswith(".json") else recipe
+            if label in row:  # resume: rows already measured stay
+                continue
             t0 = time.time()
             model = ssmq.load_model(folder, dtype=torch.float32)
             ssmq.quantize(model, recipe, calib, progress=False)

@@ -79,3 +79,26 @@ def test_every_builtin_saves_and_loads_bit_identical(tmp_path, name):
         manifest = json.loads((tmp_path / "q" / "quantization.json").read_text())
         (tmp_path / "q" / "quantization.json").write_text(json.dumps(manifest | {"recipe": FORMAT1[name]}))
         assert load_model(tmp_path / "q").quantization["recipe"] == RECIPES[name].to_dict()
+
+
+def test_cli_quantize_help_lists_every_builtin():
+    from ssmq.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    text = sub.choices["quantize"].format_help()
+    assert all(f"  {name} " in text for name in RECIPES)
+
+
+def test_cli_quantize_then_every_loader(tmp_path, capsys):
+    from conftest import shared_or_skip
+    from ssmq.cli import main
+    from ssmq.models import load_model as load_float
+
+    src = shared_or_skip("models", "mamba1")
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(src), "--recipe", "rtn-w8a16", "--out", str(out)]) == 0
+    assert "rtn-w8a16" in capsys.readouterr().out
+    assert type(load_model(out).layers[0].mixer.in_proj).__name__ == "QuantLinear"
+    with pytest.raises(SSMQError, match="quantized checkpoint: load it with ssmq.load_model"):
+        load_float(out)
+    assert main(["quantize", "--model", str(src), "--recipe", "quamba2-w8a8", "--out", str(out)]) == 1  # exists

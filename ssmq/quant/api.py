@@ -58,8 +58,11 @@ def check(recipe, model: nn.Module) -> dict[str, Rule]:
             raise SSMQError(f"{name}: state_group scales are for act_B/act_C with state_groups dividing d_state "
                             f"{cfg.d_state}")
     for t in recipe.transforms:
-        sizes = {"hadamard": lambda: rotation_sizes(model, t.get("online")),
-                 "hadamard_y": lambda: {"d_inner": cfg.d_inner}}.get(t.name, dict)()
+        sizes = {}
+        if t.name == "hadamard":
+            sizes = rotation_sizes(model, t.get("online"))
+        elif t.name == "hadamard_y":
+            sizes = {"d_inner": cfg.d_inner}
         for what, n in sizes.items():
             if not has_hadamard(n):
                 raise SSMQError(f"{name}: no Hadamard matrix of order {n} ({what})")
