@@ -10,39 +10,12 @@ import importlib
 import sys
 
 from ssmq.errors import SSMQError
-from ssmq.paths import DEFAULT_HUB_MODEL, default_model  # noqa: F401  (DEFAULT_HUB_MODEL: re-exported)
+from ssmq.paths import DEFAULT_HUB_MODEL, default_model  # noqa: F401  (re-exported)
+from ssmq.runtime.model_args import DTYPES, add_model_args, load_from_args  # noqa: F401  (re-exported)
 
 # Subcommands owned by other packages; each module has register(subparsers).
 PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.runtime.command")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-          "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--dtype/--device, shared by every subcommand that loads a model."""
-    p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: $SSMQ_MODEL, "
-                   "../shared/models/mamba2, else state-spaces/mamba2-130m)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-
-
-def load_from_args(args):
-    """(model, tokenizer, model path) from the --model/--dtype/--device arguments."""
-    import torch
-
-    from ssmq.models.loading import resolve_model_path
-    from ssmq.quant import load_model
-    from ssmq.tokenizer import load_tokenizer
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SSMQError(f"--device {device} asked for, but CUDA is not available on this machine")
-    default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    dtype = getattr(torch, DTYPES[args.dtype or default_dtype])
-    path = resolve_model_path(args.model or default_model())
-    model = load_model(path, dtype=dtype, device=device).eval()
-    return model, load_tokenizer(path), path
 
 
 def cmd_info(args) -> None:
