@@ -33,6 +33,7 @@ from ssmq.models.linear import Linear
 from ssmq.paths import read_json
 from ssmq.quant.hadamard import RotatedLinear
 from ssmq.quant.linear import QuantEmbedding, QuantLinear
+from ssmq.quant.recipe import Recipe
 
 FORMAT_VERSION = 1
 MANIFEST = "quantization.json"
@@ -205,8 +206,6 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
     for m in model.modules():  # non-persistent dtype markers (QuantEmbedding) follow the float dtype
         if "_dtype" in m._buffers:
             m._buffers["_dtype"] = torch.empty(0, dtype=float_dtype)
-    from ssmq.quant.recipe import Recipe
-
     recipe = Recipe.from_dict(manifest["recipe"]).to_dict()  # a format-1 recipe (ssmq 0.1) reads as format 2
     model.quantization = {"recipe": recipe, "calibration": manifest["calibration"]}
     return model.to(device).eval()
