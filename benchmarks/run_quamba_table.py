@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import datetime
 import json
 import math
@@ -29,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from ssmq.eval.perplexity import perplexity_of_ids
-from ssmq.quant.ssm import get_ssm_recipe, quantize_ssm
-from ssmq.quant.ssm.recipes import naive_w8a8, quamba_w8a8
+from ssmq.quant import get_recipe, quantize
+from ssmq.quant.recipe import Cache, Transform
 from ssmq.quant.ssm.state_cache import allocate_cache, state_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,24 +65,26 @@ def perplexity(model, windows: torch.Tensor, batch_size: int, chunk: int | None 
 
 # ---------------------------------------------------------------------------------------------- rows
 def story_recipes(arch: str):
-    hadamard_only = quamba_w8a8().with_changes(name="+hadamard-y")
-    hadamard_only.taps[0].observer = "absmax"
-    return [("naive static W8A8", naive_w8a8()), ("+ Hadamard on y", hadamard_only),
-            ("+ percentile clipping (= Quamba)", get_ssm_recipe("quamba-w8a8")),
-            ("Quamba2 W8A8", get_ssm_recipe("quamba2-w8a8")), ("Quamba2 W4A8", get_ssm_recipe("quamba2-w4a8")),
-            ("Quamba2 W4A16", get_ssm_recipe("quamba2-w4a16")), ("Quamba2 mixed W4AX", get_ssm_recipe("quamba2-mixed"))]
+    """The Quamba ladder: quamba-w8a8 without percentile clipping, then without the Hadamard on y too."""
+    quamba = get_recipe("quamba-w8a8")
+    absmax_x = [dataclasses.replace(quamba.taps[0], observer="absmax"), *quamba.taps[1:]]
+    hadamard_only = quamba.with_changes(name="+hadamard-y", taps=absmax_x)
+    naive = hadamard_only.with_changes(name="naive-w8a8", transforms=[],
+                                       description="naive static W8A8: per-tensor int8 linears and SSM inputs (absmax)")
+    return [("naive static W8A8", naive), ("+ Hadamard on y", hadamard_only),
+            ("+ percentile clipping (= Quamba)", quamba),
+            ("Quamba2 W8A8", get_recipe("quamba2-w8a8")), ("Quamba2 W4A8", get_recipe("quamba2-w4a8")),
+            ("Quamba2 W4A16", get_recipe("quamba2-w4a16")), ("Quamba2 mixed W4AX", get_recipe("quamba2-mixed"))]
 
 
 def ladder_recipes():
     """Quamba2 W4A8 one component at a time (start: W4A8 RTN, per-tensor x, nothing else)."""
-    full = get_ssm_recipe("quamba2-w4a8")
-    rtn = [copy.deepcopy(r) for r in full.linears]
-    for r in rtn:
-        r.weight = type(r.weight)(**{**r.weight.__dict__, "method": "rtn"})
+    full = get_recipe("quamba2-w4a8")
+    rtn = [dataclasses.replace(r, weight=dataclasses.replace(r.weight, method="rtn")) for r in full.linears]
     base_taps = [copy.deepcopy(t) for t in full.taps]
     base_taps[0].layout, base_taps[1].layout = "per_tensor", "per_tensor"
     steps = [("W4A8 RTN g128, per-tensor x/B/C", dict(linears=rtn, taps=base_taps, transforms=[], embedding=None))]
-    had = dict(steps[-1][1], transforms=[{"name": "hadamard"}])
+    had = dict(steps[-1][1], transforms=[Transform("hadamard")])
     steps.append(("+ both-sides Hadamard", had))
     clu = copy.deepcopy(base_taps)
     clu[0].layout = "cluster"
@@ -137,12 +140,12 @@ def run_model(path: str, args, out: dict, save) -> None:
 
     def quantized(recipe):
         t0 = time.perf_counter()
-        m = quantize_ssm(copy.deepcopy(float_model), recipe, calib, batch_size=args.calib_batch, progress=False)
+        m = quantize(copy.deepcopy(float_model), recipe, calib, batch_size=args.calib_batch, progress=False)
         return m, time.perf_counter() - t0
 
     sections = args.sections.split(",")
     for label, recipe in story_recipes(arch):
-        is_mixed = recipe.mixed is not None
+        is_mixed = recipe.search is not None
         if ("mixed" if is_mixed else "story") not in sections:
             continue
         m, s = quantized(recipe)
@@ -150,7 +153,7 @@ def run_model(path: str, args, out: dict, save) -> None:
         del m
         save()
     if "state" in sections:  # 8-bit state cache, on Quamba2 W8A8
-        m, _ = quantized(get_ssm_recipe("quamba2-w8a8").with_changes(name="quamba2-w8a8-state8", state_bits=8))
+        m, _ = quantized(get_recipe("quamba2-w8a8").with_changes(name="quamba2-w8a8-state8", cache=Cache(state_bits=8)))
         st = {"chunk": args.state_chunk}
         for name, dtype in (("16-bit", torch.float16), ("8-bit", torch.int8)):
             st[name] = {"ppl": perplexity(m, windows, args.batch_size, args.state_chunk, dtype),

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from ssmq.eval.perplexity import perplexity_of_ids
-from ssmq.quant.ssm import get_ssm_recipe, quantize_ssm
+from ssmq.quant.api import quantize as quantize_ssm
+from ssmq.quant.recipe import Cache, Transform, get_recipe as get_ssm_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,10 +46,10 @@ def with_ssdi8(recipe, **params):
     """The recipe with the ssdi8 / mean_correction transform parameters changed (None: drop the transform)."""
     ts = []
     for t in recipe.transforms:
-        if t["name"] in params:
-            if params[t["name"]] is None:
+        if t.name in params:
+            if params[t.name] is None:
                 continue
-            t = {"name": t["name"], "params": {**t.get("params", {}), **params[t["name"]]}}
+            t = Transform(t.name, {**t.params, **params[t.name]})
         ts.append(t)
     return ts
 
@@ -72,7 +73,7 @@ def ablation_rows():
     return [
         row("no reformulation (X quantized plainly, float chunk state)", "abl-noreform",
             transforms=with_ssdi8(r, ssdi8={"reformulate": False})),
-        row("no persistent int8 state (float states, 16-bit cache)", "abl-floatstate", state_bits=16,
+        row("no persistent int8 state (float states, 16-bit cache)", "abl-floatstate", cache=Cache(state_bits=16),
             transforms=with_ssdi8(r, ssdi8={"int8_state": False, "int8_passing": False})),
         row("no int8 StatePassing (int8 states, decay in float)", "abl-floatpass",
             transforms=with_ssdi8(r, ssdi8={"int8_passing": False})),

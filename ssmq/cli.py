@@ -1,4 +1,4 @@
-"""The ``ssmq`` command: info, generate, and the subcommands registered by eval/, quant/ and runtime/ (serve).
+"""The ``ssmq`` command: info, generate, quantize, and the subcommands registered by eval/ and runtime/ (serve).
 
 Every user error ends as one line on stderr (``ssmq: error: ...``) and exit status 1.
 """
@@ -11,55 +11,12 @@ import os
 import sys
 
 from ssmq.errors import SSMQError
+from ssmq.paths import DEFAULT_HUB_MODEL, default_model  # noqa: F401  (re-exported)
+from ssmq.runtime.model_args import DTYPES, add_model_args, load_from_args  # noqa: F401  (re-exported)
 
-DEFAULT_HUB_MODEL = "state-spaces/mamba2-130m"
 # Subcommands owned by other packages; each module has register(subparsers).
-PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.command", "ssmq.quant.export_command", "ssmq.runtime.command")
-DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
-          "bfloat16": "bfloat16", "bf16": "bfloat16"}
-
-
-def default_model() -> str:
-    """$SSMQ_MODEL, else ../shared/models/mamba2 when present, else the hub id of Mamba2-130m."""
-    from ssmq.paths import shared_path
-
-    env = os.environ.get("SSMQ_MODEL")
-    if env:
-        return env
-    local = shared_path("models", "mamba2")
-    return str(local) if local is not None else DEFAULT_HUB_MODEL
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--dtype/--device, shared by every subcommand that loads a model."""
-    p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: $SSMQ_MODEL, "
-                   "../shared/models/mamba2, else state-spaces/mamba2-130m)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
-
-
-def load_from_args(args, load=None):
-    """(model, tokenizer, model path) from the --model/--dtype/--device arguments.
-
-    ``load(path, dtype, device)`` replaces ``load_model`` (e.g. loading this rank's tensor-parallel shard)."""
-    import torch
-
-    from ssmq.models.loading import load_model, resolve_model_path
-    from ssmq.tokenizer import load_tokenizer
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SSMQError(f"--device {device} asked for, but CUDA is not available on this machine")
-    default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    dtype = getattr(torch, DTYPES[args.dtype or default_dtype])
-    path = resolve_model_path(args.model or default_model())
-    if getattr(args, "tp", 1) > 1:
-        from ssmq.runtime.tp_launch import load_tp_model, start_tp
-
-        comm, device = start_tp(args, device)
-        return load_tp_model(path, comm, dtype=dtype, device=device), load_tokenizer(path), path
-    model = (load or (lambda p, dtype, device: load_model(p, dtype=dtype, device=device)))(path, dtype, device).eval()
-    return model, load_tokenizer(path), path
+PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.export_command", "ssmq.runtime.command")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def cmd_info(args) -> None:
@@ -113,6 +70,46 @@ def add_tp_args(p: argparse.ArgumentParser) -> None:
     add(p)
 
 
+def cmd_quantize(args) -> None:
+    from pathlib import Path
+
+    from ssmq.quant import check, get_recipe, load_calibration, quantize, save_quantized
+
+    recipe = get_recipe(args.recipe)
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise SSMQError(f"output folder {out} already exists (pass --overwrite to replace it)")
+    model, tok, path = load_from_args(args)
+    check(recipe, model)  # before the (slow) calibration data
+    calib = None
+    if recipe.needs_calibration():
+        calib = load_calibration(args.calib, args.calib_samples, args.calib_seqlen, args.calib_seed, tok)
+    quantize(model, recipe, calib, batch_size=args.batch_size)
+    extra = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
+    save_quantized(model, out, extra_files=extra, overwrite=args.overwrite)
+    n = len([m for m in model.modules() if hasattr(m, "wspec")])
+    print(f"quantized {n} modules with {recipe.name} -> {out}")
+
+
+def add_quantize_parser(sub) -> None:
+    from ssmq.quant import RECIPES
+
+    p = sub.add_parser("quantize", help="quantize a model by a recipe and save it (safetensors + quantization.json)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="recipes:\n" + "\n".join(f"  {n:<18} {r.description}" for n, r in RECIPES.items()))
+    add_model_args(p)
+    p.add_argument("--recipe", required=True, help="a recipe name (below) or a recipe JSON file")
+    p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
+    p.add_argument("--calib", default=None, help="calibration text (.txt/.txt.gz, or a name in ../shared/data/train/; "
+                   "default wikitext2_train.txt.gz)")
+    p.add_argument("--calib-samples", type=int, default=512, help="calibration windows (default 512)")
+    p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--calib-seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (atomically)")
+    p.set_defaults(func=cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ssmq", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tp_args(p)
     p.set_defaults(func=cmd_generate)
 
+    add_quantize_parser(sub)
     for module in PLUGIN_COMMANDS:
         try:
             mod = importlib.import_module(module)

@@ -38,3 +38,15 @@ def read_json(path: Path, missing: str) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise SSMQError(f"corrupt {path}: {e}") from None
+
+
+DEFAULT_HUB_MODEL = "state-spaces/mamba2-130m"
+
+
+def default_model() -> str:
+    """$SSMQ_MODEL, else ../shared/models/mamba2 when present, else the hub id of Mamba2-130m."""
+    env = os.environ.get("SSMQ_MODEL")
+    if env:
+        return env
+    local = shared_path("models", "mamba2")
+    return str(local) if local is not None else DEFAULT_HUB_MODEL

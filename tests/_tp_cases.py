@@ -13,7 +13,7 @@ def build(source):
         from tiny_ssm import tiny_model
 
         return tiny_model(source[1], **source[2])
-    from ssmq.models.loading import load_model
+    from ssmq.quant import load_model  # float or quantized folders
 
     return load_model(source[1], dtype=torch.float32, device="cpu").eval()
 
@@ -52,9 +52,9 @@ def quantized_checkpoint(arch: str, recipe: str, folder, state_bits: int | None 
 
     model = tiny_model(arch, **overrides)
     if state_bits is not None:
-        from ssmq.quant.ssm import get_ssm_recipe
+        from ssmq.quant.recipe import Cache, get_recipe
 
-        recipe = get_ssm_recipe(recipe).with_changes(state_bits=state_bits)
+        recipe = get_recipe(recipe).with_changes(cache=Cache(state_bits=state_bits))
     quantize(model, recipe, synthetic_calibration(model.config.vocab_size, n=4, seqlen=32), progress=False)
     save_quantized(model, folder)
     return str(folder)

@@ -2,7 +2,7 @@
 
 import torch
 
-from ssmq.quant.ssm import get_ssm_recipe, quantize_ssm
+from ssmq.quant import Search, get_recipe, quantize
 from ssmq.quant.ssm.mixed import a16_count, evolutionary_search, hc_first, hc_last, window_ppl
 from tiny_ssm import synthetic_calibration, tiny_model
 
@@ -28,10 +28,9 @@ def test_search_finds_the_best_assignment_and_keeps_the_ratio():
 def test_quamba2_mixed_on_a_tiny_model():
     calib = synthetic_calibration(64, 6, 32)
     heldout = synthetic_calibration(64, 2, 32, seed=3)
-    recipe = get_ssm_recipe("quamba2-mixed").with_changes(
-        mixed={"a8": "quamba2-w4a8", "a16": "quamba2-w4a16", "population": 4, "generations": 2,
-               "mutations": 2, "crossovers": 2})
-    model = quantize_ssm(tiny_model("mamba2"), recipe, calib, heldout=heldout, progress=False)
+    recipe = get_recipe("quamba2-mixed").with_changes(
+        search=Search(population=4, generations=2, mutations=2, crossovers=2))
+    model = quantize(tiny_model("mamba2"), recipe, calib, heldout=heldout, progress=False)
     info = model.quantization["mixed"]
     assert info["assignment"].count("A16") == 1 and len(info["assignment"]) == 4
     assert info["fitness_ppl"] <= min(info["baselines_ppl"].values()) + 1e-9  # exhaustive here (4 genomes)

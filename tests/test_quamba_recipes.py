@@ -9,7 +9,8 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.ops.quant_ssm import conv1d_silu_quant_ref, quant_selective_scan_ref
-from ssmq.quant.ssm import SSMRecipe, TapRule, get_ssm_recipe, quantize_ssm
+from ssmq.quant import quantize
+from ssmq.quant.recipe import Cache, Calibration, Recipe, TapRule, Transform, get_recipe
 from ssmq.quant.ssm.mixed import window_ppl
 from ssmq.quant.ssm.state_cache import allocate_cache, state_bytes
 from tiny_ssm import synthetic_calibration, tiny_model
@@ -20,10 +21,10 @@ _cache = {}
 
 
 def quantized(arch, name, **changes):
-    key = (arch, name, tuple(sorted(changes.items())))
+    key = (arch, name, repr(sorted(changes.items())))
     if key not in _cache:
-        recipe = get_ssm_recipe(name).with_changes(**changes) if changes else name
-        _cache[key] = quantize_ssm(tiny_model(arch), recipe, CALIB, progress=False, state_chunk=8)
+        recipe = get_recipe(name).with_changes(calibration=Calibration(state_chunk=8), **changes)
+        _cache[key] = quantize(tiny_model(arch), recipe, CALIB, progress=False)
     return _cache[key]
 
 
@@ -31,7 +32,7 @@ def quantized(arch, name, **changes):
 def _refused(model, recipe, match):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(SSMQError, match=match):
-        quantize_ssm(model, recipe, CALIB, progress=False)
+        quantize(model, recipe, CALIB, progress=False)
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), "work was done"
 
@@ -44,19 +45,19 @@ def test_refuses_unsupported_bits():
     with pytest.raises(SSMQError, match="bits"):
         TapRule(["act_x"], bits=4).validate()
     with pytest.raises(SSMQError, match="state cache bits"):
-        get_ssm_recipe("quamba2-w8a8").with_changes(state_bits=4)
-    d = get_ssm_recipe("quamba2-w4a16").to_dict()
+        get_recipe("quamba2-w8a8").with_changes(cache=Cache(state_bits=4))
+    d = get_recipe("quamba2-w4a16").to_dict()
     d["linears"][0]["weight"]["dtype"] = "int3"
     with pytest.raises(SSMQError, match="int3"):
-        SSMRecipe.from_dict(d)
+        Recipe.from_dict(d)
 
 
 def test_refuses_mamba2_only_and_inconsistent_pieces():
-    m2_only = get_ssm_recipe("quamba2-w8a8").with_changes(name="m2-only", supported_archs=["mamba2"])
+    m2_only = get_recipe("quamba2-w8a8").with_changes(name="m2-only", supported_archs=["mamba2"])
     _refused(tiny_model("mamba1"), m2_only, "supports mamba2, not mamba1")
-    no_cluster = get_ssm_recipe("quamba2-w8a8").with_changes(transforms=[{"name": "hadamard"}])
+    no_cluster = get_recipe("quamba2-w8a8").with_changes(transforms=[Transform("hadamard")])
     _refused(tiny_model("mamba2"), no_cluster, "needs the sort_cluster transform")
-    bad_groups = get_ssm_recipe("quamba2-w8a8").with_changes(taps=[TapRule(["act_B"], "state_group", state_groups=3)])
+    bad_groups = get_recipe("quamba2-w8a8").with_changes(taps=[TapRule(["act_B"], "state_group", state_groups=3)])
     _refused(tiny_model("mamba2"), bad_groups, "state_groups")
     split_norm = tiny_model("mamba2", norm_group_size=16)  # norm groups split heads of 32 channels
     _refused(split_norm, "quamba2-w8a8", "norm group")
@@ -64,8 +65,8 @@ def test_refuses_mamba2_only_and_inconsistent_pieces():
 
 def test_recipe_json_round_trip():
     for name in ("quamba-w8a8", "quamba2-w8a8", "quamba2-w4a8", "quamba2-w4a16", "quamba2-mixed"):
-        r = get_ssm_recipe(name)
-        assert SSMRecipe.from_dict(json.loads(r.to_json())).to_dict() == r.to_dict()
+        r = get_recipe(name)
+        assert Recipe.from_dict(json.loads(r.to_json())).to_dict() == r.to_dict()
 
 
 # ---------------------------------------------------------------------------------------------- sanity
@@ -105,7 +106,7 @@ def test_quamba_mamba1_mixer_equals_int8_references():
 # ---------------------------------------------------------------------------------------------- state cache
 @pytest.mark.parametrize("arch", ["mamba1", "mamba2"])
 def test_int8_state_cache_decode(arch):
-    model = quantized(arch, "quamba2-w8a8", state_bits=8)
+    model = quantized(arch, "quamba2-w8a8", cache=Cache(state_bits=8))
     ids = TEST[:2, :24]
     logits = {}
     for dtype in (torch.float32, torch.int8):
@@ -126,7 +127,7 @@ def test_int8_state_cache_decode(arch):
 def test_checkpoint_round_trip(tmp_path):
     from ssmq.quant.checkpoint import load_quantized, save_quantized
 
-    model = quantized("mamba2", "quamba2-w8a8", state_bits=8)
+    model = quantized("mamba2", "quamba2-w8a8", cache=Cache(state_bits=8))
     save_quantized(model, tmp_path / "q")
     again = load_quantized(tmp_path / "q")
     with torch.no_grad():

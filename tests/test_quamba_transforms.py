@@ -8,7 +8,8 @@ import torch
 from ssmq.quant.ssm.cluster import cluster_heads, kmeans_1d
 from ssmq.quant.ssm.permute import permutable_block, permute_mamba1_, permute_mamba2_
 from tiny_ssm import synthetic_calibration, tiny_model
-from ssmq.quant.ssm.transforms import hadamard_both_, hadamard_y_, sort_and_cluster_
+from ssmq.quant.rotation import rotate_model_ as hadamard_both_  # Quamba2 both-sides: QuaRot, online H on y
+from ssmq.quant.ssm.transforms import hadamard_y_, sort_and_cluster_
 
 IDS = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
 

@@ -13,7 +13,7 @@ from ssmq.quant.recipe import RECIPES, Recipe
 
 def _recipe(name):
     d = RECIPES[name].to_dict()
-    for r in d["rules"]:
+    for r in d["linears"]:
         if r["weight"]["granularity"].startswith("per_group"):
             r["weight"]["granularity"] = "per_group:32"
     return Recipe.from_dict(d)

@@ -5,8 +5,8 @@ import torch
 
 from _quant_tiny import tiny_calib, tiny_model
 from ssmq.errors import SSMQError
-from ssmq.quant.api import quantize
-from ssmq.quant.recipe import RECIPES, Recipe, check_recipe, get_recipe
+from ssmq.quant.api import check, quantize
+from ssmq.quant.recipe import RECIPES, Recipe, get_recipe
 
 BASELINES = ["rtn-w8a16", "rtn-w4a16-g128", "static-w8a8", "dynamic-w8a8", "smoothquant-w8a8",
              "hadamard-w8a8", "gptq-w4a16-g128", "fp8-w8a8"]
@@ -70,14 +70,14 @@ def test_hadamard_refused_for_unsupported_width():
     m = tiny_model("mamba2")
     m.config.d_model = 92  # pretend: no Hadamard of order 92 = 4 * 23
     with pytest.raises(SSMQError, match="no Hadamard"):
-        check_recipe(get_recipe("hadamard-w8a8"), m)
+        check(get_recipe("hadamard-w8a8"), m)
 
 
 @pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid"])
 def test_every_baseline_applies(arch):
     for name in BASELINES:
         d = RECIPES[name].to_dict()
-        for r in d["rules"]:  # the tiny model is 64 wide: groups of 32
+        for r in d["linears"]:  # the tiny model is 64 wide: groups of 32
             if r["weight"]["granularity"].startswith("per_group"):
                 r["weight"]["granularity"] = "per_group:32"
         m = tiny_model(arch)

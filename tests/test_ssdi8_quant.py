@@ -6,18 +6,18 @@ import torch
 
 from _quant_tiny import tiny_calib, tiny_model
 from ssmq.errors import SSMQError
-from ssmq.quant.ssm import get_ssm_recipe, quantize_ssm, ssm_recipes
-from ssmq.quant.ssm.recipe import SSMRecipe
+from ssmq.quant.api import quantize as quantize_ssm
+from ssmq.quant.recipe import RECIPES, Recipe, Transform, get_recipe as get_ssm_recipe
 from ssmq.quant.ssm.ssdi8 import SSDi8Scan, gamma_migration_, mean_correction_, out_proj_means
 from ssmq.quant.ssm.state_cache import allocate_cache
-from ssmq.quant.ssm.transforms import hadamard_both_
+from ssmq.quant.rotation import rotate_model_ as hadamard_both_  # Quamba2 both-sides: QuaRot, online H
 
 
 def test_recipes_registered_and_round_trip_json():
     for name in ("ssdi8-w8a8", "ssdi8-w4a8"):
         r = get_ssm_recipe(name)
-        assert name in ssm_recipes() and r.state_bits == 8 and r.has("ssdi8")
-        assert SSMRecipe.from_dict(r.to_dict()).to_dict() == r.to_dict()
+        assert name in RECIPES and r.cache.state_bits == 8 and r.has("ssdi8")
+        assert Recipe.from_dict(r.to_dict()).to_dict() == r.to_dict()
     assert get_ssm_recipe("ssdi8-w8a8").param("mean_correction", "eta") == 0.15
 
 
@@ -34,9 +34,9 @@ def test_checks_refuse_before_work():
     r = get_ssm_recipe("ssdi8-w8a8")
     with pytest.raises(SSMQError, match="supports mamba2, hybrid, not mamba1"):
         quantize_ssm(tiny_model("mamba1"), r, tiny_calib(), progress=False)
-    bad = [r.with_changes(name="x", transforms=[{"name": "mean_correction"}]),
-           r.with_changes(name="y", transforms=[{"name": "ssdi8"}, {"name": "hadamard"}]),
-           r.with_changes(name="z", transforms=[{"name": "ssdi8", "params": {"int8_state": False}}])]
+    bad = [r.with_changes(name="x", transforms=[Transform("mean_correction")]),
+           r.with_changes(name="y", transforms=[Transform("ssdi8"), Transform("hadamard")]),
+           r.with_changes(name="z", transforms=[Transform("ssdi8", {"int8_state": False})])]
     for recipe, msg in zip(bad, ["add ssdi8", "after every other transform", "int8_passing needs int8_state"]):
         m = tiny_model("mamba2")
         before = {k: v.clone() for k, v in m.state_dict().items()}

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model and args.compare:
         raise SSMQError("give either --model M or --compare A B ..., not both")
     if not args.model and not args.compare:
-        from ssmq.cli import default_model
+        from ssmq.paths import default_model
 
         args.model = default_model()
     if args.compare and args.quantized:

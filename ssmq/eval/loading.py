@@ -92,11 +92,8 @@ def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str, tp_comm=None
             raise SSMQError("hf: models need the transformers package (pip install transformers)") from None
         model = HFCausalLM(AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)).to(device)
     else:
-        import ssmq
+        from ssmq.quant import load_model
 
-        load_model = getattr(ssmq, "load_model", None)
-        if load_model is None:
-            raise SSMQError("ssmq.load_model is not available in this build; evaluate hf:PATH instead")
         if spec.quantized is not None and not Path(spec.quantized).exists():
             raise SSMQError(f"quantized checkpoint {spec.quantized} not found")
         if tp_comm is not None:

@@ -154,9 +154,3 @@ def compare(specs: list[str], task_names: list[str], **kwargs) -> list[tuple[str
             label += "'"
         runs.append((label, res))
     return runs
-
-
-if __name__ == "__main__":
-    from ssmq.eval.command import main
-
-    raise SystemExit(main())

@@ -211,19 +211,19 @@ def load_config(folder: Path) -> tuple[ModelConfig, str]:
     return cfg, fmt
 
 
+def _is_compressed_tensors(folder: Path) -> bool:
+    """config.json's quantization_config names compressed-tensors (``ssmq.quant.compressed_tensors`` loads it)."""
+    f = folder / "config.json"
+    qc = (read_json(f, f"unreadable {f}").get("quantization_config") or {}) if f.is_file() else {}
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+
+
 def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> SSMLM:
     """Build an SSMLM from a checkpoint folder or hub id; weights cast to ``dtype`` on ``device``."""
     folder = resolve_model_path(name_or_path)
-    if (folder / "quantization.json").exists():
-        from ssmq.quant.checkpoint import load_quantized
-
-        return load_quantized(folder, dtype=dtype, device=device)
-    from ssmq.quant.compressed_tensors.load import is_compressed_tensors
-
-    if is_compressed_tensors(folder):  # llm-compressor / ssmq export: QuantLinears from the packed tensors
-        from ssmq.quant.compressed_tensors.load import load_compressed_tensors
-
-        return load_compressed_tensors(folder, dtype=dtype, device=device)
+    if (folder / "quantization.json").exists() or _is_compressed_tensors(folder):
+        # the models layer does not know quantized modules
+        raise SSMQError(f"{folder} is a quantized checkpoint: load it with ssmq.load_model (ssmq.quant.load_model)")
     cfg, _ = load_config(folder)
     state = {rename_to_ssmq(k): v for k, v in read_state_dict(folder).items()}
     with torch.device("meta"):

@@ -8,8 +8,8 @@ G scale groups of x (1 per-tensor; m·n with sort-and-cluster).
 
 Scale convention: every code tensor ``*_q`` (int8) comes with a float32 ``*_scale`` that broadcasts
 against its non-batch dims, e.g. u_q (b, d, l) with u_scale (d, 1) or (); the value is q · scale.
-Quantization is symmetric int8, ``ssmq.quant.primitives.quantize`` (round half to even, clamp
-[-128, 127]). The SSM state (…, d, n) is quantized per (x group of its channel, state index):
+Quantization is symmetric int8 as ``ssmq.quant.primitives.quantize`` does it (round half to even, clamp
+[-128, 127]; ops sit below quant, so it is written out here). The SSM state (…, d, n) is quantized per (x group of its channel, state index):
 scale table (G, n), channel → group map ``index`` (d,) — d_state × m × n scales (Quamba2).
 """
 
@@ -24,12 +24,11 @@ from ssmq.ops.conv1d import causal_conv1d_ref
 from ssmq.ops.layout import discretize_dt, heads_per_group
 from ssmq.ops.norm import rms_norm_ref
 from ssmq.ops.state_update import selective_state_update_ref
-from ssmq.quant.primitives import PerTensor, quantize
 
 
 def quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (any) float, scale broadcastable against x -> int8 codes (the primitives' rounding)."""
-    return quantize(x / scale.float(), torch.ones(()), None, PerTensor(), "int8")
+    return torch.round(x / scale.float()).clamp(-128, 127).to(torch.int8)
 
 
 def dequantize_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@
                             "modules": {path: spec of each replaced module}, "files": {name: sha256}}
       tokenizer files       copied from the source model (``extra_files``), also checksummed
 
+``load_model`` is the loader every caller uses (``ssmq.load_model``): a quantized folder loads here, anything
+else through ``ssmq.models.load_model`` (the models layer knows nothing of quantization).
 Loading rebuilds the float skeleton from ``model_config``, swaps in empty modules from
 ``modules`` (``MODULE_KINDS``), and copies the tensors in: no Python class is pickled. The
 folder is written under a temporary name beside ``out`` and renamed at the end (quantization.json
@@ -32,6 +34,7 @@ from ssmq.models.linear import Linear
 from ssmq.paths import read_json
 from ssmq.quant.hadamard import RotatedLinear
 from ssmq.quant.linear import QuantEmbedding, QuantLinear
+from ssmq.quant.recipe import Recipe
 
 FORMAT_VERSION = 1
 MANIFEST = "quantization.json"
@@ -76,8 +79,9 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), overwrite: bool = False) -> Path:
     """Write ``model`` (quantized by ``ssmq.quant.quantize``) to the folder ``out``, atomically."""
-    import ssmq
     from safetensors.torch import save_file
+
+    from ssmq.version import __version__
 
     info = getattr(model, "quantization", None)
     if info is None:
@@ -92,7 +96,7 @@ def save_quantized(model: nn.Module, out: str | os.PathLike, extra_files=(), ove
         for name in files:
             _fsync(tmp / name)
         manifest = {
-            "format_version": FORMAT_VERSION, "ssmq_version": ssmq.__version__,
+            "format_version": FORMAT_VERSION, "ssmq_version": __version__,
             "recipe": info["recipe"], "calibration": info["calibration"],
             "model_config": model.config.to_dict(), "dtype": str(_float_dtype(model)).replace("torch.", ""),
             "modules": modules, "files": {name: sha256_file(tmp / name) for name in files},
@@ -163,6 +167,20 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 
+def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
+    """An SSMLM from a float checkpoint folder or hub id, from a quantized folder (``quantization.json``), or from
+    a compressed-tensors folder (llm-compressor / ``ssmq export``: QuantLinears from the packed tensors)."""
+    from ssmq.models.loading import load_model as load_float, resolve_model_path
+    from ssmq.quant.compressed_tensors.load import is_compressed_tensors, load_compressed_tensors
+
+    folder = resolve_model_path(name_or_path)
+    if (folder / MANIFEST).exists():
+        return load_quantized(folder, dtype=dtype, device=device)
+    if is_compressed_tensors(folder):
+        return load_compressed_tensors(folder, dtype=dtype, device=device)
+    return load_float(folder, dtype=dtype, device=device)
+
+
 @torch.no_grad()
 def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, device="cpu") -> nn.Module:
     """Rebuild a quantized SSMLM; float tensors in ``dtype`` (default: as saved), scales float32.
@@ -217,5 +235,6 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise SSMQError(f"{folder}: no stored value for {left[:3]}")
-    model.quantization = {"recipe": manifest["recipe"], "calibration": manifest["calibration"]}
+    recipe = Recipe.from_dict(manifest["recipe"]).to_dict()  # a format-1 recipe (ssmq 0.1) reads as format 2
+    model.quantization = {"recipe": recipe, "calibration": manifest["calibration"]}
     return model.to(device).eval()

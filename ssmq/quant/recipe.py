@@ -1,33 +1,58 @@
-"""Recipes: which transforms run and which quantized module replaces which module, as data (JSON).
+"""Recipes: one declarative description (dataclass <-> JSON) of everything a quantization does, and the registry.
 
-A recipe (see ``RECIPES`` for the built-in ones; users write the same JSON):
+    {"format": 2, "name": "quamba2-w4a8", "supported_archs": ["mamba1", "mamba2"],
+     "transforms": [{"name": "sort_cluster", "params": {"m": 4, "n": 4}}, {"name": "hadamard"}],   # in order
+     "linears":    [{"modules": ["layers.*.mixer.in_proj"], "exclude": [],                        # first match wins
+                     "weight": {"dtype": "int4", "granularity": "per_group:128", "method": "gptq"},
+                     "act": {"dtype": "int8", "granularity": "per_tensor", "static": true}}],   # null = 16-bit
+     "taps":       [{"taps": ["act_x"], "layout": "cluster", "observer": "percentile"}],        # SSM inputs
+     "embedding":  {"dtype": "int8"},                            # head-to-toe: embedding rows, or null
+     "cache":      {"state_bits": 16, "kv": null},               # SSM state (8: int8, scales per x group
+                                                                 # and state index), KV format (reserved)
+     "calibration": {"state_windows": 64, "state_chunk": 128},   # what the int8 state scales observe
+     "search":     null}                                         # or per-layer A8/A16 search (W4AX)
 
-    {"name": "gptq-w4a16-g128", "supported_archs": ["mamba1", "mamba2", "hybrid"],
-     "transforms": [{"name": "hadamard", "params": {"online": true}}],      # in order, optional
-     "rules": [{"modules": ["layers.*"], "exclude": ["*.dt_proj"],
-                "weight": {"dtype": "int4", "granularity": "per_group:128", "method": "gptq"},
-                "act": null}]}                                            # null = 16-bit activations
+Linear rules: the nn.Linear modules whose path matches one of ``modules`` (fnmatch; ``*`` crosses dots) and no
+``exclude`` become ``QuantLinear(weight, act)``. Taps: which mixer activation taps (``act_x``, ``act_B`` ...)
+become ``ActQuantizer``s, their scale layout (per_tensor | state_group | cluster) and observer. Transforms:
+``TRANSFORMS`` below names each and its parameters; ``ssmq.quant.api`` runs them (the maths: one file each,
+listed in ``docs/architecture.md``). Search: the model is quantized twice (the recipe, and the recipe with
+16-bit activations) and each layer takes one of the two by evolutionary search (``ssmq/quant/ssm/mixed.py``).
 
-A rule applies to the nn.Linear modules whose path matches one of ``modules`` (fnmatch; ``*``
-crosses dots) and no ``exclude``; the first matching rule wins. Transforms: "smoothquant"
-(params: alpha) and "hadamard" (QuaRot-style, params: online). ``check_recipe`` refuses a recipe
-that does not apply to a model before any work is done.
+A new family is data: new fields of a spec, a transform name here and its function in ``api.TRANSFORMS``.
+Format 1 (the two kinds of ssmq 0.1: ``{"rules": ...}`` and ``{"kind": "ssm", "linears": ..., "state_bits":
+..., "mixed": ...}``) is still read, so checkpoints and recipe files written by ssmq 0.1 keep working.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-
-import torch.nn as nn
 
 from ssmq.errors import SSMQError
 from ssmq.quant.spec import ActSpec, WeightSpec, validate_pair
 
-FORMAT = 1
+FORMAT = 2
 ARCHS = ("mamba1", "mamba2", "hybrid")
-TRANSFORM_PARAMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True}}
+SSM_ARCHS = ("mamba1", "mamba2")
+TAPS = ("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y")
+TAP_LAYOUTS = ("per_tensor", "state_group", "cluster")
+# transform name -> its parameters with their defaults (the functions: ssmq.quant.api.TRANSFORMS)
+TRANSFORMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True}, "hadamard_y": {}, "sort_cluster": {"m": 4, "n": 4},
+              "gamma_migration": {}, "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True},
+              "mean_correction": {"eta": 0.15}}
+
+
+def _from(cls, d, what: str):
+    """cls(**d) after refusing unknown keys with one line."""
+    if not isinstance(d, dict):
+        raise SSMQError(f"a {what} is a JSON object, not {type(d).__name__}")
+    known = [f.name for f in fields(cls)]
+    unknown = set(d) - set(known)
+    if unknown:
+        raise SSMQError(f"unknown {what} field(s) {sorted(unknown)}; known: {sorted(known)}")
+    return cls(**d)
 
 
 @dataclass
@@ -36,24 +61,26 @@ class Transform:
     params: dict = field(default_factory=dict)
 
     def validate(self) -> "Transform":
-        if self.name not in TRANSFORM_PARAMS:
-            raise SSMQError(f"unknown transform {self.name!r}; known: {', '.join(TRANSFORM_PARAMS)}")
-        unknown = set(self.params) - set(TRANSFORM_PARAMS[self.name])
+        if self.name not in TRANSFORMS:
+            raise SSMQError(f"unknown transform {self.name!r}; known: {', '.join(TRANSFORMS)}")
+        unknown = set(self.params) - set(TRANSFORMS[self.name])
         if unknown:
             raise SSMQError(f"unknown parameter(s) {sorted(unknown)} of transform {self.name}; "
-                            f"known: {sorted(TRANSFORM_PARAMS[self.name])}")
-        if self.name == "smoothquant":
-            alpha = self.get("alpha")
-            if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
-                raise SSMQError(f"smoothquant alpha must be in [0, 1], got {alpha!r}")
+                            f"known: {sorted(TRANSFORMS[self.name])}")
+        alpha = self.get("alpha") if self.name == "smoothquant" else 0.5
+        if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
+            raise SSMQError(f"smoothquant alpha must be in [0, 1], got {alpha!r}")
+        if self.name == "sort_cluster" and min(self.get("m"), self.get("n")) < 1:
+            raise SSMQError("sort_cluster needs m, n >= 1")
         return self
 
     def get(self, key: str):
-        return self.params.get(key, TRANSFORM_PARAMS[self.name][key])
+        return self.params.get(key, TRANSFORMS[self.name][key])
 
 
 @dataclass
 class Rule:
+    """Linear layers: ``modules`` minus ``exclude`` (fnmatch patterns) -> QuantLinear(weight, act)."""
     modules: list[str]
     weight: WeightSpec
     act: ActSpec | None = None
@@ -65,64 +92,168 @@ class Rule:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Rule":
-        unknown = set(d) - {"modules", "exclude", "weight", "act"}
-        if unknown:
-            raise SSMQError(f"unknown rule field(s) {sorted(unknown)}")
-        if "modules" not in d or "weight" not in d:
+        if isinstance(d, dict) and ("modules" not in d or "weight" not in d):
             raise SSMQError("a rule needs 'modules' (patterns) and 'weight'")
-        mods = [d["modules"]] if isinstance(d["modules"], str) else list(d["modules"])
-        act = None if d.get("act") is None else ActSpec.from_dict(d["act"])
-        rule = cls(mods, WeightSpec.from_dict(d["weight"]), act, list(d.get("exclude", [])))
-        validate_pair(rule.weight, rule.act)
-        return rule
+        r = _from(cls, d, "rule")
+        r.modules = [r.modules] if isinstance(r.modules, str) else list(r.modules)
+        r.weight = WeightSpec.from_dict(r.weight)
+        r.act = None if r.act is None else ActSpec.from_dict(r.act)
+        validate_pair(r.weight, r.act)
+        return r
+
+
+@dataclass
+class TapRule:
+    """SSM activation taps: ``taps`` of the mixers of ``archs`` -> int ``bits`` with scales by ``layout``."""
+    taps: list[str]
+    layout: str = "per_tensor"
+    observer: str = "absmax"
+    percentile: float = 99.999
+    state_groups: int = 1
+    bits: int = 8
+    archs: list[str] = field(default_factory=lambda: list(SSM_ARCHS))
+
+    def validate(self) -> "TapRule":
+        bad = sorted(set(self.taps) - set(TAPS))
+        if bad:
+            raise SSMQError(f"unknown tap(s) {bad}; known: {', '.join(TAPS)}")
+        if self.layout not in TAP_LAYOUTS:
+            raise SSMQError(f"unknown tap layout {self.layout!r}; known: {', '.join(TAP_LAYOUTS)}")
+        if self.observer not in ("absmax", "percentile"):
+            raise SSMQError(f"tap observer must be absmax or percentile, not {self.observer!r}")
+        if not 0.0 < self.percentile <= 100.0:
+            raise SSMQError(f"percentile must be in (0, 100], got {self.percentile}")
+        from ssmq.quant.ssm.quantizer import SUPPORTED_BITS
+
+        if self.bits not in SUPPORTED_BITS:
+            raise SSMQError(f"SSM activations quantize to {SUPPORTED_BITS} bits (or stay 16-bit), not {self.bits}")
+        if self.state_groups < 1:
+            raise SSMQError(f"state_groups must be >= 1, got {self.state_groups}")
+        return self
+
+
+@dataclass
+class Cache:
+    """Cache formats: SSM state bits (8: int8, scales per (x scale group, state index)); KV format (reserved)."""
+    state_bits: int = 16
+    kv: str | None = None
+
+    def validate(self) -> "Cache":
+        if self.state_bits not in (8, 16):
+            raise SSMQError(f"state cache bits must be 8 or 16, not {self.state_bits}")
+        if self.kv is not None:
+            raise SSMQError(f"no quantized KV cache format is implemented yet (got kv={self.kv!r})")
+        return self
+
+
+@dataclass
+class Calibration:
+    """Windows (of the calibration set) the int8 state scales observe, every ``state_chunk`` tokens."""
+    state_windows: int = 64
+    state_chunk: int = 128
+
+
+@dataclass
+class Search:
+    """Per-layer A8 / A16 (``a8_to_a16`` ratio) by evolutionary search on held-out calibration perplexity."""
+    a8_to_a16: list[int] = field(default_factory=lambda: [3, 1])
+    population: int = 40
+    generations: int = 5
+    mutations: int = 10
+    crossovers: int = 10
+    heldout_windows: int = 16
+    heldout_seqlen: int = 512
+    seed: int = 0
+
+    def validate(self) -> "Search":
+        r = list(self.a8_to_a16)
+        if len(r) != 2 or min(r) < 0 or sum(r) == 0:
+            raise SSMQError(f"a8_to_a16 must be two non-negative counts, got {r}")
+        return self
 
 
 @dataclass
 class Recipe:
     name: str
-    rules: list[Rule]
+    linears: list[Rule] = field(default_factory=list)
     transforms: list[Transform] = field(default_factory=list)
+    taps: list[TapRule] = field(default_factory=list)
+    embedding: WeightSpec | None = None
+    cache: Cache = field(default_factory=Cache)
+    calibration: Calibration = field(default_factory=Calibration)
+    search: Search | None = None
     supported_archs: list[str] = field(default_factory=lambda: list(ARCHS))
     description: str = ""
 
     def validate(self) -> "Recipe":
-        if not self.rules:
-            raise SSMQError(f"recipe {self.name!r} has no rules")
+        if not self.linears:
+            raise SSMQError(f"recipe {self.name!r} has no rules for linear layers")
         bad = sorted(set(self.supported_archs) - set(ARCHS))
         if bad:
             raise SSMQError(f"recipe {self.name!r}: unknown architecture(s) {bad}; known: {', '.join(ARCHS)}")
-        for t in self.transforms:
-            t.validate()
-        for r in self.rules:
+        # SSM taps, transforms and int8 state caches touch the Mamba layers only, so a hybrid takes them too
+        # (SSDi8, "SSD-only"); the per-layer search is for pure SSM models
+        if self.search and set(self.supported_archs) - set(SSM_ARCHS):
+            raise SSMQError(f"recipe {self.name!r}: the per-layer A8/A16 search is for {', '.join(SSM_ARCHS)}, "
+                            f"not {', '.join(sorted(set(self.supported_archs) - set(SSM_ARCHS)))}")
+        for part in (*self.transforms, *self.taps, self.cache, *([self.search] if self.search else [])):
+            part.validate()
+        for r in self.linears:
             validate_pair(r.weight, r.act)
+        if self.embedding is not None and self.embedding.validate().method != "rtn":
+            raise SSMQError(f"recipe {self.name!r}: the embedding is quantized by round to nearest only")
         return self
 
+    def has(self, transform: str) -> bool:
+        return any(t.name == transform for t in self.transforms)
+
+    def param(self, transform: str, key: str):
+        """The first ``transform``'s ``key`` (its default when unset); None without that transform."""
+        return next((t.get(key) for t in self.transforms if t.name == transform), None)
+
     def needs_calibration(self) -> bool:
-        return any(t.name == "smoothquant" for t in self.transforms) or any(
-            r.weight.method == "gptq" or (r.act is not None and r.act.static) for r in self.rules)
+        return bool(self.taps or self.search or self.cache.state_bits != 16) or any(
+            t.name in ("smoothquant", "sort_cluster", "ssdi8", "mean_correction") for t in self.transforms) or any(
+            r.weight.method == "gptq" or (r.act is not None and r.act.static) for r in self.linears)
+
+    def at_16bit_activations(self) -> "Recipe":
+        """The same recipe with float activations (the search's A16 variant)."""
+        return replace(self, name=f"{self.name}/a16", taps=[], search=None,
+                       linears=[replace(r, act=None) for r in self.linears])
+
+    def with_changes(self, **kw) -> "Recipe":
+        return replace(self, **kw).validate()
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "name": self.name, "description": self.description,
                 "supported_archs": list(self.supported_archs),
                 "transforms": [{"name": t.name, "params": dict(t.params)} for t in self.transforms],
-                "rules": [r.to_dict() for r in self.rules]}
+                "linears": [r.to_dict() for r in self.linears], "taps": [dict(t.__dict__) for t in self.taps],
+                "embedding": None if self.embedding is None else self.embedding.to_dict(),
+                "cache": dict(self.cache.__dict__), "calibration": dict(self.calibration.__dict__),
+                "search": None if self.search is None else dict(self.search.__dict__)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Recipe":
         if not isinstance(d, dict):
             raise SSMQError("a recipe is a JSON object")
-        if d.get("format", FORMAT) != FORMAT:
-            raise SSMQError(f"recipe format {d.get('format')} is not supported (this ssmq reads format {FORMAT})")
-        unknown = set(d) - {"format", "name", "description", "supported_archs", "transforms", "rules"}
-        if unknown:
-            raise SSMQError(f"unknown recipe field(s) {sorted(unknown)}")
-        transforms = []
-        for t in d.get("transforms", []):
-            t = {"name": t} if isinstance(t, str) else t
-            transforms.append(Transform(t["name"], dict(t.get("params", {}))))
-        return cls(name=d.get("name", "custom"), rules=[Rule.from_dict(r) for r in d.get("rules", [])],
-                   transforms=transforms, supported_archs=list(d.get("supported_archs", ARCHS)),
-                   description=d.get("description", "")).validate()
+        d = dict(d)
+        if d.get("format", 1 if "rules" in d or "kind" in d else FORMAT) == 1:
+            d = _from_format1(d)
+        elif d.get("format", FORMAT) != FORMAT:
+            raise SSMQError(f"recipe format {d['format']} is not supported (this ssmq reads formats 1 and {FORMAT})")
+        d.pop("format", None)
+        d.setdefault("name", "custom")
+        d.update({k: d.get(k) or {} for k in ("cache", "calibration")})
+        r = _from(cls, d, "recipe")
+        r.transforms = [Transform(t) if isinstance(t, str) else _from(Transform, t, "transform") for t in r.transforms]
+        r.linears = [Rule.from_dict(x) for x in r.linears]
+        r.taps = [_from(TapRule, t, "tap rule") for t in r.taps]
+        r.embedding = None if r.embedding is None else WeightSpec.from_dict(r.embedding)
+        r.cache, r.calibration = _from(Cache, r.cache, "cache"), _from(Calibration, r.calibration, "calibration")
+        r.search = None if r.search is None else _from(Search, r.search, "search")
+        r.supported_archs = list(r.supported_archs)
+        return r.validate()
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -137,24 +268,42 @@ class Recipe:
             raise SSMQError(f"malformed recipe: {type(e).__name__}: {e}") from None
 
 
+def _from_format1(d: dict) -> dict:
+    """ssmq 0.1's two recipe kinds -> format 2 (same meaning)."""
+    d["format"] = FORMAT
+    if d.pop("kind", None) != "ssm":
+        d["linears"] = d.pop("rules", [])
+        return d
+    d.setdefault("supported_archs", list(SSM_ARCHS))
+    d["cache"] = {"state_bits": d.pop("state_bits", 16)}
+    mixed = d.pop("mixed", None)
+    if mixed is not None:  # {"a8": NAME, "a16": NAME, search params}: the A8 recipe plus a search
+        mixed = dict(mixed)
+        a8, a16 = get_recipe(mixed.pop("a8", "quamba2-w4a8")), get_recipe(mixed.pop("a16", "quamba2-w4a16"))
+        if a16.to_dict() | {"name": "", "description": "", "search": None} != \
+                a8.at_16bit_activations().to_dict() | {"name": "", "description": ""}:
+            raise SSMQError(f"recipe {d.get('name')!r}: a mixed pair of {a8.name} and {a16.name} that differ in more than "
+                            "activation bits has no format-2 form; write the A8 recipe with a 'search' field")
+        base = a8.to_dict()
+        d.update({k: base[k] for k in ("transforms", "linears", "taps", "embedding", "cache", "calibration")})
+        d["search"] = mixed
+    return d
+
+
 # ---------------------------------------------------------------------------------------------
 # registry
 # ---------------------------------------------------------------------------------------------
-RECIPES: dict = {}  # name -> Recipe, or SSMRecipe (ssmq.quant.ssm: Quamba, Quamba2)
+RECIPES: dict[str, Recipe] = {}
 
 
-def register_recipe(recipe):
-    """Add a recipe of either kind to the one registry (validated first)."""
+def register_recipe(recipe: Recipe) -> Recipe:
     RECIPES[recipe.name] = recipe.validate()
     return recipe
 
 
-def get_recipe(name_or_path):
-    """A registered name, a path to a JSON file, or a recipe object (returned validated).
-
-    JSON files with ``"kind": "ssm"`` are SSM recipes (``ssmq.quant.ssm.SSMRecipe``), others core ``Recipe``s.
-    """
-    if hasattr(name_or_path, "validate") and hasattr(name_or_path, "name"):
+def get_recipe(name_or_path) -> Recipe:
+    """A registered name, a path to a JSON file (format 1 or 2), or a Recipe (returned validated)."""
+    if isinstance(name_or_path, Recipe):
         return name_or_path.validate()
     key = str(name_or_path)
     if key in RECIPES:
@@ -162,96 +311,100 @@ def get_recipe(name_or_path):
     p = Path(key).expanduser()
     if p.is_file():
         try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise SSMQError(f"{p}: not valid JSON: {e}") from None
-        try:
-            if isinstance(d, dict) and d.get("kind") == "ssm":
-                from ssmq.quant.ssm.recipe import SSMRecipe
-
-                return SSMRecipe.from_dict(d).validate()
-            return Recipe.from_dict(d)
-        except (SSMQError, KeyError, TypeError) as e:
+            return Recipe.from_json(p.read_text())
+        except SSMQError as e:
             raise SSMQError(f"{p}: {e}") from None
     raise SSMQError(f"unknown recipe {key!r}: not a file, and not one of {', '.join(sorted(RECIPES))}")
 
 
-def _lin(weight: dict, act: dict | None = None, exclude=("*.dt_proj",)) -> Rule:
-    # every linear of every block except Mamba-1's dt_proj: 0.1% of the weights, and its in_features
-    # (dt_rank = d_model / 16) is rarely a multiple of a group size
-    return Rule(["layers.*"], WeightSpec.from_dict(weight), None if act is None else ActSpec.from_dict(act),
-                list(exclude))
+# ---------------------------------------------------------------------------------------------
+# the built-in recipes. Choices the papers leave open, stated once:
+#   - every linear of every block except Mamba-1's dt_proj (0.1% of the weights; its in_features,
+#     dt_rank = d_model / 16, is rarely a multiple of a group size), unless said otherwise
+#   - 4-bit weights: GPTQ, symmetric, groups of 128 along k, block 128, damp 0.01
+#   - Quamba: per-tensor weights (the paper's "static per-tensor"); Quamba2 8-bit weights: per output channel
+#   - Quamba2: x_proj (Mamba-1) stays 8-bit per-channel; head-to-toe = embedding rows 8-bit (per row),
+#     lm_head per-group 128 at the weight bits; x: m = 4 head groups x n = 4 channel groups, percentile
+#     99.999 inside each group; B, C: one scale per B/C group; z, Δ (Mamba-1 only): per tensor
+# ---------------------------------------------------------------------------------------------
+def _w(dtype: str, gran: str = "per_channel", method: str = "rtn") -> WeightSpec:
+    return WeightSpec.from_dict({"dtype": dtype, "granularity": gran, "method": method})
 
 
-_STATIC = {"dtype": "int8", "granularity": "per_tensor", "static": True, "observer": "absmax"}
-_DYNAMIC = {"dtype": "int8", "granularity": "per_token", "static": False}
+NO_DT = ["*.dt_proj"]
+STATIC_A8 = ActSpec.from_dict({"dtype": "int8", "granularity": "per_tensor", "static": True, "observer": "absmax"})
+DYNAMIC_A8 = ActSpec.from_dict({"dtype": "int8", "granularity": "per_token", "static": False})
+HADAMARD = Transform("hadamard", {"online": True})
+
+
+def _all(weight: WeightSpec, act: ActSpec | None = None) -> list[Rule]:
+    return [Rule(["layers.*"], weight, act, list(NO_DT))]
+
+
+def _taps(x_layout: str, x_observer: str, bc_layout: str) -> list[TapRule]:
+    return [TapRule(["act_x"], x_layout, x_observer), TapRule(["act_B", "act_C"], bc_layout),
+            TapRule(["act_z"]), TapRule(["act_dt"], archs=["mamba1"])]
+
+
+def _quamba2(wbits: int, abits: int) -> Recipe:
+    w_proj = _w("int4", "per_group:128", "gptq") if wbits == 4 else _w("int8")
+    act = STATIC_A8 if abits == 8 else None
+    linears = [Rule(["layers.*.mixer.in_proj", "layers.*.mixer.out_proj"], w_proj, act),
+               Rule(["layers.*.mixer.*_proj"], _w("int8"), act, list(NO_DT)),  # Mamba-1 x_proj
+               Rule(["lm_head"], _w(f"int{wbits}", "per_group:128", "gptq" if wbits == 4 else "rtn"), act)]
+    return Recipe(f"quamba2-w{wbits}a{abits}", linears,
+                  [Transform("sort_cluster", {"m": 4, "n": 4}), Transform("hadamard")],
+                  _taps("cluster", "percentile", "state_group") if abits == 8 else [], _w("int8"),
+                  supported_archs=list(SSM_ARCHS),
+                  description=f"Quamba2 W{wbits}A{abits}: sort-and-cluster x (4x4 scales), per-state-group "
+                              "B/C, both-sides Hadamard, " + ("GPTQ int4 g128" if wbits == 4 else "int8") +
+                              " weights, head-to-toe")
+
+
 for _r in [
-    Recipe("rtn-w8a16", [_lin({"dtype": "int8"})], description="int8 per-channel weights, round to nearest"),
-    Recipe("rtn-w4a16-g128", [_lin({"dtype": "int4", "granularity": "per_group:128"})],
-           description="int4 weights, groups of 128, round to nearest"),
-    Recipe("static-w8a8", [_lin({"dtype": "int8", "granularity": "per_tensor"}, _STATIC)],
+    Recipe("rtn-w8a16", _all(_w("int8")), description="int8 per-channel weights, round to nearest"),
+    Recipe("rtn-w4a16-g128", _all(_w("int4", "per_group:128")), description="int4 weights, groups of 128, round to nearest"),
+    Recipe("static-w8a8", _all(_w("int8", "per_tensor"), STATIC_A8),
            description="naive W8A8: per-tensor int8 weights, static per-tensor absmax activation scales"),
-    Recipe("dynamic-w8a8", [_lin({"dtype": "int8"}, _DYNAMIC)],
+    Recipe("dynamic-w8a8", _all(_w("int8"), DYNAMIC_A8),
            description="int8 per-channel weights, dynamic per-token int8 activations"),
-    Recipe("smoothquant-w8a8", [_lin({"dtype": "int8"}, _STATIC)], [Transform("smoothquant", {"alpha": 0.5})],
+    Recipe("smoothquant-w8a8", _all(_w("int8"), STATIC_A8), [Transform("smoothquant", {"alpha": 0.5})],
            description="SmoothQuant (alpha 0.5) + per-channel weights + static per-tensor activations"),
-    Recipe("hadamard-w8a8", [_lin({"dtype": "int8"}, _DYNAMIC)], [Transform("hadamard", {"online": True})],
+    Recipe("hadamard-w8a8", _all(_w("int8"), DYNAMIC_A8), [HADAMARD],
            description="QuaRot-style: Hadamard-rotated residual stream and online Hadamard on out_proj/"
                        "o_proj/down_proj inputs; per-channel weights, dynamic per-token activations"),
-    Recipe("fp8-w8a8", [_lin({"dtype": "fp8"}, {"dtype": "fp8", "granularity": "per_token", "static": False})],
+    Recipe("fp8-w8a8", _all(WeightSpec.from_dict({"dtype": "fp8"}),
+                            ActSpec.from_dict({"dtype": "fp8", "granularity": "per_token", "static": False})),
            description="FP8 e4m3 per-channel weights, dynamic per-token e4m3 activations (in_proj / out_proj "
                        "etc.; conv1d and the SSM stay 16-bit)"),
-    Recipe("gptq-w4a16-g128", [_lin({"dtype": "int4", "granularity": "per_group:128", "method": "gptq"})],
+    Recipe("gptq-w4a16-g128", _all(_w("int4", "per_group:128", "gptq")),
            description="GPTQ int4 weights, groups of 128, block 128, damp 0.01"),
+    Recipe("quamba-w8a8", [Rule(["layers.*.mixer.*_proj"], _w("int8", "per_tensor"), STATIC_A8, list(NO_DT))],
+           [Transform("hadamard_y")], _taps("per_tensor", "percentile", "per_tensor"), supported_archs=list(SSM_ARCHS),
+           description="Quamba: static per-tensor W8A8, Hadamard on y fused into out_proj, percentile (99.999) "
+                       "clipping of the SSM input x"),
+    _quamba2(8, 8), _quamba2(4, 8), _quamba2(4, 16),
 ]:
     register_recipe(_r)
 
 
-# ---------------------------------------------------------------------------------------------
-# applicability
-# ---------------------------------------------------------------------------------------------
-def plan(recipe: Recipe, model: nn.Module) -> dict[str, Rule]:
-    """{linear path: rule} — the first matching rule of each nn.Linear."""
-    from ssmq.quant.calibration import match_modules
+def _ssdi8(wbits: int, eta: float = 0.15) -> Recipe:
+    """SSDi8 W8A8 / W4A8: in_proj and out_proj only ("SSD-only": attention, MLP, embedding and lm_head of the model
+    stay 16-bit), static per-tensor int8 activations, γ migration + both-sides Hadamard, int8 SSD with persistent
+    int8 state (the state cache too, at the scan's scales), mean correction η at out_proj's output."""
+    w = _w("int4", "per_group:128", "gptq") if wbits == 4 else _w("int8")
+    return Recipe(f"ssdi8-w{wbits}a8", [Rule(["layers.*.mixer.in_proj", "layers.*.mixer.out_proj"], w, STATIC_A8)],
+                  [Transform("gamma_migration"), HADAMARD, Transform("ssdi8"),
+                   Transform("mean_correction", {"eta": eta})],
+                  cache=Cache(state_bits=8), supported_archs=["mamba2", "hybrid"],
+                  description=f"SSDi8 W{wbits}A8: int8 SSD inside (early B/C quantization, reformulated chunk "
+                              "state, persistent int8 state, fixed-point state passing), γ migration, both-sides "
+                              f"Hadamard, {'GPTQ int4 g128' if wbits == 4 else 'int8 per-channel'} in/out_proj, "
+                              f"mean correction η = {eta}; Mamba-2 layers only")
 
-    out: dict[str, Rule] = {}
-    for rule in recipe.rules:
-        for p in match_modules(model, rule.modules, rule.exclude, kinds=(nn.Linear,)):
-            out.setdefault(p, rule)
-    return out
 
-
-def check_recipe(recipe: Recipe, model: nn.Module) -> dict[str, Rule]:
-    """Refuse (SSMQError) a recipe that does not apply to ``model``; return its plan otherwise."""
-
-    from ssmq.quant.hadamard import has_hadamard
-    from ssmq.quant.primitives import PerGroup
-
-    recipe.validate()
-    arch = model.config.arch
-    if arch not in recipe.supported_archs:
-        raise SSMQError(f"recipe {recipe.name!r} supports {', '.join(recipe.supported_archs)}, not {arch}")
-    targets = plan(recipe, model)
-    if not targets:
-        raise SSMQError(f"recipe {recipe.name!r} matches no linear module of this {arch} model")
-    from ssmq.quant.calibration import match_modules
-
-    for rule in recipe.rules:
-        if not match_modules(model, rule.modules, rule.exclude, kinds=(nn.Linear,)):
-            raise SSMQError(f"recipe {recipe.name!r}: rule {rule.modules} matches no linear module of this {arch} model")
-    for path, rule in targets.items():
-        k = model.get_submodule(path).in_features
-        g = rule.weight.granularity
-        if isinstance(g, PerGroup) and k % g.group_size:
-            raise SSMQError(f"recipe {recipe.name!r}: group size {g.group_size} does not divide "
-                            f"in_features {k} of {path}")
-        if rule.weight.dtype == "int4" and k % 2:
-            raise SSMQError(f"recipe {recipe.name!r}: int4 needs an even in_features, {path} has {k}")
-    for t in recipe.transforms:
-        if t.name == "hadamard":
-            from ssmq.quant.rotation import rotation_sizes
-
-            for what, n in rotation_sizes(model, t.get("online")).items():
-                if not has_hadamard(n):
-                    raise SSMQError(f"recipe {recipe.name!r}: no Hadamard matrix of order {n} ({what})")
-    return targets
+register_recipe(_ssdi8(8))
+register_recipe(_ssdi8(4))
+register_recipe(RECIPES["quamba2-w4a8"].with_changes(
+    name="quamba2-mixed", search=Search(),
+    description="Quamba2 W4AX: per-layer A8/A16 (3:1) by evolutionary search on held-out calibration perplexity"))

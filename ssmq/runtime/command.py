@@ -17,7 +17,7 @@ from ssmq.errors import SSMQError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ssmq.cli import add_model_args
+    from ssmq.runtime.model_args import add_model_args
 
     add_model_args(p)
     p.add_argument("--tp", type=int, default=1,
@@ -61,7 +61,7 @@ def engine_config(args):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ssmq.cli import load_from_args
+    from ssmq.runtime.model_args import load_from_args
     from ssmq.runtime.engine import Engine, LocalRunner
 
     check_tp(args.tp)

@@ -70,7 +70,7 @@ def load_tp_model(path, comm, dtype: torch.dtype = torch.float32, device="cpu", 
     The checkpoint is read on the CPU (host memory), sharded there, and only the shard moves to
     ``device``: no rank ever holds the whole model on its GPU.
     """
-    from ssmq.models.loading import load_model
+    from ssmq.quant import load_model  # float or quantized folders
     from ssmq.runtime.tp import apply_tp, check_tp
 
     model = load_model(path, dtype=dtype, device="cpu")

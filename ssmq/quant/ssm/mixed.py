@@ -3,8 +3,8 @@
 Glossary: L layers, a genome is a tuple of L genes (1 = A8, 0 = A16) with a fixed number of A16 layers
 (A8:A16 = 3:1 by default, rounded to the nearest count).
 
-Both variants are quantized once (``a8`` and ``a16`` recipes, same transforms, so the residual stream
-and the channel order agree layer by layer); a genome is evaluated by plugging each variant's layers
+Both variants are quantized once by ``ssmq.quant.api.quantize`` (the recipe, and the recipe at 16-bit
+activations: same transforms, so the residual stream and the channel order agree layer by layer); a genome is evaluated by plugging each variant's layers
 into one model and measuring perplexity on held-out calibration windows (the fitness, lower is better).
 Search (defaults of the paper): population 40 random genomes, 5 generations; each generation keeps the
 better half and adds 10 mutations (one A8 and one A16 layer swap precision) and 10 crossovers (uniform,
@@ -15,7 +15,6 @@ Baselines: HC-first (A16 on the first layers) and HC-last (on the last layers).
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 from typing import Callable
@@ -119,12 +118,12 @@ class LayerSwitch:
         return self.host
 
 
-def _heldout(calib, recipe, heldout):
+def _heldout(calib, search, heldout):
     if heldout is not None:
         return heldout.input_ids
     from ssmq.quant.calibration import load_calibration
 
-    n, l = recipe.mixed_param("heldout_windows"), recipe.mixed_param("heldout_seqlen")
+    n, l = search.heldout_windows, search.heldout_seqlen
     try:
         return load_calibration(calib.source, n, l, seed=calib.seed + 1).input_ids
     except Exception:  # a synthetic calibration set (tests): hold out its last windows instead
@@ -132,31 +131,22 @@ def _heldout(calib, recipe, heldout):
 
 
 @torch.no_grad()
-def quantize_mixed(model: nn.Module, recipe, calib, heldout=None, batch_size: int = 8, progress: bool = True):
-    from ssmq.quant.ssm.api import quantize_ssm
-    from ssmq.quant.ssm.recipe import get_ssm_recipe
-
-    a8_recipe, a16_recipe = (get_ssm_recipe(recipe.mixed_param(k)) for k in ("a8", "a16"))
-    other = copy.deepcopy(model)
-    quantize_ssm(model, a8_recipe, calib, batch_size=batch_size, progress=progress)
-    quantize_ssm(other, a16_recipe, calib, batch_size=batch_size, progress=progress)
-    windows = _heldout(calib, recipe, heldout)
+def search_layers(model: nn.Module, other: nn.Module, search, calib, heldout=None, batch_size: int = 8) -> dict:
+    """Plug into ``model`` (quantized at A8) the layers of ``other`` (the same recipe at A16) that the search
+    picks (``search``: a ``ssmq.quant.recipe.Search``); returns what was searched and found."""
+    windows = _heldout(calib, search, heldout)
     switch = LayerSwitch(model, other)
     n = model.config.n_layer
-    k = a16_count(n, recipe.mixed_param("a8_to_a16"))
+    k = a16_count(n, search.a8_to_a16)
 
     def fitness(g: Genome) -> float:
         return window_ppl(switch.apply(g), windows, batch_size)
 
-    result = evolutionary_search(n, k, fitness, recipe.mixed_param("population"), recipe.mixed_param("generations"),
-                                 recipe.mixed_param("mutations"), recipe.mixed_param("crossovers"),
-                                 recipe.mixed_param("seed"))
+    result = evolutionary_search(n, k, fitness, search.population, search.generations, search.mutations,
+                                 search.crossovers, search.seed)
     baselines = {"hc_first": fitness(hc_first(n, k)), "hc_last": fitness(hc_last(n, k)),
                  "all_a8": fitness(tuple([1] * n))}
     switch.apply(result["best"])
-    model.quantization = {"recipe": recipe.to_dict(), "calibration": calib.record(),
-                          "mixed": {"assignment": ["A8" if g else "A16" for g in result["best"]],
-                                    "fitness_ppl": result["fitness"], "history": result["history"],
-                                    "evaluated": result["evaluated"], "baselines_ppl": baselines,
-                                    "heldout_windows": list(windows.shape)}}
-    return model
+    return {"assignment": ["A8" if g else "A16" for g in result["best"]], "fitness_ppl": result["fitness"],
+            "history": result["history"], "evaluated": result["evaluated"], "baselines_ppl": baselines,
+            "heldout_windows": list(windows.shape)}

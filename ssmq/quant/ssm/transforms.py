@@ -2,7 +2,7 @@
 
     sort_and_cluster_   per-channel max |x| on calibration -> clusters -> channels reordered (Quamba2)
     hadamard_y_         out_proj -> RotatedLinear: y is rotated online, out_proj's weight holds W Hᵀ (Quamba)
-    hadamard_both_      the core's QuaRot rotation: W_in <- W_in Hᵀ, W_out <- H W_out H'ᵀ (online H' on y) (Quamba2)
+(Quamba2's both-sides Hadamard is the core's QuaRot rotation, ``ssmq.quant.rotation.rotate_model_``.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from ssmq.quant.hadamard import RotatedLinear
 from ssmq.ops.layout import LayerKind
 from ssmq.quant.observers import MinMaxObserver
 from ssmq.quant.primitives import PerChannel
-from ssmq.quant.rotation import rotate_model_
 from ssmq.quant.ssm.cluster import cluster_channels, cluster_heads
 from ssmq.quant.ssm.permute import permutable_block, permute_mamba1_, permute_mamba2_
 
@@ -64,7 +63,3 @@ def hadamard_y_(model: nn.Module) -> None:
     for i in ssm_layers(model):
         mixer = model.layers[i].mixer
         mixer.out_proj = RotatedLinear.from_linear(mixer.out_proj)
-
-
-def hadamard_both_(model: nn.Module) -> None:
-    rotate_model_(model, online=True)
