@@ -186,7 +186,7 @@ class Recipe:
     description: str = ""
 
     def validate(self) -> "Recipe":
-        if not self.linears:
+        if not (self.linears or self.taps or self.cache.state_bits != 16):  # e.g. an int8-state-only checkpoint
             raise SSMQError(f"recipe {self.name!r} has no rules for linear layers")
         bad = sorted(set(self.supported_archs) - set(ARCHS))
         if bad:
