@@ -19,18 +19,6 @@ class InferenceCache:
     def __init__(self, states: list, seqlens: torch.Tensor, max_seqlen: int):
         self.states, self.seqlens, self.max_seqlen = list(states), seqlens, max_seqlen
 
-    @classmethod
-    def allocate(cls, cfg, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None,
-                 kv_keys_before_rope: bool = False) -> InferenceCache:
-        """A cache from the config alone (float states; an int8 state needs its mixers' scales:
-        use ``model.allocate_cache``)."""
-        from ssmq.models.lm import SSMLM
-
-        with torch.device("meta"):
-            shell = SSMLM(cfg)
-        return shell.allocate_cache(max_batch, max_seqlen, dtype, device, ssm_dtype=ssm_dtype,
-                                    kv_keys_before_rope=kv_keys_before_rope)
-
     @property
     def max_batch(self) -> int:
         return self.seqlens.shape[0]
