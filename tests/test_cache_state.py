@@ -161,8 +161,8 @@ def test_int8_state_keeps_the_mixer_class_and_old_checkpoints_load(arch, tmp_pat
 
     model = int8_state_model(arch)
     assert all(type(model.layers[i].mixer) is MIXERS[model.config.layer_kind(i)] for i in range(model.config.n_layer))
-    model.quantization = {"recipe": {"name": "int8-state-only", "cache": {"state_bits": 8}},
-                          "calibration": {"source": "none"}}
+    model.quantization = {"recipe": {"name": "int8-state-only", "cache": {"state_bits": 8},
+                                     "supported_archs": ["mamba1", "mamba2"]}, "calibration": {"source": "none"}}
     save_quantized(model, tmp_path / "new")
     manifest = json.loads((tmp_path / "new" / MANIFEST).read_text())
     assert {s["kind"] for s in manifest["modules"].values()} == {"SSMMixer"}

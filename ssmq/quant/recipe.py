@@ -42,6 +42,7 @@ TAP_LAYOUTS = ("per_tensor", "state_group", "cluster")
 TRANSFORMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True}, "hadamard_y": {}, "sort_cluster": {"m": 4, "n": 4},
               "gamma_migration": {}, "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True},
               "mean_correction": {"eta": 0.15}}
+SSD_TRANSFORMS = ("gamma_migration", "ssdi8", "mean_correction")  # SSDi8's: the int8 state is the scan's own
 
 
 def _from(cls, d, what: str):
@@ -191,11 +192,14 @@ class Recipe:
         bad = sorted(set(self.supported_archs) - set(ARCHS))
         if bad:
             raise SSMQError(f"recipe {self.name!r}: unknown architecture(s) {bad}; known: {', '.join(ARCHS)}")
-        # SSM taps, transforms and int8 state caches touch the Mamba layers only, so a hybrid takes them too
-        # (SSDi8, "SSD-only"); the per-layer search is for pure SSM models
-        if self.search and set(self.supported_archs) - set(SSM_ARCHS):
-            raise SSMQError(f"recipe {self.name!r}: the per-layer A8/A16 search is for {', '.join(SSM_ARCHS)}, "
-                            f"not {', '.join(sorted(set(self.supported_archs) - set(SSM_ARCHS)))}")
+        # SSDi8 recipes touch only the Mamba-2 layers, so they apply to hybrids too ("SSD-only"); the other SSM
+        # parts (taps, sort_cluster, hadamard_y, the search, the Quamba2 int8 state) are for pure SSM models
+        other = sorted(set(self.supported_archs) - set(SSM_ARCHS))
+        ssm_parts = self.taps or self.has("sort_cluster") or self.has("hadamard_y") or self.search or (
+            self.cache.state_bits != 16 and not any(self.has(t) for t in SSD_TRANSFORMS))
+        if ssm_parts and other:
+            raise SSMQError(f"recipe {self.name!r}: SSM taps, transforms and caches are for "
+                            f"{', '.join(SSM_ARCHS)}, not {', '.join(other)}")
         for part in (*self.transforms, *self.taps, self.cache, *([self.search] if self.search else [])):
             part.validate()
         for r in self.linears:
