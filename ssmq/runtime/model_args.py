@@ -39,11 +39,13 @@ def load_from_args(args, load=None):
         raise SSMQError(f"--device {device} asked for, but CUDA is not available on this machine")
     default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
     dtype = getattr(torch, DTYPES[args.dtype or default_dtype])
-    path = resolve_model_path(args.model or default_model())
     if getattr(args, "tp", 1) > 1:
         from ssmq.runtime.tp_launch import load_tp_model, start_tp
 
+        # join the group first: a --tp run started without torchrun is told so before any model lookup
         comm, device = start_tp(args, device)
+        path = resolve_model_path(args.model or default_model())
         return load_tp_model(path, comm, dtype=dtype, device=device), load_tokenizer(path), path
+    path = resolve_model_path(args.model or default_model())
     model = (load or (lambda p, dtype, device: load_model(p, dtype=dtype, device=device)))(path, dtype, device).eval()
     return model, load_tokenizer(path), path
