@@ -259,17 +259,21 @@ def _conv_(conv: nn.Conv1d, idx: torch.Tensor) -> None:
     conv.in_channels = conv.out_channels = conv.groups = len(idx)
 
 
-def bc_groups(nheads: int, ngroups: int, rank: int, world: int) -> torch.Tensor:
-    """The B/C groups read by this rank's heads: sharded when ngroups % world == 0, else the one group
-    all of this rank's heads share (replicated over the ranks inside it)."""
-    h_l = _divide("the SSM heads", nheads, world)
-    per_group = nheads // ngroups
-    if ngroups % world == 0:
-        return _span(rank * ngroups // world, ngroups // world)
+def shared_groups(heads: str, groups: str, n_heads: int, n_groups: int, rank: int, world: int) -> torch.Tensor:
+    """The groups (B/C groups of SSM heads, KV heads of query heads) read by this rank's heads: sharded when
+    n_groups % world == 0, else the one group all of this rank's heads share (replicated over its ranks)."""
+    h_l = _divide(f"the {heads}", n_heads, world)
+    per_group = n_heads // n_groups
+    if n_groups % world == 0:
+        return _span(rank * n_groups // world, n_groups // world)
     if per_group % h_l == 0:
         return torch.tensor([rank * h_l // per_group])
-    raise SSMQError(f"ngroups {ngroups} over {world} ranks: a rank's {h_l} heads would straddle B/C groups "
-                    f"of {per_group} heads")
+    raise SSMQError(f"{n_groups} {groups} over {world} ranks: a rank's {h_l} {heads} would straddle {groups} "
+                    f"of {per_group} {heads}")
+
+
+def bc_groups(nheads: int, ngroups: int, rank: int, world: int) -> torch.Tensor:
+    return shared_groups("SSM heads", "B/C groups", nheads, ngroups, rank, world)
 
 
 @torch.no_grad()
@@ -340,14 +344,7 @@ def shard_mamba1_(mixer: nn.Module, comm: Communicator) -> int:
 
 
 def kv_heads(hq: int, hkv: int, rank: int, world: int) -> torch.Tensor:
-    """KV heads read by this rank's query heads: sharded when hkv % world == 0, else the one it shares."""
-    hq_l = _divide("the attention query heads", hq, world)
-    per_kv = hq // hkv
-    if hkv % world == 0:
-        return _span(rank * hkv // world, hkv // world)
-    if per_kv % hq_l == 0:
-        return torch.tensor([rank * hq_l // per_kv])
-    raise SSMQError(f"{hkv} KV heads over {world} ranks: a rank's {hq_l} query heads would read two KV heads")
+    return shared_groups("attention query heads", "KV heads", hq, hkv, rank, world)
 
 
 def _head_rows(heads: torch.Tensor, e: int) -> torch.Tensor:
