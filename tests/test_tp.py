@@ -242,6 +242,13 @@ def test_tp_without_torchrun_is_one_clear_error(capsys, monkeypatch):
     assert "launch with torchrun --nproc_per_node 2 -m ssmq ... --tp 2" in capsys.readouterr().err
 
 
+def test_tp_below_one_is_refused_not_run_as_one_process(capsys):
+    from ssmq.cli import main
+
+    assert main(["generate", "--tp", "0", "--max-new-tokens", "2"]) == 1
+    assert "--tp must be >= 1, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_torchrun_generate_matches_one_process():
     import os

@@ -10,7 +10,6 @@ Wire-up: ``ssmq.runtime.command.register(subparsers)`` adds the subcommand (``fu
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 from ssmq.errors import SSMQError
@@ -43,13 +42,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def check_tp(n: int) -> None:
-    if n < 1:
-        raise SSMQError(f"--tp must be >= 1, got {n}")
-    if n > 1 and importlib.util.find_spec("ssmq.runtime.tp") is None:
-        raise SSMQError(f"--tp {n}: tensor parallelism is not available in this version of ssmq yet; use --tp 1")
-
-
 def engine_config(args):
     from ssmq.runtime.engine import EngineConfig
 
@@ -63,8 +55,9 @@ def engine_config(args):
 def run(args: argparse.Namespace) -> int:
     from ssmq.runtime.model_args import load_from_args
     from ssmq.runtime.engine import Engine, LocalRunner
+    from ssmq.runtime.tp_launch import check_tp_degree
 
-    check_tp(args.tp)
+    check_tp_degree(args.tp)
     cfg = engine_config(args)
     runner, rank = None, 0
     if args.tp > 1:  # every rank loads its shard; rank 0 serves, the others follow its engine's calls

@@ -27,7 +27,7 @@ def load_from_args(args, load=None):
     """(model, tokenizer, model path) from the --model/--dtype/--device arguments; float or quantized folders.
 
     ``load(path, dtype, device)`` replaces ``load_model`` (e.g. loading this rank's tensor-parallel shard);
-    ``args.tp`` > 1 starts this rank's tensor-parallel group and loads its shard."""
+    otherwise ``args.tp`` > 1 starts this rank's tensor-parallel group and loads its shard (< 1 is refused)."""
     import torch
 
     from ssmq.models.loading import resolve_model_path
@@ -39,7 +39,7 @@ def load_from_args(args, load=None):
         raise SSMQError(f"--device {device} asked for, but CUDA is not available on this machine")
     default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
     dtype = getattr(torch, DTYPES[args.dtype or default_dtype])
-    if getattr(args, "tp", 1) > 1:
+    if load is None and getattr(args, "tp", 1) != 1:  # a caller's own ``load`` has already joined its group
         from ssmq.runtime.tp_launch import load_tp_model, start_tp
 
         # join the group first: a --tp run started without torchrun is told so before any model lookup

@@ -138,6 +138,13 @@ def add_tp_args(p) -> None:
                    help="seconds before a collective that a rank never joins fails the job")
 
 
+def check_tp_degree(n: int) -> int:
+    """``n`` if it is a valid --tp degree (>= 1), else a one-line error."""
+    if n < 1:
+        raise SSMQError(f"--tp must be >= 1, got {n}")
+    return n
+
+
 def start_tp(args, device: str | None = None):
     """(Communicator, device) for ``--tp N`` > 1 (joins torchrun's group), else (None, device).
 
@@ -145,10 +152,8 @@ def start_tp(args, device: str | None = None):
     """
     from ssmq.runtime.tp_comm import Communicator
 
-    if getattr(args, "tp", 1) <= 1:
+    if check_tp_degree(getattr(args, "tp", 1)) == 1:
         return None, device
-    if args.tp < 1:
-        raise SSMQError(f"--tp must be >= 1, got {args.tp}")
     rank, world, device = init_tp(args.tp, device=device, timeout_s=args.tp_timeout)
     comm = Communicator(mode=args.allreduce, payload=args.allreduce_payload, device=device)
     if rank != 0:
