@@ -40,7 +40,7 @@ import ssmq  # noqa: E402
 from ssmq import kernels  # noqa: E402
 from ssmq.ops.quant_linear import pack_int4  # noqa: E402
 from ssmq.quant import CalibrationData, quantize, save_quantized  # noqa: E402
-from ssmq.quant.api import needs_calibration  # noqa: E402
+from ssmq.quant.recipe import get_recipe  # noqa: E402
 
 RECIPES = "fp16,rtn-w8a16,rtn-w4a16-g128,static-w8a8,dynamic-w8a8,fp8-w8a8"
 
@@ -54,7 +54,7 @@ def build(cfg, recipe: str, dtype, via_disk: bool) -> tuple[torch.nn.Module, dic
     if recipe == "fp16":
         return model, info
     calib = CalibrationData(torch.randint(0, 50000, (4, 256)), source="random tokens", seed=0) \
-        if needs_calibration(recipe) else None
+        if get_recipe(recipe).needs_calibration() else None
     t0 = time.time()
     quantize(model, recipe, calib, progress=False)
     info["quantize_s"] = round(time.time() - t0, 1)

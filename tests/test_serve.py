@@ -18,7 +18,9 @@ import torch
 from char_tokenizer import CharTokenizer
 from tiny_ssm import tiny_model
 
-from ssmq.runtime.engine import Engine, EngineConfig
+pytest.importorskip("fastapi", reason="ssmq serve needs fastapi (pip install -e '.[dev]')")
+
+from ssmq.runtime.engine import Engine, EngineConfig  # noqa: E402
 from ssmq.runtime.generate import generate
 from ssmq.runtime.sampling import SamplingParams
 from ssmq.runtime.server import BackgroundServer, ServerConfig

@@ -1,0 +1,26 @@
+"""Every benchmark script imports against today's package: the scripts run only on a GPU machine, so a renamed
+or removed function would otherwise first fail there, costing device time (bench_quant.py once did)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p for p in BENCH.glob("*.py"))
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.name)
+def test_benchmark_script_imports(path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ModuleNotFoundError as e:  # an optional third-party package (a peer, matplotlib) is not a broken script
+        if e.name and e.name.split(".")[0] == "ssmq":
+            raise
+        pytest.skip(f"{path.name} needs {e.name}")
+    finally:
+        sys.modules.pop(f"_bench_{path.stem}", None)
