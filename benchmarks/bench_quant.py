@@ -203,39 +203,50 @@ def run_micro(args, bw, results) -> None:
     save(results, args)
 
 
+SWEEP_FMA = [dict(FMA_MAX_ROWS=2, TILE_FMA=t, BK_FMA=bk, warps_fma=nw, stages_fma=ns)
+             for t in (2048, 4096) for bk in (512, 1024) for nw in (2, 4) for ns in (1, 3)]
+SWEEP_DOT = [dict(FMA_MAX_ROWS=0, BN_DEC=bn, warps_dec=4, stages_dec=ns) for bn in (16, 32, 64) for ns in (3, 5)]
+
+
 def run_sweep(args, bw, results) -> None:
-    """Batch-1 launch settings of the CUDA-core GEMV at in_proj and out_proj; the best overall is applied to CFG.
+    """Batch-1 launch settings of the decode GEMV at in_proj and out_proj: the CUDA-core path (SWEEP_FMA) and the
+    tensor-core path with rows padded to 16 (SWEEP_DOT, FMA_MAX_ROWS=0), per format; the best overall is applied.
 
     Best overall: the smallest sum over (shape, format) of time / the best time of that (shape, format).
     """
     qk = kernels.dispatch._kernels("quant_gemm")
     cfg = PUBLISHED[args.models.split(",")[0]]
-    variants = [dict(TILE_FMA=t, warps_fma=nw, stages_fma=ns, WAVES=wv)
-                for t in (1024, 2048) for nw in (2, 4) for ns in (1, 3) for wv in (2, 6)]
+    variants = SWEEP_FMA + SWEEP_DOT
     times: dict = {}
     for sname, (n, k) in list(shapes(cfg).items())[:2]:
-        for fmt in ("w4a16-g128", "w8a16", "w8a8"):
+        for fmt in ("w4a16-g128", "w8a16", "w8a8", "fp8"):
             make_w, _ = make_op(fmt, n, k)
-            for i, v in enumerate(variants):
+            for i, v in enumerate(tqdm(variants, desc=f"sweep {sname} {fmt}")):
                 def op(x, w, v=v, fmt=fmt):
-                    if fmt == "w8a8":
-                        x_q, xs = kernels.quantize_act(x)
+                    if fmt in ("w8a8", "fp8"):
+                        x_q, xs = kernels.quantize_act(x, None, True, torch.int8 if fmt == "w8a8" else torch.float8_e4m3fn)
                         return qk.quant_linear(x_q, w[0], w[1], None, xs, None, x.dtype, cfg=v)
                     return qk.quant_linear(x, *w, cfg=v)
                 try:
-                    us, wbytes = time_op(make_w, op, 1, k)
+                    us, wbytes = time_op(make_w, op, 1, k, min_bytes=200 << 20)
                     times[(sname, fmt, i)] = us
                 except Exception as e:
                     print("sweep", sname, fmt, v, "failed", str(e)[:200])
-            best = min((t for (a, b, _), t in times.items() if (a, b) == (sname, fmt)), default=None)
-            print("sweep", sname, fmt, f"best {best} us, limit {wbytes / bw * 1e6:.1f} us", flush=True)
+                gc.collect()
+            mine = {i: t for (a, b, i), t in times.items() if (a, b) == (sname, fmt)}
+            if mine:
+                i = min(mine, key=mine.get)
+                print("sweep", sname, fmt, f"best {mine[i]:.2f} us with {variants[i]}, limit {wbytes / bw * 1e6:.2f} us",
+                      flush=True)
+            results["sweep"] = {"variants": variants,
+                                "times_us": {f"{a} {b} {i}": round(t, 2) for (a, b, i), t in times.items()}}
+            save(results, args)
     keys = {(a, b) for a, b, _ in times}
     best = {key: min(t for (a, b, _), t in times.items() if (a, b) == key) for key in keys}
     score = {i: sum(times.get((a, b, i), 1e9) / best[(a, b)] for a, b in keys) for i in range(len(variants))}
     pick = min(score, key=score.get)
     qk.CFG.update(variants[pick])
-    results["sweep"] = {"variants": variants, "picked": variants[pick],
-                        "times_us": {f"{a} {b} {i}": round(t, 2) for (a, b, i), t in times.items()}}
+    results["sweep"]["picked"] = variants[pick]
     print("sweep picked", variants[pick], "score", round(score[pick], 3), flush=True)
     save(results, args)
 

@@ -21,7 +21,7 @@ RECIPE_NAMES = ["rtn-w8a16", "rtn-w4a16-g128", "dynamic-w8a8", "fp8-w8a8"]
 
 def _recipe(name: str) -> Recipe:
     d = RECIPES[name].to_dict()
-    for r in d["rules"]:  # the tiny models are 32 / 64 wide: groups of 32
+    for r in d["linears"]:  # the tiny models are 32 / 64 wide: groups of 32
         if r["weight"]["granularity"].startswith("per_group"):
             r["weight"]["granularity"] = "per_group:32"
     return Recipe.from_dict(d)
