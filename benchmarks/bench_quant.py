@@ -206,6 +206,9 @@ def run_micro(args, bw, results) -> None:
 SWEEP_FMA = [dict(FMA_MAX_ROWS=2, TILE_FMA=t, BK_FMA=bk, warps_fma=nw, stages_fma=ns)
              for t in (2048, 4096) for bk in (512, 1024) for nw in (2, 4) for ns in (1, 3)]
 SWEEP_DOT = [dict(FMA_MAX_ROWS=0, BN_DEC=bn, warps_dec=4, stages_dec=ns) for bn in (16, 32, 64) for ns in (3, 5)]
+# the tensor-core path's K split and K tile (SWEEP_FMA and SWEEP_DOT were measured on 2026-11-23, see CFG)
+SWEEP_SPLIT = [dict(FMA_MAX_ROWS=0, BN_DEC=bn, stages_dec=ns, WAVES=wv, MIN_SPLIT_K=mk, BK_DEC=bk)
+               for bn in (32, 64) for ns in (3, 5) for wv in (2, 6) for mk in (256, 512) for bk in (128, 256)]
 
 
 def run_sweep(args, bw, results) -> None:
@@ -216,7 +219,7 @@ def run_sweep(args, bw, results) -> None:
     """
     qk = kernels.dispatch._kernels("quant_gemm")
     cfg = PUBLISHED[args.models.split(",")[0]]
-    variants = SWEEP_FMA + SWEEP_DOT
+    variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT}[args.sweep]
     times: dict = {}
     for sname, (n, k) in list(shapes(cfg).items())[:2]:
         for fmt in ("w4a16-g128", "w8a16", "w8a8", "fp8"):
@@ -335,7 +338,8 @@ def main():
     ap.add_argument("--micro", action="store_true", help="GEMV / GEMM micro-benchmark at the first model's shapes")
     ap.add_argument("--micro-rows", default="1,2,8,16,32,1024")
     ap.add_argument("--formats", default=FORMATS)
-    ap.add_argument("--sweep", action="store_true", help="decode launch-setting sweep at batch 1")
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split"],
+                    help="decode launch-setting sweep at batch 1: all paths, or the tensor-core path's K split")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step per recipe")
     ap.add_argument("--cfg", default="", help="JSON object of kernel launch settings (kernels.quant_gemm.CFG)")

@@ -161,3 +161,22 @@ def test_leading_dims_and_empty(QK):
     assert out.shape == (2, 3, 40)
     assert rel(out, ops.quant_linear_ref(x, w_q, w_s, w_z)) < 3e-3
     assert QK.quant_linear(x[:0], w_q, w_s, w_z).shape == (0, 3, 40)
+
+
+@pytest.mark.parametrize("path", [{"FMA_MAX_ROWS": 2}, {"FMA_MAX_ROWS": 0}], ids=["cuda-core", "tensor-core"])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("fmt", [(8, None, False), (4, 128, True), (4, 32, False)])
+def test_decode_paths(QK, path, rows, fmt):
+    # batch 1-2 runs on either decode kernel (CFG's FMA_MAX_ROWS picks one): both equal the reference
+    torch.manual_seed(rows + 11)
+    n, k = N_K[0]
+    w_q, w_s, w_z = _weight(n, k, fmt)
+    x = torch.randn(rows, k, device=DEV).to(torch.float16)
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z)
+    out = QK.quant_linear(x, w_q, w_s, w_z, cfg=path)
+    assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z), exact) + 2e-3
+    if w_z is None:
+        x_q = torch.randint(-128, 128, (rows, k), device=DEV, dtype=torch.int8)
+        x_s = torch.rand(rows, device=DEV) * 0.1
+        out = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32, cfg=path)
+        assert torch.equal(out, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, None, torch.float32))
