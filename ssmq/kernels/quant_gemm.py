@@ -552,7 +552,8 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     static = x_scale is not None or not per_token
     if x_scale is None and not per_token:
         # one scale for the tensor: the reference's (absmax / qmax) clamped, computed by torch
-        x_scale = (x2.float().abs().amax() / qmax).clamp(min=EPS)
+        amax = x2.float().abs().amax()
+        x_scale = (amax / amax.new_tensor(qmax)).clamp(min=EPS)  # IEEE division (see quantize_act_ref)
     if x_scale is not None:
         x_scale = x_scale.float().reshape(())
     xs = x_scale if static else torch.empty(lead, device=x.device, dtype=torch.float32)

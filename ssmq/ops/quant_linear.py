@@ -210,7 +210,9 @@ def quantize_act_ref(
     xf = x.float()
     if x_scale is None:
         amax = xf.abs().amax(-1) if per_token else xf.abs().amax()
-        x_scale = (amax / qmax).clamp(min=EPS)
+        # a tensor divisor: CUDA torch turns division by a Python number into a multiplication by its
+        # reciprocal, which differs from IEEE division in the last bit (the kernels divide exactly)
+        x_scale = (amax / amax.new_tensor(qmax)).clamp(min=EPS)
         s = x_scale.unsqueeze(-1) if per_token else x_scale
     else:
         if x_scale.numel() != 1:

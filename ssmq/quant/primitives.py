@@ -184,9 +184,11 @@ def qparams_from_range(
     if symmetric or qtype == "fp8":
         if not symmetric:
             raise SSMQError("fp8 is symmetric only")
-        scale = (torch.maximum(-lo, hi) / qmax).clamp(min=EPS)
+        amax = torch.maximum(-lo, hi)
+        scale = (amax / amax.new_tensor(qmax)).clamp(min=EPS)  # IEEE division on CUDA too (not x * (1 / qmax))
         return scale, None
-    scale = ((hi - lo) / (qmax - qmin)).clamp(min=EPS)
+    span = hi - lo
+    scale = (span / span.new_tensor(qmax - qmin)).clamp(min=EPS)
     zero_point = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int32)
     return scale, zero_point
 
