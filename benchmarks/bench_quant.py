@@ -209,6 +209,9 @@ SWEEP_DOT = [dict(FMA_MAX_ROWS=0, BN_DEC=bn, warps_dec=4, stages_dec=ns) for bn 
 # the tensor-core path's K split and K tile (SWEEP_FMA and SWEEP_DOT were measured on 2026-11-23, see CFG)
 SWEEP_SPLIT = [dict(FMA_MAX_ROWS=0, BN_DEC=bn, stages_dec=ns, WAVES=wv, MIN_SPLIT_K=mk, BK_DEC=bk)
                for bn in (32, 64) for ns in (3, 5) for wv in (2, 6) for mk in (256, 512) for bk in (128, 256)]
+# int -> fp16 by bit assembly or by conversion instructions (CFG's FAST_CVT), on the tensor-core decode path
+SWEEP_CVT = [dict(FMA_MAX_ROWS=0, FAST_CVT=fc, BN_DEC=bn, stages_dec=ns, WAVES=wv)
+             for fc in (True, False) for bn in (32, 64) for ns in (3, 5) for wv in (2, 6)]
 
 
 def run_sweep(args, bw, results) -> None:
@@ -219,10 +222,10 @@ def run_sweep(args, bw, results) -> None:
     """
     qk = kernels.dispatch._kernels("quant_gemm")
     cfg = PUBLISHED[args.models.split(",")[0]]
-    variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT}[args.sweep]
+    variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT, "cvt": SWEEP_CVT}[args.sweep]
     times: dict = {}
     for sname, (n, k) in list(shapes(cfg).items())[:2]:
-        for fmt in ("w4a16-g128", "w8a16", "w8a8", "fp8"):
+        for fmt in ("w4a16-g128", "w8a16") if args.sweep == "cvt" else ("w4a16-g128", "w8a16", "w8a8", "fp8"):
             make_w, _ = make_op(fmt, n, k)
             for i, v in enumerate(tqdm(variants, desc=f"sweep {sname} {fmt}")):
                 def op(x, w, v=v, fmt=fmt):
@@ -338,7 +341,7 @@ def main():
     ap.add_argument("--micro", action="store_true", help="GEMV / GEMM micro-benchmark at the first model's shapes")
     ap.add_argument("--micro-rows", default="1,2,8,16,32,1024")
     ap.add_argument("--formats", default=FORMATS)
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split"],
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt"],
                     help="decode launch-setting sweep at batch 1: all paths, or the tensor-core path's K split")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step per recipe")

@@ -52,6 +52,7 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
 #     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes, 2026-11-23: the Triton GEMM won at
 #     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
+#   FAST_CVT: fp16 x on the tensor-core path widens int8 / int4 codes by bit assembly (_i8_to_f16), not I2F.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -63,7 +64,27 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=5,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
            WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
-           CUBLAS_ROWS=512)
+           CUBLAS_ROWS=512, FAST_CVT=True)
+
+
+@triton.jit
+def _i8_to_f16(q):
+    """int8 codes -> the same integers in fp16, exactly, by bit assembly on four codes a register: a half 0x64XX
+    is 1024 + XX, so (code ^ 0x80) placed in a half's low byte reads 1152 + code, and one packed subtraction
+    removes the 1152. Integer and half2 ops only: the I2F conversion it replaces issues at 16 a clock per SM
+    on Hopper and bounded the decode GEMV (CFG's comment). Not in the interpreter (no PTX there)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t, m, c;
+        mov.b32 m, 0x64646464;
+        mov.b32 c, 0x64806480;
+        xor.b32 t, $2, 0x80808080;
+        prmt.b32 $0, t, m, 0x5140;
+        prmt.b32 $1, t, m, 0x5342;
+        sub.f16x2 $0, $0, c;
+        sub.f16x2 $1, $1, c;
+        }""",
+        constraints="=r,=r,r", args=[q], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -73,8 +94,10 @@ def _qmm(
     A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     DEQ_W: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FAST_CVT: tl.constexpr = False,
 ):
-    # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP)
+    # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP).
+    # FAST_CVT: fp16 x, codes widened by _i8_to_f16.
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, pid_m, pid_k = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks, tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -152,13 +175,18 @@ def _qmm(
                 part = acc
             if W4:
                 wb = w.to(tl.int8, bitcast=True)
-                lo = ((wb << 4) >> 4).to(OP)
-                hi = (wb >> 4).to(OP)
+                if FAST_CVT:
+                    lo = _i8_to_f16((wb << 4) >> 4)
+                    hi = _i8_to_f16(wb >> 4)
+                else:
+                    lo = ((wb << 4) >> 4).to(OP)
+                    hi = (wb >> 4).to(OP)
                 xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, BLOCK_K // 2, 2)))
                 part = tl.dot(xe, tl.trans(lo), part, input_precision=PRECISION, out_dtype=ACC)
                 part = tl.dot(xo, tl.trans(hi), part, input_precision=PRECISION, out_dtype=ACC)
             else:
-                part = tl.dot(xv, tl.trans(w.to(OP)), part, input_precision=PRECISION, out_dtype=ACC)
+                wo = _i8_to_f16(w) if FAST_CVT else w.to(OP)
+                part = tl.dot(xv, tl.trans(wo), part, input_precision=PRECISION, out_dtype=ACC)
             if WS_MODE == 2:
                 t = (k0 + k) // GROUP
                 s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
@@ -444,7 +472,9 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
     if c["FMA"]:
         _qgemv[c["grid"]](*args, **common)
     else:
-        _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"],
+        fast = (cfg["FAST_CVT"] and a_mode == 0 and x2.is_cuda and x2.dtype == torch.float16 and not f["fp8"]
+                and not c["DEQ_W"])
+        _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast,
                         PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
     if split > 1:
         BLOCK = 1024
