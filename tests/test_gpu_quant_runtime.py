@@ -12,8 +12,6 @@ from ssmq import kernels, ops
 from ssmq.quant import Recipe, quantize, save_quantized
 from ssmq.quant.recipe import RECIPES
 from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
-from ssmq.runtime.generate import generate
-from ssmq.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
 RECIPE_NAMES = ["rtn-w8a16", "rtn-w4a16-g128", "dynamic-w8a8", "fp8-w8a8"]
@@ -39,6 +37,13 @@ def quantized_folder(request, tmp_path_factory):
     return out / "q"
 
 
+# Dynamic activation codes (per token, computed at run time) flip at rounding boundaries when the float sums
+# upstream of them differ in order, and a flipped code moves its row by 1/127 of its range: through a few
+# layers of a random tiny model that is about 1% of the logits' norm. Static and weight-only formats are
+# exact up to fp16 sums.
+BOUND = {"dynamic-w8a8": 2.5e-2, "fp8-w8a8": 2.5e-2}
+
+
 def test_kernels_match_the_reference_path(quantized_folder, monkeypatch):
     model = ssmq.load_model(quantized_folder, dtype=torch.float16, device="cuda")
     ids = torch.randint(0, 96, (2, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
@@ -47,16 +52,25 @@ def test_kernels_match_the_reference_path(quantized_folder, monkeypatch):
         monkeypatch.setattr(kernels, "quant_linear", ops.quant_linear_ref)
         monkeypatch.setattr(kernels, "quantize_act", ops.quantize_act_ref)
         ref = model(ids).float()
-    assert ((out - ref).norm() / ref.norm()).item() < 5e-3
+    bound = BOUND.get(model.quantization["recipe"]["name"], 5e-3)
+    assert ((out - ref).norm() / ref.norm()).item() < bound
 
 
 def test_quantized_cuda_graphs_equal_eager(quantized_folder):
+    # teacher-forced: both paths get the same tokens each step, so a near-tie in a random model's logits
+    # cannot send them down different continuations; a host sync or a stray allocation in the quantized
+    # forward breaks the capture or the replayed numbers
     model = ssmq.load_model(quantized_folder, dtype=torch.float16, device="cuda")
-    prompts = [[5, 7, 9, 11, 3], [2], [8, 8, 1, 4, 60]]
-    params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
-    eager = generate(model, prompts, params)
     dec = CudaGraphDecoder(model, max_batch=4, max_seqlen=64)
-    assert generate(model, prompts, params, cache=dec.cache, decode_fn=dec) == eager
+    eager_cache = model.allocate_cache(4, 64, dtype=torch.float16)
+    slots = torch.arange(3, device="cuda")
+    g = torch.Generator("cuda").manual_seed(2)
+    with torch.inference_mode():
+        for _ in range(8):
+            tokens = torch.randint(0, 96, (3,), device="cuda", generator=g)
+            eager = model.step(tokens, eager_cache, slots).float()
+            graph = dec(tokens, slots).float()
+            torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)
     ids = torch.randint(0, 96, (1, 25), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.inference_mode():
         full = model(ids)

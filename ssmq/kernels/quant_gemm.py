@@ -52,7 +52,8 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
 #     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes, 2026-11-23: the Triton GEMM won at
 #     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
-#   FAST_CVT: fp16 x on the tensor-core path widens int8 / int4 codes by bit assembly (_i8_to_f16), not I2F.
+#   FAST_CVT: fp16 x on the tensor-core path widens int8 codes by bit assembly (_i8_to_f16), not I2F: W8A16
+#     decode at batch 1, in_proj 15.6 -> 13.8 us, out_proj 11.6 -> 10.6 us (H100, --sweep cvt, 2026-11-23).
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -472,8 +473,9 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
     if c["FMA"]:
         _qgemv[c["grid"]](*args, **common)
     else:
-        fast = (cfg["FAST_CVT"] and a_mode == 0 and x2.is_cuda and x2.dtype == torch.float16 and not f["fp8"]
-                and not c["DEQ_W"])
+        # int8 codes only: for int4 the bit assembly measured slower than I2F (in_proj 22 vs 18.7 us, see CFG)
+        fast = (cfg["FAST_CVT"] and a_mode == 0 and x2.is_cuda and x2.dtype == torch.float16 and f["bits"] == 8
+                and not f["fp8"] and not c["DEQ_W"])
         _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast,
                         PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
     if split > 1:
