@@ -180,3 +180,29 @@ def test_decode_paths(QK, path, rows, fmt):
         x_s = torch.rand(rows, device=DEV) * 0.1
         out = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32, cfg=path)
         assert torch.equal(out, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, None, torch.float32))
+
+
+@pytest.mark.parametrize("fmt", [(8, None, False), (4, 128, False)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("scale", ["token", "static", "tensor"])
+@pytest.mark.parametrize("act", [torch.int8] if INTERPRET else [torch.int8, torch.float8_e4m3fn])
+def test_quant_linear_act(QK, fmt, rows, scale, act):
+    # float x quantized inside the GEMM for decode rows (per token / static), by quantize_act beside it else:
+    # the same codes, scales and integer products as the reference, so bit-exact for int8
+    if act == torch.float8_e4m3fn and fmt[0] == 4:
+        pytest.skip("fp8 activations pair with fp8 weights")
+    torch.manual_seed(rows)
+    n, k = N_K[0]
+    if act == torch.float8_e4m3fn:
+        w_q, w_s, _ = make_weight(n, k, 8, None, False, fp8=True)
+    else:
+        w_q, w_s, _ = _weight(n, k, fmt)
+    x = (torch.randn(rows, k, device=DEV) * 3).half()
+    x_s = torch.tensor(0.02, device=DEV) if scale == "static" else None
+    bias = torch.randn(n, device=DEV)
+    out = QK.quant_linear_act(x, w_q, w_s, x_s, scale == "token", act, bias, torch.float32)
+    ref = ops.quant_linear_act_ref(x, w_q, w_s, x_s, scale == "token", act, bias, torch.float32)
+    if act == torch.int8:
+        assert torch.equal(out, ref), f"max diff {(out - ref).abs().max().item()}"
+    else:  # fp8 products are summed in float32 in either order
+        torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)

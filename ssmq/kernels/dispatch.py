@@ -116,6 +116,12 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     return impl(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
+def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None):
+    """``ops.quant_linear_act_ref``: on CUDA, decode rows are quantized inside the GEMM (no kernel of their own)."""
+    impl = _kernels("quant_gemm").quant_linear_act if _use_triton(w_q) else ops.quant_linear_act_ref
+    return impl(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
+
+
 def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     """``ops.quantize_act_ref``: (codes, scale) of a float activation, one Triton program per row on CUDA."""
     impl = _kernels("quant_gemm").quantize_act if _use_triton(x) else ops.quantize_act_ref

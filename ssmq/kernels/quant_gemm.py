@@ -95,10 +95,12 @@ def _qmm(
     A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     DEQ_W: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FAST_CVT: tl.constexpr = False,
+    FAST_CVT: tl.constexpr = False, QUANT_X: tl.constexpr = 0, QMAX: tl.constexpr = 127.0, EPS_: tl.constexpr = 1e-8,
 ):
     # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP).
-    # FAST_CVT: fp16 x, codes widened by _i8_to_f16.
+    # FAST_CVT: fp16 x, codes widened by _i8_to_f16. QUANT_X (A_MODE 1 / 2 with float x): each program quantizes
+    # x itself as quantize_act_ref does, 1 per token (absmax of the whole row first: a max is exact in any
+    # order, so every program finds the same scale), 2 with the static scale at xs_ptr.
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, pid_m, pid_k = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks, tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,7 +124,14 @@ def _qmm(
     else:
         OP = tl.float16
         ACC = tl.float32
-    if A_MODE != 0:
+    if QUANT_X == 1:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for kk in range(0, K, BLOCK_K):
+            xa = tl.load(x_ptr + rows[:, None] * s_xm + kk + offs_kx[None, :],
+                         mask=mm[:, None] & (kk + offs_kx < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
+        xs = tl.maximum(tl.math.div_rn(amax, QMAX), EPS_)
+    elif A_MODE != 0:
         if XS_ROWS:
             xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
         else:
@@ -138,7 +147,14 @@ def _qmm(
         else:
             w = tl.load(w_ptrs, mask=mn[:, None] & (offs_kw < (k_len - k) // (2 if W4 else 1))[None, :], other=0)
             xv = tl.load(x_ptrs, mask=mm[:, None] & (offs_kx < k_len - k)[None, :], other=0)
-        if A_MODE == 2:  # fp8 codes travel as raw bytes (masked loads need an integer fill value)
+        if QUANT_X:
+            y = tl.math.div_rn(xv.to(tl.float32), xs[:, None])
+            if A_MODE == 2:
+                xv = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.float8e4nv)
+            else:  # round half to even as _quantize_rows does it
+                y = tl.minimum(tl.maximum(y, -129.0), 128.0)
+                xv = tl.minimum(tl.maximum((y + 12582912.0) - 12582912.0, -128.0), 127.0).to(tl.int8)
+        elif A_MODE == 2:  # fp8 codes travel as raw bytes (masked loads need an integer fill value)
             xv = xv.to(tl.float8e4nv, bitcast=True)
         xv = xv.to(OP)
         if W_FP8:
@@ -410,12 +426,12 @@ def _ws_mode(w_scale) -> int:
     return 2 if w_scale.dim() == 2 else int(w_scale.dim() == 1)
 
 
-def _supported(f: dict, x: torch.Tensor) -> bool:
+def _supported(f: dict, x_dtype: torch.dtype) -> bool:
     g = f["group_size"]
     # BLOCK_K = g must be a power of two whose (int4: half) width fills a tensor-core K step (16; int8: 32)
-    if g is not None and (g & (g - 1) or g < (16 if x.dtype != torch.int8 else 32) * (2 if f["bits"] == 4 else 1)):
+    if g is not None and (g & (g - 1) or g < (16 if x_dtype != torch.int8 else 32) * (2 if f["bits"] == 4 else 1)):
         return False
-    return x.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
+    return x_dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
 
 
 def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> dict:
@@ -450,7 +466,7 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
                 k_split=k_split, EVEN_K=K % BK == 0 and k_split % BK == 0, grid=(n_blocks * m_blocks, split))
 
 
-def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
+def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x=0):
     M, K = x2.shape
     N = f["n"]
     c = _plan(M, N, K, f, a_mode, sm_count(x2.device), cfg)
@@ -459,7 +475,7 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
     dummy = w_scale
     if f["fp8"]:  # raw bytes: the kernel reinterprets them (see _qmm)
         w_q = w_q.view(torch.int8)
-        x2 = x2.view(torch.int8) if a_mode == 2 else x2
+        x2 = x2.view(torch.int8) if a_mode == 2 and not quant_x else x2
     args = (x2, xs if xs is not None else dummy, w_q, w_scale, w_zero if w_zero is not None else dummy,
             bias if bias is not None else dummy, part,
             M, N, K, c["k_split"], w_scale.shape[1] if w_scale.dim() == 2 else 1, x2.stride(0), w_q.stride(0),
@@ -476,7 +492,8 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
         # int8 codes only: for int4 the bit assembly measured slower than I2F (in_proj 22 vs 18.7 us, see CFG)
         fast = (cfg["FAST_CVT"] and a_mode == 0 and x2.is_cuda and x2.dtype == torch.float16 and f["bits"] == 8
                 and not f["fp8"] and not c["DEQ_W"])
-        _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast,
+        _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast, QUANT_X=quant_x,
+                        QMAX=FP8_MAX if a_mode == 2 else 127.0, EPS_=EPS,
                         PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
     if split > 1:
         BLOCK = 1024
@@ -505,7 +522,7 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     """``ops.quant_linear_ref`` on the GPU (same signature and formats); ``cfg`` overrides CFG entries."""
     cfg = CFG if cfg is None else {**CFG, **cfg}
     f = weight_format(w_q, w_scale, w_zero)
-    if not _supported(f, x):
+    if not _supported(f, x.dtype):
         return quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
     K, N = f["k"], f["n"]
     if x.shape[-1] != K:
@@ -556,6 +573,30 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
 
 
 _SCALED_MM_OK: dict = {}
+
+
+def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None,
+                     cfg=None):
+    """``ops.quant_linear_act_ref`` on the GPU. Decode rows (up to DECODE_ROWS, on the tensor-core path) with a
+    per-token dynamic or a static scale are quantized inside ``_qmm``: the separate quantize kernel cost about
+    4.4 us at batch 1 (H100), 128 launches a Mamba2-2.7B token. Else quantize_act, then quant_linear."""
+    cfg = CFG if cfg is None else {**CFG, **cfg}
+    f = weight_format(w_q, w_scale, None)
+    M = math.prod(x.shape[:-1])
+    a_mode = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(act_dtype, 0)
+    fused = (cfg["FMA_MAX_ROWS"] < M <= DECODE_ROWS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+             and (per_token or x_scale is not None) and x.shape[-1] == f["k"] and a_mode != 0
+             and f["fp8"] == (a_mode == 2) and _supported(f, act_dtype))
+    if not fused:
+        x_q, xs = quantize_act(x, x_scale, per_token, act_dtype)
+        return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype, cfg=cfg)
+    x2 = x.reshape(M, f["k"])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((*x.shape[:-1], f["n"]), device=x.device, dtype=out_dtype or x.dtype)
+    xs = None if x_scale is None else x_scale.float().reshape(())
+    _launch_qmm(x2, xs, w_q, w_scale, None, bias, out.view(M, f["n"]), f, a_mode, cfg, quant_x=1 if xs is None else 2)
+    return out
 
 
 def _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out):

@@ -223,3 +223,24 @@ def quantize_act_ref(
     if dtype == torch.int8:
         return torch.round(y).clamp(-128, 127).to(torch.int8), x_scale
     return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale
+
+
+def quant_linear_act_ref(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
+    per_token: bool = True,
+    act_dtype: torch.dtype = torch.int8,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A W8A8 / W4A8 / FP8 linear on a float activation: ``quantize_act_ref`` then ``quant_linear_ref``.
+
+    x: (..., k) float; x_scale: a static () scale, or None for dynamic (per token or per tensor); act_dtype:
+    int8 or float8_e4m3fn codes. Returns (..., n) in ``out_dtype`` (default x's dtype). One op, so that a
+    kernel can quantize x inside the GEMM instead of in a kernel of its own.
+    """
+    x_q, xs = quantize_act_ref(x, x_scale, per_token, act_dtype)
+    return quant_linear_ref(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype)
+

@@ -159,9 +159,9 @@ class QuantLinear(_QuantWeight):
             scale = self.scale_hook(scale)
             x_q = quantize(x2, scale, None, a.granularity, a.dtype).reshape(x.shape)
             scale = scale.reshape(x.shape[:-1]) if scale.dim() else scale
-        else:
-            x_q, scale = kernels.quantize_act(x, self.act_scale, isinstance(a.granularity, PerToken), codes)
-        return kernels.quant_linear(x_q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
+            return kernels.quant_linear(x_q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
+        return kernels.quant_linear_act(x, self.weight_q, self.weight_scale, self.act_scale,
+                                        isinstance(a.granularity, PerToken), codes, self.bias, x.dtype)
 
     def spec(self) -> dict:
         return {"kind": "QuantLinear", "in_features": self.in_features, "out_features": self.out_features,
