@@ -51,6 +51,7 @@ def test_kernels_match_the_reference_path(quantized_folder, monkeypatch):
         out = model(ids).float()
         monkeypatch.setattr(kernels, "quant_linear", ops.quant_linear_ref)
         monkeypatch.setattr(kernels, "quantize_act", ops.quantize_act_ref)
+        monkeypatch.setattr(kernels, "quant_linear_act", ops.quant_linear_act_ref)
         ref = model(ids).float()
     bound = BOUND.get(model.quantization["recipe"]["name"], 5e-3)
     assert ((out - ref).norm() / ref.norm()).item() < bound

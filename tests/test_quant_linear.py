@@ -8,7 +8,7 @@ from ssmq.errors import SSMQError
 from ssmq.quant.calibration import attach_observers, load_calibration, run_calibration
 from ssmq.quant.linear import QuantEmbedding, QuantLinear
 from ssmq.quant.observers import MinMaxObserver
-from ssmq.quant.primitives import PerGroup, PerTensor, PerToken, choose_qparams, dequantize, quantize
+from ssmq.quant.primitives import PerChannel, PerGroup, PerTensor, PerToken, choose_qparams, dequantize, quantize
 from ssmq.quant.spec import ActSpec, WeightSpec
 
 
@@ -90,17 +90,21 @@ def test_calibration_windows_and_hooks(tmp_path):
 
 
 def test_forward_runs_the_dispatched_ops(monkeypatch):
-    """QuantLinear's forward is kernels.quantize_act + kernels.quant_linear (what CUDA routes to Triton)."""
+    """QuantLinear's forward is kernels.quant_linear_act (int8 / fp8 activations) or kernels.quant_linear
+    (weight-only): the names CUDA routes to Triton."""
     from ssmq import kernels
 
     calls = []
-    for name in ("quant_linear", "quantize_act"):
+    for name in ("quant_linear", "quant_linear_act", "quantize_act"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a))
     lin = torch.nn.Linear(64, 8)
     m = QuantLinear.from_float(lin, WeightSpec("int4", PerGroup(32)), ActSpec("int8", PerToken(), static=False))
     m(torch.randn(3, 64))
-    assert calls == ["quantize_act", "quant_linear"]
+    assert calls == ["quant_linear_act"]
+    calls.clear()
+    QuantLinear.from_float(lin, WeightSpec("int8", PerChannel()), None)(torch.randn(3, 64))
+    assert calls == ["quant_linear"]
 
 
 def test_kernel_module_does_not_shadow_the_op():
