@@ -131,10 +131,10 @@ def make_op(fmt: str, n: int, k: int, dev="cuda"):
     base, _, path = fmt.partition(":")
     cfg = {"cublas": {"PREFILL_A16": "cublas"}, "triton": {"PREFILL_A8": "triton"}}.get(path)
     ql = kernels.dispatch._kernels("quant_gemm").quant_linear
+    qla = kernels.dispatch._kernels("quant_gemm").quant_linear_act
 
-    def a8(x, w, s, dtype=torch.int8):
-        x_q, xs = kernels.quantize_act(x, None, True, dtype)
-        return ql(x_q, w, s, None, xs, None, x.dtype, cfg=cfg)
+    def a8(x, w, s, dtype=torch.int8):  # dynamic per-token codes, quantized inside the GEMM at decode sizes
+        return qla(x, w, s, None, True, dtype, None, x.dtype, cfg=cfg)
 
     if base == "fp16-cublas":
         return (lambda: (torch.randn(n, k, device=dev, dtype=torch.float16),)), lambda x, w: F.linear(x, w[0])
@@ -210,8 +210,14 @@ SWEEP_DOT = [dict(FMA_MAX_ROWS=0, BN_DEC=bn, warps_dec=4, stages_dec=ns) for bn 
 SWEEP_SPLIT = [dict(FMA_MAX_ROWS=0, BN_DEC=bn, stages_dec=ns, WAVES=wv, MIN_SPLIT_K=mk, BK_DEC=bk)
                for bn in (32, 64) for ns in (3, 5) for wv in (2, 6) for mk in (256, 512) for bk in (128, 256)]
 # int -> fp16 by bit assembly or by conversion instructions (CFG's FAST_CVT), on the tensor-core decode path
+# int4 decode: x's even / odd columns loaded apart (X_STRIDED) or split from one tile
+SWEEP_W4 = [dict(FMA_MAX_ROWS=0, X_STRIDED=xs, BN_DEC=bn, stages_dec=ns, WAVES=wv)
+            for xs in (True, False) for bn in (32, 64) for ns in (3, 5) for wv in (2, 6)]
 SWEEP_CVT = [dict(FMA_MAX_ROWS=0, FAST_CVT=fc, BN_DEC=bn, stages_dec=ns, WAVES=wv)
              for fc in (True, False) for bn in (32, 64) for ns in (3, 5) for wv in (2, 6)]
+
+
+SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128")}
 
 
 def run_sweep(args, bw, results) -> None:
@@ -222,16 +228,16 @@ def run_sweep(args, bw, results) -> None:
     """
     qk = kernels.dispatch._kernels("quant_gemm")
     cfg = PUBLISHED[args.models.split(",")[0]]
-    variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT, "cvt": SWEEP_CVT}[args.sweep]
+    variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT, "cvt": SWEEP_CVT, "w4": SWEEP_W4}[args.sweep]
     times: dict = {}
     for sname, (n, k) in list(shapes(cfg).items())[:2]:
-        for fmt in ("w4a16-g128", "w8a16") if args.sweep == "cvt" else ("w4a16-g128", "w8a16", "w8a8", "fp8"):
+        for fmt in SWEEP_FORMATS.get(args.sweep, ("w4a16-g128", "w8a16", "w8a8", "fp8")):
             make_w, _ = make_op(fmt, n, k)
             for i, v in enumerate(tqdm(variants, desc=f"sweep {sname} {fmt}")):
                 def op(x, w, v=v, fmt=fmt):
-                    if fmt in ("w8a8", "fp8"):
-                        x_q, xs = kernels.quantize_act(x, None, True, torch.int8 if fmt == "w8a8" else torch.float8_e4m3fn)
-                        return qk.quant_linear(x_q, w[0], w[1], None, xs, None, x.dtype, cfg=v)
+                    if fmt in ("w8a8", "w4a8-g128", "fp8"):
+                        act = torch.float8_e4m3fn if fmt == "fp8" else torch.int8
+                        return qk.quant_linear_act(x, w[0], w[1], None, True, act, None, x.dtype, cfg=v)
                     return qk.quant_linear(x, *w, cfg=v)
                 try:
                     us, wbytes = time_op(make_w, op, 1, k, min_bytes=200 << 20)
@@ -341,7 +347,7 @@ def main():
     ap.add_argument("--micro", action="store_true", help="GEMV / GEMM micro-benchmark at the first model's shapes")
     ap.add_argument("--micro-rows", default="1,2,8,16,32,1024")
     ap.add_argument("--formats", default=FORMATS)
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt"],
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt", "w4"],
                     help="decode launch-setting sweep at batch 1: all paths, or the tensor-core path's K split")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step per recipe")

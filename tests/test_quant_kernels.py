@@ -206,3 +206,20 @@ def test_quant_linear_act(QK, fmt, rows, scale, act):
         assert torch.equal(out, ref), f"max diff {(out - ref).abs().max().item()}"
     else:  # fp8 products are summed in float32 in either order
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("fmt", [(4, 128, False), (4, 128, True), (4, 32, False)])
+def test_int4_strided_x(QK, rows, fmt):
+    # X_STRIDED: the int4 decode kernel loads x's even / odd columns apart; the same result as the split tile
+    torch.manual_seed(rows + 5)
+    n, k = N_K[0]
+    w_q, w_s, w_z = _weight(n, k, fmt)
+    x = torch.randn(rows, k, device=DEV).to(torch.float16)
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z)
+    out = QK.quant_linear(x, w_q, w_s, w_z, cfg={"X_STRIDED": True})
+    assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z), exact) + 2e-3
+    if w_z is None and fmt[1] >= 64:
+        x_s = torch.tensor(0.02, device=DEV)
+        out = QK.quant_linear_act(x, w_q, w_s, x_s, False, torch.int8, None, torch.float32, cfg={"X_STRIDED": True})
+        assert torch.equal(out, ops.quant_linear_act_ref(x, w_q, w_s, x_s, False, torch.int8, None, torch.float32))

@@ -54,6 +54,7 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
 #   FAST_CVT: fp16 x on the tensor-core path widens int8 codes by bit assembly (_i8_to_f16), not I2F: W8A16
 #     decode at batch 1, in_proj 15.6 -> 13.8 us, out_proj 11.6 -> 10.6 us (H100, --sweep cvt, 2026-11-23).
+#   X_STRIDED: int4 decode loads x's even / odd columns apart (two strided loads) instead of splitting a tile.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -65,7 +66,7 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=5,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
            WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
-           CUBLAS_ROWS=512, FAST_CVT=True)
+           CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False)
 
 
 @triton.jit
@@ -89,6 +90,22 @@ def _i8_to_f16(q):
 
 
 @triton.jit
+def _prep_x(xv, xs, QUANT_X: tl.constexpr, A_MODE: tl.constexpr, QMAX: tl.constexpr, OP: tl.constexpr):
+    """An x tile as the product takes it: quantized here when QUANT_X (quantize_act_ref's codes), fp8 bytes
+    reinterpreted, widened to the operand type OP."""
+    if QUANT_X:
+        y = tl.math.div_rn(xv.to(tl.float32), xs[:, None])
+        if A_MODE == 2:
+            xv = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.float8e4nv)
+        else:  # round half to even as _quantize_rows does it
+            y = tl.minimum(tl.maximum(y, -129.0), 128.0)
+            xv = tl.minimum(tl.maximum((y + 12582912.0) - 12582912.0, -128.0), 127.0).to(tl.int8)
+    elif A_MODE == 2:  # fp8 codes travel as raw bytes (masked loads need an integer fill value)
+        xv = xv.to(tl.float8e4nv, bitcast=True)
+    return xv.to(OP)
+
+
+@triton.jit
 def _qmm(
     x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
     M, N, K, k_split, n_groups, s_xm, s_wn, s_om, s_os,
@@ -96,11 +113,13 @@ def _qmm(
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     DEQ_W: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST_CVT: tl.constexpr = False, QUANT_X: tl.constexpr = 0, QMAX: tl.constexpr = 127.0, EPS_: tl.constexpr = 1e-8,
+    X_STRIDED: tl.constexpr = False,
 ):
     # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP).
     # FAST_CVT: fp16 x, codes widened by _i8_to_f16. QUANT_X (A_MODE 1 / 2 with float x): each program quantizes
     # x itself as quantize_act_ref does, 1 per token (absmax of the whole row first: a max is exact in any
-    # order, so every program finds the same scale), 2 with the static scale at xs_ptr.
+    # order, so every program finds the same scale), 2 with the static scale at xs_ptr. X_STRIDED (int4, not
+    # DEQ_W): the even and odd x columns are loaded apart instead of reshaping and splitting the x tile.
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, pid_m, pid_k = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks, tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -115,6 +134,7 @@ def _qmm(
     cols = offs_n.to(tl.int64)
     w_ptrs = w_ptr + cols[:, None] * s_wn + ((k0 // 2) if W4 else k0) + offs_kw[None, :]
     x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + offs_kx[None, :]
+    xe_ptrs = x_ptr + rows[:, None] * s_xm + k0 + 2 * offs_kw[None, :]
     if A_MODE == 0:
         OP = x_ptr.dtype.element_ty
         ACC = tl.float32
@@ -136,6 +156,8 @@ def _qmm(
             xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
         else:
             xs = tl.load(xs_ptr + offs_m * 0)
+    else:
+        xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if A_MODE == 1:
         acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -143,20 +165,21 @@ def _qmm(
     for k in range(0, k_len, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mn[:, None], other=0)
-            xv = tl.load(x_ptrs, mask=mm[:, None], other=0)
+            mx = mm[:, None]
+            mxe = mm[:, None]
         else:
             w = tl.load(w_ptrs, mask=mn[:, None] & (offs_kw < (k_len - k) // (2 if W4 else 1))[None, :], other=0)
-            xv = tl.load(x_ptrs, mask=mm[:, None] & (offs_kx < k_len - k)[None, :], other=0)
-        if QUANT_X:
-            y = tl.math.div_rn(xv.to(tl.float32), xs[:, None])
-            if A_MODE == 2:
-                xv = tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.float8e4nv)
-            else:  # round half to even as _quantize_rows does it
-                y = tl.minimum(tl.maximum(y, -129.0), 128.0)
-                xv = tl.minimum(tl.maximum((y + 12582912.0) - 12582912.0, -128.0), 127.0).to(tl.int8)
-        elif A_MODE == 2:  # fp8 codes travel as raw bytes (masked loads need an integer fill value)
-            xv = xv.to(tl.float8e4nv, bitcast=True)
-        xv = xv.to(OP)
+            mx = mm[:, None] & (offs_kx < k_len - k)[None, :]
+            mxe = mm[:, None] & (2 * offs_kw < k_len - k)[None, :]
+        if X_STRIDED:
+            xe = _prep_x(tl.load(xe_ptrs, mask=mxe, other=0), xs, QUANT_X, A_MODE, QMAX, OP)
+            xo = _prep_x(tl.load(xe_ptrs + 1, mask=mxe, other=0), xs, QUANT_X, A_MODE, QMAX, OP)
+            if HAS_ZERO:
+                xsum_k = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
+        else:
+            xv = _prep_x(tl.load(x_ptrs, mask=mx, other=0), xs, QUANT_X, A_MODE, QMAX, OP)
+            if HAS_ZERO:
+                xsum_k = tl.sum(xv.to(tl.float32), axis=1)
         if W_FP8:
             w = w.to(tl.float8e4nv, bitcast=True)
         if DEQ_W:
@@ -198,7 +221,8 @@ def _qmm(
                 else:
                     lo = ((wb << 4) >> 4).to(OP)
                     hi = (wb >> 4).to(OP)
-                xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, BLOCK_K // 2, 2)))
+                if not X_STRIDED:
+                    xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, BLOCK_K // 2, 2)))
                 part = tl.dot(xe, tl.trans(lo), part, input_precision=PRECISION, out_dtype=ACC)
                 part = tl.dot(xo, tl.trans(hi), part, input_precision=PRECISION, out_dtype=ACC)
             else:
@@ -210,7 +234,7 @@ def _qmm(
                 if A_MODE == 0:
                     if HAS_ZERO:
                         z = tl.load(wz_ptr + cols * n_groups + t, mask=mn, other=0).to(tl.float32)
-                        part -= z[None, :] * tl.sum(xv.to(tl.float32), axis=1)[:, None]
+                        part -= z[None, :] * xsum_k[:, None]
                     acc += part * s[None, :]
                 else:
                     # int_matmul_ref's order: s_t = a_scale * w_scale[:, t]; out += float(acc_t) * s_t
@@ -220,9 +244,10 @@ def _qmm(
             else:
                 acc = part
                 if HAS_ZERO:
-                    xsum += tl.sum(xv.to(tl.float32), axis=1)
+                    xsum += xsum_k
         w_ptrs += WK
         x_ptrs += BLOCK_K
+        xe_ptrs += BLOCK_K
     if WS_MODE != 2 and not DEQ_W:
         if WS_MODE == 1:
             s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
@@ -493,6 +518,7 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
         fast = (cfg["FAST_CVT"] and a_mode == 0 and x2.is_cuda and x2.dtype == torch.float16 and f["bits"] == 8
                 and not f["fp8"] and not c["DEQ_W"])
         _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast, QUANT_X=quant_x,
+                        X_STRIDED=cfg["X_STRIDED"] and f["bits"] == 4 and not c["DEQ_W"],
                         QMAX=FP8_MAX if a_mode == 2 else 127.0, EPS_=EPS,
                         PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
     if split > 1:
