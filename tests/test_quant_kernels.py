@@ -200,7 +200,8 @@ def test_quant_linear_act(QK, fmt, rows, scale, act):
     x = (torch.randn(rows, k, device=DEV) * 3).half()
     x_s = torch.tensor(0.02, device=DEV) if scale == "static" else None
     bias = torch.randn(n, device=DEV)
-    out = QK.quant_linear_act(x, w_q, w_s, x_s, scale == "token", act, bias, torch.float32)
+    out = QK.quant_linear_act(x, w_q, w_s, x_s, scale == "token", act, bias, torch.float32,
+                              cfg={"FUSE_ACT_QUANT": True})
     ref = ops.quant_linear_act_ref(x, w_q, w_s, x_s, scale == "token", act, bias, torch.float32)
     if act == torch.int8:
         assert torch.equal(out, ref), f"max diff {(out - ref).abs().max().item()}"
@@ -221,5 +222,6 @@ def test_int4_strided_x(QK, rows, fmt):
     assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z), exact) + 2e-3
     if w_z is None and fmt[1] >= 64:
         x_s = torch.tensor(0.02, device=DEV)
-        out = QK.quant_linear_act(x, w_q, w_s, x_s, False, torch.int8, None, torch.float32, cfg={"X_STRIDED": True})
+        out = QK.quant_linear_act(x, w_q, w_s, x_s, False, torch.int8, None, torch.float32,
+                                  cfg={"X_STRIDED": True, "FUSE_ACT_QUANT": True})
         assert torch.equal(out, ops.quant_linear_act_ref(x, w_q, w_s, x_s, False, torch.int8, None, torch.float32))

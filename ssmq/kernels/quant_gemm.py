@@ -54,7 +54,9 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
 #   FAST_CVT: fp16 x on the tensor-core path widens int8 codes by bit assembly (_i8_to_f16), not I2F: W8A16
 #     decode at batch 1, in_proj 15.6 -> 13.8 us, out_proj 11.6 -> 10.6 us (H100, --sweep cvt, 2026-11-23).
-#   X_STRIDED: int4 decode loads x's even / odd columns apart (two strided loads) instead of splitting a tile.
+#   FUSE_ACT_QUANT: quant_linear_act quantizes decode rows inside _qmm (see there: measured slower, off).
+#   X_STRIDED: int4 decode loads x's even / odd columns apart (two strided loads) instead of splitting a tile;
+#     no faster on the H100 (in_proj W4A16 18.6 us either way, --sweep w4, 2026-11-23), so off.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -66,7 +68,7 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=5,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
            WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
-           CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False)
+           CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False)
 
 
 @triton.jit
@@ -603,14 +605,16 @@ _SCALED_MM_OK: dict = {}
 
 def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None,
                      cfg=None):
-    """``ops.quant_linear_act_ref`` on the GPU. Decode rows (up to DECODE_ROWS, on the tensor-core path) with a
-    per-token dynamic or a static scale are quantized inside ``_qmm``: the separate quantize kernel cost about
-    4.4 us at batch 1 (H100), 128 launches a Mamba2-2.7B token. Else quantize_act, then quant_linear."""
+    """``ops.quant_linear_act_ref`` on the GPU: quantize_act, then quant_linear; with CFG's FUSE_ACT_QUANT,
+    decode rows (up to DECODE_ROWS, tensor-core path) with a per-token dynamic or a static scale are quantized
+    inside ``_qmm`` instead. Off by default: exact, but measured far slower (H100, 2026-11-23, batch 1: a
+    Mamba2-2.7B linear 100 us per token dynamic, 324 us static, vs about 17 us + the 4.4 us quantize kernel),
+    and CUDA-graph decode of dynamic-activation models differed from eager in the same run (not resolved)."""
     cfg = CFG if cfg is None else {**CFG, **cfg}
     f = weight_format(w_q, w_scale, None)
     M = math.prod(x.shape[:-1])
     a_mode = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(act_dtype, 0)
-    fused = (cfg["FMA_MAX_ROWS"] < M <= DECODE_ROWS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    fused = (cfg["FUSE_ACT_QUANT"] and cfg["FMA_MAX_ROWS"] < M <= DECODE_ROWS and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
              and (per_token or x_scale is not None) and x.shape[-1] == f["k"] and a_mode != 0
              and f["fp8"] == (a_mode == 2) and _supported(f, act_dtype))
     if not fused:
