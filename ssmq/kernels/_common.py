@@ -33,6 +33,17 @@ def silu(x):
     return x / (1.0 + tl.exp(-x))
 
 
+@triton.jit
+def quantize_rne(v, scale):
+    # symmetric int8 codes (as float32) of v / scale, as ssmq.ops.quant_ssm.quantize_ref: IEEE division (div_rn,
+    # not the approximate '/'), round half to even by adding and subtracting 1.5 * 2^23 (the hardware rounds the
+    # float32 sum to nearest even; exact for |v| < 2^22, so clamp first, which changes no code; rint has no
+    # interpreter twin), clamp to [-128, 127]
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -129.0), 128.0)
+    q = (q + 12582912.0) - 12582912.0
+    return tl.minimum(tl.maximum(q, -128.0), 127.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
