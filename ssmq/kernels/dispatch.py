@@ -85,6 +85,16 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
 
 
+# SSMQ_INT8_DECODE=0 runs a quantized model's decode step the earlier way: fake-quantized taps (float values) and,
+# for an int8 state, a float step on a dequantized work copy of the served rows. The default feeds the taps' int8
+# codes and the stored state to one kernel (``quant_state_update``); on CPU both are the same references, bit for bit.
+INT8_DECODE = os.environ.get("SSMQ_INT8_DECODE", "1") == "1"
+
+
+def int8_decode_enabled() -> bool:
+    return INT8_DECODE
+
+
 def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D=None,
                        z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None):
     """``ops.quant_ssm.quant_state_update_ref``: int8 (or float) state, int8 (or float) x / B / C, one kernel on CUDA."""
