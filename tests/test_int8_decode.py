@@ -79,7 +79,7 @@ def test_int8_decode_on_the_kernels_equals_the_fake_quant_path(arch, monkeypatch
     pytest.importorskip("triton")
     if INTERPRET:
         _patch_interpreter_scalars()
-    from ssmq.kernels import conv1d, state_update
+    from ssmq.kernels import conv1d, quant_gemm, state_update
 
     model = copy.deepcopy(quantized(arch, "quamba2-w8a8", 8)).to(DEV)
     ids = IDS.to(DEV)
@@ -88,6 +88,7 @@ def test_int8_decode_on_the_kernels_equals_the_fake_quant_path(arch, monkeypatch
     old = decode(model, 8, False, monkeypatch)
     monkeypatch.setattr(kernels, "conv1d_update_silu_quant", conv1d.conv1d_update_silu_quant)
     monkeypatch.setattr(kernels, "quant_state_update", state_update.quant_state_update)
+    monkeypatch.setattr(kernels, "quantize_act", quant_gemm.quantize_act)  # Mamba-1's per-tensor B, C codes
     new = decode(model, 8, True, monkeypatch)
     assert rel(new[0], old[0]) < 1e-4
     assert torch.equal(new[1], old[1])  # greedy tokens

@@ -136,6 +136,22 @@ def test_requantization_rounds_half_to_even(SU):
     assert torch.equal(dev_args[0].cpu(), ref_state)
 
 
+def test_rne_int8_is_torch_round_and_clamp(SU):
+    """The codes helper of the kernels: every half-integer tie in and beyond [-128, 127], and random values."""
+    import triton
+
+    from _codes_kernel import codes_of
+
+    v = torch.cat([torch.arange(-600, 601) / 2, torch.randn(3000, generator=gen(5)) * 100,
+                   torch.tensor([1e9, -1e9, 0.49999997, -0.49999997, 127.5, -128.5])])
+    scale = torch.rand(v.numel(), generator=gen(6)) * 2 + 0.01
+    out, out2 = torch.empty(v.numel(), dtype=torch.int8), torch.empty(v.numel(), dtype=torch.int8)
+    args = _dev([v, scale, out, out2])
+    codes_of[(triton.cdiv(v.numel(), 1024),)](*args, v.numel(), BLOCK=1024)
+    assert torch.equal(args[2].cpu(), torch.round(v).clamp(-128, 127).to(torch.int8))
+    assert torch.equal(args[3].cpu(), quantize_ref(v, scale))
+
+
 def test_bad_state_and_scales_are_refused(SU):
     args = _dev(_case("mamba2", "int8_index", "codes_per_channel"))
     with pytest.raises(SSMQError, match="no scale"):

@@ -27,7 +27,7 @@ def _check_activation(activation):
 def _quantize_out(acc, x_ptr, scale_ptrs, mask):
     # the reference quantizes the conv output as returned, in x's dtype: round to it first (fp16 / bf16)
     v = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return quantize_rne(v, tl.load(scale_ptrs, mask=mask, other=1.0).to(tl.float32))
+    return quantize_rne(v, tl.load(scale_ptrs, mask=mask, other=1.0).to(tl.float32))  # int8 codes
 
 
 @triton.jit

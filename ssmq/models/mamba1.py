@@ -115,4 +115,6 @@ class Mamba1Mixer(SSMMixer):
         if not is_quantizer(q):
             return q(t), None
         scale = self._tap_scales.get(tap, (q,), lambda s: s)
+        if scale.dim() == 0:  # per tensor (Quamba's B, C): one Triton launch on CUDA, the same codes
+            return kernels.quantize_act(t, scale, per_token=False)[0], scale
         return quantize_ref(t.float(), scale), scale
