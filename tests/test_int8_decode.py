@@ -95,3 +95,26 @@ def test_int8_decode_on_the_kernels_equals_the_fake_quant_path(arch, monkeypatch
     for a, b in zip(new[2], old[2]):
         diff = (a.int() - b.int()).abs()
         assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mamba2", "mamba1"])
+def test_int8_decode_under_cuda_graphs_equals_eager(arch, tmp_path):
+    """A saved Quamba2 + int8-state model, loaded in fp16 on CUDA: graph-replayed decode on the int8 kernels (no host
+    syncs, no stray allocations) gives eager decode's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    import ssmq
+    from ssmq.quant import save_quantized
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    save_quantized(copy.deepcopy(quantized(arch, "quamba2-w8a8", 8)), tmp_path / "q")
+    model = ssmq.load_model(tmp_path / "q", dtype=torch.float16, device="cuda")
+    prompts = [[5, 7, 9, 11, 3], [2], [8, 8, 1, 4, 60]]
+    params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    eager = generate(model, prompts, params, cache=model.allocate_cache(4, 64, ssm_dtype=torch.int8))
+    dec = CudaGraphDecoder(model, max_batch=4, max_seqlen=64, ssm_dtype=torch.int8)
+    assert all(s.dtype == torch.int8 for s in dec.cache.ssm_states if s is not None)
+    assert generate(model, prompts, params, cache=dec.cache, decode_fn=dec) == eager
