@@ -26,6 +26,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import time_ms  # noqa: E402
+from published_configs import PUBLISHED  # noqa: E402
+from random_model import random_model  # noqa: E402
+
+from ssmq.kernels import dispatch  # noqa: E402
+from ssmq.kernels.state_update import quant_state_update, selective_state_update  # noqa: E402
+from ssmq.quant import CalibrationData, quantize  # noqa: E402
+from ssmq.quant.recipe import Cache, get_recipe  # noqa: E402
+from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G = 80, 64, 128, 1  # Mamba2-2.7B: 80 heads of 64, d_state 128, one B/C group
@@ -71,8 +80,6 @@ def graph_ms(calls, reps: int = 10) -> float:
 
 
 def micro_row(b: int, pk) -> dict:
-    from ssmq.kernels.state_update import quant_state_update, selective_state_update
-
     gen = torch.Generator(device=DEV).manual_seed(b)
     row_fp16 = H * P * N * 2
     blocks = max(1, math.ceil(SPAN_BYTES / (b * row_fp16)))
@@ -133,10 +140,6 @@ def run_micro(batches, out: dict) -> None:
 # ------------------------------------------------------------------------------------------ end to end
 
 def tpot(model, b: int, steps: int, ssm_dtype) -> dict:
-    from bench_e2e import time_ms
-
-    from ssmq.runtime.cuda_graph import CudaGraphDecoder
-
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -158,13 +161,6 @@ def tpot(model, b: int, steps: int, ssm_dtype) -> dict:
 
 
 def run_e2e(batches, steps: int, out: dict, save) -> None:
-    from published_configs import PUBLISHED
-    from random_model import random_model
-
-    from ssmq.kernels import dispatch
-    from ssmq.quant import CalibrationData, quantize
-    from ssmq.quant.recipe import Cache, get_recipe
-
     cfg = PUBLISHED["mamba2-2.7b"]
     model = random_model(cfg, dtype=torch.float16)
     weight_bytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731

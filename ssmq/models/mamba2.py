@@ -147,7 +147,7 @@ class Mamba2Mixer(SSMMixer):
         return self._state_step(lambda *a, **kw: state.step_ssm(slots, *a, **kw), x, dt, B, C, *scales)
 
     def _xbc_scales(self, sx: torch.Tensor, sB: torch.Tensor, sC: torch.Tensor):
-        """Channel scales of the x, B, C taps -> (per conv channel (conv_dim,), x (h, p), B (g, n), C (g, n)) (or ())."""
+        """Channel scales of the x, B, C taps -> per conv channel (conv_dim,), and x (h, p), B (g, n), C (g, n) | ()."""
         c = self.cfg
         h, p, g, n = self.A_log.shape[0], c.headdim, c.ngroups, c.d_state
         widths = (self.conv_segments.size("x"), self.conv_segments.size("B"), self.conv_segments.size("C"))
