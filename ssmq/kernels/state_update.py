@@ -159,8 +159,7 @@ def _state_table(state, scale, index, channels):
         raise SSMQError(f"state_index must be ({channels},) (channel -> scale group), got {tuple(index.shape)}")
     if index is None and G not in (1, channels):
         raise SSMQError(f"{G} state scale groups need a state_index (channel -> group)")
-    if scale.dtype != torch.float32:
-        raise SSMQError(f"state scales must be float32, got {scale.dtype}")
+    scale = scale.float()  # a model cast with .half() casts the table too; the kernel reads float32
     return scale, index, scale.stride(0) if G > 1 else 0
 
 
