@@ -116,6 +116,14 @@ def test_quant_state_update_equals_reference(SU, layout, state_fmt, input_fmt):
     assert torch.equal(dev_args[0][others], before[others])  # rows not served are not touched
 
 
+def test_y_is_written_in_the_asked_dtype(SU):
+    """``out_dtype`` (the model's fp16): the kernel writes y so, no cast after; the same values as the reference's."""
+    args = _case("mamba2", "int8_index", "codes_per_channel")
+    y_ref = quant_state_update_ref(*[a.clone() if torch.is_tensor(a) else a for a in args], out_dtype=torch.float16)
+    y = SU.quant_state_update(*_dev(args), out_dtype=torch.float16)
+    assert y.dtype == y_ref.dtype == torch.float16 and rel(y, y_ref) < 1e-3
+
+
 def test_requantization_rounds_half_to_even(SU):
     """A step whose new state is exactly k / 2 (A = 0, state 0, Δ = 1/2, x·B odd): codes are round-half-even."""
     b, h, p, n = 1, 1, 16, 16

@@ -96,13 +96,13 @@ def int8_decode_enabled() -> bool:
 
 
 def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D=None,
-                       z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None):
+                       z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """``ops.quant_ssm.quant_state_update_ref``: int8 or float state, int8 or float x / B / C; one kernel on CUDA."""
     from ssmq.ops.quant_ssm import quant_state_update_ref
 
     impl = _kernels("state_update").quant_state_update if _use_triton(state_q) else quant_state_update_ref
     return impl(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D, z, dt_bias,
-                dt_softplus, state_batch_indices)
+                dt_softplus, state_batch_indices, out_dtype)
 
 
 # SSMQ_FUSED_DECODE=1 runs the fused Triton decode step; by default CUDA runs the three single-stage kernels

@@ -120,16 +120,17 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
 
 def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale,
-                       D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None):
+                       D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """One decode step on int8 codes, as ``quant_state_update_ref``; updates ``state_q`` in place.
 
     state_q: (s, d, n) | (s, h, p, n) int8 with state_scale (G, n) and state_index (d,) (None: G = 1 or G = d),
     or a float state with state_scale None. x_q: (b, d) | (b, h, p), B_q, C_q: (b, n) | (b, g, n), int8 codes
     with scales broadcastable against them, or float with scale None. dt, z, A, D, dt_bias as
-    ``selective_state_update``. Returns y (b, d) | (b, h, p): float32 for int8 x, else x's dtype.
+    ``selective_state_update``. Returns y (b, d) | (b, h, p): ``out_dtype``, else float32 for int8 x, else x's dtype
+    (written so by the kernel: no cast after).
     """
     return _launch(state_q, x_q, dt, A, B_q, C_q, D, z, dt_bias, dt_softplus, state_batch_indices,
-                   state_scale, state_index, x_scale, B_scale, C_scale)
+                   state_scale, state_index, x_scale, B_scale, C_scale, out_dtype)
 
 
 def _input_scale(name, t, scale):
@@ -164,12 +165,12 @@ def _state_table(state, scale, index, channels):
 
 
 def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
-            state_scale=None, state_index=None, x_scale=None, B_scale=None, C_scale=None):
+            state_scale=None, state_index=None, x_scale=None, B_scale=None, C_scale=None, out_dtype=None):
     multihead = state.dim() == 4
     channels = state.shape[-2] * (state.shape[1] if multihead else 1)
     ss, sidx, s_ssg = _state_table(state, state_scale, state_index, channels)
     xs, Bs, Cs = _input_scale("x", x, x_scale), _input_scale("B", B, B_scale), _input_scale("C", C, C_scale)
-    out_dtype = torch.float32 if x.dtype == torch.int8 else x.dtype
+    out_dtype = out_dtype or (torch.float32 if x.dtype == torch.int8 else x.dtype)
     if not multihead:  # views with h = 1: no copies, the kernel writes the caller's state
         state = state.unsqueeze(1)
         x, dt, z, xs = (t.unsqueeze(1) if t is not None else None for t in (x, dt, z, xs))

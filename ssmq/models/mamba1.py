@@ -75,7 +75,7 @@ class Mamba1Mixer(SSMMixer):
         state = cache.states[self.layer_idx]
         x, z = self.proj_segments.split(self.in_proj(hidden))
         if self._int8_decode(state, ("act_x", "act_B", "act_C")):
-            return self.out_proj(self.act_y(self._int8_step(x, z, state, slots).to(x.dtype)))
+            return self.out_proj(self.act_y(self._int8_step(x, z, state, slots)))
         x = kernels.causal_conv1d_update(
             x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
             activation="silu", conv_state_indices=slots,
@@ -93,8 +93,8 @@ class Mamba1Mixer(SSMMixer):
     def _int8_step(self, x: torch.Tensor, z: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
         """Quantized decode: conv + SiLU emitting x's int8 codes (x_proj reads their dequantized values, the tap's
         output), B and C as codes, and one state-update kernel on the codes and the state as stored.
-        x, z: (b, d) in_proj outputs -> y (b, d)."""
-        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        x, z: (b, d) in_proj outputs -> y (b, d) in their dtype."""
+        weight, bias, dtype = self.conv1d.weight.squeeze(1), self.conv1d.bias, x.dtype
         if is_quantizer(self.act_x):
             x_scale = self._tap_scales.get("x", (self.act_x,), lambda s: s)
             x_q = kernels.conv1d_update_silu_quant(x, state.conv, weight, bias, x_scale, slots)
@@ -107,7 +107,7 @@ class Mamba1Mixer(SSMMixer):
         (B, B_scale), (C, C_scale) = self._codes("act_B", B), self._codes("act_C", C)
         return state.step_ssm(slots, x_q, dt, self._f32.get(self, "A_log"), B, C, D=self._f32.get(self, "D"),
                               z=self.act_z(z), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True,
-                              x_scale=x_scale, B_scale=B_scale, C_scale=C_scale)
+                              x_scale=x_scale, B_scale=B_scale, C_scale=C_scale, out_dtype=dtype)
 
     def _codes(self, tap: str, t: torch.Tensor):
         """(codes, channel scale) of a quantizing tap's input, or (the tap's float output, None)."""

@@ -120,7 +120,7 @@ class Mamba2Mixer(SSMMixer):
             )
             return self.out_proj(self.act_y(y))
         if self._int8_decode(state, ("act_x", "act_B", "act_C")):
-            y = self._int8_step(xbc, dt, state, slots).to(xbc.dtype)
+            y = self._int8_step(xbc, dt, state, slots)
         else:
             xbc = kernels.causal_conv1d_update(
                 xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
@@ -134,7 +134,8 @@ class Mamba2Mixer(SSMMixer):
 
     def _int8_step(self, xbc: torch.Tensor, dt: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
         """Quantized decode: conv + SiLU emitting the int8 codes of x, B, C (when their three taps quantize), then one
-        state-update kernel on the codes and the state as stored. xbc: (b, conv_dim), dt: (b, h) -> y (b, h, p)."""
+        state-update kernel on the codes and the state as stored. xbc: (b, conv_dim), dt: (b, h) -> y (b, h, p) in
+        xbc's dtype."""
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
         taps = (self.act_x, self.act_B, self.act_C)
         if all(is_quantizer(t) for t in taps):
@@ -144,7 +145,8 @@ class Mamba2Mixer(SSMMixer):
         else:  # some of x, B, C stay 16-bit: the float conv, the taps as they are, float inputs
             x, B, C = self._split_xbc(kernels.causal_conv1d_update(xbc, state.conv, weight, bias, "silu", slots))
             scales = (None, None, None)
-        return self._state_step(lambda *a, **kw: state.step_ssm(slots, *a, **kw), x, dt, B, C, *scales)
+        return self._state_step(lambda *a, **kw: state.step_ssm(slots, *a, out_dtype=xbc.dtype, **kw), x, dt, B, C,
+                                *scales)
 
     def _xbc_scales(self, sx: torch.Tensor, sB: torch.Tensor, sC: torch.Tensor):
         """Channel scales of the x, B, C taps -> per conv channel (conv_dim,), and x (h, p), B (g, n), C (g, n) | ()."""

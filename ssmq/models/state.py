@@ -121,17 +121,18 @@ class MambaState:
         return y
 
     def step_ssm(self, slots: torch.Tensor, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                 x_scale=None, B_scale=None, C_scale=None) -> torch.Tensor:
+                 x_scale=None, B_scale=None, C_scale=None, out_dtype=None) -> torch.Tensor:
         """One decode step of the rows ``slots`` in one op, whatever the formats (``kernels.quant_state_update``).
 
         The state is read and written as stored: float, or int8 codes with this state's scales (no float work
         copy). x, B, C are int8 codes with their scales (quantized taps) or float (scale None). Shapes as
-        ``kernels.selective_state_update``: x (b, d) | (b, h, p), B, C (b, n) | (b, g, n). Returns y (float32
-        for int8 x, else x's dtype). Equal to ``update_ssm`` with the float step on dequantized inputs.
+        ``kernels.selective_state_update``: x (b, d) | (b, h, p), B, C (b, n) | (b, g, n). Returns y in
+        ``out_dtype`` (default: float32 for int8 x, else x's dtype). Equal to ``update_ssm`` with the float step on
+        dequantized inputs.
         """
         scale, index = (self.scales.scale, self.scales.index) if self.format is StateFormat.INT8 else (None, None)
         return kernels.quant_state_update(self.ssm, scale, index, x, x_scale, dt, A, B, B_scale, C, C_scale, D, z,
-                                          dt_bias, dt_softplus, slots)
+                                          dt_bias, dt_softplus, slots, out_dtype)
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self, slots=None) -> None:

@@ -189,7 +189,7 @@ def dequantize_state_ref(q: torch.Tensor, scale: torch.Tensor, index: torch.Tens
 
 
 def quant_state_update_ref(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale,
-                           D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None):
+                           D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """One decode step that reads and writes an int8 state (Quamba2's 8-bit cache).
 
     state_q: (s, d, n) | (s, h, p, n) int8, updated in place; state_scale (G, n); state_index (d,).
@@ -199,6 +199,7 @@ def quant_state_update_ref(state_q, state_scale, state_index, x_q, x_scale, dt, 
 
     Either side may be float: ``state_scale`` None is a float state (any dtype, stored back in it), a scale
     None a float input used as it is (then y has x's dtype) — every mix of taps and cache one decode kernel runs.
+    ``out_dtype`` (e.g. the model's fp16) casts y, as a kernel writes it.
     """
     idx = torch.arange(x_q.shape[0]) if state_batch_indices is None else state_batch_indices.long()
     rows = state_q[idx]
@@ -207,7 +208,7 @@ def quant_state_update_ref(state_q, state_scale, state_index, x_q, x_scale, dt, 
                                    _maybe_dequantize(C_q, C_scale), D, z, dt_bias, dt_softplus)
     state_q[idx] = work.to(state_q.dtype) if state_scale is None else quantize_state_ref(work, state_scale,
                                                                                            state_index)
-    return y
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def _maybe_dequantize(t, scale):
