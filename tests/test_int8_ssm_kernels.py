@@ -278,3 +278,25 @@ def test_conv_scale_shape_is_checked(CV):
     x, state, weight = _dev([torch.randn(2, 8), torch.zeros(2, 8, 3), torch.randn(8, 4)])
     with pytest.raises(SSMQError, match="conv output scale"):
         CV.conv1d_update_silu_quant(x, state, weight, None, torch.ones(4, device=DEV))
+
+
+# --- fake quantization (the taps' output) -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scale_kind", ["per_tensor", "per_channel"])
+def test_fake_quantize_is_bit_exact(dtype, scale_kind):
+    """One kernel for dequantize(quantize(x)): the reference's values bit for bit, strided inputs included."""
+    pytest.importorskip("triton")
+    if INTERPRET:
+        _patch_interpreter_scalars()
+    from ssmq.kernels.fake_quant import fake_quantize
+    from ssmq.ops.quant_ssm import fake_quantize_ref
+
+    g = gen(7)
+    d = 40 if INTERPRET else 5120
+    wide = (rand(3, 5, 2 * d + 7, g=g) * 3).to(dtype)
+    x = wide[..., 7:7 + d]  # a slice of a wider projection output, as the taps see it
+    scale = _conv_scale(scale_kind, d, g, (d,))
+    got = fake_quantize(*_dev([x, scale]))
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got.cpu(), fake_quantize_ref(x, scale))

@@ -95,6 +95,14 @@ def int8_decode_enabled() -> bool:
     return INT8_DECODE
 
 
+def fake_quantize(x, scale):
+    """``ops.quant_ssm.fake_quantize_ref``: an ``ActQuantizer``'s dequantize(quantize(x)), one kernel on CUDA."""
+    from ssmq.ops.quant_ssm import fake_quantize_ref
+
+    impl = _kernels("fake_quant").fake_quantize if _use_triton(x) else fake_quantize_ref
+    return impl(x, scale)
+
+
 def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D=None,
                        z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """``ops.quant_ssm.quant_state_update_ref``: int8 or float state, int8 or float x / B / C; one kernel on CUDA."""

@@ -35,6 +35,11 @@ def dequantize_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()
 
 
+def fake_quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., d) float, scale () or (d,) -> dequantize(quantize(x)) in x's dtype (an ``ActQuantizer``'s output)."""
+    return dequantize_ref(quantize_ref(x.float(), scale), scale).to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # fused producers of int8 activations
 # ---------------------------------------------------------------------------------------------
