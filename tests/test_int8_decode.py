@@ -118,3 +118,17 @@ def test_int8_decode_under_cuda_graphs_equals_eager(arch, tmp_path):
     dec = CudaGraphDecoder(model, max_batch=4, max_seqlen=64, ssm_dtype=torch.int8)
     assert all(s.dtype == torch.int8 for s in dec.cache.ssm_states if s is not None)
     assert generate(model, prompts, params, cache=dec.cache, decode_fn=dec) == eager
+
+
+def test_generate_decodes_an_int8_state_model_on_its_int8_state(monkeypatch):
+    """``generate`` (and ``ssmq generate``) allocate the state format the model was calibrated for, as the engine."""
+    from ssmq.models.state import MambaState
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    seen = []
+    step = MambaState.step_ssm
+    monkeypatch.setattr(MambaState, "step_ssm",
+                        lambda self, *a, **kw: (seen.append(self.ssm.dtype), step(self, *a, **kw))[1])
+    generate(quantized("mamba2", "quamba2-w8a8", 8), [[1, 2, 3]], SamplingParams(max_new_tokens=3, stop_at_eos=False))
+    assert seen and set(seen) == {torch.int8}
