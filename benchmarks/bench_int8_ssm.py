@@ -30,7 +30,7 @@ from bench_e2e import time_ms  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
-from ssmq.kernels import dispatch  # noqa: E402
+from ssmq.kernels import dispatch, state_update  # noqa: E402
 from ssmq.kernels.state_update import quant_state_update, selective_state_update  # noqa: E402
 from ssmq.quant import CalibrationData, quantize  # noqa: E402
 from ssmq.quant.recipe import Cache, get_recipe  # noqa: E402
@@ -79,7 +79,7 @@ def graph_ms(calls, reps: int = 10) -> float:
     return times[len(times) // 2]
 
 
-def micro_row(b: int, pk) -> dict:
+def micro_row(b: int, pk, only_int8: bool = False) -> dict:
     gen = torch.Generator(device=DEV).manual_seed(b)
     row_fp16 = H * P * N * 2
     blocks = max(1, math.ceil(SPAN_BYTES / (b * row_fp16)))
@@ -100,10 +100,12 @@ def micro_row(b: int, pk) -> dict:
     dtb = torch.randn(H, device=DEV, generator=gen)[:, None].expand(H, P)
     common = dict(D=D, dt_bias=dtb, dt_softplus=True)
 
-    ms16 = graph_ms([lambda sl=sl: selective_state_update(state16, x16, dt, A, B16, C16, **common,
-                                                          state_batch_indices=sl) for sl in slots])
     ms8 = graph_ms([lambda sl=sl: quant_state_update(state8, table, index, x_q, xs, dt, A, B_q, Bs, C_q, Cs,
                                                      **common, state_batch_indices=sl) for sl in slots])
+    if only_int8:
+        return {"batch": b, "int8_ms": ms8, "int8_TBps": (b * H * P * N * 2) / (ms8 * 1e-3) / 1e12}
+    ms16 = graph_ms([lambda sl=sl: selective_state_update(state16, x16, dt, A, B16, C16, **common,
+                                                          state_batch_indices=sl) for sl in slots])
     mspk = math.nan
     if pk is not None:
         try:
@@ -123,6 +125,21 @@ def micro_row(b: int, pk) -> dict:
     del state16, state8
     torch.cuda.empty_cache()
     return row
+
+
+def run_sweep(batches, out: dict) -> None:
+    """int8 state update launch settings (tile rows BP x warps) at the given batches: state bytes / time."""
+    print(f"{'batch':>5} {'BP':>3} {'warps':>5} {'int8 ms':>9} {'state TB/s':>10}")
+    for b in batches:
+        for bp in (16, 32, 64):
+            for nw in (4, 8):
+                state_update.CFG.update(BP=bp, num_warps=nw)
+                try:
+                    r = micro_row(b, None, only_int8=True)
+                finally:
+                    state_update.CFG.update(BP=None, num_warps=4)
+                out["sweep"].append({**r, "BP": bp, "num_warps": nw})
+                print(f"{b:>5} {bp:>3} {nw:>5} {r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
 
 
 def run_micro(batches, out: dict) -> None:
@@ -227,12 +244,13 @@ def main() -> None:
     ap.add_argument("--e2e-batches", default="1,32,128")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per TPOT timing")
     ap.add_argument("--no-micro", action="store_true")
+    ap.add_argument("--sweep", default="", help="batches (comma list) of an int8 launch-setting sweep, e.g. 128,256")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/int8_ssm"))
     args = ap.parse_args()
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-           "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS), "hbm_Bps": HBM_BPS, "micro": [], "e2e": {}}
+           "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS), "hbm_Bps": HBM_BPS, "micro": [], "sweep": [], "e2e": {}}
 
     def save():
         (outdir / "int8_ssm.json").write_text(json.dumps(out, indent=2))
@@ -241,6 +259,9 @@ def main() -> None:
         run_micro([int(b) for b in args.batches.split(",")], out)
         save()
         plot(out, outdir / "int8_ssm.png")
+    if args.sweep:
+        run_sweep([int(b) for b in args.sweep.split(",")], out)
+        save()
     if args.e2e:
         run_e2e([int(b) for b in args.e2e_batches.split(",")], args.steps, out, save)
 

@@ -19,6 +19,10 @@ from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
+# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG)
+CFG = {"BP": None, "num_warps": 4}
+
+
 @triton.jit
 def _state_update(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
@@ -188,6 +192,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
     while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
         BP //= 2
+    BP = CFG["BP"] or BP
     grid = (b, h, triton.cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
     _state_update[grid](
@@ -204,6 +209,6 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
-        Q_C=Cs is not None, BP=BP, BN=BN, num_warps=4,
+        Q_C=Cs is not None, BP=BP, BN=BN, num_warps=CFG["num_warps"],
     )
     return out if multihead else out.squeeze(1)
