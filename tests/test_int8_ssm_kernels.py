@@ -248,9 +248,11 @@ def test_conv1d_update_silu_quant_equals_reference(CV, b, s, d, w, scale_kind, d
     want_state = state.clone()
     want = conv1d_update_silu_quant_ref(x, want_state, weight, bias, scale, slots)
     args = _dev([x, state, weight, bias, scale, slots])
-    got = CV.conv1d_update_silu_quant(*args)
+    got, deq = CV.conv1d_update_silu_quant(*args, dequantized=True)
     assert torch.equal(args[1].cpu(), want_state)  # the shift is a copy: exact
     _assert_codes_close(got, want)
+    # the second output: the codes' values in x's dtype, exactly as the reference dequantizes them
+    assert deq.dtype == dtype and torch.equal(deq.cpu(), (got.cpu().float() * scale).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -122,11 +122,11 @@ def _conv1d(x, weight, bias, initial_states, return_final_states, use_silu, qsca
 
 @triton.jit
 def _conv1d_update(
-    x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_ptr, qs_ptr,
+    x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_ptr, qs_ptr, deq_ptr,
     d,
-    sxb, sxd, ssb, ssd, ssw, swd, sww, sob, sod, sqd,
+    sxb, sxd, ssb, ssd, ssw, swd, sww, sob, sod, sqd, sdb, sdd,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr,
-    BD: tl.constexpr,
+    DEQ: tl.constexpr, BD: tl.constexpr,
 ):
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
     offs_d = pid_d * BD + tl.arange(0, BD)
@@ -151,6 +151,9 @@ def _conv1d_update(
         acc = silu(acc)
     if QUANT:
         acc = _quantize_out(acc, x_ptr, qs_ptr + offs_d * sqd, mask)
+        if DEQ:  # the codes' values too, in x's dtype: what a fake-quant tap would output (Mamba-1's x_proj input)
+            deq = acc.to(tl.float32) * tl.load(qs_ptr + offs_d * sqd, mask=mask, other=1.0).to(tl.float32)
+            tl.store(deq_ptr + pid_b * sdb + offs_d * sdd, deq.to(deq_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + pid_b * sob + offs_d * sod, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -162,26 +165,27 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     return _conv1d_update_launch(x, conv_state, weight, bias, _check_activation(activation), conv_state_indices, None)
 
 
-def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None):
+def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
     """One decode step of conv + SiLU + int8 quantization, as ``conv1d_update_silu_quant_ref``; shifts
-    ``conv_state`` in place. x: (b, d) float; out_scale: (d,) or (). Returns codes (b, d) int8."""
+    ``conv_state`` in place. x: (b, d) float; out_scale: (d,) or (). Returns codes (b, d) int8 and, with
+    ``dequantized``, their values (b, d) in x's dtype (written by the same kernel)."""
     return _conv1d_update_launch(x, conv_state, weight, bias, True, conv_state_indices,
-                                 _out_scale(out_scale, x.shape[1], (x.shape[1],)))
+                                 _out_scale(out_scale, x.shape[1], (x.shape[1],)), dequantized)
 
 
-def _conv1d_update_launch(x, conv_state, weight, bias, use_silu, conv_state_indices, qscale):
+def _conv1d_update_launch(x, conv_state, weight, bias, use_silu, conv_state_indices, qscale, dequantized=False):
     b, d = x.shape
     w = weight.shape[1]
     out = torch.empty((b, d), device=x.device, dtype=x.dtype if qscale is None else torch.int8)
+    deq = torch.empty((b, d), device=x.device, dtype=x.dtype) if dequantized else None
     BD = min(256, pow2(d, 16))
     _conv1d_update[(b, triton.cdiv(d, BD))](
         x, conv_state, weight, bias if bias is not None else weight,
         conv_state_indices if conv_state_indices is not None else x, out,
-        qscale if qscale is not None else weight, d,
+        qscale if qscale is not None else weight, deq if deq is not None else out, d,
         *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
-        qscale.stride(0) if qscale is not None else 0,
+        qscale.stride(0) if qscale is not None else 0, *(deq.stride() if deq is not None else (0, 0)),
         W=w, HAS_BIAS=bias is not None, HAS_IDX=conv_state_indices is not None, SILU=use_silu,
-        QUANT=qscale is not None,
-        BD=BD, num_warps=4,
+        QUANT=qscale is not None, DEQ=deq is not None, BD=BD, num_warps=4,
     )
-    return out
+    return out if deq is None else (out, deq)

@@ -47,12 +47,12 @@ def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_fi
     return impl(x, weight, bias, out_scale, initial_states, return_final_states)
 
 
-def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None):
+def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
     """``ops.quant_ssm.conv1d_update_silu_quant_ref``: the decode step of ``conv1d_silu_quant``."""
     from ssmq.ops.quant_ssm import conv1d_update_silu_quant_ref
 
     impl = _kernels("conv1d").conv1d_update_silu_quant if _use_triton(x) else conv1d_update_silu_quant_ref
-    return impl(x, conv_state, weight, bias, out_scale, conv_state_indices)
+    return impl(x, conv_state, weight, bias, out_scale, conv_state_indices, dequantized)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,

@@ -14,7 +14,7 @@ from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
 from ssmq.models.quant_taps import TapScaleCache, is_quantizer
-from ssmq.ops.quant_ssm import dequantize_ref, quantize_ref
+from ssmq.ops.quant_ssm import quantize_ref
 from ssmq.models.ssm_mixer import SSMMixer
 
 
@@ -97,8 +97,7 @@ class Mamba1Mixer(SSMMixer):
         weight, bias, dtype = self.conv1d.weight.squeeze(1), self.conv1d.bias, x.dtype
         if is_quantizer(self.act_x):
             x_scale = self._tap_scales.get("x", (self.act_x,), lambda s: s)
-            x_q = kernels.conv1d_update_silu_quant(x, state.conv, weight, bias, x_scale, slots)
-            x = dequantize_ref(x_q, x_scale).to(x.dtype)
+            x_q, x = kernels.conv1d_update_silu_quant(x, state.conv, weight, bias, x_scale, slots, dequantized=True)
         else:
             x = x_q = self.act_x(kernels.causal_conv1d_update(x, state.conv, weight, bias, "silu", slots))
             x_scale = None

@@ -55,15 +55,17 @@ def conv1d_silu_quant_ref(x, weight, bias, out_scale, initial_states=None, retur
     return (q, final) if return_final_states else q
 
 
-def conv1d_update_silu_quant_ref(x, conv_state, weight, bias, out_scale, conv_state_indices=None):
+def conv1d_update_silu_quant_ref(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
     """One decode step of ``conv1d_silu_quant_ref``: shifts ``conv_state`` (in place, float, the inputs) and
     returns the int8 codes of silu(conv) — what the taps of x, B, C would make of the float output.
 
     x: (b, d) float; conv_state: (s, d, w-1); weight: (d, w); bias: (d,); out_scale: (d,) or ();
-    conv_state_indices: (b,) slot per row. Returns codes (b, d) int8.
+    conv_state_indices: (b,) slot per row. Returns codes (b, d) int8 and, with ``dequantized``, their values
+    (b, d) in x's dtype (a fake-quant tap's output).
     """
     y = causal_conv1d_update_ref(x, conv_state, weight, bias, "silu", conv_state_indices)
-    return quantize_ref(y.float(), out_scale)
+    q = quantize_ref(y.float(), out_scale)
+    return (q, dequantize_ref(q, out_scale).to(x.dtype)) if dequantized else q
 
 
 def rms_norm_quant_ref(x, weight, eps, residual, residual_in_fp32, out_scale):
