@@ -42,9 +42,11 @@ def cmd_generate(args) -> None:
     ids = tok.encode_batch(prompts)
     run = {}
     if model.device.type == "cuda" and not args.eager:  # decode from CUDA graphs over the decoder's cache
+        from ssmq.models.cache import calibrated_ssm_dtype
         from ssmq.runtime.cuda_graph import CudaGraphDecoder
 
-        dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + args.max_new_tokens)
+        dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + args.max_new_tokens,
+                               ssm_dtype=calibrated_ssm_dtype(model))  # an int8-state model decodes on int8
         run = {"cache": dec.cache, "decode_fn": dec}
     if len(prompts) == 1:  # stream: print the new text as each token arrives
         print(prompts[0], end="", flush=True)

@@ -33,6 +33,24 @@ def silu(x):
     return x / (1.0 + tl.exp(-x))
 
 
+@triton.jit
+def rne_int8(v):
+    # float32 -> int8 code, round half to even and clamp to [-128, 127] as torch.round(v).clamp(...) (clamping first
+    # to integer bounds changes no code). Adding 1.5 * 2^23 leaves the float32 sum rounded to the nearest even
+    # integer by the hardware, with that integer k in the low mantissa bits (bits = 0x4B400000 + k for |k| <= 2^22):
+    # an integer subtract reads it out, no float -> int conversion (a quarter-rate instruction) and no libdevice rint
+    # (which has no interpreter twin).
+    t = tl.minimum(tl.maximum(v, -128.0), 127.0) + 12582912.0
+    return (t.to(tl.int32, bitcast=True) - 0x4B400000).to(tl.int8)
+
+
+@triton.jit
+def quantize_rne(v, scale):
+    # int8 codes of v / scale exactly as ssmq.ops.quant_ssm.quantize_ref: IEEE division (div_rn: Triton's '/' on
+    # float32 is the approximate div.full), then rne_int8
+    return rne_int8(tl.math.div_rn(v, scale))
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

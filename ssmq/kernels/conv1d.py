@@ -1,7 +1,10 @@
 """Triton depthwise causal conv1d: prefill over a sequence and the one-token decode update.
 
 Same signatures and cache convention as ``ssmq.ops.conv1d``: conv_state is the
-last w-1 inputs of a sequence, oldest first. SiLU is fused into the epilogue.
+last w-1 inputs of a sequence, oldest first. SiLU is fused into the epilogue, and so is, for the
+Quamba / Quamba2 taps, the int8 quantization of the output (``conv1d_silu_quant`` and
+``conv1d_update_silu_quant``, the twins of ``ssmq.ops.quant_ssm``'s references): the same two kernels with
+a per-channel scale vector (stride 0: one per-tensor scale) and int8 codes out.
 """
 
 from __future__ import annotations
@@ -10,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import pow2, silu
+from ssmq.errors import SSMQError
+from ssmq.kernels._common import pow2, quantize_rne, silu
 
 
 def _check_activation(activation):
@@ -20,11 +24,18 @@ def _check_activation(activation):
 
 
 @triton.jit
+def _quantize_out(acc, x_ptr, scale_ptrs, mask):
+    # the reference quantizes the conv output as returned, in x's dtype: round to it first (fp16 / bf16)
+    v = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return quantize_rne(v, tl.load(scale_ptrs, mask=mask, other=1.0).to(tl.float32))  # int8 codes
+
+
+@triton.jit
 def _conv1d_fwd(
-    x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr,
+    x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr, qs_ptr,
     d, l,
-    sxb, sxd, sxl, swd, sww, sib, sid, siw, sob, sod, sol,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
+    sxb, sxd, sxl, swd, sww, sib, sid, siw, sob, sod, sol, sqd,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr,
     BD: tl.constexpr, BL: tl.constexpr,
 ):
     pid_b, pid_d, pid_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -49,6 +60,8 @@ def _conv1d_fwd(
         acc += xv * wk[:, None]
     if SILU:
         acc = silu(acc)
+    if QUANT:
+        acc = _quantize_out(acc, x_ptr, qs_ptr + offs_d[:, None] * sqd, mask_d[:, None])
     tl.store(out_ptr + pid_b * sob + offs_d[:, None] * sod + offs_l[None, :] * sol,
              acc.to(out_ptr.dtype.element_ty), mask=mask_d[:, None] & (offs_l < l)[None, :])
 
@@ -59,18 +72,41 @@ def causal_conv1d(x, weight, bias=None, initial_states=None, return_final_states
     x: (b, d, l); weight: (d, w); bias: (d,); initial_states: (b, d, w-1).
     Returns out (b, d, l) in x's dtype and, if asked, final_states (b, d, w-1).
     """
-    use_silu = _check_activation(activation)
+    return _conv1d(x, weight, bias, initial_states, return_final_states, _check_activation(activation), None)
+
+
+def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False):
+    """Causal conv + SiLU + int8 quantization of the output, as ``conv1d_silu_quant_ref``.
+
+    x: (b, d, l) float; weight: (d, w); bias: (d,); out_scale: (d, 1) per channel (``ActQuantizer.channel_scale``
+    covers per-group scales) or () per tensor. Returns codes (b, d, l) int8 and, if asked, the float conv state
+    (b, d, w-1).
+    """
+    return _conv1d(x, weight, bias, initial_states, return_final_states, True,
+                   _out_scale(out_scale, x.shape[1], (x.shape[1], 1)))
+
+
+def _out_scale(scale, d, per_channel_shape):
+    """float32 per-channel scale (d,) (a view: stride 0 for one per-tensor scale)."""
+    if scale is None or not (scale.dim() == 0 or tuple(scale.shape) == per_channel_shape):
+        raise SSMQError(f"conv output scale must be () or {per_channel_shape}, got "
+                        f"{None if scale is None else tuple(scale.shape)}")
+    return scale.to(torch.float32).reshape(-1).expand(d)
+
+
+def _conv1d(x, weight, bias, initial_states, return_final_states, use_silu, qscale):
     b, d, l = x.shape
     w = weight.shape[1]
-    out = torch.empty((b, d, l), device=x.device, dtype=x.dtype)
+    out = torch.empty((b, d, l), device=x.device, dtype=x.dtype if qscale is None else torch.int8)
     init = initial_states if initial_states is not None else x  # dummy pointer when absent
     BD, BL = 16, min(128, pow2(l, 16))
     grid = (b, triton.cdiv(d, BD), triton.cdiv(l, BL))
     _conv1d_fwd[grid](
-        x, weight, bias if bias is not None else weight, init, out, d, l,
+        x, weight, bias if bias is not None else weight, init, out, qscale if qscale is not None else weight, d, l,
         *x.stride(), *weight.stride(),
         *(init.stride() if initial_states is not None else (0, 0, 0)), *out.stride(),
-        W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_states is not None, SILU=use_silu,
+        qscale.stride(0) if qscale is not None else 0,
+        W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_states is not None, SILU=use_silu, QUANT=qscale is not None,
         BD=BD, BL=BL, num_warps=4,
     )
     if not return_final_states:
@@ -86,11 +122,11 @@ def causal_conv1d(x, weight, bias=None, initial_states=None, return_final_states
 
 @triton.jit
 def _conv1d_update(
-    x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_ptr,
+    x_ptr, state_ptr, w_ptr, bias_ptr, idx_ptr, out_ptr, qs_ptr, deq_ptr,
     d,
-    sxb, sxd, ssb, ssd, ssw, swd, sww, sob, sod,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, SILU: tl.constexpr,
-    BD: tl.constexpr,
+    sxb, sxd, ssb, ssd, ssw, swd, sww, sob, sod, sqd, sdb, sdd,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr,
+    DEQ: tl.constexpr, BD: tl.constexpr,
 ):
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
     offs_d = pid_d * BD + tl.arange(0, BD)
@@ -113,6 +149,11 @@ def _conv1d_update(
     tl.store(srow + (W - 2) * ssw, xv.to(state_ptr.dtype.element_ty), mask=mask)
     if SILU:
         acc = silu(acc)
+    if QUANT:
+        acc = _quantize_out(acc, x_ptr, qs_ptr + offs_d * sqd, mask)
+        if DEQ:  # the codes' values too, in x's dtype: what a fake-quant tap would output (Mamba-1's x_proj input)
+            deq = acc.to(tl.float32) * tl.load(qs_ptr + offs_d * sqd, mask=mask, other=1.0).to(tl.float32)
+            tl.store(deq_ptr + pid_b * sdb + offs_d * sdd, deq.to(deq_ptr.dtype.element_ty), mask=mask)
     tl.store(out_ptr + pid_b * sob + offs_d * sod, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -121,16 +162,30 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
 
     x: (b, d); conv_state: (s, d, w-1); conv_state_indices: (b,) slot per row. Returns (b, d).
     """
-    use_silu = _check_activation(activation)
+    return _conv1d_update_launch(x, conv_state, weight, bias, _check_activation(activation), conv_state_indices, None)
+
+
+def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
+    """One decode step of conv + SiLU + int8 quantization, as ``conv1d_update_silu_quant_ref``; shifts
+    ``conv_state`` in place. x: (b, d) float; out_scale: (d,) or (). Returns codes (b, d) int8 and, with
+    ``dequantized``, their values (b, d) in x's dtype (written by the same kernel)."""
+    return _conv1d_update_launch(x, conv_state, weight, bias, True, conv_state_indices,
+                                 _out_scale(out_scale, x.shape[1], (x.shape[1],)), dequantized)
+
+
+def _conv1d_update_launch(x, conv_state, weight, bias, use_silu, conv_state_indices, qscale, dequantized=False):
     b, d = x.shape
     w = weight.shape[1]
-    out = torch.empty((b, d), device=x.device, dtype=x.dtype)
+    out = torch.empty((b, d), device=x.device, dtype=x.dtype if qscale is None else torch.int8)
+    deq = torch.empty((b, d), device=x.device, dtype=x.dtype) if dequantized else None
     BD = min(256, pow2(d, 16))
     _conv1d_update[(b, triton.cdiv(d, BD))](
         x, conv_state, weight, bias if bias is not None else weight,
-        conv_state_indices if conv_state_indices is not None else x, out, d,
+        conv_state_indices if conv_state_indices is not None else x, out,
+        qscale if qscale is not None else weight, deq if deq is not None else out, d,
         *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
+        qscale.stride(0) if qscale is not None else 0, *(deq.stride() if deq is not None else (0, 0)),
         W=w, HAS_BIAS=bias is not None, HAS_IDX=conv_state_indices is not None, SILU=use_silu,
-        BD=BD, num_warps=4,
+        QUANT=qscale is not None, DEQ=deq is not None, BD=BD, num_warps=4,
     )
-    return out
+    return out if deq is None else (out, deq)

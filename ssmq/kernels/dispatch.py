@@ -39,6 +39,22 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     return impl(x, conv_state, weight, bias, activation, conv_state_indices)
 
 
+def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False):
+    """``ops.quant_ssm.conv1d_silu_quant_ref``: conv + SiLU with int8 codes out (Quamba's fused conv)."""
+    from ssmq.ops.quant_ssm import conv1d_silu_quant_ref
+
+    impl = _kernels("conv1d").conv1d_silu_quant if _use_triton(x) else conv1d_silu_quant_ref
+    return impl(x, weight, bias, out_scale, initial_states, return_final_states)
+
+
+def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
+    """``ops.quant_ssm.conv1d_update_silu_quant_ref``: the decode step of ``conv1d_silu_quant``."""
+    from ssmq.ops.quant_ssm import conv1d_update_silu_quant_ref
+
+    impl = _kernels("conv1d").conv1d_update_silu_quant if _use_triton(x) else conv1d_update_silu_quant_ref
+    return impl(x, conv_state, weight, bias, out_scale, conv_state_indices, dequantized)
+
+
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                    initial_state=None, return_last_state=False):
     impl = _kernels("scan").selective_scan if _use_triton(u) else ops.selective_scan_ref
@@ -67,6 +83,34 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                            state_batch_indices=None):
     impl = _kernels("state_update").selective_state_update if _use_triton(state) else ops.selective_state_update_ref
     return impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+
+
+# SSMQ_INT8_DECODE=0 runs a quantized model's decode step the earlier way: fake-quantized taps (float values) and,
+# for an int8 state, a float step on a dequantized work copy of the served rows. The default feeds the taps' int8
+# codes and the stored state to one kernel (``quant_state_update``); on CPU both are the same references, bit for bit.
+INT8_DECODE = os.environ.get("SSMQ_INT8_DECODE", "1") == "1"
+
+
+def int8_decode_enabled() -> bool:
+    return INT8_DECODE
+
+
+def fake_quantize(x, scale):
+    """``ops.quant_ssm.fake_quantize_ref``: an ``ActQuantizer``'s dequantize(quantize(x)), one kernel on CUDA."""
+    from ssmq.ops.quant_ssm import fake_quantize_ref
+
+    impl = _kernels("fake_quant").fake_quantize if _use_triton(x) else fake_quantize_ref
+    return impl(x, scale)
+
+
+def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D=None,
+                       z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
+    """``ops.quant_ssm.quant_state_update_ref``: int8 or float state, int8 or float x / B / C; one kernel on CUDA."""
+    from ssmq.ops.quant_ssm import quant_state_update_ref
+
+    impl = _kernels("state_update").quant_state_update if _use_triton(state_q) else quant_state_update_ref
+    return impl(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D, z, dt_bias,
+                dt_softplus, state_batch_indices, out_dtype)
 
 
 # SSMQ_FUSED_DECODE=1 runs the fused Triton decode step; by default CUDA runs the three single-stage kernels

@@ -1,8 +1,11 @@
-"""Triton selective state update (one decode token) for Mamba-1 and Mamba-2.
+"""Triton selective state update (one decode token) for Mamba-1 and Mamba-2, float or int8 state.
 
-Same signature as ``ssmq.ops.state_update.selective_state_update_ref``. Mamba-1
-is run as Mamba-2 with one head (h = 1, p = d). One program owns a (BP, n) tile
-of one row's state: read once, advanced, written back in place.
+``selective_state_update`` has the signature of ``ssmq.ops.state_update.selective_state_update_ref``,
+``quant_state_update`` that of ``ssmq.ops.quant_ssm.quant_state_update_ref`` (Quamba / Quamba2: x, B, C as
+int8 codes + scales, the state as int8 codes + (G, n) scales and a channel -> group index). Both launch the
+same kernel: Mamba-1 is run as Mamba-2 with one head (h = 1, p = d). One program owns a (BP, n) tile of
+one row's state: read once (int8 codes dequantized in registers), advanced in float32, written back in
+place (re-quantized for an int8 state), so a decode step touches only the served rows, in one launch.
 """
 
 from __future__ import annotations
@@ -11,20 +14,30 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import pow2, silu, sm_count, softplus
+from ssmq.errors import SSMQError
+from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
+
+
+# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG)
+CFG = {"BP": None, "num_warps": 4}
 
 
 @triton.jit
 def _state_update(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
+    ss_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr,
     p, n, heads_per_group,
     s_sb, s_sh, s_sp, s_sn,
     s_xb, s_xh, s_xp, s_dtb, s_dth, s_dtp, s_Ah, s_Ap, s_An,
     s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_dbp,
     s_ob, s_oh, s_op,
+    s_ssg, s_ssn, s_sidx,
+    s_xsb, s_xsh, s_xsp, s_Bsb, s_Bsg, s_Bsn, s_Csb, s_Csg, s_Csn,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
-    SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
+    Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr,
 ):
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -38,10 +51,27 @@ def _state_update(
     grp = pid_h // heads_per_group
 
     s_ptrs = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
-    hs = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+    if Q_STATE:
+        # the (G, n) table row of each channel: index[channel] (sort-and-cluster groups), or the channel itself
+        # (s_ssg = 0 when G = 1); the table is a few KB, so these gathers hit L1/L2, not DRAM
+        chan = pid_h * p + offs_p
+        if HAS_SIDX:
+            row = tl.load(sidx_ptr + chan * s_sidx, mask=mp, other=0).to(tl.int64)
+        else:
+            row = chan.to(tl.int64)
+        sc = tl.load(ss_ptr + row[:, None] * s_ssg + offs_n[None, :] * s_ssn, mask=m2, other=1.0)
+        hs = tl.load(s_ptrs, mask=m2, other=0).to(tl.float32) * sc
+    else:
+        hs = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + pid_b * s_xb + pid_h * s_xh + offs_p * s_xp, mask=mp, other=0.0).to(tl.float32)
+    if Q_X:
+        x = x * tl.load(xs_ptr + pid_b * s_xsb + pid_h * s_xsh + offs_p * s_xsp, mask=mp, other=0.0)
     Bv = tl.load(B_ptr + pid_b * s_Bb + grp * s_Bg + offs_n * s_Bn, mask=mn, other=0.0).to(tl.float32)
+    if Q_B:
+        Bv = Bv * tl.load(Bs_ptr + pid_b * s_Bsb + grp * s_Bsg + offs_n * s_Bsn, mask=mn, other=0.0)
     Cv = tl.load(C_ptr + pid_b * s_Cb + grp * s_Cg + offs_n * s_Cn, mask=mn, other=0.0).to(tl.float32)
+    if Q_C:
+        Cv = Cv * tl.load(Cs_ptr + pid_b * s_Csb + grp * s_Csg + offs_n * s_Csn, mask=mn, other=0.0)
     if TIE_HDIM:
         # Mamba-2: dt and A are one scalar per head, so the decay is one exp, not BP*BN
         dt = tl.load(dt_ptr + pid_b * s_dtb + pid_h * s_dth).to(tl.float32)
@@ -60,8 +90,16 @@ def _state_update(
         A = tl.load(A_ptr + pid_h * s_Ah + offs_p[:, None] * s_Ap + offs_n[None, :] * s_An,
                     mask=m2, other=0.0).to(tl.float32)
         hs = hs * tl.exp(dt[:, None] * A) + (x * dt)[:, None] * Bv[None, :]
-    tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m2)
+    if Q_STATE:
+        # '/' is the approximate division (div.full, <= 2 ulp), not div_rn: the exact one costs ~15 instructions a
+        # state value and would make a large-batch step compute-bound. The codes can then differ from the
+        # reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no different
+        # from, what exp and fused multiply-adds already do to the float32 state (tests allow one step there).
+        tl.store(s_ptrs, rne_int8(hs / sc), mask=m2)
+    else:
+        tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m2)
 
+    # y reads the float32 state, before its re-quantization (as the reference)
     y = tl.sum(hs * Cv[None, :], axis=1)
     if HAS_D:
         y += x * tl.load(D_ptr + pid_h * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)
@@ -82,16 +120,70 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     A (d, n) | (h, p, n); B, C (b, n) | (b, g, n); D, dt_bias (d,) | (h, p).
     Returns y shaped like x, in x's dtype.
     """
+    return _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+
+
+def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale,
+                       D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
+    """One decode step on int8 codes, as ``quant_state_update_ref``; updates ``state_q`` in place.
+
+    state_q: (s, d, n) | (s, h, p, n) int8 with state_scale (G, n) and state_index (d,) (None: G = 1 or G = d),
+    or a float state with state_scale None. x_q: (b, d) | (b, h, p), B_q, C_q: (b, n) | (b, g, n), int8 codes
+    with scales broadcastable against them, or float with scale None. dt, z, A, D, dt_bias as
+    ``selective_state_update``. Returns y (b, d) | (b, h, p): ``out_dtype``, else float32 for int8 x, else x's dtype
+    (written so by the kernel: no cast after).
+    """
+    return _launch(state_q, x_q, dt, A, B_q, C_q, D, z, dt_bias, dt_softplus, state_batch_indices,
+                   state_scale, state_index, x_scale, B_scale, C_scale, out_dtype)
+
+
+def _input_scale(name, t, scale):
+    """A code tensor's scale as a float32 view broadcast to the tensor's shape (strides 0: no copy)."""
+    if scale is None:
+        if t.dtype == torch.int8:
+            raise SSMQError(f"{name} is int8 codes but has no scale")
+        return None
+    try:
+        return scale.to(device=t.device, dtype=torch.float32).expand(t.shape)
+    except RuntimeError:
+        raise SSMQError(f"{name}_scale {tuple(scale.shape)} does not broadcast against {name} "
+                        f"{tuple(t.shape)}") from None
+
+
+def _state_table(state, scale, index, channels):
+    """Check an int8 state's (G, n) table and index (d,); returns (table, index, row stride of the table)."""
+    if state.dtype != torch.int8:
+        if scale is not None:
+            raise SSMQError(f"state scales given for a {state.dtype} state (int8 codes expected)")
+        return None, None, 0
+    if scale is None or scale.dim() != 2 or scale.shape[1] != state.shape[-1]:
+        raise SSMQError(f"an int8 state needs a (G, n = {state.shape[-1]}) scale table, got "
+                        f"{None if scale is None else tuple(scale.shape)}")
+    G = scale.shape[0]
+    if index is not None and tuple(index.shape) != (channels,):
+        raise SSMQError(f"state_index must be ({channels},) (channel -> scale group), got {tuple(index.shape)}")
+    if index is None and G not in (1, channels):
+        raise SSMQError(f"{G} state scale groups need a state_index (channel -> group)")
+    scale = scale.float()  # a model cast with .half() casts the table too; the kernel reads float32
+    return scale, index, scale.stride(0) if G > 1 else 0
+
+
+def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
+            state_scale=None, state_index=None, x_scale=None, B_scale=None, C_scale=None, out_dtype=None):
     multihead = state.dim() == 4
+    channels = state.shape[-2] * (state.shape[1] if multihead else 1)
+    ss, sidx, s_ssg = _state_table(state, state_scale, state_index, channels)
+    xs, Bs, Cs = _input_scale("x", x, x_scale), _input_scale("B", B, B_scale), _input_scale("C", C, C_scale)
+    out_dtype = out_dtype or (torch.float32 if x.dtype == torch.int8 else x.dtype)
     if not multihead:  # views with h = 1: no copies, the kernel writes the caller's state
         state = state.unsqueeze(1)
-        x, dt, z = (t.unsqueeze(1) if t is not None else None for t in (x, dt, z))
+        x, dt, z, xs = (t.unsqueeze(1) if t is not None else None for t in (x, dt, z, xs))
         A, D, dt_bias = (t.unsqueeze(0) if t is not None else None for t in (A, D, dt_bias))
-        B, C = B.unsqueeze(1), C.unsqueeze(1)
+        B, C, Bs, Cs = (t.unsqueeze(1) if t is not None else None for t in (B, C, Bs, Cs))
     b, h, p = x.shape
     n, g = state.shape[-1], B.shape[1]
     rep = heads_per_group(h, g)
-    out = torch.empty((b, h, p), device=x.device, dtype=x.dtype)
+    out = torch.empty((b, h, p), device=x.device, dtype=out_dtype)
     tie = (dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
            and (dt_bias is None or dt_bias.stride(1) == 0))
     BN = pow2(n, 16)
@@ -100,16 +192,23 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
     while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
         BP //= 2
+    BP = CFG["BP"] or BP
     grid = (b, h, triton.cdiv(p, BP))
+    dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
     _state_update[grid](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
         state_batch_indices if state_batch_indices is not None else x, out,
+        ss if ss is not None else dummy, sidx if sidx is not None else dummy,
+        xs if xs is not None else dummy, Bs if Bs is not None else dummy, Cs if Cs is not None else dummy,
         p, n, rep,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
         *_strides(D, 2), *_strides(z, 3), *_strides(dt_bias, 2), *out.stride(),
+        s_ssg, ss.stride(1) if ss is not None else 0, sidx.stride(0) if sidx is not None else 0,
+        *_strides(xs, 3), *_strides(Bs, 3), *_strides(Cs, 3),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
-        BP=BP, BN=BN, num_warps=4,
+        Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
+        Q_C=Cs is not None, BP=BP, BN=BN, num_warps=CFG["num_warps"],
     )
     return out if multihead else out.squeeze(1)

@@ -15,6 +15,12 @@ import torch
 from ssmq.models.state import KVState, MambaState
 
 
+def calibrated_ssm_dtype(model) -> torch.dtype | None:
+    """torch.int8 when the model's mixers carry calibrated int8-state scales (an int8-state recipe), else None (the
+    activation dtype): the SSM state format a runner allocates for the model unless told otherwise."""
+    return torch.int8 if any(hasattr(m, "state_scale") for m in model.modules()) else None
+
+
 class InferenceCache:
     def __init__(self, states: list, seqlens: torch.Tensor, max_seqlen: int):
         self.states, self.seqlens, self.max_seqlen = list(states), seqlens, max_seqlen

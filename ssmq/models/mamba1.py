@@ -13,6 +13,8 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
+from ssmq.models.quant_taps import TapScaleCache, is_quantizer
+from ssmq.ops.quant_ssm import quantize_ref
 from ssmq.models.ssm_mixer import SSMMixer
 
 
@@ -37,6 +39,7 @@ class Mamba1Mixer(SSMMixer):
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()
+        self._tap_scales = TapScaleCache()
 
     def state_shape(self) -> tuple[int, int]:
         return tuple(self.A_log.shape)  # (d, n) of this (maybe sharded) mixer
@@ -71,6 +74,8 @@ class Mamba1Mixer(SSMMixer):
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
         state = cache.states[self.layer_idx]
         x, z = self.proj_segments.split(self.in_proj(hidden))
+        if self._int8_decode(state, ("act_x", "act_B", "act_C")):
+            return self.out_proj(self.act_y(self._int8_step(x, z, state, slots)))
         x = kernels.causal_conv1d_update(
             x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
             activation="silu", conv_state_indices=slots,
@@ -84,3 +89,31 @@ class Mamba1Mixer(SSMMixer):
             dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, state_batch_indices=idx,
         ))
         return self.out_proj(self.act_y(y))
+
+    def _int8_step(self, x: torch.Tensor, z: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
+        """Quantized decode: conv + SiLU emitting x's int8 codes (x_proj reads their dequantized values, the tap's
+        output), B and C as codes, and one state-update kernel on the codes and the state as stored.
+        x, z: (b, d) in_proj outputs -> y (b, d) in their dtype."""
+        weight, bias, dtype = self.conv1d.weight.squeeze(1), self.conv1d.bias, x.dtype
+        if is_quantizer(self.act_x):
+            x_scale = self._tap_scales.get("x", (self.act_x,), lambda s: s)
+            x_q, x = kernels.conv1d_update_silu_quant(x, state.conv, weight, bias, x_scale, slots, dequantized=True)
+        else:
+            x = x_q = self.act_x(kernels.causal_conv1d_update(x, state.conv, weight, bias, "silu", slots))
+            x_scale = None
+        dt, B, C = self.x_proj_segments.split(self.x_proj(x))
+        dt = self.act_dt(self.dt_proj(dt))
+        (B, B_scale), (C, C_scale) = self._codes("act_B", B), self._codes("act_C", C)
+        return state.step_ssm(slots, x_q, dt, self._f32.get(self, "A_log"), B, C, D=self._f32.get(self, "D"),
+                              z=self.act_z(z), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True,
+                              x_scale=x_scale, B_scale=B_scale, C_scale=C_scale, out_dtype=dtype)
+
+    def _codes(self, tap: str, t: torch.Tensor):
+        """(codes, channel scale) of a quantizing tap's input, or (the tap's float output, None)."""
+        q = getattr(self, tap)
+        if not is_quantizer(q):
+            return q(t), None
+        scale = self._tap_scales.get(tap, (q,), lambda s: s)
+        if scale.dim() == 0:  # per tensor (Quamba's B, C): one Triton launch on CUDA, the same codes
+            return kernels.quantize_act(t, scale, per_token=False)[0], scale
+        return quantize_ref(t.float(), scale), scale

@@ -14,6 +14,7 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
+from ssmq.models.quant_taps import TapScaleCache, is_quantizer, shaped
 from ssmq.models.ssm_mixer import SSMMixer
 
 
@@ -56,6 +57,7 @@ class Mamba2Mixer(SSMMixer):
             setattr(self, tap, nn.Identity())
         self.ssd = ChunkScan()
         self._f32 = FloatParamCache()
+        self._tap_scales = TapScaleCache()
 
     def state_shape(self) -> tuple[int, int, int]:
         return (self.A_log.shape[0], self.cfg.headdim, self.cfg.d_state)  # (h, p, n); h of this (maybe sharded) mixer
@@ -98,7 +100,7 @@ class Mamba2Mixer(SSMMixer):
 
     def _fusable(self, state) -> bool:
         """No quantizer on a tap between in_proj and the norm, the plain gated norm and a float SSM state (an int8
-        state steps through ``state.update_ssm``): one fused op can run it."""
+        state or int8 codes step through ``_int8_step``): one fused op can run it."""
         taps = (self.act_x, self.act_B, self.act_C, self.act_dt, self.act_z)
         return (all(type(t) is nn.Identity for t in taps) and type(self.norm) is GatedRMSNorm
                 and state.ssm.dtype != torch.int8)
@@ -107,7 +109,6 @@ class Mamba2Mixer(SSMMixer):
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
         c = self.cfg
         b = hidden.shape[0]
-        h, p = c.nheads, c.headdim
         state = cache.states[self.layer_idx]
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         if self._fusable(state):  # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step)
@@ -118,20 +119,56 @@ class Mamba2Mixer(SSMMixer):
                 c.dt_limit, slots,
             )
             return self.out_proj(self.act_y(y))
-        xbc = kernels.causal_conv1d_update(
-            xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-            activation="silu", conv_state_indices=slots,
-        )
-        x, B, C = self._split_xbc(xbc)
-        dt, dt_bias, softplus = self._clamped_dt(self.act_dt(dt))
-        A = self._f32.get(self, "A_log")
-        y = state.update_ssm(slots, lambda ssm, idx: kernels.selective_state_update(
-            ssm, x.reshape(b, h, p), dt[:, :, None].expand(b, h, p),
-            A[:, None, None].expand(h, p, c.d_state),
-            B.reshape(b, c.ngroups, c.d_state), C.reshape(b, c.ngroups, c.d_state),
-            D=self._f32.get(self, "D")[:, None].expand(h, p),
-            dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p),
-            dt_softplus=softplus, state_batch_indices=idx,
-        ))
+        if self._int8_decode(state, ("act_x", "act_B", "act_C")):
+            y = self._int8_step(xbc, dt, state, slots)
+        else:
+            xbc = kernels.causal_conv1d_update(
+                xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                activation="silu", conv_state_indices=slots,
+            )
+            x, B, C = self._split_xbc(xbc)
+            y = state.update_ssm(slots, lambda ssm, idx: self._state_step(
+                lambda *a, **kw: kernels.selective_state_update(ssm, *a, state_batch_indices=idx, **kw), x, dt, B, C))
         y = self.norm(y.reshape(b, c.d_inner), self.act_z(z))
         return self.out_proj(self.act_y(y))
+
+    def _int8_step(self, xbc: torch.Tensor, dt: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
+        """Quantized decode: conv + SiLU emitting the int8 codes of x, B, C (when their three taps quantize), then one
+        state-update kernel on the codes and the state as stored. xbc: (b, conv_dim), dt: (b, h) -> y (b, h, p) in
+        xbc's dtype."""
+        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        taps = (self.act_x, self.act_B, self.act_C)
+        if all(is_quantizer(t) for t in taps):
+            xbc_scale, *scales = self._tap_scales.get("xbc", taps, self._xbc_scales)
+            x, B, C = self.conv_segments.split(kernels.conv1d_update_silu_quant(xbc, state.conv, weight, bias,
+                                                                                xbc_scale, slots))
+        else:  # some of x, B, C stay 16-bit: the float conv, the taps as they are, float inputs
+            x, B, C = self._split_xbc(kernels.causal_conv1d_update(xbc, state.conv, weight, bias, "silu", slots))
+            scales = (None, None, None)
+        return self._state_step(lambda *a, **kw: state.step_ssm(slots, *a, out_dtype=xbc.dtype, **kw), x, dt, B, C,
+                                *scales)
+
+    def _xbc_scales(self, sx: torch.Tensor, sB: torch.Tensor, sC: torch.Tensor):
+        """Channel scales of the x, B, C taps -> per conv channel (conv_dim,), and x (h, p), B (g, n), C (g, n) | ()."""
+        c = self.cfg
+        h, p, g, n = self.A_log.shape[0], c.headdim, c.ngroups, c.d_state
+        widths = (self.conv_segments.size("x"), self.conv_segments.size("B"), self.conv_segments.size("C"))
+        per_channel = torch.cat([s.reshape(-1).expand(w) for s, w in zip((sx, sB, sC), widths)])
+        return per_channel, shaped(sx, (h, p)), shaped(sB, (g, n)), shaped(sC, (g, n))
+
+    def _state_step(self, update, x, dt, B, C, x_scale=None, B_scale=None, C_scale=None):
+        """Call a state update (``kernels.selective_state_update`` or ``MambaState.step_ssm``, bound to the state)
+        with Mamba-2's multi-head layout: x (b, d) -> (b, h, p), B, C (b, g·n) -> (b, g, n), per-head Δ, A, D
+        expanded over p and n (stride 0)."""
+        c = self.cfg
+        b = x.shape[0]
+        h, p, g, n = self.A_log.shape[0], c.headdim, c.ngroups, c.d_state
+        dt, dt_bias, softplus = self._clamped_dt(self.act_dt(dt))
+        A = self._f32.get(self, "A_log")
+        extra = {} if x_scale is None and B_scale is None and C_scale is None else \
+            {"x_scale": x_scale, "B_scale": B_scale, "C_scale": C_scale}
+        return update(
+            x.reshape(b, h, p), dt[:, :, None].expand(b, h, p), A[:, None, None].expand(h, p, n),
+            B.reshape(b, g, n), C.reshape(b, g, n), D=self._f32.get(self, "D")[:, None].expand(h, p),
+            dt_bias=None if dt_bias is None else dt_bias[:, None].expand(h, p), dt_softplus=softplus, **extra,
+        )

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ssmq.models.state import Int8StateScales, MambaState
+from ssmq import kernels
+from ssmq.models.quant_taps import is_quantizer
+from ssmq.models.state import Int8StateScales, MambaState, StateFormat
 
 SPEC_KIND = "SSMMixer"
 
@@ -41,6 +43,12 @@ class SSMMixer(nn.Module):
     def state_scales(self) -> Int8StateScales | None:
         """The int8 state's scales (the buffers themselves: allocate the cache after moving the model)."""
         return Int8StateScales(self.state_scale, self.state_index) if self.state_groups else None
+
+    def _int8_decode(self, state: MambaState, code_taps: tuple[str, ...]) -> bool:
+        """Decode through the int8 kernels (codes of ``code_taps`` into the conv / state kernels, the state as stored)
+        when a tap quantizes or the state is int8; ``SSMQ_INT8_DECODE=0`` keeps the fake-quant path."""
+        return kernels.int8_decode_enabled() and (
+            state.format is StateFormat.INT8 or any(is_quantizer(getattr(self, t)) for t in code_taps))
 
     def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None, **_) -> MambaState:
         """Conv (s, c, w-1) and SSM (s, *state_shape) buffers; ``ssm_dtype=torch.int8`` needs an int8-state mixer."""

@@ -7,10 +7,12 @@ Each state is allocated by its mixer (so a sharded mixer allocates its shard) an
 slot-indexed ``InferenceCache``. Every buffer has a leading slot dimension s and never moves (CUDA
 graphs capture its address). Mixers and kernels use only these ops:
     MambaState   conv (s, c, w-1) buffer for the conv kernels, read_ssm / write_ssm around a prefill,
-                 update_ssm for a decode step, reset, nbytes
+                 step_ssm (one kernel, any format) or update_ssm (a float step function) for a decode step,
+                 reset, nbytes
     KVState      append after the projections, read for attention, reset, nbytes
-Each op touches the rows ``slots`` it serves and nothing else: an int8 state is dequantized row by
-row into a (b, …) float32 work copy, never for all s slots.
+Each op touches the rows ``slots`` it serves and nothing else: ``step_ssm`` reads and writes them in place in
+their stored format (int8 codes dequantized and re-quantized in registers); ``update_ssm`` on an int8 state
+dequantizes them into a (b, …) float32 work copy, never all s slots.
 
 Storage formats (``StateFormat``): float (the buffer's dtype), int8 (SSM state codes with their
 calibrated scales, Quamba2). The seams for later formats: a paged KV format replaces KVState's
@@ -26,6 +28,7 @@ from enum import Enum
 
 import torch
 
+from ssmq import kernels
 from ssmq.errors import SSMQError
 
 
@@ -116,6 +119,20 @@ class MambaState:
         y = step(work, None)
         self.write_ssm(slots, work)
         return y
+
+    def step_ssm(self, slots: torch.Tensor, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                 x_scale=None, B_scale=None, C_scale=None, out_dtype=None) -> torch.Tensor:
+        """One decode step of the rows ``slots`` in one op, whatever the formats (``kernels.quant_state_update``).
+
+        The state is read and written as stored: float, or int8 codes with this state's scales (no float work
+        copy). x, B, C are int8 codes with their scales (quantized taps) or float (scale None). Shapes as
+        ``kernels.selective_state_update``: x (b, d) | (b, h, p), B, C (b, n) | (b, g, n). Returns y in
+        ``out_dtype`` (default: float32 for int8 x, else x's dtype). Equal to ``update_ssm`` with the float step on
+        dequantized inputs.
+        """
+        scale, index = (self.scales.scale, self.scales.index) if self.format is StateFormat.INT8 else (None, None)
+        return kernels.quant_state_update(self.ssm, scale, index, x, x_scale, dt, A, B, B_scale, C, C_scale, D, z,
+                                          dt_bias, dt_softplus, slots, out_dtype)
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self, slots=None) -> None:

@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ssmq.ops.conv1d import causal_conv1d_ref
+from ssmq.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from ssmq.ops.layout import discretize_dt, heads_per_group
 from ssmq.ops.norm import rms_norm_ref
 from ssmq.ops.state_update import selective_state_update_ref
@@ -33,6 +33,11 @@ def quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()
+
+
+def fake_quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., d) float, scale () or (d,) -> dequantize(quantize(x)) in x's dtype (an ``ActQuantizer``'s output)."""
+    return dequantize_ref(quantize_ref(x.float(), scale), scale).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,6 +53,19 @@ def conv1d_silu_quant_ref(x, weight, bias, out_scale, initial_states=None, retur
     y, final = out if return_final_states else (out, None)
     q = quantize_ref(y.float(), out_scale)
     return (q, final) if return_final_states else q
+
+
+def conv1d_update_silu_quant_ref(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
+    """One decode step of ``conv1d_silu_quant_ref``: shifts ``conv_state`` (in place, float, the inputs) and
+    returns the int8 codes of silu(conv) — what the taps of x, B, C would make of the float output.
+
+    x: (b, d) float; conv_state: (s, d, w-1); weight: (d, w); bias: (d,); out_scale: (d,) or ();
+    conv_state_indices: (b,) slot per row. Returns codes (b, d) int8 and, with ``dequantized``, their values
+    (b, d) in x's dtype (a fake-quant tap's output).
+    """
+    y = causal_conv1d_update_ref(x, conv_state, weight, bias, "silu", conv_state_indices)
+    q = quantize_ref(y.float(), out_scale)
+    return (q, dequantize_ref(q, out_scale).to(x.dtype)) if dequantized else q
 
 
 def rms_norm_quant_ref(x, weight, eps, residual, residual_in_fp32, out_scale):
@@ -178,17 +196,27 @@ def dequantize_state_ref(q: torch.Tensor, scale: torch.Tensor, index: torch.Tens
 
 
 def quant_state_update_ref(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale,
-                           D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None):
+                           D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """One decode step that reads and writes an int8 state (Quamba2's 8-bit cache).
 
     state_q: (s, d, n) | (s, h, p, n) int8, updated in place; state_scale (G, n); state_index (d,).
     x_q: (b, d) | (b, h, p) int8, x_scale broadcastable; B_q, C_q: (b, n) | (b, g, n) int8 with
     scales; dt, z float, other arguments as ``selective_state_update_ref``. Returns y float32.
     The state is dequantized, advanced in float32, and re-quantized before it is written.
+
+    Either side may be float: ``state_scale`` None is a float state (any dtype, stored back in it), a scale
+    None a float input used as it is (then y has x's dtype) — every mix of taps and cache one decode kernel runs.
+    ``out_dtype`` (e.g. the model's fp16) casts y, as a kernel writes it.
     """
     idx = torch.arange(x_q.shape[0]) if state_batch_indices is None else state_batch_indices.long()
-    work = dequantize_state_ref(state_q[idx], state_scale, state_index)
-    y = selective_state_update_ref(work, dequantize_ref(x_q, x_scale), dt, A, dequantize_ref(B_q, B_scale),
-                                   dequantize_ref(C_q, C_scale), D, z, dt_bias, dt_softplus)
-    state_q[idx] = quantize_state_ref(work, state_scale, state_index)
-    return y
+    rows = state_q[idx]
+    work = rows.float() if state_scale is None else dequantize_state_ref(rows, state_scale, state_index)
+    y = selective_state_update_ref(work, _maybe_dequantize(x_q, x_scale), dt, A, _maybe_dequantize(B_q, B_scale),
+                                   _maybe_dequantize(C_q, C_scale), D, z, dt_bias, dt_softplus)
+    state_q[idx] = work.to(state_q.dtype) if state_scale is None else quantize_state_ref(work, state_scale,
+                                                                                           state_index)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def _maybe_dequantize(t, scale):
+    return t if scale is None else dequantize_ref(t, scale)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssmq.errors import SSMQError
+from ssmq.models.cache import calibrated_ssm_dtype
 from ssmq.runtime.kv_blocks import BlockAllocator
 from ssmq.runtime.sampling import SamplingParams, sample_rows, top_logprobs
 
@@ -83,7 +84,7 @@ class LocalRunner:
     def __init__(self, model, cfg: EngineConfig):
         self.model, self.device = model, model.device
         # int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)
-        ssm_dtype = torch.int8 if any(hasattr(m, "state_scale") for m in model.modules()) else None
+        ssm_dtype = calibrated_ssm_dtype(model)
         graphs = self.device.type == "cuda" and cfg.cuda_graphs
         kw = {"ssm_dtype": ssm_dtype}
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks

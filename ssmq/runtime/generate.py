@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ssmq.errors import SSMQError
+from ssmq.models.cache import calibrated_ssm_dtype
 from ssmq.runtime.sampling import SamplingParams, sample_next
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens (b,), slots (b,)) -> logits (b, vocab)
@@ -21,15 +22,16 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
                     decode_fn: DecodeFn | None = None) -> Iterator[tuple[int, int]]:
     """Yield ``(row, token)`` pairs as tokens are produced, for every row until EOS or max_new_tokens.
 
-    ``cache`` (optional) must have at least len(prompts) slots; ``decode_fn`` replaces
-    ``model.step`` (e.g. by a CUDA-graph runner over the same cache).
+    ``cache`` (optional; by default one of len(prompts) slots, the SSM state in its calibrated format: int8 for an
+    int8-state model) must have at least len(prompts) slots; ``decode_fn`` replaces ``model.step`` (e.g. by a
+    CUDA-graph runner over the same cache).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SSMQError("every prompt must have at least one token")
     device = model.device
     max_len = max(len(p) for p in prompts) + params.max_new_tokens
     if cache is None:
-        cache = model.allocate_cache(len(prompts), max_len)
+        cache = model.allocate_cache(len(prompts), max_len, ssm_dtype=calibrated_ssm_dtype(model))
     elif cache.max_batch < len(prompts):
         raise SSMQError(f"cache has {cache.max_batch} slots for {len(prompts)} prompts")
     cache.reset()

@@ -6,8 +6,8 @@ Glossary: s cache slots, d d_inner, h heads, p headdim, n d_state, G scale group
 The mixers keep their float maths; a mixer with an int8 state (``SSMMixer.enable_int8_state``: buffers
 ``state_scale`` (G, n), ``state_index`` (d,)) only hands its scales to the state it allocates
 (``ssmq.models.state.MambaState`` in the int8 format), which dequantizes the served rows before a
-prefill or decode step and re-quantizes them after (``ssmq.ops.quant_ssm.quantize_state_ref``),
-exactly ``quant_state_update_ref`` for decode. Allocate the cache with
+prefill and re-quantizes the final state after (``ssmq.ops.quant_ssm.quantize_state_ref``); a decode step
+reads and writes the int8 rows in place in one kernel (``MambaState.step_ssm``: ``quant_state_update``). Allocate the cache with
 ``model.allocate_cache(..., ssm_dtype=torch.int8)``; a float cache keeps working unchanged. Scales are calibrated on the states reached at chunk boundaries of the windows.
 """
 

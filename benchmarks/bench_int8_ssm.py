@@ -1,0 +1,270 @@
+"""int8 SSM decode benchmark (one GPU): the int8-state selective state update vs our FP16 kernel vs mamba_ssm's,
+and (``--e2e``) TPOT of Mamba2-2.7B (random weights) FP16 vs Quamba2 W8A8 with the int8 state cache, on the int8
+decode path and on the earlier fake-quant path (``SSMQ_INT8_DECODE=0``).
+
+    PYTHONPATH=.:/tmp/peer python benchmarks/bench_int8_ssm.py --out out/int8_ssm [--e2e] [--batches 1,32,128,256]
+
+Micro: Mamba2-2.7B's state update (h 80, p 64, n 128, g 1), one layer per call; the state spans many slot blocks
+(>= 256 MB, one block of ``batch`` rows per call, the calls of one CUDA graph walking through them), so each call
+reads its rows from DRAM as 64 layers would, not from L2. Inputs as the model feeds them: x, B, C int8 codes with
+per-channel / per-state scales, a 16-group (4 x 4 sort-and-cluster) state table, Δ per head, no z (Mamba-2 gates
+in the norm). Bytes moved per call: state read + write (1 byte a value int8, 2 fp16) plus x, B, C, Δ, y; its limit
+is those bytes at 3.35 TB/s (H100 SXM HBM3). Writes int8_ssm.json and int8_ssm.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import time_ms  # noqa: E402
+from published_configs import PUBLISHED  # noqa: E402
+from random_model import random_model  # noqa: E402
+
+from ssmq.kernels import dispatch, state_update  # noqa: E402
+from ssmq.kernels.state_update import quant_state_update, selective_state_update  # noqa: E402
+from ssmq.quant import CalibrationData, quantize  # noqa: E402
+from ssmq.quant.recipe import Cache, get_recipe  # noqa: E402
+from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
+
+DEV = "cuda"
+H, P, N, G = 80, 64, 128, 1  # Mamba2-2.7B: 80 heads of 64, d_state 128, one B/C group
+STATE_GROUPS = 16  # Quamba2's m x n = 4 x 4 scale groups of x (and of the state)
+HBM_BPS = 3.35e12
+SPAN_BYTES = 256 << 20  # the states one graph walks through: larger than L2 (50 MB)
+
+
+def peer():
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    except Exception as e:  # noqa: BLE001 - any import failure just drops the peer column
+        print(f"mamba_ssm not available ({type(e).__name__}: {e}); its column stays blank")
+        return None
+    return selective_state_update
+
+
+def graph_ms(calls, reps: int = 10) -> float:
+    """Median ms of one call, from replays of a CUDA graph of ``calls`` (a list of closures, run in order)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls[:2]:
+            c()  # compile / autotune outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def micro_row(b: int, pk, only_int8: bool = False) -> dict:
+    gen = torch.Generator(device=DEV).manual_seed(b)
+    row_fp16 = H * P * N * 2
+    blocks = max(1, math.ceil(SPAN_BYTES / (b * row_fp16)))
+    s = blocks * b
+    slots = [torch.arange(k * b, (k + 1) * b, device=DEV, dtype=torch.int32) for k in range(blocks)]
+    codes = lambda *shape: torch.randint(-128, 128, shape, device=DEV, dtype=torch.int8, generator=gen)  # noqa: E731
+    state16 = torch.randn(s, H, P, N, device=DEV, dtype=torch.float16, generator=gen) * 0.1
+    state8 = codes(s, H, P, N)
+    table = torch.rand(STATE_GROUPS, N, device=DEV, generator=gen) * 0.01 + 1e-3
+    index = torch.randint(0, STATE_GROUPS, (H * P,), device=DEV, generator=gen)
+    x_q, B_q, C_q = codes(b, H, P), codes(b, G, N), codes(b, G, N)
+    xs = torch.rand(H, P, device=DEV, generator=gen) * 0.01 + 1e-3
+    Bs, Cs = torch.full((G, N), 0.01, device=DEV), torch.full((G, N), 0.01, device=DEV)
+    x16, B16, C16 = (x_q * xs).half(), (B_q * Bs).half(), (C_q * Cs).half()
+    dt = torch.randn(b, H, device=DEV, dtype=torch.float16, generator=gen)[:, :, None].expand(b, H, P)
+    A = -torch.rand(H, device=DEV, generator=gen)[:, None, None].expand(H, P, N)
+    D = torch.randn(H, device=DEV, generator=gen)[:, None].expand(H, P)
+    dtb = torch.randn(H, device=DEV, generator=gen)[:, None].expand(H, P)
+    common = dict(D=D, dt_bias=dtb, dt_softplus=True)
+
+    ms8 = graph_ms([lambda sl=sl: quant_state_update(state8, table, index, x_q, xs, dt, A, B_q, Bs, C_q, Cs,
+                                                     **common, state_batch_indices=sl) for sl in slots])
+    if only_int8:
+        return {"batch": b, "int8_ms": ms8, "int8_TBps": (b * H * P * N * 2) / (ms8 * 1e-3) / 1e12}
+    ms16 = graph_ms([lambda sl=sl: selective_state_update(state16, x16, dt, A, B16, C16, **common,
+                                                          state_batch_indices=sl) for sl in slots])
+    mspk = math.nan
+    if pk is not None:
+        try:
+            mspk = graph_ms([lambda sl=sl: pk(state16, x16, dt, A, B16, C16, **common, state_batch_indices=sl)
+                             for sl in slots])
+        except Exception as e:  # noqa: BLE001 - a failing peer must not end the table
+            print(f"  mamba_ssm failed: {type(e).__name__}: {str(e)[:200]}")
+    io16 = b * (H * P * 2 * 2 + 2 * G * N * 2 + H * 2)  # x, y fp16; B, C fp16; Δ
+    io8 = b * (H * P * (1 + 4) + 2 * G * N + H * 2)  # x int8, y float32; B, C int8; Δ
+    bytes16 = b * H * P * N * 2 * 2 + io16
+    bytes8 = b * H * P * N * 1 * 2 + io8
+    row = {"batch": b, "fp16_ms": ms16, "int8_ms": ms8, "mamba_ssm_ms": mspk,
+           "fp16_bytes": bytes16, "int8_bytes": bytes8,
+           "fp16_limit_ms": bytes16 / HBM_BPS * 1e3, "int8_limit_ms": bytes8 / HBM_BPS * 1e3,
+           "fp16_TBps": bytes16 / (ms16 * 1e-3) / 1e12, "int8_TBps": bytes8 / (ms8 * 1e-3) / 1e12,
+           "int8_speedup_vs_fp16": ms16 / ms8, "slot_blocks": blocks}
+    del state16, state8
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_sweep(batches, out: dict) -> None:
+    """int8 state update launch settings (tile rows BP x warps) at the given batches: state bytes / time."""
+    print(f"{'batch':>5} {'BP':>3} {'warps':>5} {'int8 ms':>9} {'state TB/s':>10}")
+    for b in batches:
+        for bp in (16, 32, 64):
+            for nw in (4, 8):
+                state_update.CFG.update(BP=bp, num_warps=nw)
+                try:
+                    r = micro_row(b, None, only_int8=True)
+                finally:
+                    state_update.CFG.update(BP=None, num_warps=4)
+                out["sweep"].append({**r, "BP": bp, "num_warps": nw})
+                print(f"{b:>5} {bp:>3} {nw:>5} {r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
+
+
+def run_micro(batches, out: dict) -> None:
+    pk = peer()
+    print(f"{'batch':>5} {'fp16 ms':>9} {'int8 ms':>9} {'mamba_ssm':>9} {'fp16 lim':>9} {'int8 lim':>9} "
+          f"{'fp16 TB/s':>9} {'int8 TB/s':>9} {'fp16/int8':>9}")
+    for b in batches:
+        r = micro_row(b, pk)
+        out["micro"].append(r)
+        print(f"{b:>5} {r['fp16_ms']:>9.4f} {r['int8_ms']:>9.4f} {r['mamba_ssm_ms']:>9.4f} {r['fp16_limit_ms']:>9.4f} "
+              f"{r['int8_limit_ms']:>9.4f} {r['fp16_TBps']:>9.2f} {r['int8_TBps']:>9.2f} "
+              f"{r['int8_speedup_vs_fp16']:>9.2f}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+def tpot(model, b: int, steps: int, ssm_dtype) -> dict:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    dec = CudaGraphDecoder(model, max_batch=b, max_seqlen=steps + 64, buckets=(b,), ssm_dtype=ssm_dtype)
+    tokens = torch.randint(0, 50000, (b,), device=DEV)
+    slots = torch.arange(b, device=DEV)
+    dec(tokens, slots)
+    graph = dec.graphs[b][0]
+
+    def run():
+        for _ in range(steps):
+            graph.replay()
+
+    ms = time_ms(run, warmup=1, reps=5) / steps
+    r = {"tpot_ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+         "ssm_state_bytes_per_seq": sum(s.ssm[0].numel() * s.ssm.element_size() for s in dec.cache.states)}
+    del dec
+    return r
+
+
+def run_e2e(batches, steps: int, out: dict, save) -> None:
+    cfg = PUBLISHED["mamba2-2.7b"]
+    model = random_model(cfg, dtype=torch.float16)
+    weight_bytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
+    e2e = out["e2e"]
+    e2e["fp16"] = {"weight_bytes": weight_bytes(model)}
+    for b in batches:
+        e2e["fp16"][f"b{b}"] = tpot(model, b, steps, None)
+        print("fp16", b, e2e["fp16"][f"b{b}"], flush=True)
+        save()  # after every number: a timeout must not lose the ones measured
+    recipe = get_recipe("quamba2-w8a8").with_changes(name="quamba2-w8a8-int8state", cache=Cache(state_bits=8))
+    t0 = time.time()
+    quantize(model, recipe, CalibrationData(torch.randint(0, 50000, (4, 256)), source="random tokens", seed=0),
+             progress=False)
+    e2e["quantize_s"] = round(time.time() - t0, 1)
+    print(f"quantized ({recipe.name}) in {e2e['quantize_s']} s", flush=True)
+    save()
+    for label, new_path in (("quamba2-w8a8 int8 state, int8 kernels", True),
+                            ("quamba2-w8a8 int8 state, fake-quant path", False)):
+        dispatch.INT8_DECODE = new_path
+        e2e[label] = {"weight_bytes": weight_bytes(model)}
+        for b in batches:
+            try:
+                e2e[label][f"b{b}"] = tpot(model, b, steps, torch.int8)
+            except Exception as e:  # noqa: BLE001 - report, go on
+                e2e[label][f"b{b}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            print(label, b, e2e[label][f"b{b}"], flush=True)
+            save()
+    dispatch.INT8_DECODE = True
+
+
+def plot(out: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    rows = out["micro"]
+    bs = [r["batch"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label, style in (("fp16_ms", "ssmq fp16 state", "o-"), ("int8_ms", "ssmq int8 state", "s-"),
+                              ("mamba_ssm_ms", "mamba_ssm fp16 state", "^-"),
+                              ("fp16_limit_ms", "fp16 bytes @ 3.35 TB/s", "k--"),
+                              ("int8_limit_ms", "int8 bytes @ 3.35 TB/s", "k:")):
+        ys = [r[key] * 1e3 for r in rows]
+        if any(math.isfinite(y) for y in ys):
+            ax.plot(bs, ys, style, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch")
+    ax.set_ylabel("µs per layer")
+    ax.set_title(f"selective state update, Mamba2-2.7B layer (h {H}, p {P}, n {N}) — {out['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,32,128,256")
+    ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT: FP16 vs Quamba2 W8A8 + int8 state")
+    ap.add_argument("--e2e-batches", default="1,32,128")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per TPOT timing")
+    ap.add_argument("--no-micro", action="store_true")
+    ap.add_argument("--sweep", default="", help="batches (comma list) of an int8 launch-setting sweep, e.g. 128,256")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/int8_ssm"))
+    args = ap.parse_args()
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+           "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS), "hbm_Bps": HBM_BPS, "micro": [], "sweep": [], "e2e": {}}
+
+    def save():
+        (outdir / "int8_ssm.json").write_text(json.dumps(out, indent=2))
+
+    if not args.no_micro:
+        run_micro([int(b) for b in args.batches.split(",")], out)
+        save()
+        plot(out, outdir / "int8_ssm.png")
+    if args.sweep:
+        run_sweep([int(b) for b in args.sweep.split(",")], out)
+        save()
+    if args.e2e:
+        run_e2e([int(b) for b in args.e2e_batches.split(",")], args.steps, out, save)
+
+
+if __name__ == "__main__":
+    main()

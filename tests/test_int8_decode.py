@@ -1,0 +1,134 @@
+"""A quantized model's decode step on the int8 path (the taps' codes into the conv / state-update ops, the state
+read and written as stored: ``Mamba*Mixer._int8_step``) equals the earlier path (fake-quantized taps, a float step
+on a dequantized work copy; ``SSMQ_INT8_DECODE=0``): bit for bit on CPU through the references, and within float
+tolerance with the Triton kernels (``gpu`` test: CUDA, or SSMQ_TRITON_INTERPRET=1 on CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from ssmq import kernels
+from ssmq.kernels import dispatch
+from ssmq.quant import quantize
+from ssmq.quant.recipe import Cache, Calibration, get_recipe
+from ssmq.quant.ssm.state_cache import allocate_cache
+from tiny_ssm import synthetic_calibration, tiny_model
+
+CALIB = synthetic_calibration(64, 8, 32)
+IDS = synthetic_calibration(64, 2, 20, seed=5).input_ids
+SLOTS = torch.tensor([3, 1])
+# (arch, recipe, state bits): codes + int8 state, codes + float state, int8 state with float taps (W4A16)
+CASES = [("mamba2", "quamba2-w8a8", 8), ("mamba2", "quamba-w8a8", 16), ("mamba2", "quamba2-w4a16", 8),
+         ("mamba1", "quamba2-w8a8", 8), ("mamba1", "quamba-w8a8", 16), ("mamba1", "quamba2-w4a16", 8)]
+_models = {}
+
+
+def quantized(arch, name, bits):
+    key = (arch, name, bits)
+    if key not in _models:
+        recipe = get_recipe(name).with_changes(calibration=Calibration(state_chunk=8), cache=Cache(state_bits=bits))
+        _models[key] = quantize(tiny_model(arch), recipe, CALIB, progress=False)
+    return _models[key]
+
+
+@torch.no_grad()
+def decode(model, bits, new_path: bool, monkeypatch, steps: int = 6):
+    """Prefill 12 tokens into slots 3 and 1 of a 4-slot cache, then greedy decode: (logits (b, steps, vocab),
+    tokens (b, steps), the SSM states)."""
+    monkeypatch.setattr(dispatch, "INT8_DECODE", new_path)
+    cache = allocate_cache(model, 4, 32, ssm_dtype=torch.int8 if bits == 8 else None)
+    logits = [model(IDS[:, :12], cache, SLOTS)[:, -1]]
+    tokens = [logits[-1].argmax(-1)]
+    for _ in range(steps - 1):
+        logits.append(model.step(tokens[-1], cache, SLOTS))
+        tokens.append(logits[-1].argmax(-1))
+    return torch.stack(logits, 1), torch.stack(tokens, 1), [s.clone() for s in cache.ssm_states if s is not None]
+
+
+@pytest.mark.parametrize("arch,name,bits", CASES)
+def test_int8_decode_path_equals_the_fake_quant_path_on_cpu(arch, name, bits, monkeypatch):
+    model = quantized(arch, name, bits)
+    old = decode(model, bits, False, monkeypatch)
+    new = decode(model, bits, True, monkeypatch)
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+    assert all(torch.equal(a, b) for a, b in zip(new[2], old[2]))
+    assert all(s.dtype == (torch.int8 if bits == 8 else torch.float32) for s in new[2])
+
+
+def test_the_int8_path_is_taken(monkeypatch):
+    """The new path runs the int8 ops (not the fake-quant taps + float update) for a quantized model."""
+    calls = []
+    for name in ("conv1d_update_silu_quant", "quant_state_update"):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _n=name, **kw: (calls.append(_n), _fn(*a, **kw))[1])
+    monkeypatch.setattr(kernels, "selective_state_update", None)  # the float update must not be called
+    decode(quantized("mamba2", "quamba2-w8a8", 8), 8, True, monkeypatch, steps=2)
+    layers = quantized("mamba2", "quamba2-w8a8", 8).config.n_layer
+    assert calls.count("conv1d_update_silu_quant") == layers and calls.count("quant_state_update") == layers
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mamba2", "mamba1"])
+def test_int8_decode_on_the_kernels_equals_the_fake_quant_path(arch, monkeypatch):
+    """Same, with the conv and state-update kernels in place of the references (the rest of the model as it is)."""
+    from test_kernels import DEV, INTERPRET, _patch_interpreter_scalars, rel
+
+    pytest.importorskip("triton")
+    if INTERPRET:
+        _patch_interpreter_scalars()
+    from ssmq.kernels import conv1d, quant_gemm, state_update
+
+    model = copy.deepcopy(quantized(arch, "quamba2-w8a8", 8)).to(DEV)
+    ids = IDS.to(DEV)
+    monkeypatch.setattr("test_int8_decode.IDS", ids)
+    monkeypatch.setattr("test_int8_decode.SLOTS", SLOTS.to(DEV))
+    old = decode(model, 8, False, monkeypatch)
+    monkeypatch.setattr(kernels, "conv1d_update_silu_quant", conv1d.conv1d_update_silu_quant)
+    monkeypatch.setattr(kernels, "quant_state_update", state_update.quant_state_update)
+    monkeypatch.setattr(kernels, "quantize_act", quant_gemm.quantize_act)  # Mamba-1's per-tensor B, C codes
+    new = decode(model, 8, True, monkeypatch)
+    assert rel(new[0], old[0]) < 1e-4
+    assert torch.equal(new[1], old[1])  # greedy tokens
+    for a, b in zip(new[2], old[2]):
+        diff = (a.int() - b.int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mamba2", "mamba1"])
+def test_int8_decode_under_cuda_graphs_equals_eager(arch, tmp_path):
+    """A saved Quamba2 + int8-state model, loaded in fp16 on CUDA: graph-replayed decode on the int8 kernels (no host
+    syncs, no stray allocations) gives eager decode's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    import ssmq
+    from ssmq.quant import save_quantized
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    save_quantized(copy.deepcopy(quantized(arch, "quamba2-w8a8", 8)), tmp_path / "q")
+    model = ssmq.load_model(tmp_path / "q", dtype=torch.float16, device="cuda")
+    prompts = [[5, 7, 9, 11, 3], [2], [8, 8, 1, 4, 60]]
+    params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    eager = generate(model, prompts, params, cache=model.allocate_cache(4, 64, ssm_dtype=torch.int8))
+    dec = CudaGraphDecoder(model, max_batch=4, max_seqlen=64, ssm_dtype=torch.int8)
+    assert all(s.dtype == torch.int8 for s in dec.cache.ssm_states if s is not None)
+    assert generate(model, prompts, params, cache=dec.cache, decode_fn=dec) == eager
+
+
+def test_generate_decodes_an_int8_state_model_on_its_int8_state(monkeypatch):
+    """``generate`` (and ``ssmq generate``) allocate the state format the model was calibrated for, as the engine."""
+    from ssmq.models.state import MambaState
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    seen = []
+    step = MambaState.step_ssm
+    monkeypatch.setattr(MambaState, "step_ssm",
+                        lambda self, *a, **kw: (seen.append(self.ssm.dtype), step(self, *a, **kw))[1])
+    generate(quantized("mamba2", "quamba2-w8a8", 8), [[1, 2, 3]], SamplingParams(max_new_tokens=3, stop_at_eos=False))
+    assert seen and set(seen) == {torch.int8}
