@@ -113,6 +113,16 @@ def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B
                 dt_softplus, state_batch_indices, out_dtype)
 
 
+def replay_state_update(ckpt, state_scale, state_index, ring, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D=None,
+                        z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
+    """``ops.replay_ssm.replay_state_update_ref``: a checkpointed (ReplaySSM) decode step; one kernel on CUDA."""
+    from ssmq.ops.replay_ssm import replay_state_update_ref
+
+    impl = _kernels("state_update").replay_state_update if _use_triton(ckpt) else replay_state_update_ref
+    return impl(ckpt, state_scale, state_index, ring, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D, z, dt_bias,
+                dt_softplus, state_batch_indices, out_dtype)
+
+
 # SSMQ_FUSED_DECODE=1 runs the fused Triton decode step; by default CUDA runs the three single-stage kernels
 # through the same op: the fused kernel is not yet verified on a GPU (see ssmq/kernels/mamba2_decode.py).
 _FUSED_DECODE = os.environ.get("SSMQ_FUSED_DECODE", "0") == "1"

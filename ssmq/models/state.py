@@ -15,7 +15,9 @@ their stored format (int8 codes dequantized and re-quantized in registers); ``up
 dequantizes them into a (b, …) float32 work copy, never all s slots.
 
 Storage formats (``StateFormat``): float (the buffer's dtype), int8 (SSM state codes with their
-calibrated scales, Quamba2). The seams for later formats: a paged KV format replaces KVState's
+calibrated scales, Quamba2). Either SSM format may be checkpointed (``checkpoint_every`` K, ReplaySSM,
+``ssmq.ops.replay_ssm``): ``ssm`` then holds each slot's state at its last checkpoint and ``ring`` the inputs of
+the steps since; the ops above see the current state (replayed) and write the big buffer once every K steps. The seams for later formats: a paged KV format replaces KVState's
 append/read with a block table; a quantized KV format stores codes + scales as int8 does here; a
 tensor-parallel state is the state its sharded mixer allocates (fewer channels / heads).
 """
@@ -30,6 +32,7 @@ import torch
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
+from ssmq.ops.replay_ssm import StateRing
 
 
 class StateFormat(str, Enum):
@@ -61,20 +64,35 @@ class MambaState:
     codes (with ``scales``).
     """
 
-    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, scales: Int8StateScales | None = None):
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, scales: Int8StateScales | None = None,
+                 ring: StateRing | None = None):
         if ssm.dtype == torch.int8 and scales is None:
             raise SSMQError("an int8 SSM state needs calibrated scales: quantize the model with an int8-state "
                             "recipe (state_bits 8), or allocate a float state")
-        self.conv, self.ssm, self.scales = conv, ssm, scales
+        self.conv, self.ssm, self.scales, self.ring = conv, ssm, scales, ring
 
     @classmethod
     def allocate(cls, max_batch: int, conv_channels: int, d_conv: int, state_shape: tuple[int, ...], dtype, device,
-                 ssm_dtype=None, scales: Int8StateScales | None = None) -> MambaState:
-        """Zeroed buffers for ``max_batch`` slots; ``ssm_dtype`` defaults to ``dtype`` (as mamba_ssm)."""
+                 ssm_dtype=None, scales: Int8StateScales | None = None, checkpoint_every: int | None = None,
+                 bc_groups: int = 1, ring_dtype=torch.float32) -> MambaState:
+        """Zeroed buffers for ``max_batch`` slots; ``ssm_dtype`` defaults to ``dtype`` (as mamba_ssm).
+
+        ``checkpoint_every`` K >= 2 checkpoints the SSM state (ReplaySSM): a ring of K - 1 steps' inputs per slot
+        (x, Δ, B of ``bc_groups`` groups, in ``ring_dtype``; float32 replays exactly) beside the state buffer.
+        """
         ssm_dtype = ssm_dtype or dtype
         conv = torch.zeros(max_batch, conv_channels, d_conv - 1, dtype=dtype, device=device)
         ssm = torch.zeros(max_batch, *state_shape, dtype=ssm_dtype, device=device)
-        return cls(conv, ssm, scales if ssm_dtype == torch.int8 else None)
+        ring = None
+        if checkpoint_every is not None:
+            if int(checkpoint_every) < 2:
+                raise SSMQError(f"state checkpoint interval must be >= 2 steps, got {checkpoint_every} "
+                                "(1 is plain decode: leave the option off)")
+            *lead, n = state_shape
+            h, p = (1, lead[0]) if len(lead) == 1 else lead  # Mamba-1 lifted to one head of d channels
+            ring = StateRing.allocate(max_batch, int(checkpoint_every), h, p, bc_groups, n, len(lead) == 2, device,
+                                      ring_dtype)
+        return cls(conv, ssm, scales if ssm_dtype == torch.int8 else None, ring)
 
     @property
     def format(self) -> StateFormat:
@@ -89,8 +107,26 @@ class MambaState:
         self.conv[_rows(slots)] = values.to(self.conv.dtype)
 
     # ------------------------------------------------------------------ ssm
-    def read_ssm(self, slots) -> torch.Tensor:
-        """The rows ``slots`` as a prefill's initial state: (b, d, n) | (b, h, p, n), float (int8 dequantized)."""
+    @property
+    def checkpoint_every(self) -> int | None:
+        """K when the state is checkpointed (ReplaySSM), else None."""
+        return None if self.ring is None else self.ring.every
+
+    def _table(self):
+        return (self.scales.scale, self.scales.index) if self.format is StateFormat.INT8 else (None, None)
+
+    def read_ssm(self, slots, A: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows ``slots`` as a prefill's initial state: (b, d, n) | (b, h, p, n), float (int8 dequantized).
+
+        A checkpointed state replays each row's ring, which needs the layer's A ((d, n) | (h, p, n), as the step's).
+        """
+        if self.ring is not None:
+            if A is None:
+                raise SSMQError("a checkpointed SSM state replays its ring when read: pass the layer's A")
+            from ssmq.ops.replay_ssm import replay_state_ref
+
+            idx = torch.arange(self.ssm.shape[0], device=self.ssm.device) if slots is None else slots
+            return replay_state_ref(self.ssm, *self._table(), self.ring, A, idx)
         rows = self.ssm[_rows(slots)]
         if self.format is StateFormat.INT8:
             from ssmq.ops.quant_ssm import dequantize_state_ref
@@ -99,23 +135,29 @@ class MambaState:
         return rows
 
     def write_ssm(self, slots, values: torch.Tensor) -> None:
-        """Store a prefill's final state (b, …) in the rows ``slots``, in this state's format."""
+        """Store a prefill's final state (b, …) in the rows ``slots``, in this state's format (checkpointed: as the
+        rows' checkpoint, their rings emptied)."""
+        if self.ring is not None:
+            self.ring.count[_rows(slots)] = 0
         if self.format is StateFormat.INT8:
             from ssmq.ops.quant_ssm import quantize_state_ref
 
             values = quantize_state_ref(values, self.scales.scale, self.scales.index)
         self.ssm[_rows(slots)] = values.to(self.ssm.dtype)
 
-    def update_ssm(self, slots: torch.Tensor, step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]):
+    def update_ssm(self, slots: torch.Tensor, step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+                   A: torch.Tensor | None = None):
         """One decode step of the rows ``slots``: ``step(state, indices)`` advances ``state`` in place and returns y.
 
         Float: ``step(self.ssm, slots)`` (the kernel updates the served rows in place). Int8: the served rows
         are dequantized into a (b, …) work copy, stepped with ``indices=None``, and written back re-quantized
-        (exactly ``ssmq.ops.quant_ssm.quant_state_update_ref``).
+        (exactly ``ssmq.ops.quant_ssm.quant_state_update_ref``). Checkpointed: ``step`` does not give the step's
+        inputs to the ring, so the current state is replayed into a work copy and written as the checkpoint (every
+        step: correct, but none of the savings of ``step_ssm``); needs A as ``read_ssm``.
         """
-        if self.format is StateFormat.FLOAT:
+        if self.format is StateFormat.FLOAT and self.ring is None:
             return step(self.ssm, slots)
-        work = self.read_ssm(slots).float()
+        work = self.read_ssm(slots, A).float()
         y = step(work, None)
         self.write_ssm(slots, work)
         return y
@@ -128,9 +170,13 @@ class MambaState:
         copy). x, B, C are int8 codes with their scales (quantized taps) or float (scale None). Shapes as
         ``kernels.selective_state_update``: x (b, d) | (b, h, p), B, C (b, n) | (b, g, n). Returns y in
         ``out_dtype`` (default: float32 for int8 x, else x's dtype). Equal to ``update_ssm`` with the float step on
-        dequantized inputs.
+        dequantized inputs. A checkpointed state steps through ``kernels.replay_state_update`` (replays the ring,
+        writes the state once every K steps).
         """
-        scale, index = (self.scales.scale, self.scales.index) if self.format is StateFormat.INT8 else (None, None)
+        scale, index = self._table()
+        if self.ring is not None:
+            return kernels.replay_state_update(self.ssm, scale, index, self.ring, x, x_scale, dt, A, B, B_scale, C,
+                                               C_scale, D, z, dt_bias, dt_softplus, slots, out_dtype)
         return kernels.quant_state_update(self.ssm, scale, index, x, x_scale, dt, A, B, B_scale, C, C_scale, D, z,
                                           dt_bias, dt_softplus, slots, out_dtype)
 
@@ -138,6 +184,8 @@ class MambaState:
     def reset(self, slots=None) -> None:
         self.conv[_rows(slots)] = 0
         self.ssm[_rows(slots)] = 0
+        if self.ring is not None:
+            self.ring.count[_rows(slots)] = 0  # stale entries past the count are never read
 
     def nbytes(self) -> int:
         return self.conv_nbytes() + self.ssm_nbytes()
@@ -146,7 +194,9 @@ class MambaState:
         return self.conv.numel() * self.conv.element_size()
 
     def ssm_nbytes(self) -> int:
-        return self.ssm.numel() * self.ssm.element_size()
+        """The SSM state's bytes, its checkpoint ring included."""
+        ring = 0 if self.ring is None else self.ring.nbytes()
+        return self.ssm.numel() * self.ssm.element_size() + ring
 
 
 @dataclass(frozen=True)
