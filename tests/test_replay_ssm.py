@@ -126,3 +126,31 @@ def test_replay_int8_state_drifts_less_than_write_every_step(layout):
     assert replay.ssm.dtype == torch.int8
     assert sum(err_replay) < 0.5 * sum(err_plain)
     assert err_replay[K - 2] < 1e-5  # before the first checkpoint write the replay is the float state
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid"])
+def test_model_decode_with_state_checkpoint_equals_plain(arch):
+    """``model.allocate_cache(..., state_checkpoint=K)``: prefill, 3·K decode steps of rows served out of order, a
+    second prefill continuing a slot mid-ring (its initial state replayed), more steps: the logits of the plain cache."""
+    from tiny_ssm import tiny_model
+
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        caches = [model.allocate_cache(4, 64, state_checkpoint=k) for k in (None, K)]
+        prompt = torch.randint(0, 64, (2, 5), generator=g)
+        outs = [model(prompt, c, torch.tensor([2, 0])) for c in caches]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        for t in range(3 * K + 2):
+            slots = torch.tensor([[0, 2], [2, 0, 3], [3]][t % 3])
+            tokens = torch.randint(0, 64, (len(slots),), generator=g)
+            if t == K + 1:  # a chunk of prompt for slot 2 in the middle of its ring
+                chunk = torch.randint(0, 64, (1, 3), generator=g)
+                outs = [model(chunk, c, torch.tensor([2])) for c in caches]
+                torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+            outs = [model.step(tokens, c, slots) for c in caches]
+            torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    rings = [st.ring for st in caches[1].states if isinstance(st, MambaState)]
+    assert rings and all(r is not None and r.every == K for r in rings)
+    assert all(int(r.count.sum()) > 0 for r in rings)  # the decode steps went through the rings
+    assert caches[1].nbytes() > caches[0].nbytes()

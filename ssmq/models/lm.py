@@ -102,13 +102,15 @@ class SSMLM(nn.Module):
 
     def allocate_cache(self, max_batch: int, max_seqlen: int, dtype=None, device=None, ssm_dtype=None,
                        kv_keys_before_rope: bool = False, kv_blocks: int | None = None,
-                       kv_block_size: int = 16) -> InferenceCache:
+                       kv_block_size: int = 16, state_checkpoint: int | None = None) -> InferenceCache:
         """A cache of ``max_batch`` slots; each layer's mixer allocates its own state (its shape, its format).
 
         dtype: conv/KV buffers (default: the model's); ssm_dtype: SSM states (default dtype; torch.int8 for an
         int8-state model); kv_keys_before_rope: attention caches keys before RoPE and rotates them at read;
         kv_blocks: attention keeps its KV in that many blocks of kv_block_size tokens, handed out through
-        ``cache.block_table`` (``ssmq.models.paged_kv``; the serving engine assigns them as sequences grow).
+        ``cache.block_table`` (``ssmq.models.paged_kv``; the serving engine assigns them as sequences grow);
+        state_checkpoint: K >= 2 keeps each SSM state at a checkpoint written once every K decode steps plus a ring of
+        the steps since (ReplaySSM, ``ssmq.ops.replay_ssm``); None writes the state every step.
         """
         p = self.norm_f.weight  # the embedding may be a quantized module without .weight
         dtype, device = dtype or p.dtype, device or p.device
@@ -118,7 +120,8 @@ class SSMLM(nn.Module):
 
             table = BlockTable(max_batch, max_seqlen, kv_block_size, kv_blocks, device)
         states = [layer.mixer.allocate_state(max_batch, max_seqlen, dtype, device, ssm_dtype=ssm_dtype,
-                                             kv_keys_before_rope=kv_keys_before_rope, kv_table=table)
+                                             kv_keys_before_rope=kv_keys_before_rope, kv_table=table,
+                                             state_checkpoint=state_checkpoint)
                   for layer in self.layers]
         cache = InferenceCache(states, torch.zeros(max_batch, dtype=torch.long, device=device), max_seqlen)
         cache.block_table = table

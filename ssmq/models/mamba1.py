@@ -62,7 +62,7 @@ class Mamba1Mixer(SSMMixer):
             x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
             D=self._f32.get(self, "D"), z=z.transpose(1, 2), delta_bias=self._f32.get(self, "dt_bias"),
             delta_softplus=True,
-            initial_state=None if state is None else state.read_ssm(slots),
+            initial_state=None if state is None else state.read_ssm(slots, A),
             return_last_state=state is not None,
         )
         if state is not None:

@@ -62,6 +62,9 @@ class Mamba2Mixer(SSMMixer):
     def state_shape(self) -> tuple[int, int, int]:
         return (self.A_log.shape[0], self.cfg.headdim, self.cfg.d_state)  # (h, p, n); h of this (maybe sharded) mixer
 
+    def bc_groups(self) -> int:
+        return self.cfg.ngroups
+
     def _split_proj(self, zxbcdt: torch.Tensor):
         """(…, 2d + 2gn + h) -> z (…, d), xBC (…, d + 2gn), dt (…, h)."""
         return self.proj_segments.split(zxbcdt)
@@ -85,11 +88,13 @@ class Mamba2Mixer(SSMMixer):
         x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
+        # a checkpointed state replays its ring with A as the decode step takes it, (h, p, n)
+        initial = None if state is None else state.read_ssm(slots, A[:, None, None].expand(*self.state_shape()))
         y = self.ssd(
             x.reshape(b, l, c.nheads, c.headdim), dt, A,
             B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
             D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, dt_limit=c.dt_limit,
-            initial_states=None if state is None else state.read_ssm(slots),
+            initial_states=initial,
             return_final_states=state is not None,
         )
         if state is not None:
@@ -100,10 +105,10 @@ class Mamba2Mixer(SSMMixer):
 
     def _fusable(self, state) -> bool:
         """No quantizer on a tap between in_proj and the norm, the plain gated norm and a float SSM state (an int8
-        state or int8 codes step through ``_int8_step``): one fused op can run it."""
+        state, int8 codes or a checkpointed state step through ``_int8_step``): one fused op can run it."""
         taps = (self.act_x, self.act_B, self.act_C, self.act_dt, self.act_z)
         return (all(type(t) is nn.Identity for t in taps) and type(self.norm) is GatedRMSNorm
-                and state.ssm.dtype != torch.int8)
+                and state.ssm.dtype != torch.int8 and state.ring is None)
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""

@@ -45,15 +45,23 @@ class SSMMixer(nn.Module):
         return Int8StateScales(self.state_scale, self.state_index) if self.state_groups else None
 
     def _int8_decode(self, state: MambaState, code_taps: tuple[str, ...]) -> bool:
-        """Decode through the int8 kernels (codes of ``code_taps`` into the conv / state kernels, the state as stored)
-        when a tap quantizes or the state is int8; ``SSMQ_INT8_DECODE=0`` keeps the fake-quant path."""
-        return kernels.int8_decode_enabled() and (
+        """Decode through ``MambaState.step_ssm`` (codes of ``code_taps`` into the conv / state kernels, the state as
+        stored) when a tap quantizes or the state is int8 (``SSMQ_INT8_DECODE=0`` keeps the fake-quant path), and
+        always for a checkpointed state: only ``step_ssm`` feeds its ring."""
+        return state.ring is not None or kernels.int8_decode_enabled() and (
             state.format is StateFormat.INT8 or any(is_quantizer(getattr(self, t)) for t in code_taps))
 
-    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None, **_) -> MambaState:
-        """Conv (s, c, w-1) and SSM (s, *state_shape) buffers; ``ssm_dtype=torch.int8`` needs an int8-state mixer."""
+    def bc_groups(self) -> int:
+        """B/C groups of this (maybe sharded) mixer: the width of a checkpoint ring's B."""
+        return 1
+
+    def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None,
+                       state_checkpoint: int | None = None, **_) -> MambaState:
+        """Conv (s, c, w-1) and SSM (s, *state_shape) buffers; ``ssm_dtype=torch.int8`` needs an int8-state mixer;
+        ``state_checkpoint`` K checkpoints the SSM state every K steps (ReplaySSM, ``ssmq.models.state``)."""
         return MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0],
-                                   self.state_shape(), dtype, device, ssm_dtype, self.state_scales())
+                                   self.state_shape(), dtype, device, ssm_dtype, self.state_scales(),
+                                   checkpoint_every=state_checkpoint, bc_groups=self.bc_groups())
 
     def spec(self) -> dict | None:
         """The checkpoint's record of this mixer (None for a float state: the float skeleton rebuilds it)."""
