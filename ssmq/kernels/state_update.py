@@ -24,6 +24,17 @@ CFG = {"BP": None, "num_warps": 4}
 
 
 @triton.jit
+def _advance(hs, x, dt, Bv, A, TIE_HDIM: tl.constexpr):
+    """One recurrent step of a (BP, BN) state tile: hs * exp(Δ·A) + (Δ·x) B (Δ, A scalars per head when TIE_HDIM,
+    else Δ (BP,) and A (BP, BN)); the plain step and every replayed ring entry."""
+    if TIE_HDIM:
+        dA = tl.exp(dt * A)
+    else:
+        dA = tl.exp(dt[:, None] * A)
+    return hs * dA + (x * dt)[:, None] * Bv[None, :]
+
+
+@triton.jit
 def _state_update(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
     ss_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr,
@@ -34,10 +45,12 @@ def _state_update(
     s_ob, s_oh, s_op,
     s_ssg, s_ssn, s_sidx,
     s_xsb, s_xsh, s_xsp, s_Bsb, s_Bsg, s_Bsn, s_Csb, s_Csg, s_Csn,
+    rx_ptr, rdt_ptr, rB_ptr, cnt_ptr, ring_cap,
+    s_rxs, s_rxr, s_rxh, s_rxp, s_rdts, s_rdtr, s_rdth, s_rdtp, s_rBs, s_rBr, s_rBg, s_rBn,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
-    BP: tl.constexpr, BN: tl.constexpr,
+    REPLAY: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -74,30 +87,61 @@ def _state_update(
         Cv = Cv * tl.load(Cs_ptr + pid_b * s_Csb + grp * s_Csg + offs_n * s_Csn, mask=mn, other=0.0)
     if TIE_HDIM:
         # Mamba-2: dt and A are one scalar per head, so the decay is one exp, not BP*BN
+        A = tl.load(A_ptr + pid_h * s_Ah).to(tl.float32)
         dt = tl.load(dt_ptr + pid_b * s_dtb + pid_h * s_dth).to(tl.float32)
         if HAS_DTB:
             dt += tl.load(dtb_ptr + pid_h * s_dbh).to(tl.float32)
-        if SOFTPLUS:
-            dt = softplus(dt)
-        dA = tl.exp(dt * tl.load(A_ptr + pid_h * s_Ah).to(tl.float32))
-        hs = hs * dA + (x * dt)[:, None] * Bv[None, :]
     else:
+        A = tl.load(A_ptr + pid_h * s_Ah + offs_p[:, None] * s_Ap + offs_n[None, :] * s_An,
+                    mask=m2, other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + pid_b * s_dtb + pid_h * s_dth + offs_p * s_dtp, mask=mp, other=0.0).to(tl.float32)
         if HAS_DTB:
             dt += tl.load(dtb_ptr + pid_h * s_dbh + offs_p * s_dbp, mask=mp, other=0.0).to(tl.float32)
-        if SOFTPLUS:
-            dt = softplus(dt)
-        A = tl.load(A_ptr + pid_h * s_Ah + offs_p[:, None] * s_Ap + offs_n[None, :] * s_An,
-                    mask=m2, other=0.0).to(tl.float32)
-        hs = hs * tl.exp(dt[:, None] * A) + (x * dt)[:, None] * Bv[None, :]
+    if SOFTPLUS:
+        dt = softplus(dt)
+
+    if REPLAY:
+        # ReplaySSM: hs is the slot's checkpoint; the ring's cnt entries (x, discretized Δ, B of the steps since)
+        # bring it to the current state, in registers, with the same arithmetic as the step below
+        cnt = tl.load(cnt_ptr + slot)
+        rx = rx_ptr + slot * s_rxs + pid_h * s_rxh + offs_p * s_rxp
+        rdt = rdt_ptr + slot * s_rdts + pid_h * s_rdth
+        rB = rB_ptr + slot * s_rBs + grp * s_rBg + offs_n * s_rBn
+        for j in range(0, cnt):
+            xj = tl.load(rx + j * s_rxr, mask=mp, other=0.0).to(tl.float32)
+            Bj = tl.load(rB + j * s_rBr, mask=mn, other=0.0).to(tl.float32)
+            if TIE_HDIM:
+                dtj = tl.load(rdt + j * s_rdtr)
+            else:
+                dtj = tl.load(rdt + j * s_rdtr + offs_p * s_rdtp, mask=mp, other=0.0)
+            hs = _advance(hs, xj, dtj, Bj, A, TIE_HDIM)
+    hs = _advance(hs, x, dt, Bv, A, TIE_HDIM)
+
+    if REPLAY:
+        # the ring full: the new state is the checkpoint (the count is reset after the launch, once every program
+        # of the slot has read it); else the step's inputs join the ring and the state is not written at all
+        # (the flags as vectors over the tile: Triton's interpreter refuses a scalar bool inside a mask)
+        cnt_p, cnt_n = offs_p * 0 + cnt, offs_n * 0 + cnt
+        append_p, append_n = cnt_p < ring_cap, cnt_n < ring_cap
+        write = (cnt_p == ring_cap)[:, None]
+        tl.store(rx + cnt * s_rxr, x.to(rx_ptr.dtype.element_ty), mask=mp & append_p)
+        if TIE_HDIM:  # one Δ per head: the tile holding channel 0 writes it
+            tl.store(rdt + cnt * s_rdtr + offs_p * 0, dt + offs_p * 0.0, mask=append_p & (offs_p == 0))
+        else:
+            tl.store(rdt + cnt * s_rdtr + offs_p * s_rdtp, dt, mask=mp & append_p)
+        # one program writes its group's B: the first tile of the group's first head
+        first_of_group = (offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0
+        tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=mn & append_n & first_of_group)
+    else:
+        write = True
     if Q_STATE:
         # '/' is the approximate division (div.full, <= 2 ulp), not div_rn: the exact one costs ~15 instructions a
         # state value and would make a large-batch step compute-bound. The codes can then differ from the
         # reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no different
         # from, what exp and fused multiply-adds already do to the float32 state (tests allow one step there).
-        tl.store(s_ptrs, rne_int8(hs / sc), mask=m2)
+        tl.store(s_ptrs, rne_int8(hs / sc), mask=m2 & write)
     else:
-        tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m2)
+        tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m2 & write)
 
     # y reads the float32 state, before its re-quantization (as the reference)
     y = tl.sum(hs * Cv[None, :], axis=1)
@@ -137,6 +181,35 @@ def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B
                    state_scale, state_index, x_scale, B_scale, C_scale, out_dtype)
 
 
+def replay_state_update(ckpt, state_scale, state_index, ring, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale,
+                        D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
+    """A checkpointed (ReplaySSM) decode step, as ``ssmq.ops.replay_ssm.replay_state_update_ref``: the same kernel
+    loads the checkpoint tile, replays the ring in registers, applies the token, writes y, and then writes the state
+    (re-quantized for int8) only where the ring is full, else appends x, Δ, B to the ring. The ring's counts are
+    advanced after the launch (every program of a slot must read the old count first): one small indexed op.
+    """
+    out = _launch(ckpt, x_q, dt, A, B_q, C_q, D, z, dt_bias, dt_softplus, state_batch_indices,
+                  state_scale, state_index, x_scale, B_scale, C_scale, out_dtype, ring)
+    rows = slice(0, x_q.shape[0]) if state_batch_indices is None else state_batch_indices.long()
+    count = ring.count[rows]
+    ring.count[rows] = torch.where(count == ring.capacity, 0, count + 1).to(ring.count.dtype)
+    return out
+
+
+def _ring_args(ring, state, h, p, g, n, tie):
+    """Pointers, capacity and strides of a ``StateRing`` for the kernel (checked against the state's layout)."""
+    if ring is None:
+        return (None, None, None, None, 0) + (0,) * 12
+    slots, R = ring.x.shape[:2]
+    if (slots != state.shape[0] or tuple(ring.x.shape[2:]) != (h, p) or tuple(ring.B.shape[2:]) != (g, n)
+            or ring.dt.shape[-1] not in (1, p) or ring.count.shape != (slots,)):
+        raise SSMQError(f"checkpoint ring x {tuple(ring.x.shape)}, B {tuple(ring.B.shape)}, dt {tuple(ring.dt.shape)} "
+                        f"does not match the state ({slots} slots, h={h}, p={p}, g={g}, n={n})")
+    if ring.dt.shape[-1] == 1 and not tie:
+        raise SSMQError("a ring with one Δ per head needs Δ and A per head (Mamba-2: expanded over p, stride 0)")
+    return (ring.x, ring.dt, ring.B, ring.count, R, *ring.x.stride(), *ring.dt.stride(), *ring.B.stride())
+
+
 def _input_scale(name, t, scale):
     """A code tensor's scale as a float32 view broadcast to the tensor's shape (strides 0: no copy)."""
     if scale is None:
@@ -169,7 +242,7 @@ def _state_table(state, scale, index, channels):
 
 
 def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
-            state_scale=None, state_index=None, x_scale=None, B_scale=None, C_scale=None, out_dtype=None):
+            state_scale=None, state_index=None, x_scale=None, B_scale=None, C_scale=None, out_dtype=None, ring=None):
     multihead = state.dim() == 4
     channels = state.shape[-2] * (state.shape[1] if multihead else 1)
     ss, sidx, s_ssg = _state_table(state, state_scale, state_index, channels)
@@ -195,6 +268,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     BP = CFG["BP"] or BP
     grid = (b, h, triton.cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
+    rx, rdt, rB, cnt, *ring_rest = _ring_args(ring, state, h, p, g, n, tie)
     _state_update[grid](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
@@ -206,9 +280,10 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         *_strides(D, 2), *_strides(z, 3), *_strides(dt_bias, 2), *out.stride(),
         s_ssg, ss.stride(1) if ss is not None else 0, sidx.stride(0) if sidx is not None else 0,
         *_strides(xs, 3), *_strides(Bs, 3), *_strides(Cs, 3),
+        *(t if t is not None else dummy for t in (rx, rdt, rB, cnt)), *ring_rest,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
-        Q_C=Cs is not None, BP=BP, BN=BN, num_warps=CFG["num_warps"],
+        Q_C=Cs is not None, REPLAY=ring is not None, BP=BP, BN=BN, num_warps=CFG["num_warps"],
     )
     return out if multihead else out.squeeze(1)

@@ -1,0 +1,111 @@
+"""The ReplaySSM decode kernel (``ssmq.kernels.state_update.replay_state_update``) equals its reference
+``ssmq.ops.replay_ssm.replay_state_update_ref`` (GPU, or SSMQ_TRITON_INTERPRET=1 on CPU): y, the checkpoints
+(written only where a ring is full), the appended ring entries and the counts, for Mamba-1 / Mamba-2, float / int8
+state and float / int8-code inputs, one step from rings of every fill, then K steps in a row.
+
+Glossary: s slots, b rows served, h heads, p headdim, g ngroups, n d_state, K checkpoint interval, R = K - 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssmq.errors import SSMQError
+from ssmq.ops.replay_ssm import StateRing, replay_state_update_ref
+from test_int8_ssm_kernels import LAYOUTS, _assert_state_close, _case, _dev
+from test_kernels import DEV, INTERPRET, _patch_interpreter_scalars, rel
+
+pytestmark = pytest.mark.gpu
+K = 4
+
+
+@pytest.fixture(scope="module")
+def SU():
+    pytest.importorskip("triton")
+    if INTERPRET:
+        _patch_interpreter_scalars()
+    import importlib
+
+    return importlib.import_module("ssmq.kernels.state_update")
+
+
+def _case_tied(layout, state_fmt, input_fmt):
+    """``_case`` with Mamba-2's A per head as a stride-0 view (the mixer's layout; a ring keeps one Δ per head)."""
+    args = _case(layout, state_fmt, input_fmt)
+    if layout == "mamba2":
+        args[6] = args[6][:, :1, :1].expand(args[6].shape)
+    return args
+
+
+def _ring(layout, served, seed=5):
+    """A ring of random entries; the counts of the ``served`` rows cycle R, 0, 1, … (a full ring, an empty one,
+    partly filled ones), the other slots' are R (unserved: must stay so)."""
+    s, _, h, p, g_, n = LAYOUTS[layout]
+    h, g_ = (h, g_) if h else (1, 1)
+    ring = StateRing.allocate(s, K, h, p, g_, n, per_head_dt=layout == "mamba2", device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    ring.x.copy_(torch.randn(ring.x.shape, generator=gen))
+    ring.dt.copy_(torch.rand(ring.dt.shape, generator=gen) * 0.5)
+    ring.B.copy_(torch.randn(ring.B.shape, generator=gen))
+    ring.count.fill_(K - 1)
+    ring.count[served.long()] = ((torch.arange(len(served)) + K - 1) % K).to(torch.int32)
+    return ring
+
+
+def _on(ring, dev):
+    return StateRing(*(t.to(dev) for t in (ring.x, ring.dt, ring.B, ring.count)))
+
+
+def _clone(ring):
+    return StateRing(*(t.clone() for t in (ring.x, ring.dt, ring.B, ring.count)))
+
+
+def _assert_ring_equal(got, want):
+    assert torch.equal(got.count.cpu(), want.count)
+    assert rel(got.x, want.x) < 1e-6 and rel(got.B, want.B) < 1e-6 and rel(got.dt, want.dt) < 1e-6
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("state_fmt", ["int8_index", "float"])
+@pytest.mark.parametrize("input_fmt", ["codes_per_channel", "float"])
+def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt):
+    args = _case_tied(layout, state_fmt, input_fmt)
+    ring = _ring(layout, args[-1])
+    ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]
+    ref_ring, counts, state0 = _clone(ring), ring.count.clone(), args[0].clone()
+    y_ref = replay_state_update_ref(ref_args[0], *ref_args[1:3], ref_ring, *ref_args[3:])
+    dev_args, dev_ring = _dev(args), _on(ring, DEV)
+    y = SU.replay_state_update(dev_args[0], *dev_args[1:3], dev_ring, *dev_args[3:])
+    assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+    assert rel(y, y_ref) < 1e-5
+    _assert_state_close(dev_args[0], ref_args[0], state_fmt)
+    _assert_ring_equal(dev_ring, ref_ring)
+    served, s = args[-1].long(), args[0].shape[0]
+    full = torch.zeros(s, dtype=torch.bool)
+    full[served] = counts[served] == K - 1
+    assert full.any() and (~full).any()  # both branches ran
+    assert torch.equal(dev_args[0].cpu()[~full], state0[~full])  # only full rings wrote their checkpoint
+    assert not torch.equal(dev_args[0].cpu()[full], state0[full])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_replay_kernel_over_k_steps(SU, layout):
+    """2·K + 1 steps in a row on an int8 checkpoint with int8 inputs: every ring empties twice."""
+    args = _case_tied(layout, "int8_index", "codes_per_channel")
+    ring = _ring(layout, args[-1])
+    ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]
+    ref_ring, dev_args, dev_ring = _clone(ring), _dev(args), _on(ring, DEV)
+    for _ in range(2 * K + 1):
+        y_ref = replay_state_update_ref(ref_args[0], *ref_args[1:3], ref_ring, *ref_args[3:])
+        y = SU.replay_state_update(dev_args[0], *dev_args[1:3], dev_ring, *dev_args[3:])
+        assert rel(y, y_ref) < 1e-5
+    _assert_state_close(dev_args[0], ref_args[0], "int8")
+    _assert_ring_equal(dev_ring, ref_ring)
+
+
+def test_replay_ring_shape_mismatch_is_refused(SU):
+    args = _case_tied("mamba2", "float", "float")
+    ring = _ring("mamba1", torch.tensor([0]))  # a Mamba-1 ring for a Mamba-2 state
+    with pytest.raises(SSMQError, match="does not match the state"):
+        SU.replay_state_update(args[0], *args[1:3], ring, *args[3:])
