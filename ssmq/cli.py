@@ -31,22 +31,24 @@ def cmd_info(args) -> None:
 
 
 def cmd_generate(args) -> None:
+    from ssmq.runtime.command import state_checkpoint
     from ssmq.runtime.generate import stream_generate
     from ssmq.runtime.sampling import SamplingParams
 
+    run = {"state_checkpoint": state_checkpoint(args)}  # checked before the model loads
     model, tok, _ = load_from_args(args)
     prompts = args.prompt or ["The history of"]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, eos_id=tok.eos_id, vocab_limit=len(tok), seed=args.seed,
                             stop_at_eos=not args.ignore_eos)
     ids = tok.encode_batch(prompts)
-    run = {}
     if model.device.type == "cuda" and not args.eager:  # decode from CUDA graphs over the decoder's cache
         from ssmq.models.cache import calibrated_ssm_dtype
         from ssmq.runtime.cuda_graph import CudaGraphDecoder
 
         dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + args.max_new_tokens,
-                               ssm_dtype=calibrated_ssm_dtype(model))  # an int8-state model decodes on int8
+                               ssm_dtype=calibrated_ssm_dtype(model),  # an int8-state model decodes on int8
+                               state_checkpoint=run["state_checkpoint"])
         run = {"cache": dec.cache, "decode_fn": dec}
     if len(prompts) == 1:  # stream: print the new text as each token arrives
         print(prompts[0], end="", flush=True)
@@ -64,6 +66,12 @@ def cmd_generate(args) -> None:
         outs[row].append(t)
     for prompt, out in zip(prompts, outs):
         print(f"--- {prompt!r}\n{prompt}{tok.decode(out)}")
+
+
+def add_state_checkpoint_arg(p: argparse.ArgumentParser) -> None:
+    from ssmq.runtime.command import add_state_checkpoint_arg as add
+
+    add(p)
 
 
 def add_tp_args(p: argparse.ArgumentParser) -> None:
@@ -130,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     p.add_argument("--eager", action="store_true", help="on CUDA, decode without CUDA graphs")
+    add_state_checkpoint_arg(p)
     add_tp_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -46,3 +46,17 @@ def test_eval_with_no_model_argument_uses_the_default_model(tmp_path):
     r = run("eval", "--tasks", "wikitext2", "--limit", "1", "--seqlen", "128", "--out", str(out), env={"SSMQ_MODEL": ""})
     assert r.returncode == 0, r.stderr
     assert "mamba2" in out.read_text() and "ppl" in out.read_text()
+
+
+def test_generate_with_state_checkpoint_gives_the_same_tokens(tmp_path):
+    """``--state-checkpoint K``: the SSM states are written once every K steps and replayed between; greedy decode
+    of a float32 model gives the tokens of write-every-step decode."""
+    save_tiny("mamba2", tmp_path)
+    shared_or_skip("tokenizers")
+    args = ["generate", "--model", str(tmp_path), "--dtype", "float32", "--max-new-tokens", "12", "--ignore-eos",
+            "--prompt", "A", "--prompt", "B"]
+    plain, replay = run(*args), run(*args, "--state-checkpoint", "4")
+    assert plain.returncode == 0 and replay.returncode == 0, plain.stderr + replay.stderr
+    assert replay.stdout == plain.stdout and plain.stdout.count("---") == 2
+    bad = run(*args, "--state-checkpoint", "1")
+    assert bad.returncode == 1 and "--state-checkpoint must be >= 2" in bad.stderr

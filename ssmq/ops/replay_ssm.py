@@ -79,15 +79,16 @@ def _checkpoint_rows(ckpt, scale, index, idx):
 
 
 def _replay_ring(work, ring: StateRing, idx, A):
-    """Advance ``work`` (b, h, p, n) float32 in place through each row's ring entries: entry j is one plain step
-    (``selective_state_update_ref``, Δ already discretized) of the rows holding more than j entries."""
+    """Advance ``work`` (b, h, p, n) float32 through each row's ring entries: entry j is one plain step
+    (``selective_state_update_ref``, Δ already discretized) kept for the rows holding more than j entries.
+    Masked, not gathered, over all R entries: no device-to-host read (a prefill's CUDA graph can capture it)."""
     count = ring.count[idx].long()
     b, h, p, n = work.shape
-    for j in range(int(count.max()) if b else 0):
-        rows = torch.nonzero(count > j).squeeze(1)
-        src = idx[rows]
-        x, dt, B = ring.x[src, j].float(), ring.dt[src, j].expand(-1, h, p), ring.B[src, j].float()
-        selective_state_update_ref(work, x, dt, A, B, torch.zeros_like(B), state_batch_indices=rows)
+    for j in range(ring.capacity):
+        x, dt, B = ring.x[idx, j].float(), ring.dt[idx, j].expand(-1, h, p), ring.B[idx, j].float()
+        stepped = work.clone()
+        selective_state_update_ref(stepped, x, dt, A, B, torch.zeros_like(B))
+        work = torch.where((count > j)[:, None, None, None], stepped, work)
     return work
 
 

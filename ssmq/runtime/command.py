@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
     p.add_argument("--eager", action="store_true", help="on CUDA, run without CUDA graphs")
+    add_state_checkpoint_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -42,6 +43,19 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def add_state_checkpoint_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-checkpoint", type=int, default=None, metavar="K",
+                   help="write each SSM state once every K decode steps, replaying the steps since from a ring of "
+                        "their inputs (ReplaySSM; e.g. 16); default: every step")
+
+
+def state_checkpoint(args) -> int | None:
+    k = getattr(args, "state_checkpoint", None)
+    if k is not None and k < 2:
+        raise SSMQError("--state-checkpoint must be >= 2 (leave it out to write the state every step)")
+    return k
+
+
 def engine_config(args):
     from ssmq.runtime.engine import EngineConfig
 
@@ -49,7 +63,8 @@ def engine_config(args):
         if getattr(args, name) < 1:
             raise SSMQError(f"--{name.replace('_', '-')} must be >= 1")
     return EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
-                        prefill_tokens=args.prefill_tokens, cuda_graphs=not args.eager)
+                        prefill_tokens=args.prefill_tokens, cuda_graphs=not args.eager,
+                        state_checkpoint=state_checkpoint(args))
 
 
 def run(args: argparse.Namespace) -> int:

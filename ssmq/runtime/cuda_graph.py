@@ -47,12 +47,14 @@ class CudaGraphDecoder:
     """
 
     def __init__(self, model, max_batch: int, max_seqlen: int, buckets=DEFAULT_BUCKETS, dtype=None, ssm_dtype=None,
-                 cache=None):
+                 cache=None, state_checkpoint: int | None = None):
         if model.device.type != "cuda":
             raise SSMQError("CUDA-graph decode needs the model on a CUDA device")
         self.model = model
         self.buckets = sorted(b for b in buckets if b < max_batch) + [max_batch]
-        self.cache = cache or model.allocate_cache(max_batch + 1, max_seqlen, dtype=dtype, ssm_dtype=ssm_dtype)
+        # state_checkpoint K: SSM states checkpointed every K steps (ReplaySSM); the rings are fixed buffers too
+        self.cache = cache or model.allocate_cache(max_batch + 1, max_seqlen, dtype=dtype, ssm_dtype=ssm_dtype,
+                                                   state_checkpoint=state_checkpoint)
         if self.cache.max_batch < max_batch + 1:
             raise SSMQError(f"the decoder needs a cache of max_batch + 1 = {max_batch + 1} slots (one scratch)")
         self.scratch = self.cache.max_batch - 1

@@ -38,6 +38,7 @@ class EngineConfig:
     kv_blocks: int | None = None  # KV blocks per attention layer; None: a quarter of max_batch * max_model_len tokens
     max_waiting: int = 4096  # queued requests beyond which submit refuses
     cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
+    state_checkpoint: int | None = None  # K: SSM states written once every K decode steps (ReplaySSM); None: every step
 
 
 @dataclass
@@ -86,7 +87,7 @@ class LocalRunner:
         # int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)
         ssm_dtype = calibrated_ssm_dtype(model)
         graphs = self.device.type == "cuda" and cfg.cuda_graphs
-        kw = {"ssm_dtype": ssm_dtype}
+        kw = {"ssm_dtype": ssm_dtype, "state_checkpoint": cfg.state_checkpoint}
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
         if any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
             n = cfg.kv_blocks or max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))

@@ -19,19 +19,22 @@ DecodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens (b,),
 
 @torch.inference_mode()
 def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cache=None,
-                    decode_fn: DecodeFn | None = None) -> Iterator[tuple[int, int]]:
+                    decode_fn: DecodeFn | None = None, state_checkpoint: int | None = None
+                    ) -> Iterator[tuple[int, int]]:
     """Yield ``(row, token)`` pairs as tokens are produced, for every row until EOS or max_new_tokens.
 
     ``cache`` (optional; by default one of len(prompts) slots, the SSM state in its calibrated format: int8 for an
     int8-state model) must have at least len(prompts) slots; ``decode_fn`` replaces ``model.step`` (e.g. by a
-    CUDA-graph runner over the same cache).
+    CUDA-graph runner over the same cache). ``state_checkpoint`` K: the default cache writes each SSM state once
+    every K steps (ReplaySSM, ``model.allocate_cache``).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise SSMQError("every prompt must have at least one token")
     device = model.device
     max_len = max(len(p) for p in prompts) + params.max_new_tokens
     if cache is None:
-        cache = model.allocate_cache(len(prompts), max_len, ssm_dtype=calibrated_ssm_dtype(model))
+        cache = model.allocate_cache(len(prompts), max_len, ssm_dtype=calibrated_ssm_dtype(model),
+                                     state_checkpoint=state_checkpoint)
     elif cache.max_batch < len(prompts):
         raise SSMQError(f"cache has {cache.max_batch} slots for {len(prompts)} prompts")
     cache.reset()
