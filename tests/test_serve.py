@@ -130,6 +130,19 @@ def test_hybrid_through_the_block_kv_cache_equals_offline():
     assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == 20
 
 
+def test_state_checkpoint_engine_equals_offline(mamba2):
+    """EngineConfig(state_checkpoint=4): the states written once every 4 steps and replayed between (ReplaySSM),
+    with slots joining and leaving mid-ring and chunked prefills: the greedy text of the plain offline generate."""
+    prompts = random_prompts(10, seed=2)
+    engine = Engine(mamba2, EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=8, state_checkpoint=4))
+    assert all(st.checkpoint_every == 4 for st in engine.runner.cache.states)
+    with BackgroundServer(engine, TOK, ServerConfig((NAME,))) as url:
+        bodies = [{"prompt": p, "max_tokens": 5 + 3 * i, "temperature": 0} for i, p in enumerate(prompts)]
+        texts = run_concurrently(url, bodies, [False] * len(bodies))
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        assert text == offline_text(mamba2, p, 5 + 3 * i), f"request {i}"
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(server, mamba2):
     prompt = random_prompts(1, seed=7)[0]
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.9, "top_k": 20, "top_p": 0.95, "seed": 1234,
@@ -358,15 +371,17 @@ def test_serve_refuses_a_bad_tp():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("state_checkpoint", [None, 16])
 @pytest.mark.parametrize("arch", ["mamba2", "hybrid"])
-def test_cuda_graph_engine_equals_offline_on_gpu(arch):
+def test_cuda_graph_engine_equals_offline_on_gpu(arch, state_checkpoint):
     """On CUDA the engine decodes from CUDA graphs (and prefills through graph pieces): the same greedy text as
     the offline eager ``generate``, hybrids through the block KV cache."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (the interpreter does not capture graphs)")
     model = tiny_model(arch, seed=4).cuda()
     prompts = random_prompts(12, seed=3)
-    engine = Engine(model, EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=16, kv_block_size=4))
+    engine = Engine(model, EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=16, kv_block_size=4,
+                                        state_checkpoint=state_checkpoint))
     with BackgroundServer(engine, TOK, ServerConfig((NAME,))) as url:
         bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0, "stream": i % 2 == 0}
                   for i, p in enumerate(prompts)]
