@@ -25,7 +25,8 @@ def _params(layout, seed=0):
     h, p, n = c["h"], c["p"], c["n"]
     if h:
         A = -(torch.rand(h, generator=gen) + 0.1)[:, None, None].expand(h, p, n)
-        return A, torch.randn(h, generator=gen)[:, None].expand(h, p), torch.randn(h, generator=gen)[:, None].expand(h, p)
+        per_head = lambda: torch.randn(h, generator=gen)[:, None].expand(h, p)  # noqa: E731
+        return A, per_head(), per_head()
     return -(torch.rand(p, n, generator=gen) + 0.1), torch.randn(p, generator=gen), torch.randn(p, generator=gen)
 
 
@@ -131,7 +132,7 @@ def test_replay_int8_state_drifts_less_than_write_every_step(layout):
 @pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid"])
 def test_model_decode_with_state_checkpoint_equals_plain(arch):
     """``model.allocate_cache(..., state_checkpoint=K)``: prefill, 3·K decode steps of rows served out of order, a
-    second prefill continuing a slot mid-ring (its initial state replayed), more steps: the logits of the plain cache."""
+    second prefill continuing a slot mid-ring (its initial state replayed), more steps: the plain cache's logits."""
     from tiny_ssm import tiny_model
 
     model = tiny_model(arch)

@@ -1,7 +1,8 @@
 """Per-layer inference state: what one layer keeps between tokens, in its storage format.
 
 Glossary: s cache slots (max batch), b rows served, c conv channels, w d_conv, d d_inner, n d_state,
-h heads, p headdim, G scale groups of the int8 state, L max_seqlen, hkv key/value heads, e head dim.
+h heads, p headdim, G scale groups of the int8 state, L max_seqlen, hkv key/value heads, e head dim,
+K checkpoint interval (a checkpointed state's ring holds K - 1 steps).
 
 Each state is allocated by its mixer (so a sharded mixer allocates its shard) and owned by the
 slot-indexed ``InferenceCache``. Every buffer has a leading slot dimension s and never moves (CUDA
@@ -17,7 +18,8 @@ dequantizes them into a (b, …) float32 work copy, never all s slots.
 Storage formats (``StateFormat``): float (the buffer's dtype), int8 (SSM state codes with their
 calibrated scales, Quamba2). Either SSM format may be checkpointed (``checkpoint_every`` K, ReplaySSM,
 ``ssmq.ops.replay_ssm``): ``ssm`` then holds each slot's state at its last checkpoint and ``ring`` the inputs of
-the steps since; the ops above see the current state (replayed) and write the big buffer once every K steps. The seams for later formats: a paged KV format replaces KVState's
+the steps since; the ops above see the current state (replayed) and write the big buffer once every K steps.
+The seams for later formats: a paged KV format replaces KVState's
 append/read with a block table; a quantized KV format stores codes + scales as int8 does here; a
 tensor-parallel state is the state its sharded mixer allocates (fewer channels / heads).
 """
@@ -61,7 +63,8 @@ class MambaState:
     """Conv and SSM state of one Mamba layer.
 
     conv: (s, c, w-1) in the activation dtype; ssm: (s, d, n) Mamba-1 | (s, h, p, n) Mamba-2, float or int8
-    codes (with ``scales``).
+    codes (with ``scales``); ring: None, or the ``StateRing`` of a checkpointed state (then ``ssm`` holds the
+    checkpoints).
     """
 
     def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, scales: Int8StateScales | None = None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ssmq.ops.layout import discretize_dt
+from ssmq.ops.quant_ssm import dequantize_ref, dequantize_state_ref, quantize_state_ref
 from ssmq.ops.state_update import selective_state_update_ref
 
 
@@ -72,8 +73,6 @@ def _lift(t, dim):
 
 def _checkpoint_rows(ckpt, scale, index, idx):
     """(b, h, p, n) float32 work copy of the checkpoints of rows ``idx`` (int8 codes dequantized)."""
-    from ssmq.ops.quant_ssm import dequantize_state_ref
-
     rows = ckpt[idx]
     return rows.float() if scale is None else dequantize_state_ref(rows, scale, index).float()
 
@@ -96,7 +95,7 @@ def replay_state_ref(ckpt, state_scale, state_index, ring: StateRing, A, state_b
     """The current state of rows ``state_batch_indices`` (b,): checkpoint + ring replayed, float32 (b, h, p, n)
     (Mamba-1: ckpt (s, d, n), A (d, n) -> (b, d, n)). Reads only; a prefill's initial state."""
     multihead = ckpt.dim() == 4
-    idx = torch.arange(ckpt.shape[0]) if state_batch_indices is None else state_batch_indices.long()
+    idx = torch.arange(ckpt.shape[0], device=ckpt.device) if state_batch_indices is None else state_batch_indices.long()
     if not multihead:
         ckpt, A = ckpt.unsqueeze(1), A.unsqueeze(0)
     work = _replay_ring(_checkpoint_rows(ckpt, state_scale, state_index, idx), ring, idx, A)
@@ -114,10 +113,8 @@ def replay_state_update_ref(ckpt, state_scale, state_index, ring: StateRing, x_q
     value per head, e.g. expanded over p); B_q, C_q (b, g, n) | (b, n); D, z, dt_bias as there.
     Returns y (b, h, p) | (b, d): ``out_dtype``, else float32 for int8 x, else x's dtype.
     """
-    from ssmq.ops.quant_ssm import dequantize_ref, quantize_state_ref
-
     multihead = ckpt.dim() == 4
-    idx = torch.arange(x_q.shape[0]) if state_batch_indices is None else state_batch_indices.long()
+    idx = torch.arange(x_q.shape[0], device=x_q.device) if state_batch_indices is None else state_batch_indices.long()
     x = x_q.float() if x_scale is None else dequantize_ref(x_q, x_scale)
     B = B_q if B_scale is None else dequantize_ref(B_q, B_scale)
     C = C_q if C_scale is None else dequantize_ref(C_q, C_scale)
