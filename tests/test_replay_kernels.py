@@ -62,8 +62,9 @@ def _clone(ring):
 
 
 def _assert_ring_equal(got, want):
+    """Counts exact; x, B dequantized by one multiply as the reference; Δ through the kernel's softplus (~1 ulp)."""
     assert torch.equal(got.count.cpu(), want.count)
-    assert rel(got.x, want.x) < 1e-6 and rel(got.B, want.B) < 1e-6 and rel(got.dt, want.dt) < 1e-6
+    assert rel(got.x, want.x) < 1e-6 and rel(got.B, want.B) < 1e-6 and rel(got.dt, want.dt) < 1e-5
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -91,7 +92,9 @@ def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_replay_kernel_over_k_steps(SU, layout):
-    """2·K + 1 steps in a row on an int8 checkpoint with int8 inputs: every ring empties twice."""
+    """2·K + 1 steps in a row on an int8 checkpoint with int8 inputs: every ring empties twice. y within 1e-4: a
+    checkpoint code one step from the reference's (a float32 state within an ulp of a rounding boundary, rare) is
+    carried by the steps after it."""
     args = _case_tied(layout, "int8_index", "codes_per_channel")
     ring = _ring(layout, args[-1])
     ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]
@@ -99,7 +102,7 @@ def test_replay_kernel_over_k_steps(SU, layout):
     for _ in range(2 * K + 1):
         y_ref = replay_state_update_ref(ref_args[0], *ref_args[1:3], ref_ring, *ref_args[3:])
         y = SU.replay_state_update(dev_args[0], *dev_args[1:3], dev_ring, *dev_args[3:])
-        assert rel(y, y_ref) < 1e-5
+        assert rel(y, y_ref) < 1e-4
     _assert_state_close(dev_args[0], ref_args[0], "int8")
     _assert_ring_equal(dev_ring, ref_ring)
 
@@ -109,3 +112,28 @@ def test_replay_ring_shape_mismatch_is_refused(SU):
     ring = _ring("mamba1", torch.tensor([0]))  # a Mamba-1 ring for a Mamba-2 state
     with pytest.raises(SSMQError, match="does not match the state"):
         SU.replay_state_update(args[0], *args[1:3], ring, *args[3:])
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2"])
+def test_model_decode_on_kernels_with_state_checkpoint(arch):
+    """A tiny float32 model on CUDA: eager decode and CUDA-graph decode with ``state_checkpoint=4`` (the kernel)
+    give the logits of plain eager decode over 3·K steps, after a prefill."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: on CPU the model runs the references (tests/test_replay_ssm.py)")
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder
+    from tiny_ssm import tiny_model
+
+    model = tiny_model(arch).cuda()
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 64, (3, 6), generator=g).cuda()
+    slots = torch.tensor([2, 0, 1], device="cuda")
+    with torch.no_grad():
+        plain, eager = (model.allocate_cache(4, 64, state_checkpoint=k) for k in (None, K))
+        graphs = CudaGraphDecoder(model, max_batch=3, max_seqlen=64, buckets=(3,), state_checkpoint=K)
+        for cache in (plain, eager, graphs.cache):
+            model(prompt, cache, slots)
+        for _ in range(3 * K):
+            tokens = torch.randint(0, 64, (3,), generator=g).cuda()
+            want = model.step(tokens, plain, slots)
+            assert rel(model.step(tokens, eager, slots), want) < 1e-4
+            assert rel(graphs(tokens, slots), want) < 1e-4

@@ -123,7 +123,7 @@ def _state_update(
         # (the flags as vectors over the tile: Triton's interpreter refuses a scalar bool inside a mask)
         cnt_p, cnt_n = offs_p * 0 + cnt, offs_n * 0 + cnt
         append_p, append_n = cnt_p < ring_cap, cnt_n < ring_cap
-        write = (cnt_p == ring_cap)[:, None]
+        m_state = m2 & (cnt_p == ring_cap)[:, None]
         tl.store(rx + cnt * s_rxr, x.to(rx_ptr.dtype.element_ty), mask=mp & append_p)
         if TIE_HDIM:  # one Δ per head: the tile holding channel 0 writes it
             tl.store(rdt + cnt * s_rdtr + offs_p * 0, dt + offs_p * 0.0, mask=append_p & (offs_p == 0))
@@ -133,15 +133,15 @@ def _state_update(
         first_of_group = (offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0
         tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=mn & append_n & first_of_group)
     else:
-        write = True
+        m_state = m2
     if Q_STATE:
         # '/' is the approximate division (div.full, <= 2 ulp), not div_rn: the exact one costs ~15 instructions a
         # state value and would make a large-batch step compute-bound. The codes can then differ from the
         # reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no different
         # from, what exp and fused multiply-adds already do to the float32 state (tests allow one step there).
-        tl.store(s_ptrs, rne_int8(hs / sc), mask=m2 & write)
+        tl.store(s_ptrs, rne_int8(hs / sc), mask=m_state)
     else:
-        tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m2 & write)
+        tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m_state)
 
     # y reads the float32 state, before its re-quantization (as the reference)
     y = tl.sum(hs * Cv[None, :], axis=1)
