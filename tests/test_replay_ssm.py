@@ -155,3 +155,25 @@ def test_model_decode_with_state_checkpoint_equals_plain(arch):
     assert rings and all(r is not None and r.every == K for r in rings)
     assert all(int(r.count.sum()) > 0 for r in rings)  # the decode steps went through the rings
     assert caches[1].nbytes() > caches[0].nbytes()
+
+
+def test_update_ssm_on_a_checkpointed_state_writes_the_checkpoint_every_step():
+    """``update_ssm`` (a float step function, no ring inputs): the replayed state stepped and written back as the
+    checkpoint, the ring emptied; the y and state of plain decode."""
+    from ssmq.ops.state_update import selective_state_update_ref
+
+    gen = torch.Generator().manual_seed(4)
+    params = _params("mamba2")
+    plain, replay = _states("mamba2", 3)
+    slots = torch.tensor([2, 0])
+    for _ in range(K - 1):  # fill the rings
+        inputs = _inputs("mamba2", 2, gen)
+        _step(plain, slots, inputs, params)
+        _step(replay, slots, inputs, params)
+    assert replay.ring.count[slots].tolist() == [K - 1, K - 1]
+    x, dt, B, C, z = _inputs("mamba2", 2, gen)
+    A, D, dt_bias = params
+    step = lambda st, idx: selective_state_update_ref(st, x, dt, A, B, C, D, z, dt_bias, True, idx)  # noqa: E731
+    torch.testing.assert_close(replay.update_ssm(slots, step, A), plain.update_ssm(slots, step), rtol=1e-5, atol=1e-5)
+    assert replay.ring.count[slots].tolist() == [0, 0]
+    torch.testing.assert_close(replay.ssm[slots], plain.ssm[slots], rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ import torch
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
-from ssmq.ops.replay_ssm import StateRing
+from ssmq.ops.replay_ssm import StateRing, replay_state_ref
 
 
 class StateFormat(str, Enum):
@@ -126,9 +126,8 @@ class MambaState:
         if self.ring is not None:
             if A is None:
                 raise SSMQError("a checkpointed SSM state replays its ring when read: pass the layer's A")
-            from ssmq.ops.replay_ssm import replay_state_ref
-
-            idx = torch.arange(self.ssm.shape[0], device=self.ssm.device) if slots is None else slots
+            idx = torch.arange(self.ssm.shape[0], device=self.ssm.device) if slots is None else \
+                torch.as_tensor(slots, device=self.ssm.device)
             return replay_state_ref(self.ssm, *self._table(), self.ring, A, idx)
         rows = self.ssm[_rows(slots)]
         if self.format is StateFormat.INT8:

@@ -13,10 +13,11 @@ state from checkpoint + ring (``replay``), applies the new token, and then
 So the state is read every step but written once every K steps. The ring holds what the state needs, not what
 y needs: x, the discretized Δ and B (C, D and z only shape y, which each step returns as it goes).
 
-Same semantics as K plain steps (``selective_state_update_ref`` / ``quant_state_update_ref``): a float state
-gives the same states and y (the replay is the plain step, entry by entry). An int8 checkpoint is re-quantized
-only when it is written, so the state carries the rounding of one write per K steps instead of one per step:
-a replayed int8 state is *more* accurate than the write-every-step int8 state (tests bound both).
+Same semantics as K plain steps (``selective_state_update_ref`` / ``quant_state_update_ref``): a float32 state
+gives the same states and y (the replay is the plain step, entry by entry). A stored state is rounded to its
+format (int8 codes, fp16) only when it is written, so it carries the rounding of one write per K steps instead of
+one per step: a replayed int8 (or fp16) state is *more* accurate than the write-every-step one (tests bound the
+int8 state's error by checkpoints written · scale / 2, and check it stays below the plain int8 state's).
 """
 
 from __future__ import annotations
