@@ -54,16 +54,17 @@ def _ring(layout, served, seed=5):
 
 
 def _on(ring, dev):
-    return StateRing(*(t.to(dev) for t in (ring.x, ring.dt, ring.B, ring.count)))
+    return StateRing(*(t.to(dev) for t in ring.tensors()))
 
 
 def _clone(ring):
-    return StateRing(*(t.clone() for t in (ring.x, ring.dt, ring.B, ring.count)))
+    return StateRing(*(t.clone() for t in ring.tensors()))
 
 
 def _assert_ring_equal(got, want):
     """Counts exact; x, B dequantized by one multiply as the reference; Δ through the kernel's softplus (~1 ulp)."""
     assert torch.equal(got.count.cpu(), want.count)
+    assert not got.done.any()  # the kernel's tally is back to zero for the next launch
     assert rel(got.x, want.x) < 1e-6 and rel(got.B, want.B) < 1e-6 and rel(got.dt, want.dt) < 1e-5
 
 

@@ -92,7 +92,7 @@ def test_replay_ring_nbytes_and_errors():
     plain, replay = _states("mamba2", 3)
     c = LAYOUTS["mamba2"]
     R, h, p, g, n = K - 1, c["h"], c["p"], c["g"], c["n"]
-    ring = 3 * (R * h * p * 4 + R * h * 4 + R * g * n * 4 + 4)  # x, per-head Δ, B in float32, the counts
+    ring = 3 * (R * h * p * 4 + R * h * 4 + R * g * n * 4 + 2 * 4)  # x, per-head Δ, B in float32; count, tally
     assert replay.ssm_nbytes() - plain.ssm_nbytes() == ring
     assert replay.checkpoint_every == K and plain.checkpoint_every is None
     with pytest.raises(SSMQError, match="replays its ring"):

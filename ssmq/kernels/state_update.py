@@ -45,7 +45,7 @@ def _state_update(
     s_ob, s_oh, s_op,
     s_ssg, s_ssn, s_sidx,
     s_xsb, s_xsh, s_xsp, s_Bsb, s_Bsg, s_Bsn, s_Csb, s_Csg, s_Csn,
-    rx_ptr, rdt_ptr, rB_ptr, cnt_ptr, ring_cap,
+    rx_ptr, rdt_ptr, rB_ptr, cnt_ptr, done_ptr, ring_cap, progs_per_slot,
     s_rxs, s_rxr, s_rxh, s_rxp, s_rdts, s_rdtr, s_rdth, s_rdtp, s_rBs, s_rBr, s_rBg, s_rBn,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
@@ -151,6 +151,16 @@ def _state_update(
         y *= silu(tl.load(z_ptr + pid_b * s_zb + pid_h * s_zh + offs_p * s_zp, mask=mp, other=0.0).to(tl.float32))
     tl.store(out_ptr + pid_b * s_ob + pid_h * s_oh + offs_p * s_op, y.to(out_ptr.dtype.element_ty), mask=mp)
 
+    if REPLAY:
+        # advance the slot's ring count once every program of the slot has read it: each program tallies itself
+        # (atomic, acq_rel: its read of cnt happened before), the last one writes the new count and zeroes the tally
+        # for the next launch. In the kernel rather than as torch ops after it: those would be ~5 launches a layer.
+        done = tl.atomic_add(done_ptr + slot, 1)
+        last = ((offs_p * 0 + done) == progs_per_slot - 1) & (offs_p == pid_p * BP)  # one lane of the last program
+        new_cnt = tl.where(cnt_p == ring_cap, 0, cnt_p + 1)
+        tl.store(cnt_ptr + slot + offs_p * 0, new_cnt, mask=last)
+        tl.store(done_ptr + slot + offs_p * 0, offs_p * 0, mask=last)
+
 
 def _strides(t, k):
     return t.stride() if t is not None else (0,) * k
@@ -185,29 +195,28 @@ def replay_state_update(ckpt, state_scale, state_index, ring, x_q, x_scale, dt, 
                         D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """A checkpointed (ReplaySSM) decode step, as ``ssmq.ops.replay_ssm.replay_state_update_ref``: the same kernel
     loads the checkpoint tile, replays the ring in registers, applies the token, writes y, and then writes the state
-    (re-quantized for int8) only where the ring is full, else appends x, Δ, B to the ring. The ring's counts are
-    advanced after the launch (every program of a slot must read the old count first): one small indexed op.
+    (re-quantized for int8) only where the ring is full, else appends x, Δ, B to the ring; the last program of each
+    slot advances its count. Rows must name distinct slots (as every decode step; a CUDA graph's padding rows share
+    the scratch slot, whose ring is then garbage, as its state).
     """
-    out = _launch(ckpt, x_q, dt, A, B_q, C_q, D, z, dt_bias, dt_softplus, state_batch_indices,
-                  state_scale, state_index, x_scale, B_scale, C_scale, out_dtype, ring)
-    rows = slice(0, x_q.shape[0]) if state_batch_indices is None else state_batch_indices.long()
-    count = ring.count[rows]
-    ring.count[rows] = torch.where(count == ring.capacity, 0, count + 1).to(ring.count.dtype)
-    return out
+    return _launch(ckpt, x_q, dt, A, B_q, C_q, D, z, dt_bias, dt_softplus, state_batch_indices,
+                   state_scale, state_index, x_scale, B_scale, C_scale, out_dtype, ring)
 
 
-def _ring_args(ring, state, h, p, g, n, tie):
-    """Pointers, capacity and strides of a ``StateRing`` for the kernel (checked against the state's layout)."""
+def _ring_args(ring, state, h, p, g, n, tie, progs_per_slot):
+    """Pointers, capacity, programs per slot and strides of a ``StateRing`` for the kernel (checked against the
+    state's layout)."""
     if ring is None:
-        return (None, None, None, None, 0) + (0,) * 12
+        return (None, None, None, None, None, 0, 0) + (0,) * 12
     slots, R = ring.x.shape[:2]
     if (slots != state.shape[0] or tuple(ring.x.shape[2:]) != (h, p) or tuple(ring.B.shape[2:]) != (g, n)
-            or ring.dt.shape[-1] not in (1, p) or ring.count.shape != (slots,)):
+            or ring.dt.shape[-1] not in (1, p) or ring.count.shape != (slots,) or ring.done.shape != (slots,)):
         raise SSMQError(f"checkpoint ring x {tuple(ring.x.shape)}, B {tuple(ring.B.shape)}, dt {tuple(ring.dt.shape)} "
                         f"does not match the state ({slots} slots, h={h}, p={p}, g={g}, n={n})")
     if ring.dt.shape[-1] == 1 and not tie:
         raise SSMQError("a ring with one Δ per head needs Δ and A per head (Mamba-2: expanded over p, stride 0)")
-    return (ring.x, ring.dt, ring.B, ring.count, R, *ring.x.stride(), *ring.dt.stride(), *ring.B.stride())
+    return (ring.x, ring.dt, ring.B, ring.count, ring.done, R, progs_per_slot, *ring.x.stride(), *ring.dt.stride(),
+            *ring.B.stride())
 
 
 def _input_scale(name, t, scale):
@@ -268,7 +277,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     BP = CFG["BP"] or BP
     grid = (b, h, triton.cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
-    rx, rdt, rB, cnt, *ring_rest = _ring_args(ring, state, h, p, g, n, tie)
+    rx, rdt, rB, cnt, done, *ring_rest = _ring_args(ring, state, h, p, g, n, tie, h * triton.cdiv(p, BP))
     _state_update[grid](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
@@ -280,7 +289,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         *_strides(D, 2), *_strides(z, 3), *_strides(dt_bias, 2), *out.stride(),
         s_ssg, ss.stride(1) if ss is not None else 0, sidx.stride(0) if sidx is not None else 0,
         *_strides(xs, 3), *_strides(Bs, 3), *_strides(Cs, 3),
-        *(t if t is not None else dummy for t in (rx, rdt, rB, cnt)), *ring_rest,
+        *(t if t is not None else dummy for t in (rx, rdt, rB, cnt, done)), *ring_rest,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,

@@ -188,6 +188,7 @@ class MambaState:
         self.ssm[_rows(slots)] = 0
         if self.ring is not None:
             self.ring.count[_rows(slots)] = 0  # stale entries past the count are never read
+            self.ring.done[_rows(slots)] = 0  # the kernel's tally (a CUDA graph's scratch slot may leave one)
 
     def nbytes(self) -> int:
         return self.conv_nbytes() + self.ssm_nbytes()

@@ -36,7 +36,9 @@ class StateRing:
     """The inputs of the last steps of each slot, in the multi-head layout (Mamba-1: h = 1, p = d).
 
     x: (s, R, h, p) the step's x (dequantized); dt: (s, R, h, q) the discretized Δ (float32; q = 1 when Δ is
-    per head, Mamba-2; q = p for Mamba-1's per-channel Δ); B: (s, R, g, n); count: (s,) int32 entries in use.
+    per head, Mamba-2; q = p for Mamba-1's per-channel Δ); B: (s, R, g, n); count: (s,) int32 entries in use;
+    done: (s,) int32, the kernel's tally of a slot's programs finished in the current launch (zero between
+    launches: the last program to finish advances ``count``, see ``ssmq.kernels.state_update``).
     Buffers of fixed address (CUDA graphs); ``x`` / ``B`` may be stored in a 16-bit dtype (rounded when
     appended), float32 keeps the replay exact.
     """
@@ -45,6 +47,7 @@ class StateRing:
     dt: torch.Tensor
     B: torch.Tensor
     count: torch.Tensor
+    done: torch.Tensor
 
     @classmethod
     def allocate(cls, slots: int, every: int, h: int, p: int, g: int, n: int, per_head_dt: bool, device,
@@ -53,6 +56,7 @@ class StateRing:
         return cls(torch.zeros(slots, R, h, p, dtype=dtype, device=device),
                    torch.zeros(slots, R, h, 1 if per_head_dt else p, dtype=torch.float32, device=device),
                    torch.zeros(slots, R, g, n, dtype=dtype, device=device),
+                   torch.zeros(slots, dtype=torch.int32, device=device),
                    torch.zeros(slots, dtype=torch.int32, device=device))
 
     @property
@@ -65,7 +69,11 @@ class StateRing:
         return self.capacity + 1
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x, self.dt, self.B, self.count))
+        return sum(t.numel() * t.element_size() for t in (self.x, self.dt, self.B, self.count, self.done))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The buffers in field order: ``StateRing(*(f(t) for t in ring.tensors()))`` maps a ring (copy, move)."""
+        return self.x, self.dt, self.B, self.count, self.done
 
 
 def _lift(t, dim):
