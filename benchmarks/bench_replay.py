@@ -35,6 +35,7 @@ from bench_int8_ssm import graph_ms  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
+from ssmq.kernels import state_update  # noqa: E402
 from ssmq.kernels.state_update import quant_state_update, replay_state_update  # noqa: E402
 from ssmq.ops.replay_ssm import StateRing  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
@@ -69,7 +70,7 @@ def bytes_moved(b: int, int8: bool, k: int | None, ring_bytes: int) -> int:
     return state + state // k + b * ring_bytes * ((k - 1) / 2 + (k - 1) / k) + io + 2 * b * 4
 
 
-def micro_row(b: int, int8: bool, k: int, ring_dtype) -> dict:
+def micro_row(b: int, int8: bool, k: int, ring_dtype, plain: bool = True) -> dict:
     gen = torch.Generator(device=DEV).manual_seed(b)
     sb = 1 if int8 else 2
     blocks = max(1, math.ceil(SPAN_BYTES / (b * H * P * N * 2)))
@@ -85,8 +86,8 @@ def micro_row(b: int, int8: bool, k: int, ring_dtype) -> dict:
     D = torch.randn(H, device=DEV, generator=gen)[:, None].expand(H, P)
     dtb = torch.randn(H, device=DEV, generator=gen)[:, None].expand(H, P)
     common = dict(D=D, dt_bias=dtb, dt_softplus=True)
-    ms_plain = graph_ms([lambda sl=sl: quant_state_update(state, table, index, *args, **common, state_batch_indices=sl)
-                         for sl in slots])
+    ms_plain = math.nan if not plain else graph_ms(
+        [lambda sl=sl: quant_state_update(state, table, index, *args, **common, state_batch_indices=sl) for sl in slots])
     ring = StateRing.allocate(s, k, H, P, G, N, per_head_dt=True, device=DEV, dtype=ring_dtype)
     ring.count.copy_(torch.arange(s, device=DEV, dtype=torch.int32) % k)  # staggered fills (docstring)
     ms_replay = graph_ms([lambda sl=sl: replay_state_update(state, table, index, ring, *args, **common,
@@ -99,6 +100,24 @@ def micro_row(b: int, int8: bool, k: int, ring_dtype) -> dict:
             "plain_ms": ms_plain, "replay_ms": ms_replay, "speedup": ms_plain / ms_replay,
             "plain_bytes": bp, "replay_bytes": int(br), "plain_limit_ms": bp / HBM_BPS * 1e3,
             "replay_limit_ms": br / HBM_BPS * 1e3, "state_bytes_per_value": sb, "slot_blocks": blocks}
+
+
+def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
+    """The checkpointed kernel's ring pipelining depth (``state_update.CFG["ring_stages"]``) at the given batches."""
+    print(f"{'state':>5} {'batch':>5} {'stages':>6} {'replay ms':>9} {'limit ms':>9}")
+    default = state_update.CFG["ring_stages"]
+    for int8 in (False, True):
+        for b in batches:
+            for stages in (1, 2, 3):
+                state_update.CFG["ring_stages"] = stages
+                try:
+                    r = micro_row(b, int8, k, ring_dtype, plain=False)
+                finally:
+                    state_update.CFG["ring_stages"] = default
+                out["sweep"].append({**r, "ring_stages": stages})
+                print(f"{r['state']:>5} {b:>5} {stages:>6} {r['replay_ms']:>9.4f} {r['replay_limit_ms']:>9.4f}",
+                      flush=True)
+                save()
 
 
 def run_micro(batches, k: int, ring_dtype, out: dict, save) -> None:
@@ -202,6 +221,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16, help="checkpoint interval K")
     ap.add_argument("--ring-dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--no-micro", action="store_true")
+    ap.add_argument("--sweep", default="", help="batches (comma list) of a ring_stages sweep, e.g. 128,256")
     ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT, plain vs checkpointed, fp16 / int8 state")
     ap.add_argument("--e2e-batches", default="1,128,256")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/replay"))
@@ -210,13 +230,15 @@ def main() -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
            "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS), "K": args.k, "hbm_Bps": HBM_BPS,
-           "micro": [], "e2e": {}}
+           "ring_stages": state_update.CFG["ring_stages"], "micro": [], "sweep": [], "e2e": {}}
 
     def save():
         (outdir / "replay.json").write_text(json.dumps(out, indent=2))
 
     if not args.no_micro:
         run_micro([int(b) for b in args.batches.split(",")], args.k, getattr(torch, args.ring_dtype), out, save)
+    if args.sweep:
+        run_sweep([int(b) for b in args.sweep.split(",")], args.k, getattr(torch, args.ring_dtype), out, save)
     if args.e2e:
         run_e2e([int(b) for b in args.e2e_batches.split(",")], args.k, out, save)
     save()

@@ -19,8 +19,10 @@ from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
-# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG)
-CFG = {"BP": None, "num_warps": 4}
+# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG);
+# ring_stages: software-pipelining depth of the checkpointed kernel's ring loop (loads of the next entries in flight
+# while one is applied; 1 = none), swept by benchmarks/bench_replay.py --sweep, unmeasured until then
+CFG = {"BP": None, "num_warps": 4, "ring_stages": 2}
 
 
 @triton.jit
@@ -50,7 +52,7 @@ def _state_update(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
-    REPLAY: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -107,7 +109,7 @@ def _state_update(
         rx = rx_ptr + slot * s_rxs + pid_h * s_rxh + offs_p * s_rxp
         rdt = rdt_ptr + slot * s_rdts + pid_h * s_rdth
         rB = rB_ptr + slot * s_rBs + grp * s_rBg + offs_n * s_rBn
-        for j in range(0, cnt):
+        for j in tl.range(0, cnt, num_stages=RING_STAGES):
             xj = tl.load(rx + j * s_rxr, mask=mp, other=0.0).to(tl.float32)
             Bj = tl.load(rB + j * s_rBr, mask=mn, other=0.0).to(tl.float32)
             if TIE_HDIM:
@@ -293,6 +295,6 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
-        Q_C=Cs is not None, REPLAY=ring is not None, BP=BP, BN=BN, num_warps=CFG["num_warps"],
+        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], BP=BP, BN=BN, num_warps=CFG["num_warps"],
     )
     return out if multihead else out.squeeze(1)
