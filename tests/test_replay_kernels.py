@@ -138,3 +138,31 @@ def test_model_decode_on_kernels_with_state_checkpoint(arch):
             want = model.step(tokens, plain, slots)
             assert rel(model.step(tokens, eager, slots), want) < 1e-4
             assert rel(graphs(tokens, slots), want) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2"])
+def test_model_decode_through_the_dispatched_kernels(SU, arch, monkeypatch):
+    """The decode step of a checkpointed cache reaches the kernel through ``kernels.replay_state_update`` (dispatch →
+    ``MambaState.step_ssm``): on CPU every op is sent to its Triton kernel (the interpreter) and 2·K + 1 steps give
+    the logits of plain decode; without CUDA the other model tests only see the references."""
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA run is test_model_decode_on_kernels_with_state_checkpoint")
+    from ssmq.kernels import dispatch
+    from tiny_ssm import tiny_model
+
+    model = tiny_model(arch, n_layer=1)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 64, (2, 3), generator=g)
+    slots = torch.tensor([1, 0])
+    calls = []
+    real = SU.replay_state_update
+    monkeypatch.setattr(SU, "replay_state_update", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        plain, replay = (model.allocate_cache(3, 32, state_checkpoint=k) for k in (None, K))
+        for cache in (plain, replay):
+            model(prompt, cache, slots)
+        monkeypatch.setattr(dispatch, "_use_triton", lambda t: True)
+        for _ in range(2 * K + 1):
+            tokens = torch.randint(0, 64, (2,), generator=g)
+            assert rel(model.step(tokens, replay, slots), model.step(tokens, plain, slots)) < 1e-4
+    assert len(calls) == 2 * K + 1
