@@ -7,6 +7,7 @@ Formats (a folder with ``config.json`` and weights):
   (BambaForCausalLM, the hybrid) or llama (LlamaForCausalLM, the hybrid with attention in every layer);
   safetensors (sharded or not) or ``pytorch_model.bin``.
 - GGUF: one ``.gguf`` file of a Llama model, read through transformers (``ssmq.models.gguf``).
+- A packaged name (``ssmq.models.packaged``, e.g. ``smollm2-135m``) resolves to the file its pip package ships.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ssmq.models.config import ModelConfig
 from ssmq.models.gguf import is_gguf, read_gguf_config, read_gguf_state_dict
 from ssmq.models.hf_layout import SSMQ_CONFIG_KEY
 from ssmq.models.lm import SSMLM
+from ssmq.models.packaged import PACKAGED
 from ssmq.paths import read_json
 
 HF_MODEL_TYPES = {"mamba": "mamba1", "mamba2": "mamba2", "bamba": "hybrid", "llama": "llama"}
@@ -196,15 +198,18 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """A local folder or ``.gguf`` file as is; otherwise a hub id, downloaded (fails offline with one clear line)."""
+    """A local folder or ``.gguf`` file as is; a packaged name (``smollm2-135m``) to the file its pip package
+    ships; otherwise a hub id, downloaded (fails offline with one clear line)."""
     p = Path(name_or_path).expanduser()
     if p.exists():
         if not p.is_dir() and not is_gguf(p):
             raise SSMQError(f"--model must be a folder or a .gguf file, got file {p}")
         return p
     s = str(name_or_path)
+    if s in PACKAGED:
+        return PACKAGED[s].path()
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", s):
-        raise SSMQError(f"model path {s} does not exist")
+        raise SSMQError(f"model path {s} does not exist (nor is it a packaged model name: {', '.join(PACKAGED)})")
     try:
         from huggingface_hub import snapshot_download
 
@@ -240,7 +245,8 @@ def _is_compressed_tensors(folder: Path) -> bool:
 
 
 def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> SSMLM:
-    """Build an SSMLM from a checkpoint folder, GGUF file or hub id; weights cast to ``dtype`` on ``device``."""
+    """Build an SSMLM from a checkpoint folder, GGUF file, packaged name or hub id; weights cast to ``dtype``
+    on ``device``."""
     folder = resolve_model_path(name_or_path)
     if (folder / "quantization.json").exists() or _is_compressed_tensors(folder):
         # the models layer does not know quantized modules
