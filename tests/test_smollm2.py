@@ -54,3 +54,13 @@ def test_logits_close_to_transformers(both):
     assert model.config.arch == "llama" and model.config.n_layer == 30
     assert (ours - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_published_architecture_equals_the_gguf(both):
+    # ssmq plan --model smollm2-135m reads the published table, not the file: they must agree
+    from dataclasses import replace
+
+    from ssmq.models.published import PUBLISHED
+
+    loaded = both[2].config
+    assert replace(loaded, norm_eps=1e-5) == PUBLISHED["smollm2-135m"]  # the GGUF stores 1e-5 as float32
