@@ -15,7 +15,8 @@ from ssmq.paths import DEFAULT_HUB_MODEL, default_model  # noqa: F401  (re-expor
 from ssmq.runtime.model_args import DTYPES, add_model_args, load_from_args  # noqa: F401  (re-exported)
 
 # Subcommands owned by other packages; each module has register(subparsers).
-PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.export_command", "ssmq.runtime.command")
+PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.export_command", "ssmq.runtime.command",
+                   "ssmq.runtime.plan_command")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
