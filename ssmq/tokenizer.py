@@ -54,8 +54,14 @@ def _from_gguf(path: Path) -> Tokenizer:
     except ImportError as e:
         raise SSMQError(f"the tokenizer of a GGUF file needs transformers and gguf ({e.name} is missing): "
                         "pip install -e \".[kv]\"") from None
+    from gguf import GGUFReader
+
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return Tokenizer(hf.backend_tokenizer, eos_id=hf.eos_token_id or 0)
+    # the file's own EOS (SmolLM2: 2, <|im_end|>, what transformers' generate stops at); transformers 5.17's
+    # tokenizer reports the BOS id as eos_token_id for this file
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.eos_token_id")
+    eos = int(field.contents()) if field is not None else hf.eos_token_id
+    return Tokenizer(hf.backend_tokenizer, eos_id=eos or 0)
 
 
 def load_tokenizer(where: str | os.PathLike | None = None) -> Tokenizer:

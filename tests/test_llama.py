@@ -173,3 +173,11 @@ def test_ssm_recipes_refuse_llama():
         with pytest.raises(SSMQError, match="not llama"):
             quantize(model, recipe, None, progress=False)
 
+
+def test_info_footprint_of_a_llama(untied):
+    from ssmq.runtime.footprint import footprint
+
+    info = footprint(ssmq.load_model(untied[0]).config, 2)
+    assert info["layers"] == "3 (3 attention)" and info["attn heads (q / kv) x dim"] == "(4 / 2) x 8"
+    assert info["state per sequence"] == "0 B (no SSM layers)" and "d_model / d_inner / d_state" not in info
+    assert info["KV cache per token"] == "192 B"  # 3 layers · K,V · 2 heads · 8 · 2 B

@@ -64,3 +64,20 @@ def test_published_architecture_equals_the_gguf(both):
 
     loaded = both[2].config
     assert replace(loaded, norm_eps=1e-5) == PUBLISHED["smollm2-135m"]  # the GGUF stores 1e-5 as float32
+
+
+def test_tokenizer_eos_is_the_files(both):
+    assert both[3].eos_id == 2  # <|im_end|>, tokenizer.ggml.eos_token_id (what transformers' generate stops at)
+
+
+def test_quantize_from_the_gguf_keeps_its_tokenizer_and_answer(tmp_path):
+    from ssmq.cli import main
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    assert main(["quantize", "--model", "smollm2-135m", "--recipe", "rtn-w8a16", "--out", str(tmp_path / "q")]) == 0
+    tok = ssmq.load_tokenizer(tmp_path / "q")  # tokenizer.json written from the GGUF, not the GPT-NeoX fallback
+    ids = tok.encode(PROMPT)
+    assert ids == [504, 3575, 282, 4649, 314]
+    out = generate(ssmq.load_model(tmp_path / "q"), [ids], SamplingParams(max_new_tokens=3, stop_at_eos=False))[0]
+    assert tok.decode(out).startswith(" Paris")

@@ -54,12 +54,16 @@ def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "",
         "format": format_name,
         "architecture": cfg.arch,
         "layers": layers_text(cfg),
-        "d_model / d_inner / d_state": f"{cfg.d_model} / {cfg.d_inner} / {cfg.d_state}",
+        "d_model / d_inner / d_state": f"{cfg.d_model} / {cfg.d_inner} / {cfg.d_state}" if n_mamba else "",
+        "d_model / MLP hidden": f"{cfg.d_model} / {cfg.mlp_hidden}" if not n_mamba else "",
+        "attn heads (q / kv) x dim": f"({cfg.attn_heads} / {cfg.attn_kv_heads}) x {cfg.attn_head_dim}"
+                                     if n_attn else "",
         "vocab (padded)": str(cfg.vocab_size),
         "parameters": f"{params['total'] / 1e6:.2f} M ({params['non_embedding'] / 1e6:.2f} M non-embedding)",
         f"weights ({bytes_per_value * 8}-bit)": _human(params["total"] * bytes_per_value),
         "state per sequence": f"{_human((conv + ssm) * bytes_per_value)} (conv {_human(conv * bytes_per_value)}, "
-                              f"ssm {_human(ssm * bytes_per_value)}; constant in length)",
+                              f"ssm {_human(ssm * bytes_per_value)}; constant in length)" if n_mamba
+                              else "0 B (no SSM layers)",
         "KV cache per token": _human(kv * bytes_per_value) if n_attn else "0 B (no attention layers)",
     }
     return {k: v for k, v in out.items() if v}
