@@ -18,9 +18,7 @@ from ssmq.quant.kv_formats import kv_format
 from ssmq.runtime.plan import (CacheFormat, cache_bytes, fit, float_weight_bytes, kv_bytes_per_token, make_plan,
                                parse_bytes, parse_reserve, state_bytes)
 
-LLAMA = dict(arch="llama", d_model=64, n_layer=3, vocab_size=64, attn_heads=4, attn_kv_heads=2, attn_head_dim=16,
-             rotary_dim=16, mlp_hidden=96, tie_embeddings=False)
-CONFIGS = {**TINY, "llama": LLAMA}
+CONFIGS = TINY  # mamba1, mamba2, hybrid, llama
 DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
@@ -68,9 +66,9 @@ def test_mamba_models_have_no_kv_and_llama_no_state():
     plan = make_plan(mamba, "m", fmt, gpu_mem=1 << 30, reserve=0, batch=4, context=1000)
     assert plan.max_context is None  # memory does not grow with the context
     assert plan.max_batch == ((1 << 30) - plan.weights) // sum(state_bytes(mamba, fmt).values())
-    llama = ModelConfig(**LLAMA)
+    llama = ModelConfig(**TINY["llama"])
     assert state_bytes(llama, fmt) == {"conv": 0, "ssm": 0}
-    assert kv_bytes_per_token(llama, kv_format("fp16")) == 3 * 2 * 2 * 16 * 2  # layers · K,V · hkv · e · 2 B
+    assert kv_bytes_per_token(llama, kv_format("fp16")) == 3 * 2 * 2 * 32 * 2  # layers · K,V · hkv · e · 2 B
 
 
 def test_published_smollm2_kv_and_weights():
