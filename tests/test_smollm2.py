@@ -81,3 +81,20 @@ def test_quantize_from_the_gguf_keeps_its_tokenizer_and_answer(tmp_path):
     assert ids == [504, 3575, 282, 4649, 314]
     out = generate(ssmq.load_model(tmp_path / "q"), [ids], SamplingParams(max_new_tokens=3, stop_at_eos=False))[0]
     assert tok.decode(out).startswith(" Paris")
+
+
+def test_eval_specs_load_the_packaged_model_and_its_reference():
+    # ssmq eval --model smollm2-135m and --model hf:smollm2-135m: the same perplexity, with the GGUF's tokenizer
+    from conftest import shared_or_skip
+
+    from ssmq.eval.loading import load_for_eval, parse_spec
+    from ssmq.eval.perplexity import perplexity_of_ids, wikitext2_path
+
+    shared_or_skip("data")
+    ours, tok = load_for_eval(parse_spec("smollm2-135m"), torch.float32, "cpu")
+    theirs, hf_tok = load_for_eval(parse_spec("hf:smollm2-135m"), torch.float32, "cpu")
+    assert tok.eos_id == hf_tok.eos_id == 2 and len(tok) == 49152
+    ids = tok.encode(wikitext2_path().read_text(encoding="utf-8")[:20000])
+    a = perplexity_of_ids(ours, ids, seqlen=512, limit=2, progress=False)
+    b = perplexity_of_ids(theirs, ids, seqlen=512, limit=2, progress=False)
+    assert a["n_windows"] == 2 and abs(a["ppl"] / b["ppl"] - 1) < 1e-4 and a["ppl"] < 100, (a, b)
