@@ -147,7 +147,12 @@ def test_plan_command_writes_table_json_and_png(tmp_path, capsys):
     assert plan["max_context"] == int(budget / 16 // kv) and plan["max_batch"] == int(budget // (8192 * kv))
     assert f"{plan['max_batch']:,} at context 8,192" in r.stdout
     assert (tmp_path / "out" / "plan.png").stat().st_size > 10_000
-    assert [f["kv"] for f in doc["formats"]][:2] == ["nuq3-1%", "fp16"]
+    assert [f["kv"] for f in doc["formats"]] == ["nuq3-1%", "bf16", "fp8", "int8", "int4", "nuq4", "nuq4-1%", "nuq2-1%"]
+
+
+def test_default_kv_is_the_float_cache_of_the_dtype(capsys):
+    r = run_cli(capsys, "--model", "smollm2-135m", "--dtype", "float32")
+    assert r.returncode == 0 and "45.00 KiB (fp32)" in r.stdout  # 30 layers · K,V · 3 heads · 64 · 4 B
 
 
 def test_plan_of_a_quantized_folder_uses_stored_bytes_and_the_recipe_state(tmp_path, capsys):

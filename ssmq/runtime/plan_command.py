@@ -21,8 +21,9 @@ from ssmq.runtime.plan import (CacheFormat, Plan, cache_bytes, fit, human, kv_by
                                parse_bytes, parse_reserve, state_bytes)
 
 # the formats every plan compares (KV rows only for models with attention, int8 state only with SSM layers)
-COMPARE_KV = ("fp16", "fp8", "int8", "int4", "nuq4", "nuq4-1%", "nuq3-1%", "nuq2-1%")
+COMPARE_KV = ("fp8", "int8", "int4", "nuq4", "nuq4-1%", "nuq3-1%", "nuq2-1%")  # beside the 16-bit baseline
 STATE_DTYPES = ("float32", "float16", "bfloat16", "int8")
+FLOAT_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # the KVState of a model in that dtype
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence for the largest batch (default 4096)")
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest context (default 1)")
     p.add_argument("--kv", default=None, help="KV format: fp16, fp8, int8, int4, nuq3-1%%, ... "
-                   "(ssmq.quant.kv_formats; default: the recipe's, else fp16)")
+                   "(ssmq.quant.kv_formats; default: the recipe's, else the float cache of --dtype)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="weights and activations (conv state) of a float model (default bfloat16)")
     p.add_argument("--state-dtype", default=None, choices=STATE_DTYPES,
@@ -122,7 +123,7 @@ def resolve(args) -> tuple[ModelConfig, str, CacheFormat, dict]:
     else:
         cfg, name = model_config(args.model or default_model())
     state = args.state_dtype or quant.get("state_dtype") or act
-    fmt = CacheFormat(act, state, kv_format(args.kv or quant.get("kv") or "fp16"))
+    fmt = CacheFormat(act, state, kv_format(args.kv or quant.get("kv") or FLOAT_KV[act]))
     weights = {"weights": quant["weights"], "weights_source": quant["source"]} if quant else {}
     return cfg, name, fmt, weights
 
@@ -132,9 +133,9 @@ def compared_formats(cfg: ModelConfig, fmt: CacheFormat) -> list[CacheFormat]:
     from ssmq.quant.kv_formats import kv_format
 
     half = fmt.act_dtype if fmt.act_dtype != "float32" else "bfloat16"
-    out = [fmt, CacheFormat(fmt.act_dtype, half, kv_format("fp16"))]
+    out = [fmt, CacheFormat(fmt.act_dtype, half, kv_format(FLOAT_KV[half]))]
     if cfg.ssm_layers():
-        out.append(CacheFormat(fmt.act_dtype, "int8", kv_format("fp16")))
+        out.append(CacheFormat(fmt.act_dtype, "int8", kv_format(FLOAT_KV[half])))
     if cfg.attention_layers():
         out += [CacheFormat(fmt.act_dtype, fmt.state_dtype, kv_format(k)) for k in COMPARE_KV]
     unique: dict[str, CacheFormat] = {}
