@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssmq.errors import SSMQError
-from ssmq.paths import shared_dir
+from ssmq.paths import PACKAGED, shared_dir
 
 
 @dataclass
@@ -65,10 +65,12 @@ def _from_gguf(path: Path) -> Tokenizer:
 
 
 def load_tokenizer(where: str | os.PathLike | None = None) -> Tokenizer:
-    """Load ``tokenizer.json`` from a model folder or file, or the tokenizer of a ``.gguf`` file; fall back to
-    $SSMQ_TOKENIZER, then ../shared's GPT-NeoX."""
+    """Load ``tokenizer.json`` from a model folder or file, or the tokenizer of a ``.gguf`` file or packaged name
+    (``smollm2-135m``); fall back to $SSMQ_TOKENIZER, then ../shared's GPT-NeoX."""
     from tokenizers import Tokenizer as _Backend
 
+    if where is not None and not Path(where).exists() and str(where) in PACKAGED:  # e.g. smollm2-135m
+        where = PACKAGED[str(where)].path()
     if where is not None and Path(where).is_file() and Path(where).suffix == ".gguf":
         return _from_gguf(Path(where))
     for path in _candidates(where):

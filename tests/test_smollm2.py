@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ssmq
-from ssmq.models.packaged import PACKAGED
+from ssmq.paths import PACKAGED
 
 pytestmark = pytest.mark.slow
 

@@ -80,7 +80,7 @@ def resolve_device(device: str | None) -> str:
 
 def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str, tp_comm=None):
     """(model in eval mode, tokenizer) for a spec; with ``tp_comm``, this rank's tensor-parallel shard."""
-    from ssmq.models.packaged import PACKAGED
+    from ssmq.paths import PACKAGED
     from ssmq.tokenizer import load_tokenizer
 
     path = Path(spec.path)

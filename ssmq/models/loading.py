@@ -7,7 +7,7 @@ Formats (a folder with ``config.json`` and weights):
   (BambaForCausalLM, the hybrid) or llama (LlamaForCausalLM, the hybrid with attention in every layer);
   safetensors (sharded or not) or ``pytorch_model.bin``.
 - GGUF: one ``.gguf`` file of a Llama model, read through transformers (``ssmq.models.gguf``).
-- A packaged name (``ssmq.models.packaged``, e.g. ``smollm2-135m``) resolves to the file its pip package ships.
+- A packaged name (``ssmq.paths.PACKAGED``, e.g. ``smollm2-135m``) resolves to the file its pip package ships.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from ssmq.models.config import ModelConfig
 from ssmq.models.gguf import is_gguf, read_gguf_config, read_gguf_state_dict
 from ssmq.models.hf_layout import SSMQ_CONFIG_KEY
 from ssmq.models.lm import SSMLM
-from ssmq.models.packaged import PACKAGED
-from ssmq.paths import read_json
+from ssmq.paths import PACKAGED, read_json
 
 HF_MODEL_TYPES = {"mamba": "mamba1", "mamba2": "mamba2", "bamba": "hybrid", "llama": "llama"}
 
