@@ -31,10 +31,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ssmq.errors import SSMQError
+from ssmq.models.config import ARCHS as MODEL_ARCHS
 from ssmq.quant.spec import ActSpec, WeightSpec, validate_pair
 
 FORMAT = 2
-ARCHS = ("mamba1", "mamba2", "hybrid")
+ARCHS = MODEL_ARCHS  # every architecture: linear-only recipes apply to all (llama included)
 SSM_ARCHS = ("mamba1", "mamba2")
 TAPS = ("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y")
 TAP_LAYOUTS = ("per_tensor", "state_group", "cluster")
