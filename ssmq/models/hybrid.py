@@ -79,8 +79,12 @@ class Attention(nn.Module):
         else:
             state = cache.states[self.layer_idx]
             state.append(slots, positions, k if state.keys_before_rope else self._rotate(k, positions), v)
-            keys, values = state.read(slots, start + l)  # the served rows, up to their longest length
-            out = ops.attention_ref(q, keys, values, kv_lens=start + l)
+            out = state.decode(q[:, 0], slots, start + 1) if l == 1 and hasattr(state, "decode") else None
+            if out is None:
+                keys, values = state.read(slots, start + l)  # the served rows, up to their longest length
+                out = ops.attention_ref(q, keys, values, kv_lens=start + l)
+            else:  # a quantized cache's decode kernels
+                out = out[:, None].to(q.dtype)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:

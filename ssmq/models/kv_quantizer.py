@@ -69,12 +69,13 @@ class KVQuantizer(nn.Module):
             out = torch.where((positions < self.kv.sink)[..., None, None], x, out)
         return out
 
-    def bits_per_token(self) -> float:
-        """Stored bits per token per layer (codes at 4 bits for C ≤ 16 as stored, per-token scales, outliers)."""
+    def bits_per_token(self, as_stored: bool = False) -> float:
+        """Bits per token of this layer's K and V: codes (``bits`` each, or as ``QuantKVState`` stores them: 4 bits
+        for codebooks of <= 16 entries, else 8), float16 per-token mid and half, (int16, float16) outlier slots."""
         total = 0.0
         for which in SIDES:
             side, n = self.side(which), self.hkv * self.e
-            total += n * (8 if side.levels > 16 else 4)
+            total += n * ((8 if side.levels > 16 else 4) if as_stored else side.bits)
             total += 32 * self.hkv if side.granularity == "per_token" else 0
             total += 32 * self.outlier_slots(which)
         return total

@@ -19,7 +19,8 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.models.state import RopeAtRead, StateFormat, _rows
-from ssmq.ops.kv_quant import QuantizedKV, dequantize_kv_ref, pack_nibbles, quantize_kv_ref, unpack_nibbles
+from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, dequantize_kv_ref, pack_nibbles, quantize_kv_ref, scales_of,
+                               unpack_nibbles)
 
 
 class QuantSide:
@@ -59,7 +60,8 @@ class QuantSide:
         """The rows ``slots`` up to ``end`` as a QuantizedKV of (b·T) tokens (codes unpacked)."""
         codes = self.codes[slots, :end]
         codes = unpack_nibbles(codes) if self.packed else codes
-        flat = lambda t: None if t is None else t[slots, :end].reshape(-1, *t.shape[2:])  # noqa: E731
+        n = len(slots) * end
+        flat = lambda t: None if t is None else t[slots, :end].reshape(n, *t.shape[2:])  # noqa: E731
         return QuantizedKV(codes.reshape(-1, *codes.shape[2:]), flat(self.mid), flat(self.half), flat(self.out_idx),
                            flat(self.out_val))
 
@@ -71,6 +73,18 @@ class QuantSide:
         if s:
             x[:, :s] = self.sink[slots, :s].to(dtype)
         return x
+
+    def view(self) -> KVSideView | None:
+        """The buffers as the decode kernels read them; None for formats they do not take (8-bit codes, rotation)."""
+        p = self.q.params(self.which)
+        if not self.packed or p.signs is not None:
+            return None
+        if self.mid is not None:
+            mid, half = self.mid, self.half
+        else:  # offline scales, as the reference derives them, broadcast to (hkv, e)
+            mid, half = (t.expand(self.q.hkv, self.q.e).float().contiguous() for t in scales_of(None, p, None))
+        return KVSideView(self.codes, p.codebook, mid, half, self.mid is not None, self.out_idx, self.out_val,
+                          self.sink)
 
     def reset(self, slots) -> None:
         for t in self.buffers():
@@ -114,6 +128,17 @@ class QuantKVState:
             cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
             keys = apply_rotary_ref(keys, cos, sin)
         return keys, values
+
+    def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' quantized cache (LUT kernels on
+        CUDA, ``quant_kv_decode_ref`` elsewhere): (b, hq, e) float32; None when the format has no decode kernel."""
+        k, v = self.k.view(), self.v.view()
+        if k is None or v is None:
+            return None
+        from ssmq import kernels
+
+        r = self.rope
+        return kernels.quant_kv_decode(q, slots, kv_lens, k, v, r.rotary_dim if r else 0, r.theta if r else 1e4)
 
     def reset(self, slots=None) -> None:
         self.k.reset(slots)

@@ -198,3 +198,54 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """(..., e/2) → (..., e)."""
     return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode: one query token per row over a quantized cache (the Triton twins: ssmq.kernels.kv_decode)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class KVSideView:
+    """One side of a quantized cache as the decode kernels read it (s slots, L positions, S sink tokens):
+    codes (s, L, hkv, e/2) uint8 packed nibbles; codebook (C,) float32; mid, half: per-token (s, L, hkv) float16,
+    or per-channel (hkv, e) float32 when ``per_token`` is False; out_idx, out_val (s, L, k); sink (s, S, hkv, e)."""
+
+    codes: torch.Tensor
+    codebook: torch.Tensor
+    mid: torch.Tensor
+    half: torch.Tensor
+    per_token: bool
+    out_idx: torch.Tensor
+    out_val: torch.Tensor
+    sink: torch.Tensor
+
+    def dequantize(self, slots: torch.Tensor, end: int) -> torch.Tensor:
+        """(b, T, hkv, e) float32 of the rows ``slots`` up to ``end``: codes, scales, outliers, then the sink."""
+        codes = unpack_nibbles(self.codes[slots, :end]).long()  # (b, T, hkv, e)
+        if self.per_token:
+            mid, half = self.mid[slots, :end].float()[..., None], self.half[slots, :end].float()[..., None]
+        else:
+            mid, half = self.mid.float(), self.half.float()
+        x = mid + half * self.codebook.float()[codes]
+        b, t = x.shape[:2]
+        k = self.out_idx.shape[-1]
+        x = scatter_outliers(x.reshape(b * t, *x.shape[2:]), self.out_idx[slots, :end].reshape(b * t, k),
+                             self.out_val[slots, :end].reshape(b * t, k)).reshape(x.shape)
+        s = min(self.sink.shape[1], end)
+        x[:, :s] = self.sink[slots, :s].float()
+        return x
+
+
+def quant_kv_decode_ref(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
+                        rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None):
+    """Decode attention over a quantized cache: q (b, hq, e) post-RoPE queries of the rows ``slots`` (b,), which
+    hold ``kv_lens`` (b,) tokens (the new one included); keys stored before RoPE when ``rotary_dim`` > 0 (rotated
+    after dequantization). Returns (b, hq, e) float32: the dequantized cache, then float attention."""
+    from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
+
+    end = int(kv_lens.max())
+    keys, values = k.dequantize(slots, end), v.dequantize(slots, end)
+    if rotary_dim:
+        pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)
+        cos, sin = rotary_cos_sin(pos, rotary_dim, theta)
+        keys = apply_rotary_ref(keys, cos, sin)
+    return attention_ref(q.float()[:, None], keys, values, kv_lens, softmax_scale)[:, 0]

@@ -119,9 +119,11 @@ def fit_side(kvq: KVQuantizer, which: str, x: torch.Tensor, fisher: torch.Tensor
 
 
 @torch.no_grad()
-def calibrate_kv_(model: nn.Module, spec: KVSpec, windows: torch.Tensor, batch_size: int = 4) -> dict:
-    """Give every attention layer of ``model`` a calibrated ``KVQuantizer`` for ``spec``; returns a summary."""
-    data = capture_kv(model, windows, batch_size)
+def calibrate_kv_(model: nn.Module, spec: KVSpec, windows: torch.Tensor, batch_size: int = 4,
+                  captured: dict | None = None) -> dict:
+    """Give every attention layer of ``model`` a calibrated ``KVQuantizer`` for ``spec``; returns a summary.
+    ``captured``: ``capture_kv``'s result for these windows, reused (tables calibrate many formats on one pass)."""
+    data = captured if captured is not None else capture_kv(model, windows, batch_size)
     summary = {}
     for i, d in data.items():
         mixer = model.layers[i].mixer
