@@ -3,15 +3,15 @@
 Glossary: b rows, hq query heads, hkv kv heads, e head dim, T tokens, r rotary dim, S sink tokens, k outlier slots.
 Same contract as ``ssmq.ops.kv_quant.quant_kv_decode_ref`` (its docstring has the storage layout).
 
-    scores   one program per (row, query head, split of T): each (BLOCK_T, e) tile of key codes is unpacked from
+    scores   one program per (row, kv head, split of T): each (BLOCK_T, e) tile of key codes is unpacked from
              nibbles, looked up in the codebook (LUT, float32), scaled (per-channel or per-token mid / half), the
              token's sparse outliers written over it, and dotted with the query rotated by -t (RoPE on the fly:
-             q · R_t k = (R_{-t} q) · k, so keys stay as stored, before RoPE)
+             q · R_t k = (R_{-t} q) · k, so keys stay as stored, before RoPE), for each query head of the group
     softmax  in torch over (b, hq, T), float32 (the sink tokens' scores replaced by their float keys' first)
     values   the same tile dequantization for value codes, weighted by the probabilities; each split writes a
              float32 partial (b, hq, splits, e) that torch adds up
 Codes must be packed nibbles (codebooks of <= 16 entries) and unrotated; other formats take the reference.
-Each query head reads its kv head's codes itself (GQA re-reads hit L2).
+A tile is dequantized once for the hq / hkv query heads that share its kv head (GQA).
 """
 
 from __future__ import annotations
@@ -56,52 +56,59 @@ def _tile(codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, offs_e,
 @triton.jit
 def _scores_kernel(q, codes, mid, half, lut, oidx, oval, slots, lens, inv_freq, out,
                    s_qb, s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, s_ob, s_oh, scale,
-                   HQ: tl.constexpr, HKV: tl.constexpr, E: tl.constexpr, R: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   GROUP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, PER_TOKEN: tl.constexpr,
                    KSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr):
-    i, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i)
     n = tl.load(lens + i)
-    hk = h // (HQ // HKV)
     offs_e = tl.arange(0, E)
-    qv = tl.load(q + i * s_qb + h * E + offs_e).to(tl.float32)
-    if R > 0:  # rotate_half(q) on the first R channels; cos 1, sin 0 beyond them
+    if R > 0:  # rotate_half(q) takes channel partner[j] with sign[j]; cos 1, sin 0 beyond the first R channels
         partner = tl.where(offs_e < R // 2, offs_e + R // 2, offs_e - R // 2)
         sign = tl.where(offs_e < R // 2, -1.0, 1.0)
-        rq = sign * tl.load(q + i * s_qb + h * E + partner, mask=offs_e < R, other=0.0).to(tl.float32)
         freq = tl.load(inv_freq + offs_e % (R // 2), mask=offs_e < R, other=0.0)
     for tile in range(TILES):
         t = (sp * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < n
+        # one dequantized tile of the kv head serves its GROUP query heads
         x = _tile(codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, offs_e,
                   s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, E, PER_TOKEN, KSLOTS)
         if R > 0:
             ang = t.to(tl.float32)[:, None] * freq[None, :]
-            qt = qv[None, :] * tl.where(offs_e[None, :] < R, tl.cos(ang), 1.0) - rq[None, :] * tl.sin(ang)
-        else:
-            qt = qv[None, :] + tl.zeros_like(x)
-        s = tl.sum(qt * x, axis=1) * scale
-        tl.store(out + i * s_ob + h * s_oh + t, s, mask=tmask)
+            cos = tl.where(offs_e[None, :] < R, tl.cos(ang), 1.0)
+            sin = tl.sin(ang)
+        for g in tl.static_range(GROUP):
+            h = hk * GROUP + g
+            qv = tl.load(q + i * s_qb + h * E + offs_e)
+            if R > 0:
+                rq = sign * tl.load(q + i * s_qb + h * E + partner, mask=offs_e < R, other=0.0)
+                qt = qv[None, :] * cos - rq[None, :] * sin  # R_{-t} q
+            else:
+                qt = qv[None, :] + tl.zeros_like(x)
+            s = tl.sum(qt * x, axis=1) * scale
+            tl.store(out + i * s_ob + h * s_oh + t, s, mask=tmask)
 
 
 @triton.jit
 def _values_kernel(p, codes, mid, half, lut, oidx, oval, slots, lens, out,
                    s_pb, s_ph, s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, s_ob, s_oh, s_osp,
-                   HQ: tl.constexpr, HKV: tl.constexpr, E: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, PER_TOKEN: tl.constexpr,
                    KSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr):
-    i, h, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i)
     n = tl.load(lens + i)
-    hk = h // (HQ // HKV)
     offs_e = tl.arange(0, E)
-    acc = tl.zeros((E,), dtype=tl.float32)
+    rows = tl.arange(0, GP)  # the group's query heads, padded to a power of two
+    acc = tl.zeros((GP, E), dtype=tl.float32)
     for tile in range(TILES):
         t = (sp * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < n
-        w = tl.load(p + i * s_pb + h * s_ph + t, mask=tmask, other=0.0)
         x = _tile(codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, offs_e,
                   s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, E, PER_TOKEN, KSLOTS)
-        acc += tl.sum(w[:, None] * x, axis=0)
-    tl.store(out + i * s_ob + h * s_oh + sp * s_osp + offs_e, acc)
+        for g in tl.static_range(GROUP):
+            w = tl.load(p + i * s_pb + (hk * GROUP + g) * s_ph + t, mask=tmask, other=0.0)
+            acc = tl.where(rows[:, None] == g, acc + tl.sum(w[:, None] * x, axis=0)[None, :], acc)
+    dst = out + i * s_ob + (hk * GROUP + rows)[:, None] * s_oh + sp * s_osp + offs_e[None, :]
+    tl.store(dst, acc, mask=(rows < GROUP)[:, None])
 
 
 def _side_args(v: KVSideView):
@@ -127,8 +134,8 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
                                  / max(rotary_dim, 1))))
     scores = torch.full((b, hq, end), -math.inf, dtype=torch.float32, device=q.device)
     kt, ks = _side_args(k)
-    _scores_kernel[(b, hq, splits)](q, *kt, slots, lens, inv_freq, scores, q.stride(0), *ks, scores.stride(0),
-                                    scores.stride(1), scale, HQ=hq, HKV=hkv, E=e, R=rotary_dim,
+    _scores_kernel[(b, hkv, splits)](q, *kt, slots, lens, inv_freq, scores, q.stride(0), *ks, scores.stride(0),
+                                     scores.stride(1), scale, GROUP=hq // hkv, E=e, R=rotary_dim,
                                     PER_TOKEN=k.per_token, KSLOTS=k.out_idx.shape[-1], BLOCK_T=BLOCK_T, TILES=tiles)
     sink = min(k.sink.shape[1], end)
     if sink:  # the sink tokens' keys are kept in float: their scores from them
@@ -143,8 +150,9 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     p[:, :, :sink] = 0
     part = torch.empty(b, hq, splits, e, dtype=torch.float32, device=q.device)
     vt, vs = _side_args(v)
-    _values_kernel[(b, hq, splits)](p, *vt, slots, lens, part, p.stride(0), p.stride(1), *vs, part.stride(0),
-                                    part.stride(1), part.stride(2), HQ=hq, HKV=hkv, E=e, PER_TOKEN=v.per_token,
+    _values_kernel[(b, hkv, splits)](p, *vt, slots, lens, part, p.stride(0), p.stride(1), *vs, part.stride(0),
+                                     part.stride(1), part.stride(2), GROUP=hq // hkv,
+                                     GP=triton.next_power_of_2(hq // hkv), E=e, PER_TOKEN=v.per_token,
                                     KSLOTS=v.out_idx.shape[-1], BLOCK_T=BLOCK_T, TILES=tiles)
     out = part.sum(2)
     if sink:
