@@ -25,7 +25,8 @@ def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "",
     ssm = n_mamba * cfg.d_inner * cfg.d_state
     kv = n_attn * 2 * cfg.attn_kv_heads * cfg.attn_head_dim
     params = parameter_count(cfg)
-    layers = f"{n_mamba} {'Mamba-1' if cfg.arch == 'mamba1' else 'Mamba-2'}" + (f" + {n_attn} attention" if n_attn else "")
+    ssm_part = f"{n_mamba} {'Mamba-1' if cfg.arch == 'mamba1' else 'Mamba-2'}" if n_mamba else ""
+    layers = " + ".join(part for part in (ssm_part, f"{n_attn} attention" if n_attn else "") if part)
     out = {
         "path": path,
         "format": format_name,
