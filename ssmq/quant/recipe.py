@@ -36,12 +36,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ssmq.errors import SSMQError
+from ssmq.models.config import ATTENTION_ARCHS
 from ssmq.models.kv_format import KVSpec
 from ssmq.quant.kv_presets import KV_PRESETS
 from ssmq.quant.spec import ActSpec, WeightSpec, validate_pair
 
 FORMAT = 2
-ARCHS = ("mamba1", "mamba2", "hybrid")
+ARCHS = ("mamba1", "mamba2", "hybrid", "llama")
+DEFAULT_ARCHS = ("mamba1", "mamba2", "hybrid")  # what a recipe supports unless it says (the SSM-era default)
 SSM_ARCHS = ("mamba1", "mamba2")
 TAPS = ("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y")
 TAP_LAYOUTS = ("per_tensor", "state_group", "cluster")
@@ -207,7 +209,7 @@ class Recipe:
     cache: Cache = field(default_factory=Cache)
     calibration: Calibration = field(default_factory=Calibration)
     search: Search | None = None
-    supported_archs: list[str] = field(default_factory=lambda: list(ARCHS))
+    supported_archs: list[str] = field(default_factory=lambda: list(DEFAULT_ARCHS))
     description: str = ""
 
     def validate(self) -> "Recipe":
@@ -463,7 +465,6 @@ register_recipe(RECIPES["quamba2-w4a8"].with_changes(
     name="quamba2-mixed", search=Search(),
     description="Quamba2 W4AX: per-layer A8/A16 (3:1) by evolutionary search on held-out calibration perplexity"))
 
-ATTENTION_ARCHS = ["hybrid"]  # architectures with attention layers, hence a KV cache
-for _name, (_spec, _what) in KV_PRESETS.items():
+for _name, (_spec, _what) in KV_PRESETS.items():  # for the architectures with attention layers (a KV cache)
     register_recipe(Recipe(_name, cache=Cache(kv=_spec), supported_archs=list(ATTENTION_ARCHS),
                            description=f"{_what} (KV cache only)"))
