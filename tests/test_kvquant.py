@@ -137,6 +137,25 @@ def test_quantized_kv_decode_equals_fake_quant_reference(preset):
     assert (float_kv - full).abs().max() > 1e-4
 
 
+def test_llama_decode_with_a_quantized_cache_equals_fake_quant():
+    """The degenerate hybrid (every layer attention, full RoPE): every layer gets a calibrated quantizer."""
+    from ssmq.models import SSMLM, ModelConfig
+
+    torch.manual_seed(0)
+    m = SSMLM(ModelConfig(arch="llama", d_model=64, n_layer=3, vocab_size=256, attn_heads=4, attn_kv_heads=2,
+                          attn_head_dim=16, rotary_dim=16, mlp_hidden=96)).eval()
+    quantize(m, "kvquant-nuq3-1%", tiny_calib(4, 32), progress=False)
+    assert all(layer.mixer.kv_quant is not None for layer in m.layers)
+    m = m.double()  # see test_quantized_kv_decode_equals_fake_quant_reference
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        full = m(ids)
+        cache = m.allocate_cache(2, 12)
+        steps = [m(ids[:, :4], cache=cache)] + [m.step(ids[:, t], cache)[:, None] for t in range(4, 11)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=2e-5)
+    assert cache.states[0].k.codes.shape == (2, 12, 2, 8)  # nibbles
+
+
 def test_state_decode_equals_read_then_attention_and_bytes():
     from ssmq.ops.attention import attention_ref
 
