@@ -140,7 +140,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run([int(x) for x in args.lengths.split(",")], args.batch)
-    meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}}
+    meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
+            "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}}
     (out / f"kvquant_kernels_b{args.batch}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     plot(rows, out / f"kvquant_kernels_b{args.batch}.png")
     for r in rows:

@@ -59,7 +59,8 @@ def ablation_rows() -> list[tuple[str, KVSpec | None]]:
 
 
 def engine_rows() -> list[tuple[str, str | None]]:
-    return [("float KV (16-bit)", None), ("fp8 e4m3 (per-tensor scale)", "kv-fp8-e4m3"), ("int8 per token-head", "kv-int8-pth"),
+    return [("float KV (16-bit)", None), ("fp8 e4m3 (per-tensor scale)", "kv-fp8-e4m3"),
+            ("int8 per token-head", "kv-int8-pth"),
             ("int4 per token-head", "kv-int4-pth"), ("TurboQuant-style 4-bit", "kv-turbo4"),
             ("KVQuant nuq4-1%", "kvquant-nuq4-1%"), ("TurboQuant-style 3-bit", "kv-turbo3"),
             ("KVQuant nuq3-1%", "kvquant-nuq3-1%")]

@@ -15,7 +15,8 @@ row into a (b, …) float32 work copy, never for all s slots.
 Storage formats (``StateFormat``): float (the buffer's dtype), int8 (SSM state codes with their
 calibrated scales, Quamba2). The seams for later formats: a paged KV format replaces KVState's
 append/read with a block table (``paged_kv``); the quantized KV format stores codes + scales + sparse
-outliers (``quant_kv``, KVQuant and the engines' formats); a tensor-parallel state is the state its sharded mixer allocates (fewer channels / heads).
+outliers (``quant_kv``, KVQuant and the engines' formats); a tensor-parallel state is the state its sharded
+mixer allocates (fewer channels / heads).
 """
 
 from __future__ import annotations
