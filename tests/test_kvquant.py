@@ -248,8 +248,12 @@ def test_calibration_fisher_and_codebooks():
     kvq = m.layers[1].mixer.kv_quant
     assert not torch.equal(kvq.k_codebook, kq.uniform_codebook(3))  # k-means moved the levels
     assert (kvq.k_lo < kvq.k_hi).all()
-    # per-channel range = min / max of the calibration keys (no outliers)
-    torch.testing.assert_close(kvq.k_hi, data["k"].flatten(0, 1).amax(0))
+    # per-channel range = min / max of the calibration keys (no outliers), the sink token (position 0) left out
+    torch.testing.assert_close(kvq.k_hi, data["k"][:, 1:].flatten(0, 1).amax(0))
+    from ssmq.quant.kvquant import calibrate_kv_
+
+    calibrate_kv_(m, kvq.kv.with_changes(sink=0), None, captured={1: data})
+    torch.testing.assert_close(m.layers[1].mixer.kv_quant.k_hi, data["k"].flatten(0, 1).amax(0))
 
 
 def test_checkpoint_round_trip_with_kv(tmp_path):

@@ -10,7 +10,8 @@ them (one backward pass per batch; the weights stay frozen). Then, per side:
     nuq codebook                     Fisher-weighted k-means of the normalized non-outlier values, from the
                                      uniform grid (``kmeans.weighted_kmeans``)
     Q-Norm                           the codebook's mean / std matched to the data's (``kmeans.q_norm``)
-The layer gets a ``KVQuantizer`` with these tensors (``Attention.kv_quant``).
+The first ``sink`` tokens of every window are left out of all of it (they are never quantized). The layer gets a
+``KVQuantizer`` with these tensors (``Attention.kv_quant``).
 """
 
 from __future__ import annotations
@@ -132,8 +133,9 @@ def calibrate_kv_(model: nn.Module, spec: KVSpec, windows: torch.Tensor, batch_s
         k, gk = d["k"], d["gk"]
         if not spec.keys.pre_rope:
             k, gk = _post_rope(k, mixer), _post_rope(gk, mixer)
-        fit_side(kvq, "keys", k.flatten(0, 1), gk.flatten(0, 1).square())
-        fit_side(kvq, "values", d["v"].flatten(0, 1), d["gv"].flatten(0, 1).square())
+        s = spec.sink  # the sink tokens stay float: their (often extreme) keys and values must not set ranges
+        fit_side(kvq, "keys", k[:, s:].flatten(0, 1), gk[:, s:].flatten(0, 1).square())
+        fit_side(kvq, "values", d["v"][:, s:].flatten(0, 1), d["gv"][:, s:].flatten(0, 1).square())
         mixer.kv_quant = kvq.to(model.norm_f.weight.device)
-        summary[i] = {"tokens": int(k.shape[0] * k.shape[1])}
+        summary[i] = {"tokens": int(k.shape[0] * (k.shape[1] - s))}
     return summary
