@@ -111,6 +111,9 @@ class QuantKVState:
 
     def append(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize and write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots``."""
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise SSMQError("a quantized KV cache does not run under CUDA graphs yet (its lengths are read on the "
+                            "host); decode eagerly (--eager)")
         if int(positions.max()) >= self.max_seqlen:
             raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
         rows = slots[:, None].expand_as(positions)
