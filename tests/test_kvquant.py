@@ -268,3 +268,20 @@ def test_checkpoint_round_trip_with_kv(tmp_path):
         torch.testing.assert_close(m2(ids), m(ids), rtol=0, atol=0)
     assert isinstance(m2.allocate_cache(1, 8).states[1], QuantKVState)
     assert KVSideSpec().validate("keys")  # the default side is valid
+
+
+def test_ssm_recipe_plus_kv_preset_in_one_checkpoint(tmp_path):
+    """ssdi8-w8a8+kvquant-nuq3-1%: the SSM recipe on the Mamba layer, KVQuant on attention, one folder, reloaded."""
+    m = tiny_model("hybrid")
+    quantize(m, "ssdi8-w8a8+kvquant-nuq3-1%", tiny_calib(4, 32), progress=False)
+    save_quantized(m, tmp_path / "q")
+    m2 = load_model(tmp_path / "q")
+    assert m2.quantization["recipe"]["name"] == "ssdi8-w8a8+kvquant-nuq3-1%"
+    assert m2.layers[1].mixer.kv_quant is not None and m2.layers[0].mixer.state_groups  # int8 SSM state too
+    ids = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids), m(ids), rtol=0, atol=0)
+        cache = m2.allocate_cache(2, 12, ssm_dtype=torch.int8)
+        m2(ids[:, :6], cache=cache)
+        assert torch.isfinite(m2.step(ids[:, 6], cache)).all()
+    assert isinstance(cache.states[1], QuantKVState) and cache.states[0].ssm.dtype == torch.int8
