@@ -77,23 +77,25 @@ def _cpu(view):
                             if isinstance(getattr(view, f.name), torch.Tensor)})
 
 
-def test_model_decode_through_kernels_equals_fake_quant(k, monkeypatch):
-    """A tiny hybrid with kvquant-nuq3-1%: decode steps through the kernels equal the no-cache fake-quant forward
-    (on CPU the interpreter runs the kernels in place of the dispatch's reference)."""
+def test_model_decode_through_kernels_equals_reference_decode(k, monkeypatch):
+    """A tiny hybrid with kvquant-nuq3-1%: decode steps through the kernels equal decode steps through
+    ``quant_kv_decode_ref`` (the caches hold the same codes: teacher-forced tokens, and attention is the last layer;
+    on CPU the interpreter runs the kernels in place of the dispatch's reference)."""
     import ssmq.kernels
     from _quant_tiny import tiny_calib, tiny_model
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
     from ssmq.quant import quantize
-
-    calls = []
-    monkeypatch.setattr(ssmq.kernels, "quant_kv_decode", lambda *a: calls.append(1) or k.quant_kv_decode(*a))
 
     m = tiny_model("hybrid")
     quantize(m, "kvquant-nuq3-1%", tiny_calib(4, 32), progress=False)
     m = m.to(DEV)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
-    with torch.no_grad():
-        full = m(ids)
-        cache = m.allocate_cache(2, 16)
-        steps = [m(ids[:, :7], cache=cache)] + [m.step(ids[:, t], cache)[:, None] for t in range(7, 12)]
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
-    assert len(calls) == 5  # one per decode step of the attention layer
+    runs, calls = [], []
+    for impl in (k.quant_kv_decode, quant_kv_decode_ref):
+        monkeypatch.setattr(ssmq.kernels, "quant_kv_decode", lambda *a, f=impl: calls.append(f) or f(*a))
+        with torch.no_grad():
+            cache = m.allocate_cache(2, 16)
+            m(ids[:, :7], cache=cache)
+            runs.append(torch.stack([m.step(ids[:, t], cache) for t in range(7, 12)], 1))
+    assert calls == [k.quant_kv_decode] * 5 + [quant_kv_decode_ref] * 5  # one call per decode step
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4)
