@@ -106,7 +106,8 @@ def add_quantize_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="recipes:\n" + "\n".join(f"  {n:<18} {r.description}" for n, r in RECIPES.items()))
     add_model_args(p)
-    p.add_argument("--recipe", required=True, help="a recipe name (below) or a recipe JSON file")
+    p.add_argument("--recipe", required=True, help="a recipe name (below), A+B (a recipe plus a KV-only one, e.g. "
+                   "ssdi8-w8a8+kvquant-nuq3-1%%) or a recipe JSON file")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
     p.add_argument("--calib", default=None, help="calibration text (.txt/.txt.gz, or a name in ../shared/data/train/; "
                    "default wikitext2_train.txt.gz)")

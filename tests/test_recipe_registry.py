@@ -54,7 +54,7 @@ def test_mixed_is_a_recipe_plus_a_search():
 
 @pytest.mark.parametrize("d,msg", [
     ({"format": 3, "name": "x"}, "format 3"),
-    ({"name": "x", "linears": [{"modules": "*", "weight": {"dtype": "int8"}}], "cache": {"kv": "int8"}}, "KV cache"),
+    ({"name": "x", "linears": [{"modules": "*", "weight": {"dtype": "int8"}}], "cache": {"kv": "int8"}}, "unknown KV format 'int8'"),
     ({"name": "x", "linears": [{"modules": "*", "weight": {"dtype": "int8"}}], "taps": [{"taps": ["act_x"]}]},
      "SSM taps"),
     ({"name": "x", "linears": [{"modules": "*", "weight": {"dtype": "int8"}}], "colour": 1}, "unknown recipe field"),
