@@ -103,21 +103,33 @@ def test_plan_answers_are_tight():
 # ---------------------------------------------------------------- KV formats
 
 def test_kv_format_bytes_by_hand():
-    e = 128
-    assert kv_format("fp16").bytes_per_vector_pair(e) == 2 * e * 2
-    assert kv_format("int8").bytes_per_vector_pair(e) == (2 * e * 8 + 16 + 16) / 8
-    # nuq3: 3-bit codes, values carry an fp16 scale + offset; 1% outliers: 32 bits each + a 32-bit row pointer
-    assert kv_format("nuq3").bytes_per_vector_pair(e) == (2 * e * 3 + 32) / 8
-    with_outliers = kv_format("nuq3-1%")
-    assert with_outliers.outliers == 0.01 and with_outliers.name == "nuq3-1%"
-    assert math.isclose(with_outliers.bytes_per_vector_pair(e), (2 * e * 3 + 32 + 2 * (e * 0.01 * 32 + 32)) / 8)
-    assert kv_format("NUQ2-0.5%").outliers == 0.005
+    hkv, e = 2, 128  # n = 256 entries a side
+    assert kv_format("fp16").bytes_per_token(hkv, e) == 2 * 256 * 2
+    # int8 per token-head (kv-int8-pth): 8-bit codes, an fp16 scale + offset per head on each side
+    assert kv_format("int8").bytes_per_token(hkv, e) == 2 * (256 * 8 + 32 * hkv) / 8
+    # nuq3: 8 levels, stored two codes a byte; per-channel keys (offline scales), per-token values (32 bits a head)
+    assert kv_format("nuq3").bytes_per_token(hkv, e) == (256 * 4 + 256 * 4 + 32 * hkv) / 8
+    # 1% outliers: round(2.56) = 3 slots for values, twice that for offline per-channel key thresholds; 32 bits each
+    assert kv_format("nuq3-1%").bytes_per_token(hkv, e) == (256 * 4 + 256 * 4 + 32 * hkv + 32 * (6 + 3)) / 8
+    assert kv_format("kvquant-nuq3-1%") == kv_format("nuq3-1%").__class__("kvquant-nuq3-1%", **{
+        k: getattr(kv_format("nuq3-1%"), k) for k in ("float_bytes", "spec", "description")})
 
 
-@pytest.mark.parametrize("name, message", [("nuq5", "unknown KV format 'nuq5'"), ("fp16-1%", "outliers are for "),
-                                           ("int4-100%", "outliers are for"), ("int4-%", "unknown KV format")])
-def test_bad_kv_formats(name, message):
-    with pytest.raises(SSMQError, match=message):
+@pytest.mark.parametrize("name", ["kvquant-nuq3-1%", "kvquant-int2", "kv-fp8-e4m3", "kv-int4-pth", "kv-turbo3"])
+def test_kv_format_bytes_equal_the_quantized_cache(name):
+    # the plan's cost per token is what QuantKVState allocates per token (its sink rows are per sequence)
+    from ssmq.models.kv_quantizer import KVQuantizer
+    from ssmq.models.quant_kv import QuantKVState
+
+    fmt, hkv, e, slots, length = kv_format(name), 3, 64, 2, 40
+    state = QuantKVState(KVQuantizer(fmt.spec, hkv, e, 0), slots, length, torch.float16, "cpu")
+    sink = sum(side.sink.numel() * side.sink.element_size() for side in (state.k, state.v))
+    assert state.nbytes() - sink == slots * length * fmt.bytes_per_token(hkv, e)
+
+
+@pytest.mark.parametrize("name", ["nuq5", "fp16-1%", "int4-100%", "int4-%", "kvquant-nuq9"])
+def test_bad_kv_formats(name):
+    with pytest.raises(SSMQError, match="unknown KV format"):
         kv_format(name)
 
 

@@ -81,12 +81,33 @@ class KVSideSpec:
         """Codebook entries (the fp8 codebook has 253 distinct finite values: ``ssmq.ops.kv_quant``)."""
         return 2 ** self.bits - (1 if self.symmetric and self.dtype == "int" else 0)
 
+    def outlier_slots(self, n: int) -> int:
+        """k: sparse outlier slots per token of a layer's n = hkv · e entries. Per-token outliers take exactly
+        round(f·n) (at least 1); offline per-channel thresholds leave a variable count, so they get twice that
+        many slots (the excess beyond is clipped)."""
+        if not self.outliers:
+            return 0
+        k = max(1, round(self.outliers * n))
+        return min(n, 2 * k) if self.granularity == "per_channel" else k
+
+    def bits_per_token(self, hkv: int, e: int, as_stored: bool = False) -> int:
+        """Bits of one token of this side in a layer: codes (``bits`` each, or as ``QuantKVState`` stores them: 4
+        bits for codebooks of <= 16 entries, else 8), float16 per-token mid and half, (int16, float16) outliers."""
+        n = hkv * e
+        codes = n * ((8 if self.levels > 16 else 4) if as_stored else self.bits)
+        return codes + (32 * hkv if self.granularity == "per_token" else 0) + 32 * self.outlier_slots(n)
+
 
 @dataclass(frozen=True)
 class KVSpec:
     keys: KVSideSpec = field(default_factory=KVSideSpec)
     values: KVSideSpec = field(default_factory=KVSideSpec)
     sink: int = 0
+
+    def bits_per_token(self, hkv: int, e: int, as_stored: bool = False) -> int:
+        """Bits of one token's keys and values in a layer of hkv heads × e (sink tokens, per-layer codebooks and
+        offline scales are per layer, not per token)."""
+        return self.keys.bits_per_token(hkv, e, as_stored) + self.values.bits_per_token(hkv, e, as_stored)
 
     def validate(self) -> "KVSpec":
         self.keys.validate("keys")

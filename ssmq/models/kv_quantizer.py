@@ -48,13 +48,8 @@ class KVQuantizer(nn.Module):
         return self.kv.keys if which == "keys" else self.kv.values
 
     def outlier_slots(self, which: str) -> int:
-        """k: sparse outlier slots per token. Per-token outliers take exactly round(f·N) (at least 1); offline
-        thresholds leave a variable count, so they get twice that many slots (the excess beyond is clipped)."""
-        side, n = self.side(which), self.hkv * self.e
-        if not side.outliers:
-            return 0
-        k = max(1, round(side.outliers * n))
-        return min(n, 2 * k) if side.granularity == "per_channel" else k
+        """k: sparse outlier slots per token of one side (``KVSideSpec.outlier_slots``)."""
+        return self.side(which).outlier_slots(self.hkv * self.e)
 
     def params(self, which: str) -> KVParams:
         side, x = self.side(which), which[0]
@@ -70,15 +65,8 @@ class KVQuantizer(nn.Module):
         return out
 
     def bits_per_token(self, as_stored: bool = False) -> float:
-        """Bits per token of this layer's K and V: codes (``bits`` each, or as ``QuantKVState`` stores them: 4 bits
-        for codebooks of <= 16 entries, else 8), float16 per-token mid and half, (int16, float16) outlier slots."""
-        total = 0.0
-        for which in SIDES:
-            side, n = self.side(which), self.hkv * self.e
-            total += n * ((8 if side.levels > 16 else 4) if as_stored else side.bits)
-            total += 32 * self.hkv if side.granularity == "per_token" else 0
-            total += 32 * self.outlier_slots(which)
-        return total
+        """Bits per token of this layer's K and V (``KVSpec.bits_per_token``)."""
+        return self.kv.bits_per_token(self.hkv, self.e, as_stored)
 
     def spec(self) -> dict:
         """The checkpoint's record (``ssmq.quant.checkpoint`` collects every module's ``spec()``)."""

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
 from ssmq.quant.kv_formats import KVFormat
-from ssmq.runtime.footprint import kv_vector_pairs, layers_text, parameter_count, state_elements
+from ssmq.runtime.footprint import layers_text, parameter_count, state_elements
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
@@ -46,9 +46,9 @@ def state_bytes(cfg: ModelConfig, fmt: CacheFormat) -> dict[str, int]:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv: KVFormat) -> float:
-    """Per token of one sequence: Σ over attention layers of hkv · (key + value vector bytes); 0 without attention."""
-    pairs = kv_vector_pairs(cfg)
-    return pairs * kv.bytes_per_vector_pair(cfg.attn_head_dim) if pairs else 0.0
+    """Per token of one sequence: Σ over attention layers of that layer's key + value bytes; 0 without attention."""
+    n = len(cfg.attention_layers())
+    return n * kv.bytes_per_token(cfg.attn_kv_heads, cfg.attn_head_dim) if n else 0.0
 
 
 def cache_bytes(cfg: ModelConfig, fmt: CacheFormat, batch: int, context: int) -> int:

@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--gpu-mem: a size or a percentage of it (default 10%%, as vLLM's 0.9 memory utilization)")
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence for the largest batch (default 4096)")
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest context (default 1)")
-    p.add_argument("--kv", default=None, help="KV format: fp16, fp8, int8, int4, nuq3-1%%, ... "
-                   "(ssmq.quant.kv_formats; default: the recipe's, else the float cache of --dtype)")
+    p.add_argument("--kv", default=None, help="KV format: fp16 / bf16 / fp32, a KV preset (kvquant-nuq3-1%%, "
+                   "kv-fp8-e4m3, ...) or its short name (nuq3-1%%, fp8, int8, ...), costed as the quantized cache "
+                   "stores it (ssmq.quant.kv_formats; default: the recipe's, else the float cache of --dtype)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="weights and activations (conv state) of a float model (default bfloat16)")
     p.add_argument("--state-dtype", default=None, choices=STATE_DTYPES,
