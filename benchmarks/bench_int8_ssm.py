@@ -35,6 +35,7 @@ from ssmq.kernels.state_update import quant_state_update, selective_state_update
 from ssmq.quant import CalibrationData, quantize  # noqa: E402
 from ssmq.quant.recipe import Cache, get_recipe  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
+from peers import mamba_ssm_op  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G = 80, 64, 128, 1  # Mamba2-2.7B: 80 heads of 64, d_state 128, one B/C group
@@ -44,12 +45,7 @@ SPAN_BYTES = 256 << 20  # the states one graph walks through: larger than L2 (50
 
 
 def peer():
-    try:
-        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
-    except Exception as e:  # noqa: BLE001 - any import failure just drops the peer column
-        print(f"mamba_ssm not available ({type(e).__name__}: {e}); its column stays blank")
-        return None
-    return selective_state_update
+    return mamba_ssm_op("ops.triton.selective_state_update", "selective_state_update")
 
 
 def graph_ms(calls, reps: int = 10) -> float:

@@ -23,6 +23,7 @@ import triton.testing as tt
 from ssmq.kernels import ssd, ssdi8
 from ssmq.ops.quant_ssm import quantize_ref
 from ssmq.ops.ssd_int8 import ssd_int8_ranges
+from peers import mamba_ssm_op  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G, T = 80, 64, 128, 1, 256
@@ -31,12 +32,7 @@ STAGES = {"_chunk_state_q": "ChunkState+requant (int8)", "_state_passing_q": "St
 
 
 def peer():
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception as e:  # noqa: BLE001 - any import failure just drops the peer column
-        print(f"mamba_ssm not available ({type(e).__name__}: {e}); peer column left blank")
-        return None
-    return mamba_chunk_scan_combined
+    return mamba_ssm_op("ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 
 
 def inputs(b: int, l: int):

@@ -1,26 +1,8 @@
-"""The published architectures benchmarked for speed (random weights: speed does not depend on values)."""
+"""The published architectures benchmarked for speed (random weights: speed does not depend on values), and their
+configs for mamba_ssm and transformers. The table itself is ``ssmq.models.published`` (``ssmq plan`` reads it too)."""
 
 from ssmq.models.config import ModelConfig
-
-VOCAB_NEOX = 50288  # GPT-NeoX vocabulary padded to a multiple of 16, as the state-spaces checkpoints
-
-
-def mamba2(d_model: int, n_layer: int, **kw) -> ModelConfig:
-    return ModelConfig(arch="mamba2", d_model=d_model, n_layer=n_layer, vocab_size=kw.pop("vocab_size", VOCAB_NEOX),
-                       d_state=128, headdim=64, chunk_size=256, **kw)
-
-
-PUBLISHED = {
-    "mamba2-130m": mamba2(768, 24),
-    "mamba2-370m": mamba2(1024, 48),
-    "mamba2-780m": mamba2(1536, 48),
-    "mamba2-1.3b": mamba2(2048, 48),
-    "mamba2-2.7b": mamba2(2560, 64),
-    # NVIDIA's pure Mamba-2 8B (mamba2-8b-3t-4k): 56 layers, 8 groups, 256k vocabulary
-    "mamba2-8b": mamba2(4096, 56, ngroups=8, vocab_size=256000),
-    "mamba-130m": ModelConfig(arch="mamba1", d_model=768, n_layer=24, vocab_size=50280, d_state=16),
-    "mamba-2.8b": ModelConfig(arch="mamba1", d_model=2560, n_layer=64, vocab_size=50280, d_state=16),
-}
+from ssmq.models.published import PUBLISHED, VOCAB_NEOX, mamba2  # noqa: F401  (the table lives in the package)
 
 
 def mamba_ssm_config_dict(cfg: ModelConfig) -> dict:

@@ -9,13 +9,15 @@ import argparse
 import importlib
 import os
 import sys
+import tempfile
 
 from ssmq.errors import SSMQError
 from ssmq.paths import DEFAULT_HUB_MODEL, default_model  # noqa: F401  (re-exported)
 from ssmq.runtime.model_args import DTYPES, add_model_args, load_from_args  # noqa: F401  (re-exported)
 
 # Subcommands owned by other packages; each module has register(subparsers).
-PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.export_command", "ssmq.runtime.command")
+PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.export_command", "ssmq.runtime.command",
+                   "ssmq.runtime.plan_command")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -96,7 +98,11 @@ def cmd_quantize(args) -> None:
         calib = load_calibration(args.calib, args.calib_samples, args.calib_seqlen, args.calib_seed, tok)
     quantize(model, recipe, calib, batch_size=args.batch_size)
     extra = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
-    save_quantized(model, out, extra_files=extra, overwrite=args.overwrite)
+    with tempfile.TemporaryDirectory() as tmp:
+        if Path(path).suffix == ".gguf":  # the tokenizer lives in the GGUF: keep it beside the quantized weights
+            extra.append(Path(tmp) / "tokenizer.json")
+            tok.backend.save(str(extra[-1]))
+        save_quantized(model, out, extra_files=extra, overwrite=args.overwrite)
     n = len([m for m in model.modules() if hasattr(m, "wspec")])
     print(f"quantized {n} modules with {recipe.name} -> {out}")
 
@@ -108,7 +114,8 @@ def add_quantize_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="recipes:\n" + "\n".join(f"  {n:<18} {r.description}" for n, r in RECIPES.items()))
     add_model_args(p)
-    p.add_argument("--recipe", required=True, help="a recipe name (below) or a recipe JSON file")
+    p.add_argument("--recipe", required=True, help="a recipe name (below), A+B (a recipe plus a KV-only one, e.g. "
+                   "ssdi8-w8a8+kvquant-nuq3-1%%) or a recipe JSON file")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
     p.add_argument("--calib", default=None, help="calibration text (.txt/.txt.gz, or a name in ../shared/data/train/; "
                    "default wikitext2_train.txt.gz)")

@@ -1,4 +1,5 @@
-"""GPT-NeoX tokenizer loading (the tokenizer of the state-spaces Mamba models), offline."""
+"""Tokenizer loading, offline: a model folder's tokenizer.json (GPT-NeoX for the state-spaces Mamba models), or
+the tokenizer stored in a GGUF file (through transformers)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ssmq.errors import SSMQError
-from ssmq.paths import shared_dir
+from ssmq.paths import PACKAGED, shared_dir
 
 
 @dataclass
@@ -44,10 +45,34 @@ def _candidates(where: str | os.PathLike | None) -> list[Path]:
     return found
 
 
+def _from_gguf(path: Path) -> Tokenizer:
+    """The tokenizer in a GGUF file's metadata, rebuilt by transformers; its fast backend is a ``tokenizers``
+    object like the one tokenizer.json gives, so encode/decode are the same code."""
+    try:
+        import gguf  # noqa: F401  (transformers needs it to read the file)
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise SSMQError(f"the tokenizer of a GGUF file needs transformers and gguf ({e.name} is missing): "
+                        "pip install -e \".[kv]\"") from None
+    from gguf import GGUFReader
+
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # the file's own EOS (SmolLM2: 2, <|im_end|>, what transformers' generate stops at); transformers 5.17's
+    # tokenizer reports the BOS id as eos_token_id for this file
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.eos_token_id")
+    eos = int(field.contents()) if field is not None else hf.eos_token_id
+    return Tokenizer(hf.backend_tokenizer, eos_id=eos or 0)
+
+
 def load_tokenizer(where: str | os.PathLike | None = None) -> Tokenizer:
-    """Load ``tokenizer.json`` from a model folder or file; fall back to $SSMQ_TOKENIZER, then ../shared's GPT-NeoX."""
+    """Load ``tokenizer.json`` from a model folder or file, or the tokenizer of a ``.gguf`` file or packaged name
+    (``smollm2-135m``); fall back to $SSMQ_TOKENIZER, then ../shared's GPT-NeoX."""
     from tokenizers import Tokenizer as _Backend
 
+    if where is not None and not Path(where).exists() and str(where) in PACKAGED:  # e.g. smollm2-135m
+        where = PACKAGED[str(where)].path()
+    if where is not None and Path(where).is_file() and Path(where).suffix == ".gguf":
+        return _from_gguf(Path(where))
     for path in _candidates(where):
         if path.is_file() and path.name.endswith(".json"):
             backend = _Backend.from_file(str(path))

@@ -18,8 +18,10 @@ def _perturb(model, seed: int) -> None:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g) / max(1, p.shape[-1]) ** 0.5 * 3)
 
 
-def tiny_hf_model(arch: str, seed: int = 0, ngroups: int = 2):
-    """A transformers model of ``arch`` (mamba1 | mamba2 | hybrid) with random float32 weights."""
+def tiny_hf_model(arch: str, seed: int = 0, ngroups: int = 2, tie: bool = True):
+    """A transformers model of ``arch`` (mamba1 | mamba2 | hybrid | llama) with random float32 weights.
+
+    ``tie``: Llama only (the SSM families are always tied here): the lm_head shares the embedding."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -39,13 +41,19 @@ def tiny_hf_model(arch: str, seed: int = 0, ngroups: int = 2):
                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.5})
         model = tf.BambaForCausalLM(cfg)
+    elif arch == "llama":  # GQA 4 query / 2 KV heads, full RoPE with a non-default theta, SwiGLU MLP
+        cfg = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                             max_position_embeddings=64, tie_word_embeddings=tie,
+                             rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+        model = tf.LlamaForCausalLM(cfg)
     else:
         raise ValueError(arch)
     _perturb(model, seed)
     return model.eval()
 
 
-def save_tiny(arch: str, folder, seed: int = 0, ngroups: int = 2):
-    model = tiny_hf_model(arch, seed, ngroups)
+def save_tiny(arch: str, folder, seed: int = 0, ngroups: int = 2, tie: bool = True):
+    model = tiny_hf_model(arch, seed, ngroups, tie)
     model.save_pretrained(folder)
     return model

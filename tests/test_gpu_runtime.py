@@ -12,7 +12,7 @@ from ssmq.runtime.generate import generate
 from ssmq.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.gpu
-ARCHS = ["mamba1", "mamba2", "hybrid"]
+ARCHS = ["mamba1", "mamba2", "hybrid", "llama"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

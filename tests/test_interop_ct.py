@@ -18,9 +18,9 @@ from ssmq.quant.linear import QuantLinear  # noqa: E402
 from tiny_ssm import synthetic_calibration, tiny_model  # noqa: E402
 
 IDS = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
-# int4 g16 in_proj (pack-quantized) + static int8 W8A8 elsewhere (int-quantized): mixed-precision
+# int4 g16 in_proj / MLP up_proj (pack-quantized) + static int8 W8A8 elsewhere (int-quantized): mixed-precision
 MIXED = Recipe.from_dict({"name": "mixed", "rules": [
-    {"modules": ["*.in_proj"], "weight": {"dtype": "int4", "granularity": "per_group:16"}},
+    {"modules": ["*.in_proj", "*.mlp.up_proj"], "weight": {"dtype": "int4", "granularity": "per_group:16"}},
     {"modules": ["layers.*"], "exclude": ["*.dt_proj"], "weight": {"dtype": "int8"},
      "act": {"dtype": "int8", "granularity": "per_tensor", "static": True}}]})
 # fp8-w8a8 as the FP8 QuantLinear stores it (per-channel e4m3 weights, dynamic per-token e4m3 inputs)
@@ -28,7 +28,8 @@ FP8_DYNAMIC = Recipe.from_dict({"name": "fp8", "rules": [
     {"modules": ["layers.*"], "exclude": ["*.dt_proj"], "weight": {"dtype": "fp8", "granularity": "per_channel"},
      "act": {"dtype": "fp8", "granularity": "per_token", "static": False}}]})
 # transformers' Mamba-2 gated norm spans all of d_inner and Bamba keeps the residual in the model dtype
-HF_SEMANTICS = {"mamba1": {}, "mamba2": {"ngroups": 1}, "hybrid": {"ngroups": 1, "residual_in_fp32": False}}
+HF_SEMANTICS = {"mamba1": {}, "mamba2": {"ngroups": 1}, "hybrid": {"ngroups": 1, "residual_in_fp32": False},
+                "llama": {}}
 
 
 def _ssmq_checkpoint(tmp_path, arch, recipe, **overrides):
@@ -84,7 +85,7 @@ def test_export_decompresses_to_ssmq_weights(tmp_path, recipe, fmt, names):
     assert checked == 2 * model.config.n_layer
 
 
-@pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid"])
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid", "llama"])
 def test_export_loads_back_bit_identical_and_runs_in_transformers(tmp_path, arch):
     import transformers as tf
 
@@ -143,7 +144,7 @@ def _w4_w8a8(dynamic: bool):
 
     act = (QuantizationArgs(num_bits=8, strategy="token", dynamic=True) if dynamic
            else QuantizationArgs(num_bits=8, strategy="tensor", dynamic=False))
-    return {"group_0": QuantizationScheme(targets=["re:.*in_proj$"],
+    return {"group_0": QuantizationScheme(targets=["re:.*(in_proj|mlp\\.up_proj)$"],
                                           weights=QuantizationArgs(num_bits=4, strategy="group", group_size=16)),
             "group_1": QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, strategy="channel"),
                                           input_activations=act)}
@@ -158,7 +159,7 @@ def _hf_reference(folder):
     return hf, logits
 
 
-@pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid"])
+@pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid", "llama"])
 def test_compressed_tensors_checkpoint_matches_transformers(tmp_path, arch):
     """W4A16 g16 (pack-quantized) + static W8A8 (int-quantized): same function as transformers + compressed-tensors."""
     folder = _ct_checkpoint(tmp_path / "ct", arch, _w4_w8a8(dynamic=False), ignore=("lm_head", "re:.*dt_proj$"))
@@ -298,7 +299,7 @@ def test_hf_layout_inverts_the_loader():
     from ssmq.models.hf_layout import SSMQ_CONFIG_KEY, config_to_hf, rename_to_hf
     from ssmq.models.loading import config_from_hf, rename_to_ssmq
 
-    for arch in ("mamba1", "mamba2", "hybrid"):
+    for arch in ("mamba1", "mamba2", "hybrid", "llama"):
         model = tiny_model(arch, **HF_SEMANTICS[arch])
         for name in model.state_dict():
             assert rename_to_ssmq(rename_to_hf(name, model.config)) == name

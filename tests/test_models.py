@@ -11,7 +11,7 @@ from hf_tiny import save_tiny
 import ssmq
 from ssmq.errors import SSMQError
 
-ARCHS = ["mamba1", "mamba2", "hybrid"]
+ARCHS = ["mamba1", "mamba2", "hybrid", "llama"]
 
 
 def hf_to_mamba_ssm(hf_folder, out_folder, arch: str) -> None:
@@ -103,7 +103,7 @@ def test_cache_reset_forgets_a_slot(tiny):
 # ---------------------------------------------------------------- bad input
 
 def test_unknown_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(SSMQError, match="unknown architecture"):
         ssmq.load_model(tmp_path)
 

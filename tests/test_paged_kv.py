@@ -10,10 +10,11 @@ from tiny_ssm import tiny_model
 from ssmq.runtime.kv_blocks import BlockAllocator
 
 
+@pytest.mark.parametrize("arch", ["hybrid", "llama"])
 @pytest.mark.parametrize("before_rope", [False, True])
-def test_paged_kv_cache_equals_the_dense_one(before_rope):
+def test_paged_kv_cache_equals_the_dense_one(before_rope, arch):
     """Two sequences prefilled in chunks and decoded, their blocks handed out out of order and interleaved."""
-    model = tiny_model("hybrid", seed=2)
+    model = tiny_model(arch, seed=2)
     dense = model.allocate_cache(3, 64, kv_keys_before_rope=before_rope)
     paged = model.allocate_cache(3, 64, kv_keys_before_rope=before_rope, kv_blocks=40, kv_block_size=4)
     alloc = BlockAllocator(40, 4)

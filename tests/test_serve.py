@@ -113,9 +113,10 @@ def test_32_concurrent_greedy_requests_equal_offline_generate(server, mamba2):
         assert text == offline_text(mamba2, p, m), f"request {i}"
 
 
-def test_hybrid_through_the_block_kv_cache_equals_offline():
+@pytest.mark.parametrize("arch", ["hybrid", "llama"])
+def test_attention_models_through_the_block_kv_cache_equal_offline(arch):
     """20 blocks of 4 tokens: requests of up to 20 blocks wait for blocks as well as for slots (max batch 4)."""
-    model = tiny_model("hybrid", seed=5)
+    model = tiny_model(arch, seed=5)
     prompts = random_prompts(10, seed=1)
     with start(model, max_batch=4, max_model_len=96, prefill_tokens=8, kv_blocks=20) as url:
         bodies = [{"prompt": p, "max_tokens": 12 + i, "temperature": 0, "stream": i % 2 == 1}

@@ -25,6 +25,7 @@ FLOAT_2 = {
     "mamba2-normgroup": (("tiny", "mamba2", {"ngroups": 1, "norm_group_size": 64}), True, None),
     "mamba1": (("tiny", "mamba1", {}), True, None),
     "hybrid": (("tiny", "hybrid", {}), True, None),
+    "llama": (("tiny", "llama", {}), True, None),
 }
 # name -> (arch, recipe, state_bits, overrides)
 QUANT_2 = {
@@ -37,12 +38,14 @@ QUANT_2_MORE = {  # slow: more recipes, the other families
     "quamba-w8a8": ("mamba1", "quamba-w8a8", None, {}),
     "dynamic-w8a8-hybrid": ("hybrid", "dynamic-w8a8", None, {}),
     "hadamard-w8a8-hybrid": ("hybrid", "hadamard-w8a8", None, {}),
+    "dynamic-w8a8-llama": ("llama", "dynamic-w8a8", None, {}),
 }
 SHARED = ("mamba2", "mamba1", "hybrid")
 FLOAT_4 = {
     "mamba2-g2": FLOAT_2["mamba2-g2"],  # 8 heads, 2 groups over 4 ranks: each group replicated on 2 ranks
     "mamba1": FLOAT_2["mamba1"],
     "hybrid": FLOAT_2["hybrid"],  # 4 query / 2 KV heads over 4 ranks: KV heads replicated
+    "llama": FLOAT_2["llama"],  # the same heads in every layer
 }
 
 
@@ -116,7 +119,7 @@ def test_tp2_all_reduces_per_block(two):
     assert counts["mamba2-g1-fused"] == [1] * 4 and counts["mamba2-g1-two-reduces"] == [2] * 4
     assert counts["mamba2-g2"] == [1] * 4  # norm groups = B/C groups: whole groups per rank, no norm comm
     assert counts["mamba1"] == [2] * 4  # x_proj (Δ, B, C) and out_proj
-    assert counts["hybrid"] == [2, 2, 2]  # mixer + MLP
+    assert counts["hybrid"] == [2, 2, 2] and counts["llama"] == [2, 2, 2]  # mixer (o_proj) + MLP (down_proj)
     # what really went over the wire during run_model agrees with the declared count for decode steps
     got = two["mamba2-g1-fused"][0][0]["counts"]
     assert set(got) == {"out_proj+norm"}

@@ -22,6 +22,8 @@ TINY = {
     "hybrid": dict(arch="hybrid", d_model=128, n_layer=3, vocab_size=64, d_state=16, headdim=32, ngroups=2,
                    chunk_size=8, attn_layer_idx=(1,), attn_heads=4, attn_kv_heads=2, attn_head_dim=32,
                    rotary_dim=16, mlp_hidden=48),
+    "llama": dict(arch="llama", d_model=128, n_layer=3, vocab_size=64, attn_heads=4, attn_kv_heads=2,
+                  attn_head_dim=32, rotary_dim=32, mlp_hidden=96, tie_embeddings=False, residual_in_fp32=False),
 }
 
 

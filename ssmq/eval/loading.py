@@ -1,7 +1,8 @@
 """Load a model to evaluate from a spec string, and say how long a sequence it supports.
 
 Specs:
-- ``PATH`` — ``ssmq.load_model(PATH)`` (a mamba_ssm / HF checkpoint folder, or a quantized checkpoint folder).
+- ``PATH`` — ``ssmq.load_model(PATH)`` (a mamba_ssm / HF checkpoint folder, a quantized checkpoint folder, a Llama
+  ``.gguf`` file with its own tokenizer, or a packaged name such as ``smollm2-135m``).
 - ``PATH`` with ``quantized=DIR`` — the quantized checkpoint ``DIR`` of the model ``PATH`` (tokenizer from ``PATH``).
 - ``hf:PATH`` — the Hugging Face ``transformers`` implementation of ``PATH`` (the independent reference), wrapped so
   that ``forward(input_ids) -> logits`` like ours.
@@ -79,9 +80,13 @@ def resolve_device(device: str | None) -> str:
 
 def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str, tp_comm=None):
     """(model in eval mode, tokenizer) for a spec; with ``tp_comm``, this rank's tensor-parallel shard."""
+    from ssmq.paths import PACKAGED
     from ssmq.tokenizer import load_tokenizer
 
-    if not Path(spec.path).exists():
+    path = Path(spec.path)
+    if not path.exists() and spec.path in PACKAGED:  # smollm2-135m: the GGUF file its package ships
+        path = PACKAGED[spec.path].path()
+    if not path.exists():
         raise SSMQError(f"model {spec.path} not found")
     if spec.backend == "hf":
         if tp_comm is not None:
@@ -90,7 +95,9 @@ def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str, tp_comm=None
             from transformers import AutoModelForCausalLM
         except ImportError:
             raise SSMQError("hf: models need the transformers package (pip install transformers)") from None
-        model = HFCausalLM(AutoModelForCausalLM.from_pretrained(spec.path, dtype=dtype)).to(device)
+        where = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name) if path.suffix == ".gguf" \
+            else dict(pretrained_model_name_or_path=str(path))
+        model = HFCausalLM(AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)).to(device)
     else:
         from ssmq.quant import load_model
 
@@ -99,10 +106,11 @@ def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str, tp_comm=None
         if tp_comm is not None:
             from ssmq.runtime.tp_launch import load_tp_model
 
-            model = load_tp_model(spec.quantized or spec.path, tp_comm, dtype=dtype, device=device)
+            model = load_tp_model(spec.quantized or path, tp_comm, dtype=dtype, device=device)
         else:
-            model = load_model(spec.quantized or spec.path, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(spec.path if Path(spec.path).is_dir() else None)
+            model = load_model(spec.quantized or path, dtype=dtype, device=device)
+    # a folder's tokenizer.json or a GGUF's own tokenizer; else the fallbacks of load_tokenizer
+    tokenizer = load_tokenizer(path if path.is_dir() or path.suffix == ".gguf" else None)
     return model.eval(), tokenizer
 
 

@@ -180,3 +180,11 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     """``ops.quantize_act_ref``: (codes, scale) of a float activation, one Triton program per row on CUDA."""
     impl = _kernels("quant_gemm").quantize_act if _use_triton(x) else ops.quantize_act_ref
     return impl(x, x_scale, per_token, dtype)
+
+
+def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None):
+    """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA)."""
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    impl = _kernels("kv_decode").quant_kv_decode if _use_triton(q) else quant_kv_decode_ref
+    return impl(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)

@@ -1,4 +1,4 @@
-"""ModelConfig: one dataclass describing Mamba-1, Mamba-2 and hybrid (Mamba-2 + attention) LMs."""
+"""ModelConfig: one dataclass describing Mamba-1, Mamba-2, hybrid (Mamba-2 + attention) and Llama LMs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 from ssmq.ops import layout
 from ssmq.ops.layout import LayerKind, Segments
 
-ARCHS = ("mamba1", "mamba2", "hybrid")
+ARCHS = ("mamba1", "mamba2", "hybrid", "llama")
+ATTENTION_ARCHS = ("hybrid", "llama")  # architectures with attention layers and a gated MLP in every block
 
 
 @dataclass
@@ -18,6 +19,8 @@ class ModelConfig:
     Mamba-2 / hybrid SSM layers: d_inner = expand · d_model = nheads · headdim.
     Hybrid: layers listed in ``attn_layer_idx`` are attention, the rest Mamba-2;
     every hybrid layer has a gated MLP when ``mlp_hidden > 0``.
+    Llama: the degenerate hybrid — every layer attention (``attn_layer_idx`` is set to all of them; the SSM
+    fields are unused), full RoPE (``rotary_dim = attn_head_dim``), GQA, SwiGLU MLP, RMSNorm.
     """
 
     arch: str
@@ -53,12 +56,17 @@ class ModelConfig:
         if self.arch not in ARCHS:
             raise ValueError(f"unknown architecture {self.arch!r}; expected one of {', '.join(ARCHS)}")
         self.attn_layer_idx = tuple(int(i) for i in self.attn_layer_idx)
+        if self.arch == "llama":  # every layer attention: one source of truth for layer_kind and the cache
+            if self.attn_layer_idx and self.attn_layer_idx != tuple(range(self.n_layer)):
+                raise ValueError(f"a llama model has attention in every layer, not only {list(self.attn_layer_idx)}")
+            self.attn_layer_idx = tuple(range(self.n_layer))
         self.dt_limit = (float(self.dt_limit[0]), float(self.dt_limit[1]))
-        if self.arch != "mamba1" and self.d_inner % self.headdim:
-            raise ValueError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
-        if self.ssm_kind is LayerKind.MAMBA2:
-            layout.heads_per_group(self.nheads, self.ngroups)
-        if self.arch == "hybrid" and self.attn_layer_idx and self.attn_heads % max(self.attn_kv_heads, 1):
+        if self.ssm_layers():  # the SSM layout is checked only where there are SSM layers
+            if self.arch != "mamba1" and self.d_inner % self.headdim:
+                raise ValueError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
+            if self.ssm_kind is LayerKind.MAMBA2:
+                layout.heads_per_group(self.nheads, self.ngroups)
+        if self.attn_layer_idx and self.attn_heads % max(self.attn_kv_heads, 1):
             raise ValueError(f"attention heads {self.attn_heads} not a multiple of kv heads {self.attn_kv_heads}")
 
     @property
@@ -82,6 +90,11 @@ class ModelConfig:
     def ssm_kind(self) -> LayerKind:
         """The kind of this model's SSM layers (hybrids: Mamba-2)."""
         return LayerKind.MAMBA1 if self.arch == "mamba1" else LayerKind.MAMBA2
+
+    @property
+    def has_mlp(self) -> bool:
+        """Every block has a gated MLP after its mixer (hybrid and llama, when ``mlp_hidden > 0``)."""
+        return self.arch in ATTENTION_ARCHS and self.mlp_hidden > 0
 
     def layer_kind(self, i: int) -> LayerKind:
         if self.arch != "mamba1" and i in self.attn_layer_idx:

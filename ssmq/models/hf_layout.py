@@ -7,6 +7,10 @@ writers of HF folders (``ssmq export``):
     mamba1   MambaForCausalLM      backbone.layers.i.           .mixer.      -
     mamba2   Mamba2ForCausalLM     backbone.layers.i.           .mixer.      -
     hybrid   BambaForCausalLM      model.layers.i.              .mamba. / .self_attn.   .feed_forward.
+    llama    LlamaForCausalLM      model.layers.i.              .self_attn.  .mlp.
+
+Norms: hybrid ``input_layernorm`` / ``pre_ff_layernorm`` / ``model.final_layernorm``; llama ``input_layernorm`` /
+``post_attention_layernorm`` / ``model.norm``.
 
 Mamba-1's ``dt_bias`` is HF's ``dt_proj.bias``. HF configs cannot say everything an ssmq
 ModelConfig can (Bamba has no residual_in_fp32; HF Mamba-2 normalises the gate over all of d_inner),
@@ -21,7 +25,7 @@ from ssmq.models.config import ModelConfig
 
 SSMQ_CONFIG_KEY = "ssmq_config"
 HF_ARCHITECTURES = {"mamba1": ("mamba", "MambaForCausalLM"), "mamba2": ("mamba2", "Mamba2ForCausalLM"),
-                    "hybrid": ("bamba", "BambaForCausalLM")}
+                    "hybrid": ("bamba", "BambaForCausalLM"), "llama": ("llama", "LlamaForCausalLM")}
 
 
 def _limit(cfg: ModelConfig) -> list[float]:
@@ -44,20 +48,27 @@ def config_to_hf(cfg: ModelConfig) -> dict:
                "chunk_size": cfg.chunk_size, "time_step_limit": _limit(cfg), "use_conv_bias": cfg.conv_bias,
                "use_bias": cfg.proj_bias, "layer_norm_epsilon": cfg.norm_eps,
                "residual_in_fp32": cfg.residual_in_fp32}
-    else:
+    elif cfg.arch == "hybrid":
         out = {**common, "mamba_d_state": cfg.d_state, "mamba_d_conv": cfg.d_conv, "mamba_expand": cfg.expand,
                "mamba_d_head": cfg.headdim, "mamba_n_heads": cfg.nheads, "mamba_n_groups": cfg.ngroups,
                "mamba_chunk_size": cfg.chunk_size, "time_step_limit": _limit(cfg), "mamba_conv_bias": cfg.conv_bias,
-               "mamba_proj_bias": cfg.proj_bias, "rms_norm_eps": cfg.norm_eps,
-               "attn_layer_indices": list(cfg.attn_layer_idx), "num_attention_heads": cfg.attn_heads,
-               "num_key_value_heads": cfg.attn_kv_heads, "head_dim": cfg.attn_head_dim,
-               "attention_bias": cfg.attn_bias, "intermediate_size": cfg.mlp_hidden,
-               "max_position_embeddings": cfg.max_position_embeddings,
-               "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                                   "partial_rotary_factor": cfg.rotary_dim / cfg.attn_head_dim
-                                   if cfg.attn_head_dim else 1.0}}
+               "mamba_proj_bias": cfg.proj_bias, "attn_layer_indices": list(cfg.attn_layer_idx),
+               **_attention_to_hf(cfg)}
+    else:
+        out = {**common, "hidden_act": "silu", "mlp_bias": False, **_attention_to_hf(cfg)}
     out[SSMQ_CONFIG_KEY] = cfg.to_dict()
     return out
+
+
+def _attention_to_hf(cfg: ModelConfig) -> dict:
+    """The attention / MLP fields, named alike in Bamba and Llama configs."""
+    return {"rms_norm_eps": cfg.norm_eps, "num_attention_heads": cfg.attn_heads,
+            "num_key_value_heads": cfg.attn_kv_heads, "head_dim": cfg.attn_head_dim,
+            "attention_bias": cfg.attn_bias, "intermediate_size": cfg.mlp_hidden,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                                "partial_rotary_factor": cfg.rotary_dim / cfg.attn_head_dim
+                                if cfg.attn_head_dim else 1.0}}
 
 
 _TO_HF = {  # ssmq prefix pattern -> HF, per naming family (inverse of loading._HF_RENAMES)
@@ -68,6 +79,11 @@ _TO_HF = {  # ssmq prefix pattern -> HF, per naming family (inverse of loading._
               (r"^layers\.(\d+)\.norm\.", r"model.layers.\1.input_layernorm."),
               (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.pre_ff_layernorm."),
               (r"^layers\.(\d+)\.mlp\.", r"model.layers.\1.feed_forward.")],
+    "llama": [(r"^embedding\.", "model.embed_tokens."), (r"^norm_f\.", "model.norm."),
+              (r"^layers\.(\d+)\.norm\.", r"model.layers.\1.input_layernorm."),
+              (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
+              (r"^layers\.(\d+)\.mixer\.", r"model.layers.\1.self_attn."),
+              (r"^layers\.(\d+)\.mlp\.", r"model.layers.\1.mlp.")],
 }
 
 
@@ -78,7 +94,7 @@ def rename_to_hf(name: str, cfg: ModelConfig) -> str:
         if m:
             kind = "self_attn" if cfg.layer_kind(int(m.group(1))) == "attention" else "mamba"
             return f"model.layers.{m.group(1)}.{kind}.{name[m.end():]}"
-    rules = _TO_HF["model" if cfg.arch == "hybrid" else "backbone"]
+    rules = _TO_HF[{"hybrid": "model", "llama": "llama"}.get(cfg.arch, "backbone")]
     for pattern, repl in rules:
         if cfg.arch == "mamba2" and "dt_bias" in pattern:  # Mamba-2 keeps dt_bias under its own name
             continue

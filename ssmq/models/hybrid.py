@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmq import ops
+from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.state import KVState, RopeAtRead
@@ -25,10 +26,21 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
         self.v_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
         self.o_proj = Linear(self.hq * self.e, cfg.d_model, bias=cfg.attn_bias)
+        self.kv_quant = None  # a calibrated KVQuantizer (ssmq.models.kv_quantizer) when the KV cache is quantized
 
     def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, kv_keys_before_rope: bool = False,
                        kv_table=None, **_):
-        """K, V (s, max_seqlen, hkv, e); ``kv_keys_before_rope``: keys cached before RoPE, rotated at read."""
+        """K, V (s, max_seqlen, hkv, e); ``kv_keys_before_rope``: keys cached before RoPE, rotated at read.
+        With a KV quantizer the state is quantized (its spec says whether keys are cached before RoPE)."""
+        if self.kv_quant is not None:
+            from ssmq.models.quant_kv import QuantKVState
+
+            if kv_table is not None:
+                raise SSMQError("a paged quantized KV cache is not implemented; serve this checkpoint without "
+                                "paged KV")
+            pre = self.kv_quant.kv.keys.pre_rope and self.rotary_dim
+            return QuantKVState(self.kv_quant, max_batch, max_seqlen, dtype, device,
+                                RopeAtRead(self.rotary_dim, self.rope_theta) if pre else None)
         rope = RopeAtRead(self.rotary_dim, self.rope_theta) if kv_keys_before_rope and self.rotary_dim else None
         if kv_table is not None:  # paged: blocks of a pool shared by the slots, through the model's block table
             from ssmq.models.paged_kv import PagedKVState
@@ -43,6 +55,17 @@ class Attention(nn.Module):
         cos, sin = ops.rotary_cos_sin(positions, self.rotary_dim, self.rope_theta)
         return ops.apply_rotary_ref(t, cos, sin)
 
+    def _cached_view(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Keys (post-RoPE) and values as a cache would hand them back: k, v (b, l, hkv, e) through the KV
+        quantizer's quantize-dequantize (keys before or after RoPE, as its spec says) when there is one."""
+        kvq = self.kv_quant
+        pre = kvq is not None and kvq.kv.keys.pre_rope
+        k = self._rotate(kvq.fake_quant(k, positions, "keys") if pre else k, positions)
+        if kvq is not None:
+            k = k if pre else kvq.fake_quant(k, positions, "keys")
+            v = kvq.fake_quant(v, positions, "values")
+        return k, v
+
     def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, appends to the rows ``slots``."""
         b, l, _ = hidden.shape
@@ -52,12 +75,16 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(b, l, self.hkv, self.e)
         v = self.v_proj(hidden).view(b, l, self.hkv, self.e)
         if cache is None:
-            out = ops.attention_ref(q, self._rotate(k, positions), v)
+            out = ops.attention_ref(q, *self._cached_view(k, v, positions))
         else:
             state = cache.states[self.layer_idx]
             state.append(slots, positions, k if state.keys_before_rope else self._rotate(k, positions), v)
-            keys, values = state.read(slots, start + l)  # the served rows, up to their longest length
-            out = ops.attention_ref(q, keys, values, kv_lens=start + l)
+            out = state.decode(q[:, 0], slots, start + 1) if l == 1 and hasattr(state, "decode") else None
+            if out is None:
+                keys, values = state.read(slots, start + l)  # the served rows, up to their longest length
+                out = ops.attention_ref(q, keys, values, kv_lens=start + l)
+            else:  # a quantized cache's decode kernels
+                out = out[:, None].to(q.dtype)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:

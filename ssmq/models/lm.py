@@ -38,7 +38,7 @@ class Block(nn.Module):
         self.kind = cfg.layer_kind(layer_idx)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
         self.mixer = MIXERS[self.kind](cfg, layer_idx)
-        if cfg.arch == "hybrid" and cfg.mlp_hidden:
+        if cfg.has_mlp:
             self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
             self.mlp = GatedMLP(cfg)
         else:

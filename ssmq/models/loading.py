@@ -3,8 +3,11 @@
 Formats (a folder with ``config.json`` and weights):
 - mamba_ssm: config has ``d_model``, ``n_layer``, ``ssm_cfg``; weights ``pytorch_model.bin`` (or safetensors)
   named ``backbone.embedding.weight``, ``backbone.layers.N.mixer.*``, ``backbone.norm_f.weight``, ``lm_head.weight``.
-- Hugging Face: ``model_type`` mamba (MambaForCausalLM), mamba2 (Mamba2ForCausalLM) or bamba
-  (BambaForCausalLM, the hybrid); safetensors (sharded or not) or ``pytorch_model.bin``.
+- Hugging Face: ``model_type`` mamba (MambaForCausalLM), mamba2 (Mamba2ForCausalLM), bamba
+  (BambaForCausalLM, the hybrid) or llama (LlamaForCausalLM, the hybrid with attention in every layer);
+  safetensors (sharded or not) or ``pytorch_model.bin``.
+- GGUF: one ``.gguf`` file of a Llama model, read through transformers (``ssmq.models.gguf``).
+- A packaged name (``ssmq.paths.PACKAGED``, e.g. ``smollm2-135m``) resolves to the file its pip package ships.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
+from ssmq.models.gguf import is_gguf, read_gguf_config, read_gguf_state_dict
 from ssmq.models.hf_layout import SSMQ_CONFIG_KEY
 from ssmq.models.lm import SSMLM
-from ssmq.paths import read_json
+from ssmq.paths import PACKAGED, read_json
 
-HF_MODEL_TYPES = {"mamba": "mamba1", "mamba2": "mamba2", "bamba": "hybrid"}
+HF_MODEL_TYPES = {"mamba": "mamba1", "mamba2": "mamba2", "bamba": "hybrid", "llama": "llama"}
 
 
 # ---------------------------------------------------------------- configs
@@ -87,29 +91,41 @@ def config_from_hf(c: dict) -> ModelConfig:
         if c.get("num_heads", cfg.nheads) != cfg.nheads:
             raise SSMQError(f"config num_heads {c['num_heads']} != expand*hidden_size/head_dim = {cfg.nheads}")
         return cfg
+    if arch == "llama":
+        if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias", False):
+            raise SSMQError(f"Llama with hidden_act={c.get('hidden_act')!r}, mlp_bias={c.get('mlp_bias')} is not "
+                            "supported (only the SwiGLU MLP without biases)")
+        return ModelConfig(arch="llama", d_model=c["hidden_size"], n_layer=c["num_hidden_layers"],
+                           vocab_size=c["vocab_size"], norm_eps=c.get("rms_norm_eps", 1e-6), residual_in_fp32=False,
+                           tie_embeddings=c.get("tie_word_embeddings", False), **_attention_fields(c))
     # Bamba hybrid
-    heads = c["num_attention_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    rope = c.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise SSMQError(f"RoPE type {rope_type!r} is not supported (only 'default')")
-    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
     cfg = ModelConfig(
         arch="hybrid", d_model=c["hidden_size"], n_layer=c["num_hidden_layers"], vocab_size=c["vocab_size"],
         d_state=c["mamba_d_state"], d_conv=c["mamba_d_conv"], expand=c["mamba_expand"], headdim=c["mamba_d_head"],
         ngroups=c["mamba_n_groups"], chunk_size=c["mamba_chunk_size"], dt_limit=_dt_limit(c.get("time_step_limit")),
         conv_bias=c.get("mamba_conv_bias", True), proj_bias=c.get("mamba_proj_bias", False),
         norm_eps=c.get("rms_norm_eps", 1e-5), residual_in_fp32=False, tie_embeddings=tie,
-        attn_layer_idx=tuple(c.get("attn_layer_indices") or ()), attn_heads=heads,
-        attn_kv_heads=c["num_key_value_heads"], attn_head_dim=head_dim, rotary_dim=int(head_dim * partial),
-        rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)), attn_bias=c.get("attention_bias", False),
-        mlp_hidden=c["intermediate_size"], max_position_embeddings=c.get("max_position_embeddings", 4096),
-    )
+        attn_layer_idx=tuple(c.get("attn_layer_indices") or ()), **_attention_fields(c))
     cfg.norm_group_size = cfg.d_inner
     if c.get("mamba_n_heads", cfg.nheads) != cfg.nheads:
         raise SSMQError(f"config mamba_n_heads {c['mamba_n_heads']} != mamba_expand*hidden_size/mamba_d_head")
     return cfg
+
+
+def _attention_fields(c: dict) -> dict:
+    """The ModelConfig fields of the attention layers and MLPs, read the same way from Bamba and Llama configs
+    (HF names: num_attention_heads, num_key_value_heads, head_dim, rope_parameters, attention_bias, ...)."""
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":  # llama3 / yarn / linear scaling change the frequencies: not implemented
+        raise SSMQError(f"RoPE type {rope_type!r} is not supported (only 'default')")
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    return dict(attn_heads=heads, attn_kv_heads=c.get("num_key_value_heads") or heads, attn_head_dim=head_dim,
+                rotary_dim=int(head_dim * partial), rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+                attn_bias=c.get("attention_bias", False), mlp_hidden=c["intermediate_size"],
+                max_position_embeddings=c.get("max_position_embeddings", 4096))
 
 
 def detect_format(c: dict) -> str:
@@ -120,7 +136,7 @@ def detect_format(c: dict) -> str:
         return "hf"
     what = c.get("model_type") or ",".join(c.get("architectures") or []) or "no model_type"
     raise SSMQError(f"unknown architecture ({what}); supported: Mamba-1, Mamba-2 (mamba_ssm or Hugging Face), "
-                    "Bamba-style hybrids (Hugging Face)")
+                    "Bamba-style hybrids and Llama (Hugging Face, or a Llama GGUF file)")
 
 
 # ---------------------------------------------------------------- weight names
@@ -131,11 +147,11 @@ _HF_RENAMES = [  # (pattern, replacement), applied in order
     (r"^backbone\.norm_f\.", "norm_f."),
     (r"^backbone\.layers\.", "layers."),
     (r"^model\.embed_tokens\.", "embedding."),
-    (r"^model\.final_layernorm\.", "norm_f."),
+    (r"^model\.(final_layernorm|norm)\.", "norm_f."),  # Bamba | Llama
     (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.norm."),
-    (r"^model\.layers\.(\d+)\.pre_ff_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"^model\.layers\.(\d+)\.(pre_ff_layernorm|post_attention_layernorm)\.", r"layers.\1.mlp_norm."),
     (r"^model\.layers\.(\d+)\.(mamba|self_attn)\.", r"layers.\1.mixer."),
-    (r"^model\.layers\.(\d+)\.feed_forward\.", r"layers.\1.mlp."),
+    (r"^model\.layers\.(\d+)\.(feed_forward|mlp)\.", r"layers.\1.mlp."),
     (r"\.mixer\.dt_proj\.bias$", ".mixer.dt_bias"),  # Mamba-1
 ]
 
@@ -149,9 +165,12 @@ def rename_to_ssmq(name: str) -> str:
 # ---------------------------------------------------------------- files
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint folder: safetensors (single or sharded index) or pytorch_model.bin."""
+    """All tensors of a checkpoint folder (safetensors, single or sharded index, or pytorch_model.bin) or of a
+    GGUF file (dequantized to float32), under the checkpoint's names."""
     from safetensors.torch import load_file
 
+    if is_gguf(folder):
+        return read_gguf_state_dict(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -178,15 +197,18 @@ def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """A local folder as is; otherwise a hub id, downloaded (fails offline with one clear line)."""
+    """A local folder or ``.gguf`` file as is; a packaged name (``smollm2-135m``) to the file its pip package
+    ships; otherwise a hub id, downloaded (fails offline with one clear line)."""
     p = Path(name_or_path).expanduser()
     if p.exists():
-        if not p.is_dir():
-            raise SSMQError(f"--model must be a folder, got file {p}")
+        if not p.is_dir() and not is_gguf(p):
+            raise SSMQError(f"--model must be a folder or a .gguf file, got file {p}")
         return p
     s = str(name_or_path)
+    if s in PACKAGED:
+        return PACKAGED[s].path()
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", s):
-        raise SSMQError(f"model path {s} does not exist")
+        raise SSMQError(f"model path {s} does not exist (nor is it a packaged model name: {', '.join(PACKAGED)})")
     try:
         from huggingface_hub import snapshot_download
 
@@ -198,12 +220,15 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
 
 
 def load_config(folder: Path) -> tuple[ModelConfig, str]:
-    raw = read_json(folder / "config.json", f"no config.json in {folder}")
-    fmt = detect_format(raw)
+    """(config, format) of a checkpoint folder or GGUF file; format is 'mamba_ssm', 'hf' or 'gguf'."""
+    raw = read_gguf_config(folder) if is_gguf(folder) else read_json(folder / "config.json", f"no config.json in {folder}")
+    fmt = "gguf" if is_gguf(folder) else detect_format(raw)
+    if fmt == "gguf" and raw.get("model_type") not in HF_MODEL_TYPES:
+        raise SSMQError(f"{folder}: GGUF model type {raw.get('model_type')!r} is not supported (only llama)")
     try:
         if fmt == "hf" and SSMQ_CONFIG_KEY in raw:  # written by ssmq (export): exact, incl. what HF cannot say
             return ModelConfig.from_dict(raw[SSMQ_CONFIG_KEY]), fmt
-        cfg = config_from_mamba_ssm(raw) if fmt == "mamba_ssm" else config_from_hf(raw)
+        cfg = config_from_mamba_ssm(raw) if fmt == "mamba_ssm" else config_from_hf(raw)  # gguf: an HF dict
     except KeyError as e:
         raise SSMQError(f"config.json in {folder} lacks the field {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
@@ -219,7 +244,8 @@ def _is_compressed_tensors(folder: Path) -> bool:
 
 
 def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32, device="cpu") -> SSMLM:
-    """Build an SSMLM from a checkpoint folder or hub id; weights cast to ``dtype`` on ``device``."""
+    """Build an SSMLM from a checkpoint folder, GGUF file, packaged name or hub id; weights cast to ``dtype``
+    on ``device``."""
     folder = resolve_model_path(name_or_path)
     if (folder / "quantization.json").exists() or _is_compressed_tensors(folder):
         # the models layer does not know quantized modules

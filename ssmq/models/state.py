@@ -20,8 +20,9 @@ calibrated scales, Quamba2). Either SSM format may be checkpointed (``checkpoint
 ``ssmq.ops.replay_ssm``): ``ssm`` then holds each slot's state at its last checkpoint and ``ring`` the inputs of
 the steps since; the ops above see the current state (replayed) and write the big buffer once every K steps.
 The seams for later formats: a paged KV format replaces KVState's
-append/read with a block table; a quantized KV format stores codes + scales as int8 does here; a
-tensor-parallel state is the state its sharded mixer allocates (fewer channels / heads).
+append/read with a block table (``paged_kv``); the quantized KV format stores codes + scales + sparse
+outliers (``quant_kv``, KVQuant and the engines' formats); a tensor-parallel state is the state its sharded
+mixer allocates (fewer channels / heads).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class StateFormat(str, Enum):
     FLOAT = "float"
     INT8 = "int8"
     PAGED = "paged"  # KV in fixed-size blocks through a block table (ssmq.models.paged_kv)
+    QUANT = "quant"  # KV as codes + scales + sparse outliers (ssmq.models.quant_kv)
 
     def __str__(self) -> str:
         return self.value

@@ -22,3 +22,4 @@ __all__ = [
 
 # registers the SSM module kinds (ActQuantizer, int8-state mixers) for checkpoint loading
 import ssmq.quant.ssm  # noqa: E402,F401
+import ssmq.quant.kvquant  # noqa: E402,F401  (registers KVQuantizer)

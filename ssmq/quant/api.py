@@ -1,6 +1,7 @@
 """The one quantization pipeline: ``check(recipe, model)`` and ``quantize(model, recipe, calib)``.
 
-Order (``docs/architecture.md``): ``check`` refuses what does not apply, before any work -> transforms in
+Order (``docs/architecture.md``): ``check`` refuses what does not apply, before any work -> KV format
+calibrated on the float model (``ssmq.quant.kvquant``: the Fisher needs float gradients) -> transforms in
 recipe order (``TRANSFORMS``; smoothquant and sort_cluster calibrate their own statistics) -> SSM taps
 calibrated and swapped for ``ActQuantizer``s -> linears: static activation scales and GPTQ Hessians observed
 in calibration passes (after the taps are quantized, as the layers will see them; the input of a
@@ -71,8 +72,9 @@ def check(recipe, model: nn.Module) -> dict[str, Rule]:
         if t.name == "sort_cluster" and cfg.arch == "mamba2":
             permutable_block(cfg)
     _check_ssdi8(recipe, cfg, name)
+    _check_kv(recipe, model, name)
     targets = plan(recipe, model)
-    if not targets:
+    if recipe.linears and not targets:
         raise SSMQError(f"{name} matches no linear module of this {cfg.arch} model")
     for rule in recipe.linears:
         if not match_modules(model, rule.modules, rule.exclude, kinds=(nn.Linear,)):
@@ -84,6 +86,22 @@ def check(recipe, model: nn.Module) -> dict[str, Rule]:
         if rule.weight.dtype == "int4" and k % 2:
             raise SSMQError(f"{name}: int4 needs an even in_features, {path} has {k}")
     return targets
+
+
+def _check_kv(recipe: Recipe, model: nn.Module, name: str) -> None:
+    kv = recipe.cache.kv
+    if kv is None:
+        return
+    from ssmq.quant.kvquant import attention_layers
+
+    layers = attention_layers(model)
+    if not layers:
+        raise SSMQError(f"{name} quantizes the KV cache, and this {model.config.arch} model has no attention layer")
+    e = model.layers[layers[0]].mixer.e
+    if e % 2:
+        raise SSMQError(f"{name}: the KV cache stores two codes per byte, so the head dim must be even, not {e}")
+    if (kv.keys.rotate or kv.values.rotate) and e & (e - 1):
+        raise SSMQError(f"{name}: the rotated KV format needs a power-of-two head dim, not {e}")
 
 
 def _check_ssdi8(recipe: Recipe, cfg, name: str) -> None:
@@ -236,6 +254,11 @@ def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, 
 def _quantize(model, recipe: Recipe, calib, kw, hessian_budget_bytes) -> dict:
     clusters: dict[int, torch.Tensor] = {}
     reference = None
+    if recipe.cache.kv is not None:  # first, on the float model (the Fisher needs gradients through float layers)
+        from ssmq.quant.kvquant import calibrate_kv_
+
+        calibrate_kv_(model, recipe.cache.kv, calib.input_ids[:recipe.calibration.kv_windows],
+                      min(kw["batch_size"], 4))
     for t in recipe.transforms:
         if t.name == "ssdi8" and recipe.has("mean_correction"):
             reference = copy.deepcopy(model)  # the float model in the same (transformed) basis

@@ -8,7 +8,8 @@
      "taps":       [{"taps": ["act_x"], "layout": "cluster", "observer": "percentile"}],        # SSM inputs
      "embedding":  {"dtype": "int8"},                            # head-to-toe: embedding rows, or null
      "cache":      {"state_bits": 16, "kv": null},               # SSM state (8: int8, scales per x group
-                                                                 # and state index), KV format (reserved)
+                                                                 # and state index); KV format: a KVSpec
+                                                                 # object or a KV preset's name
      "calibration": {"state_windows": 64, "state_chunk": 128},   # what the int8 state scales observe
      "search":     null}                                         # or per-layer A8/A16 search (W4AX)
 
@@ -18,6 +19,10 @@ become ``ActQuantizer``s, their scale layout (per_tensor | state_group | cluster
 ``TRANSFORMS`` below names each and its parameters; ``ssmq.quant.api`` runs them (the maths: one file each,
 listed in ``docs/architecture.md``). Search: the model is quantized twice (the recipe, and the recipe with
 16-bit activations) and each layer takes one of the two by evolutionary search (``ssmq/quant/ssm/mixed.py``).
+
+KV cache: ``cache.kv`` is a ``ssmq.models.kv_format.KVSpec`` (JSON object), or the name of a KV preset
+(``ssmq.quant.kv_presets``, each also registered as a KV-only recipe). ``get_recipe("A+B")`` combines a recipe
+A with a KV-only recipe B: A's rules on the SSM layers, B's KV format on the attention layers, one recipe.
 
 A new family is data: new fields of a spec, a transform name here and its function in ``api.TRANSFORMS``.
 Format 1 (the two kinds of ssmq 0.1: ``{"rules": ...}`` and ``{"kind": "ssm", "linears": ..., "state_bits":
@@ -31,10 +36,14 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ssmq.errors import SSMQError
+from ssmq.models.config import ARCHS as MODEL_ARCHS
+from ssmq.models.config import ATTENTION_ARCHS
+from ssmq.models.kv_format import KVSpec
+from ssmq.quant.kv_presets import KV_PRESETS
 from ssmq.quant.spec import ActSpec, WeightSpec, validate_pair
 
 FORMAT = 2
-ARCHS = ("mamba1", "mamba2", "hybrid")
+ARCHS = MODEL_ARCHS  # every architecture: linear-only recipes apply to all (llama included)
 SSM_ARCHS = ("mamba1", "mamba2")
 TAPS = ("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y")
 TAP_LAYOUTS = ("per_tensor", "state_group", "cluster")
@@ -135,23 +144,40 @@ class TapRule:
 
 @dataclass
 class Cache:
-    """Cache formats: SSM state bits (8: int8, scales per (x scale group, state index)); KV format (reserved)."""
+    """Cache formats: SSM state bits (8: int8, scales per (x scale group, state index)); KV format (None: float),
+    given as a KVSpec, its JSON object or a KV preset's name (kept as the KVSpec it names)."""
     state_bits: int = 16
-    kv: str | None = None
+    kv: KVSpec | None = None
+
+    def __post_init__(self):
+        if isinstance(self.kv, str):
+            if self.kv not in KV_PRESETS:
+                raise SSMQError(f"unknown KV format {self.kv!r}; known presets: {', '.join(KV_PRESETS)} "
+                                "(or a KV spec object)")
+            self.kv = KV_PRESETS[self.kv][0]
+        elif isinstance(self.kv, dict):
+            self.kv = KVSpec.from_dict(self.kv)
 
     def validate(self) -> "Cache":
         if self.state_bits not in (8, 16):
             raise SSMQError(f"state cache bits must be 8 or 16, not {self.state_bits}")
+        if self.kv is not None and not isinstance(self.kv, KVSpec):
+            raise SSMQError(f"cache.kv is a KV spec object or a KV preset name, not {type(self.kv).__name__}")
         if self.kv is not None:
-            raise SSMQError(f"no quantized KV cache format is implemented yet (got kv={self.kv!r})")
+            self.kv.validate()
         return self
+
+    def to_dict(self) -> dict:
+        return {"state_bits": self.state_bits, "kv": None if self.kv is None else self.kv.to_dict()}
 
 
 @dataclass
 class Calibration:
-    """Windows (of the calibration set) the int8 state scales observe, every ``state_chunk`` tokens."""
+    """Windows (of the calibration set) the int8 state scales observe, every ``state_chunk`` tokens, and the
+    windows a KV format is calibrated on (Fisher-weighted k-means, outlier thresholds)."""
     state_windows: int = 64
     state_chunk: int = 128
+    kv_windows: int = 16  # windows whose keys, values and gradients calibrate a KV format
 
 
 @dataclass
@@ -187,7 +213,7 @@ class Recipe:
     description: str = ""
 
     def validate(self) -> "Recipe":
-        if not (self.linears or self.taps or self.cache.state_bits != 16):  # e.g. an int8-state-only checkpoint
+        if not (self.linears or self.taps or self.cache.state_bits != 16 or self.cache.kv):  # e.g. KV-only
             raise SSMQError(f"recipe {self.name!r} has no rules for linear layers")
         bad = sorted(set(self.supported_archs) - set(ARCHS))
         if bad:
@@ -216,7 +242,7 @@ class Recipe:
         return next((t.get(key) for t in self.transforms if t.name == transform), None)
 
     def needs_calibration(self) -> bool:
-        return bool(self.taps or self.search or self.cache.state_bits != 16) or any(
+        return bool(self.taps or self.search or self.cache.state_bits != 16 or self.cache.kv) or any(
             t.name in ("smoothquant", "sort_cluster", "ssdi8", "mean_correction") for t in self.transforms) or any(
             r.weight.method == "gptq" or (r.act is not None and r.act.static) for r in self.linears)
 
@@ -234,7 +260,7 @@ class Recipe:
                 "transforms": [{"name": t.name, "params": dict(t.params)} for t in self.transforms],
                 "linears": [r.to_dict() for r in self.linears], "taps": [dict(t.__dict__) for t in self.taps],
                 "embedding": None if self.embedding is None else self.embedding.to_dict(),
-                "cache": dict(self.cache.__dict__), "calibration": dict(self.calibration.__dict__),
+                "cache": self.cache.to_dict(), "calibration": dict(self.calibration.__dict__),
                 "search": None if self.search is None else dict(self.search.__dict__)}
 
     @classmethod
@@ -306,7 +332,7 @@ def register_recipe(recipe: Recipe) -> Recipe:
 
 
 def get_recipe(name_or_path) -> Recipe:
-    """A registered name, a path to a JSON file (format 1 or 2), or a Recipe (returned validated)."""
+    """A registered name, a path to a JSON file (format 1 or 2), ``A+B`` (``with_kv``), or a Recipe (validated)."""
     if isinstance(name_or_path, Recipe):
         return name_or_path.validate()
     key = str(name_or_path)
@@ -318,7 +344,33 @@ def get_recipe(name_or_path) -> Recipe:
             return Recipe.from_json(p.read_text())
         except SSMQError as e:
             raise SSMQError(f"{p}: {e}") from None
+    if "+" in key:
+        base, *kvs = key.split("+")
+        recipe = get_recipe(base)
+        for kv in kvs:
+            recipe = with_kv(recipe, get_recipe(kv))
+        return recipe
     raise SSMQError(f"unknown recipe {key!r}: not a file, and not one of {', '.join(sorted(RECIPES))}")
+
+
+def is_kv_only(recipe: Recipe) -> bool:
+    return recipe.cache.kv is not None and not (recipe.linears or recipe.transforms or recipe.taps or recipe.embedding
+                                                or recipe.search or recipe.cache.state_bits != 16)
+
+
+def with_kv(recipe: Recipe, kv: Recipe) -> Recipe:
+    """``recipe`` with the KV format of the KV-only recipe ``kv`` (named ``recipe.name+kv.name``)."""
+    if not is_kv_only(kv):
+        raise SSMQError(f"{recipe.name}+{kv.name}: the part after '+' must be a KV-only recipe (a KV preset such as "
+                        "kvquant-nuq3-1%)")
+    if recipe.cache.kv is not None:
+        raise SSMQError(f"{recipe.name}+{kv.name}: {recipe.name} already has a KV format")
+    archs = [a for a in recipe.supported_archs if a in kv.supported_archs]
+    if not archs:
+        raise SSMQError(f"{recipe.name}+{kv.name}: {recipe.name} is for {', '.join(recipe.supported_archs)}, a KV "
+                        f"format for models with attention ({', '.join(kv.supported_archs)})")
+    return replace(recipe, name=f"{recipe.name}+{kv.name}", cache=replace(recipe.cache, kv=kv.cache.kv),
+                   supported_archs=archs, description=f"{recipe.description}; KV cache: {kv.description}").validate()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,3 +464,7 @@ register_recipe(_ssdi8(4))
 register_recipe(RECIPES["quamba2-w4a8"].with_changes(
     name="quamba2-mixed", search=Search(),
     description="Quamba2 W4AX: per-layer A8/A16 (3:1) by evolutionary search on held-out calibration perplexity"))
+
+for _name, (_spec, _what) in KV_PRESETS.items():  # for the architectures with attention layers (a KV cache)
+    register_recipe(Recipe(_name, cache=Cache(kv=_spec), supported_archs=list(ATTENTION_ARCHS),
+                           description=f"{_what} (KV cache only)"))

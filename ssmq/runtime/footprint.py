@@ -1,4 +1,9 @@
-"""Memory footprint of a model: weights, per-sequence SSM state, KV cache per token."""
+"""Memory footprint of a model: weights, per-sequence SSM state, KV cache per token.
+
+Element counts, from the config alone, equal to what ``SSMLM.allocate_cache`` allocates per slot
+(``MambaState``: conv (c, w-1) + ssm (d, n) | (h, p, n); ``KVState``: k, v (L, hkv, e)); ``ssmq plan``
+(``ssmq.runtime.plan``) turns them into bytes per format.
+"""
 
 from __future__ import annotations
 
@@ -18,25 +23,47 @@ def parameter_count(cfg: ModelConfig) -> dict[str, int]:
     return {"total": total, "embedding": embed, "non_embedding": total - embed}
 
 
+def state_elements(cfg: ModelConfig) -> dict[str, int]:
+    """Per sequence, all Mamba layers: {"conv": c·(w-1) each, "ssm": d_inner·d_state each} (0 without SSM layers)."""
+    n_mamba = len(cfg.ssm_layers())
+    if not n_mamba:
+        return {"conv": 0, "ssm": 0}
+    return {"conv": n_mamba * cfg.conv_dim * (cfg.d_conv - 1), "ssm": n_mamba * cfg.d_inner * cfg.d_state}
+
+
+def kv_vector_pairs(cfg: ModelConfig) -> int:
+    """(key, value) vector pairs of e = attn_head_dim elements cached per token: attention layers × hkv."""
+    return len(cfg.attention_layers()) * cfg.attn_kv_heads
+
+
+def layers_text(cfg: ModelConfig) -> str:
+    """'8 (6 Mamba-2 + 2 attention)', '30 (30 attention)'."""
+    n_mamba, n_attn = len(cfg.ssm_layers()), len(cfg.attention_layers())
+    ssm_part = f"{n_mamba} {'Mamba-1' if cfg.arch == 'mamba1' else 'Mamba-2'}" if n_mamba else ""
+    return f"{cfg.n_layer} ({' + '.join(p for p in (ssm_part, f'{n_attn} attention' if n_attn else '') if p)})"
+
+
 def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "", path: str = "") -> dict[str, str]:
     n_mamba = len(cfg.ssm_layers())
     n_attn = cfg.n_layer - n_mamba
-    conv = n_mamba * cfg.conv_dim * (cfg.d_conv - 1)
-    ssm = n_mamba * cfg.d_inner * cfg.d_state
-    kv = n_attn * 2 * cfg.attn_kv_heads * cfg.attn_head_dim
+    conv, ssm = state_elements(cfg).values()
+    kv = kv_vector_pairs(cfg) * 2 * cfg.attn_head_dim
     params = parameter_count(cfg)
-    layers = f"{n_mamba} {'Mamba-1' if cfg.arch == 'mamba1' else 'Mamba-2'}" + (f" + {n_attn} attention" if n_attn else "")
     out = {
         "path": path,
         "format": format_name,
         "architecture": cfg.arch,
-        "layers": f"{cfg.n_layer} ({layers})",
-        "d_model / d_inner / d_state": f"{cfg.d_model} / {cfg.d_inner} / {cfg.d_state}",
+        "layers": layers_text(cfg),
+        "d_model / d_inner / d_state": f"{cfg.d_model} / {cfg.d_inner} / {cfg.d_state}" if n_mamba else "",
+        "d_model / MLP hidden": f"{cfg.d_model} / {cfg.mlp_hidden}" if not n_mamba else "",
+        "attn heads (q / kv) x dim": f"({cfg.attn_heads} / {cfg.attn_kv_heads}) x {cfg.attn_head_dim}"
+                                     if n_attn else "",
         "vocab (padded)": str(cfg.vocab_size),
         "parameters": f"{params['total'] / 1e6:.2f} M ({params['non_embedding'] / 1e6:.2f} M non-embedding)",
         f"weights ({bytes_per_value * 8}-bit)": _human(params["total"] * bytes_per_value),
         "state per sequence": f"{_human((conv + ssm) * bytes_per_value)} (conv {_human(conv * bytes_per_value)}, "
-                              f"ssm {_human(ssm * bytes_per_value)}; constant in length)",
+                              f"ssm {_human(ssm * bytes_per_value)}; constant in length)" if n_mamba
+                              else "0 B (no SSM layers)",
         "KV cache per token": _human(kv * bytes_per_value) if n_attn else "0 B (no attention layers)",
     }
     return {k: v for k, v in out.items() if v}

@@ -401,7 +401,7 @@ def check_tp(cfg, world: int) -> None:
                 kv_heads(cfg.attn_heads, cfg.attn_kv_heads, r, world)
         if kind == "mamba1":
             _divide("d_inner", cfg.d_inner, world)
-    if cfg.arch == "hybrid" and cfg.mlp_hidden:
+    if cfg.has_mlp:
         _divide("the MLP hidden size", cfg.mlp_hidden, world)
 
 

@@ -1,0 +1,153 @@
+"""KVQuant decode kernels vs our FP16 attention decode (one GPU), 4K-128K tokens of context.
+
+Shape: a hybrid's attention layer (Bamba-9B / Nemotron-H-8B style: 32 query heads, 8 KV heads, head dim 128,
+full RoPE on keys cached before it), batch 1 (and --batch), one new token per row. Rows per context length:
+    fp16 ours        the model's decode today: ``ops.attention_ref`` over the fp16 cache (float32 copies, GQA by
+                     repeat_interleave)
+    fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
+    kvquant 4-bit    ``kernels.kv_decode.quant_kv_decode``: nibble codes, per-channel keys (pre-RoPE, RoPE on the
+                     fly), per-token values, sink 1; without outliers, and with 1% (20 key / 10 value outlier
+                     slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels)
+Times are medians of ``triton.testing.do_bench`` (ms); "KV MB" the cache bytes read. The 4K rows also record the
+kernel's max |error| against ``quant_kv_decode_ref``. JSON and PNG to --out.
+
+    python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ssmq.ops.attention import attention_ref
+from ssmq.ops.kv_quant import KVSideView, pack_nibbles, quant_kv_decode_ref
+
+HQ, HKV, E = 32, 8, 128
+DEV = "cuda"  # --device cpu with TRITON_INTERPRET=1: a smoke run of this script (tiny lengths)
+
+
+def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen) -> tuple[KVSideView, KVSideView]:
+    """Random nibble codes, codebooks, scales and outliers of a (b, L) cache (the kernels' speed does not depend
+    on the values)."""
+    def side(per_token, slots):
+        codes = pack_nibbles(torch.randint(0, 16, (b, L, HKV, E), generator=gen, device=DEV, dtype=torch.uint8))
+        book = torch.sort(torch.rand(16, generator=gen, device=DEV) * 2 - 1).values
+        if per_token:
+            mid = torch.randn(b, L, HKV, generator=gen, device=DEV).half() * 0.1
+            half = torch.rand(b, L, HKV, generator=gen, device=DEV).half() + 0.5
+        else:
+            mid = torch.randn(HKV, E, generator=gen, device=DEV) * 0.1
+            half = torch.rand(HKV, E, generator=gen, device=DEV) + 0.5
+        idx = torch.randint(0, HKV * E, (b, L, slots), generator=gen, device=DEV).to(torch.int16)
+        val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
+        sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
+        return KVSideView(codes, book, mid, half, per_token, idx, val, sink)
+    return side(False, k_slots), side(True, v_slots)
+
+
+def nbytes(*views) -> int:
+    """Bytes a decode step reads per layer: codes, outliers and per-token scales (offline scales are tiny)."""
+    tensors = [t for v in views for t in (v.codes, v.out_idx, v.out_val, *((v.mid, v.half) if v.per_token else ()))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def timeit(fn) -> float:
+    import time
+
+    import triton.testing as tt
+
+    if DEV == "cpu":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return tt.do_bench(fn, warmup=5, rep=50, return_mode="median")
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return math.inf
+
+
+def run(lengths: list[int], batch: int) -> list[dict]:
+    from ssmq.kernels.kv_decode import quant_kv_decode
+
+    rows = []
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    n = HKV * E
+    for L in lengths:
+        q = torch.randn(batch, HQ, E, generator=gen, device=DEV, dtype=torch.float16)
+        slots = torch.arange(batch, device=DEV)
+        lens = torch.full((batch,), L, device=DEV)
+        k16 = torch.randn(batch, L, HKV, E, generator=gen, device=DEV, dtype=torch.float16)
+        v16 = torch.randn_like(k16)
+        kv_mb = 2 * k16.numel() * 2 / 1e6
+        r = {"context": L, "batch": batch, "fp16 KV MB": kv_mb}
+        r["fp16 ours ms"] = timeit(lambda: attention_ref(q[:, None], k16, v16, lens))
+        qs, ks, vs = q[:, :, None], k16.transpose(1, 2), v16.transpose(1, 2)  # (b, h, T, e)
+        r["fp16 sdpa ms"] = timeit(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
+        del k16, v16, ks, vs
+        for label, (ko, vo) in (("kvquant 4-bit", (0, 0)),
+                                ("kvquant 4-bit 1%", (2 * round(0.01 * n), round(0.01 * n)))):
+            K, V = quant_cache(batch, L, ko, vo, gen)
+            r[f"{label} KV MB"] = nbytes(K, V) / 1e6
+            r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+            if L == lengths[0]:
+                want = quant_kv_decode_ref(q.float(), slots, lens, K, V, E, 10000.0)
+                r[f"{label} max err"] = float((quant_kv_decode(q, slots, lens, K, V, E, 10000.0) - want).abs().max())
+            del K, V
+        torch.cuda.empty_cache()
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = [r["context"] for r in rows]
+    for key in ("fp16 ours", "fp16 sdpa", "kvquant 4-bit", "kvquant 4-bit 1%"):
+        ax.plot(x, [r[f"{key} ms"] for r in rows], marker="o", label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode attention, ms (one layer)")
+    ax.set_title(f"KV decode, {HQ} q / {HKV} kv heads x {E}, batch {rows[0]['batch']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run([int(x) for x in args.lengths.split(",")], args.batch)
+    meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
+            "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}}
+    (out / f"kvquant_kernels_b{args.batch}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, out / f"kvquant_kernels_b{args.batch}.png")
+    for r in rows:
+        print(f"{r['context']:>7} | ours {r['fp16 ours ms']:.3f} | sdpa {r['fp16 sdpa ms']:.3f} | "
+              f"kvq4 {r['kvquant 4-bit ms']:.3f} | kvq4-1% {r['kvquant 4-bit 1% ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

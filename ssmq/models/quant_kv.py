@@ -1,0 +1,151 @@
+"""Quantized KV state: an attention layer's keys and values as codes, scales and sparse outliers.
+
+Glossary: s cache slots, L max_seqlen, b rows served, l new tokens, T tokens read, hkv kv heads, e head dim,
+e' = e/2 when two codes share a byte (codebooks of <= 16 entries) else e, k outlier slots, S sink tokens.
+
+Per side (keys, values), ``QuantSide`` holds
+    codes     (s, L, hkv, e') uint8    nearest codebook entries (``ssmq.ops.kv_quant``), two per byte when they fit
+    mid, half (s, L, hkv) float16      per-token scales (per_token sides only; offline scales live in the quantizer)
+    out_idx   (s, L, k) int16, out_val (s, L, k) float16    the token's sparse outliers
+    sink      (s, S, hkv, e) float     the first S tokens, exactly (attention sink)
+``append`` quantizes the new tokens as they are written (prefill writes the quantized cache directly);
+``read`` dequantizes the served rows (keys before RoPE are rotated after), so attention over a read equals
+attention over ``KVQuantizer.fake_quant`` of the same keys and values. Same ops as ``KVState``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ssmq.errors import SSMQError
+from ssmq.models.state import RopeAtRead, StateFormat, _rows
+from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, dequantize_kv_ref, pack_nibbles, quantize_kv_ref, scales_of,
+                               unpack_nibbles)
+
+
+class QuantSide:
+    def __init__(self, quantizer, which: str, max_batch: int, max_seqlen: int, dtype, device):
+        self.q, self.which = quantizer, which
+        side, hkv, e = quantizer.side(which), quantizer.hkv, quantizer.e
+        self.packed = side.levels <= 16
+        z = dict(device=device)
+        self.codes = torch.zeros(max_batch, max_seqlen, hkv, e // 2 if self.packed else e, dtype=torch.uint8, **z)
+        per_token = side.granularity == "per_token"
+        self.mid = torch.zeros(max_batch, max_seqlen, hkv, dtype=torch.float16, **z) if per_token else None
+        self.half = torch.ones(max_batch, max_seqlen, hkv, dtype=torch.float16, **z) if per_token else None
+        k = quantizer.outlier_slots(which)
+        self.out_idx = torch.full((max_batch, max_seqlen, k), -1, dtype=torch.int16, **z)
+        self.out_val = torch.zeros(max_batch, max_seqlen, k, dtype=torch.float16, **z)
+        self.sink = torch.zeros(max_batch, quantizer.kv.sink, hkv, e, dtype=dtype, **z)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.mid, self.half, self.out_idx, self.out_val, self.sink) if t is not None]
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """x (b, l, hkv, e) at ``positions`` (b, l) of the rows ``rows`` (b, l)."""
+        q = quantize_kv_ref(x.reshape(-1, *x.shape[-2:]), self.q.params(self.which))
+        lead = x.shape[:2]
+        codes = pack_nibbles(q.codes) if self.packed else q.codes
+        self.codes[rows, positions] = codes.reshape(*lead, *codes.shape[1:])
+        if self.mid is not None:
+            self.mid[rows, positions] = q.mid.reshape(*lead, -1)
+            self.half[rows, positions] = q.half.reshape(*lead, -1)
+        self.out_idx[rows, positions] = q.out_idx.reshape(*lead, -1)
+        self.out_val[rows, positions] = q.out_val.reshape(*lead, -1)
+        keep = positions < self.sink.shape[1]
+        if keep.any():
+            self.sink[rows[keep], positions[keep]] = x[keep].to(self.sink.dtype)
+
+    def quantized(self, slots: torch.Tensor, end: int) -> QuantizedKV:
+        """The rows ``slots`` up to ``end`` as a QuantizedKV of (b·T) tokens (codes unpacked)."""
+        codes = self.codes[slots, :end]
+        codes = unpack_nibbles(codes) if self.packed else codes
+        n = len(slots) * end
+        flat = lambda t: None if t is None else t[slots, :end].reshape(n, *t.shape[2:])  # noqa: E731
+        return QuantizedKV(codes.reshape(-1, *codes.shape[2:]), flat(self.mid), flat(self.half), flat(self.out_idx),
+                           flat(self.out_val))
+
+    def read(self, slots: torch.Tensor, end: int, dtype) -> torch.Tensor:
+        """(b, T, hkv, e): dequantized, the sink positions exact."""
+        x = dequantize_kv_ref(self.quantized(slots, end), self.q.params(self.which))
+        x = x.reshape(len(slots), end, *x.shape[1:]).to(dtype)
+        s = min(self.sink.shape[1], end)
+        if s:
+            x[:, :s] = self.sink[slots, :s].to(dtype)
+        return x
+
+    def view(self) -> KVSideView | None:
+        """The buffers as the decode kernels read them; None for formats they do not take (8-bit codes, rotation)."""
+        p = self.q.params(self.which)
+        if not self.packed or p.signs is not None:
+            return None
+        if self.mid is not None:
+            mid, half = self.mid, self.half
+        else:  # offline scales, as the reference derives them, broadcast to (hkv, e)
+            mid, half = (t.expand(self.q.hkv, self.q.e).float().contiguous() for t in scales_of(None, p, None))
+        return KVSideView(self.codes, p.codebook, mid, half, self.mid is not None, self.out_idx, self.out_val,
+                          self.sink)
+
+    def reset(self, slots) -> None:
+        for t in self.buffers():
+            t[_rows(slots)] = 0
+        self.out_idx[_rows(slots)] = -1
+        if self.half is not None:
+            self.half[_rows(slots)] = 1
+
+
+class QuantKVState:
+    """Keys and values of one attention layer in a quantized format (module docstring); ``quantizer`` is the
+    layer's calibrated ``KVQuantizer`` (its buffers are read, not copied: allocate after moving the model)."""
+
+    format = StateFormat.QUANT
+
+    def __init__(self, quantizer, max_batch: int, max_seqlen: int, dtype, device, rope: RopeAtRead | None = None):
+        self.quantizer, self.rope, self.dtype, self.max_seqlen = quantizer, rope, dtype, max_seqlen
+        self.k = QuantSide(quantizer, "keys", max_batch, max_seqlen, dtype, device)
+        self.v = QuantSide(quantizer, "values", max_batch, max_seqlen, dtype, device)
+
+    @property
+    def keys_before_rope(self) -> bool:
+        return self.rope is not None
+
+    def append(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize and write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots``."""
+        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise SSMQError("a quantized KV cache does not run under CUDA graphs yet (its lengths are read on the "
+                            "host); decode eagerly (--eager)")
+        if int(positions.max()) >= self.max_seqlen:
+            raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
+        rows = slots[:, None].expand_as(positions)
+        self.k.write(rows, positions, k)
+        self.v.write(rows, positions, v)
+
+    def read(self, slots: torch.Tensor, kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (post-RoPE) and values of the rows ``slots``: (b, T, hkv, e) each, T = max(kv_lens)."""
+        end = int(kv_lens.max())
+        keys, values = self.k.read(slots, end, self.dtype), self.v.read(slots, end, self.dtype)
+        if self.rope is not None:
+            from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
+
+            pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)
+            cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
+            keys = apply_rotary_ref(keys, cos, sin)
+        return keys, values
+
+    def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' quantized cache (LUT kernels on
+        CUDA, ``quant_kv_decode_ref`` elsewhere): (b, hq, e) float32; None when the format has no decode kernel."""
+        k, v = self.k.view(), self.v.view()
+        if k is None or v is None:
+            return None
+        from ssmq import kernels
+
+        r = self.rope
+        return kernels.quant_kv_decode(q, slots, kv_lens, k, v, r.rotary_dim if r else 0, r.theta if r else 1e4)
+
+    def reset(self, slots=None) -> None:
+        self.k.reset(slots)
+        self.v.reset(slots)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for side in (self.k, self.v) for t in side.buffers())

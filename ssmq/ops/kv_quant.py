@@ -1,0 +1,251 @@
+"""KV-cache quantization references: one parametrized path for KVQuant and the engines' KV formats.
+
+Glossary: t tokens (leading dims flattened), hkv kv heads, e head dim, N = hkv·e entries of one token,
+C codebook entries, k outlier slots per token.
+
+One side (keys or values) of t tokens, x (t, hkv, e), is stored as a ``QuantizedKV``:
+    codes     (t, hkv, e) uint8   index of the nearest entry of the sorted codebook c (C,) in [-1, 1]
+    mid, half (t, hkv) float16 for per_token scales (computed here, online); per_channel (hkv, e) and
+              per_tensor () scales are offline, float32, given as ``KVParams.lo / hi``
+    out_idx   (t, k) int16: flat index in N of each sparse outlier, -1 for an empty slot
+    out_val   (t, k) float16: the outlier's value, stored exactly
+and read back as x̂ = mid + half · c[codes] (then un-rotated), with the outliers written over it.
+
+Outliers (dense-and-sparse): per_channel scales clip at offline thresholds lo / hi, and the entries beyond them
+(largest excess first, at most k per token) are kept sparse; per_token scales take the k largest |x| of each
+token as outliers and normalize the rest. Rotation (TurboQuant-style): x ↦ (x ⊙ signs) H / √e per head,
+H the Sylvester Hadamard matrix, before the scalar quantizer; its inverse after dequantization.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn value
+
+
+@dataclass
+class KVParams:
+    """Everything that defines one side's quantizer. lo / hi: offline range (per_channel (hkv, e), per_tensor ());
+    k: outlier slots per token (0: none); signs (e,) ±1: rotation (None: none)."""
+
+    codebook: torch.Tensor
+    granularity: str = "per_token"
+    symmetric: bool = False
+    lo: torch.Tensor | None = None
+    hi: torch.Tensor | None = None
+    k: int = 0
+    signs: torch.Tensor | None = None
+
+
+@dataclass
+class QuantizedKV:
+    codes: torch.Tensor
+    mid: torch.Tensor | None
+    half: torch.Tensor | None
+    out_idx: torch.Tensor
+    out_val: torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# codebooks
+# ---------------------------------------------------------------------------------------------------------------
+def uniform_codebook(bits: int, symmetric: bool = False) -> torch.Tensor:
+    """(C,): 2^bits levels spanning [-1, 1]; symmetric: 2^bits - 1 levels, 0 among them (intX with absmax)."""
+    if symmetric:
+        m = 2 ** (bits - 1) - 1
+        return torch.arange(-m, m + 1, dtype=torch.float32) / m
+    return torch.linspace(-1.0, 1.0, 2 ** bits, dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def _fp8_values() -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.unique(v[torch.isfinite(v)])  # sorted, -0 and +0 merged
+
+
+def fp8_codebook() -> torch.Tensor:
+    """(253,): the finite float8 e4m3 values / 448, sorted (nearest-value rounding = casting, ties aside)."""
+    return _fp8_values() / FP8_MAX
+
+
+def nearest_code(u: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Index (uint8) of the nearest entry of the sorted ``codebook`` (C,) for each u (ties go up)."""
+    c = codebook.to(u.device, torch.float32)
+    return torch.bucketize(u.float(), (c[1:] + c[:-1]) / 2).to(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rotation
+# ---------------------------------------------------------------------------------------------------------------
+def hadamard(e: int, device=None) -> torch.Tensor:
+    """(e, e) Sylvester Hadamard / √e (orthogonal, symmetric); e a power of two."""
+    if e & (e - 1):
+        raise ValueError(f"the rotation needs a power-of-two head dim, got {e}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < e:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / e ** 0.5).to(device)
+
+
+def rotate_heads(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x (..., e) ↦ (x ⊙ signs) H, or its inverse (x H) ⊙ signs."""
+    h = hadamard(x.shape[-1], x.device)
+    return (x.float() @ h) * signs if inverse else (x.float() * signs) @ h
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# outliers and scales
+# ---------------------------------------------------------------------------------------------------------------
+def select_outliers(x: torch.Tensor, p: KVParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (t, hkv, e) float32 → out_idx (t, k) int16 (-1 empty), out_val (t, k) float16, mask (t, hkv, e) bool."""
+    t = x.shape[0]
+    flat = x.reshape(t, -1)
+    if p.k == 0:
+        return (torch.empty(t, 0, dtype=torch.int16, device=x.device),
+                torch.empty(t, 0, dtype=torch.float16, device=x.device), torch.zeros_like(x, dtype=torch.bool))
+    if p.granularity == "per_channel":  # beyond the offline thresholds, by how far (relative to the range)
+        lo, hi = p.lo.to(x.device).reshape(1, -1), p.hi.to(x.device).reshape(1, -1)
+        score = torch.maximum(flat - hi, lo - flat) / (hi - lo).clamp(min=1e-8)
+    else:  # per_token: the largest magnitudes of each token
+        score = flat.abs() + 1.0  # > 0: every slot is used
+    top, where = score.topk(p.k, dim=1)
+    valid = top > 0
+    idx = torch.where(valid, where, torch.full_like(where, -1))
+    val = torch.where(valid, flat.gather(1, where), torch.zeros_like(top)).half()
+    mask = torch.zeros(t, flat.shape[1] + 1, dtype=torch.bool, device=x.device)
+    mask.scatter_(1, torch.where(valid, where, flat.shape[1]), True)
+    return idx.to(torch.int16), val, mask[:, :-1].reshape(x.shape)
+
+
+def _mid_half(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool):
+    if symmetric:
+        return torch.zeros_like(hi), torch.maximum(lo.abs(), hi.abs())
+    return (hi + lo) / 2, (hi - lo) / 2
+
+
+def token_scales(x: torch.Tensor, mask: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online per-(token, head) mid, half (t, hkv) float16 over the entries that are not outliers."""
+    hi = torch.where(mask, -torch.inf, x).amax(-1)
+    lo = torch.where(mask, torch.inf, x).amin(-1)
+    mid, half = _mid_half(lo, hi, symmetric)
+    return mid.half(), half.clamp(min=1e-4).half()
+
+
+def scales_of(q: QuantizedKV, p: KVParams, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """mid, half broadcastable to (t, hkv, e), float32."""
+    if p.granularity == "per_token":
+        return q.mid.float()[..., None], q.half.float()[..., None]
+    mid, half = _mid_half(p.lo.float(), p.hi.float(), p.symmetric)
+    return mid.to(device), half.clamp(min=1e-8).to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantize / dequantize
+# ---------------------------------------------------------------------------------------------------------------
+def quantize_kv_ref(x: torch.Tensor, p: KVParams) -> QuantizedKV:
+    """x (t, hkv, e) → QuantizedKV (module docstring)."""
+    x = x.float()
+    if p.signs is not None:
+        x = rotate_heads(x, p.signs.to(x.device).float())
+    out_idx, out_val, mask = select_outliers(x, p)
+    q = QuantizedKV(None, None, None, out_idx, out_val)
+    if p.granularity == "per_token":
+        q.mid, q.half = token_scales(x, mask, p.symmetric)
+    mid, half = scales_of(q, p, x.device)
+    q.codes = nearest_code(((x - mid) / half).clamp(-1.0, 1.0), p.codebook)
+    return q
+
+
+def dequantize_kv_ref(q: QuantizedKV, p: KVParams) -> torch.Tensor:
+    """QuantizedKV → (t, hkv, e) float32."""
+    mid, half = scales_of(q, p, q.codes.device)
+    x = mid + half * p.codebook.to(q.codes.device).float()[q.codes.long()]
+    if p.signs is not None:
+        x = rotate_heads(x, p.signs.to(x.device).float(), inverse=True)
+    return scatter_outliers(x, q.out_idx, q.out_val)
+
+
+def scatter_outliers(x: torch.Tensor, out_idx: torch.Tensor, out_val: torch.Tensor) -> torch.Tensor:
+    """Write the sparse outliers over x (t, hkv, e): empty slots (-1) go to a scratch column that is dropped."""
+    if out_idx.shape[-1] == 0:
+        return x
+    t = x.shape[0]
+    flat = torch.cat([x.reshape(t, -1), x.new_zeros(t, 1)], 1)
+    n = flat.shape[1] - 1
+    idx = out_idx.long()
+    flat.scatter_(1, torch.where(idx >= 0, idx, n), out_val.float())
+    return flat[:, :n].reshape(x.shape)
+
+
+def fake_quant_kv_ref(x: torch.Tensor, p: KVParams) -> torch.Tensor:
+    """dequantize(quantize(x)) in x's shape (..., hkv, e) and dtype."""
+    t = x.reshape(-1, *x.shape[-2:])
+    return dequantize_kv_ref(quantize_kv_ref(t, p), p).reshape(x.shape).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# storage: two 4-bit codes per byte
+# ---------------------------------------------------------------------------------------------------------------
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """(..., e) uint8 codes < 16 → (..., e/2) uint8: even channel in the low nibble, odd in the high."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(..., e/2) → (..., e)."""
+    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode: one query token per row over a quantized cache (the Triton twins: ssmq.kernels.kv_decode)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class KVSideView:
+    """One side of a quantized cache as the decode kernels read it (s slots, L positions, S sink tokens):
+    codes (s, L, hkv, e/2) uint8 packed nibbles; codebook (C,) float32; mid, half: per-token (s, L, hkv) float16,
+    or per-channel (hkv, e) float32 when ``per_token`` is False; out_idx, out_val (s, L, k); sink (s, S, hkv, e)."""
+
+    codes: torch.Tensor
+    codebook: torch.Tensor
+    mid: torch.Tensor
+    half: torch.Tensor
+    per_token: bool
+    out_idx: torch.Tensor
+    out_val: torch.Tensor
+    sink: torch.Tensor
+
+    def dequantize(self, slots: torch.Tensor, end: int) -> torch.Tensor:
+        """(b, T, hkv, e) float32 of the rows ``slots`` up to ``end``: codes, scales, outliers, then the sink."""
+        codes = unpack_nibbles(self.codes[slots, :end]).long()  # (b, T, hkv, e)
+        if self.per_token:
+            mid, half = self.mid[slots, :end].float()[..., None], self.half[slots, :end].float()[..., None]
+        else:
+            mid, half = self.mid.float(), self.half.float()
+        x = mid + half * self.codebook.float()[codes]
+        b, t = x.shape[:2]
+        k = self.out_idx.shape[-1]
+        x = scatter_outliers(x.reshape(b * t, *x.shape[2:]), self.out_idx[slots, :end].reshape(b * t, k),
+                             self.out_val[slots, :end].reshape(b * t, k)).reshape(x.shape)
+        s = min(self.sink.shape[1], end)
+        x[:, :s] = self.sink[slots, :s].float()
+        return x
+
+
+def quant_kv_decode_ref(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
+                        rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None):
+    """Decode attention over a quantized cache: q (b, hq, e) post-RoPE queries of the rows ``slots`` (b,), which
+    hold ``kv_lens`` (b,) tokens (the new one included); keys stored before RoPE when ``rotary_dim`` > 0 (rotated
+    after dequantization). Returns (b, hq, e) float32: the dequantized cache, then float attention."""
+    from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
+
+    end = int(kv_lens.max())
+    keys, values = k.dequantize(slots, end), v.dequantize(slots, end)
+    if rotary_dim:
+        pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)
+        cos, sin = rotary_cos_sin(pos, rotary_dim, theta)
+        keys = apply_rotary_ref(keys, cos, sin)
+    return attention_ref(q.float()[:, None], keys, values, kv_lens, softmax_scale)[:, 0]

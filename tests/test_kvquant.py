@@ -1,0 +1,287 @@
+"""KVQuant on CPU: the format's references (codebooks, outliers, rotation), Fisher-weighted k-means, the quantized KV
+state against its fake-quant reference, the recipe / checkpoint plumbing and its errors."""
+
+import json
+
+import pytest
+import torch
+
+from _quant_tiny import tiny_calib, tiny_model
+from ssmq.errors import SSMQError
+from ssmq.models.kv_format import KVSideSpec, KVSpec
+from ssmq.models.quant_kv import QuantKVState
+from ssmq.models.state import KVState
+from ssmq.ops import kv_quant as kq
+from ssmq.quant import load_model, quantize, save_quantized
+from ssmq.quant.api import check
+from ssmq.quant.kv_presets import KV_PRESETS
+from ssmq.quant.kvquant.kmeans import weighted_error, weighted_kmeans
+from ssmq.quant.recipe import RECIPES, Recipe, get_recipe
+
+
+# ------------------------------------------------------------------------------------------------- references
+def test_weighted_kmeans_lowers_fisher_weighted_error_vs_uniform():
+    g = torch.Generator().manual_seed(0)
+    u = (torch.randn(20000, generator=g) * 0.3).clamp(-1, 1)  # bell-shaped, as normalized activations are
+    w = torch.rand(20000, generator=g) * (1 + 10 * (u > 0.5))  # the loss is most sensitive to the upper tail
+    for bits in (2, 3, 4):
+        uniform = kq.uniform_codebook(bits)
+        nuq = weighted_kmeans(u, w, uniform)
+        assert weighted_error(u, w, nuq) < 0.8 * weighted_error(u, w, uniform)
+        # the weights matter: k-means without them is worse on the weighted error
+        assert weighted_error(u, w, nuq) < weighted_error(u, w, weighted_kmeans(u, torch.ones_like(w), uniform))
+
+
+def test_sparse_outliers_round_trip_exactly():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(50, 2, 16, generator=g).half().float()
+    x[3, 1, 5], x[7, 0, 0] = 40.0, -33.0
+    p = kq.KVParams(kq.uniform_codebook(2), "per_token", k=2)
+    q = kq.quantize_kv_ref(x, p)
+    got = kq.dequantize_kv_ref(q, p)
+    flat_idx = q.out_idx.long()
+    assert (flat_idx >= 0).all() and q.out_idx.shape == (50, 2)
+    assert torch.equal(got.reshape(50, -1).gather(1, flat_idx), x.reshape(50, -1).gather(1, flat_idx))
+    assert got[3, 1, 5] == 40.0 and got[7, 0, 0] == -33.0  # the largest |x| of their tokens
+    # offline per-channel thresholds: entries beyond them are sparse and exact, the rest clipped to the range
+    lo, hi = -torch.ones(2, 16), torch.ones(2, 16)
+    p = kq.KVParams(kq.uniform_codebook(3), "per_channel", lo=lo, hi=hi, k=4)
+    q = kq.quantize_kv_ref(x, p)
+    beyond = (x.abs() > 1).reshape(50, -1).sum(1)
+    assert torch.equal((q.out_idx >= 0).sum(1), beyond.clamp(max=4))
+    got = kq.dequantize_kv_ref(q, p)
+    kept = q.out_idx >= 0
+    assert torch.equal(got.reshape(50, -1).gather(1, q.out_idx.long().clamp(min=0))[kept], q.out_val.float()[kept])
+    assert torch.equal(q.out_val.float()[kept], x.reshape(50, -1).gather(1, q.out_idx.long().clamp(min=0))[kept])
+    # empty slots (-1) write nothing, even where slot 0 points at index 0
+    y = kq.scatter_outliers(torch.zeros(1, 1, 4), torch.tensor([[0, -1]], dtype=torch.int16),
+                            torch.tensor([[5.0, 9.0]]).half())
+    assert torch.equal(y, torch.tensor([[[5.0, 0, 0, 0]]]))
+
+
+@pytest.mark.parametrize("bits,symmetric", [(2, False), (3, False), (4, True), (8, True)])
+def test_uniform_codebook_error_is_half_a_step(bits, symmetric):
+    x = torch.linspace(-3, 3, 2 * 64).reshape(1, 2, 64)
+    p = kq.KVParams(kq.uniform_codebook(bits, symmetric), "per_token", symmetric)
+    q = kq.quantize_kv_ref(x, p)
+    half_step = q.half.float().max() / (2 ** (bits - (1 if symmetric else 0)) - 1)
+    assert (kq.dequantize_kv_ref(q, p) - x).abs().max() <= half_step * 1.01
+
+
+def test_fp8_codebook_matches_the_cast():
+    x = torch.randn(64, 1, 32) * 100
+    p = kq.KVParams(kq.fp8_codebook(), "per_tensor", True, torch.tensor(-448.0), torch.tensor(448.0))
+    got = kq.fake_quant_kv_ref(x, p)
+    cast = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    assert ((got - cast).abs() <= 1e-5 * cast.abs()).float().mean() > 0.99  # ties aside
+
+
+def test_rotation_is_orthogonal_and_inverted():
+    x = torch.randn(5, 2, 64)
+    s = torch.randint(0, 2, (64,)).float() * 2 - 1
+    r = kq.rotate_heads(x, s)
+    torch.testing.assert_close(r.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(kq.rotate_heads(r, s, inverse=True), x)
+
+
+def test_pre_rope_with_rope_on_the_fly_equals_post_rope_in_float():
+    """Keys cached before RoPE and rotated at read, or the query rotated by -t as the kernel does, equal the post-RoPE
+    cache in float (RoPE is an orthogonal rotation per position)."""
+    from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 1, 4, 32, generator=g), torch.randn(1, 20, 2, 32, generator=g), torch.randn(1, 20, 2, 32)
+    pos = torch.arange(20)[None]
+    cos, sin = rotary_cos_sin(pos, 16)
+    post = attention_ref(q, apply_rotary_ref(k, cos, sin), v)
+    scores_post = torch.einsum("he,the->ht", q[0, 0], apply_rotary_ref(k, cos, sin)[0].repeat_interleave(2, 1))
+    qt = apply_rotary_ref(q.expand(1, 20, 4, 32), *rotary_cos_sin(-pos, 16))  # R_{-t} q
+    scores_pre = torch.einsum("the,the->ht", qt[0], k[0].repeat_interleave(2, 1))
+    torch.testing.assert_close(scores_pre, scores_post, rtol=1e-5, atol=1e-5)
+    # through the model: a float cache of pre-RoPE keys equals the post-RoPE one
+    m = tiny_model("hybrid")
+    ids = torch.randint(0, 256, (2, 9))
+    outs = []
+    for before in (False, True):
+        cache = m.allocate_cache(2, 12, kv_keys_before_rope=before)
+        with torch.no_grad():
+            outs.append(torch.cat([m(ids[:, :5], cache=cache)] + [m.step(ids[:, t], cache)[:, None]
+                                                                  for t in range(5, 9)], 1))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert post.shape == (1, 1, 4, 32)
+
+
+# ------------------------------------------------------------------------------------------------- the state
+def _quantized(preset, seed=0):
+    m = tiny_model("hybrid", seed)
+    quantize(m, preset, tiny_calib(4, 32), progress=False)
+    return m
+
+
+@pytest.mark.parametrize("preset", ["kvquant-nuq3-1%", "kvquant-int2", "kvquant-nuq2-1%", "kv-fp8-e4m3",
+                                    "kv-int8-pth", "kv-turbo3"])
+def test_quantized_kv_decode_equals_fake_quant_reference(preset):
+    """Prefill + decode through the quantized cache equals the no-cache forward over quantize-dequantized K / V,
+    and differs from the float model (the format really quantizes)."""
+    m = _quantized(preset)
+    ids = torch.randint(0, 256, (3, 14), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = m(ids)
+        cache = m.allocate_cache(4, 16)
+        assert isinstance(cache.states[1], QuantKVState)
+        steps = [m(ids[:, :6], cache=cache, slots=[3, 0, 1])]
+        steps += [m.step(ids[:, t], cache, slots=[3, 0, 1])[:, None] for t in range(6, 14)]
+        m.layers[1].mixer.kv_quant = None
+        float_kv = m(ids)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=2e-5)
+    assert (float_kv - full).abs().max() > 1e-4
+
+
+def test_llama_decode_with_a_quantized_cache_equals_fake_quant():
+    """The degenerate hybrid (every layer attention, full RoPE): every layer gets a calibrated quantizer."""
+    from ssmq.models import SSMLM, ModelConfig
+
+    torch.manual_seed(0)
+    m = SSMLM(ModelConfig(arch="llama", d_model=64, n_layer=3, vocab_size=256, attn_heads=4, attn_kv_heads=2,
+                          attn_head_dim=16, rotary_dim=16, mlp_hidden=96)).eval()
+    quantize(m, "kvquant-nuq3-1%", tiny_calib(4, 32), progress=False)
+    assert all(layer.mixer.kv_quant is not None for layer in m.layers)
+    m = m.double()  # see test_quantized_kv_decode_equals_fake_quant_reference
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        full = m(ids)
+        cache = m.allocate_cache(2, 12)
+        steps = [m(ids[:, :4], cache=cache)] + [m.step(ids[:, t], cache)[:, None] for t in range(4, 11)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=2e-5)
+    assert cache.states[0].k.codes.shape == (2, 12, 2, 8)  # nibbles
+
+
+def test_state_decode_equals_read_then_attention_and_bytes():
+    from ssmq.ops.attention import attention_ref
+
+    m = _quantized("kvquant-nuq4-1%")
+    cache = m.allocate_cache(2, 40)
+    ids = torch.randint(0, 256, (2, 33))
+    with torch.no_grad():
+        m(ids, cache=cache)
+    st = cache.states[1]
+    q = torch.randn(2, 4, 16)
+    lens = torch.tensor([33, 20])
+    keys, values = st.read(torch.arange(2), lens)
+    want = attention_ref(q[:, None], keys, values, lens)[:, 0]
+    torch.testing.assert_close(st.decode(q, torch.arange(2), lens), want, rtol=1e-5, atol=1e-5)
+    float_bytes = KVState.allocate(2, 40, 2, 16, torch.float16, "cpu").nbytes()
+    # per token: 2 x 16 bytes of nibbles, 2 fp16 scales per head (values), 2 + 1 outlier slots of 4 bytes
+    assert st.nbytes() == 2 * 40 * (32 + 8 + 12) + 2 * 2 * 32 * 4  # + the sink token's float32 K and V
+    assert st.nbytes() < 0.5 * float_bytes
+    cache.reset([0])
+    assert (st.k.codes[0] == 0).all() and (st.k.out_idx[0] == -1).all()
+
+
+# ------------------------------------------------------------------------------------------------- recipes
+def test_kv_recipes_json_round_trip(tmp_path):
+    for name in [*KV_PRESETS, "ssdi8-w8a8+kvquant-nuq3-1%"]:
+        r = get_recipe(name)
+        assert Recipe.from_json(r.to_json()).to_dict() == r.to_dict()
+    combo = get_recipe("ssdi8-w8a8+kvquant-nuq3-1%")
+    assert combo.supported_archs == ["hybrid"] and combo.cache.state_bits == 8
+    assert combo.cache.kv == KV_PRESETS["kvquant-nuq3-1%"][0] and combo.linears == RECIPES["ssdi8-w8a8"].linears
+    d = RECIPES["rtn-w8a16"].to_dict() | {"name": "mine", "supported_archs": ["hybrid"]}
+    for kv in ("kvquant-nuq3-1%", KV_PRESETS["kvquant-nuq3-1%"][0].to_dict()):  # a preset name or an object
+        f = tmp_path / "mine.json"
+        f.write_text(json.dumps(d | {"cache": {"state_bits": 16, "kv": kv}}))
+        assert get_recipe(str(f)).cache.kv == KV_PRESETS["kvquant-nuq3-1%"][0]
+
+
+def _kv(**sides):
+    spec = KVSpec().to_dict()
+    for k, v in sides.items():
+        spec[k] = spec[k] | v if isinstance(v, dict) else v
+    return spec
+
+
+@pytest.mark.parametrize("kv,msg", [
+    ("kvquant-nuq5", "unknown KV format 'kvquant-nuq5'"),
+    (_kv(keys={"dtype": "nf4"}), "unknown dtype 'nf4'"),
+    (_kv(keys={"bits": 1}), "bits must be an integer in 2..8"),
+    (_kv(values={"dtype": "nuq", "bits": 6}), "at most 4 bits"),
+    (_kv(keys={"granularity": "per_group"}), "unknown granularity"),
+    (_kv(keys={"outliers": 0.7}), "outliers is a fraction"),
+    (_kv(values={"pre_rope": True}), "pre_rope is a property of keys"),
+    (_kv(keys={"rotate": True, "outliers": 0.01}), "without rotation"),
+    (_kv(keys={"dtype": "fp8", "bits": 8}), "fp8 (e4m3) is 8 bits and symmetric"),
+    (_kv(sink=-1), "sink is a number of tokens"),
+    (_kv(keys={"bitz": 3}), "unknown KV spec keys field(s) ['bitz']"),
+    (_kv() | {"dense": True}, "unknown KV spec field(s) ['dense']"),
+    (3, "a KV spec object or a KV preset name"),
+])
+def test_bad_kv_spec_is_a_clear_error(kv, msg):
+    d = {"name": "c", "cache": {"kv": kv}, "supported_archs": ["hybrid"]}
+    with pytest.raises(SSMQError) as e:
+        Recipe.from_dict(d)
+    assert msg in str(e.value)
+
+
+def test_kv_recipe_errors():
+    with pytest.raises(SSMQError, match="must be a KV-only recipe"):
+        get_recipe("kvquant-nuq3+rtn-w8a16")
+    with pytest.raises(SSMQError, match="already has a KV format"):
+        get_recipe("kvquant-nuq3+kvquant-nuq4")
+    with pytest.raises(SSMQError, match="models with attention"):
+        get_recipe("quamba2-w8a8+kvquant-nuq3-1%")
+    with pytest.raises(SSMQError, match="supports hybrid, llama, not mamba2"):
+        check("kvquant-nuq3-1%", tiny_model("mamba2"))
+    bad = Recipe("kv-on-mamba", cache=get_recipe("kvquant-nuq3").cache, supported_archs=["mamba2", "hybrid"])
+    with pytest.raises(SSMQError, match="has no attention layer"):
+        check(bad, tiny_model("mamba2"))
+
+
+# ------------------------------------------------------------------------------------------------- calibration
+def test_calibration_fisher_and_codebooks():
+    from ssmq.quant.kvquant.calibrate import capture_kv
+
+    m = tiny_model("hybrid")
+    data = capture_kv(m, tiny_calib(4, 32).input_ids)[1]
+    assert data["k"].shape == data["gk"].shape == (4, 32, 2, 16) and data["gk"].abs().sum() > 0
+    assert all(p.requires_grad for p in m.parameters())  # restored
+    quantize(m, "kvquant-nuq3", tiny_calib(4, 32), progress=False)
+    kvq = m.layers[1].mixer.kv_quant
+    assert not torch.equal(kvq.k_codebook, kq.uniform_codebook(3))  # k-means moved the levels
+    assert (kvq.k_lo < kvq.k_hi).all()
+    # per-channel range = min / max of the calibration keys (no outliers), the sink token (position 0) left out
+    torch.testing.assert_close(kvq.k_hi, data["k"][:, 1:].flatten(0, 1).amax(0))
+    from ssmq.quant.kvquant import calibrate_kv_
+
+    calibrate_kv_(m, kvq.kv.with_changes(sink=0), None, captured={1: data})
+    torch.testing.assert_close(m.layers[1].mixer.kv_quant.k_hi, data["k"].flatten(0, 1).amax(0))
+
+
+def test_checkpoint_round_trip_with_kv(tmp_path):
+    m = _quantized("kvquant-nuq3-1%")
+    save_quantized(m, tmp_path / "q")
+    manifest = json.loads((tmp_path / "q" / "quantization.json").read_text())
+    assert manifest["modules"]["layers.1.mixer.kv_quant"]["kind"] == "KVQuantizer"
+    assert manifest["recipe"]["cache"]["kv"]["keys"]["dtype"] == "nuq"
+    m2 = load_model(tmp_path / "q")
+    ids = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids), m(ids), rtol=0, atol=0)
+    assert isinstance(m2.allocate_cache(1, 8).states[1], QuantKVState)
+    assert KVSideSpec().validate("keys")  # the default side is valid
+
+
+def test_ssm_recipe_plus_kv_preset_in_one_checkpoint(tmp_path):
+    """ssdi8-w8a8+kvquant-nuq3-1%: the SSM recipe on the Mamba layer, KVQuant on attention, one folder, reloaded."""
+    m = tiny_model("hybrid")
+    quantize(m, "ssdi8-w8a8+kvquant-nuq3-1%", tiny_calib(4, 32), progress=False)
+    save_quantized(m, tmp_path / "q")
+    m2 = load_model(tmp_path / "q")
+    assert m2.quantization["recipe"]["name"] == "ssdi8-w8a8+kvquant-nuq3-1%"
+    assert m2.layers[1].mixer.kv_quant is not None and m2.layers[0].mixer.state_groups  # int8 SSM state too
+    ids = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(m2(ids), m(ids), rtol=0, atol=0)
+        cache = m2.allocate_cache(2, 12, ssm_dtype=torch.int8)
+        m2(ids[:, :6], cache=cache)
+        assert torch.isfinite(m2.step(ids[:, 6], cache)).all()
+    assert isinstance(cache.states[1], QuantKVState) and cache.states[0].ssm.dtype == torch.int8

@@ -1,0 +1,101 @@
+"""The Triton decode kernels over a quantized KV cache equal ``quant_kv_decode_ref`` (GPU, or
+SSMQ_TRITON_INTERPRET=1 on CPU): LUT K with on-the-fly RoPE, LUT V, sparse outliers, sink, GQA, ragged rows."""
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("SSMQ_TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before their import
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def k():
+    if not (torch.cuda.is_available() or INTERPRET):
+        pytest.skip("needs CUDA (or SSMQ_TRITON_INTERPRET=1)")
+    pytest.importorskip("triton")
+    from ssmq.kernels import kv_decode
+
+    return kv_decode
+
+
+def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
+    """A random quantized side: codes < levels, sorted codebook, scales, some outliers (-1 = empty), sink."""
+    from ssmq.ops.kv_quant import KVSideView, pack_nibbles
+
+    codes = pack_nibbles(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8))
+    book = torch.sort(torch.rand(levels, generator=gen) * 2 - 1).values
+    if per_token:
+        mid = (torch.randn(s, L, hkv, generator=gen) * 0.1).half()
+        half = (torch.rand(s, L, hkv, generator=gen) + 0.5).half()
+    else:
+        mid, half = torch.randn(hkv, e, generator=gen) * 0.1, torch.rand(hkv, e, generator=gen) + 0.5
+    idx = torch.randint(-1, hkv * e, (s, L, slots_k), generator=gen).to(torch.int16)
+    val = (torch.randn(s, L, slots_k, generator=gen) * 5).half()
+    sinks = torch.randn(s, sink, hkv, e, generator=gen)
+    to = lambda t: t.to(DEV)  # noqa: E731
+    return KVSideView(to(codes), to(book), to(mid), to(half), per_token, to(idx), to(val), to(sinks))
+
+
+CASES = [  # b, hq, hkv, e, L, rotary dim, key outlier slots, sink, levels
+    (2, 6, 2, 64, 100, 32, 2, 1, 8),   # the hybrid's heads: partial RoPE, nuq3-1%
+    (1, 4, 4, 32, 70, 32, 0, 0, 16),   # full RoPE, no outliers, no sink, 4 bits
+    (3, 2, 1, 16, 40, 0, 1, 2, 4),     # no RoPE, 2 bits
+]
+if not INTERPRET:
+    CASES.append((2, 9, 3, 64, 5000, 64, 4, 1, 8))  # SmolLM2's heads, a long ragged context
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("k_per_token", [False, True])
+def test_decode_kernels_equal_reference(k, case, k_per_token):
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    b, hq, hkv, e, L, r, ko, sink, levels = case
+    gen = torch.Generator().manual_seed(0)
+    s = b + 2
+    K = side(s, L, hkv, e, k_per_token, ko, sink, gen, levels)
+    V = side(s, L, hkv, e, True, 1, sink, gen, levels)
+    q = torch.randn(b, hq, e, generator=gen).to(DEV)
+    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
+    lens = torch.randint(L // 2, L + 1, (b,), generator=gen).to(DEV)
+    lens[0] = L
+    got = k.quant_kv_decode(q, slots, lens, K, V, r, 10000.0)
+    want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), *(_cpu(x) for x in (K, V)), r, 10000.0)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def _cpu(view):
+    from dataclasses import fields, replace
+
+    return replace(view, **{f.name: getattr(view, f.name).cpu() for f in fields(view)
+                            if isinstance(getattr(view, f.name), torch.Tensor)})
+
+
+def test_model_decode_through_kernels_equals_reference_decode(k, monkeypatch):
+    """A tiny hybrid with kvquant-nuq3-1%: decode steps through the kernels equal decode steps through
+    ``quant_kv_decode_ref`` (the caches hold the same codes: teacher-forced tokens, and attention is the last layer;
+    on CPU the interpreter runs the kernels in place of the dispatch's reference)."""
+    import ssmq.kernels
+    from _quant_tiny import tiny_calib, tiny_model
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+    from ssmq.quant import quantize
+
+    m = tiny_model("hybrid")
+    quantize(m, "kvquant-nuq3-1%", tiny_calib(4, 32), progress=False)
+    m = m.to(DEV)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
+    runs, calls = [], []
+    for impl in (k.quant_kv_decode, quant_kv_decode_ref):
+        monkeypatch.setattr(ssmq.kernels, "quant_kv_decode", lambda *a, f=impl: calls.append(f) or f(*a))
+        with torch.no_grad():
+            cache = m.allocate_cache(2, 16)
+            m(ids[:, :7], cache=cache)
+            runs.append(torch.stack([m.step(ids[:, t], cache) for t in range(7, 12)], 1))
+    assert calls == [k.quant_kv_decode] * 5 + [quant_kv_decode_ref] * 5  # one call per decode step
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4)
