@@ -91,7 +91,7 @@ def micro_row(b: int, pk, only_int8: bool = False) -> dict:
     Bs, Cs = torch.full((G, N), 0.01, device=DEV), torch.full((G, N), 0.01, device=DEV)
     x16, B16, C16 = (x_q * xs).half(), (B_q * Bs).half(), (C_q * Cs).half()
     dt = torch.randn(b, H, device=DEV, dtype=torch.float16, generator=gen)[:, :, None].expand(b, H, P)
-    A = -torch.rand(H, device=DEV, generator=gen)[:, None, None].expand(H, P, N)
+    A = (-torch.rand(H, device=DEV, generator=gen))[:, None, None].expand(H, P, N)  # a view: the per-head path
     D = torch.randn(H, device=DEV, generator=gen)[:, None].expand(H, P)
     dtb = torch.randn(H, device=DEV, generator=gen)[:, None].expand(H, P)
     common = dict(D=D, dt_bias=dtb, dt_softplus=True)

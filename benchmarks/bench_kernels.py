@@ -120,7 +120,7 @@ def cases(dtype, pk):
         st = r(b, H, P, N)
         xs, zs = r(b, H, P), r(b, H, P)
         dt = r(b, H)[..., None].expand(b, H, P)
-        A = -torch.rand(H, device=DEV)[:, None, None].expand(H, P, N)
+        A = (-torch.rand(H, device=DEV))[:, None, None].expand(H, P, N)  # a view: the per-head path
         Bs, Cs = r(b, G, N), r(b, G, N)
         Dv, dtb = torch.randn(H, device=DEV)[:, None].expand(H, P), torch.randn(H, device=DEV)[:, None].expand(H, P)
         idx = torch.arange(b, device=DEV, dtype=torch.int32)

@@ -73,7 +73,7 @@ def _case(layout, state_fmt, input_fmt, seed=0):
         Cs = torch.rand(*bc[1:], generator=g) * 0.02 + 0.001 if per_channel else torch.tensor(0.03)
     if h:  # per-head dt, A, D, dt_bias expanded over p (stride 0: the kernel's one-exp-per-head path)
         dt = rand(b, h, g=g)[:, :, None].expand(b, h, p)
-        A = -torch.rand(h, generator=g)[:, None, None].expand(h, p, n)
+        A = (-torch.rand(h, generator=g))[:, None, None].expand(h, p, n)  # a per-head view, as Mamba-2 passes it
         D = rand(h, g=g)[:, None].expand(h, p)
         dt_bias = rand(h, g=g)[:, None].expand(h, p)
     else:
