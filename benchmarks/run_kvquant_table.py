@@ -93,18 +93,17 @@ def load_calibrated(name: str, calib_samples: int, calib_seqlen: int):
     model = load_model(where, dtype=torch.float32).eval()
     tok = load_tokenizer(resolve_model_path(where))
     calib = load_calibration(None, calib_samples, calib_seqlen, seed=0, tokenizer=tok).input_ids
-    t = time.time()
-    captured = capture_kv(model, calib, batch_size=4)
-    print(f"[{name}] captured K/V and gradients in {time.time() - t:.0f} s", flush=True)
-    return model, tok, calib, KVFormats(model, calib, captured)
+    return model, tok, calib, KVFormats(model, calib, name=name)
 
 
 class KVFormats:
     """Puts one KV format (or float KV) on a model's attention layers, calibrating each format once on the shared
-    captured pass and keeping its quantizers, so a format evaluated at several settings is fitted once."""
+    captured pass and keeping its quantizers, so a format evaluated at several settings is fitted once. The pass
+    (K / V and their gradients on ``calib``, ``capture_kv``) runs at the first quantized format: float-only runs
+    skip it."""
 
-    def __init__(self, model, calib: torch.Tensor, captured: dict):
-        self.model, self.calib, self.captured = model, calib, captured
+    def __init__(self, model, calib: torch.Tensor, captured: dict | None = None, name: str = "model"):
+        self.model, self.calib, self.captured, self.name = model, calib, captured, name
         self.layers = attention_layers(model)
         self._fitted: dict[str, list] = {}
 
@@ -117,6 +116,10 @@ class KVFormats:
             return None
         key = json.dumps(spec.to_dict(), sort_keys=True)
         if key not in self._fitted:
+            if self.captured is None:
+                t = time.time()
+                self.captured = capture_kv(self.model, self.calib, batch_size=4)
+                print(f"[{self.name}] captured K/V and gradients in {time.time() - t:.0f} s", flush=True)
             calibrate_kv_(self.model, spec, self.calib, captured=self.captured)
             self._fitted[key] = [m.kv_quant for m in mixers]
         for m, q in zip(mixers, self._fitted[key]):
