@@ -3,6 +3,7 @@
     python benchmarks/run_kvquant_table.py --out results/kvquant               # hybrid, 16 x 1024 test windows
     python benchmarks/run_kvquant_table.py --models smollm2 --limit 8 --seqlen 512 --out results/kvquant_smollm2
     python benchmarks/run_kvquant_table.py --limit 2 --calib-samples 2 --out /tmp/kv   # smoke run
+    python benchmarks/run_kvquant_table.py --models smollm2 --tables long --out results/kvquant_long  # long context
 
 Tables (per model):
   1. formats   float KV vs KVQuant int4 / int3 / int2 and nuq4 / nuq3 / nuq2, each without and with 1% outliers
@@ -10,10 +11,14 @@ Tables (per model):
                sink), and Q-Norm at nuq2-1%
   3. engines   the KV formats serving engines ship (fp8 e4m3, int8 / int4 per token-head, TurboQuant-style 4 / 3
                bits) beside KVQuant at the same bits
+  4. long      (not in the default set) float KV, nuq4-1%, nuq3-1%, int4, int4 and fp8 engine formats at long
+               context: ONE window of each --contexts length (the first N tokens of the test text, so the shorter
+               windows are prefixes of the longest); writes kvquant_long.{md,png} beside the json
 Each row calibrates the format on the same calibration windows (one gradient pass, reused) and runs the model
 without a cache, through the attention layers' quantize-dequantize of K and V (what the quantized cache hands
 back: ``tests/test_kvquant_state.py``). Only the KV cache is quantized; weights and SSM layers stay float32.
-Writes kvquant_table.json, kvquant_table.md and kvquant_table.png to --out.
+Writes kvquant_table.json (after every row, so a cut run keeps its rows), kvquant_table.md and kvquant_table.png
+to --out. ``load_calibrated`` and ``KVFormats`` are shared with ``run_passkey.py``.
 """
 
 from __future__ import annotations
@@ -66,22 +71,70 @@ def engine_rows() -> list[tuple[str, str | None]]:
             ("KVQuant nuq3-1%", "kvquant-nuq3-1%")]
 
 
+def long_rows() -> list[tuple[str, str | None]]:
+    return [("float KV (16-bit)", None), ("KVQuant nuq4-1%", "kvquant-nuq4-1%"), ("KVQuant nuq3-1%", "kvquant-nuq3-1%"),
+            ("KVQuant int4", "kvquant-int4"), ("int4 per token-head", "kv-int4-pth"),
+            ("fp8 e4m3 (per-tensor scale)", "kv-fp8-e4m3")]
+
+
 def spec_of(x) -> KVSpec | None:
     return KV_PRESETS[x][0] if isinstance(x, str) else x
 
 
-def evaluate(model, spec: KVSpec | None, captured, calib, eval_ids: list[int], args) -> dict:
-    for i in attention_layers(model):
-        model.layers[i].mixer.kv_quant = None
-    bits = None
-    if spec is not None:
-        calibrate_kv_(model, spec, calib, captured=captured)
-        kvq = model.layers[attention_layers(model)[0]].mixer.kv_quant
-        bits = kvq.bits_per_token() / (2 * kvq.hkv * kvq.e)
+def load_calibrated(name: str, calib_samples: int, calib_seqlen: int):
+    """(model float32, tokenizer, calibration windows (n, l) long, KVFormats over them) for a name of MODELS."""
+    from ssmq.models import load_model
+    from ssmq.models.loading import resolve_model_path
+    from ssmq.paths import shared_path
+    from ssmq.quant.calibration import load_calibration
+    from ssmq.tokenizer import load_tokenizer
+
+    where = MODELS[name] or shared_path("models", name)
+    model = load_model(where, dtype=torch.float32).eval()
+    tok = load_tokenizer(resolve_model_path(where))
+    calib = load_calibration(None, calib_samples, calib_seqlen, seed=0, tokenizer=tok).input_ids
+    return model, tok, calib, KVFormats(model, calib, name=name)
+
+
+class KVFormats:
+    """Puts one KV format (or float KV) on a model's attention layers, calibrating each format once on the shared
+    captured pass and keeping its quantizers, so a format evaluated at several settings is fitted once. The pass
+    (K / V and their gradients on ``calib``, ``capture_kv``) runs at the first quantized format: float-only runs
+    skip it."""
+
+    def __init__(self, model, calib: torch.Tensor, captured: dict | None = None, name: str = "model"):
+        self.model, self.calib, self.captured, self.name = model, calib, captured, name
+        self.layers = attention_layers(model)
+        self._fitted: dict[str, list] = {}
+
+    def use(self, spec: KVSpec | None) -> float | None:
+        """Install ``spec`` (None: float KV); returns its bits per KV entry (None for float)."""
+        mixers = [self.model.layers[i].mixer for i in self.layers]
+        if spec is None:
+            for m in mixers:
+                m.kv_quant = None
+            return None
+        key = json.dumps(spec.to_dict(), sort_keys=True)
+        if key not in self._fitted:
+            if self.captured is None:
+                t = time.time()
+                self.captured = capture_kv(self.model, self.calib, batch_size=4)
+                print(f"[{self.name}] captured K/V and gradients in {time.time() - t:.0f} s", flush=True)
+            calibrate_kv_(self.model, spec, self.calib, captured=self.captured)
+            self._fitted[key] = [m.kv_quant for m in mixers]
+        for m, q in zip(mixers, self._fitted[key]):
+            m.kv_quant = q
+        kvq = mixers[0].kv_quant
+        return kvq.bits_per_token() / (2 * kvq.hkv * kvq.e)
+
+
+def evaluate(formats: KVFormats, spec: KVSpec | None, eval_ids: list[int], seqlen: int, limit: int | None,
+             batch_size: int) -> dict:
+    bits = formats.use(spec)
     t = time.time()
-    r = perplexity_of_ids(model, eval_ids, args.seqlen, args.batch_size, args.limit, progress=False)
+    r = perplexity_of_ids(formats.model, eval_ids, seqlen, batch_size, limit, progress=False)
     return {"ppl": r["ppl"], "bits_per_entry": bits, "seconds": time.time() - t, "n_windows": r["n_windows"],
-            "spec": None if spec is None else spec.to_dict()}
+            "seqlen": r["seqlen"], "spec": None if spec is None else spec.to_dict()}
 
 
 def main():
@@ -93,14 +146,12 @@ def main():
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=2)
-    ap.add_argument("--tables", nargs="+", default=["formats", "ablation", "engines"])
+    ap.add_argument("--tables", nargs="+", default=["formats", "ablation", "engines"],
+                    choices=["formats", "ablation", "engines", "long"])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192],
+                    help="long table: one window of each of these lengths")
     args = ap.parse_args()
     from ssmq.eval.perplexity import wikitext2_path
-    from ssmq.models import load_model
-    from ssmq.models.loading import resolve_model_path
-    from ssmq.paths import shared_path
-    from ssmq.quant.calibration import load_calibration
-    from ssmq.tokenizer import load_tokenizer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,37 +161,46 @@ def main():
               "eval": f"WikiText-2 test (v1 tokenised), first {args.limit} windows of {args.seqlen} tokens",
               "calibration": f"{args.calib_samples} windows x {args.calib_seqlen} tokens of WikiText-2 train, seed 0",
               "models": {}}
-    tables = {"formats": formats_rows, "ablation": ablation_rows, "engines": engine_rows}
+    if "long" in args.tables:
+        result["long"] = (f"WikiText-2 test (v1 tokenised), one window each of {args.contexts} tokens: the first N "
+                          "tokens of the text (batch 1)")
+    tables = {"formats": formats_rows, "ablation": ablation_rows, "engines": engine_rows, "long": long_rows}
     for name in args.models:
-        where = MODELS[name] or shared_path("models", name)
-        model = load_model(where, dtype=torch.float32).eval()
-        tok = load_tokenizer(resolve_model_path(where))
+        model, tok, _, formats = load_calibrated(name, args.calib_samples, args.calib_seqlen)
         eval_ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
-        calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok).input_ids
-        t = time.time()
-        captured = capture_kv(model, calib, batch_size=4)
-        print(f"[{name}] captured K/V and gradients in {time.time() - t:.0f} s", flush=True)
         res, cache = {}, {}
+        result["models"][name] = res
         for table in args.tables:
             res[table] = []
-            for label, x in tables[table]():
-                key = json.dumps(None if x is None else spec_of(x).to_dict(), sort_keys=True)
-                if key not in cache:
-                    cache[key] = evaluate(model, spec_of(x), captured, calib, eval_ids, args)
-                row = {"row": label, "preset": x if isinstance(x, str) else None, **cache[key]}
-                res[table].append(row)
-                print(f"[{name}] {table:8s} {label:40s} ppl {row['ppl']:.4f}", flush=True)
-        result["models"][name] = res
-        (out / "kvquant_table.json").write_text(json.dumps(result, indent=2))
-    (out / "kvquant_table.md").write_text(markdown(result))
-    plot(result, out / "kvquant_table.png")
-    print((out / "kvquant_table.md").read_text())
+            # the long table is the same rows at several window lengths, one window each
+            settings = ([(c, 1, 1) for c in args.contexts] if table == "long"
+                        else [(args.seqlen, args.limit, args.batch_size)])
+            for seqlen, limit, batch in settings:
+                for label, x in tables[table]():
+                    key = json.dumps([seqlen, limit, None if x is None else spec_of(x).to_dict()], sort_keys=True)
+                    if key not in cache:
+                        cache[key] = evaluate(formats, spec_of(x), eval_ids, seqlen, limit, batch)
+                    row = {"row": label, "preset": x if isinstance(x, str) else None, **cache[key]}
+                    res[table].append(row)
+                    print(f"[{name}] {table:8s} {seqlen:6d} {label:40s} ppl {row['ppl']:.4f} "
+                          f"({row['seconds']:.0f} s)", flush=True)
+                    (out / "kvquant_table.json").write_text(json.dumps(result, indent=2))
+    if set(args.tables) - {"long"}:
+        (out / "kvquant_table.md").write_text(markdown(result))
+        plot(result, out / "kvquant_table.png")
+        print((out / "kvquant_table.md").read_text())
+    if "long" in args.tables:
+        (out / "kvquant_long.md").write_text(markdown_long(result))
+        plot_long(result, out / "kvquant_long.png")
+        print((out / "kvquant_long.md").read_text())
 
 
 def markdown(result: dict) -> str:
     lines = [f"{result['eval']}; calibration {result['calibration']}; {result['machine']}; {result['date']}.", ""]
     for name, res in result["models"].items():
         for table, rows in res.items():
+            if table == "long":  # its own pivot: markdown_long
+                continue
             base = rows[0]["ppl"]  # every table starts with the float KV row
             lines += [f"**{name} — {table}**", "", "| KV format | bits / entry | ppl | Δ vs float KV |",
                       "|---|---|---|---|"]
@@ -151,6 +211,65 @@ def markdown(result: dict) -> str:
                              f"{r['ppl']:.4f} | {delta} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def _by_context(rows: list[dict]) -> tuple[list[int], dict[str, dict[int, dict]]]:
+    """The long table's rows as (contexts, {row label: {context: row}}), labels in table order."""
+    contexts = sorted({r["seqlen"] for r in rows})
+    grid: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        grid.setdefault(r["row"], {})[r["seqlen"]] = r
+    return contexts, grid
+
+
+def markdown_long(result: dict) -> str:
+    """One table per model: perplexity per context (columns), Δ vs float KV at the same context in brackets."""
+    lines = [f"{result['long']}; calibration {result['calibration']}; {result['machine']}; {result['date']}.", ""]
+    for name, res in result["models"].items():
+        if not res.get("long"):
+            continue
+        contexts, grid = _by_context(res["long"])
+        base = grid.get("float KV (16-bit)", {})
+        lines += [f"**{name} — long context**", "",
+                  "| KV format | bits / entry | " + " | ".join(f"ppl @ {c}" for c in contexts) + " |",
+                  "|---|---|" + "---|" * len(contexts)]
+        for label, by in grid.items():
+            r0 = next(iter(by.values()))
+            bits = "16" if r0["bits_per_entry"] is None else f"{r0['bits_per_entry']:.2f}"
+            cells = []
+            for c in contexts:
+                if c not in by:
+                    cells.append("—")
+                elif label == "float KV (16-bit)" or c not in base:
+                    cells.append(f"{by[c]['ppl']:.3f}")
+                else:
+                    cells.append(f"{by[c]['ppl']:.3f} ({by[c]['ppl'] - base[c]['ppl']:+.3f})")
+            lines.append(f"| {label}{' (`' + r0['preset'] + '`)' if r0['preset'] else ''} | {bits} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_long(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, res in result["models"].items():
+        contexts, grid = _by_context(res.get("long", []))
+        for label, by in grid.items():
+            cs = [c for c in contexts if c in by]
+            ax.plot(cs, [by[c]["ppl"] for c in cs], "-o", label=f"{name} {label}", lw=2 if "float" in label else 1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens, one window)")
+    ax.set_ylabel("perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("WikiText-2 perplexity vs context with a quantized KV cache")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot(result: dict, path: Path) -> None:
