@@ -25,22 +25,14 @@ Stored in ``Recipe.cache.kv`` (or named there by a KV preset, ``ssmq.quant.recip
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 from ssmq.errors import SSMQError
+from ssmq.errors import from_json_object as _from
 
 DTYPES = ("int", "nuq", "fp8")
 GRANULARITIES = ("per_channel", "per_token", "per_tensor")
 
-
-def _from(cls, d, what: str):
-    if not isinstance(d, dict):
-        raise SSMQError(f"a {what} is a JSON object, not {type(d).__name__}")
-    known = [f.name for f in fields(cls)]
-    unknown = set(d) - set(known)
-    if unknown:
-        raise SSMQError(f"unknown {what} field(s) {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**d)
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,11 @@ Format 1 (the two kinds of ssmq 0.1: ``{"rules": ...}`` and ``{"kind": "ssm", "l
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ssmq.errors import SSMQError
+from ssmq.errors import from_json_object as _from
 from ssmq.models.config import ARCHS as MODEL_ARCHS
 from ssmq.models.config import ATTENTION_ARCHS
 from ssmq.models.kv_format import KVSpec
@@ -53,16 +54,6 @@ TRANSFORMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True}, "hada
               "mean_correction": {"eta": 0.15}}
 SSD_TRANSFORMS = ("gamma_migration", "ssdi8", "mean_correction")  # SSDi8's: the int8 state is the scan's own
 
-
-def _from(cls, d, what: str):
-    """cls(**d) after refusing unknown keys with one line."""
-    if not isinstance(d, dict):
-        raise SSMQError(f"a {what} is a JSON object, not {type(d).__name__}")
-    known = [f.name for f in fields(cls)]
-    unknown = set(d) - set(known)
-    if unknown:
-        raise SSMQError(f"unknown {what} field(s) {sorted(unknown)}; known: {sorted(known)}")
-    return cls(**d)
 
 
 @dataclass
