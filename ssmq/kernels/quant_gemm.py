@@ -110,6 +110,31 @@ def _prep_x(xv, xs, QUANT_X: tl.constexpr, A_MODE: tl.constexpr, QMAX: tl.conste
 
 
 @triton.jit
+def _scale_bias_store(acc, xs, xsum, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, pid_k, s_om, s_os,
+                      SCALE: tl.constexpr, A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
+    """The end of both GEMM kernels: acc (BLOCK_M, BLOCK_N) float32 times the per-channel / per-tensor scales
+    (SCALE; per-group scales were applied inside the K loop), minus zero · Σx (xsum (BLOCK_M,)) for asymmetric
+    weight-only formats, plus bias, stored at split pid_k of out."""
+    if SCALE:
+        if WS_MODE == 1:
+            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
+        else:
+            s = tl.load(ws_ptr + offs_n * 0)
+        if A_MODE != 0:
+            acc = acc * (xs[:, None] * s[None, :])
+        else:
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
+                acc -= z[None, :] * xsum[:, None]
+            acc = acc * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
 def _qmm(
     x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
     M, N, K, k_split, n_groups, s_xm, s_wn, s_om, s_os,
@@ -252,24 +277,11 @@ def _qmm(
         w_ptrs += WK
         x_ptrs += BLOCK_K
         xe_ptrs += BLOCK_K
-    if WS_MODE != 2 and not DEQ_W:
-        if WS_MODE == 1:
-            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
-        else:
-            s = tl.load(ws_ptr + offs_n * 0)
-        if A_MODE == 1:
-            acc = acc_i.to(tl.float32) * (xs[:, None] * s[None, :])
-        elif A_MODE == 2:
-            acc = acc * (xs[:, None] * s[None, :])
-        else:
-            if HAS_ZERO:
-                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
-                acc -= z[None, :] * xsum[:, None]
-            acc = acc * s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+    scale = WS_MODE != 2 and not DEQ_W
+    if A_MODE == 1 and scale:
+        acc = acc_i.to(tl.float32)
+    _scale_bias_store(acc, xs, xsum, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, pid_k, s_om, s_os,
+                      scale, A_MODE, WS_MODE, HAS_ZERO, HAS_BIAS)
 
 
 @triton.jit
@@ -311,6 +323,8 @@ def _qgemv(
             xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
         else:
             xs = tl.load(xs_ptr + offs_m * 0)
+    else:
+        xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, k_len, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mn[:, None], other=0)
@@ -362,22 +376,8 @@ def _qgemv(
         x_ptrs += BLOCK_K
     if not (WS_MODE == 2 and A_MODE == 1):
         acc = tl.sum(acc3, axis=2).to(tl.float32)
-    if WS_MODE != 2:
-        if WS_MODE == 1:
-            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
-        else:
-            s = tl.load(ws_ptr + offs_n * 0)
-        if A_MODE != 0:
-            acc = acc * (xs[:, None] * s[None, :])
-        else:
-            if HAS_ZERO:
-                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
-                acc -= z[None, :] * tl.sum(xsum, axis=2)
-            acc = acc * s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+    _scale_bias_store(acc, xs, tl.reshape(tl.sum(xsum, axis=2), (BLOCK_M,)), ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n,
+                      mn, rows, mm, pid_k, s_om, s_os, WS_MODE != 2, A_MODE, WS_MODE, HAS_ZERO, HAS_BIAS)
 
 
 @triton.jit
