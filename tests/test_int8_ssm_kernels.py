@@ -13,19 +13,14 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.ops.quant_ssm import quant_state_update_ref, quantize_ref
-from test_kernels import DEV, INTERPRET, _patch_interpreter_scalars, rel
+from test_kernels import DEV, INTERPRET, kernel_module, rel
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def SU():
-    pytest.importorskip("triton")
-    if INTERPRET:
-        _patch_interpreter_scalars()
-    import importlib
-
-    return importlib.import_module("ssmq.kernels.state_update")
+    return kernel_module("state_update")
 
 
 def gen(seed):
@@ -186,12 +181,7 @@ def test_quantize_codes_match_the_taps():
 
 @pytest.fixture(scope="module")
 def CV():
-    pytest.importorskip("triton")
-    if INTERPRET:
-        _patch_interpreter_scalars()
-    import importlib
-
-    return importlib.import_module("ssmq.kernels.conv1d")
+    return kernel_module("conv1d")
 
 
 def _assert_codes_close(got, want):
@@ -288,10 +278,7 @@ def test_conv_scale_shape_is_checked(CV):
 @pytest.mark.parametrize("scale_kind", ["per_tensor", "per_channel"])
 def test_fake_quantize_is_bit_exact(dtype, scale_kind):
     """One kernel for dequantize(quantize(x)): the reference's values bit for bit, strided inputs included."""
-    pytest.importorskip("triton")
-    if INTERPRET:
-        _patch_interpreter_scalars()
-    from ssmq.kernels.fake_quant import fake_quantize
+    fake_quantize = kernel_module("fake_quant").fake_quantize
     from ssmq.ops.quant_ssm import fake_quantize_ref
 
     g = gen(7)

@@ -6,7 +6,7 @@ smaller sweep on CPU tensors through Triton's interpreter instead.
 
 from __future__ import annotations
 
-import math
+import importlib
 import os
 
 import pytest
@@ -25,16 +25,18 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def K():
-    """The kernel modules (imported here so collection needs no triton)."""
+def kernel_module(name: str):
+    """``ssmq.kernels.<name>`` for a module fixture of the kernel tests: imported there so that collection needs no
+    triton (skipped without it), with the interpreter patched when it runs the kernels."""
     pytest.importorskip("triton")
     if INTERPRET:
         _patch_interpreter_scalars()
-    import importlib
+    return importlib.import_module(f"ssmq.kernels.{name}")
 
-    return {m: importlib.import_module(f"ssmq.kernels.{m}") for m in
-            ("conv1d", "state_update", "ssd", "scan", "norm", "gemv", "mamba2_decode")}
+
+@pytest.fixture(scope="module")
+def K():
+    return {m: kernel_module(m) for m in ("conv1d", "state_update", "ssd", "scan", "norm", "gemv", "mamba2_decode")}
 
 
 def _patch_interpreter_scalars():

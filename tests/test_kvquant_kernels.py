@@ -1,27 +1,17 @@
 """The Triton decode kernels over a quantized KV cache equal ``quant_kv_decode_ref`` (GPU, or
 SSMQ_TRITON_INTERPRET=1 on CPU): LUT K with on-the-fly RoPE, LUT V, sparse outliers, sink, GQA, ragged rows."""
 
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("SSMQ_TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before their import
+from test_kernels import DEV, INTERPRET, kernel_module
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
 def k():
-    if not (torch.cuda.is_available() or INTERPRET):
-        pytest.skip("needs CUDA (or SSMQ_TRITON_INTERPRET=1)")
-    pytest.importorskip("triton")
-    from ssmq.kernels import kv_decode
-
-    return kv_decode
+    return kernel_module("kv_decode")
 
 
 def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):

@@ -12,19 +12,14 @@ import torch
 
 from ssmq import ops
 from ssmq.ops.quant_linear import pack_int4
-from test_kernels import DEV, INTERPRET, _patch_interpreter_scalars, rel
+from test_kernels import DEV, INTERPRET, kernel_module, rel
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def QK():
-    pytest.importorskip("triton")
-    if INTERPRET:
-        _patch_interpreter_scalars()
-    import importlib
-
-    return importlib.import_module("ssmq.kernels.quant_gemm")
+    return kernel_module("quant_gemm")
 
 
 def make_weight(n, k, bits, group, zero, fp8=False):

@@ -14,7 +14,7 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.ops.replay_ssm import StateRing, replay_state_update_ref
 from test_int8_ssm_kernels import LAYOUTS, _assert_state_close, _case, _dev
-from test_kernels import DEV, INTERPRET, _patch_interpreter_scalars, rel
+from test_kernels import DEV, kernel_module, rel
 
 pytestmark = pytest.mark.gpu
 K = 4
@@ -22,12 +22,7 @@ K = 4
 
 @pytest.fixture(scope="module")
 def SU():
-    pytest.importorskip("triton")
-    if INTERPRET:
-        _patch_interpreter_scalars()
-    import importlib
-
-    return importlib.import_module("ssmq.kernels.state_update")
+    return kernel_module("state_update")
 
 
 def _case_tied(layout, state_fmt, input_fmt):

@@ -1,26 +1,16 @@
 """The Triton integer stages of SSDi8 equal the reference bit for bit (GPU, or SSMQ_TRITON_INTERPRET=1 on CPU)."""
 
-import os
-
 import pytest
 import torch
 
-INTERPRET = os.environ.get("SSMQ_TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before their import
+from test_kernels import DEV, INTERPRET, kernel_module
 
 pytestmark = pytest.mark.gpu
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
 def k():
-    if not (torch.cuda.is_available() or INTERPRET):
-        pytest.skip("needs CUDA (or SSMQ_TRITON_INTERPRET=1)")
-    pytest.importorskip("triton")
-    from ssmq.kernels import ssdi8
-
-    return ssdi8
+    return kernel_module("ssdi8")
 
 
 SHAPES = [(1, 2, 16, 4, 16, 2, 16)] if INTERPRET else [(2, 3, 64, 6, 64, 3, 64), (1, 4, 256, 8, 64, 1, 128)]
