@@ -28,6 +28,7 @@ from published_configs import PUBLISHED, hf_config, mamba_ssm_config_dict  # noq
 from random_model import random_model  # noqa: E402
 
 from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 
 def time_ms(fn, warmup=2, reps=10, setup=None) -> float:
@@ -267,13 +268,8 @@ def markdown_table(results, prompt_lens, batches) -> str:
 
 
 def plot(results, batches, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     names = list(results["models"])
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)

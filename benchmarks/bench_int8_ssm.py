@@ -36,6 +36,7 @@ from ssmq.quant import CalibrationData, quantize  # noqa: E402
 from ssmq.quant.recipe import Cache, get_recipe  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
 from peers import mamba_ssm_op  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G = 80, 64, 128, 1  # Mamba2-2.7B: 80 heads of 64, d_state 128, one B/C group
@@ -205,13 +206,8 @@ def run_e2e(batches, steps: int, out: dict, save) -> None:
 
 
 def plot(out: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     rows = out["micro"]
     bs = [r["batch"] for r in rows]

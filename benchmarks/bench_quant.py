@@ -41,6 +41,7 @@ from ssmq import kernels  # noqa: E402
 from ssmq.ops.quant_linear import pack_int4  # noqa: E402
 from ssmq.quant import CalibrationData, quantize, save_quantized  # noqa: E402
 from ssmq.quant.recipe import get_recipe  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 RECIPES = "fp16,rtn-w8a16,rtn-w4a16-g128,static-w8a8,dynamic-w8a8,fp8-w8a8"
 
@@ -306,13 +307,8 @@ def markdown(results, args) -> str:
 
 
 def plot(results, args, path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     batches = [int(b) for b in args.batches.split(",")]
     models = [m for m, e in results["models"].items() if e]

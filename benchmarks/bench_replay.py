@@ -39,6 +39,7 @@ from ssmq.kernels import state_update  # noqa: E402
 from ssmq.kernels.state_update import quant_state_update, replay_state_update  # noqa: E402
 from ssmq.ops.replay_ssm import StateRing  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G = 80, 64, 128, 1  # Mamba2-2.7B: 80 heads of 64, d_state 128, one B/C group
@@ -176,13 +177,8 @@ def run_e2e(batches, k: int, out: dict, save) -> None:
 
 
 def plot(out: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     ax = axes[0]

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plotting import pyplot  # noqa: E402
 
 TINY = dict(arch="mamba2", d_model=256, n_layer=4, vocab_size=512, d_state=32, headdim=32, chunk_size=64)
 
@@ -257,12 +258,8 @@ def report(res: dict, out: Path) -> None:
                      f"{r['tpot_ms_p50']:.2f} | {r['tpot_ms_p99']:.2f} | {r['tpot_ms_p50'] / off['tpot_ms']:.2f} |")
     (out / "serve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     rows = [r for r in res["levels"] if r.get("requests")]
     cs = [r["concurrency"] for r in rows]

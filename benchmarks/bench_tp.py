@@ -41,6 +41,7 @@ from random_model import random_model  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill  # noqa: E402
 from ssmq.runtime.tp_comm import Communicator  # noqa: E402
 from ssmq.runtime.tp_launch import init_tp  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -282,12 +283,8 @@ def markdown(rows, world) -> str:
 
 
 def plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     ok = [r for r in rows if r.get("status") == "ok"]
     models = sorted({r["model"] for r in ok if r["kind"] == "decode"})
