@@ -9,12 +9,8 @@
 set -uo pipefail
 steps=${1:-tests,micro,e2e}
 out=${OUT:-out}
-mkdir -p "$out" /tmp/peer
-for tgz in .carry/mamba_ssm-2.3.2.post1-triton.tar.gz shared/peers/mamba_ssm-2.3.2.post1-triton.tar.gz \
-           "${SSMQ_SHARED:-/nonexistent}/peers/mamba_ssm-2.3.2.post1-triton.tar.gz"; do
-  [[ -f $tgz ]] && tar xzf "$tgz" -C /tmp/peer && break
-done
-export PYTHONPATH=.:/tmp/peer:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+mkdir -p "$out"
+source benchmarks/peer_env.sh
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$out/gpu.txt"
 rc=0
 if [[ $steps == *tests* ]]; then

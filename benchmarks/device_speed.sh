@@ -7,9 +7,8 @@ set -uo pipefail
 steps=${1:-tests,kernels,e2e}
 shift || true
 out=${OUT:-out}
-mkdir -p /tmp/peer "$out"
-tar xzf .carry/mamba_ssm-2.3.2.post1-triton.tar.gz -C /tmp/peer || echo "no mamba_ssm peer: its columns stay blank"
-export PYTHONPATH=.:/tmp/peer:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+mkdir -p "$out"
+source benchmarks/peer_env.sh
 rc=0
 if [[ $steps == *tests* ]]; then
   python3 -m pytest -q -m gpu tests/test_kernels.py tests/test_gpu_runtime.py 2>&1 | tail -25 | tee "$out/gpu_tests.log" || rc=1

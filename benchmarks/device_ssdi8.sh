@@ -6,9 +6,8 @@
 set -uo pipefail
 lengths=${1:-256,512,1024,2048,4096,8192}
 out=${OUT:-out}
-mkdir -p /tmp/peer "$out"
-tar xzf .carry/mamba_ssm-2.3.2.post1-triton.tar.gz -C /tmp/peer 2>/dev/null || echo "no mamba_ssm peer: its column stays blank"
-export PYTHONPATH=.:/tmp/peer:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+mkdir -p "$out"
+source benchmarks/peer_env.sh
 rc=0
 timeout 120 python3 -m pytest -q -m gpu tests/test_ssdi8_kernels.py 2>&1 | tail -15 | tee "$out/ssdi8_gpu_tests.log" || rc=1
 timeout 170 python3 benchmarks/bench_ssdi8.py --lengths "$lengths" --json "$out/ssdi8_kernels.json" 2>&1 \
