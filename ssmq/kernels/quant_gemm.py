@@ -62,8 +62,8 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
 #     exception was out_proj W8A16 (9.5 us CUDA-core vs 12.2). Stages 3 and WAVES 6 (K split until 6 programs
 #     an SM) are what --sweep w4 picked and what the README's end-to-end table ran with; a split costs a
-#     _sum_splits kernel (2.2 us, 128 a token), so W8's best single-op setting was stages 5, WAVES 2. Neither reaches the weight-bandwidth limit
-#     (in_proj W8 9.2 us, W4 4.9 us): the CUDA-core loop is bound by int -> float conversions (16 a clock
+#     _sum_splits kernel (2.2 us, 128 a token), so W8's best single-op setting was stages 5, WAVES 2. Neither
+#     reaches the weight-bandwidth limit (in_proj W8 9.2 us, W4 4.9 us): the CUDA-core loop is bound by int -> float conversions (16 a clock
 #     per SM on Hopper: 7 us for in_proj's 27 M weights), the tensor-core one by its serial K loop
 #     (about 0.8 us an iteration, 20 iterations at K = 2560 without a K split).
 CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
@@ -618,8 +618,8 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
     M = math.prod(x.shape[:-1])
     a_mode = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(act_dtype, 0)
     fused = (f is not None and cfg["FMA_MAX_ROWS"] < M <= DECODE_ROWS
-             and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (per_token or x_scale is not None) and x.shape[-1] == f["k"] and a_mode != 0
-             and f["fp8"] == (a_mode == 2) and _supported(f, act_dtype))
+             and x.dtype in (torch.float16, torch.bfloat16, torch.float32) and (per_token or x_scale is not None)
+             and x.shape[-1] == f["k"] and a_mode != 0 and f["fp8"] == (a_mode == 2) and _supported(f, act_dtype))
     if not fused:
         x_q, xs = quantize_act(x, x_scale, per_token, act_dtype)
         return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype, cfg=cfg)
