@@ -63,9 +63,9 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     exception was out_proj W8A16 (9.5 us CUDA-core vs 12.2). Stages 3 and WAVES 6 (K split until 6 programs
 #     an SM) are what --sweep w4 picked and what the README's end-to-end table ran with; a split costs a
 #     _sum_splits kernel (2.2 us, 128 a token), so W8's best single-op setting was stages 5, WAVES 2. Neither
-#     reaches the weight-bandwidth limit (in_proj W8 9.2 us, W4 4.9 us): the CUDA-core loop is bound by int -> float conversions (16 a clock
-#     per SM on Hopper: 7 us for in_proj's 27 M weights), the tensor-core one by its serial K loop
-#     (about 0.8 us an iteration, 20 iterations at K = 2560 without a K split).
+#     reaches the weight-bandwidth limit (in_proj W8 9.2 us, W4 4.9 us): the CUDA-core loop is bound by
+#     int -> float conversions (16 a clock per SM on Hopper: 7 us for in_proj's 27 M weights), the tensor-core
+#     one by its serial K loop (about 0.8 us an iteration, 20 iterations at K = 2560 without a K split).
 CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=3,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
