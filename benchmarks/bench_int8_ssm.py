@@ -153,14 +153,16 @@ def run_micro(batches, out: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ end to end
 
-def tpot(model, b: int, steps: int, ssm_dtype) -> dict:
+def tpot(model, b: int, steps: int, ssm_dtype, state_checkpoint: int | None = None) -> dict:
+    """ms per decode step at batch b from replays of one captured CUDA graph, peak memory, SSM bytes per sequence
+    (a ReplaySSM ring included when ``state_checkpoint`` = K, else the state is written every step)."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    dec = CudaGraphDecoder(model, max_batch=b, max_seqlen=steps + 64, buckets=(b,), ssm_dtype=ssm_dtype)
+    dec = CudaGraphDecoder(model, max_batch=b, max_seqlen=steps + 64, buckets=(b,), ssm_dtype=ssm_dtype,
+                           state_checkpoint=state_checkpoint)
     tokens = torch.randint(0, 50000, (b,), device=DEV)
-    slots = torch.arange(b, device=DEV)
-    dec(tokens, slots)
+    dec(tokens, torch.arange(b, device=DEV))
     graph = dec.graphs[b][0]
 
     def run():
@@ -169,7 +171,7 @@ def tpot(model, b: int, steps: int, ssm_dtype) -> dict:
 
     ms = time_ms(run, warmup=1, reps=5) / steps
     r = {"tpot_ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-         "ssm_state_bytes_per_seq": sum(s.ssm[0].numel() * s.ssm.element_size() for s in dec.cache.states)}
+         "ssm_bytes_per_seq": sum(s.ssm_nbytes() for s in dec.cache.states) // dec.cache.max_batch}
     del dec
     return r
 

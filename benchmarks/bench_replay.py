@@ -19,7 +19,6 @@ Writes replay.json and replay.png to --out (after every number: a timeout keeps 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
@@ -30,15 +29,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import time_ms  # noqa: E402
-from bench_int8_ssm import graph_ms  # noqa: E402
+from bench_int8_ssm import graph_ms, tpot  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
 from ssmq.kernels import state_update  # noqa: E402
 from ssmq.kernels.state_update import quant_state_update, replay_state_update  # noqa: E402
 from ssmq.ops.replay_ssm import StateRing  # noqa: E402
-from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
 DEV = "cuda"
@@ -134,27 +131,6 @@ def run_micro(batches, k: int, ring_dtype, out: dict, save) -> None:
 
 
 # ------------------------------------------------------------------------------------------ end to end
-
-def tpot(model, b: int, steps: int, ssm_dtype, k: int | None) -> dict:
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    dec = CudaGraphDecoder(model, max_batch=b, max_seqlen=steps + 64, buckets=(b,), ssm_dtype=ssm_dtype,
-                           state_checkpoint=k)
-    tokens = torch.randint(0, 50000, (b,), device=DEV)
-    dec(tokens, torch.arange(b, device=DEV))
-    graph = dec.graphs[b][0]
-
-    def run():
-        for _ in range(steps):
-            graph.replay()
-
-    ms = time_ms(run, warmup=1, reps=5) / steps
-    r = {"tpot_ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-         "ssm_bytes_per_seq": sum(s.ssm_nbytes() for s in dec.cache.states) // dec.cache.max_batch}
-    del dec
-    return r
-
 
 def run_e2e(batches, k: int, out: dict, save) -> None:
     model = random_model(PUBLISHED["mamba2-2.7b"], dtype=torch.float16)
