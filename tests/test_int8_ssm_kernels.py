@@ -78,8 +78,17 @@ def _case(layout, state_fmt, input_fmt, seed=0):
     return [state, table, index, x, xs, dt, A, B, Bs, C, Cs, D, z, dt_bias, True, slots]
 
 
+def _to_dev(a):
+    """``a`` on DEV, a stride-0 (expanded) view kept so: ``.to`` would materialize it, and the kernels tell Mamba-2's
+    per-head A / Δ from per-channel ones by that stride."""
+    if not torch.is_tensor(a) or 0 not in a.stride():
+        return a.to(DEV) if torch.is_tensor(a) else a
+    base = a[tuple(slice(0, 1) if st == 0 else slice(None) for st in a.stride())]
+    return base.to(DEV).expand(a.shape)
+
+
 def _dev(args):
-    return [a.to(DEV) if torch.is_tensor(a) else a for a in args]
+    return [_to_dev(a) for a in args]
 
 
 def _assert_state_close(got, want, state_fmt):
