@@ -1,160 +1,292 @@
-"""Triton decode attention over a quantized KV cache (KVQuant): LUT-based low-bit K and V matrix-vector products.
+"""Triton flash-decoding attention over a quantized KV cache (KVQuant: LUT low-bit K and V), or a float one.
 
-Glossary: b rows, hq query heads, hkv kv heads, e head dim, T tokens, r rotary dim, S sink tokens, k outlier slots.
+Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv query heads a kv head serves, e head dim, T tokens,
+r rotary dim, S sink tokens, k outlier slots, n a row's length, P splits of a row's tokens.
 Same contract as ``ssmq.ops.kv_quant.quant_kv_decode_ref`` (its docstring has the storage layout).
 
-    scores   one program per (row, kv head, split of T): each (BLOCK_T, e) tile of key codes is unpacked from
-             nibbles, looked up in the codebook (LUT, float32), scaled (per-channel or per-token mid / half), the
-             token's sparse outliers written over it, and dotted with the query rotated by -t (RoPE on the fly:
-             q · R_t k = (R_{-t} q) · k, so keys stay as stored, before RoPE), for each query head of the group
-    softmax  in torch over (b, hq, T), float32 (the sink tokens' scores replaced by their float keys' first)
-    values   the same tile dequantization for value codes, weighted by the probabilities; each split writes a
-             float32 partial (b, hq, splits, e) that torch adds up
+One program per (row, kv head, split): the split's tokens in (BLOCK_T, e) tiles, each tile read once for the
+kv head's g query heads, with an online softmax (running max m, sum l, unnormalized output acc):
+    keys     nibbles unpacked, looked up in the codebook (LUT), scaled (per-channel or per-token mid / half), the
+             token's sparse outliers written over them, then rotated by their position (RoPE on the fly: keys are
+             cached before it); scores (g, BLOCK_T) = q · kᵀ as one tensor-core product (3xTF32: float32 accuracy)
+    values   the same dequantization, acc += p · v as one product
+    sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
+Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
+The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
+divided among the P splits in the kernel, so there is no host sync, and no torch op between the kernels.
+``float_kv_decode`` is the same kernel over a float cache (FLOAT: keys post-RoPE, no LUT, outliers or sink).
 Codes must be packed nibbles (codebooks of <= 16 entries) and unrotated; other formats take the reference.
-A tile is dequantized once for the hq / hkv query heads that share its kv head (GQA).
 """
 
 from __future__ import annotations
 
-import math
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
+from ssmq.ops.attention import rotary_inv_freq
 from ssmq.ops.kv_quant import KVSideView
 
-BLOCK_T = 64
-TILES_PER_SPLIT = 16  # tokens per program = BLOCK_T * TILES_PER_SPLIT (more splits for short contexts: none)
+# Launch settings (the bench's --cfg overrides them). Picked by compiling for sm_90 (ptxas register use), not yet
+# timed: 8 warps hold a 64-token tile without spills, 4 warps spill; with outliers (a dynamic loop over the
+# slots) 32-token tiles. num_stages 2 prefetches the next tile's codes (cp.async, ~90-120 KB of shared memory:
+# one program an SM), so WAVES 2 programs an SM over the grid; MIN_TILES: a split covers at least this many
+# tiles of the cache's capacity (fewer splits for short caches).
+CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=2, MIN_TILES=4)
+# the interpreter has no PTX: exact libdevice-free cos / sin there, the hardware's approximations on the GPU
+FAST_TRIG = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
-def _tile(codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, offs_e,
-          s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot,
-          E: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr):
-    """(BLOCK_T, E) float32 dequantized tile of tokens t of kv head hk in slot ``slot``."""
-    byte = tl.load(codes + slot * s_cs + t[:, None] * s_ct + hk * s_ch + (offs_e // 2)[None, :],
-                   mask=tmask[:, None], other=0).to(tl.int32)
-    code = (byte >> ((offs_e % 2) * 4)[None, :]) & 15
-    c = tl.load(lut + code)
-    if PER_TOKEN:
-        m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-        h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-        x = m[:, None] + h[:, None] * c
+def _cos_sin(a, FAST: tl.constexpr):
+    """cos, sin of float32 angles 0 <= a < 4e5: reduced to [-pi, pi] by Cody-Waite first (2 pi = P1 + P2 + P3, k·P1
+    exact), so that the hardware's approximations (abs. error < 1e-6 there) stay accurate at long contexts."""
+    k = tl.floor(a * 0.15915494309189535 + 0.5)
+    r = tl.fma(k, -6.28125, a)
+    r = tl.fma(k, -0.0019353071693331003, r)
+    r = tl.fma(k, -1.0253131677018246e-11, r)
+    if FAST:
+        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
     else:
-        m = tl.load(mid + hk * E + offs_e)
-        h = tl.load(half + hk * E + offs_e)
-        x = m[None, :] + h[None, :] * c
-    for j in tl.static_range(KSLOTS):  # sparse outliers: flat index in hkv·e, -1 for an empty slot
-        idx = tl.load(oidx + slot * s_os + t * s_ot + j, mask=tmask, other=-1).to(tl.int32)
-        val = tl.load(oval + slot * s_os + t * s_ot + j, mask=tmask, other=0.0).to(tl.float32)
-        x = tl.where(idx[:, None] == (hk * E + offs_e)[None, :], val[:, None], x)
+        c, s = tl.cos(r), tl.sin(r)
+    return c, s
+
+
+@triton.jit
+def _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cols, cmask,
+          s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+          E: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr):
+    """(len(t), len(cols)) float32 tile of kv head hk of slot ``slot``: tokens t, channels cols (masked: 0)."""
+    mask = tmask[:, None] & cmask[None, :]
+    base = ptr + slot * s_s + t[:, None] * s_t + hk * s_h
+    if FLOAT:
+        x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        byte = tl.load(base + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
+        c = tl.load(lut + ((byte >> ((cols % 2) * 4)[None, :]) & 15))
+        if PER_TOKEN:
+            m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+            h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+            x = m[:, None] + h[:, None] * c
+        else:
+            m = tl.load(mid + hk * E + cols, mask=cmask, other=0.0)
+            h = tl.load(half + hk * E + cols, mask=cmask, other=0.0)
+            x = m[None, :] + h[None, :] * c
+        for j in range(KSLOTS):  # sparse outliers: flat index in hkv·e, -1 for an empty slot (not unrolled: the
+            # unrolled loop's hoisted loads spilled registers at 20 slots)
+            idx = tl.load(oidx + slot * s_os + t * s_ot + j, mask=tmask, other=-1).to(tl.int32) - hk * E
+            val = tl.load(oval + slot * s_os + t * s_ot + j, mask=tmask, other=0.0).to(tl.float32)
+            x = tl.where(idx[:, None] == cols[None, :], val[:, None], x)
     return x
 
 
 @triton.jit
-def _scores_kernel(q, codes, mid, half, lut, oidx, oval, slots, lens, inv_freq, out,
-                   s_qb, s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, s_ob, s_oh, scale,
-                   GROUP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, PER_TOKEN: tl.constexpr,
-                   KSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr):
-    i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots + i)
-    n = tl.load(lens + i)
-    offs_e = tl.arange(0, E)
-    if R > 0:  # rotate_half(q) takes channel partner[j] with sign[j]; cos 1, sin 0 beyond the first R channels
-        partner = tl.where(offs_e < R // 2, offs_e + R // 2, offs_e - R // 2)
-        sign = tl.where(offs_e < R // 2, -1.0, 1.0)
-        freq = tl.load(inv_freq + offs_e % (R // 2), mask=offs_e < R, other=0.0)
-    for tile in range(TILES):
-        t = (sp * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = t < n
-        # one dequantized tile of the kv head serves its GROUP query heads
-        x = _tile(codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, offs_e,
-                  s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, E, PER_TOKEN, KSLOTS)
-        if R > 0:
-            ang = t.to(tl.float32)[:, None] * freq[None, :]
-            cos = tl.where(offs_e[None, :] < R, tl.cos(ang), 1.0)
-            sin = tl.sin(ang)
-        for g in tl.static_range(GROUP):
-            h = hk * GROUP + g
-            qv = tl.load(q + i * s_qb + h * E + offs_e)
-            if R > 0:
-                rq = sign * tl.load(q + i * s_qb + h * E + partner, mask=offs_e < R, other=0.0)
-                qt = qv[None, :] * cos - rq[None, :] * sin  # R_{-t} q
-            else:
-                qt = qv[None, :] + tl.zeros_like(x)
-            s = tl.sum(qt * x, axis=1) * scale
-            tl.store(out + i * s_ob + h * s_oh + t, s, mask=tmask)
+def _group_scores(q, s_qh, qscale, ka, kb, kp, ch, cp, GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr,
+                  R: tl.constexpr):
+    """(GP, BLOCK_T) scores (times qscale) of the kv head's query heads (q: head 0's row) against the rotated key
+    parts, as tensor-core products (3xTF32: float32 accuracy). The query rows are re-read here (L1) on every tile:
+    held across the loop, the padded (16, e) queries would sit in every warp's registers, twice for 3xTF32."""
+    rows = (tl.arange(0, GP) < GROUP)[:, None]
+    qrow = q + tl.arange(0, GP)[:, None] * s_qh
+    qp = tl.load(qrow + cp[None, :], mask=rows & (cp < E)[None, :], other=0.0).to(tl.float32) * qscale
+    s = tl.dot(qp, tl.trans(kp), input_precision="tf32x3")
+    if R > 0:
+        hm = rows & (ch < R // 2)[None, :]
+        qa = tl.load(qrow + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
+        qb = tl.load(qrow + R // 2 + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
+        s = tl.dot(qa, tl.trans(ka), s, input_precision="tf32x3")
+        s = tl.dot(qb, tl.trans(kb), s, input_precision="tf32x3")
+    return s
 
 
 @triton.jit
-def _values_kernel(p, codes, mid, half, lut, oidx, oval, slots, lens, out,
-                   s_pb, s_ph, s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, s_ob, s_oh, s_osp,
-                   GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, PER_TOKEN: tl.constexpr,
-                   KSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr):
+def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
+            s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+            GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
+            PP: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
+            FAST: tl.constexpr):
+    """(GP, len(t)) scores (log2 units; -inf where masked) of the query group against the keys t rotated by
+    their positions: R_t k = (ka cos - kb sin, kb cos + ka sin, kp) over channels [0, r/2), [r/2, r), [r, e)."""
+    ch = tl.arange(0, HP)
+    cp = R + tl.arange(0, PP)
+    kp = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cp, cp < E, s_s, s_t, s_h, s_ms, s_mt,
+               s_os, s_ot, E, FLOAT, PER_TOKEN, KSLOTS if R < E else 0)  # r = e: an all-masked dummy
+    if R > 0:
+        hm = ch < R // 2
+        ka = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch, hm, s_s, s_t, s_h, s_ms, s_mt,
+                   s_os, s_ot, E, FLOAT, PER_TOKEN, KSLOTS)
+        kb = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch + R // 2, hm, s_s, s_t, s_h, s_ms,
+                   s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, KSLOTS)
+        freq = tl.load(inv_freq + ch, mask=hm, other=0.0)
+        cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)  # the reference's float32 angles
+        s = _group_scores(q, s_qh, qscale, ka * cos - kb * sin, kb * cos + ka * sin, kp, ch, cp, GROUP, GP, E, R)
+    else:
+        s = _group_scores(q, s_qh, qscale, kp, kp, kp, ch, cp, GROUP, GP, E, R)
+    return tl.where(tmask[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _softmax_step(m, l, acc, s, v):
+    """Online softmax: fold scores s (GP, n) and values v (n, e) into the running (m, l, acc)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m - m_ref)
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
+
+
+@triton.jit
+def _decode_kernel(q, slots, lens, inv_freq, out, ws,
+                   kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
+                   s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
+                   ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
+                   GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
+                   PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
+                   K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
+                   VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr):
     i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots + i)
-    n = tl.load(lens + i)
-    offs_e = tl.arange(0, E)
-    rows = tl.arange(0, GP)  # the group's query heads, padded to a power of two
-    acc = tl.zeros((GP, E), dtype=tl.float32)
-    for tile in range(TILES):
-        t = (sp * TILES + tile) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = t < n
-        x = _tile(codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, offs_e,
-                  s_cs, s_ct, s_ch, s_ms, s_mt, s_os, s_ot, E, PER_TOKEN, KSLOTS)
-        for g in tl.static_range(GROUP):
-            w = tl.load(p + i * s_pb + (hk * GROUP + g) * s_ph + t, mask=tmask, other=0.0)
-            acc = tl.where(rows[:, None] == g, acc + tl.sum(w[:, None] * x, axis=0)[None, :], acc)
-    dst = out + i * s_ob + (hk * GROUP + rows)[:, None] * s_oh + sp * s_osp + offs_e[None, :]
-    tl.store(dst, acc, mask=(rows < GROUP)[:, None])
+    slot = tl.load(slots + i).to(tl.int64)
+    n = tl.load(lens + i).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T  # this row's tokens a split, whole tiles
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, n)
+
+    rows = tl.arange(0, GP)  # the kv head's query heads, padded (the values' product needs >= 16 rows)
+    rmask = rows < GROUP
+    qg = q + i * s_qb + hk * GROUP * s_qh  # the group's first query head
+    qscale = scale * 1.4426950408889634  # scores in log2 units: exp2 in the softmax
+
+    m = tl.full((GP,), float("-inf"), tl.float32)
+    l = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, E), tl.float32)
+    e = tl.arange(0, E)
+    if S > 0:
+        if sp == 0:  # the sink tokens' keys and values are kept in float: positions [0, S)
+            t = tl.arange(0, SP)
+            tmask = t < tl.minimum(n, S)
+            s = _scores(qg, s_qh, qscale, ksink, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq, ks_s, ks_t, ks_h,
+                        0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, FAST)
+            v = _tile(vsink, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
+                      vs_s, vs_t, vs_h, 0, 0, 0, 0, E, True, V_PER_TOKEN, 0)
+            m, l, acc = _softmax_step(m, l, acc, s, v)
+    for start in range(lo, hi, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        tmask = (t < hi) & (t >= S)
+        s = _scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq, k_s, k_t, k_h, k_ms, k_mt,
+                    k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, FAST)
+        v = _tile(vc, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
+                  v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS)
+        m, l, acc = _softmax_step(m, l, acc, s, v)
+
+    heads = hk * GROUP + rows
+    if ONE_SPLIT:
+        tl.store(out + i * s_ob + heads[:, None] * s_oh + e[None, :], acc / l[:, None], mask=rmask[:, None])
+    else:  # (m, l, acc) of this split: ws (b, hq, P, e + 2), m and l after acc
+        dst = ws + i * w_b + heads * w_h + sp * w_p
+        tl.store(dst[:, None] + e[None, :], acc, mask=rmask[:, None])
+        tl.store(dst + E, m, mask=rmask)
+        tl.store(dst + E + 1, l, mask=rmask)
 
 
-def _side_args(v: KVSideView):
+@triton.jit
+def _combine_kernel(ws, out, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr, PS: tl.constexpr):
+    """out[i, h] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p over the P splits of (row i, query head h)."""
+    i, h = tl.program_id(0), tl.program_id(1)
+    p = tl.arange(0, PS)
+    pm = p < splits
+    e = tl.arange(0, E)
+    src = ws + i * w_b + h * w_h + p * w_p
+    m = tl.load(src + E, mask=pm, other=float("-inf"))
+    l = tl.load(src + E + 1, mask=pm, other=0.0)
+    acc = tl.load(src[:, None] + e[None, :], mask=pm[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # empty splits: m = -inf, weight 0
+    tl.store(out + i * s_ob + h * s_oh + e, tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0))
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return rotary_inv_freq(rotary_dim, theta, device)  # cached: no per-call table building
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def default_splits(b: int, hkv: int, capacity: int, device: torch.device, block_t: int) -> int:
+    """Splits a row's tokens get: WAVES programs an SM over b·hkv·P, at most one per MIN_TILES tiles of the
+    cache's capacity (the rows' lengths stay on the GPU: they divide into the splits there)."""
+    fill = triton.cdiv(CFG["WAVES"] * _sm_count(device), b * hkv)
+    return max(1, min(fill, triton.cdiv(capacity, block_t * CFG["MIN_TILES"])))
+
+
+def _side(v: KVSideView):
+    """Pointers and strides of one quantized side, in _decode_kernel's order."""
     c, m, o = v.codes, v.mid, v.out_idx
     ms = (m.stride(0), m.stride(1)) if v.per_token else (0, 0)
-    return (c, m, v.half, v.codebook.float().contiguous(), o, v.out_val), (
-        c.stride(0), c.stride(1), c.stride(2), *ms, o.stride(0), o.stride(1))
+    book = v.codebook if v.codebook.dtype == torch.float32 and v.codebook.is_contiguous() else v.codebook.float()
+    return (c, m, v.half, book.contiguous(), o, v.out_val), (c.stride(0), c.stride(1), c.stride(2), *ms,
+                                                          o.stride(0), o.stride(1))
+
+
+def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits):
+    """Runs _decode_kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32."""
+    b, hq, e = q.shape
+    codes = kt[0]
+    hkv, capacity = codes.shape[2], codes.shape[1]
+    assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
+    assert rotary_dim % 2 == 0 and rotary_dim <= e
+    block_t = CFG["BLOCK_T_OUTLIERS"] if flags["KSLOTS"] or flags["VSLOTS"] else CFG["BLOCK_T"]
+    splits = splits or default_splits(b, hkv, capacity, q.device, block_t)
+    scale = e ** -0.5 if softmax_scale is None else softmax_scale
+    inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
+    out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
+    ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+    ksink, vsink = sinks
+    S = ksink.shape[1]
+    group = hq // hkv
+    _decode_kernel[(b, hkv, splits)](
+        q, slots, kv_lens, inv_freq, out, ws, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
+        ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
+        out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
+        GROUP=group, GP=max(16, triton.next_power_of_2(group)), E=e, R=rotary_dim,
+        HP=max(16, triton.next_power_of_2(rotary_dim // 2)), PP=max(16, triton.next_power_of_2(e - rotary_dim)),
+        S=S, SP=max(16, triton.next_power_of_2(S)), BLOCK_T=block_t, ONE_SPLIT=splits == 1, FAST=FAST_TRIG,
+        num_warps=CFG["num_warps"], num_stages=CFG["num_stages"], **flags)
+    if splits > 1:
+        _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
+                                 out.stride(1), E=e, PS=triton.next_power_of_2(splits))
+    return out
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
                     rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None,
-                    return_scores: bool = False):
-    """``quant_kv_decode_ref`` on the GPU: q (b, hq, e) → (b, hq, e) float32 (and the scores (b, hq, T))."""
-    b, hq, e = q.shape
-    hkv = k.codes.shape[2]
-    end = int(kv_lens.max())
-    scale = e ** -0.5 if softmax_scale is None else softmax_scale
-    q = q.float().contiguous()
-    slots, lens = slots.to(torch.int64).contiguous(), kv_lens.to(torch.int32).contiguous()
-    tiles = min(TILES_PER_SPLIT, triton.cdiv(end, BLOCK_T))
-    splits = triton.cdiv(end, BLOCK_T * tiles)
-    inv_freq = (1.0 / (theta ** (torch.arange(0, max(rotary_dim, 2), 2, dtype=torch.float32, device=q.device)
-                                 / max(rotary_dim, 1))))
-    scores = torch.full((b, hq, end), -math.inf, dtype=torch.float32, device=q.device)
-    kt, ks = _side_args(k)
-    _scores_kernel[(b, hkv, splits)](q, *kt, slots, lens, inv_freq, scores, q.stride(0), *ks, scores.stride(0),
-                                     scores.stride(1), scale, GROUP=hq // hkv, E=e, R=rotary_dim,
-                                    PER_TOKEN=k.per_token, KSLOTS=k.out_idx.shape[-1], BLOCK_T=BLOCK_T, TILES=tiles)
-    sink = min(k.sink.shape[1], end)
-    if sink:  # the sink tokens' keys are kept in float: their scores from them
-        ks_ = k.sink[slots, :sink].float()
-        if rotary_dim:
-            pos = torch.arange(sink, device=q.device).expand(b, sink)
-            ks_ = apply_rotary_ref(ks_, *rotary_cos_sin(pos, rotary_dim, theta))
-        ks_ = ks_.repeat_interleave(hq // hkv, dim=2)  # (b, S, hq, e)
-        scores[:, :, :sink] = torch.einsum("bhe,bshe->bhs", q, ks_) * scale
-    p = scores.softmax(-1)  # positions >= kv_lens hold -inf: probability 0
-    p_sink = p[:, :, :sink].clone()
-    p[:, :, :sink] = 0
-    part = torch.empty(b, hq, splits, e, dtype=torch.float32, device=q.device)
-    vt, vs = _side_args(v)
-    _values_kernel[(b, hkv, splits)](p, *vt, slots, lens, part, p.stride(0), p.stride(1), *vs, part.stride(0),
-                                     part.stride(1), part.stride(2), GROUP=hq // hkv,
-                                     GP=triton.next_power_of_2(hq // hkv), E=e, PER_TOKEN=v.per_token,
-                                    KSLOTS=v.out_idx.shape[-1], BLOCK_T=BLOCK_T, TILES=tiles)
-    out = part.sum(2)
-    if sink:
-        out += torch.einsum("bhs,bshe->bhe", p_sink, v.sink[slots, :sink].float().repeat_interleave(hq // hkv, 2))
-    return (out, scores) if return_scores else out
+                    splits: int | None = None) -> torch.Tensor:
+    """``quant_kv_decode_ref`` on the GPU: q (b, hq, e) → (b, hq, e) float32. slots, kv_lens (b,) stay on the
+    GPU (no host sync); ``splits`` overrides ``default_splits``."""
+    kt, ks = _side(k)
+    vt, vs = _side(v)
+    assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
+    flags = dict(FLOAT=False, K_PER_TOKEN=k.per_token, V_PER_TOKEN=v.per_token, KSLOTS=k.out_idx.shape[-1],
+                 VSLOTS=v.out_idx.shape[-1])
+    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (k.sink, v.sink), flags, rotary_dim, theta,
+                   softmax_scale, splits)
+
+
+def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, softmax_scale: float | None = None,
+                    splits: int | None = None) -> torch.Tensor:
+    """The same kernel over a float cache: ``attention_ref(q[:, None], k_cache[slots], v_cache[slots], kv_lens)``
+    for k_cache, v_cache (s, L, hkv, e) (keys post-RoPE; channels contiguous), q (b, hq, e) → (b, hq, e) float32."""
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    none = k_cache.new_empty(1, 0, 1, 1)  # no sink; the LUT / scale / outlier pointers are never read
+    kt = (k_cache, k_cache, k_cache, k_cache, k_cache, k_cache)
+    vt = (v_cache, v_cache, v_cache, v_cache, v_cache, v_cache)
+    ks = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0, 0, 0, 0)
+    vs = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0, 0, 0)
+    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0)
+    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (none, none), flags, 0, 10000.0, softmax_scale, splits)

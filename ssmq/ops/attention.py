@@ -9,13 +9,17 @@ from __future__ import annotations
 import torch
 
 
+def rotary_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
+    """(r/2,) float32 RoPE frequencies base^(-2j/r)."""
+    return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
 def rotary_cos_sin(positions: torch.Tensor, rotary_dim: int, base: float = 10000.0):
     """cos, sin tables for NeoX-style (half-split) RoPE.
 
     positions: (b, l) int. Returns cos, sin: (b, l, r) float32.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=positions.device) / rotary_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
+    freqs = positions.float().unsqueeze(-1) * rotary_inv_freq(rotary_dim, base, positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
