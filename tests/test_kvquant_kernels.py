@@ -44,6 +44,23 @@ if not INTERPRET:
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("k_per_token", [False, True])
 def test_decode_kernels_equal_reference(k, case, k_per_token):
+    _check(k, case, k_per_token)
+
+
+SPLIT_CASES = [  # GQA groups 4 (partial RoPE, 3 sinks), 20 (more than 16 heads a kv head), 2 (rows shorter than
+    (2, 8, 2, 32, 150, 32, 3, 3, 16),  # the sink: lengths 1 to 3)
+    (2, 20, 1, 16, 50, 16, 1, 1, 8),
+    (3, 4, 2, 16, 3, 0, 2, 2, 4),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+@pytest.mark.parametrize("splits", [1, 3, 8])  # 8: more splits than the short rows have tiles (empty splits)
+def test_decode_splits_equal_reference(k, case, splits):
+    _check(k, case, False, splits)
+
+
+def _check(k, case, k_per_token, splits=None):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
     b, hq, hkv, e, L, r, ko, sink, levels = case
@@ -53,11 +70,29 @@ def test_decode_kernels_equal_reference(k, case, k_per_token):
     V = side(s, L, hkv, e, True, 1, sink, gen, levels)
     q = torch.randn(b, hq, e, generator=gen).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
-    lens = torch.randint(L // 2, L + 1, (b,), generator=gen).to(DEV)
+    lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).to(DEV)
     lens[0] = L
-    got = k.quant_kv_decode(q, slots, lens, K, V, r, 10000.0)
+    if b > 2:
+        lens[-1] = 1  # a new row: shorter than the sink when there are several sink tokens
+    got = k.quant_kv_decode(q, slots, lens, K, V, r, 10000.0, splits=splits)
     want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), *(_cpu(x) for x in (K, V)), r, 10000.0)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_float_kv_decode_equals_attention_reference(k, splits):
+    """The kernel over an fp16 cache (the FP16 baseline of bench_kvquant) is ``attention_ref`` on its rows."""
+    from ssmq.ops.attention import attention_ref
+
+    gen = torch.Generator().manual_seed(2)
+    s, L, hkv, e, b, hq = 5, 90, 2, 32, 3, 6
+    kc, vc = (torch.randn(s, L, hkv, e, generator=gen).half().to(DEV) for _ in range(2))
+    q = torch.randn(b, hq, e, generator=gen).half().to(DEV)
+    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
+    lens = torch.tensor([L, 1, 37], device=DEV)
+    got = k.float_kv_decode(q, slots, lens, kc, vc, splits=splits)
+    want = attention_ref(q.float()[:, None], kc[slots].float(), vc[slots].float(), lens)[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _cpu(view):
