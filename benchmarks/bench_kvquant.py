@@ -2,16 +2,19 @@
 
 Shape: a hybrid's attention layer (Bamba-9B / Nemotron-H-8B style: 32 query heads, 8 KV heads, head dim 128,
 full RoPE on keys cached before it), batch 1 (and --batch), one new token per row. Rows per context length:
-    fp16 ours        the model's decode today: ``ops.attention_ref`` over the fp16 cache (float32 copies, GQA by
-                     repeat_interleave)
+    fp16 ours        ``kernels.kv_decode.float_kv_decode``: the quantized kernels' flash-decoding kernel over the
+                     fp16 cache (keys post-RoPE), so that the comparison is kernel against kernel
     fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
+    fp16 ref         ``ops.attention_ref`` (float32 copies, GQA by repeat_interleave): "fp16 ours" until issue 17
     kvquant 4-bit    ``kernels.kv_decode.quant_kv_decode``: nibble codes, per-channel keys (pre-RoPE, RoPE on the
                      fly), per-token values, sink 1; without outliers, and with 1% (20 key / 10 value outlier
                      slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels)
-Times are medians of ``triton.testing.do_bench`` (ms); "KV MB" the cache bytes read. The 4K rows also record the
-kernel's max |error| against ``quant_kv_decode_ref``. JSON and PNG to --out.
+Times are medians of ``triton.testing.do_bench`` (ms); "KV MB" the cache bytes read, "limit ms" the time those
+bytes take at HBM_TBPS (H100 SXM: 3.35 TB/s). The first length's rows also record the kernels' max |error|
+against ``quant_kv_decode_ref`` / ``attention_ref``. JSON and PNG to --out. --cfg overrides
+``kernels.kv_decode.CFG`` (launch settings) for a sweep.
 
-    python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1]
+    python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1] [--cfg num_warps=4,...]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ssmq.ops.attention import attention_ref
 from ssmq.ops.kv_quant import KVSideView, pack_nibbles, quant_kv_decode_ref
 
 HQ, HKV, E = 32, 8, 128
+HBM_TBPS = 3.35
 DEV = "cuda"  # --device cpu with TRITON_INTERPRET=1: a smoke run of this script (tiny lengths)
 
 
@@ -43,7 +47,9 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen) -> tuple[KVSide
         else:
             mid = torch.randn(HKV, E, generator=gen, device=DEV) * 0.1
             half = torch.rand(HKV, E, generator=gen, device=DEV) + 0.5
-        idx = torch.randint(0, HKV * E, (b, L, slots), generator=gen, device=DEV).to(torch.int16)
+        # distinct within a token, as quantization picks them (the reference's scatter of duplicates is racy)
+        first = torch.randint(0, HKV * E, (b, L, 1), generator=gen, device=DEV)
+        idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
         val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
         return KVSideView(codes, book, mid, half, per_token, idx, val, sink)
@@ -75,7 +81,7 @@ def timeit(fn) -> float:
 
 
 def run(lengths: list[int], batch: int) -> list[dict]:
-    from ssmq.kernels.kv_decode import quant_kv_decode
+    from ssmq.kernels.kv_decode import float_kv_decode, quant_kv_decode
 
     rows = []
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -87,15 +93,20 @@ def run(lengths: list[int], batch: int) -> list[dict]:
         k16 = torch.randn(batch, L, HKV, E, generator=gen, device=DEV, dtype=torch.float16)
         v16 = torch.randn_like(k16)
         kv_mb = 2 * k16.numel() * 2 / 1e6
-        r = {"context": L, "batch": batch, "fp16 KV MB": kv_mb}
-        r["fp16 ours ms"] = timeit(lambda: attention_ref(q[:, None], k16, v16, lens))
+        r = {"context": L, "batch": batch, "fp16 KV MB": kv_mb, "fp16 limit ms": kv_mb / HBM_TBPS / 1e3}
+        r["fp16 ours ms"] = timeit(lambda: float_kv_decode(q, slots, lens, k16, v16))
         qs, ks, vs = q[:, :, None], k16.transpose(1, 2), v16.transpose(1, 2)  # (b, h, T, e)
         r["fp16 sdpa ms"] = timeit(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
+        r["fp16 ref ms"] = timeit(lambda: attention_ref(q[:, None], k16, v16, lens))
+        if L == lengths[0]:
+            want = attention_ref(q.float()[:, None], k16.float(), v16.float(), lens)[:, 0]
+            r["fp16 ours max err"] = float((float_kv_decode(q, slots, lens, k16, v16) - want).abs().max())
         del k16, v16, ks, vs
         for label, (ko, vo) in (("kvquant 4-bit", (0, 0)),
                                 ("kvquant 4-bit 1%", (2 * round(0.01 * n), round(0.01 * n)))):
             K, V = quant_cache(batch, L, ko, vo, gen)
             r[f"{label} KV MB"] = nbytes(K, V) / 1e6
+            r[f"{label} limit ms"] = r[f"{label} KV MB"] / HBM_TBPS / 1e3
             r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
             if L == lengths[0]:
                 want = quant_kv_decode_ref(q.float(), slots, lens, K, V, E, 10000.0)
@@ -117,6 +128,8 @@ def plot(rows: list[dict], path: Path) -> None:
     x = [r["context"] for r in rows]
     for key in ("fp16 ours", "fp16 sdpa", "kvquant 4-bit", "kvquant 4-bit 1%"):
         ax.plot(x, [r[f"{key} ms"] for r in rows], marker="o", label=key)
+    for key in ("fp16", "kvquant 4-bit"):
+        ax.plot(x, [r[f"{key} limit ms"] for r in rows], ls="--", label=f"{key} bytes at {HBM_TBPS} TB/s")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
@@ -134,19 +147,27 @@ def main():
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cfg", default="", help="kv_decode.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4")
     args = ap.parse_args()
     global DEV
     DEV = args.device
+    from ssmq.kernels import kv_decode
+
+    for item in filter(None, args.cfg.split(",")):
+        key, value = item.split("=")
+        kv_decode.CFG[key] = int(value)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run([int(x) for x in args.lengths.split(",")], args.batch)
     meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
-            "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}}
+            "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}, "cfg": kv_decode.CFG}
     (out / f"kvquant_kernels_b{args.batch}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     plot(rows, out / f"kvquant_kernels_b{args.batch}.png")
     for r in rows:
         print(f"{r['context']:>7} | ours {r['fp16 ours ms']:.3f} | sdpa {r['fp16 sdpa ms']:.3f} | "
-              f"kvq4 {r['kvquant 4-bit ms']:.3f} | kvq4-1% {r['kvquant 4-bit 1% ms']:.3f} ms")
+              f"ref {r['fp16 ref ms']:.3f} | fp16 limit {r['fp16 limit ms']:.3f} | "
+              f"kvq4 {r['kvquant 4-bit ms']:.3f} | kvq4-1% {r['kvquant 4-bit 1% ms']:.3f} | "
+              f"kvq4 limit {r['kvquant 4-bit limit ms']:.3f} | kvq4-1% limit {r['kvquant 4-bit 1% limit ms']:.3f} ms")
 
 
 if __name__ == "__main__":
