@@ -15,7 +15,8 @@ def k():
 
 
 def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
-    """A random quantized side: codes < levels, sorted codebook, scales, some outliers (-1 = empty), sink."""
+    """A random quantized side: codes < levels, sorted codebook, scales, some outliers (distinct channels within a
+    token, as quantization picks them; -1 = empty), sink."""
     from ssmq.ops.kv_quant import KVSideView, pack_nibbles
 
     codes = pack_nibbles(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8))
@@ -25,7 +26,8 @@ def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
         half = (torch.rand(s, L, hkv, generator=gen) + 0.5).half()
     else:
         mid, half = torch.randn(hkv, e, generator=gen) * 0.1, torch.rand(hkv, e, generator=gen) + 0.5
-    idx = torch.randint(-1, hkv * e, (s, L, slots_k), generator=gen).to(torch.int16)
+    idx = torch.rand(s, L, hkv * e, generator=gen).argsort(-1)[..., :slots_k]  # distinct within a token
+    idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, -1, idx).to(torch.int16)
     val = (torch.randn(s, L, slots_k, generator=gen) * 5).half()
     sinks = torch.randn(s, sink, hkv, e, generator=gen)
     to = lambda t: t.to(DEV)  # noqa: E731

@@ -6,10 +6,11 @@ Same contract as ``ssmq.ops.kv_quant.quant_kv_decode_ref`` (its docstring has th
 
 One program per (row, kv head, split): the split's tokens in (BLOCK_T, e) tiles, each tile read once for the
 kv head's g query heads, with an online softmax (running max m, sum l, unnormalized output acc):
-    keys     nibbles unpacked, looked up in the codebook (LUT), scaled (per-channel or per-token mid / half), the
-             token's sparse outliers written over them, then rotated by their position (RoPE on the fly: keys are
-             cached before it); scores (g, BLOCK_T) = q · kᵀ as one tensor-core product (3xTF32: float32 accuracy)
-    values   the same dequantization, acc += p · v as one product
+    keys     nibbles unpacked, looked up in the codebook (LUT), scaled (per-channel or per-token mid / half), then
+             rotated by their position (RoPE on the fly: keys are cached before it; angles in the kernel from the
+             cached inv_freq); scores (g, BLOCK_T) = q · kᵀ as tensor-core products (3xTF32: float32 accuracy);
+             the sparse outliers then add (val - x̂) · (their channel's coefficient in q · R_t k), gathered
+    values   the same dequantization with the outliers written over the tile, acc += p · v as one product
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -31,12 +32,13 @@ from ssmq.ops.attention import rotary_inv_freq
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). Picked by compiling for sm_90 (ptxas register use), not yet
-# timed: 8 warps hold a 64-token tile without spills, 4 warps spill; with outliers (a dynamic loop over the
-# slots) 32-token tiles. num_stages 2 prefetches the next tile's codes (cp.async, ~90-120 KB of shared memory:
+# timed: 8 warps hold a 64-token tile without spills, 4 warps spill; with outliers (the values' loop over the
+# slots) 32-token tiles (64 B of spills, 160 B at 64). num_stages 2 prefetches the next tile's codes (cp.async, ~90-120 KB of shared memory:
 # one program an SM), so WAVES 2 programs an SM over the grid; MIN_TILES: a split covers at least this many
 # tiles of the cache's capacity (fewer splits for short caches).
 CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=2, MIN_TILES=4)
-# the interpreter has no PTX: exact libdevice-free cos / sin there, the hardware's approximations on the GPU
+# cos.approx / sin.approx on the GPU (tl.cos is libdevice's precise cosf, ~20 instructions with a slow path for
+# large angles); the interpreter runs no PTX: numpy's there
 FAST_TRIG = os.environ.get("TRITON_INTERPRET") != "1"
 
 
@@ -104,28 +106,77 @@ def _group_scores(q, s_qh, qscale, ka, kb, kp, ch, cp, GROUP: tl.constexpr, GP: 
 
 
 @triton.jit
+def _outlier_scores(q, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
+                    s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr,
+                    PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr):
+    """(GP, len(t)) what the keys' sparse outliers add to the scores: Σ_j (val_j - x̂[t, c_j]) · w(c_j), w(c) the
+    coefficient of key channel c in q · R_t k, over the slots j whose channel c_j lies in kv head hk. A few gathers
+    a slot, where writing the outliers into the tile costs a compare and a select on every entry a slot. Assumes
+    distinct indices within a token (as quantization picks them; duplicates would count twice)."""
+    j = tl.arange(0, KP)
+    om = tmask[:, None] & (j < KSLOTS)[None, :]
+    ob = slot * s_os + t[:, None] * s_ot + j[None, :]
+    c = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32) - hk * E  # (len(t), KP) channel in the head
+    hit = om & (c >= 0) & (c < E)
+    c = tl.where(hit, c, 0)
+    byte = tl.load(codes + slot * s_s + t[:, None] * s_t + hk * s_h + c // 2, mask=hit, other=0).to(tl.int32)
+    x = tl.load(lut + ((byte >> ((c % 2) * 4)) & 15))
+    if PER_TOKEN:
+        m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+        h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+        x = m[:, None] + h[:, None] * x
+    else:
+        x = tl.load(mid + hk * E + c) + tl.load(half + hk * E + c) * x
+    d = tl.where(hit, tl.load(oval + ob, mask=om, other=0.0).to(tl.float32) - x, 0.0)
+    if R > 0:  # w(c) = q[c] cos + q[c + r/2] sin in the first half, q[c] cos - q[c - r/2] sin in the second
+        rot = c < R
+        low = c < R // 2
+        partner = tl.where(low, c + R // 2, c - R // 2)
+        freq = tl.load(inv_freq + tl.where(low, c, c - R // 2), mask=rot, other=0.0)
+        cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq, FAST)
+        a = d * tl.where(rot, cos, 1.0)
+        b = d * tl.where(rot, tl.where(low, sin, -sin), 0.0)
+    rows = tl.arange(0, GP)
+    out = tl.zeros((GP, t.shape[0]), tl.float32)
+    for g in tl.static_range(GROUP):
+        qc = tl.load(q + g * s_qh + c).to(tl.float32)
+        if R > 0:
+            qq = tl.load(q + g * s_qh + partner, mask=rot, other=0.0).to(tl.float32)
+            sg = tl.sum(qc * a + qq * b, 1)
+        else:
+            sg = tl.sum(qc * d, 1)
+        out = tl.where(rows[:, None] == g, sg[None, :], out)
+    return out * qscale
+
+
+@triton.jit
 def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
             GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
             PP: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
-            FAST: tl.constexpr):
+            KP: tl.constexpr, FAST: tl.constexpr):
     """(GP, len(t)) scores (log2 units; -inf where masked) of the query group against the keys t rotated by
-    their positions: R_t k = (ka cos - kb sin, kb cos + ka sin, kp) over channels [0, r/2), [r/2, r), [r, e)."""
+    their positions: R_t k = (ka cos - kb sin, kb cos + ka sin, kp) over channels [0, r/2), [r/2, r), [r, e);
+    the tiles without the outliers, which ``_outlier_scores`` adds."""
     ch = tl.arange(0, HP)
     cp = R + tl.arange(0, PP)
     kp = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cp, cp < E, s_s, s_t, s_h, s_ms, s_mt,
-               s_os, s_ot, E, FLOAT, PER_TOKEN, KSLOTS if R < E else 0)  # r = e: an all-masked dummy
+               s_os, s_ot, E, FLOAT, PER_TOKEN, 0)  # r = e: an all-masked dummy
     if R > 0:
         hm = ch < R // 2
         ka = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch, hm, s_s, s_t, s_h, s_ms, s_mt,
-                   s_os, s_ot, E, FLOAT, PER_TOKEN, KSLOTS)
+                   s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
         kb = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch + R // 2, hm, s_s, s_t, s_h, s_ms,
-                   s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, KSLOTS)
+                   s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
         freq = tl.load(inv_freq + ch, mask=hm, other=0.0)
         cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)  # the reference's float32 angles
         s = _group_scores(q, s_qh, qscale, ka * cos - kb * sin, kb * cos + ka * sin, kp, ch, cp, GROUP, GP, E, R)
     else:
         s = _group_scores(q, s_qh, qscale, kp, kp, kp, ch, cp, GROUP, GP, E, R)
+    if KSLOTS > 0:
+        s += _outlier_scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
+                             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP, GP, E, R, PER_TOKEN, KSLOTS, KP, FAST)
     return tl.where(tmask[None, :], s, float("-inf"))
 
 
@@ -146,7 +197,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
-                   K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
+                   K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr):
     i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i).to(tl.int64)
@@ -169,7 +220,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
             t = tl.arange(0, SP)
             tmask = t < tl.minimum(n, S)
             s = _scores(qg, s_qh, qscale, ksink, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq, ks_s, ks_t, ks_h,
-                        0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, FAST)
+                        0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST)
             v = _tile(vsink, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
                       vs_s, vs_t, vs_h, 0, 0, 0, 0, E, True, V_PER_TOKEN, 0)
             m, l, acc = _softmax_step(m, l, acc, s, v)
@@ -177,7 +228,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
         t = start + tl.arange(0, BLOCK_T)
         tmask = (t < hi) & (t >= S)
         s = _scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq, k_s, k_t, k_h, k_ms, k_mt,
-                    k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, FAST)
+                    k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, KP, FAST)
         v = _tile(vc, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
                   v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS)
         m, l, acc = _softmax_step(m, l, acc, s, v)
@@ -255,7 +306,7 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), E=e, R=rotary_dim,
         HP=max(16, triton.next_power_of_2(rotary_dim // 2)), PP=max(16, triton.next_power_of_2(e - rotary_dim)),
-        S=S, SP=max(16, triton.next_power_of_2(S)), BLOCK_T=block_t, ONE_SPLIT=splits == 1, FAST=FAST_TRIG,
+        S=S, SP=max(16, triton.next_power_of_2(S)), KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), BLOCK_T=block_t, ONE_SPLIT=splits == 1, FAST=FAST_TRIG,
         num_warps=CFG["num_warps"], num_stages=CFG["num_stages"], **flags)
     if splits > 1:
         _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
