@@ -147,7 +147,7 @@ def main():
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--cfg", default="", help="kv_decode.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4")
+    ap.add_argument("--cfg", default="", help="kv_decode.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,dot=tf32")
     args = ap.parse_args()
     global DEV
     DEV = args.device
@@ -155,7 +155,7 @@ def main():
 
     for item in filter(None, args.cfg.split(",")):
         key, value = item.split("=")
-        kv_decode.CFG[key] = int(value)
+        kv_decode.CFG[key] = int(value) if value.isdigit() else value
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run([int(x) for x in args.lengths.split(",")], args.batch)

@@ -83,8 +83,8 @@ def test_kv_decode_compiles_for_sm90(variant):
                 "vlut": "fp32", "voi": "i16", "vov": "fp16", "vsink": "fp16"}
     block_t = kd.CFG["BLOCK_T_OUTLIERS"] if ko or vo else kd.CFG["BLOCK_T"]
     const = dict(GROUP=4, GP=16, E=128, R=r, HP=max(16, r // 2), PP=max(16, 128 - r), S=sink, SP=16, FLOAT=fl,
-                 K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, KP=triton.next_power_of_2(max(ko, 1)), VSLOTS=vo, BLOCK_T=block_t, ONE_SPLIT=False,
-                 FAST=True)
+                 K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, KP=triton.next_power_of_2(max(ko, 1)), VSLOTS=vo,
+                 BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"])
     kernels = [(kd._decode_kernel, pointers, const, kd.CFG["num_warps"], kd.CFG["num_stages"]),
                (kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=32), 4, 3)]
     for kernel, ptrs, cst, warps, stages in kernels:

@@ -33,10 +33,12 @@ from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). Picked by compiling for sm_90 (ptxas register use), not yet
 # timed: 8 warps hold a 64-token tile without spills, 4 warps spill; with outliers (the values' loop over the
-# slots) 32-token tiles (64 B of spills, 160 B at 64). num_stages 2 prefetches the next tile's codes (cp.async, ~90-120 KB of shared memory:
-# one program an SM), so WAVES 2 programs an SM over the grid; MIN_TILES: a split covers at least this many
-# tiles of the cache's capacity (fewer splits for short caches).
-CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=2, MIN_TILES=4)
+# slots) 32-token tiles (64 B of spills, 160 B at 64). num_stages 2 prefetches the next tile's codes (cp.async,
+# ~50-150 KB of shared memory: one or two programs an SM), so WAVES 2 programs an SM over the grid; MIN_TILES: a
+# split covers at least this many tiles of the cache's capacity (fewer splits for short caches).
+# dot: the products' input precision; "tf32x3" (3 TF32 products) is float32-exact, as the tests ask; "tf32" is
+# one product (~1e-3 relative error in scores and outputs, far below 4-bit quantization's) for a speed comparison.
+CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=2, MIN_TILES=4, dot="tf32x3")
 # cos.approx / sin.approx on the GPU (tl.cos is libdevice's precise cosf, ~20 instructions with a slow path for
 # large angles); the interpreter runs no PTX: numpy's there
 FAST_TRIG = os.environ.get("TRITON_INTERPRET") != "1"
@@ -88,20 +90,20 @@ def _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cols, cmask,
 
 @triton.jit
 def _group_scores(q, s_qh, qscale, ka, kb, kp, ch, cp, GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr,
-                  R: tl.constexpr):
+                  R: tl.constexpr, DOT: tl.constexpr):
     """(GP, BLOCK_T) scores (times qscale) of the kv head's query heads (q: head 0's row) against the rotated key
     parts, as tensor-core products (3xTF32: float32 accuracy). The query rows are re-read here (L1) on every tile:
     held across the loop, the padded (16, e) queries would sit in every warp's registers, twice for 3xTF32."""
     rows = (tl.arange(0, GP) < GROUP)[:, None]
     qrow = q + tl.arange(0, GP)[:, None] * s_qh
     qp = tl.load(qrow + cp[None, :], mask=rows & (cp < E)[None, :], other=0.0).to(tl.float32) * qscale
-    s = tl.dot(qp, tl.trans(kp), input_precision="tf32x3")
+    s = tl.dot(qp, tl.trans(kp), input_precision=DOT)
     if R > 0:
         hm = rows & (ch < R // 2)[None, :]
         qa = tl.load(qrow + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
         qb = tl.load(qrow + R // 2 + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
-        s = tl.dot(qa, tl.trans(ka), s, input_precision="tf32x3")
-        s = tl.dot(qb, tl.trans(kb), s, input_precision="tf32x3")
+        s = tl.dot(qa, tl.trans(ka), s, input_precision=DOT)
+        s = tl.dot(qb, tl.trans(kb), s, input_precision=DOT)
     return s
 
 
@@ -155,7 +157,7 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
             GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
             PP: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
-            KP: tl.constexpr, FAST: tl.constexpr):
+            KP: tl.constexpr, FAST: tl.constexpr, DOT: tl.constexpr):
     """(GP, len(t)) scores (log2 units; -inf where masked) of the query group against the keys t rotated by
     their positions: R_t k = (ka cos - kb sin, kb cos + ka sin, kp) over channels [0, r/2), [r/2, r), [r, e);
     the tiles without the outliers, which ``_outlier_scores`` adds."""
@@ -171,9 +173,10 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
                    s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
         freq = tl.load(inv_freq + ch, mask=hm, other=0.0)
         cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)  # the reference's float32 angles
-        s = _group_scores(q, s_qh, qscale, ka * cos - kb * sin, kb * cos + ka * sin, kp, ch, cp, GROUP, GP, E, R)
+        s = _group_scores(q, s_qh, qscale, ka * cos - kb * sin, kb * cos + ka * sin, kp, ch, cp, GROUP, GP, E, R,
+                          DOT)
     else:
-        s = _group_scores(q, s_qh, qscale, kp, kp, kp, ch, cp, GROUP, GP, E, R)
+        s = _group_scores(q, s_qh, qscale, kp, kp, kp, ch, cp, GROUP, GP, E, R, DOT)
     if KSLOTS > 0:
         s += _outlier_scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
                              s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP, GP, E, R, PER_TOKEN, KSLOTS, KP, FAST)
@@ -181,13 +184,13 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
 
 
 @triton.jit
-def _softmax_step(m, l, acc, s, v):
+def _softmax_step(m, l, acc, s, v, DOT: tl.constexpr):
     """Online softmax: fold scores s (GP, n) and values v (n, e) into the running (m, l, acc)."""
     m_new = tl.maximum(m, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
     p = tl.exp2(s - m_ref[:, None])
     alpha = tl.exp2(m - m_ref)
-    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision="tf32x3")
+    return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT)
 
 
 @triton.jit
@@ -198,7 +201,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
-                   VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr):
+                   VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
+                   DOT: tl.constexpr):
     i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i).to(tl.int64)
     n = tl.load(lens + i).to(tl.int32)
@@ -219,19 +223,20 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
         if sp == 0:  # the sink tokens' keys and values are kept in float: positions [0, S)
             t = tl.arange(0, SP)
             tmask = t < tl.minimum(n, S)
-            s = _scores(qg, s_qh, qscale, ksink, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq, ks_s, ks_t, ks_h,
-                        0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST)
+            s = _scores(qg, s_qh, qscale, ksink, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
+                        ks_s, ks_t, ks_h, 0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST, DOT)
             v = _tile(vsink, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
                       vs_s, vs_t, vs_h, 0, 0, 0, 0, E, True, V_PER_TOKEN, 0)
-            m, l, acc = _softmax_step(m, l, acc, s, v)
+            m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
     for start in range(lo, hi, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
         tmask = (t < hi) & (t >= S)
-        s = _scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq, k_s, k_t, k_h, k_ms, k_mt,
-                    k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, KP, FAST)
+        s = _scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
+                    k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, KP,
+                    FAST, DOT)
         v = _tile(vc, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
                   v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS)
-        m, l, acc = _softmax_step(m, l, acc, s, v)
+        m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
 
     heads = hk * GROUP + rows
     if ONE_SPLIT:
@@ -306,7 +311,8 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
         GROUP=group, GP=max(16, triton.next_power_of_2(group)), E=e, R=rotary_dim,
         HP=max(16, triton.next_power_of_2(rotary_dim // 2)), PP=max(16, triton.next_power_of_2(e - rotary_dim)),
-        S=S, SP=max(16, triton.next_power_of_2(S)), KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), BLOCK_T=block_t, ONE_SPLIT=splits == 1, FAST=FAST_TRIG,
+        S=S, SP=max(16, triton.next_power_of_2(S)), KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)),
+        BLOCK_T=block_t, ONE_SPLIT=splits == 1, FAST=FAST_TRIG, DOT=CFG["dot"],
         num_warps=CFG["num_warps"], num_stages=CFG["num_stages"], **flags)
     if splits > 1:
         _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
