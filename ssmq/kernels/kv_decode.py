@@ -96,8 +96,10 @@ def _group_scores(q, s_qh, qscale, ka, kb, kp, ch, cp, GROUP: tl.constexpr, GP: 
     held across the loop, the padded (16, e) queries would sit in every warp's registers, twice for 3xTF32."""
     rows = (tl.arange(0, GP) < GROUP)[:, None]
     qrow = q + tl.arange(0, GP)[:, None] * s_qh
-    qp = tl.load(qrow + cp[None, :], mask=rows & (cp < E)[None, :], other=0.0).to(tl.float32) * qscale
-    s = tl.dot(qp, tl.trans(kp), input_precision=DOT)
+    s = tl.zeros((GP, kp.shape[0]), tl.float32)
+    if R < E:
+        qp = tl.load(qrow + cp[None, :], mask=rows & (cp < E)[None, :], other=0.0).to(tl.float32) * qscale
+        s = tl.dot(qp, tl.trans(kp), s, input_precision=DOT)
     if R > 0:
         hm = rows & (ch < R // 2)[None, :]
         qa = tl.load(qrow + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
@@ -163,8 +165,9 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
     the tiles without the outliers, which ``_outlier_scores`` adds."""
     ch = tl.arange(0, HP)
     cp = R + tl.arange(0, PP)
-    kp = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cp, cp < E, s_s, s_t, s_h, s_ms, s_mt,
-               s_os, s_ot, E, FLOAT, PER_TOKEN, 0)  # r = e: an all-masked dummy
+    if R < E:
+        kp = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cp, cp < E, s_s, s_t, s_h, s_ms, s_mt,
+                   s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
     if R > 0:
         hm = ch < R // 2
         ka = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch, hm, s_s, s_t, s_h, s_ms, s_mt,
@@ -173,6 +176,8 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
                    s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
         freq = tl.load(inv_freq + ch, mask=hm, other=0.0)
         cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)  # the reference's float32 angles
+        if R == E:
+            kp = ka  # unused: no channels beyond the rotary ones
         s = _group_scores(q, s_qh, qscale, ka * cos - kb * sin, kb * cos + ka * sin, kp, ch, cp, GROUP, GP, E, R,
                           DOT)
     else:
