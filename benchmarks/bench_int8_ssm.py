@@ -125,18 +125,19 @@ def micro_row(b: int, pk, only_int8: bool = False) -> dict:
 
 
 def run_sweep(batches, out: dict) -> None:
-    """int8 state update launch settings (tile rows BP x warps) at the given batches: state bytes / time."""
-    print(f"{'batch':>5} {'BP':>3} {'warps':>5} {'int8 ms':>9} {'state TB/s':>10}")
+    """int8 state update launch settings (tile rows BP; re-quantization by rcp.approx or by IEEE-range division; 4
+    warps: 8 were slower at every BP on the H100) at the given batches: state bytes / time."""
+    print(f"{'batch':>5} {'BP':>3} {'fast_rcp':>8} {'int8 ms':>9} {'state TB/s':>10}")
     for b in batches:
         for bp in (16, 32, 64):
-            for nw in (4, 8):
-                state_update.CFG.update(BP=bp, num_warps=nw)
+            for fast in (False, True):
+                state_update.CFG.update(BP=bp, fast_rcp=fast)
                 try:
                     r = micro_row(b, None, only_int8=True)
                 finally:
-                    state_update.CFG.update(BP=None, num_warps=4)
-                out["sweep"].append({**r, "BP": bp, "num_warps": nw})
-                print(f"{b:>5} {bp:>3} {nw:>5} {r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
+                    state_update.CFG.update(BP=None, fast_rcp=True)
+                out["sweep"].append({**r, "BP": bp, "num_warps": state_update.CFG["num_warps"], "fast_rcp": fast})
+                print(f"{b:>5} {bp:>3} {fast!s:>8} {r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
 
 
 def run_micro(batches, out: dict) -> None:
