@@ -193,6 +193,9 @@ def run_e2e(batches, steps: int, out: dict, save) -> None:
              progress=False)
     e2e["quantize_s"] = round(time.time() - t0, 1)
     print(f"quantized ({recipe.name}) in {e2e['quantize_s']} s", flush=True)
+    stray = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "cuda"]
+    if stray:
+        print(f"{len(stray)} tensors off the GPU after quantize, e.g. {stray[:5]}", flush=True)
     save()
     # the fp16-state row isolates the state's share: same weights and linear kernels, only the cache dtype differs
     for label, new_path, ssm_dtype in (("quamba2-w8a8 int8 state, int8 kernels", True, torch.int8),

@@ -120,6 +120,13 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     return H  # the bases are checked; a Kronecker product of Hadamard matrices is Hadamard
 
 
+@functools.lru_cache(maxsize=32)
+def _base_on(b: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # one copy per device: a host-to-device copy inside a CUDA-graph capture is refused (widths 2^s * b, b > 1,
+    # e.g. Mamba2-2.7B's d_inner 5120 = 2^8 * 20); the eager warm-up before a capture fills this cache
+    return base_matrix(b).to(device=device, dtype=dtype)
+
+
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """x (..., n) -> x @ H_n.T / sqrt(n), same shape and dtype (computed in float32 or float64)."""
     n = x.shape[-1]
@@ -127,7 +134,7 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = x.to(work).reshape(*x.shape[:-1], two, b)  # (..., 2^s, b): row-major, so H_2^s (x) H_b
     if b > 1:
-        y = y @ base_matrix(b).to(device=x.device, dtype=work).T
+        y = y @ _base_on(b, x.device, work).T
     lead = y.shape[:-2]
     h = 1
     while h < two:  # butterflies over the 2^s axis: pairs (i, i + h) inside blocks of 2h
