@@ -72,14 +72,15 @@ def _abs_parts(args, kw):
 
 
 WHOLE = {  # b, l, h, p, g, n, T, extras
-    "plain": ((1, 40, 4, 16, 2, 16, 16) if INTERPRET else (2, 1000, 8, 64, 1, 128, 256), False),
-    "D-z-init-limit": ((2, 37, 4, 16, 2, 16, 16) if INTERPRET else (2, 700, 8, 64, 2, 64, 128), True),
+    "plain": ((1, 100, 4, 16, 2, 16, 48) if INTERPRET else (2, 1000, 8, 64, 1, 128, 256), False),
+    "D-z-init-limit": ((2, 45, 4, 16, 2, 16, 32) if INTERPRET else (2, 700, 8, 64, 2, 64, 128), True),
 }
 
 
+@pytest.mark.parametrize("factored", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", sorted(WHOLE))
-def test_whole_scan_within_bound_of_reference(k, case, dtype):
+def test_whole_scan_within_bound_of_reference(k, case, dtype, factored, monkeypatch):
     """The whole scan on the GPU kernels vs the CPU reference.
 
     The integer stages are exact, but their int8 inputs come from float glue (Δ, dA_cumsum, exp) that the kernels
@@ -91,14 +92,20 @@ def test_whole_scan_within_bound_of_reference(k, case, dtype):
       float  1e-4 of the magnitudes of the three summands (ChunkScan2 term by term, |y|, |x·D|, all times
              |silu(z)|): the glue's relative differences are ~|Acs|·2^-23 (Acs_t - Acs_s taken as a difference of two
              cumsums of magnitude up to |Acs_end| ~ 100), times exp — a few 1e-5; fp16 X adds 2^-11 of ChunkScan2
-             (its (CB·LUT) operand is rounded to fp16 for the tensor cores, X itself is the reference's)
+             (its (CB·LUT) operand is rounded to fp16 for the tensor cores, X itself is the reference's) and of y
+             (the kernels return y in X's dtype)
       codes  where an entering state code is one off: exp(Acs_t)·C_scale·state_scale·Σ_n |C_q[t, n]|, allowed on at
-             most 1% of the elements (the rows behind a flipped code); the int8 final states are within one code.
+             most 2% of the elements (the rows behind a flipped code); the int8 final states are within one code, and
+             at most 1% of them differ: one flipped X_scaled code moves a whole row of n state codes by B_q·mult, so
+             the interpreter's tiny problem (dA_cumsum 2e-6 off torch's) shows 5 of 3072 chunk-state codes moved.
     """
     from ssmq.ops.quant_ssm import quantize_ref
     from ssmq.ops.ssd_int8 import ssd_int8_ranges, ssd_int8_ref
 
     (b, l, h, p, g, n, T), extras = WHOLE[case]
+    monkeypatch.setitem(k.CFG["scan"], "FACTORED", factored)
+    if INTERPRET:  # several row blocks per chunk, so that ChunkScan2 has blocks below the diagonal
+        monkeypatch.setitem(k.CFG["scan"], "BM", 16)
     gen = torch.Generator().manual_seed(1)
     x, dt = torch.randn(b, l, h, p, generator=gen).to(dtype), torch.randn(b, l, h, generator=gen) - 1
     A, B, C = -torch.rand(h, generator=gen), torch.randn(b, l, g, n, generator=gen), torch.randn(b, l, g, n, generator=gen)
@@ -116,11 +123,12 @@ def test_whole_scan_within_bound_of_reference(k, case, dtype):
     y, f = ssd_int8_ref(*args, return_final_states=True, **kw)
     dev = lambda a: a.to(DEV) if torch.is_tensor(a) else a  # noqa: E731
     yk, fk = k.ssd_int8(*map(dev, args), return_final_states=True, **{kk: dev(v) for kk, v in kw.items()})
-    assert (fk.cpu().int() - f.int()).abs().max() <= 1 and (fk.cpu() != f).float().mean() <= 1e-3
+    assert (fk.cpu().int() - f.int()).abs().max() <= 1 and (fk.cpu() != f).float().mean() <= 1e-2
     diag, code = _abs_parts(args, kw)
     xd = (x.float() * kw["D"][:, None]).abs() if extras else 0
     gate = torch.nn.functional.silu(kw["z"].float()).abs() if extras else 1
-    float_tol = (1e-4 + (2**-11 if dtype == torch.float16 else 0)) * (diag * gate) + 1e-4 * (y.abs() + xd * gate)
-    err = (yk.cpu() - y).abs()
+    float_tol = (1e-4 + (2**-11 if dtype == torch.float16 else 0)) * (diag * gate + y.abs() + xd * gate)
+    err = (yk.cpu().float() - y).abs()
+    assert yk.dtype == dtype
     assert (err <= float_tol + code * gate + 1e-6).all()
-    assert (err > float_tol + 1e-6).float().mean() <= 1e-2
+    assert (err > float_tol + 1e-6).float().mean() <= 2e-2

@@ -10,7 +10,8 @@ Glossary as ``ssmq.ops.ssd_int8``. The launches of ``ssd_int8`` (names as the be
     _chunk_bmm_q      C_q · B_qᵀ per (chunk, group), int32 out; blocks above the diagonal skipped (CAUSAL)
     _chunk_scan_q     ChunkScan1: C_q (T, n) x int8 state (n, p) -> int32, times exp(cs_t)·C_scale·state_scale;
                       ChunkScan2 (DIAG): float32(CB)·C_scale·B_scale·exp(cs_t - cs_s)·Δ_s times float X on tensor
-                      cores (X's dtype, as the float SSD); D skip and z gate fused; y float32 straight to (b, l, h, p)
+                      cores (X's dtype, as the float SSD), the decay factored below the diagonal (FACTORED); D skip
+                      and z gate fused; y straight to (b, l, h, p) in X's dtype
 Integer arithmetic is exact; each float step follows the reference's order of operations, so the kernels differ from
 the reference only where their exp / cumsum round differently, which flips an int8 code only on a near-tie (see
 tests/test_ssdi8_kernels.py for the bound). The stage wrappers (``chunk_state_q`` ...) run the same kernels on given
@@ -146,8 +147,8 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
                   l, h, p, n, T, nc, g, rep,
                   s_Cb, s_Cl, s_Cg, s_Cn, s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp,
                   s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp,
-                  LUT_IN: tl.constexpr, DIAG: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                  DOT_PREC: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+                  LUT_IN: tl.constexpr, DIAG: tl.constexpr, FACTORED: tl.constexpr, HAS_D: tl.constexpr,
+                  HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
     # C (b, l, g, n) int8; S = entering state (b, c, h, p, n) int8; LUT_off (b, c, T, h) given (LUT_IN) or
     # exp(cs_t)·C_scale from cs (b, h, c, T); Cs, Bs (g,); ss = state_scale (h, p); cb (b, c, t, s, g) int32;
     # x, z (b, l, h, p); D (h, p) strides -> y (b, l, h, p) float32
@@ -183,20 +184,41 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
     y = acc.to(tl.float32) * lut[:, None] * ss[None, :]
 
     if DIAG:
-        # ChunkScan2: Σ_{s<=t} float32(CB)·(exp(cs_t - cs_s)·Δ_s·C_scale·B_scale) X_s, only blocks left of the diagonal
+        # ChunkScan2: Σ_{s<=t} float32(CB)·(exp(cs_t - cs_s)·Δ_s·C_scale·B_scale) X_s, only blocks left of the diagonal.
+        # FACTORED: the blocks wholly below the diagonal (s < m0 <= t) take exp(cs_t - cs_s) = exp(cs_t - cs_m0)·
+        # exp(cs_m0 - cs_s), BM + BS exps per block instead of BM·BS (the exps, not the tensor cores, bound this loop).
+        # Both factors are <= 1 where dA_cumsum does not rise (Δ·A <= 0: every Mamba-2, A = -exp(A_log)); otherwise a
+        # factor overflows only if dA_cumsum rises by > 88 inside a chunk. The diagonal block keeps the masked form.
+        m0 = pid_m * BM
         cs_m = tl.load(cs_ptr + row + offs_m, mask=mm, other=0.0)
         csbs = tl.load(Cs_ptr + grp) * tl.load(Bs_ptr + grp)
         cbp = cb_ptr + (pid_b * nc + pid_c).to(tl.int64) * T * T * g + offs_m[:, None] * T * g + grp
         xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[None, :] * s_xp
         ty = x_ptr.dtype.element_ty
         yd = tl.zeros((BM, BP), dtype=tl.float32)
-        for k0 in range(0, tl.minimum((pid_m + 1) * BM, chunk_len), BS):
+        hi = tl.minimum(m0 + BM, chunk_len)
+        lo = 0
+        if FACTORED:  # BS divides BM (the launcher sets BS = BM), so these blocks end at or before m0
+            lo = tl.minimum(m0, hi)
+            cs0 = tl.load(cs_ptr + row + m0)
+            e_m = tl.where(mm, tl.exp(cs_m - cs0), 0.0)
+            for k0 in range(0, lo, BS):
+                kk = k0 + tl.arange(0, BS)
+                mk = kk < chunk_len
+                cb = tl.load(cbp + kk[None, :] * g, mask=mm[:, None] & mk[None, :], other=0)
+                w_k = tl.exp(cs0 - tl.load(cs_ptr + row + kk, mask=mk, other=0.0)) \
+                    * tl.load(dt_ptr + row + kk, mask=mk, other=0.0) * csbs
+                sc = cb.to(tl.float32) * (e_m[:, None] * w_k[None, :])
+                xk = tl.load(xp + (pid_c * T + kk)[:, None] * s_xl, mask=mk[:, None] & mp[None, :], other=0.0)
+                yd = tl.dot(sc.to(ty), xk, yd, input_precision=DOT_PREC)
+        for k0 in range(lo, hi, BS):
             kk = k0 + tl.arange(0, BS)
             mk = kk < chunk_len
             cb = tl.load(cbp + kk[None, :] * g, mask=mm[:, None] & mk[None, :], other=0)
             cs_k = tl.load(cs_ptr + row + kk, mask=mk, other=0.0)
             dt_k = tl.load(dt_ptr + row + kk, mask=mk, other=0.0)
-            # mask before exp: above the diagonal exp(cs_t - cs_s) can overflow, and inf * 0 is NaN
+            # mask before exp: above the diagonal exp(cs_t - cs_s) can overflow, and inf * 0 is NaN (the int32 CB there
+            # is never written by the causal ChunkBMM: finite garbage, times the 0 decay)
             decay = tl.exp(tl.where(offs_m[:, None] >= kk[None, :], cs_m[:, None] - cs_k[None, :], float("-inf")))
             sc = cb.to(tl.float32) * (decay * dt_k[None, :] * csbs)
             xk = tl.load(xp + (pid_c * T + kk)[:, None] * s_xl, mask=mk[:, None] & mp[None, :], other=0.0)
@@ -212,7 +234,8 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
         zz = tl.load(z_ptr + pid_b * s_zb + pos_m[:, None] * s_zl + hh * s_zh + offs_p[None, :] * s_zp,
                      mask=m2, other=0.0).to(tl.float32)
         y *= silu(zz)
-    tl.store(y_ptr + pid_b * s_yb + pos_m[:, None] * s_yl + hh * s_yh + offs_p[None, :] * s_yp, y, mask=m2)
+    tl.store(y_ptr + pid_b * s_yb + pos_m[:, None] * s_yl + hh * s_yh + offs_p[None, :] * s_yp,
+             y.to(y_ptr.dtype.element_ty), mask=m2)
 
 
 def _blk(x: int, cap: int, lo: int = 16) -> int:
@@ -225,7 +248,7 @@ def _blk(x: int, cap: int, lo: int = 16) -> int:
 CFG = dict(
     state=dict(BT=128, BP=64, BN=128, num_warps=4, num_stages=2),
     bmm=dict(BM=64, BK=128, num_warps=4, num_stages=2),
-    scan=dict(BM=64, BP=64, BK=128, BS=64, num_warps=4, num_stages=2),
+    scan=dict(BM=64, BP=64, BK=128, FACTORED=True, num_warps=4, num_stages=2),  # ChunkScan2's s tile = BM
 )
 
 
@@ -269,13 +292,13 @@ def _launch_chunk_bmm(C_q, B_q, l, T, nc, causal):
 
 def _launch_chunk_scan(C_q, enter, ss, y, l, T, nc, lut=None, cs=None, dt=None, C_scale=None, B_scale=None,
                        cb=None, x=None, D=None, z=None):
-    """ChunkScan1 (+ ChunkScan2 when cb is given) into y (b, l, h, p) float32; see ``_chunk_scan_q``."""
+    """ChunkScan1 (+ ChunkScan2 when cb is given) into y (b, l, h, p) (float32, or x's dtype); see ``_chunk_scan_q``."""
     b, _, g, n = C_q.shape
     h, p = enter.shape[2], enter.shape[3]
     diag = cb is not None
     Dhp = None if D is None else (D[:, None].expand(h, p) if D.dim() == 1 else D)
     c = CFG["scan"]
-    BM, BP, BK, BS = _blk(T, c["BM"]), _blk(p, c["BP"]), _blk(n, c["BK"], 32), _blk(T, c["BS"])
+    BM, BP, BK = _blk(T, c["BM"]), _blk(p, c["BP"]), _blk(n, c["BK"], 32)
     xx = x if x is not None else y
     _chunk_scan_q[(b * nc * h, triton.cdiv(T, BM), triton.cdiv(p, BP))](
         C_q, enter, lut if lut is not None else y, cs if cs is not None else y, dt if dt is not None else y,
@@ -283,8 +306,8 @@ def _launch_chunk_scan(C_q, enter, ss, y, l, T, nc, lut=None, cs=None, dt=None, 
         cb if diag else y, xx, Dhp if Dhp is not None else y, z if z is not None else y, y,
         l, h, p, n, T, nc, g, h // g, *C_q.stride(), *xx.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
-        LUT_IN=lut is not None, DIAG=diag, HAS_D=D is not None, HAS_Z=z is not None, DOT_PREC=dot_precision(xx.dtype),
-        BM=BM, BP=BP, BK=BK, BS=BS, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        LUT_IN=lut is not None, DIAG=diag, FACTORED=c["FACTORED"], HAS_D=D is not None, HAS_Z=z is not None,
+        DOT_PREC=dot_precision(xx.dtype), BM=BM, BP=BP, BK=BK, BS=BM, num_warps=c["num_warps"], num_stages=c["num_stages"])
     return y
 
 
@@ -331,15 +354,18 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
     """``ssmq.ops.ssd_int8.ssd_int8_ref`` in five launches (same signature; shapes as ``run_ssd_int8``).
 
     x, z (b, l, h, p); dt (b, l, h); A (h,); B_q, C_q (b, l, g, n) int8, B_scale, C_scale (g,); xs_scale,
-    state_scale (h, p); D (h,) or (h, p); initial_states (b, h, p, n) int8. Returns y (b, l, h, p) float32 and, if
-    asked, the final int8 state (b, h, p, n). The ablation options run the reference glue on the Triton stages.
+    state_scale (h, p); D (h,) or (h, p); initial_states (b, h, p, n) int8. Returns y (b, l, h, p) in x's dtype
+    (the reference returns float32: the float32 y is rounded once on the store, as the SSDi8 module's
+    ``y.to(x.dtype)`` would, without writing and re-reading a float32 copy) and, if asked, the final int8 state
+    (b, h, p, n). The ablation options run the reference glue on the Triton stages.
     """
     b, l, h, p = x.shape
     g, n = B_q.shape[2], B_q.shape[3]
     heads_per_group(h, g)
     if options != SSDi8Options() or l == 0:
-        return run_ssd_int8(TRITON_STAGES, x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size,
-                            D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states, x_scale, options)
+        out = run_ssd_int8(TRITON_STAGES, x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size,
+                           D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states, x_scale, options)
+        return (out[0].to(x.dtype), out[1]) if return_final_states else out.to(x.dtype)
     T, dev = chunk_size, x.device
     nc = triton.cdiv(l, T)
     f32 = lambda t: t.float().contiguous()  # noqa: E731  (the (h,), (h, p), (g,) parameters: no-ops when float32
@@ -357,7 +383,7 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
     chunk_q = _launch_chunk_state(x, B_q, dt_out, cs, xs_scale, mult, l, T, nc, quant_x=True)
     enter, final = _launch_state_passing(chunk_q, cs, initial_states, T, True)
     cb = _launch_chunk_bmm(C_q, B_q, l, T, nc, causal=True)
-    y = torch.empty((b, l, h, p), device=dev, dtype=torch.float32)
+    y = torch.empty((b, l, h, p), device=dev, dtype=x.dtype)
     _launch_chunk_scan(C_q, enter, s_state, y, l, T, nc, cs=cs, dt=dt_out, C_scale=f32(C_scale),
                        B_scale=f32(B_scale), cb=cb, x=x, D=D, z=z)
     return (y, final) if return_final_states else y
