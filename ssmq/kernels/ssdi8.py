@@ -30,7 +30,7 @@ import triton.language as tl
 from ssmq.kernels._common import dot_precision, pow2, quantize_rne, rne_int8, silu
 from ssmq.kernels.ssd import _chunk_cumsum
 from ssmq.ops.layout import has_dt_limit, heads_per_group
-from ssmq.ops.ssd_int8 import DECAY_BITS, IntStages, SSDi8Options, _group_scale_per_head, run_ssd_int8
+from ssmq.ops.ssd_int8 import DECAY_BITS, IntStages, SSDi8Options, run_ssd_int8
 
 
 @triton.jit
@@ -44,12 +44,14 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _chunk_state_q(x_ptr, B_ptr, dt_ptr, cs_ptr, xsc_ptr, mult_ptr, out_ptr,
+def _chunk_state_q(x_ptr, B_ptr, dt_ptr, cs_ptr, xsc_ptr, Bs_ptr, ss_ptr, mult_ptr, out_ptr,
                    l, h, p, n, T, nc, rep,
                    s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
                    QUANT_X: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     # x (b, l, h, p): float X (QUANT_X) or int8 X_scaled codes; B (b, l, g, n) int8; dt, cs (b, h, c, T) float32;
-    # xsc = xs_scale, mult (h, p) float32 -> out (b, c, h, p, n) int8. One program: a (BP, BN) tile of one chunk state.
+    # xsc = xs_scale, ss = state_scale (h, p), Bs = B_scale (g,): with QUANT_X the requantization multiplier is
+    # xsc·Bs / ss (the reference's order, IEEE division), else it is given as mult (h, p)
+    # -> out (b, c, h, p, n) int8. One program: a (BP, BN) tile of one chunk state.
     pid_bch, pid_p, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = pid_bch % h
     pid_c = (pid_bch // h) % nc
@@ -79,7 +81,10 @@ def _chunk_state_q(x_ptr, B_ptr, dt_ptr, cs_ptr, xsc_ptr, mult_ptr, out_ptr,
             xq = xv
         bq = tl.load(Bp + pos[:, None] * s_Bl, mask=mt[:, None] & mn[None, :], other=0)
         acc = tl.dot(xq, bq, acc, out_dtype=tl.int32)
-    mult = tl.load(mult_ptr + hh * p + offs_p, mask=mp, other=0.0)
+    if QUANT_X:
+        mult = tl.math.div_rn(xsc * tl.load(Bs_ptr + hh // rep), tl.load(ss_ptr + hh * p + offs_p, mask=mp, other=1.0))
+    else:
+        mult = tl.load(mult_ptr + hh * p + offs_p, mask=mp, other=0.0)
     q = rne_int8(acc.to(tl.float32) * mult[:, None])
     tl.store(out_ptr + pid_bch.to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :], q,
              mask=mp[:, None] & mn[None, :])
@@ -252,16 +257,18 @@ CFG = dict(
 )
 
 
-def _launch_chunk_state(x, B_q, dt, cs, xs_scale, mult, l, T, nc, quant_x):
-    """x (b, l, h, p), B_q (b, l, g, n) (any strides) -> int8 chunk states (b, c, h, p, n)."""
+def _launch_chunk_state(x, B_q, l, T, nc, mult=None, dt=None, cs=None, xs_scale=None, B_scale=None, state_scale=None):
+    """x (b, l, h, p), B_q (b, l, g, n) (any strides) -> int8 chunk states (b, c, h, p, n); x is quantized in the
+    kernel (from dt, cs and the scales) unless mult is given (x are then the X_scaled codes)."""
     b, _, h, p = x.shape
     g, n = B_q.shape[2], B_q.shape[3]
     out = torch.empty(b, nc, h, p, n, dtype=torch.int8, device=x.device)
     c = CFG["state"]
     BT, BP, BN = _blk(T, c["BT"], 32), _blk(p, c["BP"]), _blk(n, c["BN"])
     _chunk_state_q[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
-        x, B_q, dt, cs, xs_scale, mult.float().contiguous(), out, l, h, p, n, T, nc, h // g,
-        *x.stride(), *B_q.stride(), QUANT_X=quant_x, BT=BT, BP=BP, BN=BN, num_warps=c["num_warps"],
+        x, B_q, *((out,) * 5 if mult is not None else (dt, cs, xs_scale, B_scale, state_scale)),
+        mult if mult is not None else out, out, l, h, p, n, T, nc, h // g,
+        *x.stride(), *B_q.stride(), QUANT_X=mult is None, BT=BT, BP=BP, BN=BN, num_warps=c["num_warps"],
         num_stages=c["num_stages"])
     return out
 
@@ -320,7 +327,7 @@ def _flat(t):
 def chunk_state_q(xs_q, B_q, mult):
     """xs_q (b, c, T, h, p) int8, B_q (b, c, T, g, n) int8, mult (h, p) -> int8 chunk states (b, c, h, p, n)."""
     b, c, T = xs_q.shape[:3]
-    return _launch_chunk_state(_flat(xs_q), _flat(B_q), mult, mult, mult, mult, c * T, T, c, quant_x=False)
+    return _launch_chunk_state(_flat(xs_q), _flat(B_q), c * T, T, c, mult=mult.float().contiguous())
 
 
 def state_passing_q(chunk_q, decay_q, initial_q=None):
@@ -377,13 +384,12 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
         float(dt_limit[1]), *dt.stride(), HAS_DTB=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_dt_limit(dt_limit), BT=pow2(T, 16), BH=BH, num_warps=4)
 
-    # the requantization multiplier folds the three scales: xs_scale·B_scale[g(h)] / state_scale (as the reference)
-    xs_scale, s_state = f32(xs_scale), f32(state_scale)
-    mult = xs_scale * _group_scale_per_head(B_scale, h).to(dev)[:, None] / s_state
-    chunk_q = _launch_chunk_state(x, B_q, dt_out, cs, xs_scale, mult, l, T, nc, quant_x=True)
+    s_state, B_scale = f32(state_scale), f32(B_scale)
+    chunk_q = _launch_chunk_state(x, B_q, l, T, nc, dt=dt_out, cs=cs, xs_scale=f32(xs_scale), B_scale=B_scale,
+                                  state_scale=s_state)
     enter, final = _launch_state_passing(chunk_q, cs, initial_states, T, True)
     cb = _launch_chunk_bmm(C_q, B_q, l, T, nc, causal=True)
     y = torch.empty((b, l, h, p), device=dev, dtype=x.dtype)
-    _launch_chunk_scan(C_q, enter, s_state, y, l, T, nc, cs=cs, dt=dt_out, C_scale=f32(C_scale),
-                       B_scale=f32(B_scale), cb=cb, x=x, D=D, z=z)
+    _launch_chunk_scan(C_q, enter, s_state, y, l, T, nc, cs=cs, dt=dt_out, C_scale=f32(C_scale), B_scale=B_scale,
+                       cb=cb, x=x, D=D, z=z)
     return (y, final) if return_final_states else y
