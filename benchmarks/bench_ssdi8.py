@@ -6,7 +6,7 @@ static scales from ``ssd_int8_ranges`` of the same inputs. Each row also gives t
 launches of the int8 SSD (torch.profiler CUDA time by kernel name; "torch glue" = any other kernel: the few
 elementwise ops on (h, p) scales).
 
-    PYTHONPATH=.:/path/to/mamba_ssm python benchmarks/bench_ssdi8.py --json out.json [--lengths 256,1024]
+    PYTHONPATH=.:/path/to/mamba_ssm python benchmarks/bench_ssdi8.py --json out.json [--lengths 256,1024] [--cfg JSON]
 
 A row whose timing fails prints the exception and records it under "errors" (the time is then null).
 """
@@ -85,7 +85,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cfg", default=None,
+                    help='JSON merged into ssmq.kernels.ssdi8.CFG, e.g. \'{"scan": {"FACTORED": false, "BM": 128}}\'')
     args = ap.parse_args()
+    for kernel, over in json.loads(args.cfg or "{}").items():
+        ssdi8.CFG[kernel].update(over)
     pk = peer()
     rows = []
     print(f"{'batch':>5} {'L':>5} {'fp16 ssd ms':>11} {'int8 ssd ms':>11} {'mamba_ssm ms':>12} {'fp16/int8':>9}  shares")
@@ -112,8 +116,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shape": dict(h=H, p=P, n=N, g=G, T=T), "rows": rows}, f,
-                      indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "shape": dict(h=H, p=P, n=N, g=G, T=T),
+                       "int8_cfg": ssdi8.CFG, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
