@@ -41,6 +41,21 @@ def test_integer_stages_bit_exact(k, shape):
     assert torch.equal(k.chunk_scan_off_q(C, chunk, lut, ss), ref.chunk_scan_off_int8(C.cpu(), chunk.cpu(), lut.cpu(), ss.cpu()).to(DEV))
 
 
+def test_state_passing_codes_the_decay_from_dA_cumsum(k):
+    """ssd_int8's StatePassing reads dA_cumsum (b, h, c, T) and codes the decay itself: as decay_fixed_point, including
+    decay 1 (Δ = 0 over a chunk: the code 2^7, which an int8 rounding would clamp to 127) and decay 0."""
+    from ssmq.ops import ssd_int8 as ref
+
+    b, c, T, h, p, n = 2, 5, 8, 3, 4, 8
+    gen = torch.Generator().manual_seed(2)
+    Acs = -torch.rand(b, c, T, h, generator=gen).cumsum(2) * torch.tensor([0.0, 0.3, 30.0])  # heads: 1, ~0.3, 0
+    chunk, init = codes(b, c, h, p, n, gen=gen), codes(b, h, p, n, gen=gen)
+    enter, final = k._launch_state_passing(chunk, Acs.permute(0, 3, 1, 2).contiguous().to(DEV), init, T, True)
+    want = ref.state_passing_int8(chunk.cpu(), ref.decay_fixed_point(Acs), init.cpu())
+    assert torch.equal(enter.cpu(), want[0]) and torch.equal(final.cpu(), want[1])
+    assert ref.decay_fixed_point(Acs)[..., 0].eq(128).all()
+
+
 def test_round_half_even_matches_torch(k):
     """The requantization epilogue rounds ties to even like torch.round (acc·mult exactly on .5)."""
     from ssmq.ops import ssd_int8 as ref
