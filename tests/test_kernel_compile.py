@@ -78,32 +78,32 @@ def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4):
 
 # SSDi8 (ssmq.kernels.ssdi8): each kernel with its constexpr variants, the tiles at the smallest and the tuned sizes
 # (int8 tl.dot needs K >= 32 and M, N >= 16 on sm_90: the first H100 run refused a K = 16 tile)
+_SCAN = dict(LUT_IN=False, DIAG=True, FACTORED=True, HAS_D=True, HAS_Z=True, DOT_PREC="tf32", BM=64, BP=64, BK=128,
+             BS=64)
+_SMALL = dict(BM=16, BP=16, BK=32, BS=16)
 SSDI8 = {
-    "chunk_state-quant_x": ("_chunk_state_q", {"x_ptr": "fp16", "B_ptr": "i8"}, dict(QUANT_X=True, BT=128, BP=64, BN=128)),
-    "chunk_state-quant_x-fp32-small": ("_chunk_state_q", {"x_ptr": "fp32", "B_ptr": "i8"},
-                                       dict(QUANT_X=True, BT=32, BP=16, BN=16)),
-    "chunk_state-codes-small": ("_chunk_state_q", {"x_ptr": "i8", "B_ptr": "i8"}, dict(QUANT_X=False, BT=32, BP=16, BN=16)),
-    "state_passing-cs": ("_state_passing_q", {"decay_ptr": "fp32"}, dict(HAS_INIT=True, DECAY_CS=True, BLOCK=1024, SHIFT=7)),
-    "state_passing-codes": ("_state_passing_q", {"decay_ptr": "i32"}, dict(HAS_INIT=False, DECAY_CS=False, BLOCK=256, SHIFT=7)),
-    "chunk_bmm-causal": ("_chunk_bmm_q", {}, dict(CAUSAL=True, BM=64, BS=64, BK=128)),
-    "chunk_bmm-small": ("_chunk_bmm_q", {}, dict(CAUSAL=False, BM=16, BS=16, BK=32)),
-    "chunk_scan-fp16-Dz": ("_chunk_scan_q", {"x_ptr": "fp16", "z_ptr": "fp16"},
-                           dict(LUT_IN=False, DIAG=True, FACTORED=True, HAS_D=True, HAS_Z=True, DOT_PREC="tf32", BM=64, BP=64, BK=128,
-                                BS=64)),
-    "chunk_scan-bf16-n64": ("_chunk_scan_q", {"x_ptr": "bf16", "z_ptr": "bf16"},
-                            dict(LUT_IN=False, DIAG=True, FACTORED=False, HAS_D=True, HAS_Z=True, DOT_PREC="tf32", BM=64, BP=64, BK=64,
-                                 BS=64)),
-    "chunk_scan-fp32": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
-                        dict(LUT_IN=False, DIAG=True, FACTORED=True, HAS_D=False, HAS_Z=False, DOT_PREC="ieee", BM=16, BP=16,
-                             BK=32, BS=16)),
+    "chunk_state-quant_x": ("_chunk_state_q", {"x_ptr": "fp16"}, dict(QUANT_X=True, BT=128, BP=64, BN=128)),
+    "chunk_state-quant_x-fp32-small": ("_chunk_state_q", {"x_ptr": "fp32"}, dict(QUANT_X=True, BT=32, BP=16, BN=16)),
+    "chunk_state-codes-small": ("_chunk_state_q", {}, dict(QUANT_X=False, BT=32, BP=16, BN=16)),
+    "state_passing-cs": ("_state_passing_q", {"decay_ptr": "fp32"},
+                         dict(HAS_INIT=True, DECAY_CS=True, BLOCK=1024, SHIFT=7)),
+    "state_passing-codes": ("_state_passing_q", {}, dict(HAS_INIT=False, DECAY_CS=False, BLOCK=256, SHIFT=7)),
+    "chunk_bmm-causal": ("_chunk_bmm_q", {"out_ptr": "i32"}, dict(CAUSAL=True, BM=64, BS=64, BK=128)),
+    "chunk_bmm-small": ("_chunk_bmm_q", {"out_ptr": "i32"}, dict(CAUSAL=False, BM=16, BS=16, BK=32)),
+    "chunk_scan-fp16-Dz": ("_chunk_scan_q", {"x_ptr": "fp16", "z_ptr": "fp16", "y_ptr": "fp16"}, _SCAN),
+    "chunk_scan-bf16-n64-direct": ("_chunk_scan_q", {"x_ptr": "bf16", "z_ptr": "bf16", "y_ptr": "bf16"},
+                                   {**_SCAN, "FACTORED": False, "BK": 64}),
+    "chunk_scan-fp32-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
+                              {**_SCAN, **_SMALL, "HAS_D": False, "HAS_Z": False, "DOT_PREC": "ieee"}),
     "chunk_scan-off-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
-                             dict(LUT_IN=True, DIAG=False, FACTORED=False, HAS_D=False, HAS_Z=False, DOT_PREC="ieee", BM=16, BP=16,
-                                  BK=32, BS=16)),
+                             {**_SCAN, **_SMALL, "LUT_IN": True, "DIAG": False, "FACTORED": False, "HAS_D": False,
+                              "HAS_Z": False, "DOT_PREC": "ieee"}),
 }
 SSDI8_POINTERS = {"x_ptr": "i8", "B_ptr": "i8", "C_ptr": "i8", "S_ptr": "i8", "dt_ptr": "fp32", "cs_ptr": "fp32",
                   "xsc_ptr": "fp32", "mult_ptr": "fp32", "out_ptr": "i8", "chunk_ptr": "i8", "decay_ptr": "i32",
                   "init_ptr": "i8", "enter_ptr": "i8", "final_ptr": "i8", "lut_ptr": "fp32", "Cs_ptr": "fp32",
-                  "Bs_ptr": "fp32", "ss_ptr": "fp32", "cb_ptr": "i32", "D_ptr": "fp32", "z_ptr": "fp16", "y_ptr": "fp32"}
+                  "Bs_ptr": "fp32", "ss_ptr": "fp32", "cb_ptr": "i32", "D_ptr": "fp32", "z_ptr": "fp16",
+                  "y_ptr": "fp32"}
 
 
 @pytest.mark.parametrize("variant", sorted(SSDI8))
@@ -113,6 +113,4 @@ def test_ssdi8_compiles_for_sm90(variant):
     name, ptrs, const = SSDI8[variant]
     kernel = getattr(ssdi8, name)
     pointers = {a: t for a, t in {**SSDI8_POINTERS, **ptrs}.items() if a in getattr(kernel, "arg_names", ())}
-    if name == "_chunk_bmm_q":
-        pointers["out_ptr"] = "i32"
     _compile_sm90(kernel, pointers, const)

@@ -38,7 +38,8 @@ def test_integer_stages_bit_exact(k, shape):
         want = ref.state_passing_int8(chunk.cpu(), decay.cpu(), None if i is None else i.cpu())
         assert all(torch.equal(a, w.to(DEV)) for a, w in zip(got, want))
     lut, ss = torch.rand(b, c, T, h, generator=gen).to(DEV), torch.rand(h, p, generator=gen).to(DEV)
-    assert torch.equal(k.chunk_scan_off_q(C, chunk, lut, ss), ref.chunk_scan_off_int8(C.cpu(), chunk.cpu(), lut.cpu(), ss.cpu()).to(DEV))
+    want = ref.chunk_scan_off_int8(C.cpu(), chunk.cpu(), lut.cpu(), ss.cpu())
+    assert torch.equal(k.chunk_scan_off_q(C, chunk, lut, ss), want.to(DEV))
 
 
 def test_state_passing_codes_the_decay_from_dA_cumsum(k):
@@ -123,7 +124,8 @@ def test_whole_scan_within_bound_of_reference(k, case, dtype, factored, monkeypa
         monkeypatch.setitem(k.CFG["scan"], "BM", 16)
     gen = torch.Generator().manual_seed(1)
     x, dt = torch.randn(b, l, h, p, generator=gen).to(dtype), torch.randn(b, l, h, generator=gen) - 1
-    A, B, C = -torch.rand(h, generator=gen), torch.randn(b, l, g, n, generator=gen), torch.randn(b, l, g, n, generator=gen)
+    A = -torch.rand(h, generator=gen)
+    B, C = torch.randn(b, l, g, n, generator=gen), torch.randn(b, l, g, n, generator=gen)
     kw = dict(dt_softplus=True)
     if extras:
         kw.update(D=torch.randn(h, generator=gen), z=torch.randn(b, l, h, p, generator=gen).to(dtype),
@@ -136,7 +138,7 @@ def test_whole_scan_within_bound_of_reference(k, case, dtype, factored, monkeypa
     Bq, Cq = quantize_ref(B, sc["B"][:, None]), quantize_ref(C, sc["C"][:, None])
     args = (x, dt, A, Bq, sc["B"], Cq, sc["C"], sc["xs"], sc["state"], T)
     y, f = ssd_int8_ref(*args, return_final_states=True, **kw)
-    dev = lambda a: a.to(DEV) if torch.is_tensor(a) else a  # noqa: E731
+    dev = lambda a: a.to(DEV) if torch.is_tensor(a) else a
     yk, fk = k.ssd_int8(*map(dev, args), return_final_states=True, **{kk: dev(v) for kk, v in kw.items()})
     assert (fk.cpu().int() - f.int()).abs().max() <= 1 and (fk.cpu() != f).float().mean() <= 1e-2
     diag, code = _abs_parts(args, kw)

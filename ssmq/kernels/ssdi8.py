@@ -5,8 +5,8 @@ Glossary as ``ssmq.ops.ssd_int8``. The launches of ``ssd_int8`` (names as the be
     _chunk_state_q    prologue: X_scaled = X · exp(cs_end - cs_s)·Δ_s quantized to int8 in registers (QUANT_X);
                       int8 X_scaled (T, p) x int8 B (T, n) -> int32 on tensor cores; epilogue: the requantization
                       (one float32 multiply, round half to even, clamp) -> int8 chunk state
-    _state_passing_q  decay_q = round(exp(cs_end)·2^7) from cs (DECAY_CS); s <- clamp(((decay_q·s + 2^6) >> 7) + chunk_q)
-                      in int32 registers, int8 in and out
+    _state_passing_q  decay_q = round(exp(cs_end)·2^7) from cs (DECAY_CS);
+                      s <- clamp(((decay_q·s + 2^6) >> 7) + chunk_q) in int32 registers, int8 in and out
     _chunk_bmm_q      C_q · B_qᵀ per (chunk, group), int32 out; blocks above the diagonal skipped (CAUSAL)
     _chunk_scan_q     ChunkScan1: C_q (T, n) x int8 state (n, p) -> int32, times exp(cs_t)·C_scale·state_scale;
                       ChunkScan2 (DIAG): float32(CB)·C_scale·B_scale·exp(cs_t - cs_s)·Δ_s times float X on tensor
@@ -153,7 +153,8 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
                   s_Cb, s_Cl, s_Cg, s_Cn, s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp,
                   s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp,
                   LUT_IN: tl.constexpr, DIAG: tl.constexpr, FACTORED: tl.constexpr, HAS_D: tl.constexpr,
-                  HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
+                  HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
+                  BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
     # C (b, l, g, n) int8; S = entering state (b, c, h, p, n) int8; LUT_off (b, c, T, h) given (LUT_IN) or
     # exp(cs_t)·C_scale from cs (b, h, c, T); Cs, Bs (g,); ss = state_scale (h, p); cb (b, c, t, s, g) int32;
     # x, z (b, l, h, p); D (h, p) strides -> y (b, l, h, p) float32
@@ -189,7 +190,7 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
     y = acc.to(tl.float32) * lut[:, None] * ss[None, :]
 
     if DIAG:
-        # ChunkScan2: Σ_{s<=t} float32(CB)·(exp(cs_t - cs_s)·Δ_s·C_scale·B_scale) X_s, only blocks left of the diagonal.
+        # ChunkScan2: Σ_{s<=t} float32(CB)·(exp(cs_t - cs_s)·Δ_s·C_scale·B_scale) X_s, blocks left of the diagonal.
         # FACTORED: the blocks wholly below the diagonal (s < m0 <= t) take exp(cs_t - cs_s) = exp(cs_t - cs_m0)·
         # exp(cs_m0 - cs_s), BM + BS exps per block instead of BM·BS (the exps, not the tensor cores, bound this loop).
         # Both factors are <= 1 where dA_cumsum does not rise (Δ·A <= 0: every Mamba-2, A = -exp(A_log)); otherwise a
@@ -314,7 +315,8 @@ def _launch_chunk_scan(C_q, enter, ss, y, l, T, nc, lut=None, cs=None, dt=None, 
         l, h, p, n, T, nc, g, h // g, *C_q.stride(), *xx.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         LUT_IN=lut is not None, DIAG=diag, FACTORED=c["FACTORED"], HAS_D=D is not None, HAS_Z=z is not None,
-        DOT_PREC=dot_precision(xx.dtype), BM=BM, BP=BP, BK=BK, BS=BM, num_warps=c["num_warps"], num_stages=c["num_stages"])
+        DOT_PREC=dot_precision(xx.dtype), BM=BM, BP=BP, BK=BK, BS=BM, num_warps=c["num_warps"],
+        num_stages=c["num_stages"])
     return y
 
 
@@ -367,8 +369,7 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
     (b, h, p, n). The ablation options run the reference glue on the Triton stages.
     """
     b, l, h, p = x.shape
-    g, n = B_q.shape[2], B_q.shape[3]
-    heads_per_group(h, g)
+    heads_per_group(h, B_q.shape[2])
     if options != SSDi8Options() or l == 0:
         out = run_ssd_int8(TRITON_STAGES, x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size,
                            D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states, x_scale, options)
