@@ -93,6 +93,7 @@ SSDI8 = {
     "chunk_scan-fp16-Dz": ("_chunk_scan_q", {"x_ptr": "fp16", "z_ptr": "fp16", "y_ptr": "fp16"}, _SCAN),
     "chunk_scan-bf16-n64-direct": ("_chunk_scan_q", {"x_ptr": "bf16", "z_ptr": "bf16", "y_ptr": "bf16"},
                                    {**_SCAN, "FACTORED": False, "BK": 64}),
+    "chunk_scan-fp32": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"}, {**_SCAN, "DOT_PREC": "ieee"}),
     "chunk_scan-fp32-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
                               {**_SCAN, **_SMALL, "HAS_D": False, "HAS_Z": False, "DOT_PREC": "ieee"}),
     "chunk_scan-off-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
