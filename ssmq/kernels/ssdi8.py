@@ -376,7 +376,7 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
         return (out[0].to(x.dtype), out[1]) if return_final_states else out.to(x.dtype)
     T, dev = chunk_size, x.device
     nc = triton.cdiv(l, T)
-    f32 = lambda t: t.float().contiguous()  # noqa: E731  (the (h,), (h, p), (g,) parameters: no-ops when float32
+    f32 = lambda t: t.float().contiguous()  # noqa: E731  (the (h,), (h, p), (g,) parameters: no-op on float32)
     dt_out = torch.empty((b, h, nc, T), device=dev, dtype=torch.float32)
     cs = torch.empty_like(dt_out)
     BH = 8 if T <= 256 else 2
