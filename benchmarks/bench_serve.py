@@ -100,7 +100,8 @@ def offline(model, args, levels) -> dict:
 
             dec = CudaGraphDecoder(model, max_batch=c, max_seqlen=args.prompt_len + args.output_len + 1)
             run = {"cache": dec.cache, "decode_fn": dec}
-        generate(model, prompts[:1], SamplingParams(max_new_tokens=4, stop_at_eos=False), **run)  # warm-up
+        # warm-up with all C prompts: CUDA graphs are captured per batch bucket on first use, which must not be timed
+        generate(model, prompts, SamplingParams(max_new_tokens=4, stop_at_eos=False), **run)
         sync()
         t = time.perf_counter()
         generate(model, prompts, params, **run)

@@ -2,13 +2,13 @@
 
 Shape: Mamba2-2.7B's SSD (80 heads of 64, d_state 128, ngroups 1, chunk 256), batch 1 and 32, L = 256 ... 8192,
 fp16 inputs. The int8 SSD takes int8 B / C (quantized once per layer, outside the timing, as the model does) and
-static scales from ``ssd_int8_ranges`` of the same inputs. Each row also gives the share of each sub-kernel of the
-int8 SSD (torch.profiler CUDA time by kernel name; "torch glue" = everything that is not one of the four Triton
-integer stages: Δ / cumsum, LUTs, X_scaled quantization, ChunkScan2 on float X, D skip).
+static scales from ``ssd_int8_ranges`` of the same inputs. Each row also gives the share of each of the five
+launches of the int8 SSD (torch.profiler CUDA time by kernel name; "torch glue" = any other kernel: the few
+elementwise ops on (h, p) scales).
 
-    PYTHONPATH=.:/path/to/mamba_ssm python benchmarks/bench_ssdi8.py --json out.json [--lengths 256,1024]
+    PYTHONPATH=.:/path/to/mamba_ssm python benchmarks/bench_ssdi8.py --json out.json [--lengths 256,1024] [--cfg JSON]
 
-Rows that run out of memory (the reference float glue materializes (b, c, T, T, h) tensors) are reported as such.
+A row whose timing fails prints the exception and records it under "errors" (the time is then null).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from peers import mamba_ssm_op  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G, T = 80, 64, 128, 1, 256
-STAGES = {"_chunk_state_q": "ChunkState+requant (int8)", "_state_passing_q": "StatePassing (int8)",
-          "_chunk_bmm_q": "ChunkBMM (int8)", "_chunk_scan_off_q": "ChunkScan1 (int8)"}
+STAGES = {"_chunk_cumsum": "ChunkCumsum (float)", "_chunk_state_q": "X_scaled quant+ChunkState+requant (int8)",
+          "_state_passing_q": "StatePassing (int8)", "_chunk_bmm_q": "ChunkBMM (int8)",
+          "_chunk_scan_q": "ChunkScan1 (int8)+ChunkScan2 (float)+D/z"}
 
 
 def peer():
@@ -44,17 +45,17 @@ def inputs(b: int, l: int):
     return x, dt, A, B, C, kw
 
 
-def timeit(fn) -> float:
+def timeit(fn, name: str, errors: dict) -> float:
+    """Median ms of fn; a failure (out of memory included) is printed, kept in errors[name] and timed as NaN."""
     try:
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
         return tt.do_bench(fn, warmup=10, rep=100, return_mode="median")
-    except torch.cuda.OutOfMemoryError:
+    except Exception as e:  # noqa: BLE001 - a failing row must not end the table
+        errors[name] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(f"  {name} failed: {errors[name]}", flush=True)
         torch.cuda.empty_cache()
-        return math.inf
-    except Exception as e:  # noqa: BLE001 - a failing peer must not end the table
-        print(f"  timing failed: {type(e).__name__}: {e}")
         return math.nan
 
 
@@ -65,7 +66,8 @@ def shares(fn) -> dict[str, float]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-    except torch.cuda.OutOfMemoryError:
+    except Exception as e:  # noqa: BLE001
+        print(f"  profiling failed: {type(e).__name__}: {e}", flush=True)
         torch.cuda.empty_cache()
         return {}
     total, out = 0.0, {v: 0.0 for v in (*STAGES.values(), "torch glue")}
@@ -83,7 +85,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cfg", default=None,
+                    help='JSON merged into ssmq.kernels.ssdi8.CFG, e.g. \'{"scan": {"FACTORED": false, "BM": 128}}\'')
     args = ap.parse_args()
+    for kernel, over in json.loads(args.cfg or "{}").items():
+        ssdi8.CFG[kernel].update(over)
     pk = peer()
     rows = []
     print(f"{'batch':>5} {'L':>5} {'fp16 ssd ms':>11} {'int8 ssd ms':>11} {'mamba_ssm ms':>12} {'fp16/int8':>9}  shares")
@@ -92,14 +98,17 @@ def main() -> None:
             x, dt, A, B, C, kw = inputs(b, l)
             sc = {k: v / 127 for k, v in ssd_int8_ranges(x, dt, A, B, C, T, kw["dt_bias"], True).items()}
             Bq, Cq = quantize_ref(B.float(), sc["B"][:, None]), quantize_ref(C.float(), sc["C"][:, None])
-            fp16 = timeit(lambda: ssd.ssd_chunk_scan(x, dt, A, B, C, T, **kw))
+            errors: dict[str, str] = {}
+            fp16 = timeit(lambda: ssd.ssd_chunk_scan(x, dt, A, B, C, T, **kw), "fp16_ssd", errors)
             int8_fn = lambda: ssdi8.ssd_int8(x, dt, A, Bq, sc["B"], Cq, sc["C"], sc["xs"], sc["state"], T,  # noqa: E731
                                                 **kw)
-            i8 = timeit(int8_fn)
-            ms = timeit(lambda: pk(x, dt, A, B, C, T, **kw)) if pk else math.nan
+            i8 = timeit(int8_fn, "int8_ssd", errors)
+            ms = timeit(lambda: pk(x, dt, A, B, C, T, **kw), "mamba_ssm", errors) if pk else math.nan
             sh = shares(int8_fn) if math.isfinite(i8) else {}
-            row = {"batch": b, "L": l, "fp16_ssd_ms": fp16, "int8_ssd_ms": i8, "mamba_ssm_ms": ms,
-                   "speedup_vs_fp16": fp16 / i8 if math.isfinite(i8) and i8 > 0 else None, "shares": sh}
+            ok = lambda v: v if math.isfinite(v) else None  # noqa: E731  (JSON has no NaN)
+            row = {"batch": b, "L": l, "fp16_ssd_ms": ok(fp16), "int8_ssd_ms": ok(i8), "mamba_ssm_ms": ok(ms),
+                   "speedup_vs_fp16": fp16 / i8 if i8 > 0 and math.isfinite(fp16 / i8) else None, "shares": sh,
+                   "errors": errors}
             rows.append(row)
             print(f"{b:>5} {l:>5} {fp16:>11.3f} {i8:>11.3f} {ms:>12.3f} {row['speedup_vs_fp16'] or 0:>9.2f}  "
                   + ", ".join(f"{k} {v:.0%}" for k, v in sh.items()), flush=True)
@@ -107,8 +116,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shape": dict(h=H, p=P, n=N, g=G, T=T), "rows": rows}, f,
-                      indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "shape": dict(h=H, p=P, n=N, g=G, T=T),
+                       "int8_cfg": ssdi8.CFG, "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

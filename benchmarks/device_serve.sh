@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ssmq serve on a GPU machine: the serve tests on CUDA (graph decode, paged KV), then bench_serve.py for
 # Mamba2-2.7B in FP16 and one quantized config (random weights), each writing serve.{json,md,png} to $OUT/<config>.
-# FastAPI, uvicorn and pydantic are not in the GPU image: they travel as wheels in .whl (see notes/serve.md).
+# FastAPI, uvicorn, pydantic and the openai client are not in the GPU image: they travel as wheels in .whl
+# (benchmarks/fetch_serve_wheels.sh downloads them).
 # Usage (on the GPU machine, repo root): bash benchmarks/device_serve.sh [QUANT_RECIPE] (default rtn-w8a16)
 set -uo pipefail
 quant=${1:-rtn-w8a16}

@@ -1,8 +1,8 @@
 """The selective state-update kernel compiles for an H100 (sm_90) on a machine without a GPU: Triton's NVIDIA backend
 and its bundled ptxas turn each variant (plain / checkpointed, fp16 / int8 state, Mamba-2 per-head Δ / Mamba-1
 per-channel Δ) into a cubin. The interpreter tests check the arithmetic; this catches what only the compiler
-refuses (types, scalar masks, atomics) before a GPU session is spent on it. The same for the KV-cache decode
-kernels (kv_decode).
+refuses (types, scalar masks, atomics) before a GPU session is spent on it. The same for the SSDi8 and the KV-cache
+decode (kv_decode) kernels.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_state_update_compiles_for_sm90(variant, ring_stages):
                 "Cs_ptr": "fp32", "rx_ptr": "fp32", "rdt_ptr": "fp32", "rB_ptr": "fp32", "cnt_ptr": "i32",
                 "done_ptr": "i32"}
     const = dict(HAS_D=True, HAS_Z=not tie, HAS_DTB=True, HAS_IDX=True, SOFTPLUS=True, TIE_HDIM=tie, Q_STATE=q_state,
-                 HAS_SIDX=q_state, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages,
+                 HAS_SIDX=q_state, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages, FAST_RCP=q_state,
                  BP=32, BN=128)
     missing = set(pointers) | set(const)
     missing -= set(kernel.arg_names)
@@ -55,6 +55,71 @@ def test_state_update_compiles_for_sm90(variant, ring_stages):
     assert compiled.asm.get("cubin")
 
 
+def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4, num_stages=3):
+    """Compile one Triton kernel for sm_90 (returned): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the
+    other arguments i32 (those named in floats fp32)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not hasattr(kernel, "arg_names"):
+        pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
+    missing = (set(pointers) | set(const) | set(floats)) - set(kernel.arg_names)
+    assert not missing, f"kernel arguments renamed: {missing}"
+    signature = {a: "constexpr" if a in const else "*" + pointers[a] if a in pointers else "fp32" if a in floats
+                 else "i32" for a in kernel.arg_names}
+    src = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()})
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps, "num_stages": num_stages})
+    except (FileNotFoundError, RuntimeError) as e:
+        if "ptxas" in str(e):
+            pytest.skip(f"no ptxas: {e}")
+        raise
+    assert compiled.asm.get("cubin")
+    return compiled
+
+
+# SSDi8 (ssmq.kernels.ssdi8): each kernel with its constexpr variants, the tiles at the smallest and the tuned sizes
+# (int8 tl.dot needs K >= 32 and M, N >= 16 on sm_90: the first H100 run refused a K = 16 tile)
+_SCAN = dict(LUT_IN=False, DIAG=True, FACTORED=True, HAS_D=True, HAS_Z=True, DOT_PREC="tf32", BM=64, BP=64, BK=128,
+             BS=64)
+_SMALL = dict(BM=16, BP=16, BK=32, BS=16)
+SSDI8 = {
+    "chunk_state-quant_x": ("_chunk_state_q", {"x_ptr": "fp16"}, dict(QUANT_X=True, BT=128, BP=64, BN=128)),
+    "chunk_state-quant_x-fp32-small": ("_chunk_state_q", {"x_ptr": "fp32"}, dict(QUANT_X=True, BT=32, BP=16, BN=16)),
+    "chunk_state-codes-small": ("_chunk_state_q", {}, dict(QUANT_X=False, BT=32, BP=16, BN=16)),
+    "state_passing-cs": ("_state_passing_q", {"decay_ptr": "fp32"},
+                         dict(HAS_INIT=True, DECAY_CS=True, BLOCK=1024, SHIFT=7)),
+    "state_passing-codes": ("_state_passing_q", {}, dict(HAS_INIT=False, DECAY_CS=False, BLOCK=256, SHIFT=7)),
+    "chunk_bmm-causal": ("_chunk_bmm_q", {"out_ptr": "i32"}, dict(CAUSAL=True, BM=64, BS=64, BK=128)),
+    "chunk_bmm-small": ("_chunk_bmm_q", {"out_ptr": "i32"}, dict(CAUSAL=False, BM=16, BS=16, BK=32)),
+    "chunk_scan-fp16-Dz": ("_chunk_scan_q", {"x_ptr": "fp16", "z_ptr": "fp16", "y_ptr": "fp16"}, _SCAN),
+    "chunk_scan-bf16-n64-direct": ("_chunk_scan_q", {"x_ptr": "bf16", "z_ptr": "bf16", "y_ptr": "bf16"},
+                                   {**_SCAN, "FACTORED": False, "BK": 64}),
+    "chunk_scan-fp32": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"}, {**_SCAN, "DOT_PREC": "ieee"}),
+    "chunk_scan-fp32-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
+                              {**_SCAN, **_SMALL, "HAS_D": False, "HAS_Z": False, "DOT_PREC": "ieee"}),
+    "chunk_scan-off-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
+                             {**_SCAN, **_SMALL, "LUT_IN": True, "DIAG": False, "FACTORED": False, "HAS_D": False,
+                              "HAS_Z": False, "DOT_PREC": "ieee"}),
+}
+SSDI8_POINTERS = {"x_ptr": "i8", "B_ptr": "i8", "C_ptr": "i8", "S_ptr": "i8", "dt_ptr": "fp32", "cs_ptr": "fp32",
+                  "xsc_ptr": "fp32", "mult_ptr": "fp32", "out_ptr": "i8", "chunk_ptr": "i8", "decay_ptr": "i32",
+                  "init_ptr": "i8", "enter_ptr": "i8", "final_ptr": "i8", "lut_ptr": "fp32", "Cs_ptr": "fp32",
+                  "Bs_ptr": "fp32", "ss_ptr": "fp32", "cb_ptr": "i32", "D_ptr": "fp32", "z_ptr": "fp16",
+                  "y_ptr": "fp32"}
+
+
+@pytest.mark.parametrize("variant", sorted(SSDI8))
+def test_ssdi8_compiles_for_sm90(variant):
+    from ssmq.kernels import ssdi8
+
+    name, ptrs, const = SSDI8[variant]
+    kernel = getattr(ssdi8, name)
+    pointers = {a: t for a, t in {**SSDI8_POINTERS, **ptrs}.items() if a in getattr(kernel, "arg_names", ())}
+    _compile_sm90(kernel, pointers, const)
+
+
 # kv_decode variants: (float KV, rotary dim, key / value outlier slots, sink tokens, per-token keys)
 KV_VARIANTS = {
     "kvq4-rope": (False, 128, 0, 0, 1, False),
@@ -68,13 +133,8 @@ KV_VARIANTS = {
 def test_kv_decode_compiles_for_sm90(variant):
     """The flash-decoding kernel over a quantized (or float) KV cache, bench_kvquant's shapes (32 q / 8 kv heads
     x 128), and its combine kernel, in the shipped CFG: cubins that fit an H100 SM's shared memory."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from ssmq.kernels import kv_decode as kd
 
-    if not hasattr(kd._decode_kernel, "arg_names"):
-        pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
     fl, r, ko, vo, sink, k_tok = KV_VARIANTS[variant]
     code, scale = ("fp16", "fp16") if fl else ("u8", "fp16")
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
@@ -85,19 +145,7 @@ def test_kv_decode_compiles_for_sm90(variant):
     const = dict(GROUP=4, GP=16, E=128, R=r, HP=max(16, r // 2), PP=max(16, 128 - r), S=sink, SP=16, FLOAT=fl,
                  K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, KP=triton.next_power_of_2(max(ko, 1)), VSLOTS=vo,
                  BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"])
-    kernels = [(kd._decode_kernel, pointers, const, kd.CFG["num_warps"], kd.CFG["num_stages"]),
-               (kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=32), 4, 3)]
-    for kernel, ptrs, cst, warps, stages in kernels:
-        assert not set(ptrs) - set(kernel.arg_names) and not set(cst) - set(kernel.arg_names), "arguments renamed"
-        signature = {a: "constexpr" if a in cst else "*" + ptrs[a] if a in ptrs else "fp32" if a == "scale"
-                     else "i32" for a in kernel.arg_names}
-        src = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in cst.items()})
-        try:
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": stages})
-        except (FileNotFoundError, RuntimeError) as e:
-            if "ptxas" in str(e):
-                pytest.skip(f"no ptxas: {e}")
-            raise
-        assert compiled.asm.get("cubin")
-        assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
+    compiled = _compile_sm90(kd._decode_kernel, pointers, const, floats=("scale",), num_warps=kd.CFG["num_warps"],
+                             num_stages=kd.CFG["num_stages"])
+    assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
+    _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=32))

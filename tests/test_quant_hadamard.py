@@ -26,6 +26,20 @@ def test_fast_transform_matches_matrix(n):
     torch.testing.assert_close(hadamard_transform(x), ref, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("n", [16, 12, 40, 768, 5120, 8192])
+def test_gemm_transform_matches_butterflies(n):
+    """The two-GEMM form CUDA runs (Kronecker factors) is the same transform as the butterflies: exact in float64,
+    within float32 rounding in float32; in the input's dtype and shape."""
+    from ssmq.quant.hadamard import hadamard_transform_gemm
+
+    x = torch.randn(2, 3, n, dtype=torch.float64)
+    torch.testing.assert_close(hadamard_transform_gemm(x), hadamard_transform(x), rtol=0, atol=1e-12)
+    x32 = x.float()
+    got = hadamard_transform_gemm(x32)
+    assert got.dtype == torch.float32 and got.shape == x32.shape
+    torch.testing.assert_close(got, hadamard_transform(x32), rtol=1e-5, atol=1e-5)
+
+
 def test_unsupported_order_refused():
     with pytest.raises(SSMQError, match="no Hadamard"):
         split_order(92)
@@ -47,3 +61,21 @@ def test_fused_linear_pair_equals_unfused():
     rotate_input_(b3)
     ref2 = b(a(x))
     assert ((b3(a3(x)) - ref2).norm() / ref2.norm()).item() <= 1e-5
+
+
+@pytest.mark.gpu
+def test_cuda_transform_equals_cpu_and_replays_in_a_graph():
+    """On CUDA (the GEMM form): equal to the CPU butterflies within float32 rounding, and capturable (its ±1
+    factors are cached on the device by the eager call before the capture, no host copy inside it)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x = torch.randn(4, 5120)
+    xd = x.cuda().half()
+    ref = hadamard_transform(xd.float().cpu())
+    torch.testing.assert_close(hadamard_transform(xd).float().cpu(), ref, rtol=1e-3, atol=1e-3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = hadamard_transform(xd)
+    xd.copy_((x * 2).cuda().half())
+    graph.replay()
+    torch.testing.assert_close(out.float().cpu(), hadamard_transform(xd.float().cpu()), rtol=1e-3, atol=1e-3)

@@ -61,6 +61,15 @@ def _rows(slots) -> torch.Tensor | slice:
     return slice(None) if slots is None else slots
 
 
+def _zero_rows(t: torch.Tensor, slots) -> None:
+    """t[slots] = 0 without a host scalar: indexed assignment of a Python 0 copies one to the device, which a
+    CUDA-graph capture (prefill pieces write their final state through here) refuses."""
+    if slots is None:
+        t.zero_()
+    else:
+        t.index_fill_(0, torch.as_tensor(slots, device=t.device), 0)
+
+
 class MambaState:
     """Conv and SSM state of one Mamba layer.
 
@@ -142,7 +151,7 @@ class MambaState:
         """Store a prefill's final state (b, …) in the rows ``slots``, in this state's format (checkpointed: as the
         rows' checkpoint, their rings emptied)."""
         if self.ring is not None:
-            self.ring.count[_rows(slots)] = 0
+            _zero_rows(self.ring.count, slots)
         if self.format is StateFormat.INT8:
             from ssmq.ops.quant_ssm import quantize_state_ref
 

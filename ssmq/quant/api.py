@@ -248,6 +248,11 @@ def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, 
             _quantize(m, r, calib, kw, hessian_budget_bytes)
         info = {"mixed": search_layers(model, other, recipe.search, calib, heldout, batch_size)}
     model.quantization = {"recipe": recipe.to_dict(), **record, **info}
+    # tap quantizers and state tables are built with CPU buffers; a model quantized on a GPU must not keep them
+    # there (kernels would copy them host-to-device on every step, which a CUDA-graph capture refuses)
+    dev = next(model.parameters()).device
+    if any(t.device != dev for t in model.buffers()):
+        model.to(dev)
     return model
 
 
