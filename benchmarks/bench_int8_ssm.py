@@ -177,7 +177,7 @@ def tpot(model, b: int, steps: int, ssm_dtype, state_checkpoint: int | None = No
     return r
 
 
-def run_e2e(batches, steps: int, out: dict, save) -> None:
+def run_e2e(batches, steps: int, out: dict, save, skip_fake_quant: bool = False) -> None:
     cfg = PUBLISHED["mamba2-2.7b"]
     model = random_model(cfg, dtype=torch.float16)
     weight_bytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
@@ -198,9 +198,10 @@ def run_e2e(batches, steps: int, out: dict, save) -> None:
         print(f"{len(stray)} tensors off the GPU after quantize, e.g. {stray[:5]}", flush=True)
     save()
     # the fp16-state row isolates the state's share: same weights and linear kernels, only the cache dtype differs
-    for label, new_path, ssm_dtype in (("quamba2-w8a8 int8 state, int8 kernels", True, torch.int8),
-                                       ("quamba2-w8a8 fp16 state, int8 kernels", True, None),
-                                       ("quamba2-w8a8 int8 state, fake-quant path", False, torch.int8)):
+    rows = [("quamba2-w8a8 int8 state, int8 kernels", True, torch.int8),
+            ("quamba2-w8a8 fp16 state, int8 kernels", True, None),
+            ("quamba2-w8a8 int8 state, fake-quant path", False, torch.int8)]
+    for label, new_path, ssm_dtype in rows[:2] if skip_fake_quant else rows:
         dispatch.INT8_DECODE = new_path
         e2e[label] = {"weight_bytes": weight_bytes(model)}
         for b in batches:
@@ -241,6 +242,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,32,128,256")
     ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT: FP16 vs Quamba2 W8A8 + int8 state")
+    ap.add_argument("--skip-fake-quant", action="store_true", help="--e2e without the earlier fake-quant path's row")
     ap.add_argument("--e2e-batches", default="1,32,128")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per TPOT timing")
     ap.add_argument("--no-micro", action="store_true")
@@ -263,7 +265,7 @@ def main() -> None:
         run_sweep([int(b) for b in args.sweep.split(",")], out)
         save()
     if args.e2e:
-        run_e2e([int(b) for b in args.e2e_batches.split(",")], args.steps, out, save)
+        run_e2e([int(b) for b in args.e2e_batches.split(",")], args.steps, out, save, args.skip_fake_quant)
 
 
 if __name__ == "__main__":
