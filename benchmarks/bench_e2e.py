@@ -222,11 +222,12 @@ def profile_decode(cfg, dtype, bs: int = 1) -> None:
     torch.cuda.empty_cache()
 
 
-def profile_step(model, bs: int = 1, top: int = 15) -> list[dict]:
-    """Print (and return) the kernels of one eager decode step of ``model`` at batch ``bs``, costliest first."""
+def profile_step(model, bs: int = 1, top: int = 15, ssm_dtype=None) -> list[dict]:
+    """Print (and return) the kernels of one eager decode step of ``model`` at batch ``bs``, costliest first
+    (``ssm_dtype=torch.int8``: on an int8 state cache)."""
     from torch.profiler import ProfilerActivity, profile
 
-    cache = model.allocate_cache(bs, 8)
+    cache = model.allocate_cache(bs, 8, ssm_dtype=ssm_dtype)
     tokens = torch.zeros(bs, dtype=torch.long, device="cuda")
     with torch.inference_mode():
         for _ in range(3):
