@@ -19,9 +19,9 @@ from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
-# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG);
-# ring_stages: software-pipelining depth of the checkpointed kernel's ring loop (loads of the next entries in flight
-# while one is applied; 1 = none), swept by benchmarks/bench_replay.py --sweep, unmeasured until then
+# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG)
+# and benchmarks/bench_replay.py --sweep; ring_stages: software-pipelining depth of Mamba-1's sequential ring loop
+# (Mamba-2 replays its ring in one update, no loop: see _state_update)
 CFG = {"BP": None, "num_warps": 4, "ring_stages": 2}
 
 
@@ -34,6 +34,39 @@ def _advance(hs, x, dt, Bv, A, TIE_HDIM: tl.constexpr):
     else:
         dA = tl.exp(dt[:, None] * A)
     return hs * dA + (x * dt)[:, None] * Bv[None, :]
+
+
+@triton.jit
+def _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn, TIE_HDIM: tl.constexpr,
+            RING_STAGES: tl.constexpr):
+    """The tile advanced through a ring's cnt entries (rx, rB: the tile's rows of entry 0; rdt: its Δ), one step each."""
+    for j in tl.range(0, cnt, num_stages=RING_STAGES):
+        xj = tl.load(rx + j * s_rxr, mask=mp, other=0.0).to(tl.float32)
+        Bj = tl.load(rB + j * s_rBr, mask=mn, other=0.0).to(tl.float32)
+        if TIE_HDIM:
+            dtj = tl.load(rdt + j * s_rdtr)
+        else:
+            dtj = tl.load(rdt + j * s_rdtr + offs_p * s_rdtp, mask=mp, other=0.0)
+        hs = _advance(hs, xj, dtj, Bj, A, TIE_HDIM)
+    return hs
+
+
+@triton.jit
+def _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2):
+    """The (BP, BN) scales of an int8 state tile: each channel's row of the (G, n) table (a few KB: L1/L2 hits)."""
+    return tl.load(ss_ptr + row[:, None] * s_ssg + offs_n[None, :] * s_ssn, mask=m2, other=1.0)
+
+
+@triton.jit
+def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr):
+    if Q_STATE:
+        # '/' is the approximate division (div.full, <= 2 ulp), not div_rn: the exact one costs ~15 instructions a
+        # state value and would make a large-batch step compute-bound. The codes can then differ from the
+        # reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no different
+        # from, what exp and fused multiply-adds already do to the float32 state (tests allow one step there).
+        tl.store(s_ptrs, rne_int8(hs / sc), mask=m2)
+    else:
+        tl.store(s_ptrs, hs.to(s_ptrs.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -52,7 +85,7 @@ def _state_update(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
-    REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -68,15 +101,16 @@ def _state_update(
     s_ptrs = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
     if Q_STATE:
         # the (G, n) table row of each channel: index[channel] (sort-and-cluster groups), or the channel itself
-        # (s_ssg = 0 when G = 1); the table is a few KB, so these gathers hit L1/L2, not DRAM
+        # (s_ssg = 0 when G = 1)
         chan = pid_h * p + offs_p
         if HAS_SIDX:
             row = tl.load(sidx_ptr + chan * s_sidx, mask=mp, other=0).to(tl.int64)
         else:
             row = chan.to(tl.int64)
-        sc = tl.load(ss_ptr + row[:, None] * s_ssg + offs_n[None, :] * s_ssn, mask=m2, other=1.0)
+        sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
         hs = tl.load(s_ptrs, mask=m2, other=0).to(tl.float32) * sc
     else:
+        sc = 1.0
         hs = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + pid_b * s_xb + pid_h * s_xh + offs_p * s_xp, mask=mp, other=0.0).to(tl.float32)
     if Q_X:
@@ -103,29 +137,59 @@ def _state_update(
         dt = softplus(dt)
 
     if REPLAY:
-        # ReplaySSM: hs is the slot's checkpoint; the ring's cnt entries (x, discretized Δ, B of the steps since)
-        # bring it to the current state, in registers, with the same arithmetic as the step below
+        # ReplaySSM: hs is the slot's checkpoint, cnt ring entries (x, discretized Δ, B of the steps since) behind
         cnt = tl.load(cnt_ptr + slot)
         rx = rx_ptr + slot * s_rxs + pid_h * s_rxh + offs_p * s_rxp
         rdt = rdt_ptr + slot * s_rdts + pid_h * s_rdth
         rB = rB_ptr + slot * s_rBs + grp * s_rBg + offs_n * s_rBn
-        for j in tl.range(0, cnt, num_stages=RING_STAGES):
-            xj = tl.load(rx + j * s_rxr, mask=mp, other=0.0).to(tl.float32)
-            Bj = tl.load(rB + j * s_rBr, mask=mn, other=0.0).to(tl.float32)
-            if TIE_HDIM:
-                dtj = tl.load(rdt + j * s_rdtr)
-            else:
-                dtj = tl.load(rdt + j * s_rdtr + offs_p * s_rdtp, mask=mp, other=0.0)
-            hs = _advance(hs, xj, dtj, Bj, A, TIE_HDIM)
-    hs = _advance(hs, x, dt, Bv, A, TIE_HDIM)
+    if REPLAY and TIE_HDIM:
+        # Mamba-2: Δ·A is one scalar a step, so the steps do not need replaying one by one. With the token as entry
+        # cnt, the current state is one decayed rank-(cnt + 1) update of the checkpoint,
+        #     state = decay · ckpt + Σ_j w_j x_j B_jᵀ,   decay = exp(A Σ_j Δ_j),   w_j = Δ_j exp(A Σ_{i>j} Δ_i),
+        # and y = C · state needs no state at all: decay (ckpt · C) + Σ_j w_j (B_j · C) x_j. A step that does not
+        # write the checkpoint costs one multiply-add a state value (the sequential replay: two a value an entry,
+        # up to K of them, behind one serial load of each entry); the tile is materialized only when written.
+        offs_r = tl.arange(0, RP)
+        mr, now = offs_r < cnt, offs_r == cnt
+        Xr = tl.load(rx[None, :] + offs_r[:, None] * s_rxr, mask=mr[:, None] & mp[None, :], other=0.0)
+        Xr = tl.where(now[:, None], x[None, :], Xr.to(tl.float32))  # (RP, BP)
+        Br = tl.load(rB[None, :] + offs_r[:, None] * s_rBr, mask=mr[:, None] & mn[None, :], other=0.0)
+        Br = tl.where(now[:, None], Bv[None, :], Br.to(tl.float32))  # (RP, BN)
+        dtr = tl.where(now, dt, tl.load(rdt + offs_r * s_rdtr, mask=mr, other=0.0))  # (RP,), 0 past the token
+        w = dtr * tl.exp(A * (tl.cumsum(dtr, axis=0, reverse=True) - dtr))
+        decay = tl.exp(A * tl.sum(dtr, axis=0))
+        bc = tl.sum(Br * Cv[None, :], axis=1)
+        y = decay * tl.sum(hs * Cv[None, :], axis=1) + tl.sum(Xr * (w * bc)[:, None], axis=0)
+        if cnt == ring_cap:  # the ring full: the state becomes the checkpoint (a branch: 1 program in K)
+            # replayed entry by entry (the rows just loaded: L1 hits) as the reference and Mamba-1 do, rather than
+            # as one tl.dot: Triton's float32 FMA dot holds its operands in registers (255 a thread, for all steps)
+            hs = _advance(_replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn,
+                                  TIE_HDIM, RING_STAGES), x, dt, Bv, A, TIE_HDIM)
+            if Q_STATE:  # the scales re-read rather than kept live through the step (registers: occupancy)
+                sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
+            _write_state(s_ptrs, hs, sc, m2, Q_STATE)
+    else:
+        if REPLAY:  # Mamba-1: Δ·A per (channel, state), so the entries are replayed one by one, in registers
+            hs = _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn, TIE_HDIM, RING_STAGES)
+        hs = _advance(hs, x, dt, Bv, A, TIE_HDIM)
+        if REPLAY:
+            if cnt == ring_cap:
+                _write_state(s_ptrs, hs, sc, m2, Q_STATE)
+        else:
+            _write_state(s_ptrs, hs, sc, m2, Q_STATE)
+        # y reads the float32 state, before its re-quantization (as the reference)
+        y = tl.sum(hs * Cv[None, :], axis=1)
+    if HAS_D:
+        y += x * tl.load(D_ptr + pid_h * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)
+    if HAS_Z:
+        y *= silu(tl.load(z_ptr + pid_b * s_zb + pid_h * s_zh + offs_p * s_zp, mask=mp, other=0.0).to(tl.float32))
+    tl.store(out_ptr + pid_b * s_ob + pid_h * s_oh + offs_p * s_op, y.to(out_ptr.dtype.element_ty), mask=mp)
 
     if REPLAY:
-        # the ring full: the new state is the checkpoint (the count is reset after the launch, once every program
-        # of the slot has read it); else the step's inputs join the ring and the state is not written at all
+        # the step's inputs join the ring unless it was full (then its state was written as the checkpoint above)
         # (the flags as vectors over the tile: Triton's interpreter refuses a scalar bool inside a mask)
         cnt_p, cnt_n = offs_p * 0 + cnt, offs_n * 0 + cnt
         append_p, append_n = cnt_p < ring_cap, cnt_n < ring_cap
-        m_state = m2 & (cnt_p == ring_cap)[:, None]
         tl.store(rx + cnt * s_rxr, x.to(rx_ptr.dtype.element_ty), mask=mp & append_p)
         if TIE_HDIM:  # one Δ per head: the tile holding channel 0 writes it
             tl.store(rdt + cnt * s_rdtr + offs_p * 0, dt + offs_p * 0.0, mask=append_p & (offs_p == 0))
@@ -134,26 +198,7 @@ def _state_update(
         # one program writes its group's B: the first tile of the group's first head
         first_of_group = (offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0
         tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=mn & append_n & first_of_group)
-    else:
-        m_state = m2
-    if Q_STATE:
-        # '/' is the approximate division (div.full, <= 2 ulp), not div_rn: the exact one costs ~15 instructions a
-        # state value and would make a large-batch step compute-bound. The codes can then differ from the
-        # reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no different
-        # from, what exp and fused multiply-adds already do to the float32 state (tests allow one step there).
-        tl.store(s_ptrs, rne_int8(hs / sc), mask=m_state)
-    else:
-        tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m_state)
 
-    # y reads the float32 state, before its re-quantization (as the reference)
-    y = tl.sum(hs * Cv[None, :], axis=1)
-    if HAS_D:
-        y += x * tl.load(D_ptr + pid_h * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)
-    if HAS_Z:
-        y *= silu(tl.load(z_ptr + pid_b * s_zb + pid_h * s_zh + offs_p * s_zp, mask=mp, other=0.0).to(tl.float32))
-    tl.store(out_ptr + pid_b * s_ob + pid_h * s_oh + offs_p * s_op, y.to(out_ptr.dtype.element_ty), mask=mp)
-
-    if REPLAY:
         # advance the slot's ring count once every program of the slot has read it: each program tallies itself
         # (atomic, acq_rel: its read of cnt happened before), the last one writes the new count and zeroes the tally
         # for the next launch. In the kernel rather than as torch ops after it: those would be ~5 launches a layer.
@@ -280,6 +325,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     grid = (b, h, triton.cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
     rx, rdt, rB, cnt, done, *ring_rest = _ring_args(ring, state, h, p, g, n, tie, h * triton.cdiv(p, BP))
+    RP = pow2(ring_rest[0] + 1)  # the ring's entries and the token
     _state_update[grid](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
@@ -295,6 +341,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
-        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], BP=BP, BN=BN, num_warps=CFG["num_warps"],
+        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], RP=RP, BP=BP, BN=BN,
+        num_warps=CFG["num_warps"],
     )
     return out if multihead else out.squeeze(1)
