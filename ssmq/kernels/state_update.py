@@ -39,7 +39,7 @@ def _advance(hs, x, dt, Bv, A, TIE_HDIM: tl.constexpr):
 @triton.jit
 def _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn, TIE_HDIM: tl.constexpr,
             RING_STAGES: tl.constexpr):
-    """The tile advanced through a ring's cnt entries (rx, rB: the tile's rows of entry 0; rdt: its Δ), one step each."""
+    """The tile advanced through a ring's cnt entries (rx, rB: the tile's rows of entry 0; rdt: its Δ), a step each."""
     for j in tl.range(0, cnt, num_stages=RING_STAGES):
         xj = tl.load(rx + j * s_rxr, mask=mp, other=0.0).to(tl.float32)
         Bj = tl.load(rB + j * s_rBr, mask=mn, other=0.0).to(tl.float32)
@@ -137,43 +137,36 @@ def _state_update(
         dt = softplus(dt)
 
     if REPLAY:
-        # ReplaySSM: hs is the slot's checkpoint, cnt ring entries (x, discretized Δ, B of the steps since) behind
+        # ReplaySSM: hs is the slot's checkpoint, cnt ring entries (x, discretized Δ, B of the steps since) behind it
         cnt = tl.load(cnt_ptr + slot)
         rx = rx_ptr + slot * s_rxs + pid_h * s_rxh + offs_p * s_rxp
         rdt = rdt_ptr + slot * s_rdts + pid_h * s_rdth
         rB = rB_ptr + slot * s_rBs + grp * s_rBg + offs_n * s_rBn
-    if REPLAY and TIE_HDIM:
-        # Mamba-2: Δ·A is one scalar a step, so the steps do not need replaying one by one. With the token as entry
-        # cnt, the current state is one decayed rank-(cnt + 1) update of the checkpoint,
+    if REPLAY and TIE_HDIM and cnt < ring_cap:  # (constexprs first: a static branch for the other kernels)
+        # Mamba-2, the ring not full: Δ·A is one scalar a step, so the entries need no replaying. With the token
+        # as entry cnt (w = Δ), the current state is one decayed rank-(cnt + 1) update of the checkpoint,
         #     state = decay · ckpt + Σ_j w_j x_j B_jᵀ,   decay = exp(A Σ_j Δ_j),   w_j = Δ_j exp(A Σ_{i>j} Δ_i),
-        # and y = C · state needs no state at all: decay (ckpt · C) + Σ_j w_j (B_j · C) x_j. A step that does not
-        # write the checkpoint costs one multiply-add a state value (the sequential replay: two a value an entry,
-        # up to K of them, behind one serial load of each entry); the tile is materialized only when written.
+        # so y = C · state needs no state at all: decay (ckpt · C) + Σ_j w_j (B_j · C) x_j, from one load of the
+        # ring's rows: one multiply-add a state value, where replaying costs two a value an entry (up to K - 1 of
+        # them, each behind a serial load of the entry). Only a step that writes the checkpoint materializes it.
         offs_r = tl.arange(0, RP)
-        mr, now = offs_r < cnt, offs_r == cnt
-        Xr = tl.load(rx[None, :] + offs_r[:, None] * s_rxr, mask=mr[:, None] & mp[None, :], other=0.0)
-        Xr = tl.where(now[:, None], x[None, :], Xr.to(tl.float32))  # (RP, BP)
-        Br = tl.load(rB[None, :] + offs_r[:, None] * s_rBr, mask=mr[:, None] & mn[None, :], other=0.0)
-        Br = tl.where(now[:, None], Bv[None, :], Br.to(tl.float32))  # (RP, BN)
-        dtr = tl.where(now, dt, tl.load(rdt + offs_r * s_rdtr, mask=mr, other=0.0))  # (RP,), 0 past the token
-        w = dtr * tl.exp(A * (tl.cumsum(dtr, axis=0, reverse=True) - dtr))
-        decay = tl.exp(A * tl.sum(dtr, axis=0))
-        bc = tl.sum(Br * Cv[None, :], axis=1)
-        y = decay * tl.sum(hs * Cv[None, :], axis=1) + tl.sum(Xr * (w * bc)[:, None], axis=0)
-        if cnt == ring_cap:  # the ring full: the state becomes the checkpoint (a branch: 1 program in K)
-            # replayed entry by entry (the rows just loaded: L1 hits) as the reference and Mamba-1 do, rather than
-            # as one tl.dot: Triton's float32 FMA dot holds its operands in registers (255 a thread, for all steps)
-            hs = _advance(_replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn,
-                                  TIE_HDIM, RING_STAGES), x, dt, Bv, A, TIE_HDIM)
-            if Q_STATE:  # the scales re-read rather than kept live through the step (registers: occupancy)
-                sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
-            _write_state(s_ptrs, hs, sc, m2, Q_STATE)
+        mr = offs_r < cnt
+        Xr = tl.load(rx[None, :] + offs_r[:, None] * s_rxr, mask=mr[:, None] & mp[None, :], other=0.0)  # (RP, BP)
+        Br = tl.load(rB[None, :] + offs_r[:, None] * s_rBr, mask=mr[:, None] & mn[None, :], other=0.0)  # (RP, BN)
+        dtr = tl.load(rdt + offs_r * s_rdtr, mask=mr, other=0.0)  # (RP,), 0 past the ring's entries
+        w = dtr * tl.exp(A * (tl.cumsum(dtr, axis=0, reverse=True) - dtr + dt))  # the token's w is Δ
+        decay = tl.exp(A * (tl.sum(dtr, axis=0) + dt))
+        bc = tl.sum(Br.to(tl.float32) * Cv[None, :], axis=1)
+        y = decay * tl.sum(hs * Cv[None, :], axis=1) + tl.sum(Xr.to(tl.float32) * (w * bc)[:, None], axis=0) \
+            + dt * tl.sum(Bv * Cv, axis=0) * x
     else:
-        if REPLAY:  # Mamba-1: Δ·A per (channel, state), so the entries are replayed one by one, in registers
+        if REPLAY:  # the entries replayed one by one, in registers (Mamba-2: only when the ring is full, 1 step in K)
             hs = _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn, TIE_HDIM, RING_STAGES)
         hs = _advance(hs, x, dt, Bv, A, TIE_HDIM)
         if REPLAY:
-            if cnt == ring_cap:
+            if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
+                if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
+                    sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
                 _write_state(s_ptrs, hs, sc, m2, Q_STATE)
         else:
             _write_state(s_ptrs, hs, sc, m2, Q_STATE)
