@@ -100,21 +100,28 @@ def micro_row(b: int, int8: bool, k: int, ring_dtype, plain: bool = True) -> dic
             "replay_limit_ms": br / HBM_BPS * 1e3, "state_bytes_per_value": sb, "slot_blocks": blocks}
 
 
+# (BP, num_warps, maxnreg) of the checkpointed step: tile rows x warps (registers a thread: about BP·n / (32·warps)
+# state values + the ring's tiles), and a register cap (more programs an SM, a few registers spilled)
+SWEEP = [(32, 4, None), (32, 4, 96), (32, 4, 80), (16, 4, None), (16, 4, 80), (32, 8, None), (64, 8, None),
+         (64, 8, 96)]
+
+
 def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
-    """The checkpointed kernel's ring pipelining depth (``state_update.CFG["ring_stages"]``) at the given batches."""
-    print(f"{'state':>5} {'batch':>5} {'stages':>6} {'replay ms':>9} {'limit ms':>9}")
-    default = state_update.CFG["ring_stages"]
+    """The checkpointed step's launch settings (``state_update.CFG["replay"]``, ``SWEEP``) at the given batches."""
+    print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'replay ms':>9} {'limit ms':>9}")
+    cfg = state_update.CFG["replay"]
+    default = dict(cfg)
     for int8 in (False, True):
         for b in batches:
-            for stages in (1, 2, 3):
-                state_update.CFG["ring_stages"] = stages
+            for bp, nw, nreg in SWEEP:
+                cfg.update(BP=bp, num_warps=nw, maxnreg=nreg)
                 try:
                     r = micro_row(b, int8, k, ring_dtype, plain=False)
                 finally:
-                    state_update.CFG["ring_stages"] = default
-                out["sweep"].append({**r, "ring_stages": stages})
-                print(f"{r['state']:>5} {b:>5} {stages:>6} {r['replay_ms']:>9.4f} {r['replay_limit_ms']:>9.4f}",
-                      flush=True)
+                    cfg.update(default)
+                out["sweep"].append({**r, "BP": bp, "num_warps": nw, "maxnreg": nreg})
+                print(f"{r['state']:>5} {b:>5} {bp:>3} {nw:>5} {str(nreg):>7} {r['replay_ms']:>9.4f} "
+                      f"{r['replay_limit_ms']:>9.4f}", flush=True)
                 save()
 
 
@@ -193,7 +200,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16, help="checkpoint interval K")
     ap.add_argument("--ring-dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--no-micro", action="store_true")
-    ap.add_argument("--sweep", default="", help="batches (comma list) of a ring_stages sweep, e.g. 128,256")
+    ap.add_argument("--sweep", default="", help="batches (comma list) of a replay launch-setting sweep, e.g. 128,256")
     ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT, plain vs checkpointed, fp16 / int8 state")
     ap.add_argument("--e2e-batches", default="1,128,256")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/replay"))
@@ -202,7 +209,7 @@ def main() -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
            "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS), "K": args.k, "hbm_Bps": HBM_BPS,
-           "ring_stages": state_update.CFG["ring_stages"], "micro": [], "sweep": [], "e2e": {}}
+           "cfg": dict(state_update.CFG["replay"]), "micro": [], "sweep": [], "e2e": {}}
 
     def save():
         (outdir / "replay.json").write_text(json.dumps(out, indent=2))

@@ -19,10 +19,12 @@ from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
-# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG)
-# and benchmarks/bench_replay.py --sweep; ring_stages: software-pipelining depth of Mamba-1's sequential ring loop
-# (Mamba-2 replays its ring in one update, no loop: see _state_update)
-CFG = {"BP": None, "num_warps": 4, "ring_stages": 2}
+# launch settings: BP None = the heuristic in _launch, maxnreg None = ptxas's choice (a cap trades a few spilled
+# registers for more programs per SM: more state loads in flight); set by benchmarks/bench_int8_ssm.py --sweep (as
+# quant_gemm.CFG); "replay": those of the checkpointed step (more registers: ring tiles), by bench_replay.py --sweep;
+# ring_stages: software-pipelining depth of the sequential ring replay (Mamba-1, and Mamba-2's checkpoint writes)
+CFG = {"BP": None, "num_warps": 4, "maxnreg": None, "ring_stages": 2,
+       "replay": {"BP": None, "num_warps": 4, "maxnreg": None}}
 
 
 @triton.jit
@@ -314,7 +316,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
     while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
         BP //= 2
-    BP = CFG["BP"] or BP
+    cfg = CFG["replay"] if ring is not None else CFG
+    BP = cfg["BP"] or BP
     grid = (b, h, triton.cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
     rx, rdt, rB, cnt, done, *ring_rest = _ring_args(ring, state, h, p, g, n, tie, h * triton.cdiv(p, BP))
@@ -335,6 +338,6 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
         Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], RP=RP, BP=BP, BN=BN,
-        num_warps=CFG["num_warps"],
+        num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
     return out if multihead else out.squeeze(1)
