@@ -24,7 +24,7 @@ from ssmq.ops.layout import heads_per_group
 # quant_gemm.CFG); "replay": those of the checkpointed step (more registers: ring tiles), by bench_replay.py --sweep;
 # ring_stages: software-pipelining depth of the sequential ring replay (Mamba-1, and Mamba-2's checkpoint writes)
 CFG = {"BP": None, "num_warps": 4, "maxnreg": None, "ring_stages": 2,
-       "replay": {"BP": None, "num_warps": 4, "maxnreg": None}}
+       "replay": {"BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4}}
 
 
 @triton.jit
@@ -51,6 +51,15 @@ def _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, m
             dtj = tl.load(rdt + j * s_rdtr + offs_p * s_rdtp, mask=mp, other=0.0)
         hs = _advance(hs, xj, dtj, Bj, A, TIE_HDIM)
     return hs
+
+
+@triton.jit
+def _vec(ptr, scale_ptr, offs, s, s_scale, m, Q: tl.constexpr):
+    """B or C of the group at ``offs`` (a row of n or a chunk of it), float32 (int8 codes times their scales)."""
+    v = tl.load(ptr + offs * s, mask=m, other=0.0).to(tl.float32)
+    if Q:
+        v = v * tl.load(scale_ptr + offs * s_scale, mask=m, other=0.0)
+    return v
 
 
 @triton.jit
@@ -87,7 +96,8 @@ def _state_update(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
-    REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BNC: tl.constexpr,
+    FOLD_STAGES: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
@@ -100,7 +110,7 @@ def _state_update(
         slot = pid_b.to(tl.int64)
     grp = pid_h // heads_per_group
 
-    s_ptrs = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    s_rows = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp  # (BP, 1): the tile's rows
     if Q_STATE:
         # the (G, n) table row of each channel: index[channel] (sort-and-cluster groups), or the channel itself
         # (s_ssg = 0 when G = 1)
@@ -109,20 +119,14 @@ def _state_update(
             row = tl.load(sidx_ptr + chan * s_sidx, mask=mp, other=0).to(tl.int64)
         else:
             row = chan.to(tl.int64)
-        sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
-        hs = tl.load(s_ptrs, mask=m2, other=0).to(tl.float32) * sc
     else:
-        sc = 1.0
-        hs = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+        row = offs_p
     x = tl.load(x_ptr + pid_b * s_xb + pid_h * s_xh + offs_p * s_xp, mask=mp, other=0.0).to(tl.float32)
     if Q_X:
         x = x * tl.load(xs_ptr + pid_b * s_xsb + pid_h * s_xsh + offs_p * s_xsp, mask=mp, other=0.0)
-    Bv = tl.load(B_ptr + pid_b * s_Bb + grp * s_Bg + offs_n * s_Bn, mask=mn, other=0.0).to(tl.float32)
-    if Q_B:
-        Bv = Bv * tl.load(Bs_ptr + pid_b * s_Bsb + grp * s_Bsg + offs_n * s_Bsn, mask=mn, other=0.0)
-    Cv = tl.load(C_ptr + pid_b * s_Cb + grp * s_Cg + offs_n * s_Cn, mask=mn, other=0.0).to(tl.float32)
-    if Q_C:
-        Cv = Cv * tl.load(Cs_ptr + pid_b * s_Csb + grp * s_Csg + offs_n * s_Csn, mask=mn, other=0.0)
+    B_row, Bs_row = B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg
+    C_row, Cs_row = C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg
+    Bv = _vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, mn, Q_B)
     if TIE_HDIM:
         # Mamba-2: dt and A are one scalar per head, so the decay is one exp, not BP*BN
         A = tl.load(A_ptr + pid_h * s_Ah).to(tl.float32)
@@ -139,11 +143,12 @@ def _state_update(
         dt = softplus(dt)
 
     if REPLAY:
-        # ReplaySSM: hs is the slot's checkpoint, cnt ring entries (x, discretized Δ, B of the steps since) behind it
+        # ReplaySSM: the state holds the slot's checkpoint, cnt ring entries (x, discretized Δ, B of the steps since) on
         cnt = tl.load(cnt_ptr + slot)
         rx = rx_ptr + slot * s_rxs + pid_h * s_rxh + offs_p * s_rxp
         rdt = rdt_ptr + slot * s_rdts + pid_h * s_rdth
-        rB = rB_ptr + slot * s_rBs + grp * s_rBg + offs_n * s_rBn
+        rB_row = rB_ptr + slot * s_rBs + grp * s_rBg
+        rB = rB_row + offs_n * s_rBn
     if REPLAY and TIE_HDIM and cnt < ring_cap:  # (constexprs first: a static branch for the other kernels)
         # Mamba-2, the ring not full: Δ·A is one scalar a step, so the entries need no replaying. With the token
         # as entry cnt (w = Δ), the current state is one decayed rank-(cnt + 1) update of the checkpoint,
@@ -151,17 +156,40 @@ def _state_update(
         # so y = C · state needs no state at all: decay (ckpt · C) + Σ_j w_j (B_j · C) x_j, from one load of the
         # ring's rows: one multiply-add a state value, where replaying costs two a value an entry (up to K - 1 of
         # them, each behind a serial load of the entry). Only a step that writes the checkpoint materializes it.
+        # The checkpoint is read in column chunks, software-pipelined (FOLD_STAGES: cp.async into shared memory),
+        # so that the loads in flight are not bounded by registers: they are all this branch keeps of the tile.
         offs_r = tl.arange(0, RP)
         mr = offs_r < cnt
+        yc = tl.zeros((BP,), tl.float32)  # ckpt · C
+        bc = tl.zeros((RP,), tl.float32)  # B_j · C
+        bt = 0.0  # B · C of the token
+        for c in tl.range(0, BN, BNC, num_stages=FOLD_STAGES):
+            offs_c = c + tl.arange(0, BNC)
+            mc = offs_c < n
+            mc2 = mp[:, None] & mc[None, :]
+            Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+            ck = tl.load(s_rows + offs_c[None, :] * s_sn, mask=mc2, other=0).to(tl.float32)
+            if Q_STATE:
+                ck = ck * _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+            Brc = tl.load(rB_row + offs_r[:, None] * s_rBr + offs_c[None, :] * s_rBn, mask=mr[:, None] & mc[None, :],
+                          other=0.0)
+            yc += tl.sum(ck * Cc[None, :], axis=1)
+            bc += tl.sum(Brc.to(tl.float32) * Cc[None, :], axis=1)
+            bt += tl.sum(_vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B) * Cc, axis=0)
         Xr = tl.load(rx[None, :] + offs_r[:, None] * s_rxr, mask=mr[:, None] & mp[None, :], other=0.0)  # (RP, BP)
-        Br = tl.load(rB[None, :] + offs_r[:, None] * s_rBr, mask=mr[:, None] & mn[None, :], other=0.0)  # (RP, BN)
         dtr = tl.load(rdt + offs_r * s_rdtr, mask=mr, other=0.0)  # (RP,), 0 past the ring's entries
         w = dtr * tl.exp(A * (tl.cumsum(dtr, axis=0, reverse=True) - dtr + dt))  # the token's w is Δ
         decay = tl.exp(A * (tl.sum(dtr, axis=0) + dt))
-        bc = tl.sum(Br.to(tl.float32) * Cv[None, :], axis=1)
-        y = decay * tl.sum(hs * Cv[None, :], axis=1) + tl.sum(Xr.to(tl.float32) * (w * bc)[:, None], axis=0) \
-            + dt * tl.sum(Bv * Cv, axis=0) * x
+        y = decay * yc + tl.sum(Xr.to(tl.float32) * (w * bc)[:, None], axis=0) + dt * bt * x
     else:
+        s_ptrs = s_rows + offs_n[None, :] * s_sn
+        if Q_STATE:
+            sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
+            hs = tl.load(s_ptrs, mask=m2, other=0).to(tl.float32) * sc
+        else:
+            sc = 1.0
+            hs = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+        Cv = _vec(C_row, Cs_row, offs_n, s_Cn, s_Csn, mn, Q_C)
         if REPLAY:  # the entries replayed one by one, in registers (Mamba-2: only when the ring is full, 1 step in K)
             hs = _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn, TIE_HDIM, RING_STAGES)
         hs = _advance(hs, x, dt, Bv, A, TIE_HDIM)
@@ -337,7 +365,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
-        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], RP=RP, BP=BP, BN=BN,
+        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], RP=RP,
+        BNC=min(BN, cfg.get("BNC") or BN), FOLD_STAGES=cfg.get("fold_stages", 1), BP=BP, BN=BN,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
     return out if multihead else out.squeeze(1)
