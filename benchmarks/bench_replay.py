@@ -100,28 +100,38 @@ def micro_row(b: int, int8: bool, k: int, ring_dtype, plain: bool = True) -> dic
             "replay_limit_ms": br / HBM_BPS * 1e3, "state_bytes_per_value": sb, "slot_blocks": blocks}
 
 
-# (BP, num_warps, maxnreg) of the checkpointed step: tile rows x warps (registers a thread: about BP·n / (32·warps)
-# state values + the ring's tiles), and a register cap (more programs an SM, a few registers spilled)
-SWEEP = [(32, 4, None), (32, 4, 96), (32, 4, 80), (16, 4, None), (16, 4, 80), (32, 8, None), (64, 8, None),
-         (64, 8, 96)]
+# launch settings of the checkpointed step (state_update.CFG["replay"]): rows a program (BP), warps, register cap,
+# columns a chunk (BNC) and chunks in flight (fold_stages); BNC 128 = the whole tile in registers, no pipelining
+SWEEP = [dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=2),
+         dict(BP=64, num_warps=4, maxnreg=96, BNC=32, fold_stages=4),
+         dict(BP=64, num_warps=8, maxnreg=None, BNC=32, fold_stages=4),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=32, fold_stages=4),
+         dict(BP=32, num_warps=4, maxnreg=64, BNC=32, fold_stages=4),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=64, fold_stages=2),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=128, fold_stages=1),
+         dict(BP=16, num_warps=4, maxnreg=None, BNC=32, fold_stages=4)]
 
 
 def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
-    """The checkpointed step's launch settings (``state_update.CFG["replay"]``, ``SWEEP``) at the given batches."""
-    print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'replay ms':>9} {'limit ms':>9}")
+    """The checkpointed step's launch settings (``SWEEP``) at the given batches."""
+    print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'BNC':>4} {'stages':>6} {'replay ms':>9} "
+          f"{'limit ms':>9}")
     cfg = state_update.CFG["replay"]
     default = dict(cfg)
     for int8 in (False, True):
         for b in batches:
-            for bp, nw, nreg in SWEEP:
-                cfg.update(BP=bp, num_warps=nw, maxnreg=nreg)
+            for setting in SWEEP:
+                cfg.update(setting)
                 try:
                     r = micro_row(b, int8, k, ring_dtype, plain=False)
                 finally:
                     cfg.update(default)
-                out["sweep"].append({**r, "BP": bp, "num_warps": nw, "maxnreg": nreg})
-                print(f"{r['state']:>5} {b:>5} {bp:>3} {nw:>5} {str(nreg):>7} {r['replay_ms']:>9.4f} "
-                      f"{r['replay_limit_ms']:>9.4f}", flush=True)
+                out["sweep"].append({**r, **setting})
+                st = setting
+                print(f"{r['state']:>5} {b:>5} {st['BP']:>3} {st['num_warps']:>5} {str(st['maxnreg']):>7} "
+                      f"{st['BNC']:>4} {st['fold_stages']:>6} {r['replay_ms']:>9.4f} {r['replay_limit_ms']:>9.4f}",
+                      flush=True)
                 save()
 
 

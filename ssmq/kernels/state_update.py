@@ -19,12 +19,16 @@ from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
-# launch settings: BP None = the heuristic in _launch, maxnreg None = ptxas's choice (a cap trades a few spilled
-# registers for more programs per SM: more state loads in flight); set by benchmarks/bench_int8_ssm.py --sweep (as
-# quant_gemm.CFG); "replay": those of the checkpointed step (more registers: ring tiles), by bench_replay.py --sweep;
-# ring_stages: software-pipelining depth of the sequential ring replay (Mamba-1, and Mamba-2's checkpoint writes)
-CFG = {"BP": None, "num_warps": 4, "maxnreg": None, "ring_stages": 2,
-       "replay": {"BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4}}
+# launch settings: tile = state values a program (BP rows of n; BP None = from the tile in _launch); BNC = columns
+# a program holds in registers at once (None: n), fold_stages = column chunks of the checkpoint in flight (cp.async
+# into shared memory) in the checkpointed step that folds its ring; maxnreg None = ptxas's choice (a cap trades
+# spilled registers for programs an SM). "replay": the checkpointed step's, chunked so that its loads in flight are
+# not bounded by registers, hence larger tiles (sm_90, Mamba2-2.7B: 80 / 96 registers with an fp16 / int8 state,
+# 6 / 5 programs an SM, vs 92 / 105 unchunked at 4K), unmeasured until bench_replay.py --sweep. The plain step's: swept
+# by bench_int8_ssm.py --sweep (as quant_gemm.CFG). ring_stages: software-pipelining depth of the sequential ring
+# replay (Mamba-1, and Mamba-2's checkpoint writes).
+CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "ring_stages": 2,
+       "replay": {"tile": 8192, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4}}
 
 
 @triton.jit
@@ -103,7 +107,6 @@ def _state_update(
     offs_p = pid_p * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
     mp, mn = offs_p < p, offs_n < n
-    m2 = mp[:, None] & mn[None, :]
     if HAS_IDX:
         slot = tl.load(idx_ptr + pid_b).to(tl.int64)
     else:
@@ -126,16 +129,13 @@ def _state_update(
         x = x * tl.load(xs_ptr + pid_b * s_xsb + pid_h * s_xsh + offs_p * s_xsp, mask=mp, other=0.0)
     B_row, Bs_row = B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg
     C_row, Cs_row = C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg
-    Bv = _vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, mn, Q_B)
     if TIE_HDIM:
         # Mamba-2: dt and A are one scalar per head, so the decay is one exp, not BP*BN
         A = tl.load(A_ptr + pid_h * s_Ah).to(tl.float32)
         dt = tl.load(dt_ptr + pid_b * s_dtb + pid_h * s_dth).to(tl.float32)
         if HAS_DTB:
             dt += tl.load(dtb_ptr + pid_h * s_dbh).to(tl.float32)
-    else:
-        A = tl.load(A_ptr + pid_h * s_Ah + offs_p[:, None] * s_Ap + offs_n[None, :] * s_An,
-                    mask=m2, other=0.0).to(tl.float32)
+    else:  # (A (BP, n) is read by column chunk, below)
         dt = tl.load(dt_ptr + pid_b * s_dtb + pid_h * s_dth + offs_p * s_dtp, mask=mp, other=0.0).to(tl.float32)
         if HAS_DTB:
             dt += tl.load(dtb_ptr + pid_h * s_dbh + offs_p * s_dbp, mask=mp, other=0.0).to(tl.float32)
@@ -182,26 +182,42 @@ def _state_update(
         decay = tl.exp(A * (tl.sum(dtr, axis=0) + dt))
         y = decay * yc + tl.sum(Xr.to(tl.float32) * (w * bc)[:, None], axis=0) + dt * bt * x
     else:
-        s_ptrs = s_rows + offs_n[None, :] * s_sn
-        if Q_STATE:
-            sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
-            hs = tl.load(s_ptrs, mask=m2, other=0).to(tl.float32) * sc
-        else:
-            sc = 1.0
-            hs = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
-        Cv = _vec(C_row, Cs_row, offs_n, s_Cn, s_Csn, mn, Q_C)
-        if REPLAY:  # the entries replayed one by one, in registers (Mamba-2: only when the ring is full, 1 step in K)
-            hs = _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn, TIE_HDIM, RING_STAGES)
-        hs = _advance(hs, x, dt, Bv, A, TIE_HDIM)
-        if REPLAY:
-            if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
-                if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
-                    sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
-                _write_state(s_ptrs, hs, sc, m2, Q_STATE)
-        else:
-            _write_state(s_ptrs, hs, sc, m2, Q_STATE)
-        # y reads the float32 state, before its re-quantization (as the reference)
-        y = tl.sum(hs * Cv[None, :], axis=1)
+        # The tile is stepped and written in column chunks (BNC: one for the plain step by default), so that the
+        # registers hold one chunk of it (occupancy)
+        y = tl.zeros((BP,), tl.float32)
+        for c in tl.range(0, BN, BNC, num_stages=1):
+            offs_c = c + tl.arange(0, BNC)
+            mc = offs_c < n
+            mc2 = mp[:, None] & mc[None, :]
+            s_ptrs = s_rows + offs_c[None, :] * s_sn
+            if Q_STATE:
+                sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                hs = tl.load(s_ptrs, mask=mc2, other=0).to(tl.float32) * sc
+            else:
+                sc = 1.0
+                hs = tl.load(s_ptrs, mask=mc2, other=0.0).to(tl.float32)
+            if not REPLAY:  # C read with the state (its load overlaps; 96 registers, not 126, for an int8 state)
+                Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+            if TIE_HDIM:
+                Ac = A
+            else:
+                Ac = tl.load(A_ptr + pid_h * s_Ah + offs_p[:, None] * s_Ap + offs_c[None, :] * s_An,
+                             mask=mc2, other=0.0).to(tl.float32)
+            if REPLAY:  # the entries replayed one by one, in registers (Mamba-2: only when the ring is full, 1 in K)
+                hs = _replay(hs, Ac, rx, rdt, rB_row + offs_c * s_rBn, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp,
+                             mc, TIE_HDIM, RING_STAGES)
+            hs = _advance(hs, x, dt, _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B), Ac, TIE_HDIM)
+            if REPLAY:
+                if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
+                    if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
+                        sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                    _write_state(s_ptrs, hs, sc, mc2, Q_STATE)
+            else:
+                _write_state(s_ptrs, hs, sc, mc2, Q_STATE)
+            # y reads the float32 state, before its re-quantization (as the reference)
+            if REPLAY:  # C read after the replay: not live through the ring loop
+                Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+            y += tl.sum(hs * Cc[None, :], axis=1)
     if HAS_D:
         y += x * tl.load(D_ptr + pid_h * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)
     if HAS_Z:
@@ -219,8 +235,9 @@ def _state_update(
         else:
             tl.store(rdt + cnt * s_rdtr + offs_p * s_rdtp, dt, mask=mp & append_p)
         # one program writes its group's B: the first tile of the group's first head
-        first_of_group = (offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0
-        tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=mn & append_n & first_of_group)
+        m_B = mn & append_n & ((offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0)
+        Bv = _vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, m_B, Q_B)
+        tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=m_B)
 
         # advance the slot's ring count once every program of the slot has read it: each program tallies itself
         # (atomic, acq_rel: its read of cnt happened before), the last one writes the new count and zeroes the tally
@@ -339,12 +356,12 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     tie = (dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
            and (dt_bias is None or dt_bias.stride(1) == 0))
     BN = pow2(n, 16)
-    BP = max(4, min(pow2(p), 4096 // BN))  # ~4K state elements a program: enough loads in flight
+    cfg = CFG["replay"] if ring is not None else CFG
+    BP = max(4, min(pow2(p), cfg["tile"] // BN))  # ~4K (8K) state values a program: enough loads in flight
     # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
     while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
         BP //= 2
-    cfg = CFG["replay"] if ring is not None else CFG
     BP = cfg["BP"] or BP
     grid = (b, h, triton.cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
@@ -366,7 +383,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
         Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], RP=RP,
-        BNC=min(BN, cfg.get("BNC") or BN), FOLD_STAGES=cfg.get("fold_stages", 1), BP=BP, BN=BN,
+        BNC=min(BN, cfg["BNC"] or BN), FOLD_STAGES=cfg.get("fold_stages", 1), BP=BP, BN=BN,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
     return out if multihead else out.squeeze(1)
