@@ -101,8 +101,11 @@ def micro_row(b: int, int8: bool, k: int, ring_dtype, plain: bool = True) -> dic
 
 
 # launch settings of the checkpointed step (state_update.CFG["replay"]): rows a program (BP), warps, register cap,
-# columns a chunk (BNC) and chunks in flight (fold_stages); BNC 128 = the whole tile in registers, no pipelining
+# columns a chunk (BNC) and chunks in flight (fold_stages); BNC 128 = the whole tile in registers, no pipelining;
+# ring_stages (entries in flight when a full ring is replayed) left at its default but in two rows
 SWEEP = [dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=4),
          dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=2),
          dict(BP=64, num_warps=4, maxnreg=96, BNC=32, fold_stages=4),
          dict(BP=64, num_warps=8, maxnreg=None, BNC=32, fold_stages=4),
@@ -115,23 +118,23 @@ SWEEP = [dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4),
 
 def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
     """The checkpointed step's launch settings (``SWEEP``) at the given batches."""
-    print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'BNC':>4} {'stages':>6} {'replay ms':>9} "
-          f"{'limit ms':>9}")
+    print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'BNC':>4} {'stages':>6} {'ring':>4} "
+          f"{'replay ms':>9} {'limit ms':>9}")
     cfg = state_update.CFG["replay"]
     default = dict(cfg)
     for int8 in (False, True):
         for b in batches:
             for setting in SWEEP:
-                cfg.update(setting)
+                st = {**default, **setting}
+                cfg.update(st)
                 try:
                     r = micro_row(b, int8, k, ring_dtype, plain=False)
                 finally:
                     cfg.update(default)
-                out["sweep"].append({**r, **setting})
-                st = setting
+                out["sweep"].append({**r, **st})
                 print(f"{r['state']:>5} {b:>5} {st['BP']:>3} {st['num_warps']:>5} {str(st['maxnreg']):>7} "
-                      f"{st['BNC']:>4} {st['fold_stages']:>6} {r['replay_ms']:>9.4f} {r['replay_limit_ms']:>9.4f}",
-                      flush=True)
+                      f"{st['BNC']:>4} {st['fold_stages']:>6} {st['ring_stages']:>4} {r['replay_ms']:>9.4f} "
+                      f"{r['replay_limit_ms']:>9.4f}", flush=True)
                 save()
 
 

@@ -20,7 +20,7 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("ring_stages", [1, 2, 3])
+@pytest.mark.parametrize("ring_stages", [1, 2, 4])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_state_update_compiles_for_sm90(variant, ring_stages):
     from triton.backends.compiler import GPUTarget
@@ -37,8 +37,8 @@ def test_state_update_compiles_for_sm90(variant, ring_stages):
                 "Cs_ptr": "fp32", "rx_ptr": "fp32", "rdt_ptr": "fp32", "rB_ptr": "fp32", "cnt_ptr": "i32",
                 "done_ptr": "i32"}
     const = dict(HAS_D=True, HAS_Z=not tie, HAS_DTB=True, HAS_IDX=True, SOFTPLUS=True, TIE_HDIM=tie, Q_STATE=q_state,
-                 HAS_SIDX=q_state, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages, RP=16, BNC=32, FOLD_STAGES=ring_stages + 1,
-                 BP=32, BN=128)
+                 HAS_SIDX=q_state, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages, RP=16,
+                 BNC=32, FOLD_STAGES=ring_stages + 1, BP=32, BN=128)
     missing = set(pointers) | set(const)
     missing -= set(kernel.arg_names)
     assert not missing, f"kernel arguments renamed: {missing}"

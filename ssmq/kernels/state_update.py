@@ -25,10 +25,12 @@ from ssmq.ops.layout import heads_per_group
 # spilled registers for programs an SM). "replay": the checkpointed step's, chunked so that its loads in flight are
 # not bounded by registers, hence larger tiles (sm_90, Mamba2-2.7B: 80 / 96 registers with an fp16 / int8 state,
 # 6 / 5 programs an SM, vs 92 / 105 unchunked at 4K), unmeasured until bench_replay.py --sweep. The plain step's: swept
-# by bench_int8_ssm.py --sweep (as quant_gemm.CFG). ring_stages: software-pipelining depth of the sequential ring
-# replay (Mamba-1, and Mamba-2's checkpoint writes).
-CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "ring_stages": 2,
-       "replay": {"tile": 8192, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4}}
+# by bench_int8_ssm.py --sweep (as quant_gemm.CFG). ring_stages: entries in flight in the sequential ring replay
+# (Mamba-1, and Mamba-2's checkpoint writes: chunk by chunk, a load of B_j each, latency-bound; but its prologue
+# sets the kernel's registers: sm_90, 8K tiles, fp16 / int8 state: 64 / 80 at 1, 80 / 96 at 2, 116 / 126 at 4).
+CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None,
+       "replay": {"tile": 8192, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
+                  "ring_stages": 2}}
 
 
 @triton.jit
@@ -382,7 +384,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
-        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"], RP=RP,
+        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=cfg.get("ring_stages", 1), RP=RP,
         BNC=min(BN, cfg["BNC"] or BN), FOLD_STAGES=cfg.get("fold_stages", 1), BP=BP, BN=BN,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
