@@ -19,17 +19,16 @@ from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
-# launch settings: tile = state values a program (BP rows of n; BP None = from the tile in _launch); BNC = columns
-# a program holds in registers at once (None: n), fold_stages = column chunks of the checkpoint in flight (cp.async
-# into shared memory) in the checkpointed step that folds its ring; maxnreg None = ptxas's choice (a cap trades
-# spilled registers for programs an SM). "replay": the checkpointed step's, chunked so that its loads in flight are
-# not bounded by registers, hence larger tiles (sm_90, Mamba2-2.7B: 80 / 96 registers with an fp16 / int8 state,
-# 6 / 5 programs an SM, vs 92 / 105 unchunked at 4K), unmeasured until bench_replay.py --sweep. The plain step's: swept
-# by bench_int8_ssm.py --sweep (as quant_gemm.CFG). ring_stages: entries in flight in the sequential ring replay
-# (Mamba-1, and Mamba-2's checkpoint writes: chunk by chunk, a load of B_j each, latency-bound; but its prologue
-# sets the kernel's registers: sm_90, 8K tiles, fp16 / int8 state: 64 / 80 at 1, 80 / 96 at 2, 116 / 126 at 4).
+# Launch settings. tile: state values a program holds in registers at once, BP rows x BNC columns (BP None: from the
+# tile; BNC None: all n). maxnreg: a register cap (None: ptxas's choice; a cap trades spills for programs an SM).
+# The plain step's: swept by bench_int8_ssm.py --sweep. "replay", the checkpointed step's (bench_replay.py --sweep;
+# defaults unmeasured): its folded path streams the checkpoint in BNC-column chunks, fold_stages of them in flight
+# through shared memory (cp.async), so its loads in flight are not bounded by registers and a program takes more rows
+# (sm_90, Mamba2-2.7B: 64 x 128, 80 / 96 registers with an fp16 / int8 state, 6 / 5 programs an SM; unchunked
+# 32 x 128: 92 / 105). ring_stages: entries in flight where a tile is replayed entry by entry (Mamba-1, Mamba-2's
+# checkpoint writes); its pipeline sets the kernel's registers (64 / 80 at 1, 80 / 96 at 2, 116 / 126 at 4).
 CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None,
-       "replay": {"tile": 8192, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
+       "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
                   "ring_stages": 2}}
 
 
@@ -359,7 +358,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
            and (dt_bias is None or dt_bias.stride(1) == 0))
     BN = pow2(n, 16)
     cfg = CFG["replay"] if ring is not None else CFG
-    BP = max(4, min(pow2(p), cfg["tile"] // BN))  # ~4K (8K) state values a program: enough loads in flight
+    BNC = min(BN, cfg["BNC"] or BN)
+    BP = max(4, min(pow2(p), cfg["tile"] // BNC))  # ~4K state values in registers: enough loads in flight
     # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
     while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
@@ -385,7 +385,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
         Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=cfg.get("ring_stages", 1), RP=RP,
-        BNC=min(BN, cfg["BNC"] or BN), FOLD_STAGES=cfg.get("fold_stages", 1), BP=BP, BN=BN,
+        BNC=BNC, FOLD_STAGES=cfg.get("fold_stages", 1), BP=BP, BN=BN,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
     return out if multihead else out.squeeze(1)
