@@ -101,19 +101,19 @@ def micro_row(b: int, int8: bool, k: int, ring_dtype, plain: bool = True) -> dic
 
 
 # launch settings of the checkpointed step (state_update.CFG["replay"]): rows a program (BP), warps, register cap,
-# columns a chunk (BNC) and chunks in flight (fold_stages); BNC 128 = the whole tile in registers, no pipelining;
-# ring_stages (entries in flight when a full ring is replayed) left at its default but in two rows
-SWEEP = [dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4),
-         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+# columns a chunk (BNC) and chunks in flight (fold_stages; BNC 128 = the whole tile in registers, no pipelining),
+# entries in flight when a full ring is replayed (ring_stages); the first row is the default
+SWEEP = [dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=2),
          dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=4),
-         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=2),
-         dict(BP=64, num_warps=4, maxnreg=96, BNC=32, fold_stages=4),
-         dict(BP=64, num_warps=8, maxnreg=None, BNC=32, fold_stages=4),
-         dict(BP=32, num_warps=4, maxnreg=None, BNC=32, fold_stages=4),
-         dict(BP=32, num_warps=4, maxnreg=64, BNC=32, fold_stages=4),
-         dict(BP=32, num_warps=4, maxnreg=None, BNC=64, fold_stages=2),
-         dict(BP=32, num_warps=4, maxnreg=None, BNC=128, fold_stages=1),
-         dict(BP=16, num_warps=4, maxnreg=None, BNC=32, fold_stages=4)]
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=3, ring_stages=1),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=2, ring_stages=1),
+         dict(BP=64, num_warps=4, maxnreg=72, BNC=32, fold_stages=3, ring_stages=1),
+         dict(BP=64, num_warps=8, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=64, fold_stages=2, ring_stages=1),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=128, fold_stages=1, ring_stages=1),
+         dict(BP=16, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1)]
 
 
 def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:

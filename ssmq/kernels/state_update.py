@@ -23,13 +23,14 @@ from ssmq.ops.layout import heads_per_group
 # tile; BNC None: all n). maxnreg: a register cap (None: ptxas's choice; a cap trades spills for programs an SM).
 # The plain step's: swept by bench_int8_ssm.py --sweep. "replay", the checkpointed step's (bench_replay.py --sweep;
 # defaults unmeasured): its folded path streams the checkpoint in BNC-column chunks, fold_stages of them in flight
-# through shared memory (cp.async), so its loads in flight are not bounded by registers and a program takes more rows
-# (sm_90, Mamba2-2.7B: 64 x 128, 80 / 96 registers with an fp16 / int8 state, 6 / 5 programs an SM; unchunked
-# 32 x 128: 92 / 105). ring_stages: entries in flight where a tile is replayed entry by entry (Mamba-1, Mamba-2's
-# checkpoint writes); its pipeline sets the kernel's registers (64 / 80 at 1, 80 / 96 at 2, 116 / 126 at 4).
+# through shared memory (cp.async), so its loads in flight are not bounded by registers and a program takes more rows.
+# ring_stages: entries in flight where a tile is replayed entry by entry (Mamba-1; Mamba-2's full ring, whose rows are
+# then L1 hits); its pipeline sets the kernel's registers. sm_90, Mamba2-2.7B, fp16 / int8 state: 64 x 128 tiles,
+# 64 / 90 registers at ring_stages 1, 96 / 94 at 2, 112 / 128 at 4; 8 / 5 programs an SM (int8: shared memory
+# bound, the gathered scales); unchunked 32 x 128: 123 / 128 registers.
 CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None,
        "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
-                  "ring_stages": 2}}
+                  "ring_stages": 1}}
 
 
 @triton.jit
@@ -65,6 +66,17 @@ def _vec(ptr, scale_ptr, offs, s, s_scale, m, Q: tl.constexpr):
     if Q:
         v = v * tl.load(scale_ptr + offs * s_scale, mask=m, other=0.0)
     return v
+
+
+@triton.jit
+def _ring_fold(rx, rdt, s_rxr, s_rdtr, offs_r, mr, mp, x, dt, A, bc, bt):
+    """Mamba-2's state after the ring's entries (mr) and the token is decay · ckpt + Σ_j w_j x_j B_jᵀ (the token's
+    w is Δ); given B_j · C (bc) and the token's B · C (bt), returns decay and y less its checkpoint term."""
+    Xr = tl.load(rx[None, :] + offs_r[:, None] * s_rxr, mask=mr[:, None] & mp[None, :], other=0.0)  # (RP, BP)
+    dtr = tl.load(rdt + offs_r * s_rdtr, mask=mr, other=0.0)  # (RP,), 0 past the ring's entries
+    w = dtr * tl.exp(A * (tl.cumsum(dtr, axis=0, reverse=True) - dtr + dt))  # Δ_j exp(A Σ_{i>j} Δ_i), token included
+    decay = tl.exp(A * (tl.sum(dtr, axis=0) + dt))
+    return decay, tl.sum(Xr.to(tl.float32) * (w * bc)[:, None], axis=0) + dt * bt * x
 
 
 @triton.jit
@@ -177,15 +189,23 @@ def _state_update(
             yc += tl.sum(ck * Cc[None, :], axis=1)
             bc += tl.sum(Brc.to(tl.float32) * Cc[None, :], axis=1)
             bt += tl.sum(_vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B) * Cc, axis=0)
-        Xr = tl.load(rx[None, :] + offs_r[:, None] * s_rxr, mask=mr[:, None] & mp[None, :], other=0.0)  # (RP, BP)
-        dtr = tl.load(rdt + offs_r * s_rdtr, mask=mr, other=0.0)  # (RP,), 0 past the ring's entries
-        w = dtr * tl.exp(A * (tl.cumsum(dtr, axis=0, reverse=True) - dtr + dt))  # the token's w is Δ
-        decay = tl.exp(A * (tl.sum(dtr, axis=0) + dt))
-        y = decay * yc + tl.sum(Xr.to(tl.float32) * (w * bc)[:, None], axis=0) + dt * bt * x
+        decay, y = _ring_fold(rx, rdt, s_rxr, s_rdtr, offs_r, mr, mp, x, dt, A, bc, bt)
+        y += decay * yc
     else:
         # The tile is stepped and written in column chunks (BNC: one for the plain step by default), so that the
         # registers hold one chunk of it (occupancy)
         y = tl.zeros((BP,), tl.float32)
+        if REPLAY and TIE_HDIM:
+            # Mamba-2, the ring full: y folded as above, from the ring's rows loaded at once, which also brings them
+            # into L1 for the replay below: its entry-by-entry loads (chunks x entries) then hit L1, not L2 in turn
+            offs_r = tl.arange(0, RP)
+            mr = offs_r < cnt
+            Cv = _vec(C_row, Cs_row, offs_n, s_Cn, s_Csn, mn, Q_C)
+            Br = tl.load(rB_row + offs_r[:, None] * s_rBr + offs_n[None, :] * s_rBn, mask=mr[:, None] & mn[None, :],
+                         other=0.0)
+            decay, y = _ring_fold(rx, rdt, s_rxr, s_rdtr, offs_r, mr, mp, x, dt, A,
+                                  tl.sum(Br.to(tl.float32) * Cv[None, :], axis=1),
+                                  tl.sum(_vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, mn, Q_B) * Cv, axis=0))
         for c in tl.range(0, BN, BNC, num_stages=1):
             offs_c = c + tl.arange(0, BNC)
             mc = offs_c < n
@@ -197,8 +217,10 @@ def _state_update(
             else:
                 sc = 1.0
                 hs = tl.load(s_ptrs, mask=mc2, other=0.0).to(tl.float32)
-            if not REPLAY:  # C read with the state (its load overlaps; 96 registers, not 126, for an int8 state)
+            if not REPLAY or TIE_HDIM:  # C read with the state (its load overlaps; int8 plain: 96 registers, not 126)
                 Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+            if REPLAY and TIE_HDIM:  # y's checkpoint term, from the chunk before its replay
+                y += decay * tl.sum(hs * Cc[None, :], axis=1)
             if TIE_HDIM:
                 Ac = A
             else:
@@ -215,10 +237,10 @@ def _state_update(
                     _write_state(s_ptrs, hs, sc, mc2, Q_STATE)
             else:
                 _write_state(s_ptrs, hs, sc, mc2, Q_STATE)
-            # y reads the float32 state, before its re-quantization (as the reference)
-            if REPLAY:  # C read after the replay: not live through the ring loop
-                Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
-            y += tl.sum(hs * Cc[None, :], axis=1)
+            if not (REPLAY and TIE_HDIM):  # y reads the float32 state, before its re-quantization (as the reference)
+                if REPLAY:  # C read after the replay: not live through the ring loop
+                    Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+                y += tl.sum(hs * Cc[None, :], axis=1)
     if HAS_D:
         y += x * tl.load(D_ptr + pid_h * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)
     if HAS_Z:
