@@ -6,6 +6,8 @@ int8 codes + scales, the state as int8 codes + (G, n) scales and a channel -> gr
 same kernel: Mamba-1 is run as Mamba-2 with one head (h = 1, p = d). One program owns a (BP, n) tile of
 one row's state: read once (int8 codes dequantized in registers), advanced in float32, written back in
 place (re-quantized for an int8 state), so a decode step touches only the served rows, in one launch.
+``replay_state_update`` (ReplaySSM) is the same kernel on a checkpoint and a ring of the steps since: Mamba-2
+folds the ring into y without materializing the state, which it writes only when the ring is full.
 """
 
 from __future__ import annotations
@@ -135,8 +137,6 @@ def _state_update(
             row = tl.load(sidx_ptr + chan * s_sidx, mask=mp, other=0).to(tl.int64)
         else:
             row = chan.to(tl.int64)
-    else:
-        row = offs_p
     x = tl.load(x_ptr + pid_b * s_xb + pid_h * s_xh + offs_p * s_xp, mask=mp, other=0.0).to(tl.float32)
     if Q_X:
         x = x * tl.load(xs_ptr + pid_b * s_xsb + pid_h * s_xsh + offs_p * s_xsp, mask=mp, other=0.0)
@@ -156,7 +156,7 @@ def _state_update(
         dt = softplus(dt)
 
     if REPLAY:
-        # ReplaySSM: the state holds the slot's checkpoint, cnt ring entries (x, discretized Δ, B of the steps since) on
+        # ReplaySSM: the state holds the slot's checkpoint; the ring, the cnt steps taken since (x, discretized Δ, B)
         cnt = tl.load(cnt_ptr + slot)
         rx = rx_ptr + slot * s_rxs + pid_h * s_rxh + offs_p * s_rxp
         rdt = rdt_ptr + slot * s_rdts + pid_h * s_rdth
