@@ -100,21 +100,41 @@ def micro_row(b: int, int8: bool, k: int, ring_dtype, plain: bool = True) -> dic
             "replay_limit_ms": br / HBM_BPS * 1e3, "state_bytes_per_value": sb, "slot_blocks": blocks}
 
 
+# launch settings of the checkpointed step (state_update.CFG["replay"]): rows a program (BP), warps, register cap,
+# columns a chunk (BNC) and chunks in flight (fold_stages; BNC 128 = the whole tile in registers, no pipelining),
+# entries in flight when a full ring is replayed (ring_stages); the first row is the default
+SWEEP = [dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=2),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=4),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=3, ring_stages=1),
+         dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=2, ring_stages=1),
+         dict(BP=64, num_warps=4, maxnreg=72, BNC=32, fold_stages=3, ring_stages=1),
+         dict(BP=64, num_warps=8, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=64, fold_stages=2, ring_stages=1),
+         dict(BP=32, num_warps=4, maxnreg=None, BNC=128, fold_stages=1, ring_stages=1),
+         dict(BP=16, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1)]
+
+
 def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
-    """The checkpointed kernel's ring pipelining depth (``state_update.CFG["ring_stages"]``) at the given batches."""
-    print(f"{'state':>5} {'batch':>5} {'stages':>6} {'replay ms':>9} {'limit ms':>9}")
-    default = state_update.CFG["ring_stages"]
+    """The checkpointed step's launch settings (``SWEEP``) at the given batches."""
+    print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'BNC':>4} {'stages':>6} {'ring':>4} "
+          f"{'replay ms':>9} {'limit ms':>9}")
+    cfg = state_update.CFG["replay"]
+    default = dict(cfg)
     for int8 in (False, True):
         for b in batches:
-            for stages in (1, 2, 3):
-                state_update.CFG["ring_stages"] = stages
+            for setting in SWEEP:
+                st = {**default, **setting}
+                cfg.update(st)
                 try:
                     r = micro_row(b, int8, k, ring_dtype, plain=False)
                 finally:
-                    state_update.CFG["ring_stages"] = default
-                out["sweep"].append({**r, "ring_stages": stages})
-                print(f"{r['state']:>5} {b:>5} {stages:>6} {r['replay_ms']:>9.4f} {r['replay_limit_ms']:>9.4f}",
-                      flush=True)
+                    cfg.update(default)
+                out["sweep"].append({**r, **st})
+                print(f"{r['state']:>5} {b:>5} {st['BP']:>3} {st['num_warps']:>5} {str(st['maxnreg']):>7} "
+                      f"{st['BNC']:>4} {st['fold_stages']:>6} {st['ring_stages']:>4} {r['replay_ms']:>9.4f} "
+                      f"{r['replay_limit_ms']:>9.4f}", flush=True)
                 save()
 
 
@@ -193,7 +213,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=16, help="checkpoint interval K")
     ap.add_argument("--ring-dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--no-micro", action="store_true")
-    ap.add_argument("--sweep", default="", help="batches (comma list) of a ring_stages sweep, e.g. 128,256")
+    ap.add_argument("--sweep", default="", help="batches (comma list) of a replay launch-setting sweep, e.g. 128,256")
     ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT, plain vs checkpointed, fp16 / int8 state")
     ap.add_argument("--e2e-batches", default="1,128,256")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/replay"))
@@ -202,7 +222,7 @@ def main() -> None:
     outdir.mkdir(parents=True, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
            "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS), "K": args.k, "hbm_Bps": HBM_BPS,
-           "ring_stages": state_update.CFG["ring_stages"], "micro": [], "sweep": [], "e2e": {}}
+           "cfg": dict(state_update.CFG["replay"]), "micro": [], "sweep": [], "e2e": {}}
 
     def save():
         (outdir / "replay.json").write_text(json.dumps(out, indent=2))

@@ -66,7 +66,11 @@ def _assert_ring_equal(got, want):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("state_fmt", ["int8_index", "float"])
 @pytest.mark.parametrize("input_fmt", ["codes_per_channel", "float"])
-def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt):
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt, chunk, monkeypatch):
+    """``chunk``: the checkpoint read in column chunks of 8 (n = 16 on CPU: two, the pipelined loop's path)."""
+    if chunk:
+        monkeypatch.setitem(SU.CFG["replay"], "BNC", chunk)
     args = _case_tied(layout, state_fmt, input_fmt)
     ring = _ring(layout, args[-1])
     ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]

@@ -6,6 +6,8 @@ int8 codes + scales, the state as int8 codes + (G, n) scales and a channel -> gr
 same kernel: Mamba-1 is run as Mamba-2 with one head (h = 1, p = d). One program owns a (BP, n) tile of
 one row's state: read once (int8 codes dequantized in registers), advanced in float32, written back in
 place (re-quantized for an int8 state), so a decode step touches only the served rows, in one launch.
+``replay_state_update`` (ReplaySSM) is the same kernel on a checkpoint and a ring of the steps since: Mamba-2
+folds the ring into y without materializing the state, which it writes only when the ring is full.
 """
 
 from __future__ import annotations
@@ -19,20 +21,21 @@ from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
-# launch settings: BP None = the heuristic in _launch; set by benchmarks/bench_int8_ssm.py --sweep (as quant_gemm.CFG);
-# ring_stages: software-pipelining depth of the checkpointed kernel's ring loop (loads of the next entries in flight
-# while one is applied; 1 = none), swept by benchmarks/bench_replay.py --sweep, unmeasured until then
+# Launch settings. tile: state values a program holds in registers at once, BP rows x BNC columns (BP None: from the
+# tile; BNC None: all n). maxnreg: a register cap (None: ptxas's choice; a cap trades spills for programs an SM).
+# The plain step's: swept by bench_int8_ssm.py --sweep. "replay", the checkpointed step's (bench_replay.py --sweep;
+# defaults unmeasured): its folded path streams the checkpoint in BNC-column chunks, fold_stages of them in flight
+# through shared memory (cp.async), so its loads in flight are not bounded by registers and a program takes more rows.
+# ring_stages: entries in flight where a tile is replayed entry by entry (Mamba-1; Mamba-2's full ring, whose rows are
+# then L1 hits); its pipeline sets the kernel's registers. sm_90, Mamba2-2.7B, fp16 / int8 state: 64 x 128 tiles,
+# 64 / 90 registers at ring_stages 1, 96 / 94 at 2, 112 / 128 at 4; 8 / 5 programs an SM (int8: shared memory
+# bound, the gathered scales); unchunked 32 x 128: 123 / 128 registers.
 # fast_rcp: an int8 state is re-quantized as hs * rcp.approx(scale) (1 MUFU + 1 FMUL) rather than hs / scale, whose
-# div.full expands to ~11 instructions with its range scaling: on the H100 the int8 step was issue-bound (34
-# instructions a state value, sm_90 SASS) at 1.55 TB/s; both are within 2 ulp of the IEEE quotient
-CFG = {"BP": None, "num_warps": 4, "ring_stages": 2, "fast_rcp": True}
-
-
-@triton.jit
-def _rcp_approx(x):
-    """1 / x by one MUFU.RCP (rcp.approx.ftz: <= 1 ulp; the scales are normal floats, never denormal)."""
-    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
+# div.full expands to ~11 instructions with its range scaling: the int8 step was issue-bound (34 SASS instructions a
+# state value) at 1.55 TB/s on the H100, 1.8 TB/s with it (bench_int8_ssm --sweep); both within 2 ulp of IEEE.
+CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True,
+       "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
+                  "ring_stages": 1}}
 
 
 @triton.jit
@@ -44,6 +47,69 @@ def _advance(hs, x, dt, Bv, A, TIE_HDIM: tl.constexpr):
     else:
         dA = tl.exp(dt[:, None] * A)
     return hs * dA + (x * dt)[:, None] * Bv[None, :]
+
+
+@triton.jit
+def _replay(hs, A, rx, rdt, rB, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp, mn, TIE_HDIM: tl.constexpr,
+            RING_STAGES: tl.constexpr):
+    """The tile advanced through a ring's cnt entries (rx, rB: the tile's rows of entry 0; rdt: its Δ), a step each."""
+    for j in tl.range(0, cnt, num_stages=RING_STAGES):
+        xj = tl.load(rx + j * s_rxr, mask=mp, other=0.0).to(tl.float32)
+        Bj = tl.load(rB + j * s_rBr, mask=mn, other=0.0).to(tl.float32)
+        if TIE_HDIM:
+            dtj = tl.load(rdt + j * s_rdtr)
+        else:
+            dtj = tl.load(rdt + j * s_rdtr + offs_p * s_rdtp, mask=mp, other=0.0)
+        hs = _advance(hs, xj, dtj, Bj, A, TIE_HDIM)
+    return hs
+
+
+@triton.jit
+def _vec(ptr, scale_ptr, offs, s, s_scale, m, Q: tl.constexpr):
+    """B or C of the group at ``offs`` (a row of n or a chunk of it), float32 (int8 codes times their scales)."""
+    v = tl.load(ptr + offs * s, mask=m, other=0.0).to(tl.float32)
+    if Q:
+        v = v * tl.load(scale_ptr + offs * s_scale, mask=m, other=0.0)
+    return v
+
+
+@triton.jit
+def _ring_fold(rx, rdt, s_rxr, s_rdtr, offs_r, mr, mp, x, dt, A, bc, bt):
+    """Mamba-2's state after the ring's entries (mr) and the token is decay · ckpt + Σ_j w_j x_j B_jᵀ (the token's
+    w is Δ); given B_j · C (bc) and the token's B · C (bt), returns decay and y less its checkpoint term."""
+    Xr = tl.load(rx[None, :] + offs_r[:, None] * s_rxr, mask=mr[:, None] & mp[None, :], other=0.0)  # (RP, BP)
+    dtr = tl.load(rdt + offs_r * s_rdtr, mask=mr, other=0.0)  # (RP,), 0 past the ring's entries
+    w = dtr * tl.exp(A * (tl.cumsum(dtr, axis=0, reverse=True) - dtr + dt))  # Δ_j exp(A Σ_{i>j} Δ_i), token included
+    decay = tl.exp(A * (tl.sum(dtr, axis=0) + dt))
+    return decay, tl.sum(Xr.to(tl.float32) * (w * bc)[:, None], axis=0) + dt * bt * x
+
+
+@triton.jit
+def _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2):
+    """The (BP, BN) scales of an int8 state tile: each channel's row of the (G, n) table (a few KB: L1/L2 hits)."""
+    return tl.load(ss_ptr + row[:, None] * s_ssg + offs_n[None, :] * s_ssn, mask=m2, other=1.0)
+
+
+@triton.jit
+def _rcp_approx(x):
+    """1 / x by one MUFU.RCP (rcp.approx.ftz: <= 1 ulp; the scales are normal floats, never denormal)."""
+    return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constexpr):
+    if Q_STATE:
+        # not div_rn: the exact division costs ~15 instructions a state value and would make a large-batch step
+        # compute-bound. '/' (div.full) or, FAST_RCP, rcp.approx and a multiply (CFG's comment): the codes can then
+        # differ from the reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no
+        # different from, what exp and fused multiply-adds already do to the float32 state (tests allow one step).
+        if FAST_RCP:
+            tl.store(s_ptrs, rne_int8(hs * _rcp_approx(sc)), mask=m2)
+        else:
+            tl.store(s_ptrs, rne_int8(hs / sc), mask=m2)
+    else:
+        tl.store(s_ptrs, hs.to(s_ptrs.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -62,50 +128,40 @@ def _state_update(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
-    REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BNC: tl.constexpr,
+    FOLD_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
 ):
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
     mp, mn = offs_p < p, offs_n < n
-    m2 = mp[:, None] & mn[None, :]
     if HAS_IDX:
         slot = tl.load(idx_ptr + pid_b).to(tl.int64)
     else:
         slot = pid_b.to(tl.int64)
     grp = pid_h // heads_per_group
 
-    s_ptrs = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp + offs_n[None, :] * s_sn
+    s_rows = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp  # (BP, 1): the tile's rows
     if Q_STATE:
         # the (G, n) table row of each channel: index[channel] (sort-and-cluster groups), or the channel itself
-        # (s_ssg = 0 when G = 1); the table is a few KB, so these gathers hit L1/L2, not DRAM
+        # (s_ssg = 0 when G = 1)
         chan = pid_h * p + offs_p
         if HAS_SIDX:
             row = tl.load(sidx_ptr + chan * s_sidx, mask=mp, other=0).to(tl.int64)
         else:
             row = chan.to(tl.int64)
-        sc = tl.load(ss_ptr + row[:, None] * s_ssg + offs_n[None, :] * s_ssn, mask=m2, other=1.0)
-        hs = tl.load(s_ptrs, mask=m2, other=0).to(tl.float32) * sc
-    else:
-        hs = tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + pid_b * s_xb + pid_h * s_xh + offs_p * s_xp, mask=mp, other=0.0).to(tl.float32)
     if Q_X:
         x = x * tl.load(xs_ptr + pid_b * s_xsb + pid_h * s_xsh + offs_p * s_xsp, mask=mp, other=0.0)
-    Bv = tl.load(B_ptr + pid_b * s_Bb + grp * s_Bg + offs_n * s_Bn, mask=mn, other=0.0).to(tl.float32)
-    if Q_B:
-        Bv = Bv * tl.load(Bs_ptr + pid_b * s_Bsb + grp * s_Bsg + offs_n * s_Bsn, mask=mn, other=0.0)
-    Cv = tl.load(C_ptr + pid_b * s_Cb + grp * s_Cg + offs_n * s_Cn, mask=mn, other=0.0).to(tl.float32)
-    if Q_C:
-        Cv = Cv * tl.load(Cs_ptr + pid_b * s_Csb + grp * s_Csg + offs_n * s_Csn, mask=mn, other=0.0)
+    B_row, Bs_row = B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg
+    C_row, Cs_row = C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg
     if TIE_HDIM:
         # Mamba-2: dt and A are one scalar per head, so the decay is one exp, not BP*BN
         A = tl.load(A_ptr + pid_h * s_Ah).to(tl.float32)
         dt = tl.load(dt_ptr + pid_b * s_dtb + pid_h * s_dth).to(tl.float32)
         if HAS_DTB:
             dt += tl.load(dtb_ptr + pid_h * s_dbh).to(tl.float32)
-    else:
-        A = tl.load(A_ptr + pid_h * s_Ah + offs_p[:, None] * s_Ap + offs_n[None, :] * s_An,
-                    mask=m2, other=0.0).to(tl.float32)
+    else:  # (A (BP, n) is read by column chunk, below)
         dt = tl.load(dt_ptr + pid_b * s_dtb + pid_h * s_dth + offs_p * s_dtp, mask=mp, other=0.0).to(tl.float32)
         if HAS_DTB:
             dt += tl.load(dtb_ptr + pid_h * s_dbh + offs_p * s_dbp, mask=mp, other=0.0).to(tl.float32)
@@ -113,53 +169,91 @@ def _state_update(
         dt = softplus(dt)
 
     if REPLAY:
-        # ReplaySSM: hs is the slot's checkpoint; the ring's cnt entries (x, discretized Δ, B of the steps since)
-        # bring it to the current state, in registers, with the same arithmetic as the step below
+        # ReplaySSM: the state holds the slot's checkpoint; the ring, the cnt steps taken since (x, discretized Δ, B)
         cnt = tl.load(cnt_ptr + slot)
         rx = rx_ptr + slot * s_rxs + pid_h * s_rxh + offs_p * s_rxp
         rdt = rdt_ptr + slot * s_rdts + pid_h * s_rdth
-        rB = rB_ptr + slot * s_rBs + grp * s_rBg + offs_n * s_rBn
-        for j in tl.range(0, cnt, num_stages=RING_STAGES):
-            xj = tl.load(rx + j * s_rxr, mask=mp, other=0.0).to(tl.float32)
-            Bj = tl.load(rB + j * s_rBr, mask=mn, other=0.0).to(tl.float32)
-            if TIE_HDIM:
-                dtj = tl.load(rdt + j * s_rdtr)
+        rB_row = rB_ptr + slot * s_rBs + grp * s_rBg
+        rB = rB_row + offs_n * s_rBn
+    if REPLAY and TIE_HDIM and cnt < ring_cap:  # (constexprs first: a static branch for the other kernels)
+        # Mamba-2, the ring not full: Δ·A is one scalar a step, so the entries need no replaying. With the token
+        # as entry cnt (w = Δ), the current state is one decayed rank-(cnt + 1) update of the checkpoint,
+        #     state = decay · ckpt + Σ_j w_j x_j B_jᵀ,   decay = exp(A Σ_j Δ_j),   w_j = Δ_j exp(A Σ_{i>j} Δ_i),
+        # so y = C · state needs no state at all: decay (ckpt · C) + Σ_j w_j (B_j · C) x_j, from one load of the
+        # ring's rows: one multiply-add a state value, where replaying costs two a value an entry (up to K - 1 of
+        # them, each behind a serial load of the entry). Only a step that writes the checkpoint materializes it.
+        # The checkpoint is read in column chunks, software-pipelined (FOLD_STAGES: cp.async into shared memory),
+        # so that the loads in flight are not bounded by registers: they are all this branch keeps of the tile.
+        offs_r = tl.arange(0, RP)
+        mr = offs_r < cnt
+        yc = tl.zeros((BP,), tl.float32)  # ckpt · C
+        bc = tl.zeros((RP,), tl.float32)  # B_j · C
+        bt = 0.0  # B · C of the token
+        for c in tl.range(0, BN, BNC, num_stages=FOLD_STAGES):
+            offs_c = c + tl.arange(0, BNC)
+            mc = offs_c < n
+            mc2 = mp[:, None] & mc[None, :]
+            Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+            ck = tl.load(s_rows + offs_c[None, :] * s_sn, mask=mc2, other=0).to(tl.float32)
+            if Q_STATE:
+                ck = ck * _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+            Brc = tl.load(rB_row + offs_r[:, None] * s_rBr + offs_c[None, :] * s_rBn, mask=mr[:, None] & mc[None, :],
+                          other=0.0)
+            yc += tl.sum(ck * Cc[None, :], axis=1)
+            bc += tl.sum(Brc.to(tl.float32) * Cc[None, :], axis=1)
+            bt += tl.sum(_vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B) * Cc, axis=0)
+        decay, y = _ring_fold(rx, rdt, s_rxr, s_rdtr, offs_r, mr, mp, x, dt, A, bc, bt)
+        y += decay * yc
+    else:
+        # The tile is stepped and written in column chunks (BNC: one for the plain step by default), so that the
+        # registers hold one chunk of it (occupancy)
+        y = tl.zeros((BP,), tl.float32)
+        if REPLAY and TIE_HDIM:
+            # Mamba-2, the ring full: y folded as above, from the ring's rows loaded at once, which also brings them
+            # into L1 for the replay below: its entry-by-entry loads (chunks x entries) then hit L1, not L2 in turn
+            offs_r = tl.arange(0, RP)
+            mr = offs_r < cnt
+            Cv = _vec(C_row, Cs_row, offs_n, s_Cn, s_Csn, mn, Q_C)
+            Br = tl.load(rB_row + offs_r[:, None] * s_rBr + offs_n[None, :] * s_rBn, mask=mr[:, None] & mn[None, :],
+                         other=0.0)
+            decay, y = _ring_fold(rx, rdt, s_rxr, s_rdtr, offs_r, mr, mp, x, dt, A,
+                                  tl.sum(Br.to(tl.float32) * Cv[None, :], axis=1),
+                                  tl.sum(_vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, mn, Q_B) * Cv, axis=0))
+        for c in tl.range(0, BN, BNC, num_stages=1):
+            offs_c = c + tl.arange(0, BNC)
+            mc = offs_c < n
+            mc2 = mp[:, None] & mc[None, :]
+            s_ptrs = s_rows + offs_c[None, :] * s_sn
+            if Q_STATE:
+                sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                hs = tl.load(s_ptrs, mask=mc2, other=0).to(tl.float32) * sc
             else:
-                dtj = tl.load(rdt + j * s_rdtr + offs_p * s_rdtp, mask=mp, other=0.0)
-            hs = _advance(hs, xj, dtj, Bj, A, TIE_HDIM)
-    hs = _advance(hs, x, dt, Bv, A, TIE_HDIM)
-
-    if REPLAY:
-        # the ring full: the new state is the checkpoint (the count is reset after the launch, once every program
-        # of the slot has read it); else the step's inputs join the ring and the state is not written at all
-        # (the flags as vectors over the tile: Triton's interpreter refuses a scalar bool inside a mask)
-        cnt_p, cnt_n = offs_p * 0 + cnt, offs_n * 0 + cnt
-        append_p, append_n = cnt_p < ring_cap, cnt_n < ring_cap
-        m_state = m2 & (cnt_p == ring_cap)[:, None]
-        tl.store(rx + cnt * s_rxr, x.to(rx_ptr.dtype.element_ty), mask=mp & append_p)
-        if TIE_HDIM:  # one Δ per head: the tile holding channel 0 writes it
-            tl.store(rdt + cnt * s_rdtr + offs_p * 0, dt + offs_p * 0.0, mask=append_p & (offs_p == 0))
-        else:
-            tl.store(rdt + cnt * s_rdtr + offs_p * s_rdtp, dt, mask=mp & append_p)
-        # one program writes its group's B: the first tile of the group's first head
-        first_of_group = (offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0
-        tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=mn & append_n & first_of_group)
-    else:
-        m_state = m2
-    if Q_STATE:
-        # '/' is the approximate division (div.full, <= 2 ulp), not div_rn: the exact one costs ~15 instructions a
-        # state value and would make a large-batch step compute-bound. The codes can then differ from the
-        # reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no different
-        # from, what exp and fused multiply-adds already do to the float32 state (tests allow one step there).
-        if FAST_RCP:
-            tl.store(s_ptrs, rne_int8(hs * _rcp_approx(sc)), mask=m_state)
-        else:
-            tl.store(s_ptrs, rne_int8(hs / sc), mask=m_state)
-    else:
-        tl.store(s_ptrs, hs.to(state_ptr.dtype.element_ty), mask=m_state)
-
-    # y reads the float32 state, before its re-quantization (as the reference)
-    y = tl.sum(hs * Cv[None, :], axis=1)
+                sc = 1.0
+                hs = tl.load(s_ptrs, mask=mc2, other=0.0).to(tl.float32)
+            if not REPLAY or TIE_HDIM:  # C read with the state (its load overlaps; int8 plain: 96 registers, not 126)
+                Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+            if REPLAY and TIE_HDIM:  # y's checkpoint term, from the chunk before its replay
+                y += decay * tl.sum(hs * Cc[None, :], axis=1)
+            if TIE_HDIM:
+                Ac = A
+            else:
+                Ac = tl.load(A_ptr + pid_h * s_Ah + offs_p[:, None] * s_Ap + offs_c[None, :] * s_An,
+                             mask=mc2, other=0.0).to(tl.float32)
+            if REPLAY:  # the entries replayed one by one, in registers (Mamba-2: only when the ring is full, 1 in K)
+                hs = _replay(hs, Ac, rx, rdt, rB_row + offs_c * s_rBn, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp,
+                             mc, TIE_HDIM, RING_STAGES)
+            hs = _advance(hs, x, dt, _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B), Ac, TIE_HDIM)
+            if REPLAY:
+                if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
+                    if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
+                        sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                    _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP)
+            else:
+                _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP)
+            if not (REPLAY and TIE_HDIM):  # y reads the float32 state, before its re-quantization (as the reference)
+                if REPLAY:  # C read after the replay: not live through the ring loop
+                    Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
+                y += tl.sum(hs * Cc[None, :], axis=1)
     if HAS_D:
         y += x * tl.load(D_ptr + pid_h * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)
     if HAS_Z:
@@ -167,6 +261,20 @@ def _state_update(
     tl.store(out_ptr + pid_b * s_ob + pid_h * s_oh + offs_p * s_op, y.to(out_ptr.dtype.element_ty), mask=mp)
 
     if REPLAY:
+        # the step's inputs join the ring unless it was full (then its state was written as the checkpoint above)
+        # (the flags as vectors over the tile: Triton's interpreter refuses a scalar bool inside a mask)
+        cnt_p, cnt_n = offs_p * 0 + cnt, offs_n * 0 + cnt
+        append_p, append_n = cnt_p < ring_cap, cnt_n < ring_cap
+        tl.store(rx + cnt * s_rxr, x.to(rx_ptr.dtype.element_ty), mask=mp & append_p)
+        if TIE_HDIM:  # one Δ per head: the tile holding channel 0 writes it
+            tl.store(rdt + cnt * s_rdtr + offs_p * 0, dt + offs_p * 0.0, mask=append_p & (offs_p == 0))
+        else:
+            tl.store(rdt + cnt * s_rdtr + offs_p * s_rdtp, dt, mask=mp & append_p)
+        # one program writes its group's B: the first tile of the group's first head
+        m_B = mn & append_n & ((offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0)
+        Bv = _vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, m_B, Q_B)
+        tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=m_B)
+
         # advance the slot's ring count once every program of the slot has read it: each program tallies itself
         # (atomic, acq_rel: its read of cnt happened before), the last one writes the new count and zeroes the tally
         # for the next launch. In the kernel rather than as torch ops after it: those would be ~5 launches a layer.
@@ -284,15 +392,18 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     tie = (dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
            and (dt_bias is None or dt_bias.stride(1) == 0))
     BN = pow2(n, 16)
-    BP = max(4, min(pow2(p), 4096 // BN))  # ~4K state elements a program: enough loads in flight
+    cfg = CFG["replay"] if ring is not None else CFG
+    BNC = min(BN, cfg["BNC"] or BN)
+    BP = max(4, min(pow2(p), cfg["tile"] // BNC))  # ~4K state values in registers: enough loads in flight
     # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
     while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
         BP //= 2
-    BP = CFG["BP"] or BP
+    BP = cfg["BP"] or BP
     grid = (b, h, triton.cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
     rx, rdt, rB, cnt, done, *ring_rest = _ring_args(ring, state, h, p, g, n, tie, h * triton.cdiv(p, BP))
+    RP = pow2(ring_rest[0] + 1)  # the ring's entries and the token
     _state_update[grid](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
@@ -308,7 +419,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
-        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=CFG["ring_stages"],
-        FAST_RCP=CFG["fast_rcp"] and state.is_cuda, BP=BP, BN=BN, num_warps=CFG["num_warps"],
+        Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=cfg.get("ring_stages", 1), RP=RP,
+        BNC=BNC, FOLD_STAGES=cfg.get("fold_stages", 1), FAST_RCP=CFG["fast_rcp"] and state.is_cuda, BP=BP, BN=BN,
+        num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
     )
     return out if multihead else out.squeeze(1)
