@@ -1,0 +1,114 @@
+"""Host time of one engine step, model excluded: the engine's own per-step cost (scheduling, sampling, hand-off).
+
+    python benchmarks/engine_overhead.py --batch 1,16,64 [--profile]
+
+A stub runner answers every model call at once with fixed logits, so what is timed is what the engine thread
+spends around the model: on a GPU this is the time a decode step adds to the CUDA-graph replay. Each request
+reports through the server's own emitter into an asyncio loop in another thread, as under ``ssmq serve``.
+Also counts, per decode step, the calls that would be a host <-> device transfer (and so a sync) on a GPU:
+``.tolist()``, ``.item()``, ``.cpu()`` and tensors built from Python data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import cProfile
+import pstats
+import threading
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ssmq.runtime.engine import Engine, EngineConfig, Request
+from ssmq.runtime.metrics import ServerMetrics
+from ssmq.runtime.sampling import SamplingParams
+from ssmq.runtime.server import _emitter
+
+TRANSFERS = {"tolist", "item", "cpu", "tensor", "as_tensor"}
+
+
+class StubRunner:
+    """Fixed logits for every call: the engine's own work is all that is left."""
+
+    def __init__(self, max_batch: int, vocab: int):
+        g = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(max_batch, vocab, generator=g)
+        self.device, self.kv_blocks = torch.device("cpu"), None
+
+    def reset(self, slot):
+        pass
+
+    def prefill(self, ids, slot, all_logits):
+        return self.logits[:ids.shape[1]] if all_logits else self.logits[:1]
+
+    def decode(self, tokens, slots):
+        return self.logits[:tokens.shape[0]]
+
+
+class CountTransfers(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in TRANSFERS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure(batch: int, vocab: int, steps: int, profile: bool) -> dict:
+    engine = Engine(None, EngineConfig(max_batch=batch, max_model_len=10**6), metrics=ServerMetrics(),
+                    runner=StubRunner(batch, vocab))
+    loop = asyncio.new_event_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    received = [0]
+
+    async def drain():
+        while True:
+            await events.get()
+            received[0] += 1
+
+    loop.create_task(drain())
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    params = SamplingParams(stop_at_eos=False, vocab_limit=vocab - 16)
+    for i in range(batch):
+        engine.waiting.append(Request([1, 2, 3], params, max_tokens=10**6, emit=_emitter(loop, events, i)))
+    with torch.inference_mode():
+        engine._admit()
+        engine._step()  # prefill every prompt (and the first token)
+        for _ in range(5):
+            engine._step()
+        with CountTransfers() as count:
+            engine._step()
+        prof = cProfile.Profile() if profile else None
+        if prof:
+            prof.enable()
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine._step()
+        dt = (time.perf_counter() - t) / steps
+        if prof:
+            prof.disable()
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    loop.call_soon_threadsafe(loop.stop)
+    return {"batch": batch, "us_per_step": dt * 1e6, "us_per_row": dt * 1e6 / batch, "transfers": dict(count.counts)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", default="1,16,64")
+    p.add_argument("--vocab", type=int, default=512, help="small: CPU tensor math stays negligible")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--profile", action="store_true", help="cProfile the timed steps")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    for b in [int(x) for x in args.batch.split(",")]:
+        print(measure(b, args.vocab, args.steps, args.profile), flush=True)
+
+
+if __name__ == "__main__":
+    main()
