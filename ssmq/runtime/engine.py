@@ -6,7 +6,9 @@ loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` p
 does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call.
 
 The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
-through its ``emit`` callback, called from the engine thread with one ``Event`` at a time.
+through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
+queue the event if the request also has a ``flush``, called once at the end of each turn of the loop that emitted
+to the request (one hand-off to the server's event loop per step, not per token).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class Request:
     logprobs: int | None = None  # top-k alternatives reported per generated token (None: no logprobs)
     prompt_logprobs: bool = False  # report the logprob of every prompt token (echo + logprobs)
     timeout: float | None = None  # seconds from arrival
+    flush: Callable[[], None] | None = None  # delivers what ``emit`` queued; called once per engine turn
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     # engine-side state
@@ -145,6 +148,7 @@ class Engine:
         self.blocks = BlockAllocator(*kv) if kv else None
         self.steps = 0
         self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
+        self._flushes: set = set()  # flush callbacks of the requests emitted to in this turn
 
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
@@ -206,22 +210,28 @@ class Engine:
                         break
                     new, self._inbox = list(self._inbox), collections.deque()
                     aborts, self._aborts = self._aborts, set()
-                self.waiting.extend(new)
-                self._drop(aborts)
-                self._expire()
-                self._admit()
-                if self.prefilling or self.decoding:
-                    try:
-                        self._step()
-                    except Exception as e:  # a bug or a device error: fail who is running, keep serving
-                        log.exception("engine step failed")
-                        for r in self.prefilling + self.decoding:
-                            self._finish(r, "error", f"engine error: {e}", 500)
-                self._report()
+                self._tick(new, aborts)
         for r in list(self.waiting) + self.prefilling + self.decoding:
             self._finish(r, "error", "server shutting down", 503)
+        self._flush()
         if hasattr(self.runner, "stop"):
             self.runner.stop()
+
+    def _tick(self, new: list[Request], aborts: set[str]) -> None:
+        """One turn of the loop, with the requests and aborts that arrived since the last."""
+        self.waiting.extend(new)
+        self._drop(aborts)
+        self._expire()
+        self._admit()
+        if self.prefilling or self.decoding:
+            try:
+                self._step()
+            except Exception as e:  # a bug or a device error: fail who is running, keep serving
+                log.exception("engine step failed")
+                for r in self.prefilling + self.decoding:
+                    self._finish(r, "error", f"engine error: {e}", 500)
+        self._flush()
+        self._report()
 
     def _busy(self) -> bool:
         return bool(self.prefilling or self.decoding or (self.waiting and self.free_slots))
@@ -357,12 +367,21 @@ class Engine:
             self.metrics.requests.labels(outcome=reason).inc()
         self._emit(r, Event("error", message=message, status=status) if reason == "error" else Event("done", reason=reason))
 
-    @staticmethod
-    def _emit(r: Request, event: Event) -> None:
+    def _emit(self, r: Request, event: Event) -> None:
         try:
             r.emit(event)
         except Exception:  # the client side is gone (e.g. its event loop closed): nothing left to tell
             log.debug("could not report to request %s", r.id)
+        if r.flush is not None:
+            self._flushes.add(r.flush)
+
+    def _flush(self) -> None:
+        for flush in self._flushes:
+            try:
+                flush()
+            except Exception:  # as in _emit: the event loop is gone
+                log.debug("could not hand events over", exc_info=True)
+        self._flushes.clear()
 
     def _report(self) -> None:
         if self.metrics is not None:
