@@ -34,10 +34,11 @@ TRANSFERS = {"tolist", "item", "cpu", "tensor", "as_tensor"}
 class StubRunner:
     """Fixed logits for every call: the engine's own work is all that is left."""
 
-    def __init__(self, max_batch: int, vocab: int):
+    def __init__(self, max_batch: int, vocab: int, step_s: float = 0.0):
         g = torch.Generator().manual_seed(0)
         self.logits = torch.randn(max_batch, vocab, generator=g)
         self.device, self.kv_blocks = torch.device("cpu"), None
+        self.step_s = step_s  # a decode step's GPU time to stand in for: slept, the GIL free as in a CUDA sync
 
     def reset(self, slot):
         pass
@@ -46,6 +47,8 @@ class StubRunner:
         return self.logits[:ids.shape[1]] if all_logits else self.logits[:1]
 
     def decode(self, tokens, slots):
+        if self.step_s:
+            time.sleep(self.step_s)
         return self.logits[:tokens.shape[0]]
 
 

@@ -7,8 +7,9 @@ does not stall everyone), then decode one token for every sequence past its pref
 
 The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
 through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
-queue the event if the request also has a ``flush``, called once at the end of each turn of the loop that emitted
-to the request (one hand-off to the server's event loop per step, not per token).
+queue the event if the request also has a ``flush``, called once per step after events were emitted to the request
+(one hand-off to the server's event loop per step, not per token): as soon as the next decode step is launched, or
+at the end of the turn when no decode follows.
 """
 
 from __future__ import annotations
@@ -148,7 +149,11 @@ class Engine:
         self.blocks = BlockAllocator(*kv) if kv else None
         self.steps = 0
         self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
-        self._flushes: set = set()  # flush callbacks of the requests emitted to in this turn
+        self._flushes: set = set()  # flush callbacks of the requests emitted to since the last flush
+        # the last token of each slot stays on the device, where the next decode step reads it
+        self._last = torch.zeros(config.max_batch, dtype=torch.long, device=self.device)
+        self._slots_key: list[int] = []
+        self._slots: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
@@ -230,7 +235,8 @@ class Engine:
                 log.exception("engine step failed")
                 for r in self.prefilling + self.decoding:
                     self._finish(r, "error", f"engine error: {e}", 500)
-        self._flush()
+        if not self.decoding:  # else the next step's _deliver flushes, once its decode is launched
+            self._flush()
         self._report()
 
     def _busy(self) -> bool:
@@ -280,9 +286,15 @@ class Engine:
             rows = list(self.decoding)
             for r in rows:  # the token fed now sits at position len(prompt) + len(output) - 1
                 self._grow(r, len(r.prompt) + len(r.output))
-            tokens = torch.tensor([r.output[-1] for r in rows], dtype=torch.long, device=self.device)
-            slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
-            self._deliver(rows, self.runner.decode(tokens, slots))
+            slots = self._slots_of(rows)
+            self._deliver(rows, self.runner.decode(self._last[slots], slots), slots)
+
+    def _slots_of(self, rows: list[Request]) -> torch.Tensor:
+        """The rows' slots (b,) on the device, built anew (a host -> device copy) only when the batch changed."""
+        key = [r.slot for r in rows]
+        if key != self._slots_key:
+            self._slots_key, self._slots = key, torch.tensor(key, dtype=torch.long, device=self.device)
+        return self._slots
 
     def _prefill(self, r: Request, n: int) -> None:
         ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
@@ -300,7 +312,7 @@ class Engine:
             self._finish(r, "length")
             return
         self.decoding.append(r)
-        self._deliver([r], logits[-1:])
+        self._deliver([r], logits[-1:], r.slot)
 
     def _grow(self, r: Request, length: int) -> None:
         """KV blocks for the first ``length`` tokens of r's sequence (hybrids), taken as it grows."""
@@ -325,26 +337,34 @@ class Engine:
         tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         self._emit(r, Event("prompt", prompt=list(zip(chosen, tops))))
 
-    def _deliver(self, rows: list[Request], logits: torch.Tensor) -> None:
-        """Sample one token per row from logits (b, vocab), report it, finish rows that stop."""
+    def _deliver(self, rows: list[Request], logits: torch.Tensor, slots) -> None:
+        """Sample one token per row from logits (b, vocab), report it, finish rows that stop. ``slots``: the rows'
+        slots, a (b,) device tensor or one int, where the tokens are kept on the device for the next decode."""
         toks = sample_rows(logits, [r.params for r in rows], [r.generator for r in rows])
+        self._last[slots] = toks if isinstance(slots, torch.Tensor) else toks[0]
         want = [i for i, r in enumerate(rows) if r.logprobs is not None]
-        lp = {}
         if want:
             idx = torch.tensor(want, device=logits.device)
-            k = max(rows[i].top_k() for i in want)
-            chosen, values, indices = top_logprobs(logits[idx], toks[idx], k)
+            chosen, values, indices = top_logprobs(logits[idx], toks[idx], max(rows[i].top_k() for i in want))
+        # the previous step's events go to the server now, while the device runs this step: its event loop thread
+        # then takes the GIL while the engine waits on the device below, not while the engine launches the step
+        self._flush()
+        toks = toks.tolist()  # the step's one device -> host sync (three more with logprobs, for all rows at once)
+        lp = {}
+        if want:
+            chosen, values, indices = chosen.tolist(), values.tolist(), indices.tolist()
             for j, i in enumerate(want):
                 kk = rows[i].top_k()
-                lp[i] = (chosen[j].item(), list(zip(indices[j, :kk].tolist(), values[j, :kk].tolist())))
+                lp[i] = (chosen[j], list(zip(indices[j][:kk], values[j][:kk])))
         now = time.monotonic()
-        for i, (r, tok) in enumerate(zip(rows, toks.tolist())):
+        if self.metrics is not None:
+            self.metrics.generated_tokens.inc(len(rows))
+        for i, (r, tok) in enumerate(zip(rows, toks)):
             if self.metrics is not None:
                 if r.output:
                     self.metrics.tpot.observe(now - r.last_time)
                 else:
                     self.metrics.ttft.observe(now - r.arrival)
-                self.metrics.generated_tokens.inc()
             r.last_time = now
             r.output.append(tok)
             logprob, top = lp.get(i, (None, None))
