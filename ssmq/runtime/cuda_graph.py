@@ -120,11 +120,13 @@ class CudaGraphPrefill:
             self._capture(k)
             k *= 2
 
-    def __call__(self, ids: torch.Tensor, slot: int) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, slot: int, check_fit: bool = True) -> torch.Tensor:
+        """check_fit: read the slot's length off the device (a sync) to refuse a prompt that overflows the cache;
+        a caller that knows the lengths fit (the serving engine) passes False."""
         length = ids.shape[1]
         if ids.shape[0] != 1 or not 0 < length <= self.max_len:
             raise SSMQError(f"graph prefill takes one prompt of 1..{self.max_len} tokens, got {tuple(ids.shape)}")
-        if int(self.cache.seqlens[slot]) + length > self.cache.max_seqlen:
+        if check_fit and int(self.cache.seqlens[slot]) + length > self.cache.max_seqlen:
             raise SSMQError(f"prompt does not fit the cache ({self.cache.max_seqlen} tokens)")
         start, logits = 0, None
         for bit in reversed(range(length.bit_length())):

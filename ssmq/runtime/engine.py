@@ -120,8 +120,8 @@ class LocalRunner:
         """ids: (1, n), continuing the slot's sequence → logits (n, vocab) if all_logits, else (1, vocab)."""
         if all_logits:
             return self.model(ids, self.cache, slots=[slot])[0]
-        if self.graph_prefill is not None:
-            return self.graph_prefill(ids, slot)
+        if self.graph_prefill is not None:  # no fit check (a sync): the engine admits only what fits (Engine.unfit)
+            return self.graph_prefill(ids, slot, check_fit=False)
         return self.model(ids, self.cache, slots=[slot], num_last_tokens=1)[:, -1]
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
