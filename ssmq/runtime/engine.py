@@ -237,7 +237,6 @@ class Engine:
                     self._finish(r, "error", f"engine error: {e}", 500)
         if not self.decoding:  # else the next step's _deliver flushes, once its decode is launched
             self._flush()
-        self._report()
 
     def _busy(self) -> bool:
         return bool(self.prefilling or self.decoding or (self.waiting and self.free_slots))
@@ -403,7 +402,3 @@ class Engine:
                 log.debug("could not hand events over", exc_info=True)
         self._flushes.clear()
 
-    def _report(self) -> None:
-        if self.metrics is not None:
-            s = self.stats()
-            self.metrics.update(s)
