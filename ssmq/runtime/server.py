@@ -183,15 +183,17 @@ class _Mailbox:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.items, self.scheduled = loop, collections.deque(), False
+        # a weak reference: the mailbox is the value of its loop's entry in _mailboxes, whose key must be free to go
+        self.loop, self.items, self.scheduled = weakref.ref(loop), collections.deque(), False
 
     def put(self, queue: asyncio.Queue, item) -> None:
         self.items.append((queue, item))
 
     def flush(self) -> None:
-        if self.items and not self.scheduled:
+        loop = self.loop()
+        if self.items and not self.scheduled and loop is not None:
             self.scheduled = True
-            self.loop.call_soon_threadsafe(self._drain)
+            loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
         self.scheduled = False  # before taking: what a later flush adds is taken by the drain that flush schedules
