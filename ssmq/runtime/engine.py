@@ -8,8 +8,8 @@ does not stall everyone), then decode one token for every sequence past its pref
 The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
 through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
 queue the event if the request also has a ``flush``, called once per step after events were emitted to the request
-(one hand-off to the server's event loop per step, not per token): as soon as the next decode step is launched, or
-at the end of the turn when no decode follows.
+(one hand-off to the server's event loop per step, not per token): on CUDA as soon as the next decode step is
+launched, or at the end of the turn when no decode follows; elsewhere as soon as the step has sampled its tokens.
 """
 
 from __future__ import annotations
@@ -150,6 +150,9 @@ class Engine:
         self.steps = 0
         self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
         self._flushes: set = set()  # flush callbacks of the requests emitted to since the last flush
+        # on CUDA a step's events wait for the next decode's launch (_deliver), which returns at once; elsewhere the
+        # decode call returns when done, so waiting for it would deliver every token one step late
+        self._defer_flush = self.device.type == "cuda"
         # the last token of each slot stays on the device, where the next decode step reads it
         self._last = torch.zeros(config.max_batch, dtype=torch.long, device=self.device)
         self._slots_key: list[int] = []
@@ -235,7 +238,7 @@ class Engine:
                 log.exception("engine step failed")
                 for r in self.prefilling + self.decoding:
                     self._finish(r, "error", f"engine error: {e}", 500)
-        if not self.decoding:  # else the next step's _deliver flushes, once its decode is launched
+        if not (self.decoding and self._defer_flush):
             self._flush()
 
     def _busy(self) -> bool:
@@ -372,6 +375,8 @@ class Engine:
                 self._finish(r, "stop")
             elif len(r.output) >= r.max_tokens:
                 self._finish(r, "length")
+        if not self._defer_flush:
+            self._flush()
 
     def _finish(self, r: Request, reason: str, message: str | None = None, status: int = 500) -> None:
         for queue in (self.prefilling, self.decoding):
