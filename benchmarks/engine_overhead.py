@@ -1,4 +1,4 @@
-"""Host time of one engine step (a turn of its loop), model excluded: the engine's own per-step cost (scheduling, sampling, hand-off).
+"""Host time of one engine step (a turn of its loop), model excluded: scheduling, sampling, hand-off.
 
     python benchmarks/engine_overhead.py --batch 1,16,64 [--profile]
 

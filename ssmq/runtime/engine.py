@@ -68,7 +68,7 @@ class Request:
     logprobs: int | None = None  # top-k alternatives reported per generated token (None: no logprobs)
     prompt_logprobs: bool = False  # report the logprob of every prompt token (echo + logprobs)
     timeout: float | None = None  # seconds from arrival
-    flush: Callable[[], None] | None = None  # delivers what ``emit`` queued; called once per engine turn
+    flush: Callable[[], None] | None = None  # delivers what ``emit`` queued; called once per step (module doc)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     # engine-side state
