@@ -7,6 +7,12 @@ spends around the model: on a GPU this is the time a decode step adds to the CUD
 reports through the server's own emitter into an asyncio loop in another thread, as under ``ssmq serve``.
 Also counts, per decode step, the calls that would be a host <-> device transfer (and so a sync) on a GPU:
 ``.tolist()``, ``.item()``, ``.cpu()`` and tensors built from Python data.
+
+    python benchmarks/engine_overhead.py --serve 1:3,16:5.4,64:8
+
+serves the stub over HTTP, its decode sleeping the given ms (the GIL free, as in a CUDA sync), to C streaming
+clients: throughput and TPOT against the C / step and step a model of that speed would allow, on a CPU-only host.
+The stub runs on the CPU, so the engine hands events over as on CPU (at each step's end, not deferred as on CUDA).
 """
 
 from __future__ import annotations
@@ -113,14 +119,48 @@ def measure(batch: int, vocab: int, steps: int, profile: bool) -> dict:
             "transfers": dict(count.counts)}
 
 
+def serve(clients: int, step_ms: float, vocab: int, requests: int, output_len: int) -> dict:
+    """``ssmq serve`` (uvicorn, the engine) over the stub runner whose decode sleeps ``step_ms``, under the closed-loop
+    streaming clients of bench_serve.py in another process: what the Python serving path leaves of C / step."""
+    import multiprocessing as mp
+    import types
+
+    from bench_serve import IdTokenizer, _client_proc, pct
+
+    from ssmq.runtime.server import BackgroundServer, ServerConfig
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=vocab))
+    engine = Engine(model, EngineConfig(max_batch=clients, max_model_len=64 + output_len),
+                    runner=StubRunner(clients, vocab, step_ms / 1e3))
+    body = {"model": "bench", "prompt": list(range(1, 33)), "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with BackgroundServer(engine, IdTokenizer(vocab), ServerConfig(("bench",), request_timeout_s=None)) as url:
+        with mp.get_context("spawn").Pool(1) as pool:
+            recs = pool.starmap(_client_proc, [(url, clients, clients * requests, 120, body)])[0]
+    wall = max(r["end"] for r in recs) - min(r["start"] for r in recs)
+    tpot = sorted((r["end"] - r["first"]) / (output_len - 1) for r in recs)
+    ttft = sorted(r["first"] - r["start"] for r in recs)
+    return {"clients": clients, "step_ms": step_ms, "tok_s": round(len(recs) * output_len / wall),
+            "ideal_tok_s": round(clients / step_ms * 1e3), "tpot_ms_p50": round(pct(tpot, 50) * 1e3, 2),
+            "ttft_ms_p50": round(pct(ttft, 50) * 1e3, 1)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", default="1,16,64")
+    p.add_argument("--serve", help="clients:step_ms,... e.g. 1:3,16:5.4,64:8: serve the stub over HTTP instead")
+    p.add_argument("--requests", type=int, default=4, help="--serve: requests per client")
+    p.add_argument("--output-len", type=int, default=128, help="--serve: tokens per request")
     p.add_argument("--vocab", type=int, default=512, help="small: CPU tensor math stays negligible")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--profile", action="store_true", help="cProfile the timed steps")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.serve:
+        for level in args.serve.split(","):
+            c, ms = level.split(":")
+            print(serve(int(c), float(ms), args.vocab, args.requests, args.output_len), flush=True)
+        return
     for b in [int(x) for x in args.batch.split(",")]:
         print(measure(b, args.vocab, args.steps, args.profile), flush=True)
 
