@@ -29,9 +29,10 @@ TOK = CharTokenizer()
 NAME = "tiny"
 
 
-def start(model, max_batch=8, max_model_len=96, prefill_tokens=16, kv_blocks=None, **server):
+def start(model, max_batch=8, max_model_len=96, prefill_tokens=16, kv_blocks=None, overlap=None, **server):
     engine = Engine(model, EngineConfig(max_batch=max_batch, max_model_len=max_model_len,
-                                        prefill_tokens=prefill_tokens, kv_block_size=4, kv_blocks=kv_blocks))
+                                        prefill_tokens=prefill_tokens, kv_block_size=4, kv_blocks=kv_blocks,
+                                        overlap=overlap))
     return BackgroundServer(engine, TOK, ServerConfig((NAME,), **server))
 
 
@@ -129,6 +130,64 @@ def test_attention_models_through_the_block_kv_cache_equal_offline(arch):
     for i, (p, text) in enumerate(zip(prompts, texts)):
         assert text == offline_text(model, p, 12 + i), f"request {i}"
     assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == 20
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "hybrid"])
+def test_overlapped_steps_equal_offline(arch):
+    """EngineConfig(overlap=True) (the default on CUDA) on CPU: each decode step launched before the previous one's
+    tokens are read, rows that stop decode one token more (dropped), slots and KV blocks go to the next request while
+    that stale step is queued: the same greedy text as offline, and seeded sampling as without overlap."""
+    model = tiny_model(arch, seed=6)
+    prompts = random_prompts(12, seed=4)
+    bodies = [{"prompt": p, "max_tokens": 6 + i, "temperature": 0, "stream": i % 2 == 0} for i, p in enumerate(prompts)]
+    sampled = {"prompt": prompts[0], "max_tokens": 12, "temperature": 0.9, "seed": 7, "ignore_eos": True}
+    texts = {}
+    for overlap in (True, False):
+        with start(model, max_batch=3, max_model_len=96, prefill_tokens=8, kv_blocks=30 if arch == "hybrid" else None,
+                   overlap=overlap) as url:
+            texts[overlap] = run_concurrently(url, bodies + [sampled], [False] * (len(bodies) + 1))
+            stats = httpx.get(f"{url}/health").json()
+        assert stats["slots_used"] == 0 and stats.get("kv_blocks_used", 0) == 0
+    for i, (p, text) in enumerate(zip(prompts, texts[True])):
+        assert text == offline_text(model, p, 6 + i), f"request {i}"
+    assert texts[True][-1] == texts[False][-1]
+
+
+def test_overlapped_engine_reports_each_token_once_then_done(mamba2):
+    """Without HTTP: with overlap each request still gets exactly its offline tokens, then one "done" (the token a
+    stopped row computed one step too many is never reported)."""
+    import threading
+
+    from ssmq.runtime.engine import Request
+
+    prompts = random_prompts(10, seed=5)
+    engine = Engine(mamba2, EngineConfig(max_batch=3, max_model_len=96, prefill_tokens=8, overlap=True)).start()
+    events = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+
+    def emitter(i):
+        def emit(ev):
+            events[i].append(ev)
+            if ev.kind != "token":
+                done.release()
+        return emit
+
+    # EOS: a token the model does make, so rows stop on it while their next step is already queued
+    probe = SamplingParams(max_new_tokens=3, stop_at_eos=False, vocab_limit=len(TOK))
+    eos = generate(mamba2, [prompts[0]], probe)[0][-1]
+    params = SamplingParams(eos_id=eos, vocab_limit=len(TOK))
+    try:
+        for i, p in enumerate(prompts):
+            engine.submit(Request(p, params, 5 + i, emitter(i)))
+        for _ in prompts:
+            assert done.acquire(timeout=60)
+    finally:
+        engine.shutdown()
+    for i, (p, evs) in enumerate(zip(prompts, events)):
+        want = generate(mamba2, [p], SamplingParams(max_new_tokens=5 + i, eos_id=eos, vocab_limit=len(TOK)))[0]
+        assert [e.kind for e in evs] == ["token"] * len(want) + ["done"], f"request {i}"
+        assert [e.token for e in evs[:-1]] == want, f"request {i}"
+    assert sum(e.reason == "stop" for evs in events for e in evs) >= 2  # the case above did happen
 
 
 def test_state_checkpoint_engine_equals_offline(mamba2):

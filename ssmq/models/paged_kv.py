@@ -32,7 +32,10 @@ class BlockTable:
     def assign(self, slot: int, start: int, blocks: list[int]) -> None:
         """Blocks ``blocks`` hold the tokens of ``slot`` from block index ``start`` on."""
         if blocks:
-            self.rows[slot, start:start + len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            ids = torch.tensor(blocks, dtype=torch.long)
+            if self.rows.is_cuda:  # pinned, not waiting: a plain copy would wait for the decode step in flight
+                ids = ids.pin_memory()
+            self.rows[slot, start:start + len(blocks)].copy_(ids, non_blocking=True)
 
     def reset(self, slots=None) -> None:
         self.rows[slice(None) if slots is None else slots] = 0

@@ -24,6 +24,7 @@ class Choice:
         self._sent = 0  # characters of the visible text already taken
         self._echo_pending = echo
         self._lp_sent = 0
+        self._text_at: tuple[int, str] = (-1, "")  # (len(tokens), _text()) of the last decode
         self.lp = None
         if logprobs is not None:
             self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -65,12 +66,17 @@ class Choice:
             self.error = ev
 
     def _text(self) -> str:
+        # kept per token count: a streamed token with stop strings asks twice (stop check, then take), and the
+        # decode is of the whole sequence (exact for any tokenizer, but O(length))
+        if self._text_at[0] == len(self.tokens):
+            return self._text_at[1]
         ids = self.tokens[:-1] if self.tokens and self.tokens[-1] == self.hide_token else self.tokens
         text = self.tok.decode(ids)
         cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if cuts:
             self.stopped = True
-            return text[:min(cuts)]
+            text = text[:min(cuts)]
+        self._text_at = (len(self.tokens), text)
         return text
 
     def _check_stop(self) -> None:

@@ -3,10 +3,15 @@
 Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for
 hybrids its KV block table); *chunk* a piece of a prompt prefilled in one call; *step* one turn of the engine
 loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt tokens (so a long prompt
-does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call.
+does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call. With
+``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step before, so the host
+work of a step (reporting, scheduling) runs while the device computes.
 
 The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
-through its ``emit`` callback, called from the engine thread with one ``Event`` at a time.
+through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
+queue the event if the request also has a ``flush``, called once per step after events were emitted to the request
+(one hand-off to the server's event loop per step, not per token): on CUDA as soon as the next decode step is
+launched, or at the end of the turn when no decode follows; elsewhere as soon as the step has sampled its tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ class EngineConfig:
     max_waiting: int = 4096  # queued requests beyond which submit refuses
     cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
     state_checkpoint: int | None = None  # K: SSM states written once every K decode steps (ReplaySSM); None: every step
+    # launch decode step n+1 before reading step n's tokens back, so the engine's host work of a step runs while the
+    # device computes the next (a row that stops at n has computed one token more, dropped); None: on CUDA
+    overlap: bool | None = None
 
 
 @dataclass
@@ -65,6 +73,7 @@ class Request:
     logprobs: int | None = None  # top-k alternatives reported per generated token (None: no logprobs)
     prompt_logprobs: bool = False  # report the logprob of every prompt token (echo + logprobs)
     timeout: float | None = None  # seconds from arrival
+    flush: Callable[[], None] | None = None  # delivers what ``emit`` queued; called once per step (module doc)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     arrival: float = field(default_factory=time.monotonic)
     # engine-side state
@@ -73,10 +82,22 @@ class Request:
     output: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     carry: torch.Tensor | None = None  # log-softmax of the last prefilled position (prompt logprobs across chunks)
+    ahead: int = 0  # tokens sampled on the device, not yet read back (overlap: 0 or 1)
     last_time: float = 0.0
 
     def top_k(self) -> int:
         return max(self.logprobs or 0, 1)
+
+
+@dataclass
+class _Sampled:
+    """A step's tokens, still on the device: ``toks`` (b,) for ``rows``; ``lp`` (chosen, top values, top ids) for
+    the rows at indices ``want`` (those asking for logprobs)."""
+
+    rows: list[Request]
+    toks: torch.Tensor
+    want: list[int]
+    lp: tuple = ()
 
 
 class LocalRunner:
@@ -116,8 +137,8 @@ class LocalRunner:
         """ids: (1, n), continuing the slot's sequence → logits (n, vocab) if all_logits, else (1, vocab)."""
         if all_logits:
             return self.model(ids, self.cache, slots=[slot])[0]
-        if self.graph_prefill is not None:
-            return self.graph_prefill(ids, slot)
+        if self.graph_prefill is not None:  # no fit check (a sync): the engine admits only what fits (Engine.unfit)
+            return self.graph_prefill(ids, slot, check_fit=False)
         return self.model(ids, self.cache, slots=[slot], num_last_tokens=1)[:, -1]
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -145,6 +166,16 @@ class Engine:
         self.blocks = BlockAllocator(*kv) if kv else None
         self.steps = 0
         self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
+        self._flushes: set = set()  # flush callbacks of the requests emitted to since the last flush
+        # on CUDA a step's events wait for the next decode's launch (_deliver), which returns at once; elsewhere the
+        # decode call returns when done, so waiting for it would deliver every token one step late
+        self._defer_flush = self.device.type == "cuda"
+        self._overlap = config.overlap if config.overlap is not None else self.device.type == "cuda"
+        self._behind: _Sampled | None = None  # overlap: the decode step launched last turn, not read back yet
+        # the last token of each slot stays on the device, where the next decode step reads it
+        self._last = torch.zeros(config.max_batch, dtype=torch.long, device=self.device)
+        self._slots_key: list[int] = []
+        self._slots: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
@@ -206,22 +237,29 @@ class Engine:
                         break
                     new, self._inbox = list(self._inbox), collections.deque()
                     aborts, self._aborts = self._aborts, set()
-                self.waiting.extend(new)
-                self._drop(aborts)
-                self._expire()
-                self._admit()
-                if self.prefilling or self.decoding:
-                    try:
-                        self._step()
-                    except Exception as e:  # a bug or a device error: fail who is running, keep serving
-                        log.exception("engine step failed")
-                        for r in self.prefilling + self.decoding:
-                            self._finish(r, "error", f"engine error: {e}", 500)
-                self._report()
+                self._tick(new, aborts)
         for r in list(self.waiting) + self.prefilling + self.decoding:
             self._finish(r, "error", "server shutting down", 503)
+        self._flush()
         if hasattr(self.runner, "stop"):
             self.runner.stop()
+
+    def _tick(self, new: list[Request], aborts: set[str]) -> None:
+        """One turn of the loop, with the requests and aborts that arrived since the last."""
+        self.waiting.extend(new)
+        self._drop(aborts)
+        self._expire()
+        self._admit()
+        if self.prefilling or self.decoding:
+            try:
+                self._step()
+            except Exception as e:  # a bug or a device error: fail who is running, keep serving
+                log.exception("engine step failed")
+                for r in self.prefilling + self.decoding:
+                    self._finish(r, "error", f"engine error: {e}", 500)
+                self._behind = None
+        if not (self.decoding and self._defer_flush):
+            self._flush()
 
     def _busy(self) -> bool:
         return bool(self.prefilling or self.decoding or (self.waiting and self.free_slots))
@@ -266,16 +304,41 @@ class Engine:
             n = min(budget, len(r.prompt) - r.pos)
             self._prefill(r, n)
             budget -= n
-        if self.decoding:
-            rows = list(self.decoding)
-            for r in rows:  # the token fed now sits at position len(prompt) + len(output) - 1
-                self._grow(r, len(r.prompt) + len(r.output))
-            tokens = torch.tensor([r.output[-1] for r in rows], dtype=torch.long, device=self.device)
-            slots = torch.tensor([r.slot for r in rows], dtype=torch.long, device=self.device)
-            self._deliver(rows, self.runner.decode(tokens, slots))
+        # (overlap) a row whose last token is still on the device and ends it by length is not decoded again
+        rows = [r for r in self.decoding if len(r.output) + r.ahead < r.max_tokens]
+        launched = None
+        if rows:
+            for r in rows:  # the token fed now sits at position len(prompt) + len(output) + ahead - 1
+                self._grow(r, len(r.prompt) + len(r.output) + r.ahead)
+            slots = self._slots_of(rows)
+            launched = self._sample(rows, self.runner.decode(self._last[slots], slots), slots)
+        if not self._overlap:
+            if launched is not None:
+                self._flush()
+                self._read(launched)
+            return
+        behind, self._behind = self._behind, launched
+        self._flush()
+        if behind is not None:
+            self._read(behind)
+
+    def _slots_of(self, rows: list[Request]) -> torch.Tensor:
+        """The rows' slots (b,) on the device, built anew (a host -> device copy) only when the batch changed."""
+        key = [r.slot for r in rows]
+        if key != self._slots_key:
+            self._slots_key, self._slots = key, self._to_device(key)
+        return self._slots
+
+    def _to_device(self, ids: list) -> torch.Tensor:
+        """Python ints as a long tensor on the device. On CUDA through pinned memory and without waiting: a plain
+        host -> device copy waits for the device's queue, which (overlap) holds the step in flight."""
+        t = torch.tensor(ids, dtype=torch.long)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _prefill(self, r: Request, n: int) -> None:
-        ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
+        ids = self._to_device([r.prompt[r.pos:r.pos + n]])
         self._grow(r, r.pos + n)
         logits = self.runner.prefill(ids, r.slot, all_logits=r.prompt_logprobs)
         if r.prompt_logprobs:
@@ -290,7 +353,9 @@ class Engine:
             self._finish(r, "length")
             return
         self.decoding.append(r)
-        self._deliver([r], logits[-1:])
+        first = self._sample([r], logits[-1:], r.slot)
+        self._flush()
+        self._read(first)
 
     def _grow(self, r: Request, length: int) -> None:
         """KV blocks for the first ``length`` tokens of r's sequence (hybrids), taken as it grows."""
@@ -315,26 +380,42 @@ class Engine:
         tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         self._emit(r, Event("prompt", prompt=list(zip(chosen, tops))))
 
-    def _deliver(self, rows: list[Request], logits: torch.Tensor) -> None:
-        """Sample one token per row from logits (b, vocab), report it, finish rows that stop."""
+    def _sample(self, rows: list[Request], logits: torch.Tensor, slots) -> _Sampled:
+        """One token per row from logits (b, vocab), left on the device (no sync). ``slots``: the rows' slots, a (b,)
+        device tensor or one int, where the tokens are kept for the next decode step to read."""
         toks = sample_rows(logits, [r.params for r in rows], [r.generator for r in rows])
-        want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+        self._last[slots] = toks if isinstance(slots, torch.Tensor) else toks[0]
+        out = _Sampled(rows, toks, [i for i, r in enumerate(rows) if r.logprobs is not None])
+        if out.want:
+            idx = self._to_device(out.want)
+            out.lp = top_logprobs(logits[idx], toks[idx], max(rows[i].top_k() for i in out.want))
+        for r in rows:
+            r.ahead += 1
+        return out
+
+    def _read(self, s: _Sampled) -> None:
+        """Read a step's tokens back, report them, finish rows that stop. Call ``_flush()`` first: the previous
+        step's events go to the server while the device runs this step, so its event loop thread takes the GIL
+        while the engine waits on the device here, not while the engine launches the step."""
+        rows, want = s.rows, s.want
+        toks = s.toks.tolist()  # the step's one device -> host sync (three more with logprobs, for all rows at once)
         lp = {}
         if want:
-            idx = torch.tensor(want, device=logits.device)
-            k = max(rows[i].top_k() for i in want)
-            chosen, values, indices = top_logprobs(logits[idx], toks[idx], k)
+            chosen, values, indices = (t.tolist() for t in s.lp)
             for j, i in enumerate(want):
                 kk = rows[i].top_k()
-                lp[i] = (chosen[j].item(), list(zip(indices[j, :kk].tolist(), values[j, :kk].tolist())))
+                lp[i] = (chosen[j], list(zip(indices[j][:kk], values[j][:kk])))
         now = time.monotonic()
-        for i, (r, tok) in enumerate(zip(rows, toks.tolist())):
+        for i, (r, tok) in enumerate(zip(rows, toks)):
+            r.ahead -= 1
+            if r.slot < 0:  # (overlap) finished while this step ran: its token is not wanted
+                continue
             if self.metrics is not None:
+                self.metrics.generated_tokens.inc()
                 if r.output:
                     self.metrics.tpot.observe(now - r.last_time)
                 else:
                     self.metrics.ttft.observe(now - r.arrival)
-                self.metrics.generated_tokens.inc()
             r.last_time = now
             r.output.append(tok)
             logprob, top = lp.get(i, (None, None))
@@ -343,6 +424,8 @@ class Engine:
                 self._finish(r, "stop")
             elif len(r.output) >= r.max_tokens:
                 self._finish(r, "length")
+        if not self._defer_flush:
+            self._flush()
 
     def _finish(self, r: Request, reason: str, message: str | None = None, status: int = 500) -> None:
         for queue in (self.prefilling, self.decoding):
@@ -357,14 +440,19 @@ class Engine:
             self.metrics.requests.labels(outcome=reason).inc()
         self._emit(r, Event("error", message=message, status=status) if reason == "error" else Event("done", reason=reason))
 
-    @staticmethod
-    def _emit(r: Request, event: Event) -> None:
+    def _emit(self, r: Request, event: Event) -> None:
         try:
             r.emit(event)
         except Exception:  # the client side is gone (e.g. its event loop closed): nothing left to tell
             log.debug("could not report to request %s", r.id)
+        if r.flush is not None:
+            self._flushes.add(r.flush)
 
-    def _report(self) -> None:
-        if self.metrics is not None:
-            s = self.stats()
-            self.metrics.update(s)
+    def _flush(self) -> None:
+        for flush in self._flushes:
+            try:
+                flush()
+            except Exception:  # as in _emit: the event loop is gone
+                log.debug("could not hand events over", exc_info=True)
+        self._flushes.clear()
+

@@ -33,12 +33,12 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits: (b, vocab) → next token ids (b,) long."""
+    if params.temperature == 0:  # the argmax of the allowed ids: no float copy, no masked clone (same ids)
+        return logits[:, :params.vocab_limit].argmax(dim=-1)
     logits = logits.float()
     if params.vocab_limit is not None and params.vocab_limit < logits.shape[-1]:
         logits = logits.clone()
         logits[:, params.vocab_limit:] = float("-inf")
-    if params.temperature == 0:
-        return logits.argmax(dim=-1)
     logits = logits / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -60,11 +60,15 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     Each sampled row draws from its own generator, so a seeded request gets the same tokens whatever else
     shares its batch; greedy rows are one argmax together.
     """
-    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        out[idx] = sample_next(logits[idx], params[greedy[0]])
+    if greedy and len({params[i].vocab_limit for i in greedy}) == 1:
+        # one argmax over every row (the sampled rows' are overwritten below): no row index list to the device
+        out = sample_next(logits, params[greedy[0]])
+    else:
+        out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            out[idx] = sample_next(logits[idx], params[greedy[0]])
     for i, p in enumerate(params):
         if p.temperature != 0:
             out[i] = sample_next(logits[i:i + 1], p, generators[i])[0]
