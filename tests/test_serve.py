@@ -443,8 +443,8 @@ def test_cuda_graph_engine_equals_offline_on_gpu(arch, state_checkpoint):
     engine = Engine(model, EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=16, kv_block_size=4,
                                         state_checkpoint=state_checkpoint))
     with BackgroundServer(engine, TOK, ServerConfig((NAME,))) as url:
-        bodies = [{"prompt": p, "max_tokens": 16, "temperature": 0, "stream": i % 2 == 0}
-                  for i, p in enumerate(prompts)]
+        bodies = [{"model": NAME, "prompt": p, "max_tokens": 16, "temperature": 0, "stream": i % 2 == 0}
+                  for i, p in enumerate(prompts)]  # the openai client requires the model name
         texts = run_concurrently(url, bodies, [i % 3 == 0 for i in range(len(bodies))])
     for i, (p, text) in enumerate(zip(prompts, texts)):
         assert text == offline_text(model, p, 16), f"request {i}"
