@@ -121,7 +121,15 @@ def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
     print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'BNC':>4} {'stages':>6} {'ring':>4} "
           f"{'replay ms':>9} {'limit ms':>9}")
     cfg = state_update.CFG["replay"]
-    default = dict(cfg)
+    default, int8_defaults = dict(cfg), state_update.CFG["replay_int8"]
+    state_update.CFG["replay_int8"] = {}  # the sweep's settings apply to the int8 state as they are
+    try:
+        _sweep(batches, k, ring_dtype, out, save, cfg, default)
+    finally:
+        state_update.CFG["replay_int8"] = int8_defaults
+
+
+def _sweep(batches, k, ring_dtype, out, save, cfg, default) -> None:
     for int8 in (False, True):
         for b in batches:
             for setting in SWEEP:

@@ -35,7 +35,10 @@ from ssmq.ops.layout import heads_per_group
 # state value) at 1.55 TB/s on the H100, 1.8 TB/s with it (bench_int8_ssm --sweep); both within 2 ulp of IEEE.
 CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True,
        "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
-                  "ring_stages": 1}}
+                  "ring_stages": 1},
+       # an int8 checkpoint: unchunked 32 x 128 tiles, no cp.async pipelining. H100 sweep (bench_replay --sweep 128,
+       # 2026-11-23): 0.187 ms a layer at batch 128 vs 0.446 with the fp16 settings above (0.133 for fp16 there)
+       "replay_int8": {"tile": 4096, "BNC": None, "fold_stages": 1}}
 
 
 @triton.jit
@@ -393,6 +396,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
            and (dt_bias is None or dt_bias.stride(1) == 0))
     BN = pow2(n, 16)
     cfg = CFG["replay"] if ring is not None else CFG
+    if ring is not None and state.dtype == torch.int8:
+        cfg = {**cfg, **CFG["replay_int8"]}
     BNC = min(BN, cfg["BNC"] or BN)
     BP = max(4, min(pow2(p), cfg["tile"] // BNC))  # ~4K state values in registers: enough loads in flight
     # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
