@@ -160,10 +160,10 @@ def run_micro(batches, k: int, ring_dtype, out: dict, save) -> None:
 
 # ------------------------------------------------------------------------------------------ end to end
 
-def run_e2e(batches, k: int, out: dict, save) -> None:
+def run_e2e(batches, k: int, out: dict, save, states=("fp16", "int8")) -> None:
     model = random_model(PUBLISHED["mamba2-2.7b"], dtype=torch.float16)
     steps = 2 * k
-    for state in ("fp16", "int8"):
+    for state in states:
         if state == "int8":  # an int8 state format with uniform scales: the timing of the format, not its accuracy
             for layer in model.layers:
                 layer.mixer.enable_int8_state(1)
@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="batches (comma list) of a replay launch-setting sweep, e.g. 128,256")
     ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT, plain vs checkpointed, fp16 / int8 state")
     ap.add_argument("--e2e-batches", default="1,128,256")
+    ap.add_argument("--e2e-states", default="fp16,int8", help="state dtypes of --e2e (comma list)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/replay"))
     args = ap.parse_args()
     outdir = Path(args.out)
@@ -240,7 +241,7 @@ def main() -> None:
     if args.sweep:
         run_sweep([int(b) for b in args.sweep.split(",")], args.k, getattr(torch, args.ring_dtype), out, save)
     if args.e2e:
-        run_e2e([int(b) for b in args.e2e_batches.split(",")], args.k, out, save)
+        run_e2e([int(b) for b in args.e2e_batches.split(",")], args.k, out, save, args.e2e_states.split(","))
     save()
     plot(out, outdir / "replay.png")
     print(f"wrote {outdir / 'replay.json'}")
