@@ -38,6 +38,10 @@ def test_gemm_transform_matches_butterflies(n):
     got = hadamard_transform_gemm(x32)
     assert got.dtype == torch.float32 and got.shape == x32.shape
     torch.testing.assert_close(got, hadamard_transform(x32), rtol=1e-5, atol=1e-5)
+    x16 = x32.half()  # float16 is transformed in float16: within a few float16 ulps of the exact transform
+    got16 = hadamard_transform_gemm(x16)
+    assert got16.dtype == torch.float16
+    torch.testing.assert_close(got16.double(), hadamard_transform(x16.double()), rtol=4e-3, atol=4e-3)
 
 
 def test_unsupported_order_refused():
