@@ -69,17 +69,18 @@ def test_fused_linear_pair_equals_unfused():
 
 @pytest.mark.gpu
 def test_cuda_transform_equals_cpu_and_replays_in_a_graph():
-    """On CUDA (the GEMM form): equal to the CPU butterflies within float32 rounding, and capturable (its ±1
+    """On CUDA (the GEMM form, float16 on tensor cores): equal to the CPU butterflies within a few float16 ulps,
+    and capturable (its ±1
     factors are cached on the device by the eager call before the capture, no host copy inside it)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     x = torch.randn(4, 5120)
     xd = x.cuda().half()
     ref = hadamard_transform(xd.float().cpu())
-    torch.testing.assert_close(hadamard_transform(xd).float().cpu(), ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(hadamard_transform(xd).float().cpu(), ref, rtol=4e-3, atol=4e-3)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = hadamard_transform(xd)
     xd.copy_((x * 2).cuda().half())
     graph.replay()
-    torch.testing.assert_close(out.float().cpu(), hadamard_transform(xd.float().cpu()), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out.float().cpu(), hadamard_transform(xd.float().cpu()), rtol=4e-3, atol=4e-3)
