@@ -70,8 +70,8 @@ def test_fused_linear_pair_equals_unfused():
 @pytest.mark.gpu
 def test_cuda_transform_equals_cpu_and_replays_in_a_graph():
     """On CUDA (the GEMM form, float16 on tensor cores): equal to the CPU butterflies within a few float16 ulps,
-    and capturable (its ±1
-    factors are cached on the device by the eager call before the capture, no host copy inside it)."""
+    and capturable (its ±1 factors are cached on the device by the eager call before the capture, no host copy
+    inside it)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     x = torch.randn(4, 5120)
