@@ -194,6 +194,40 @@ def _state_passing(
 
 
 @triton.jit
+def _scan_tile(l, h, T, nc, heads_per_group, BM: tl.constexpr, BP: tl.constexpr):
+    """The (row block, head-dim block) of one chunk-scan program: grid (b·c·h, row blocks, p blocks). The last row
+    blocks have the most intra-chunk work, so they launch first and the short ones fill the tail."""
+    pid_bch, pid_p = tl.program_id(0), tl.program_id(2)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    hh = pid_bch % h
+    pid_c = (pid_bch // h) % nc
+    pid_b = pid_bch // (h * nc)
+    chunk_len = tl.minimum(T, l - pid_c * T)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    row = ((pid_b * h + hh) * nc + pid_c) * T
+    return pid_bch, pid_m, hh, pid_c, pid_b, hh // heads_per_group, chunk_len, offs_m, offs_p, pid_c * T + offs_m, row
+
+
+@triton.jit
+def _scan_epilogue(acc, x_ptr, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
+                   s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp,
+                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    """y = (acc + D·x) · silu(z) for the tile's rows pos_m and channels offs_p, stored in y's dtype."""
+    m2 = mm[:, None] & mp[None, :]
+    if HAS_D:
+        xm = tl.load(x_ptr + pid_b * s_xb + hh * s_xh + pos_m[:, None] * s_xl + offs_p[None, :] * s_xp, mask=m2,
+                     other=0.0).to(tl.float32)
+        acc += xm * tl.load(D_ptr + hh * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)[None, :]
+    if HAS_Z:
+        zz = tl.load(z_ptr + pid_b * s_zb + pos_m[:, None] * s_zl + hh * s_zh + offs_p[None, :] * s_zp,
+                     mask=m2, other=0.0).to(tl.float32)
+        acc *= silu(zz)
+    tl.store(y_ptr + pid_b * s_yb + pos_m[:, None] * s_yl + hh * s_yh + offs_p[None, :] * s_yp,
+             acc.to(y_ptr.dtype.element_ty), mask=m2)
+
+
+@triton.jit
 def _chunk_scan(
     x_ptr, C_ptr, cb_ptr, dt_ptr, cs_ptr, st_ptr, D_ptr, z_ptr, y_ptr,
     l, h, p, n, T, nc, g, heads_per_group,
@@ -202,21 +236,11 @@ def _chunk_scan(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):
-    pid_bch, pid_p = tl.program_id(0), tl.program_id(2)
-    # the last row blocks have the most intra-chunk work: launch them first, so the short ones fill the tail
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    hh = pid_bch % h
-    pid_c = (pid_bch // h) % nc
-    pid_b = pid_bch // (h * nc)
-    grp = hh // heads_per_group
-    chunk_len = tl.minimum(T, l - pid_c * T)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_p = pid_p * BP + tl.arange(0, BP)
+    pid_bch, pid_m, hh, pid_c, pid_b, grp, chunk_len, offs_m, offs_p, pos_m, row = \
+        _scan_tile(l, h, T, nc, heads_per_group, BM, BP)
     offs_k = tl.arange(0, BK)
     offs_n = tl.arange(0, BN)
     mm, mp = offs_m < chunk_len, offs_p < p
-    pos_m = pid_c * T + offs_m
-    row = ((pid_b * h + hh) * nc + pid_c) * T
     cs_m = tl.load(cs_ptr + row + offs_m, mask=mm, other=0.0)
     ty = x_ptr.dtype.element_ty
 
@@ -248,16 +272,8 @@ def _chunk_scan(
         xk = tl.load(xp + (pid_c * T + kk)[:, None] * s_xl, mask=mk[:, None] & mp[None, :], other=0.0)
         acc = tl.dot(sc.to(ty), xk, acc, input_precision=DOT_PREC)
 
-    m2 = mm[:, None] & mp[None, :]
-    if HAS_D:
-        xm = tl.load(xp + pos_m[:, None] * s_xl, mask=m2, other=0.0).to(tl.float32)
-        acc += xm * tl.load(D_ptr + hh * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)[None, :]
-    if HAS_Z:
-        zz = tl.load(z_ptr + pid_b * s_zb + pos_m[:, None] * s_zl + hh * s_zh + offs_p[None, :] * s_zp,
-                     mask=m2, other=0.0).to(tl.float32)
-        acc *= silu(zz)
-    tl.store(y_ptr + pid_b * s_yb + pos_m[:, None] * s_yl + hh * s_yh + offs_p[None, :] * s_yp,
-             acc.to(y_ptr.dtype.element_ty), mask=m2)
+    _scan_epilogue(acc, x_ptr, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
+                   s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp, HAS_D, HAS_Z)
 
 
 # Launch configurations (block sizes, warps, pipeline stages) per kernel; tuned on H100 for Mamba2 shapes

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import dot_precision, pow2, quantize_rne, rne_int8, silu
-from ssmq.kernels.ssd import _chunk_cumsum
+from ssmq.kernels._common import dot_precision, pow2, quantize_rne, rne_int8
+from ssmq.kernels.ssd import _chunk_cumsum, _scan_epilogue, _scan_tile
 from ssmq.ops.layout import has_dt_limit, heads_per_group
 from ssmq.ops.ssd_int8 import DECAY_BITS, IntStages, SSDi8Options, run_ssd_int8
 
@@ -158,19 +158,8 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
     # C (b, l, g, n) int8; S = entering state (b, c, h, p, n) int8; LUT_off (b, c, T, h) given (LUT_IN) or
     # exp(cs_t)·C_scale from cs (b, h, c, T); Cs, Bs (g,); ss = state_scale (h, p); cb (b, c, t, s, g) int32;
     # x, z (b, l, h, p); D (h, p) strides -> y (b, l, h, p) float32
-    pid_bch, pid_p = tl.program_id(0), tl.program_id(2)
-    # the last row blocks have the most intra-chunk work: launch them first, so the short ones fill the tail
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    hh = pid_bch % h
-    pid_c = (pid_bch // h) % nc
-    pid_b = pid_bch // (h * nc)
-    grp = hh // rep
-    chunk_len = tl.minimum(T, l - pid_c * T)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_p = pid_p * BP + tl.arange(0, BP)
+    pid_bch, pid_m, hh, pid_c, pid_b, grp, chunk_len, offs_m, offs_p, pos_m, row = _scan_tile(l, h, T, nc, rep, BM, BP)
     mm, mp = offs_m < chunk_len, offs_p < p
-    pos_m = pid_c * T + offs_m
-    row = ((pid_b * h + hh) * nc + pid_c) * T
 
     # ChunkScan1: int32 C_q · state_q, then float32(acc)·LUT_off[t]·state_scale[p] (the reference's order)
     acc = tl.zeros((BM, BP), dtype=tl.int32)
@@ -231,17 +220,8 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
             yd = tl.dot(sc.to(ty), xk, yd, input_precision=DOT_PREC)
         y = yd + y
 
-    m2 = mm[:, None] & mp[None, :]
-    if HAS_D:
-        xm = tl.load(x_ptr + pid_b * s_xb + hh * s_xh + pos_m[:, None] * s_xl + offs_p[None, :] * s_xp, mask=m2,
-                     other=0.0).to(tl.float32)
-        y += xm * tl.load(D_ptr + hh * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)[None, :]
-    if HAS_Z:
-        zz = tl.load(z_ptr + pid_b * s_zb + pos_m[:, None] * s_zl + hh * s_zh + offs_p[None, :] * s_zp,
-                     mask=m2, other=0.0).to(tl.float32)
-        y *= silu(zz)
-    tl.store(y_ptr + pid_b * s_yb + pos_m[:, None] * s_yl + hh * s_yh + offs_p[None, :] * s_yp,
-             y.to(y_ptr.dtype.element_ty), mask=m2)
+    _scan_epilogue(y, x_ptr, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
+                   s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp, HAS_D, HAS_Z)
 
 
 def _blk(x: int, cap: int, lo: int = 16) -> int:
