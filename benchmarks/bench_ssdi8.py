@@ -24,6 +24,7 @@ from ssmq.kernels import ssd, ssdi8
 from ssmq.ops.quant_ssm import quantize_ref
 from ssmq.ops.ssd_int8 import ssd_int8_ranges
 from peers import mamba_ssm_op  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G, T = 80, 64, 128, 1, 256
@@ -80,14 +81,43 @@ def shares(fn) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in out.items()} if total else {}
 
 
+def plot(rows: list[dict], device: str, path: str) -> None:
+    """ms per call vs L, one panel a batch: our FP16 SSD, the int8 SSD and mamba_ssm."""
+    plt = pyplot()
+    if plt is None:
+        return
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        rs = sorted((r for r in rows if r["batch"] == b), key=lambda r: r["L"])
+        for key, label in (("fp16_ssd_ms", "ssmq FP16 SSD"), ("int8_ssd_ms", "ssmq int8 SSD (SSDi8)"),
+                           ("mamba_ssm_ms", "mamba_ssm mamba_chunk_scan_combined")):
+            pts = [(r["L"], r[key]) for r in rs if r.get(key)]
+            if pts:
+                ax.plot(*zip(*pts), "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("L (tokens)")
+        ax.set_ylabel("ms per call")
+        ax.set_title(f"batch {b}, Mamba2-2.7B SSD shape — {device}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="256,512,1024,2048,4096,8192")
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write the rows here, and a PNG beside it")
+    ap.add_argument("--plot-from", default=None, help="only draw the PNG of an earlier --json (no GPU needed)")
     ap.add_argument("--cfg", default=None,
                     help='JSON merged into ssmq.kernels.ssdi8.CFG, e.g. \'{"scan": {"FACTORED": false, "BM": 128}}\'')
     args = ap.parse_args()
+    if args.plot_from:
+        doc = json.loads(open(args.plot_from).read())
+        plot(doc["rows"], doc["device"], args.plot_from.removesuffix(".json") + ".png")
+        return
     for kernel, over in json.loads(args.cfg or "{}").items():
         ssdi8.CFG[kernel].update(over)
     pk = peer()
@@ -118,6 +148,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": dict(h=H, p=P, n=N, g=G, T=T),
                        "int8_cfg": ssdi8.CFG, "rows": rows}, f, indent=2)
+        plot(rows, torch.cuda.get_device_name(), args.json.removesuffix(".json") + ".png")
 
 
 if __name__ == "__main__":
