@@ -381,6 +381,21 @@ def test_llama_quantized_kv_decode_step_reads_nothing_on_the_host(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["hybrid", "llama"])
+def test_quantized_kv_prefill_piece_reads_nothing_on_the_host(which, monkeypatch):
+    """A prefill continuing a sequence (what ``CudaGraphPrefill`` captures: append, then ``read`` over the capacity)
+    reads nothing on the host under the emulated capture, and equals the eager prefill."""
+    m = _quantized("kvquant-nuq4-1%") if which == "hybrid" else _llama()
+    cache, _, _ = _ragged_cache(m)
+    ids = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(5))
+    eager_cache = copy.deepcopy(cache)
+    with torch.no_grad():
+        want = m(ids, eager_cache, slots=[0])
+        with _as_if_captured(monkeypatch):
+            got = m(ids, cache, slots=[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["hybrid", "llama"])
 def test_quantized_kv_decode_equals_the_read_path(which, monkeypatch):
     """The eager decode step through ``QuantKVState.decode`` (the kernels' reference on CPU) equals the reference
     path: the whole cache dequantized by ``read``, then ``attention_ref``."""
@@ -432,3 +447,28 @@ def test_quantized_kv_decode_under_cuda_graphs_equals_eager(which):
     assert any(isinstance(st, QuantKVState) for st in dec.cache.states)
     assert generate(m, prompts, params, cache=dec.cache, decode_fn=dec) == eager
     assert int(dec.cache.seqlens[dec.scratch]) <= 1  # the padding row's slot stays at the start
+
+
+@pytest.mark.gpu
+def test_quantized_kv_graph_prefill_then_graph_decode():
+    """Prefill from ``CudaGraphPrefill`` pieces (16 + 8 + 1 tokens) and decode from the decoder's graphs over one
+    quantized cache: the logits of the eager prefill and steps (a relative error: a key that lands on the other
+    side of a code boundary in one of the two moves the logits by a quantization step, not a float rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
+
+    m = _quantized("kvquant-nuq4-1%").to("cuda")
+    ids = torch.randint(0, 256, (1, 29), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    slot = torch.tensor([1], device="cuda")
+    with torch.inference_mode():
+        cache = m.allocate_cache(3, 64)
+        want = [m(ids[:, :25], cache, slots=slot)[:, -1]]
+        want += [m.step(ids[:, t], cache, slot) for t in range(25, 29)]
+        dec = CudaGraphDecoder(m, max_batch=2, max_seqlen=64)
+        pre = CudaGraphPrefill(m, dec.cache, max_len=32, pool=dec.pool)
+        got = [pre(ids[:, :25], slot=1).clone()]
+        got += [dec(ids[:, t], slot).clone() for t in range(25, 29)]
+    got, want = torch.cat(got), torch.cat(want)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert int(dec.cache.seqlens[1]) == 29
