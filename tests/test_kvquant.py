@@ -1,6 +1,8 @@
 """KVQuant on CPU: the format's references (codebooks, outliers, rotation), Fisher-weighted k-means, the quantized KV
 state against its fake-quant reference, the recipe / checkpoint plumbing and its errors."""
 
+import contextlib
+import copy
 import json
 
 import pytest
@@ -285,3 +287,188 @@ def test_ssm_recipe_plus_kv_preset_in_one_checkpoint(tmp_path):
         m2(ids[:, :6], cache=cache)
         assert torch.isfinite(m2.step(ids[:, 6], cache)).all()
     assert isinstance(cache.states[1], QuantKVState) and cache.states[0].ssm.dtype == torch.int8
+
+
+# ------------------------------------------------------------------------------------------------- CUDA graphs
+HOST_READS = ("item", "tolist", "numpy", "nonzero", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def _as_if_captured(monkeypatch):
+    """A CUDA-graph capture emulated on CPU: the caches see ``capturing()`` True (static shapes, no host checks),
+    and every read of a tensor's value on the host — what would sync on a GPU, and what a capture refuses — fails:
+    item / tolist / int / float / bool / index, nonzero, and indexing with a boolean mask (a nonzero inside)."""
+    import ssmq.models.quant_kv
+    import ssmq.models.state
+
+    def refuse(name):
+        def read(self, *a, **kw):
+            raise AssertionError(f"host read of a tensor's value: Tensor.{name}")
+        return read
+
+    def no_masks(fn):
+        def index(self, key, *a):
+            keys = key if isinstance(key, tuple) else (key,)
+            if any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys):
+                raise AssertionError("boolean-mask indexing (a host read of the mask's count)")
+            return fn(self, key, *a)
+        return index
+
+    with monkeypatch.context() as mp:
+        for mod in (ssmq.models.quant_kv, ssmq.models.state, kq):
+            mp.setattr(mod, "capturing", lambda t: True)
+        for name in HOST_READS:
+            mp.setattr(torch.Tensor, name, refuse(name))
+        mp.setattr(torch.Tensor, "__getitem__", no_masks(torch.Tensor.__getitem__))
+        mp.setattr(torch.Tensor, "__setitem__", no_masks(torch.Tensor.__setitem__))
+        yield
+
+
+def _llama():
+    from ssmq.models import SSMLM, ModelConfig
+
+    torch.manual_seed(0)
+    m = SSMLM(ModelConfig(arch="llama", d_model=64, n_layer=2, vocab_size=256, attn_heads=4, attn_kv_heads=2,
+                          attn_head_dim=16, rotary_dim=16, mlp_hidden=96)).eval()
+    return quantize(m, "kvquant-nuq4-1%", tiny_calib(4, 32), progress=False)
+
+
+def _ragged_cache(m, device="cpu"):
+    """Slots 3, 0, 1 of a 5-slot cache prefilled to 9, 6, 6 tokens (slot 4: a CUDA graph's scratch), and the next
+    tokens of a decode step of a bucket of 5 rows (two padding rows on the scratch slot, as the graph decoder)."""
+    ids = torch.randint(0, 256, (3, 10), generator=torch.Generator().manual_seed(4)).to(device)
+    cache = m.allocate_cache(5, 16, device=device)
+    with torch.no_grad():
+        m(ids[:, :6], cache=cache, slots=[3, 0, 1])
+        m(ids[:1, 6:9], cache=cache, slots=[3])
+    slots = torch.tensor([3, 0, 1, 4, 4], device=device)
+    tokens = torch.cat([ids[:, 9], ids[:2, 0]])
+    return cache, slots, tokens
+
+
+def _check_step_reads_nothing_on_the_host(m, monkeypatch, device="cpu"):
+    """The decode step under an emulated capture (static shapes, no host read) equals the eager step: logits of the
+    live rows, and every buffer of their slots."""
+    cache, slots, tokens = _ragged_cache(m, device)
+    eager_cache = copy.deepcopy(cache)
+    with torch.no_grad():
+        want = m.step(tokens, eager_cache, slots)[:3]
+        with _as_if_captured(monkeypatch):
+            got = m.step(tokens, cache, slots)[:3]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    live = torch.tensor([3, 0, 1], device=device)
+    for st, ref in zip(cache.states, eager_cache.states):
+        if isinstance(st, QuantKVState):
+            for a, b in zip(st.k.buffers() + st.v.buffers(), ref.k.buffers() + ref.v.buffers()):
+                assert torch.equal(a[live], b[live])
+    assert torch.equal(cache.seqlens[live], torch.tensor([10, 7, 7], device=device))
+    return want
+
+
+@pytest.mark.parametrize("preset", ["kvquant-nuq4-1%", "kvquant-nuq3-1%", "kv-int8-pth", "kv-turbo3"])
+def test_quantized_kv_decode_step_reads_nothing_on_the_host(preset, monkeypatch):
+    """What a CUDA graph needs of the step (``CudaGraphDecoder``): append, the decode path (``QuantKVState.decode``;
+    ``read`` for the formats without a decode kernel: 8-bit codes, rotation), RoPE positions and the sink, with no
+    host read of a device value; and the same numbers as the eager step."""
+    m = _quantized(preset)
+    _check_step_reads_nothing_on_the_host(m, monkeypatch)
+    with _as_if_captured(monkeypatch), torch.no_grad(), pytest.raises(AssertionError, match="host read"):
+        m.layers[1].mixer.kv_quant.k_codebook.max().item()  # the trap works
+
+
+def test_llama_quantized_kv_decode_step_reads_nothing_on_the_host(monkeypatch):
+    _check_step_reads_nothing_on_the_host(_llama(), monkeypatch)
+
+
+@pytest.mark.parametrize("which", ["hybrid", "llama"])
+def test_quantized_kv_prefill_piece_reads_nothing_on_the_host(which, monkeypatch):
+    """A prefill continuing a sequence (what ``CudaGraphPrefill`` captures: append, then ``read`` over the capacity)
+    reads nothing on the host under the emulated capture, and equals the eager prefill."""
+    m = _quantized("kvquant-nuq4-1%") if which == "hybrid" else _llama()
+    cache, _, _ = _ragged_cache(m)
+    ids = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(5))
+    eager_cache = copy.deepcopy(cache)
+    with torch.no_grad():
+        want = m(ids, eager_cache, slots=[0])
+        with _as_if_captured(monkeypatch):
+            got = m(ids, cache, slots=[0])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["hybrid", "llama"])
+def test_quantized_kv_decode_equals_the_read_path(which, monkeypatch):
+    """The eager decode step through ``QuantKVState.decode`` (the kernels' reference on CPU) equals the reference
+    path: the whole cache dequantized by ``read``, then ``attention_ref``."""
+    m = _quantized("kvquant-nuq4-1%") if which == "hybrid" else _llama()
+    cache, slots, tokens = _ragged_cache(m)
+    ref_cache = copy.deepcopy(cache)
+    calls = []
+    decode = QuantKVState.decode
+    monkeypatch.setattr(QuantKVState, "decode", lambda self, *a: (calls.append(1), decode(self, *a))[1])
+    with torch.no_grad():
+        got = m.step(tokens, cache, slots)[:3]
+        assert calls  # the decode path was taken
+        monkeypatch.setattr(QuantKVState, "decode", lambda self, *a: None)  # the read path
+        want = m.step(tokens, ref_cache, slots)[:3]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_quantized_kv_decode_step_on_the_kernels_reads_nothing_on_the_host(monkeypatch):
+    """Same with the Triton decode kernel in place of its reference (CUDA, or its interpreter on CPU)."""
+    from test_kernels import DEV, kernel_module
+
+    from ssmq import kernels
+
+    kv_decode, calls = kernel_module("kv_decode"), []
+    monkeypatch.setattr(kernels, "quant_kv_decode",
+                        lambda *a: (calls.append(1), kv_decode.quant_kv_decode(*a))[1])
+    m = _quantized("kvquant-nuq4-1%").to(DEV)
+    _check_step_reads_nothing_on_the_host(m, monkeypatch, DEV)
+    assert len(calls) == 2  # the eager step and the emulated capture, each through the kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["hybrid", "llama"])
+def test_quantized_kv_decode_under_cuda_graphs_equals_eager(which):
+    """A quantized KV cache (kvquant-nuq4-1%) decodes from CUDA graphs: greedy tokens of graph replays (3 rows in a
+    bucket of 4: a padding row on the scratch slot) equal eager decode's, on the LUT decode kernels."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    m = (_quantized("kvquant-nuq4-1%") if which == "hybrid" else _llama()).to("cuda")
+    prompts = [[5, 7, 9, 11, 3], [2], [8, 8, 1, 4, 60]]
+    params = SamplingParams(max_new_tokens=12, stop_at_eos=False)
+    eager = generate(m, prompts, params)
+    dec = CudaGraphDecoder(m, max_batch=4, max_seqlen=64)
+    assert any(isinstance(st, QuantKVState) for st in dec.cache.states)
+    assert generate(m, prompts, params, cache=dec.cache, decode_fn=dec) == eager
+    assert int(dec.cache.seqlens[dec.scratch]) <= 1  # the padding row's slot stays at the start
+
+
+@pytest.mark.gpu
+def test_quantized_kv_graph_prefill_then_graph_decode():
+    """Prefill from ``CudaGraphPrefill`` pieces (16 + 8 + 1 tokens) and decode from the decoder's graphs over one
+    quantized cache: the logits of the eager prefill and steps (a relative error: a key that lands on the other
+    side of a code boundary in one of the two moves the logits by a quantization step, not a float rounding)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
+
+    m = _quantized("kvquant-nuq4-1%").to("cuda")
+    ids = torch.randint(0, 256, (1, 29), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    slot = torch.tensor([1], device="cuda")
+    with torch.inference_mode():
+        cache = m.allocate_cache(3, 64)
+        want = [m(ids[:, :25], cache, slots=slot)[:, -1]]
+        want += [m.step(ids[:, t], cache, slot) for t in range(25, 29)]
+        dec = CudaGraphDecoder(m, max_batch=2, max_seqlen=64)
+        pre = CudaGraphPrefill(m, dec.cache, max_len=32, pool=dec.pool)
+        got = [pre(ids[:, :25], slot=1).clone()]
+        got += [dec(ids[:, t], slot).clone() for t in range(25, 29)]
+    got, want = torch.cat(got), torch.cat(want)
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert int(dec.cache.seqlens[1]) == 29

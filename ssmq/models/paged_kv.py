@@ -20,6 +20,7 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.models.state import RopeAtRead, StateFormat
+from ssmq.ops.attention import capturing
 
 
 class BlockTable:
@@ -66,8 +67,7 @@ class PagedKVState:
 
     def append(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots``, into their blocks."""
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and int(positions.max()) >= self.max_seqlen:
+        if not capturing(positions) and int(positions.max()) >= self.max_seqlen:
             raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
         block, offset = self.table.locate(slots, positions)
         self.k[block, offset] = k.to(self.k.dtype)
@@ -77,8 +77,7 @@ class PagedKVState:
         """Keys (post-RoPE) and values of the rows ``slots``: (b, T, hkv, e), valid up to ``kv_lens`` (b,).
 
         T = the longest of ``kv_lens`` rounded up to whole blocks (max_seqlen while a CUDA graph is captured)."""
-        capturing = kv_lens.is_cuda and torch.cuda.is_current_stream_capturing()
-        end = self.max_seqlen if capturing else int(kv_lens.max())
+        end = self.max_seqlen if capturing(kv_lens) else int(kv_lens.max())
         n = -(-end // self.table.block_size)
         blocks = self.table.rows[slots, :n]  # (b, n)
         b, bs = blocks.shape[0], self.table.block_size

@@ -8,7 +8,8 @@ Per side (keys, values), ``QuantSide`` holds
     mid, half (s, L, hkv) float16      per-token scales (per_token sides only; offline scales live in the quantizer)
     out_idx   (s, L, k) int16, out_val (s, L, k) float16    the token's sparse outliers
     sink      (s, S, hkv, e) float     the first S tokens, exactly (attention sink)
-``append`` quantizes the new tokens as they are written (prefill writes the quantized cache directly);
+``append`` quantizes the new tokens as they are written (prefill writes the quantized cache directly), with static
+shapes and no host read (a CUDA graph captures a decode step: ``append`` then ``decode``);
 ``read`` dequantizes the served rows (keys before RoPE are rotated after), so attention over a read equals
 attention over ``KVQuantizer.fake_quant`` of the same keys and values. Same ops as ``KVState``.
 """
@@ -19,6 +20,7 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.models.state import RopeAtRead, StateFormat, _rows
+from ssmq.ops.attention import capturing
 from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, dequantize_kv_ref, pack_nibbles, quantize_kv_ref, scales_of,
                                unpack_nibbles)
 
@@ -41,10 +43,12 @@ class QuantSide:
     def buffers(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.mid, self.half, self.out_idx, self.out_val, self.sink) if t is not None]
 
-    def write(self, rows: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
-        """x (b, l, hkv, e) at ``positions`` (b, l) of the rows ``rows`` (b, l)."""
+    def write(self, slots: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """x (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (b,). Static shapes, no host read of a
+        device value (a CUDA graph captures it): every buffer is written by index, the sink by ``write_sink``."""
         q = quantize_kv_ref(x.reshape(-1, *x.shape[-2:]), self.q.params(self.which))
         lead = x.shape[:2]
+        rows = slots[:, None].expand_as(positions)
         codes = pack_nibbles(q.codes) if self.packed else q.codes
         self.codes[rows, positions] = codes.reshape(*lead, *codes.shape[1:])
         if self.mid is not None:
@@ -52,9 +56,19 @@ class QuantSide:
             self.half[rows, positions] = q.half.reshape(*lead, -1)
         self.out_idx[rows, positions] = q.out_idx.reshape(*lead, -1)
         self.out_val[rows, positions] = q.out_val.reshape(*lead, -1)
-        keep = positions < self.sink.shape[1]
-        if keep.any():
-            self.sink[rows[keep], positions[keep]] = x[keep].to(self.sink.dtype)
+        self.write_sink(slots, positions, x)
+
+    def write_sink(self, slots: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """The tokens of x (b, l, hkv, e) at positions < S, exactly, into the sink of the rows ``slots``: each sink
+        position takes the token written there, or keeps its value (a gather and a select over (b, S, hkv, e), in
+        place of a mask over the positions, whose boolean indexing would read its count on the host)."""
+        S = self.sink.shape[1]
+        if not S:
+            return
+        hit = positions[:, :, None] == torch.arange(S, device=positions.device)  # (b, l, S)
+        src = hit.long().argmax(1)  # (b, S): the token at each sink position (0 where none: not used)
+        new = x.gather(1, src[:, :, None, None].expand(-1, -1, *x.shape[2:])).to(self.sink.dtype)
+        self.sink[slots] = torch.where(hit.any(1)[:, :, None, None], new, self.sink[slots])
 
     def quantized(self, slots: torch.Tensor, end: int) -> QuantizedKV:
         """The rows ``slots`` up to ``end`` as a QuantizedKV of (b·T) tokens (codes unpacked)."""
@@ -110,19 +124,20 @@ class QuantKVState:
         return self.rope is not None
 
     def append(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Quantize and write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots``."""
-        if positions.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise SSMQError("a quantized KV cache does not run under CUDA graphs yet (its lengths are read on the "
-                            "host); decode eagerly (--eager)")
-        if int(positions.max()) >= self.max_seqlen:
+        """Quantize and write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (b,). The writes have
+        static shapes and read nothing on the host; the bound check reads the last position, so it is skipped while
+        a CUDA graph is being captured (the graph runner's caller keeps the lengths within the cache, as KVState)."""
+        if not capturing(positions) and int(positions.max()) >= self.max_seqlen:
             raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
-        rows = slots[:, None].expand_as(positions)
-        self.k.write(rows, positions, k)
-        self.v.write(rows, positions, v)
+        self.k.write(slots, positions, k)
+        self.v.write(slots, positions, v)
 
     def read(self, slots: torch.Tensor, kv_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (post-RoPE) and values of the rows ``slots``: (b, T, hkv, e) each, T = max(kv_lens)."""
-        end = int(kv_lens.max())
+        """Keys (post-RoPE) and values of the rows ``slots``: (b, T, hkv, e) each, valid up to ``kv_lens`` (b,).
+        Dequantizes the whole prefix (prefill, and the formats without a decode kernel): T = the longest of
+        ``kv_lens`` (a host read), or L while a CUDA graph is being captured (static shapes; the mask hides the rest).
+        A decode step reads through ``decode`` instead, which reads no length on the host."""
+        end = self.max_seqlen if capturing(kv_lens) else int(kv_lens.max())
         keys, values = self.k.read(slots, end, self.dtype), self.v.read(slots, end, self.dtype)
         if self.rope is not None:
             from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
@@ -134,7 +149,8 @@ class QuantKVState:
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' quantized cache (LUT kernels on
-        CUDA, ``quant_kv_decode_ref`` elsewhere): (b, hq, e) float32; None when the format has no decode kernel."""
+        CUDA, ``quant_kv_decode_ref`` elsewhere): (b, hq, e) float32; None when the format has no decode kernel.
+        The kernels take ``slots`` and ``kv_lens`` on the device: no host sync, so a CUDA graph captures the step."""
         k, v = self.k.view(), self.v.view()
         if k is None or v is None:
             return None

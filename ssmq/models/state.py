@@ -35,6 +35,7 @@ import torch
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
+from ssmq.ops.attention import capturing
 from ssmq.ops.replay_ssm import StateRing, replay_state_ref
 
 
@@ -251,8 +252,7 @@ class KVState:
         """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (keys pre-RoPE when
         ``keys_before_rope``). The bound check reads a device value, so it is skipped while a CUDA graph is
         being captured (the graph runner checks lengths on the host instead)."""
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and int(positions.max()) >= self.max_seqlen:
+        if not capturing(positions) and int(positions.max()) >= self.max_seqlen:
             raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
         rows = slots[:, None].expand_as(positions)
         self.k[rows, positions] = k.to(self.k.dtype)
@@ -264,8 +264,7 @@ class KVState:
         T = the longest of ``kv_lens`` (one device-to-host read), so a step copies only the positions its rows
         hold; while a CUDA graph is captured T = L (static shapes, no host read; the mask hides the rest).
         """
-        capturing = kv_lens.is_cuda and torch.cuda.is_current_stream_capturing()
-        end = self.max_seqlen if capturing else int(kv_lens.max())
+        end = self.max_seqlen if capturing(kv_lens) else int(kv_lens.max())
         keys, values = self.k[slots, :end], self.v[slots, :end]
         if self.rope is not None:
             from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin

@@ -9,6 +9,12 @@ from __future__ import annotations
 import torch
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """True while a CUDA graph is being captured on t's device: shapes must then be static and no device value may be
+    read on the host (a cache reads its capacity instead of its rows' lengths, and skips its host-side checks)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def rotary_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:
     """(r/2,) float32 RoPE frequencies base^(-2j/r)."""
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ssmq.ops.attention import capturing
+
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
 
@@ -91,9 +93,14 @@ def hadamard(e: int, device=None) -> torch.Tensor:
     return (h / e ** 0.5).to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _hadamard_on(e: int, device: torch.device) -> torch.Tensor:
+    return hadamard(e, device)  # built once a device: no host-to-device copy a call (CUDA graphs refuse one)
+
+
 def rotate_heads(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x (..., e) ↦ (x ⊙ signs) H, or its inverse (x H) ⊙ signs."""
-    h = hadamard(x.shape[-1], x.device)
+    h = _hadamard_on(x.shape[-1], x.device)
     return (x.float() @ h) * signs if inverse else (x.float() * signs) @ h
 
 
@@ -239,10 +246,11 @@ def quant_kv_decode_ref(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Ten
                         rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None):
     """Decode attention over a quantized cache: q (b, hq, e) post-RoPE queries of the rows ``slots`` (b,), which
     hold ``kv_lens`` (b,) tokens (the new one included); keys stored before RoPE when ``rotary_dim`` > 0 (rotated
-    after dequantization). Returns (b, hq, e) float32: the dequantized cache, then float attention."""
+    after dequantization). Returns (b, hq, e) float32: the dequantized cache, then float attention. Reads the
+    longest of ``kv_lens`` on the host, except while a CUDA graph is being captured: then all L positions (masked)."""
     from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
 
-    end = int(kv_lens.max())
+    end = k.codes.shape[1] if capturing(kv_lens) else int(kv_lens.max())
     keys, values = k.dequantize(slots, end), v.dequantize(slots, end)
     if rotary_dim:
         pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)

@@ -87,7 +87,10 @@ class CudaGraphDecoder:
         graph, static_tokens, static_slots, logits = self.graphs[bs]
         static_tokens[:b].copy_(tokens)
         static_slots[:b].copy_(slots)
-        static_slots[b:] = self.scratch
+        if b < bs:  # padding rows write to the scratch slot, whose length stays 0: each replay advances it by one,
+            # and past the cache's L its KV writes (and a quantized cache's kernel reads) would leave their buffers
+            static_slots[b:] = self.scratch
+            self.cache.seqlens[self.scratch] = 0
         graph.replay()
         return logits[:b]
 
