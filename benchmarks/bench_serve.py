@@ -91,7 +91,7 @@ def offline(model, args, levels) -> dict:
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_new_tokens=args.output_len, stop_at_eos=False)
-    out = {"throughput_tok_s": {}}
+    out = {"throughput_tok_s": {}, "decode_step_tok_s": {}}
     for c in levels:
         prompts = torch.randint(1, vocab, (c, args.prompt_len), generator=g).tolist()
         run = {}
@@ -107,6 +107,9 @@ def offline(model, args, levels) -> dict:
         generate(model, prompts, params, **run)
         sync()
         out["throughput_tok_s"][c] = c * args.output_len / (time.perf_counter() - t)
+        # the bound a server could reach with no prefill and no host work: C rows per decode step (graph replay on
+        # CUDA). generate() prefills prompt by prompt, so its throughput is far below this at large C
+        out["decode_step_tok_s"][c] = c / decode_step_s(model, run, c)
         if c == 1:  # TPOT: decode steps only, prefill excluded
             steps = []
             slot = torch.zeros(1, dtype=torch.long, device=model.device)
@@ -126,6 +129,31 @@ def offline(model, args, levels) -> dict:
             out["tpot_ms"] = statistics.median(steps[5:]) * 1e3
         del run
     return out
+
+
+def decode_step_s(model, run: dict, c: int, steps: int = 10) -> float:
+    """Median seconds of one decode step of C rows: ``run``'s CudaGraphDecoder over its cache (reset first: the
+    timed steps must not run past the cache's length), else ``model.step`` on a fresh cache."""
+    import torch
+
+    dev = model.device
+    slots = torch.arange(c, device=dev)
+    tokens = torch.ones(c, dtype=torch.long, device=dev)
+    if run:
+        run["cache"].reset()
+        decode_fn = run["decode_fn"]
+    else:
+        cache = model.allocate_cache(c, steps + 4)
+        decode_fn = lambda x, s: model.step(x, cache, s)  # noqa: E731
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps + 2):
+            sync()
+            t = time.perf_counter()
+            decode_fn(tokens, slots)
+            sync()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[2:])
 
 
 def sync():
@@ -247,15 +275,18 @@ def report(res: dict, out: Path) -> None:
     lines = [f"# ssmq serve: {res['model']}{' ' + res['quant'] if res['quant'] else ''} on {res['device']}", "",
              f"prompt {res['prompt_len']} tokens, output {res['output_len']} tokens (ignore_eos), streaming, "
              f"closed-loop clients; offline TPOT {off['tpot_ms']:.2f} ms", "",
-             "| clients | requests | throughput tok/s | offline tok/s | ratio | TTFT p50 ms | TTFT p99 ms | "
-             "TPOT p50 ms | TPOT p99 ms | TPOT p50 / offline |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| clients | requests | throughput tok/s | offline tok/s | ratio | decode-step bound tok/s | ratio | "
+             "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | TPOT p50 / offline |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["levels"]:
         if not r.get("requests"):
-            lines.append(f"| {r['concurrency']} | 0 | | | | | | | | |")
+            lines.append(f"| {r['concurrency']} | 0 | | | | | | | | | | |")
             continue
         o = off["throughput_tok_s"][str(r["concurrency"])]
+        bound = off.get("decode_step_tok_s", {}).get(str(r["concurrency"]))
+        bound_cells = f"{bound:.0f} | {r['throughput_tok_s'] / bound:.2f}" if bound else " | "
         lines.append(f"| {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.0f} | {o:.0f} | "
-                     f"{r['throughput_tok_s'] / o:.2f} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f} | "
+                     f"{r['throughput_tok_s'] / o:.2f} | {bound_cells} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f} | "
                      f"{r['tpot_ms_p50']:.2f} | {r['tpot_ms_p99']:.2f} | {r['tpot_ms_p50'] / off['tpot_ms']:.2f} |")
     (out / "serve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -267,6 +298,8 @@ def report(res: dict, out: Path) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     ax[0].plot(cs, [r["throughput_tok_s"] for r in rows], "o-", label="server")
     ax[0].plot(cs, [off["throughput_tok_s"][str(c)] for c in cs], "s--", label="offline generate")
+    if off.get("decode_step_tok_s"):
+        ax[0].plot(cs, [off["decode_step_tok_s"][str(c)] for c in cs], "k:", label="decode-step bound")
     ax[0].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="generated tok/s", title="throughput")
     ax[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-", label="p50")
     ax[1].plot(cs, [r["ttft_ms_p99"] for r in rows], "o--", label="p99")
@@ -323,7 +356,8 @@ def main() -> None:
     try:
         wait_ready(url, proc, args.ready_timeout)
         info = json.loads(offline_json.read_text())
-        info["offline"]["throughput_tok_s"] = {str(k): v for k, v in info["offline"]["throughput_tok_s"].items()}
+        for key in ("throughput_tok_s", "decode_step_tok_s"):
+            info["offline"][key] = {str(k): v for k, v in info["offline"].get(key, {}).items()}
         levels = []
         for c in [int(x) for x in args.concurrency.split(",")]:
             levels.append(run_level(url, c, args, info["vocab"]))
