@@ -182,6 +182,48 @@ def test_ssdi8_compiles_for_sm90(variant):
     _compile_sm90(kernel, pointers, const)
 
 
+# The float SSD kernels (ssmq.kernels.ssd) and their int8-input variants (QUANT: x, B, C codes dequantized at load,
+# quant_ssd_chunk_scan), at the tuned tiles of CFG and Mamba2-2.7B's (p 64, n 128, chunk 256); TY the output and
+# tensor-core operand dtype. (kernel, x / B / C and output dtypes, constexprs)
+def _ssd_cases():
+    import triton.language as tl
+
+    tys = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
+    cases = {}
+    for q in (False, True):
+        for ty in ("fp16", "bf16", "fp32"):
+            if not q and ty == "bf16":
+                continue
+            code = "i8" if q else ty
+            prec = "ieee" if ty == "fp32" else "tf32"
+            io = {"x_ptr": code, "B_ptr": code, "C_ptr": code, "st_ptr": ty, "y_ptr": ty, "z_ptr": ty}
+            tag = ("quant-" if q else "float-") + ty
+            cases[f"chunk_cb-{tag}"] = ("_chunk_cb", io, dict(QUANT=q, DOT_PREC="ieee" if q else prec, BM=64, BN=64,
+                                                                BK=64))
+            cases[f"chunk_state-{tag}"] = ("_chunk_state", {**io, "st_ptr": "fp32"},
+                                           dict(QUANT=q, TY=tys[ty], DOT_PREC=prec, BP=64, BN=64, BK=64))
+            cases[f"chunk_state_fused-{tag}"] = ("_chunk_state_fused", io, dict(
+                HAS_INIT=True, QUANT=q, TY=tys[ty], DOT_PREC=prec, BP=64, BN=64, BK=64))
+            cases[f"chunk_scan-{tag}"] = ("_chunk_scan", io, dict(HAS_D=True, HAS_Z=not q, QUANT=q, TY=tys[ty],
+                                                                   DOT_PREC=prec, BM=64, BP=64, BK=64, BN=128))
+    return cases
+
+
+SSD_POINTERS = {"xs_ptr": "fp32", "Bs_ptr": "fp32", "Cs_ptr": "fp32", "cb_ptr": "fp32", "dt_ptr": "fp32",
+                "cs_ptr": "fp32", "init_ptr": "fp32", "final_ptr": "fp32", "D_ptr": "fp32"}
+SSD = _ssd_cases()
+
+
+@pytest.mark.parametrize("variant", sorted(SSD))
+def test_ssd_compiles_for_sm90(variant):
+    from ssmq.kernels import ssd
+
+    name, io, const = SSD[variant]
+    kernel = getattr(ssd, name)
+    pointers = {a: t for a, t in {**SSD_POINTERS, **io}.items() if a in getattr(kernel, "arg_names", ())}
+    _compile_sm90(kernel, pointers, const, num_stages=2)
+
+
 # kv_decode variants: (float KV, rotary dim, key / value outlier slots, sink tokens, per-token keys)
 KV_VARIANTS = {
     "kvq4-rope": (False, 128, 0, 0, 1, False),

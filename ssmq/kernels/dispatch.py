@@ -68,6 +68,17 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
                 return_final_states)
 
 
+def quant_ssd(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D=None, dt_bias=None, dt_softplus=True,
+              dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False, out_dtype=None):
+    """``ops.quant_ssm.quant_ssd_ref``: SSD prefill on int8 x, B, C codes (Quamba2); the float SSD kernels with their
+    codes dequantized in registers on CUDA."""
+    from ssmq.ops.quant_ssm import quant_ssd_ref
+
+    impl = _kernels("ssd").quant_ssd_chunk_scan if _use_triton(x_q) else quant_ssd_ref
+    return impl(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D, dt_bias, dt_softplus, dt_limit,
+                initial_states, return_final_states, out_dtype)
+
+
 def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size, D=None, z=None, dt_bias=None,
              dt_softplus=False, dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False,
              x_scale=None, options=None):

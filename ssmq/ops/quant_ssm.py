@@ -128,13 +128,15 @@ def _int_dot_per_state_group(Cq, Bq, k):
 
 
 def quant_ssd_ref(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D=None, dt_bias=None,
-                  dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False):
+                  dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False,
+                  out_dtype=None):
     """Chunked SSD on int8 x, B, C (Quamba2): C·Bᵀ inside a chunk is an exact int32 dot product per state
     group, scaled by s_C·s_B; the rest in float32.
 
     x_q: (b, l, h, p) int8, x_scale: (h, p) or (); dt: (b, l, h) float; A: (h,);
     B_q, C_q: (b, l, g, n) int8 with scales (g, k) (k state groups, k | n); D: (h,);
-    initial_states: (b, h, p, n). Returns y (b, l, h, p) float32 (+ final states (b, h, p, n)).
+    initial_states: (b, h, p, n). Returns y (b, l, h, p) float32, or cast to ``out_dtype`` as a kernel writes it
+    (+ final states (b, h, p, n) float32).
     """
     b, l, h, p = x_q.shape
     g, n = B_q.shape[2], B_q.shape[3]
@@ -172,6 +174,7 @@ def quant_ssd_ref(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D
     y = y.reshape(b, nc * T, h, p)[:, :l]
     if D is not None:
         y = y + x * D.float()[:, None]
+    y = y if out_dtype is None else y.to(out_dtype)
     return (y, state) if return_final_states else y
 
 
