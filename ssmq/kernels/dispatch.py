@@ -106,6 +106,18 @@ def int8_decode_enabled() -> bool:
     return INT8_DECODE
 
 
+# SSMQ_INT8_PREFILL=0 keeps a quantized model's CUDA prefill on fake-quantized taps and the float scan kernels. By
+# default, on CUDA, the conv emits the taps' int8 codes and they go straight into the int8-input scan kernels
+# (``quant_ssd``). Elsewhere the fake-quant path stays: the int8-input references agree with it to float32 rounding,
+# not bit for bit, and the CPU results are the ground truth the tests pin.
+INT8_PREFILL = os.environ.get("SSMQ_INT8_PREFILL", "1") == "1"
+
+
+def int8_prefill(t) -> bool:
+    """Whether a quantized mixer's prefill on t's device feeds its taps' codes to the int8-input scan kernels."""
+    return INT8_PREFILL and _use_triton(t)
+
+
 def fake_quantize(x, scale):
     """``ops.quant_ssm.fake_quantize_ref``: an ``ActQuantizer``'s dequantize(quantize(x)), one kernel on CUDA."""
     from ssmq.ops.quant_ssm import fake_quantize_ref
