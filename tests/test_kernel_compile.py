@@ -224,6 +224,27 @@ def test_ssd_compiles_for_sm90(variant):
     _compile_sm90(kernel, pointers, const, num_stages=2)
 
 
+# The Mamba-1 selective scan (ssmq.kernels.scan) and its int8-input variant (QUANT: u, Δ, z, B, C codes with scales,
+# quant_selective_scan): (QUANT, SEG_STATE, GROUPED), at Mamba-1's n 16 and the CFG tile (BD 16, 1 warp).
+SCAN = {f"{'quant' if q else 'float'}-{'seg' if seg else 'y'}{'-grouped' if grp else ''}": (q, seg, grp)
+        for q in (False, True) for seg in (False, True) for grp in (False, True) if not (q and grp)}
+
+
+@pytest.mark.parametrize("variant", sorted(SCAN))
+def test_selective_scan_compiles_for_sm90(variant):
+    from ssmq.kernels import scan
+
+    q, seg, grp = SCAN[variant]
+    code = "i8" if q else "fp16"
+    pointers = {"u_ptr": code, "dl_ptr": code, "A_ptr": "fp32", "B_ptr": code, "C_ptr": code, "D_ptr": "fp32",
+                "z_ptr": code, "dbias_ptr": "fp32", "init_ptr": "fp32", "y_ptr": "fp16", "last_ptr": "fp32",
+                "hseg_ptr": "fp32", "dsum_ptr": "fp32", "us_ptr": "fp32", "ds_ptr": "fp32", "zs_ptr": "fp32",
+                "Bs_ptr": "fp32", "Cs_ptr": "fp32"}
+    const = dict(HAS_D=True, HAS_Z=True, HAS_DB=True, SOFTPLUS=True, HAS_INIT=True, GROUPED=grp, SEG_STATE=seg,
+                 QUANT=q, BD=16, BN=16)
+    _compile_sm90(scan._selective_scan, pointers, const, num_warps=1)
+
+
 # kv_decode variants: (float KV, rotary dim, key / value outlier slots, sink tokens, per-token keys)
 KV_VARIANTS = {
     "kvq4-rope": (False, 128, 0, 0, 1, False),

@@ -1,6 +1,8 @@
-"""The int8-input SSD (``ssmq.kernels.ssd.quant_ssd_chunk_scan``) equals ``quant_ssd_ref`` (GPU, or
-SSMQ_TRITON_INTERPRET=1 on CPU): float32 out within 1e-5 relative (ieee products, only float32 sums round
-differently), fp16 out within the float SSD's fp16 tolerance."""
+"""The int8-input scans equal their references (GPU, or SSMQ_TRITON_INTERPRET=1 on CPU): the SSD
+(``ssmq.kernels.ssd.quant_ssd_chunk_scan``) ``quant_ssd_ref`` and the Mamba-1 selective scan
+(``ssmq.kernels.scan.quant_selective_scan``) ``quant_selective_scan_ref``. Float32 out within 1e-5 relative (the
+kernels dequantize at load, the references fold scales later: only float32 rounding differs; ~1e-7 measured in
+the interpreter), fp16 out within the float kernels' fp16 tolerance."""
 
 import pytest
 import torch
@@ -13,6 +15,11 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def k():
     return kernel_module("ssd")
+
+
+@pytest.fixture(scope="module")
+def ks():
+    return kernel_module("scan")
 
 
 # (b, l, h, p, g, n, T, k state groups): one chunk, several (with a partial last one), ngroups 1 and 2,
@@ -60,3 +67,33 @@ def test_quant_ssd_kernel_plain_and_dt_limit(k):
     kw = dict(dt_limit=(0.01, 0.3))
     ref = quant_ssd_ref(*(a.cpu() for a in args), T, **kw)
     check(k.quant_ssd_chunk_scan(*args, T, **kw), ref.to(DEV), 1e-5)
+
+
+# Mamba-1 (b, d, l, n, nseg): one program's channels and more, several 4-step blocks with a partial last one,
+# time segments (the SEG_STATE pass) forced
+SCAN_SHAPES = [(1, 16, 9, 16, 1), (2, 40, 37, 16, 3)] if INTERPRET else [(2, 1536, 1000, 16, 0), (1, 5120, 2048, 16, 0)]
+
+
+@pytest.mark.parametrize("b,d,l,n,nseg", SCAN_SHAPES)
+@pytest.mark.parametrize("scales", ["per-channel", "per-tensor", "float-dt-z"])
+def test_quant_selective_scan_kernel_matches_reference(ks, monkeypatch, b, d, l, n, nseg, scales):
+    from ssmq.ops.quant_ssm import quant_selective_scan_ref
+
+    if nseg:
+        monkeypatch.setitem(ks.CFG, "NSEG", nseg)
+    gen = torch.Generator().manual_seed(d + l)
+    per_ch = scales != "per-tensor"
+    sc = lambda m: (torch.rand(m, 1, generator=gen) * 0.02 + 1e-3).to(DEV) if per_ch else \
+        torch.tensor(0.01, device=DEV)  # noqa: E731
+    u_q, dt_q, z_q = (codes(b, d, l, gen=gen) for _ in range(3))
+    B_q, C_q = codes(b, n, l, gen=gen), codes(b, n, l, gen=gen)
+    s_u, s_dt, s_z, s_B, s_C = sc(d), sc(d), sc(d), sc(n), sc(n)
+    if scales == "float-dt-z":  # Δ and z from 16-bit taps: floats, no scale
+        dt_q, s_dt, z_q, s_z = rnd(b, d, l) * 0.5, None, rnd(b, d, l), None
+    A = -torch.rand(d, n, generator=gen).to(DEV) - 0.2
+    args = (u_q, s_u, dt_q, s_dt, A, B_q, s_B, C_q, s_C, rnd(d), z_q, s_z, rnd(d) - 1, True, rnd(b, d, n), True)
+    cpu = lambda t: t.cpu() if torch.is_tensor(t) else t  # noqa: E731
+    ref = quant_selective_scan_ref(*(cpu(a) for a in args))
+    check(ks.quant_selective_scan(*args), tuple(r.to(DEV) for r in ref), 1e-5)
+    y16 = ks.quant_selective_scan(*args, out_dtype=torch.float16)
+    check(y16, (ref[0].to(DEV, torch.float16), ref[1].to(DEV)), 3e-3)
