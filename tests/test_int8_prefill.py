@@ -1,5 +1,5 @@
 """A quantized model's prefill on the int8 path (the conv emitting the taps' codes, the int8-input scan:
-``kernels.quant_ssd``), which CUDA takes by default, against the fake-quant path CPU keeps (fake-quantized taps, the
+``kernels.quant_ssd`` / ``kernels.quant_selective_scan``), which CUDA takes by default, against the fake-quant path CPU keeps (fake-quantized taps, the
 float scan). Here the int8 path is forced on CPU, where it runs the references (``quant_ssd_ref``): the same codes
 and scales, so the logits agree to float32 rounding (the references differ in where the scales multiply), and the
 final SSM / conv states too."""
@@ -14,7 +14,9 @@ from ssmq.kernels import dispatch
 from ssmq.quant.ssm.state_cache import allocate_cache
 from test_int8_decode import IDS, SLOTS, quantized
 
-CASES = [("mamba2", "quamba2-w8a8", 8), ("mamba2", "quamba-w8a8", 16)]
+CASES = [("mamba2", "quamba2-w8a8", 8), ("mamba2", "quamba-w8a8", 16), ("mamba1", "quamba2-w8a8", 8),
+         ("mamba1", "quamba-w8a8", 16)]
+SCAN = {"mamba2": ("quant_ssd", "ssd_chunk_scan"), "mamba1": ("quant_selective_scan", "selective_scan")}
 
 
 @torch.no_grad()
@@ -38,16 +40,18 @@ def test_int8_prefill_path_agrees_with_the_fake_quant_path(arch, name, bits, mon
     assert all(torch.equal(a, b) for a, b in zip(new[2], old[2]))
 
 
-def test_the_int8_prefill_path_is_taken(monkeypatch):
+@pytest.mark.parametrize("arch", sorted(SCAN))
+def test_the_int8_prefill_path_is_taken(arch, monkeypatch):
+    quant_scan, float_scan = SCAN[arch]
     calls = []
-    for name in ("conv1d_silu_quant", "quant_ssd"):
+    for name in ("conv1d_silu_quant", quant_scan):
         fn = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _fn=fn, _n=name, **kw: (calls.append(_n), _fn(*a, **kw))[1])
-    monkeypatch.setattr(kernels, "ssd_chunk_scan", None)  # the float scan must not be called
-    model = quantized("mamba2", "quamba2-w8a8", 8)
+    monkeypatch.setattr(kernels, float_scan, None)  # the float scan must not be called
+    model = quantized(arch, "quamba2-w8a8", 8)
     prefill(model, 8, True, monkeypatch)
     layers = model.config.n_layer
-    assert calls.count("conv1d_silu_quant") == layers and calls.count("quant_ssd") == layers
+    assert calls.count("conv1d_silu_quant") == layers and calls.count(quant_scan) == layers
 
 
 @pytest.mark.gpu
@@ -61,7 +65,7 @@ def test_int8_prefill_on_the_kernels_agrees_with_the_fake_quant_path(arch, name,
     pytest.importorskip("triton")
     if INTERPRET:
         _patch_interpreter_scalars()
-    from ssmq.kernels import conv1d, ssd
+    from ssmq.kernels import conv1d, quant_gemm, scan, ssd
 
     model = copy.deepcopy(quantized(arch, name, bits)).to(DEV)
     monkeypatch.setattr("test_int8_prefill.IDS", IDS.to(DEV))
@@ -69,6 +73,8 @@ def test_int8_prefill_on_the_kernels_agrees_with_the_fake_quant_path(arch, name,
     old = prefill(model, bits, False, monkeypatch)
     monkeypatch.setattr(kernels, "conv1d_silu_quant", conv1d.conv1d_silu_quant)
     monkeypatch.setattr(kernels, "quant_ssd", ssd.quant_ssd_chunk_scan)
+    monkeypatch.setattr(kernels, "quant_selective_scan", scan.quant_selective_scan)
+    monkeypatch.setattr(kernels, "quantize_act", quant_gemm.quantize_act)  # Mamba-1's per-tensor B, C codes
     new = prefill(model, bits, True, monkeypatch)
     assert rel(new[0], old[0]) < 1e-4
     for a, b in zip(new[1], old[1]):

@@ -68,6 +68,18 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
                 return_final_states)
 
 
+def quant_selective_scan(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q, C_scale, D=None, z_q=None, z_scale=None,
+                         delta_bias=None, delta_softplus=True, initial_state=None, return_last_state=False,
+                         out_dtype=None):
+    """``ops.quant_ssm.quant_selective_scan_ref``: Mamba-1 prefill on int8 u, B, C (Δ, z codes or float) (Quamba);
+    the float selective-scan kernel with the codes dequantized in registers on CUDA."""
+    from ssmq.ops.quant_ssm import quant_selective_scan_ref
+
+    impl = _kernels("scan").quant_selective_scan if _use_triton(u_q) else quant_selective_scan_ref
+    return impl(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q, C_scale, D, z_q, z_scale, delta_bias,
+                delta_softplus, initial_state, return_last_state, out_dtype)
+
+
 def quant_ssd(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D=None, dt_bias=None, dt_softplus=True,
               dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False, out_dtype=None):
     """``ops.quant_ssm.quant_ssd_ref``: SSD prefill on int8 x, B, C codes (Quamba2); the float SSD kernels with their
