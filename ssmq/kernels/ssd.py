@@ -91,8 +91,9 @@ def _chunk_cb(
             c = tl.load(Cp + kk[None, :] * s_Cn, mask=mm[:, None] & (kk < n)[None, :], other=0.0)
             bt = tl.load(Bp + kk[:, None] * s_Bn, mask=(kk < n)[:, None] & ms[None, :], other=0.0)
             if QUANT:
-                # both scales on C's side (one multiply per element), B's codes exact in float32; the
-                # wrapper asks for ieee products, so only the float32 sums round
+                # both scales on C's side (one rounding per element), B's codes exact in float32; the wrapper
+                # asks for ieee products (tf32 would round C·s to 10 bits, ~1e-3), so C Bᵀ stays within float32
+                # rounding of the reference's exact integer dot
                 scb = tl.load(Cs_ptr + grp * n + kk, mask=kk < n, other=0.0) * \
                     tl.load(Bs_ptr + grp * n + kk, mask=kk < n, other=0.0)
                 c = c.to(tl.float32) * scb[None, :]
@@ -105,7 +106,8 @@ def _chunk_cb(
 @triton.jit
 def _code_scales(xs_ptr, Bs_ptr, hh, grp, offs_p, offs_n, p, n, QUANT: tl.constexpr):
     """QUANT: the scales of head hh's x channels offs_p (xs (h, p)) and of group grp's B (or C) states offs_n
-    (Bs (g, n)), float32; else ones (the float scan: multiplying by 1.0 leaves every value as it was)."""
+    (Bs (g, n)), float32; else ones (the float scan: multiplying by 1.0 leaves every value as it was, and the
+    compiler drops the multiplies: the float kernels' sm_90 PTX is unchanged by them)."""
     if QUANT:
         xs = tl.load(xs_ptr + hh * p + offs_p, mask=offs_p < p, other=0.0)
         bs = tl.load(Bs_ptr + grp * n + offs_n, mask=offs_n < n, other=0.0)
