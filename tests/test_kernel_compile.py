@@ -182,6 +182,69 @@ def test_ssdi8_compiles_for_sm90(variant):
     _compile_sm90(kernel, pointers, const)
 
 
+# The float SSD kernels (ssmq.kernels.ssd) and their int8-input variants (QUANT: x, B, C codes dequantized at load,
+# quant_ssd_chunk_scan), at the tuned tiles of CFG and Mamba2-2.7B's (p 64, n 128, chunk 256); TY the output and
+# tensor-core operand dtype. (kernel, x / B / C and output dtypes, constexprs)
+def _ssd_cases():
+    import triton.language as tl
+
+    tys = {"fp16": tl.float16, "bf16": tl.bfloat16, "fp32": tl.float32}
+    cases = {}
+    for q in (False, True):
+        for ty in ("fp16", "bf16", "fp32"):
+            if not q and ty == "bf16":
+                continue
+            code = "i8" if q else ty
+            prec = "ieee" if ty == "fp32" else "tf32"
+            io = {"x_ptr": code, "B_ptr": code, "C_ptr": code, "st_ptr": ty, "y_ptr": ty, "z_ptr": ty}
+            tag = ("quant-" if q else "float-") + ty
+            cases[f"chunk_cb-{tag}"] = ("_chunk_cb", io, dict(QUANT=q, DOT_PREC="ieee" if q else prec, BM=64, BN=64,
+                                                                BK=64))
+            cases[f"chunk_state-{tag}"] = ("_chunk_state", {**io, "st_ptr": "fp32"},
+                                           dict(QUANT=q, TY=tys[ty], DOT_PREC=prec, BP=64, BN=64, BK=64))
+            cases[f"chunk_state_fused-{tag}"] = ("_chunk_state_fused", io, dict(
+                HAS_INIT=True, QUANT=q, TY=tys[ty], DOT_PREC=prec, BP=64, BN=64, BK=64))
+            cases[f"chunk_scan-{tag}"] = ("_chunk_scan", io, dict(HAS_D=True, HAS_Z=not q, QUANT=q, TY=tys[ty],
+                                                                   DOT_PREC=prec, BM=64, BP=64, BK=64, BN=128))
+    return cases
+
+
+SSD_POINTERS = {"xs_ptr": "fp32", "Bs_ptr": "fp32", "Cs_ptr": "fp32", "cb_ptr": "fp32", "dt_ptr": "fp32",
+                "cs_ptr": "fp32", "init_ptr": "fp32", "final_ptr": "fp32", "D_ptr": "fp32"}
+SSD = _ssd_cases()
+
+
+@pytest.mark.parametrize("variant", sorted(SSD))
+def test_ssd_compiles_for_sm90(variant):
+    from ssmq.kernels import ssd
+
+    name, io, const = SSD[variant]
+    kernel = getattr(ssd, name)
+    pointers = {a: t for a, t in {**SSD_POINTERS, **io}.items() if a in getattr(kernel, "arg_names", ())}
+    _compile_sm90(kernel, pointers, const, num_stages=2)
+
+
+# The Mamba-1 selective scan (ssmq.kernels.scan) and its int8-input variant (QUANT: u, Δ, z, B, C codes with scales,
+# quant_selective_scan): (QUANT, SEG_STATE, GROUPED), at Mamba-1's n 16 and the CFG tile (BD 16, 1 warp).
+SCAN = {f"{'quant' if q else 'float'}-{'seg' if seg else 'y'}{'-grouped' if grp else ''}": (q, seg, grp)
+        for q in (False, True) for seg in (False, True) for grp in (False, True) if not (q and grp)}
+
+
+@pytest.mark.parametrize("variant", sorted(SCAN))
+def test_selective_scan_compiles_for_sm90(variant):
+    from ssmq.kernels import scan
+
+    q, seg, grp = SCAN[variant]
+    code = "i8" if q else "fp16"
+    pointers = {"u_ptr": code, "dl_ptr": code, "A_ptr": "fp32", "B_ptr": code, "C_ptr": code, "D_ptr": "fp32",
+                "z_ptr": code, "dbias_ptr": "fp32", "init_ptr": "fp32", "y_ptr": "fp16", "last_ptr": "fp32",
+                "hseg_ptr": "fp32", "dsum_ptr": "fp32", "us_ptr": "fp32", "ds_ptr": "fp32", "zs_ptr": "fp32",
+                "Bs_ptr": "fp32", "Cs_ptr": "fp32"}
+    const = dict(HAS_D=True, HAS_Z=True, HAS_DB=True, SOFTPLUS=True, HAS_INIT=True, GROUPED=grp, SEG_STATE=seg,
+                 QUANT=q, BD=16, BN=16)
+    _compile_sm90(scan._selective_scan, pointers, const, num_warps=1)
+
+
 # kv_decode variants: (float KV, rotary dim, key / value outlier slots, sink tokens, per-token keys)
 KV_VARIANTS = {
     "kvq4-rope": (False, 128, 0, 0, 1, False),

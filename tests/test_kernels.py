@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +55,16 @@ def _patch_interpreter_scalars():
 
     patched._ssmq = True
     interpreter._patch_lang_tensor = patched
+
+    # it also leaves some masks (`int1 tensor & (scalar < scalar)`, the selective scan's B / C columns) int32 arrays,
+    # which its load / store refuse ("mask has unsupported dtype"); a GPU reads them as predicates: make them bool
+    def as_bool(mask):
+        return mask if mask.data.dtype == np.bool_ else interpreter.TensorHandle(mask.data.astype(np.bool_), mask.dtype)
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+    builder.create_masked_load = lambda self, ptrs, mask, *rest: load(self, ptrs, as_bool(mask), *rest)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
 
 
 def cases(gpu, interp):

@@ -68,6 +68,29 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
                 return_final_states)
 
 
+def quant_selective_scan(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q, C_scale, D=None, z_q=None, z_scale=None,
+                         delta_bias=None, delta_softplus=True, initial_state=None, return_last_state=False,
+                         out_dtype=None):
+    """``ops.quant_ssm.quant_selective_scan_ref``: Mamba-1 prefill on int8 u, B, C (Δ, z codes or float) (Quamba);
+    the float selective-scan kernel with the codes dequantized in registers on CUDA."""
+    from ssmq.ops.quant_ssm import quant_selective_scan_ref
+
+    impl = _kernels("scan").quant_selective_scan if _use_triton(u_q) else quant_selective_scan_ref
+    return impl(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q, C_scale, D, z_q, z_scale, delta_bias,
+                delta_softplus, initial_state, return_last_state, out_dtype)
+
+
+def quant_ssd(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D=None, dt_bias=None, dt_softplus=True,
+              dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False, out_dtype=None):
+    """``ops.quant_ssm.quant_ssd_ref``: SSD prefill on int8 x, B, C codes (Quamba2); the float SSD kernels with their
+    codes dequantized in registers on CUDA."""
+    from ssmq.ops.quant_ssm import quant_ssd_ref
+
+    impl = _kernels("ssd").quant_ssd_chunk_scan if _use_triton(x_q) else quant_ssd_ref
+    return impl(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D, dt_bias, dt_softplus, dt_limit,
+                initial_states, return_final_states, out_dtype)
+
+
 def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_size, D=None, z=None, dt_bias=None,
              dt_softplus=False, dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False,
              x_scale=None, options=None):
@@ -93,6 +116,18 @@ INT8_DECODE = os.environ.get("SSMQ_INT8_DECODE", "1") == "1"
 
 def int8_decode_enabled() -> bool:
     return INT8_DECODE
+
+
+# SSMQ_INT8_PREFILL=0 keeps a quantized model's CUDA prefill on fake-quantized taps and the float scan kernels. By
+# default, on CUDA, the conv emits the taps' int8 codes and they go straight into the int8-input scan kernels
+# (``quant_ssd``). Elsewhere the fake-quant path stays: the int8-input references agree with it to float32 rounding,
+# not bit for bit, and the CPU results are the ground truth the tests pin.
+INT8_PREFILL = os.environ.get("SSMQ_INT8_PREFILL", "1") == "1"
+
+
+def int8_prefill(t) -> bool:
+    """Whether a quantized mixer's prefill on t's device feeds its taps' codes to the int8-input scan kernels."""
+    return INT8_PREFILL and _use_triton(t)
 
 
 def fake_quantize(x, scale):

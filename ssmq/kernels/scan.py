@@ -11,6 +11,10 @@ loads and a 4-level shuffle reduction. This one:
     the h FMA chain is serial, so they overlap; u, Δ, z are read and y written as 4-step vectors;
   * loads the next iteration's inputs before this one's math (a one-iteration software pipeline).
 Steps past the end get Δ = 0 (decay 1, no input), so the carried state is the true last state.
+
+``quant_selective_scan`` runs the same kernel on int8 codes (Quamba), as
+``ssmq.ops.quant_ssm.quant_selective_scan_ref``: with ``QUANT`` u, Δ, z load as codes (or floats) times a
+per-channel scale and B, C as codes times a per-state scale, dequantized in registers; the rest is unchanged.
 """
 
 from __future__ import annotations
@@ -69,26 +73,38 @@ def _load4(u_p, dl_p, z_p, B_p, C_p, t0, l, md, mn, s_ul, s_dl, s_zl, s_Bl, s_Cl
 
 
 @triton.jit
-def _bcast(v, GROUPED: tl.constexpr):
-    """B/C column as (BN, BD) | (BN, 1) float32."""
+def _bcast(v, scale, GROUPED: tl.constexpr):
+    """B/C column as (BN, BD) | (BN, 1) float32, times its per-state scale (BN, 1) (ones for float B, C)."""
     if GROUPED:
-        return v.to(tl.float32)
+        return v.to(tl.float32) * scale
     else:
-        return v.to(tl.float32)[:, None]
+        return v.to(tl.float32)[:, None] * scale
+
+
+@triton.jit
+def _scale(ptr, offs, mask, QUANT: tl.constexpr):
+    """QUANT: the scales at offs (a per-channel or per-state table, float32); else ones, which change no value."""
+    if QUANT:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+    else:
+        return tl.full(offs.shape, 1.0, tl.float32)
 
 
 @triton.jit
 def _selective_scan(
     u_ptr, dl_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dbias_ptr, init_ptr, y_ptr, last_ptr, hseg_ptr, dsum_ptr,
+    us_ptr, ds_ptr, zs_ptr, Bs_ptr, Cs_ptr,
     d, n, l, ch_per_group, seg_len, nseg,
     s_ub, s_ud, s_ul, s_db, s_dd, s_dl, s_Ad, s_An, s_Bb, s_Bg, s_Bn, s_Bl, s_Cb, s_Cg, s_Cn, s_Cl,
     s_zb, s_zd, s_zl, s_ib, s_id, s_in, s_yb, s_yd, s_yl,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DB: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_INIT: tl.constexpr, GROUPED: tl.constexpr, SEG_STATE: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+    HAS_INIT: tl.constexpr, GROUPED: tl.constexpr, SEG_STATE: tl.constexpr, QUANT: tl.constexpr, BD: tl.constexpr,
+    BN: tl.constexpr,
 ):
     """One time segment [s*seg_len, (s+1)*seg_len) of BD channels. SEG_STATE: the segment's own end state
     from a zero state, and its Σ Δ (so its decay is exp(A ΣΔ)); otherwise y, starting from the state
-    entering the segment, folded from the earlier segments' end states (and the initial state)."""
+    entering the segment, folded from the earlier segments' end states (and the initial state).
+    QUANT: us, ds, zs (d,) scales of u, Δ, z; Bs, Cs (n,) of B, C (float32; ones where an input is float)."""
     pid_b, pid_d, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_d = pid_d * BD + tl.arange(0, BD)
     offs_n = tl.arange(0, BN)
@@ -101,6 +117,8 @@ def _selective_scan(
         db = tl.load(dbias_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=md, other=0.0).to(tl.float32)
+    us, ds, zs = _scale(us_ptr, offs_d, md, QUANT), _scale(ds_ptr, offs_d, md, QUANT), _scale(zs_ptr, offs_d, md, QUANT)
+    bs, cs = _scale(Bs_ptr, offs_n, mn, QUANT)[:, None], _scale(Cs_ptr, offs_n, mn, QUANT)[:, None]
     seg_off = (pid_b * nseg).to(tl.int64) * d
     if SEG_STATE:
         h = tl.zeros((BN, BD), dtype=tl.float32)
@@ -137,8 +155,8 @@ def _selective_scan(
         u4, dl4, z4, B0, B1, B2, B3, C0, C1, C2, C3 = nxt
         nxt = _load4(u_p, dl_p, z_p, B_p, C_p, t0 + 4, t_hi, md, mn, s_ul, s_dl, s_zl, s_Bl, s_Cl, LOAD_Z,
                      GROUPED, not SEG_STATE)
-        u4 = u4.to(tl.float32)
-        dl4 = dl4.to(tl.float32)
+        u4 = u4.to(tl.float32) * us[:, None]
+        dl4 = dl4.to(tl.float32) * ds[:, None]
         if HAS_DB:
             dl4 += db[:, None]
         if SOFTPLUS:
@@ -154,24 +172,24 @@ def _selective_scan(
         a3 = tl.exp2(dl3[None, :] * A2)
         if SEG_STATE:
             dsum += tl.sum(dl4, axis=1)
-            h = a0 * h + du0[None, :] * _bcast(B0, GROUPED)
-            h = a1 * h + du1[None, :] * _bcast(B1, GROUPED)
-            h = a2 * h + du2[None, :] * _bcast(B2, GROUPED)
-            h = a3 * h + du3[None, :] * _bcast(B3, GROUPED)
+            h = a0 * h + du0[None, :] * _bcast(B0, bs, GROUPED)
+            h = a1 * h + du1[None, :] * _bcast(B1, bs, GROUPED)
+            h = a2 * h + du2[None, :] * _bcast(B2, bs, GROUPED)
+            h = a3 * h + du3[None, :] * _bcast(B3, bs, GROUPED)
         else:
-            h = a0 * h + du0[None, :] * _bcast(B0, GROUPED)
-            y0 = tl.sum(h * _bcast(C0, GROUPED), axis=0)
-            h = a1 * h + du1[None, :] * _bcast(B1, GROUPED)
-            y1 = tl.sum(h * _bcast(C1, GROUPED), axis=0)
-            h = a2 * h + du2[None, :] * _bcast(B2, GROUPED)
-            y2 = tl.sum(h * _bcast(C2, GROUPED), axis=0)
-            h = a3 * h + du3[None, :] * _bcast(B3, GROUPED)
-            y3 = tl.sum(h * _bcast(C3, GROUPED), axis=0)
+            h = a0 * h + du0[None, :] * _bcast(B0, bs, GROUPED)
+            y0 = tl.sum(h * _bcast(C0, cs, GROUPED), axis=0)
+            h = a1 * h + du1[None, :] * _bcast(B1, bs, GROUPED)
+            y1 = tl.sum(h * _bcast(C1, cs, GROUPED), axis=0)
+            h = a2 * h + du2[None, :] * _bcast(B2, bs, GROUPED)
+            y2 = tl.sum(h * _bcast(C2, cs, GROUPED), axis=0)
+            h = a3 * h + du3[None, :] * _bcast(B3, bs, GROUPED)
+            y3 = tl.sum(h * _bcast(C3, cs, GROUPED), axis=0)
             y4 = _join4(y0, y1, y2, y3)
             if HAS_D:
                 y4 += u4 * Dv[:, None]
             if HAS_Z:
-                y4 *= silu(z4.to(tl.float32))
+                y4 *= silu(z4.to(tl.float32) * zs[:, None])
             offs_t = t0 + tl.arange(0, 4)
             tl.store(y_p[:, None] + offs_t[None, :] * s_yl, y4.to(y_ptr.dtype.element_ty),
                      mask=md[:, None] & (offs_t < t_hi)[None, :])
@@ -197,12 +215,37 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     D, delta_bias: (d,); initial_state: (b, d, n).
     Returns y (b, d, l) in u's dtype and, if asked, the last state (b, d, n) float32.
     """
+    return _scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state, None, u.dtype)
+
+
+def quant_selective_scan(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q, C_scale, D=None, z_q=None, z_scale=None,
+                         delta_bias=None, delta_softplus=True, initial_state=None, return_last_state=False,
+                         out_dtype=None):
+    """Selective scan on int8 codes, as ``quant_selective_scan_ref``.
+
+    u_q, dt_q, z_q: (b, d, l) int8 with scales (d, 1) or () (dt, z: float with scale None); B_q, C_q: (b, n, l)
+    int8 with scales (n, 1) or (); other arguments as ``selective_scan``. Returns y (b, d, l) in ``out_dtype``
+    (float32 when None, as the reference) and, if asked, the last state (b, d, n) float32.
+    """
+    d, n = A.shape
+
+    def table(s, size):  # a scale () | (size, 1) | None -> float32 (size,)
+        one = torch.ones((), device=A.device) if s is None else s.float().to(A.device)
+        return one.reshape(-1).expand(size).contiguous()
+
+    scales = (table(u_scale, d), table(dt_scale, d), table(z_scale, d), table(B_scale, n), table(C_scale, n))
+    return _scan(u_q, dt_q, A, B_q, C_q, D, z_q, delta_bias, delta_softplus, initial_state, return_last_state, scales,
+                 out_dtype or torch.float32)
+
+
+def _scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, return_last_state, scales, out_dtype):
+    """The launches for float inputs (scales None) or codes with their (u, Δ, z, B, C) float32 scale tables."""
     b, d, l = u.shape
     n = A.shape[1]
     if B.dim() == 3:  # one group: a stride-0 group axis keeps a single kernel
         B, C = B.unsqueeze(1), C.unsqueeze(1)
     g = B.shape[1]
-    y = torch.empty((b, d, l), device=u.device, dtype=u.dtype)
+    y = torch.empty((b, d, l), device=u.device, dtype=out_dtype)
     last = torch.empty((b, d, n), device=u.device, dtype=torch.float32)
     BN = pow2(n, 4)
     BD, nw = CFG["BD"], CFG["num_warps"]
@@ -224,12 +267,13 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     dsum = torch.empty((b, nseg, d), device=u.device, dtype=torch.float32)
     args = (u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
             delta_bias if delta_bias is not None else u, initial_state if initial_state is not None else u, y, last,
-            hseg, dsum, d, n, l, d // g, seg_len, nseg,
+            hseg, dsum, *(scales or (A,) * 5), d, n, l, d // g, seg_len, nseg,
             *u.stride(), *delta.stride(), *A.stride(), *B.stride(), *C.stride(),
             *(z.stride() if z is not None else (0, 0, 0)),
             *(initial_state.stride() if initial_state is not None else (0, 0, 0)), *y.stride())
     flags = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_DB=delta_bias is not None, SOFTPLUS=delta_softplus,
-                 HAS_INIT=initial_state is not None, GROUPED=g > 1, BD=BD, BN=BN, num_warps=nw)
+                 HAS_INIT=initial_state is not None, GROUPED=g > 1, QUANT=scales is not None, BD=BD, BN=BN,
+                 num_warps=nw)
     if nseg > 1:  # the last segment's own end state is never needed
         _selective_scan[(b, triton.cdiv(d, BD), nseg - 1)](*args, SEG_STATE=True, **flags)
     _selective_scan[(b, triton.cdiv(d, BD), nseg)](*args, SEG_STATE=False, **flags)

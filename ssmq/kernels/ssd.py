@@ -10,6 +10,13 @@ where cs is the in-chunk cumulative sum of Δ A. Five launches:
     4. _state_passing  the c-step recurrence over chunks, giving each chunk's entering state
     5. _chunk_scan     y from 2-4 on tensor cores, D skip and z gate fused
 Same signature and result as ``ssmq.ops.ssd.ssd_chunk_scan_ref``.
+
+``quant_ssd_chunk_scan`` runs the same launches on int8 x, B, C codes (Quamba2), as
+``ssmq.ops.quant_ssm.quant_ssd_ref``: the ``QUANT`` constexpr of kernels 2, 3, 5 loads codes and their
+scales and dequantizes in registers (x per (h, p) channel, B and C per state index, expanded from their
+state groups), so no float copy of x, B, C is written. C Bᵀ is then a float32 (ieee) product of C·s_C·s_B
+and B's codes, close to the reference's exact integer dot; the rest runs in the output dtype ``TY``
+(the tensor-core operand type, x's dtype for the float scan), fp32 accumulate.
 """
 
 from __future__ import annotations
@@ -58,11 +65,12 @@ def _chunk_cumsum(
 
 @triton.jit
 def _chunk_cb(
-    C_ptr, B_ptr, cb_ptr,
+    C_ptr, B_ptr, Cs_ptr, Bs_ptr, cb_ptr,
     l, n, T, nc, g,
     s_Cb, s_Cl, s_Cg, s_Cn, s_Bb, s_Bl, s_Bg, s_Bn,
-    DOT_PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    QUANT: tl.constexpr, DOT_PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
+    # QUANT: C, B (b, l, g, n) int8 codes, Cs, Bs (g, n) float32 scales per state index
     pid_bcg, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # blocks strictly above the diagonal are never read: skip them
     if pid_n * BN <= pid_m * BM + BM - 1:
@@ -82,17 +90,40 @@ def _chunk_cb(
             kk = k + offs_k
             c = tl.load(Cp + kk[None, :] * s_Cn, mask=mm[:, None] & (kk < n)[None, :], other=0.0)
             bt = tl.load(Bp + kk[:, None] * s_Bn, mask=(kk < n)[:, None] & ms[None, :], other=0.0)
+            if QUANT:
+                # both scales on C's side (one rounding per element), B's codes exact in float32; the wrapper
+                # asks for ieee products (tf32 would round C·s to 10 bits, ~1e-3), so C Bᵀ stays within float32
+                # rounding of the reference's exact integer dot
+                scb = tl.load(Cs_ptr + grp * n + kk, mask=kk < n, other=0.0) * \
+                    tl.load(Bs_ptr + grp * n + kk, mask=kk < n, other=0.0)
+                c = c.to(tl.float32) * scb[None, :]
+                bt = bt.to(tl.float32)
             acc = tl.dot(c, bt, acc, input_precision=DOT_PREC)
         out = cb_ptr + pid_bcg.to(tl.int64) * T * T + offs_m[:, None] * T + offs_s[None, :]
         tl.store(out, acc, mask=(offs_m < T)[:, None] & (offs_s < T)[None, :])
 
 
 @triton.jit
+def _code_scales(xs_ptr, Bs_ptr, hh, grp, offs_p, offs_n, p, n, QUANT: tl.constexpr):
+    """QUANT: the scales of head hh's x channels offs_p (xs (h, p)) and of group grp's B (or C) states offs_n
+    (Bs (g, n)), float32; else ones (the float scan: multiplying by 1.0 leaves every value as it was, and the
+    compiler drops the multiplies: the float kernels' sm_90 PTX is unchanged by them)."""
+    if QUANT:
+        xs = tl.load(xs_ptr + hh * p + offs_p, mask=offs_p < p, other=0.0)
+        bs = tl.load(Bs_ptr + grp * n + offs_n, mask=offs_n < n, other=0.0)
+    else:
+        xs = tl.full(offs_p.shape, 1.0, tl.float32)
+        bs = tl.full(offs_n.shape, 1.0, tl.float32)
+    return xs, bs
+
+
+@triton.jit
 def _chunk_state(
-    x_ptr, B_ptr, dt_ptr, cs_ptr, st_ptr,
+    x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, st_ptr,
     l, h, p, n, T, nc, heads_per_group,
     s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
-    DOT_PREC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     pid_bch, pid_p, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hh = pid_bch % h
@@ -107,6 +138,7 @@ def _chunk_state(
     cs_last = tl.load(ccs + T - 1)
     xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[:, None] * s_xp
     Bp = B_ptr + pid_b * s_Bb + (hh // heads_per_group) * s_Bg + offs_n[None, :] * s_Bn
+    xs, bs = _code_scales(xs_ptr, Bs_ptr, hh, hh // heads_per_group, offs_p, offs_n, p, n, QUANT)
     acc = tl.zeros((BP, BN), dtype=tl.float32)
     for k in range(0, chunk_len, BK):
         kk = k + offs_k
@@ -114,22 +146,23 @@ def _chunk_state(
         pos = pid_c * T + kk
         xt = tl.load(xp + pos[None, :] * s_xl, mask=(offs_p < p)[:, None] & mk[None, :], other=0.0)
         wk = tl.load(dcs + kk, mask=mk, other=0.0) * tl.exp(cs_last - tl.load(ccs + kk, mask=mk, other=0.0))
-        xw = (xt.to(tl.float32) * wk[None, :]).to(x_ptr.dtype.element_ty)
+        xw = (xt.to(tl.float32) * xs[:, None] * wk[None, :]).to(TY)
         bk = tl.load(Bp + pos[:, None] * s_Bl, mask=mk[:, None] & (offs_n < n)[None, :], other=0.0)
-        acc = tl.dot(xw, bk.to(x_ptr.dtype.element_ty), acc, input_precision=DOT_PREC)
+        acc = tl.dot(xw, (bk.to(tl.float32) * bs[None, :]).to(TY), acc, input_precision=DOT_PREC)
     out = st_ptr + pid_bch.to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :]
     tl.store(out, acc, mask=(offs_p < p)[:, None] & (offs_n < n)[None, :])
 
 
 @triton.jit
 def _chunk_state_fused(
-    x_ptr, B_ptr, dt_ptr, cs_ptr, init_ptr, st_ptr, final_ptr,
+    x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, init_ptr, st_ptr, final_ptr,
     l, h, p, n, T, nc, heads_per_group,
     s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
-    HAS_INIT: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_INIT: tl.constexpr, QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Chunk states and the recurrence over chunks in one pass: a program owns a (BP, BN) tile of one
-    head's state and walks the chunks in order, writing the state *entering* each chunk in x's dtype
+    head's state and walks the chunks in order, writing the state *entering* each chunk in TY
     (what _chunk_scan feeds its tensor cores anyway) and the final state in float32. The per-chunk
     matmul does not depend on the carried state, so the chunks' loads pipeline; no float32 per-chunk
     states ever reach memory."""
@@ -148,7 +181,7 @@ def _chunk_state_fused(
         s = tl.zeros((BP, BN), dtype=tl.float32)
     xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[:, None] * s_xp
     Bp = B_ptr + pid_b * s_Bb + (hh // heads_per_group) * s_Bg + offs_n[None, :] * s_Bn
-    ty = x_ptr.dtype.element_ty
+    xs, bs = _code_scales(xs_ptr, Bs_ptr, hh, hh // heads_per_group, offs_p, offs_n, p, n, QUANT)
     for c in range(nc):
         row = (pid_bh * nc + c) * T  # this chunk's Δ and cs rows in (b, h, c, T)
         chunk_len = tl.minimum(T, l - c * T)
@@ -160,9 +193,9 @@ def _chunk_state_fused(
             pos = c * T + kk
             xt = tl.load(xp + pos[None, :] * s_xl, mask=mp[:, None] & mk[None, :], other=0.0)
             wk = tl.load(dt_ptr + row + kk, mask=mk, other=0.0) * tl.exp(cs_last - tl.load(cs_ptr + row + kk, mask=mk, other=0.0))
-            xw = (xt.to(tl.float32) * wk[None, :]).to(ty)
+            xw = (xt.to(tl.float32) * xs[:, None] * wk[None, :]).to(TY)
             bk = tl.load(Bp + pos[:, None] * s_Bl, mask=mk[:, None] & mn[None, :], other=0.0)
-            acc = tl.dot(xw, bk.to(ty), acc, input_precision=DOT_PREC)
+            acc = tl.dot(xw, (bk.to(tl.float32) * bs[None, :]).to(TY), acc, input_precision=DOT_PREC)
         out = st_ptr + ((pid_b * nc + c) * h + hh).to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :]
         tl.store(out, s.to(st_ptr.dtype.element_ty), mask=m2)
         s = tl.exp(cs_last) * s + acc
@@ -210,14 +243,15 @@ def _scan_tile(l, h, T, nc, heads_per_group, BM: tl.constexpr, BP: tl.constexpr)
 
 
 @triton.jit
-def _scan_epilogue(acc, x_ptr, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
+def _scan_epilogue(acc, x_ptr, xs, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
                    s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp,
                    HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
-    """y = (acc + D·x) · silu(z) for the tile's rows pos_m and channels offs_p, stored in y's dtype."""
+    """y = (acc + D·x·xs) · silu(z) for the tile's rows pos_m and channels offs_p, stored in y's dtype; xs (BP,)
+    dequantizes int8 x codes per channel (1.0 for float x)."""
     m2 = mm[:, None] & mp[None, :]
     if HAS_D:
         xm = tl.load(x_ptr + pid_b * s_xb + hh * s_xh + pos_m[:, None] * s_xl + offs_p[None, :] * s_xp, mask=m2,
-                     other=0.0).to(tl.float32)
+                     other=0.0).to(tl.float32) * xs[None, :]
         acc += xm * tl.load(D_ptr + hh * s_Dh + offs_p * s_Dp, mask=mp, other=0.0).to(tl.float32)[None, :]
     if HAS_Z:
         zz = tl.load(z_ptr + pid_b * s_zb + pos_m[:, None] * s_zl + hh * s_zh + offs_p[None, :] * s_zp,
@@ -229,11 +263,11 @@ def _scan_epilogue(acc, x_ptr, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm
 
 @triton.jit
 def _chunk_scan(
-    x_ptr, C_ptr, cb_ptr, dt_ptr, cs_ptr, st_ptr, D_ptr, z_ptr, y_ptr,
+    x_ptr, C_ptr, xs_ptr, Cs_ptr, cb_ptr, dt_ptr, cs_ptr, st_ptr, D_ptr, z_ptr, y_ptr,
     l, h, p, n, T, nc, g, heads_per_group,
     s_xb, s_xl, s_xh, s_xp, s_Cb, s_Cl, s_Cg, s_Cn, s_Dh, s_Dp,
     s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
 ):
     pid_bch, pid_m, hh, pid_c, pid_b, grp, chunk_len, offs_m, offs_p, pos_m, row = \
@@ -242,7 +276,7 @@ def _chunk_scan(
     offs_n = tl.arange(0, BN)
     mm, mp = offs_m < chunk_len, offs_p < p
     cs_m = tl.load(cs_ptr + row + offs_m, mask=mm, other=0.0)
-    ty = x_ptr.dtype.element_ty
+    xs, _ = _code_scales(xs_ptr, Cs_ptr, hh, grp, offs_p, offs_n, p, n, QUANT)
 
     # state entering the chunk: exp(cs_t) C_t H_in, with H_in (p, n) read as Hᵀ (n, p)
     acc = tl.zeros((BM, BP), dtype=tl.float32)
@@ -251,8 +285,10 @@ def _chunk_scan(
     for k in range(0, n, BN):
         kn = k + offs_n
         c = tl.load(Cp + kn[None, :] * s_Cn, mask=mm[:, None] & (kn < n)[None, :], other=0.0)
+        if QUANT:  # C's scale runs along the contraction: on the operand, not the result
+            c = c.to(tl.float32) * tl.load(Cs_ptr + grp * n + kn, mask=kn < n, other=0.0)[None, :]
         s = tl.load(Sp + kn[:, None], mask=(kn < n)[:, None] & mp[None, :], other=0.0)
-        acc = tl.dot(c.to(ty), s.to(ty), acc, input_precision=DOT_PREC)
+        acc = tl.dot(c.to(TY), s.to(TY), acc, input_precision=DOT_PREC)
     acc *= tl.exp(cs_m)[:, None]
 
     # intra-chunk: causal (C Bᵀ ∘ decay ∘ Δ) X, only the blocks at or left of the diagonal
@@ -270,9 +306,11 @@ def _chunk_scan(
         decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
         sc = cb * decay * dt_k[None, :]
         xk = tl.load(xp + (pid_c * T + kk)[:, None] * s_xl, mask=mk[:, None] & mp[None, :], other=0.0)
-        acc = tl.dot(sc.to(ty), xk, acc, input_precision=DOT_PREC)
+        if QUANT:
+            xk = xk.to(tl.float32) * xs[None, :]
+        acc = tl.dot(sc.to(TY), xk.to(TY), acc, input_precision=DOT_PREC)
 
-    _scan_epilogue(acc, x_ptr, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
+    _scan_epilogue(acc, x_ptr, xs, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
                    s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp, HAS_D, HAS_Z)
 
 
@@ -288,6 +326,9 @@ CFG = dict(
 )
 
 
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False):
     """Chunked SSD scan, as ``ssd_chunk_scan_ref``.
@@ -296,18 +337,54 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     D: (h,) or (h, p); dt_bias: (h,); initial_states: (b, h, p, n).
     Returns y (b, l, h, p) in x's dtype and, if asked, final states (b, h, p, n) float32.
     """
+    return _ssd(x, None, dt, A, B, None, C, None, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
+                return_final_states, x.dtype)
+
+
+def quant_ssd_chunk_scan(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D=None, dt_bias=None,
+                         dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False,
+                         out_dtype=None):
+    """Chunked SSD on int8 codes, as ``ssmq.ops.quant_ssm.quant_ssd_ref``.
+
+    x_q: (b, l, h, p) int8, x_scale (h, p) or (); B_q, C_q: (b, l, g, n) int8, scales (g, k) (k | n state groups);
+    other arguments as ``ssd_chunk_scan``. Returns y (b, l, h, p) in ``out_dtype`` (float32 when None, as the
+    reference) and, if asked, final states (b, h, p, n) float32.
+    """
+    h, p = x_q.shape[2], x_q.shape[3]
+    g, n = B_q.shape[2], B_q.shape[3]
+    dev = x_q.device
+    # scales as tables the kernels index per (head, channel) and per (group, state): tiny, built per call
+    xs = x_scale.float().to(dev).expand(h, p).contiguous() if x_scale.dim() == 0 else \
+        x_scale.float().reshape(h, p).contiguous()
+
+    def per_state(s):  # (g, k) -> (g, n): each state index with its state group's scale
+        s = s.float().to(dev).reshape(-1, s.shape[-1]) if s.dim() else s.float().to(dev).reshape(1, 1)
+        return s.expand(g, s.shape[-1]).repeat_interleave(n // s.shape[-1], -1).contiguous()
+
+    return _ssd(x_q, xs, dt, A, B_q, per_state(B_scale), C_q, per_state(C_scale), chunk_size, D, None, dt_bias,
+                dt_softplus, dt_limit, initial_states, return_final_states, out_dtype or torch.float32)
+
+
+def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
+         return_final_states, out_dtype):
+    """The five launches for float x, B, C (scales None) or int8 codes with per-(h, p) xs and per-(g, n) Bs, Cs
+    float32 tables. out_dtype: y's dtype, also the tensor-core operand type of the chunk states and the scan."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     rep = heads_per_group(h, g)
     T = chunk_size
     nc = triton.cdiv(l, T)
     dev, f32 = x.device, torch.float32
-    prec = dot_precision(x.dtype)
-    y = torch.empty((b, l, h, p), device=dev, dtype=x.dtype)
+    quant = xs is not None
+    TY = _TL[out_dtype]
+    prec = dot_precision(out_dtype)
+    y = torch.empty((b, l, h, p), device=dev, dtype=out_dtype)
     final = torch.empty((b, h, p, n), device=dev, dtype=f32)
     if l == 0:
         final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
         return (y, final) if return_final_states else y
+    # the float scan passes these unread pointers for the scales
+    xs, Bs, Cs = (xs, Bs, Cs) if quant else (A, A, A)
 
     dt_out = torch.empty((b, h, nc, T), device=dev, dtype=f32)
     cs = torch.empty_like(dt_out)
@@ -322,19 +399,19 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     cb = torch.empty((b, nc, g, T, T), device=dev, dtype=f32)
     BMc = min(64, pow2(T, 16))
     _chunk_cb[(b * nc * g, triton.cdiv(T, BMc), triton.cdiv(T, BMc))](
-        C, B, cb, l, n, T, nc, g, *C.stride(), *B.stride(),
-        DOT_PREC=prec, BM=BMc, BN=BMc, BK=min(64, pow2(n, 16)), num_warps=4, num_stages=2,
+        C, B, Cs, Bs, cb, l, n, T, nc, g, *C.stride(), *B.stride(),
+        QUANT=quant, DOT_PREC="ieee" if quant else prec, BM=BMc, BN=BMc, BK=min(64, pow2(n, 16)), num_warps=4, num_stages=2,
     )
 
     init = initial_states.contiguous() if initial_states is not None else final
-    # states entering each chunk, in x's dtype: _chunk_scan's tensor-core operand
-    st_in = torch.empty((b, nc, h, p, n), device=dev, dtype=x.dtype)
+    # states entering each chunk, in out_dtype: _chunk_scan's tensor-core operand
+    st_in = torch.empty((b, nc, h, p, n), device=dev, dtype=out_dtype)
     if CFG["STATES"] == "fused":
         c = CFG["fused"]
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
         _chunk_state_fused[(b * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
-            x, B, dt_out, cs, init, st_in, final, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
-            HAS_INIT=initial_states is not None, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
+            x, B, xs, Bs, dt_out, cs, init, st_in, final, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
+            HAS_INIT=initial_states is not None, QUANT=quant, TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
     else:
@@ -342,8 +419,8 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
         states = torch.empty((b, nc, h, p, n), device=dev, dtype=f32)
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
         _chunk_state[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
-            x, B, dt_out, cs, states, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
-            DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)), num_warps=c["num_warps"],
+            x, B, xs, Bs, dt_out, cs, states, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
+            QUANT=quant, TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)), num_warps=c["num_warps"],
             num_stages=c["num_stages"],
         )
         PBLOCK = min(1024, pow2(p * n, 16))
@@ -357,11 +434,11 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_
     BM = min(c["BM"], pow2(T, 16))
     BPs = min(64, pow2(p, 16))
     _chunk_scan[(b * nc * h, triton.cdiv(T, BM), triton.cdiv(p, BPs))](
-        x, C, cb, dt_out, cs, st_in, Dhp if Dhp is not None else x, z if z is not None else x, y,
+        x, C, xs, Cs, cb, dt_out, cs, st_in, Dhp if Dhp is not None else A, z if z is not None else A, y,
         l, h, p, n, T, nc, g, rep,
         *x.stride(), *C.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
-        HAS_D=D is not None, HAS_Z=z is not None, DOT_PREC=prec,
+        HAS_D=D is not None, HAS_Z=z is not None, QUANT=quant, TY=TY, DOT_PREC=prec,
         BM=BM, BP=BPs, BK=min(c["BK"], pow2(T, 16)), BN=min(128, pow2(n, 16)), num_warps=c["num_warps"],
         num_stages=c["num_stages"],
     )

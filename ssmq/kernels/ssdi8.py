@@ -220,7 +220,7 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
             yd = tl.dot(sc.to(ty), xk, yd, input_precision=DOT_PREC)
         y = yd + y
 
-    _scan_epilogue(y, x_ptr, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
+    _scan_epilogue(y, x_ptr, tl.full((BP,), 1.0, tl.float32), D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
                    s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp, HAS_D, HAS_Z)
 
 

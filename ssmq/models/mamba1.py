@@ -14,7 +14,7 @@ from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
 from ssmq.models.quant_taps import TapScaleCache, is_quantizer
-from ssmq.ops.quant_ssm import quantize_ref
+from ssmq.ops.quant_ssm import dequantize_ref, quantize_ref
 from ssmq.models.ssm_mixer import SSMMixer
 
 
@@ -54,12 +54,25 @@ class Mamba1Mixer(SSMMixer):
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
         x, z = self.proj_segments.split(self.in_proj(hidden))
         state = None if cache is None else cache.states[self.layer_idx]
-        x = self.act_x(conv_prefill(self.conv1d, x, state, slots))  # (b, l, d)
-        dt, B, C = self._ssm_inputs(x)
+        if self._int8_prefill(x, ("act_x", "act_B", "act_C")):
+            # the codes of x (from the conv), B and C go to the scan; x_proj reads x's dequantized codes (the tap's
+            # output), Δ and z stay the float outputs of their taps
+            dtype, col = x.dtype, lambda s: s if s.dim() == 0 else s[:, None]  # noqa: E731
+            x_scale = self._tap_scales.get("x", (self.act_x,), lambda s: s)
+            u = conv_prefill(self.conv1d, x, state, slots, x_scale)  # (b, l, d) int8
+            dt, B, C = self.x_proj_segments.split(self.x_proj(dequantize_ref(u, x_scale).to(dtype)))
+            dt = self.act_dt(self.dt_proj(dt))
+            (B, B_scale), (C, C_scale) = self._codes("act_B", B), self._codes("act_C", C)
+            scan = lambda u, dt, A, B, C, z=None, **kw: kernels.quant_selective_scan(  # noqa: E731
+                u, col(x_scale), dt, None, A, B, col(B_scale), C, col(C_scale), z_q=z, out_dtype=dtype, **kw)
+        else:
+            u = self.act_x(conv_prefill(self.conv1d, x, state, slots))  # (b, l, d)
+            dt, B, C = self._ssm_inputs(u)
+            scan = kernels.selective_scan
         z = self.act_z(z)
         A = self._f32.get(self, "A_log")
-        out = kernels.selective_scan(
-            x.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
+        out = scan(
+            u.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
             D=self._f32.get(self, "D"), z=z.transpose(1, 2), delta_bias=self._f32.get(self, "dt_bias"),
             delta_softplus=True,
             initial_state=None if state is None else state.read_ssm(slots, A),

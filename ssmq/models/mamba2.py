@@ -85,12 +85,23 @@ class Mamba2Mixer(SSMMixer):
         b, l, _ = hidden.shape
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         state = None if cache is None else cache.states[self.layer_idx]
-        x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
+        taps = (self.act_x, self.act_B, self.act_C)
+        if type(self.ssd) is ChunkScan and self._int8_prefill(xbc, ("act_x", "act_B", "act_C")):
+            # the taps' codes from the conv, scanned as they are (x (h, p), B and C (g, n) or () scales)
+            xbc_scale, x_scale, B_scale, C_scale = self._tap_scales.get("xbc", taps, self._xbc_scales)
+            # per-tensor B / C scales as one state group per B/C group, the (g, k) of quant_ssd
+            B_scale, C_scale = (s if s.dim() else s.expand(c.ngroups, 1) for s in (B_scale, C_scale))
+            x, B, C = self.conv_segments.split(conv_prefill(self.conv1d, xbc, state, slots, xbc_scale))
+            ssd = lambda x, dt, A, B, C, T, **kw: kernels.quant_ssd(  # noqa: E731
+                x, x_scale, dt, A, B, B_scale, C, C_scale, T, out_dtype=xbc.dtype, **kw)
+        else:
+            x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
+            ssd = self.ssd
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
         # a checkpointed state replays its ring with A as the decode step takes it, (h, p, n)
         initial = None if state is None else state.read_ssm(slots, A[:, None, None].expand(*self.state_shape()))
-        y = self.ssd(
+        y = ssd(
             x.reshape(b, l, c.nheads, c.headdim), dt, A,
             B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
             D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, dt_limit=c.dt_limit,

@@ -51,6 +51,11 @@ class SSMMixer(nn.Module):
         return state.ring is not None or kernels.int8_decode_enabled() and (
             state.format is StateFormat.INT8 or any(is_quantizer(getattr(self, t)) for t in code_taps))
 
+    def _int8_prefill(self, t: torch.Tensor, code_taps: tuple[str, ...]) -> bool:
+        """Prefill on the codes of ``code_taps`` (the int8-input scan kernels) when they all quantize and t's device
+        runs those kernels (``kernels.int8_prefill``: CUDA, unless ``SSMQ_INT8_PREFILL=0``)."""
+        return kernels.int8_prefill(t) and all(is_quantizer(getattr(self, tap)) for tap in code_taps)
+
     def bc_groups(self) -> int:
         """B/C groups of this (maybe sharded) mixer: the width of a checkpoint ring's B."""
         return 1

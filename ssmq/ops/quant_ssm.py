@@ -82,11 +82,12 @@ def rms_norm_quant_ref(x, weight, eps, residual, residual_in_fp32, out_scale):
 # ---------------------------------------------------------------------------------------------
 def quant_selective_scan_ref(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q, C_scale, D=None,
                              z_q=None, z_scale=None, delta_bias=None, delta_softplus=True,
-                             initial_state=None, return_last_state=False):
-    """Selective scan on int8 u, Δ, B, C, z (Quamba): float32 recurrence, y float32.
+                             initial_state=None, return_last_state=False, out_dtype=None):
+    """Selective scan on int8 u, Δ, B, C, z (Quamba): float32 recurrence, y float32 (or cast to ``out_dtype``).
 
     u_q, dt_q, z_q: (b, d, l) int8 with scales (d, 1) or (); B_q, C_q: (b, n, l) int8 with scales
-    (n, 1) or (); A: (d, n); D, delta_bias: (d,); initial_state: (b, d, n).
+    (n, 1) or (); A: (d, n); D, delta_bias: (d,); initial_state: (b, d, n). Δ and z may be float with
+    scale None (a 16-bit tap), used as they are.
     Returns y (b, d, l) float32 and, if asked, the last state (b, d, n) float32.
     Scale folding as a kernel does it: Δ·u·B uses the product s_u·s_B once per (d, n), and C's
     scale multiplies C's codes inside the state contraction.
@@ -96,7 +97,7 @@ def quant_selective_scan_ref(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q,
     s_u = u_scale.float().reshape(-1, 1) if u_scale.dim() else u_scale.float().reshape(1, 1)  # (d|1, 1)
     s_B = B_scale.float().reshape(1, -1) if B_scale.dim() else B_scale.float().reshape(1, 1)  # (1, n|1)
     s_C = C_scale.float().reshape(-1) if C_scale.dim() else C_scale.float().reshape(1)
-    delta = discretize_dt(dt_q.float() * dt_scale.float(), None if delta_bias is None else delta_bias[:, None],
+    delta = discretize_dt(_maybe_dequantize(dt_q.float(), dt_scale), None if delta_bias is None else delta_bias[:, None],
                           delta_softplus)
     su_sB = s_u * s_B  # (d|1, n|1): one scale product per (channel, state)
     u_codes, B_codes, C_codes = u_q.float(), B_q.float(), C_q.float()
@@ -111,7 +112,8 @@ def quant_selective_scan_ref(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q,
     if D is not None:
         y = y + u * D.float()[:, None]
     if z_q is not None:
-        y = y * F.silu(dequantize_ref(z_q, z_scale))
+        y = y * F.silu(_maybe_dequantize(z_q.float(), z_scale))
+    y = y if out_dtype is None else y.to(out_dtype)
     return (y, h) if return_last_state else y
 
 
@@ -128,13 +130,15 @@ def _int_dot_per_state_group(Cq, Bq, k):
 
 
 def quant_ssd_ref(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D=None, dt_bias=None,
-                  dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False):
+                  dt_softplus=True, dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False,
+                  out_dtype=None):
     """Chunked SSD on int8 x, B, C (Quamba2): C·Bᵀ inside a chunk is an exact int32 dot product per state
     group, scaled by s_C·s_B; the rest in float32.
 
     x_q: (b, l, h, p) int8, x_scale: (h, p) or (); dt: (b, l, h) float; A: (h,);
     B_q, C_q: (b, l, g, n) int8 with scales (g, k) (k state groups, k | n); D: (h,);
-    initial_states: (b, h, p, n). Returns y (b, l, h, p) float32 (+ final states (b, h, p, n)).
+    initial_states: (b, h, p, n). Returns y (b, l, h, p) float32, or cast to ``out_dtype`` as a kernel writes it
+    (+ final states (b, h, p, n) float32).
     """
     b, l, h, p = x_q.shape
     g, n = B_q.shape[2], B_q.shape[3]
@@ -172,6 +176,7 @@ def quant_ssd_ref(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D
     y = y.reshape(b, nc * T, h, p)[:, :l]
     if D is not None:
         y = y + x * D.float()[:, None]
+    y = y if out_dtype is None else y.to(out_dtype)
     return (y, state) if return_final_states else y
 
 
