@@ -36,7 +36,7 @@ from random_model import random_model  # noqa: E402
 from ssmq.kernels import state_update  # noqa: E402
 from ssmq.kernels.state_update import quant_state_update, replay_state_update  # noqa: E402
 from ssmq.ops.replay_ssm import StateRing  # noqa: E402
-from plotting import pyplot  # noqa: E402
+from plotting import log_axes, pyplot  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G = 80, 64, 128, 1  # Mamba2-2.7B: 80 heads of 64, d_state 128, one B/C group
@@ -205,11 +205,7 @@ def plot(out: dict, path: Path) -> None:
         pts = [(int(b[1:]), r["tpot_ms"]) for b, r in rows.items() if "tpot_ms" in r]
         if pts:
             ax.plot(*zip(*pts), "o-", label=key)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch")
-    ax.set_ylabel("TPOT ms")
-    ax.set_title("Mamba2-2.7B (random weights) decode")
-    ax.legend(fontsize=7)
+    log_axes(ax, "batch", "TPOT ms", "Mamba2-2.7B (random weights) decode", ylog=False, legend_size=7)
     fig.suptitle(f"ReplaySSM state checkpointing — {out['device']}, {out['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -24,7 +24,7 @@ from ssmq.kernels import ssd, ssdi8
 from ssmq.ops.quant_ssm import quantize_ref
 from ssmq.ops.ssd_int8 import ssd_int8_ranges
 from peers import mamba_ssm_op  # noqa: E402
-from plotting import pyplot  # noqa: E402
+from plotting import log_axes, pyplot  # noqa: E402
 
 DEV = "cuda"
 H, P, N, G, T = 80, 64, 128, 1, 256
@@ -95,12 +95,7 @@ def plot(rows: list[dict], device: str, path: str) -> None:
             pts = [(r["L"], r[key]) for r in rs if r.get(key)]
             if pts:
                 ax.plot(*zip(*pts), "o-", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("L (tokens)")
-        ax.set_ylabel("ms per call")
-        ax.set_title(f"batch {b}, Mamba2-2.7B SSD shape — {device}")
-        ax.legend(fontsize=8)
+        log_axes(ax, "L (tokens)", "ms per call", f"batch {b}, Mamba2-2.7B SSD shape — {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

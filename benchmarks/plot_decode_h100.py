@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plotting import pyplot  # noqa: E402
+from plotting import log_axes, pyplot  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (file, key in its "e2e", label): the later run of a row wins where two runs measured it
@@ -41,12 +41,8 @@ def main() -> None:
         pts = sorted((int(b[1:]), r["tpot_ms"]) for b, r in rows.items() if b.startswith("b") and "tpot_ms" in r)
         if pts:
             ax.plot(*zip(*pts), "o-", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("TPOT ms (CUDA graphs)")
-    ax.set_title("Mamba2-2.7B decode on one H100, 2026-11-23 (random weights)")
-    ax.legend(fontsize=7)
+    log_axes(ax, "batch", "TPOT ms (CUDA graphs)", "Mamba2-2.7B decode on one H100, 2026-11-23 (random weights)",
+             legend_size=7)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")

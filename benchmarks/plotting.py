@@ -14,3 +14,14 @@ def pyplot():
         print("matplotlib not installed: no plot")
         return None
     return plt
+
+
+def log_axes(ax, xlabel: str, ylabel: str, title: str, ylog: bool = True, legend_size: int = 8) -> None:
+    """The benchmarks' usual panel: x on a base-2 log scale (batch, context, L), y log (or linear), labels, legend."""
+    ax.set_xscale("log", base=2)
+    if ylog:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)
