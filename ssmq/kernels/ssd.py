@@ -118,6 +118,18 @@ def _code_scales(xs_ptr, Bs_ptr, hh, grp, offs_p, offs_n, p, n, QUANT: tl.conste
 
 
 @triton.jit
+def _state_tile(l, h, T, nc, BP: tl.constexpr, BN: tl.constexpr):
+    """The (p block, n block) of one chunk's state a chunk-state program owns: grid (b·c·h, p blocks, n blocks)."""
+    pid_bch, pid_p, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hh = pid_bch % h
+    pid_c = (pid_bch // h) % nc
+    pid_b = pid_bch // (h * nc)
+    offs_p = pid_p * BP + tl.arange(0, BP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    return pid_bch, hh, pid_c, pid_b, offs_p, offs_n, tl.minimum(T, l - pid_c * T)
+
+
+@triton.jit
 def _chunk_state(
     x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, st_ptr,
     l, h, p, n, T, nc, heads_per_group,
@@ -125,14 +137,8 @@ def _chunk_state(
     QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    pid_bch, pid_p, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    hh = pid_bch % h
-    pid_c = (pid_bch // h) % nc
-    pid_b = pid_bch // (h * nc)
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    pid_bch, hh, pid_c, pid_b, offs_p, offs_n, chunk_len = _state_tile(l, h, T, nc, BP, BN)
     offs_k = tl.arange(0, BK)
-    chunk_len = tl.minimum(T, l - pid_c * T)
     dcs = dt_ptr + ((pid_b * h + hh) * nc + pid_c) * T  # this chunk's Δ and cs rows
     ccs = cs_ptr + ((pid_b * h + hh) * nc + pid_c) * T
     cs_last = tl.load(ccs + T - 1)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels._common import dot_precision, pow2, quantize_rne, rne_int8
-from ssmq.kernels.ssd import _chunk_cumsum, _scan_epilogue, _scan_tile
+from ssmq.kernels.ssd import _chunk_cumsum, _scan_epilogue, _scan_tile, _state_tile
 from ssmq.ops.layout import has_dt_limit, heads_per_group
 from ssmq.ops.ssd_int8 import DECAY_BITS, IntStages, SSDi8Options, run_ssd_int8
 
@@ -52,14 +52,8 @@ def _chunk_state_q(x_ptr, B_ptr, dt_ptr, cs_ptr, xsc_ptr, Bs_ptr, ss_ptr, mult_p
     # xsc = xs_scale, ss = state_scale (h, p), Bs = B_scale (g,): with QUANT_X the requantization multiplier is
     # xsc·Bs / ss (the reference's order, IEEE division), else it is given as mult (h, p)
     # -> out (b, c, h, p, n) int8. One program: a (BP, BN) tile of one chunk state.
-    pid_bch, pid_p, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    hh = pid_bch % h
-    pid_c = (pid_bch // h) % nc
-    pid_b = pid_bch // (h * nc)
-    offs_p = pid_p * BP + tl.arange(0, BP)
-    offs_n = pid_n * BN + tl.arange(0, BN)
+    pid_bch, hh, pid_c, pid_b, offs_p, offs_n, chunk_len = _state_tile(l, h, T, nc, BP, BN)
     mp, mn = offs_p < p, offs_n < n
-    chunk_len = tl.minimum(T, l - pid_c * T)
     row = ((pid_b * h + hh) * nc + pid_c) * T  # this chunk's Δ and cs
     xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[:, None] * s_xp
     Bp = B_ptr + pid_b * s_Bb + (hh // rep) * s_Bg + offs_n[None, :] * s_Bn
