@@ -36,8 +36,8 @@ class Attention(nn.Module):
             from ssmq.models.quant_kv import QuantKVState
 
             if kv_table is not None:
-                raise SSMQError("a paged quantized KV cache is not implemented; serve this checkpoint without "
-                                "paged KV")
+                raise SSMQError("a paged quantized KV cache is not built; allocate it without kv_blocks (contiguous "
+                                "per slot, as ssmq serve does)")
             pre = self.kv_quant.kv.keys.pre_rope and self.rotary_dim
             return QuantKVState(self.kv_quant, max_batch, max_seqlen, dtype, device,
                                 RopeAtRead(self.rotary_dim, self.rope_theta) if pre else None)
