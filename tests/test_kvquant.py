@@ -180,6 +180,21 @@ def test_state_decode_equals_read_then_attention_and_bytes():
     assert (st.k.codes[0] == 0).all() and (st.k.out_idx[0] == -1).all()
 
 
+def test_paged_quantized_kv_is_refused_and_the_engine_keeps_it_contiguous():
+    """Paged quantized KV is not built: kv_blocks refuses it in one line; the serving engine allocates the quantized
+    cache without blocks (max_model_len tokens a slot) and counts slots only."""
+    from ssmq.runtime.engine import Engine, EngineConfig
+
+    m = _quantized("kvquant-nuq4-1%")
+    with pytest.raises(SSMQError, match="paged quantized KV cache is not built"):
+        m.allocate_cache(2, 32, kv_blocks=9, kv_block_size=4)
+    engine = Engine(m, EngineConfig(max_batch=2, max_model_len=32, kv_block_size=4, kv_blocks=3))
+    assert engine.blocks is None and engine.runner.cache.block_table is None
+    assert engine.runner.cache.states[1].k.codes.shape[:2] == (2, 32)
+    assert engine.unfit(32) is None and "max_model_len" in engine.unfit(33)
+    assert engine.stats()["kv_cache"] == "contiguous" and "kv_blocks_total" not in engine.stats()
+
+
 # ------------------------------------------------------------------------------------------------- recipes
 def test_kv_recipes_json_round_trip(tmp_path):
     for name in [*KV_PRESETS, "ssdi8-w8a8+kvquant-nuq3-1%"]:
