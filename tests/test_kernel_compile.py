@@ -245,12 +245,15 @@ def test_selective_scan_compiles_for_sm90(variant):
     _compile_sm90(scan._selective_scan, pointers, const, num_warps=1)
 
 
-# kv_decode variants: (float KV, rotary dim, key / value outlier slots, sink tokens, per-token keys)
+# kv_decode variants: (float KV, rotary dim, key / value outlier slots, sink tokens, per-token keys, code bits)
 KV_VARIANTS = {
-    "kvq4-rope": (False, 128, 0, 0, 1, False),
-    "kvq4-rope-1%": (False, 128, 20, 10, 1, False),
-    "kvq4-partial-rope-per-token": (False, 64, 2, 1, 0, True),
-    "fp16": (True, 0, 0, 0, 0, False),
+    "kvq4-rope": (False, 128, 0, 0, 1, False, 4),
+    "kvq4-rope-1%": (False, 128, 20, 10, 1, False, 4),
+    "kvq4-partial-rope-per-token": (False, 64, 2, 1, 0, True, 4),
+    "kvq3-rope-1%": (False, 128, 20, 10, 1, False, 3),
+    "kvq3-partial-rope-per-token": (False, 64, 2, 1, 0, True, 3),
+    "kvq2-rope-1%": (False, 128, 20, 10, 1, False, 2),
+    "fp16": (True, 0, 0, 0, 0, False, 8),
 }
 
 
@@ -260,7 +263,7 @@ def test_kv_decode_compiles_for_sm90(variant):
     x 128), and its combine kernel, in the shipped CFG: cubins that fit an H100 SM's shared memory."""
     from ssmq.kernels import kv_decode as kd
 
-    fl, r, ko, vo, sink, k_tok = KV_VARIANTS[variant]
+    fl, r, ko, vo, sink, k_tok, bits = KV_VARIANTS[variant]
     code, scale = ("fp16", "fp16") if fl else ("u8", "fp16")
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
                 "kc": code, "kmid": scale if k_tok else "fp32", "khalf": scale if k_tok else "fp32", "klut": "fp32",
@@ -269,7 +272,7 @@ def test_kv_decode_compiles_for_sm90(variant):
     block_t = kd.CFG["BLOCK_T_OUTLIERS"] if ko or vo else kd.CFG["BLOCK_T"]
     const = dict(GROUP=4, GP=16, E=128, R=r, HP=max(16, r // 2), PP=max(16, 128 - r), S=sink, SP=16, FLOAT=fl,
                  K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, KP=triton.next_power_of_2(max(ko, 1)), VSLOTS=vo,
-                 BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"])
+                 BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"], KBITS=bits, VBITS=bits)
     compiled = _compile_sm90(kd._decode_kernel, pointers, const, floats=("scale",), num_warps=kd.CFG["num_warps"],
                              num_stages=kd.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"

@@ -155,7 +155,7 @@ def test_llama_decode_with_a_quantized_cache_equals_fake_quant():
         cache = m.allocate_cache(2, 12)
         steps = [m(ids[:, :4], cache=cache)] + [m.step(ids[:, t], cache)[:, None] for t in range(4, 11)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=2e-5)
-    assert cache.states[0].k.codes.shape == (2, 12, 2, 8)  # nibbles
+    assert cache.states[0].k.codes.shape == (2, 12, 2, 6)  # 3-bit codes: 16 channels in 6 bytes a head
 
 
 def test_state_decode_equals_read_then_attention_and_bytes():
@@ -178,6 +178,66 @@ def test_state_decode_equals_read_then_attention_and_bytes():
     assert st.nbytes() < 0.5 * float_bytes
     cache.reset([0])
     assert (st.k.codes[0] == 0).all() and (st.k.out_idx[0] == -1).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("e", [1, 5, 8, 12, 16, 19, 64])
+def test_pack_codes_round_trip(bits, e):
+    codes = torch.randint(0, 2 ** bits, (3, 2, e), generator=torch.Generator().manual_seed(e), dtype=torch.uint8)
+    packed = kq.pack_codes(codes, bits)
+    assert packed.shape == (3, 2, kq.packed_bytes(e, bits)) and packed.dtype == torch.uint8
+    assert kq.packed_bytes(e, bits) == -(-e * bits // 8)  # rows padded to whole bytes
+    assert torch.equal(kq.unpack_codes(packed, bits, e), codes)
+
+
+def test_pack_codes_layout():
+    """Channel c's code at bit offset bits·c of the row, little-endian: nibbles as before (even channel low), four
+    2-bit codes a byte, eight 3-bit codes in a 24-bit field (codes 2 and 5 span two bytes)."""
+    c = torch.tensor([1, 2, 3, 15], dtype=torch.uint8)
+    assert kq.pack_codes(c, 4).tolist() == [1 | 2 << 4, 3 | 15 << 4]
+    assert kq.pack_codes(torch.tensor([0, 1, 2, 3, 3], dtype=torch.uint8), 2).tolist() == [0b11100100, 3]
+    word = sum(i << 3 * i for i in range(8))
+    assert kq.pack_codes(torch.arange(8, dtype=torch.uint8), 3).tolist() == [word & 255, word >> 8 & 255, word >> 16]
+    assert kq.pack_codes(torch.tensor([7, 7, 7], dtype=torch.uint8), 3).tolist() == [255, 1]  # 9 bits: 2 bytes
+    assert [kq.code_bits(n) for n in (3, 4, 7, 8, 15, 16, 17, 253)] == [2, 2, 3, 3, 4, 4, 8, 8]
+
+
+@pytest.mark.parametrize("e", [16, 64, 12])
+def test_packed_cache_bytes_of_3_and_2_bit_codes(e):
+    """The cache's code bytes for nuq3 / nuq2 are 3/4 and 1/2 of nuq4's (e a multiple of 8; e = 12 pads each head's
+    row to whole bytes: 6, 5, 3 bytes)."""
+    from ssmq.models.kv_quantizer import KVQuantizer
+
+    def code_bytes(preset):
+        st = QuantKVState(KVQuantizer(KV_PRESETS[preset][0], 2, e, 0), 2, 10, torch.float16, "cpu")
+        return st.k.codes.numel() + st.v.codes.numel()
+
+    four, three, two = (code_bytes(f"kvquant-nuq{b}") for b in (4, 3, 2))
+    if e % 8 == 0:
+        assert three * 4 == four * 3 and two * 2 == four
+    else:
+        assert (four, three, two) == tuple(2 * 2 * 10 * 2 * n for n in (6, 5, 3))
+
+
+def test_packing_leaves_the_quantized_values_unchanged(monkeypatch):
+    """3-bit packing changes the storage only: a nuq3-1% cache read back (and the logits through it) equals the
+    same cache stored as nibbles (the layout before 3-bit packing), on 3/4 of the code bytes."""
+    import ssmq.models.quant_kv as qkv
+
+    m = _quantized("kvquant-nuq3-1%")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for nibbles in (False, True):
+        if nibbles:
+            monkeypatch.setattr(qkv, "code_bits", lambda levels: 4 if levels <= 16 else 8)
+        with torch.no_grad():
+            cache = m.allocate_cache(2, 16)
+            out = [m(ids[:, :7], cache=cache)] + [m.step(ids[:, t], cache)[:, None] for t in range(7, 12)]
+        st = cache.states[1]
+        runs.append((torch.cat(out, 1), *st.read(torch.arange(2), torch.tensor([12, 12])), st.k.codes.numel()))
+    assert runs[0][3] * 4 == runs[1][3] * 3
+    for packed, nibble in zip(runs[0][:3], runs[1][:3]):
+        assert torch.equal(packed, nibble)
 
 
 def test_paged_quantized_kv_is_refused_and_the_engine_keeps_it_contiguous():

@@ -15,11 +15,13 @@ def k():
 
 
 def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
-    """A random quantized side: codes < levels, sorted codebook, scales, some outliers (distinct channels within a
-    token, as quantization picks them; -1 = empty), sink."""
-    from ssmq.ops.kv_quant import KVSideView, pack_nibbles
+    """A random quantized side: codes < levels packed as the cache packs them (2 / 3 / 4 bits for <= 4 / 8 / 16
+    levels), sorted codebook, scales, some outliers (distinct channels within a token, as quantization picks them;
+    -1 = empty), sink."""
+    from ssmq.ops.kv_quant import KVSideView, code_bits, pack_codes
 
-    codes = pack_nibbles(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8))
+    bits = code_bits(levels)
+    codes = pack_codes(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8), bits)
     book = torch.sort(torch.rand(levels, generator=gen) * 2 - 1).values
     if per_token:
         mid = (torch.randn(s, L, hkv, generator=gen) * 0.1).half()
@@ -31,13 +33,15 @@ def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
     val = (torch.randn(s, L, slots_k, generator=gen) * 5).half()
     sinks = torch.randn(s, sink, hkv, e, generator=gen)
     to = lambda t: t.to(DEV)  # noqa: E731
-    return KVSideView(to(codes), to(book), to(mid), to(half), per_token, to(idx), to(val), to(sinks))
+    return KVSideView(to(codes), to(book), to(mid), to(half), per_token, to(idx), to(val), to(sinks), bits)
 
 
-CASES = [  # b, hq, hkv, e, L, rotary dim, key outlier slots, sink, levels
-    (2, 6, 2, 64, 100, 32, 2, 1, 8),   # the hybrid's heads: partial RoPE, nuq3-1%
+CASES = [  # b, hq, hkv, e, L, rotary dim, key outlier slots, sink, levels (keys, values)
+    (2, 6, 2, 64, 100, 32, 2, 1, 8),   # the hybrid's heads: partial RoPE, nuq3-1% (3-bit codes)
     (1, 4, 4, 32, 70, 32, 0, 0, 16),   # full RoPE, no outliers, no sink, 4 bits
     (3, 2, 1, 16, 40, 0, 1, 2, 4),     # no RoPE, 2 bits
+    (2, 4, 2, 32, 60, 16, 2, 1, (7, 3)),   # int3 keys (7 levels: 3 bits), int2 values (3 levels: 2 bits)
+    (2, 4, 2, 16, 50, 16, 1, 0, (4, 16)),  # 2-bit keys, 4-bit values
 ]
 if not INTERPRET:
     CASES.append((2, 9, 3, 64, 5000, 64, 4, 1, 8))  # SmolLM2's heads, a long ragged context
@@ -68,8 +72,9 @@ def _check(k, case, k_per_token, splits=None):
     b, hq, hkv, e, L, r, ko, sink, levels = case
     gen = torch.Generator().manual_seed(0)
     s = b + 2
-    K = side(s, L, hkv, e, k_per_token, ko, sink, gen, levels)
-    V = side(s, L, hkv, e, True, 1, sink, gen, levels)
+    k_levels, v_levels = levels if isinstance(levels, tuple) else (levels, levels)
+    K = side(s, L, hkv, e, k_per_token, ko, sink, gen, k_levels)
+    V = side(s, L, hkv, e, True, 1, sink, gen, v_levels)
     q = torch.randn(b, hq, e, generator=gen).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
     lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).to(DEV)

@@ -107,21 +107,31 @@ def test_kv_format_bytes_by_hand():
     assert kv_format("fp16").bytes_per_token(hkv, e) == 2 * 256 * 2
     # int8 per token-head (kv-int8-pth): 8-bit codes, an fp16 scale + offset per head on each side
     assert kv_format("int8").bytes_per_token(hkv, e) == 2 * (256 * 8 + 32 * hkv) / 8
-    # nuq3: 8 levels, stored two codes a byte; per-channel keys (offline scales), per-token values (32 bits a head)
-    assert kv_format("nuq3").bytes_per_token(hkv, e) == (256 * 4 + 256 * 4 + 32 * hkv) / 8
+    # nuq3: 8 levels, 3-bit codes (8 to 3 bytes); per-channel keys (offline scales), per-token values (32 bits a head)
+    assert kv_format("nuq3").bytes_per_token(hkv, e) == (256 * 3 + 256 * 3 + 32 * hkv) / 8
     # 1% outliers: round(2.56) = 3 slots for values, twice that for offline per-channel key thresholds; 32 bits each
-    assert kv_format("nuq3-1%").bytes_per_token(hkv, e) == (256 * 4 + 256 * 4 + 32 * hkv + 32 * (6 + 3)) / 8
+    assert kv_format("nuq3-1%").bytes_per_token(hkv, e) == (256 * 3 + 256 * 3 + 32 * hkv + 32 * (6 + 3)) / 8
+    # 2-bit codes four a byte, 4-bit two; int3 (7 levels, symmetric) and int2 (4 levels) as nuq3 / nuq2
+    assert kv_format("nuq2").bytes_per_token(hkv, e) == (256 * 2 + 256 * 2 + 32 * hkv) / 8
+    assert kv_format("nuq4").bytes_per_token(hkv, e) == (256 * 4 + 256 * 4 + 32 * hkv) / 8
+    assert kv_format("int3").bytes_per_token(hkv, e) == kv_format("nuq3").bytes_per_token(hkv, e)
+    # a head dim that is not a multiple of 8: each head's row of 3-bit codes padded to whole bytes (ceil(36 / 8) = 5)
+    assert kv_format("nuq3").bytes_per_token(hkv, 12) == 2 * hkv * 5 + 4 * hkv
     assert kv_format("kvquant-nuq3-1%") == kv_format("nuq3-1%").__class__("kvquant-nuq3-1%", **{
         k: getattr(kv_format("nuq3-1%"), k) for k in ("float_bytes", "spec", "description")})
 
 
-@pytest.mark.parametrize("name", ["kvquant-nuq3-1%", "kvquant-int2", "kv-fp8-e4m3", "kv-int4-pth", "kv-turbo3"])
-def test_kv_format_bytes_equal_the_quantized_cache(name):
+@pytest.mark.parametrize("name", ["kvquant-nuq3-1%", "kvquant-int2", "kv-fp8-e4m3", "kv-int4-pth", "kv-turbo3",
+                                  "kvquant-nuq2"])
+@pytest.mark.parametrize("e", [64, 12])
+def test_kv_format_bytes_equal_the_quantized_cache(name, e):
     # the plan's cost per token is what QuantKVState allocates per token (its sink rows are per sequence)
     from ssmq.models.kv_quantizer import KVQuantizer
     from ssmq.models.quant_kv import QuantKVState
 
-    fmt, hkv, e, slots, length = kv_format(name), 3, 64, 2, 40
+    if name == "kv-turbo3" and e == 12:
+        pytest.skip("the rotation needs a power-of-two head dim")
+    fmt, hkv, slots, length = kv_format(name), 3, 2, 40
     state = QuantKVState(KVQuantizer(fmt.spec, hkv, e, 0), slots, length, torch.float16, "cpu")
     sink = sum(side.sink.numel() * side.sink.element_size() for side in (state.k, state.v))
     assert state.nbytes() - sink == slots * length * fmt.bytes_per_token(hkv, e)

@@ -6,9 +6,10 @@ Same contract as ``ssmq.ops.kv_quant.quant_kv_decode_ref`` (its docstring has th
 
 One program per (row, kv head, split): the split's tokens in (BLOCK_T, e) tiles, each tile read once for the
 kv head's g query heads, with an online softmax (running max m, sum l, unnormalized output acc):
-    keys     nibbles unpacked, looked up in the codebook (LUT), scaled (per-channel or per-token mid / half), then
-             rotated by their position (RoPE on the fly: keys are cached before it; angles in the kernel from the
-             cached inv_freq); scores (g, BLOCK_T) = q · kᵀ as tensor-core products (3xTF32: float32 accuracy);
+    keys     codes unpacked (2, 3 or 4 bits: ``_codes``), looked up in the codebook (LUT), scaled (per-channel or
+             per-token mid / half), then rotated by their position (RoPE on the fly: keys are cached before it;
+             angles in the kernel from the cached inv_freq); scores (g, BLOCK_T) = q · kᵀ as tensor-core products
+             (3xTF32: float32 accuracy);
              the sparse outliers then add (val - x̂) · (their channel's coefficient in q · R_t k), gathered
     values   the same dequantization with the outliers written over the tile, acc += p · v as one product
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
@@ -16,7 +17,8 @@ Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one s
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
 divided among the P splits in the kernel, so there is no host sync, and no torch op between the kernels.
 ``float_kv_decode`` is the same kernel over a float cache (FLOAT: keys post-RoPE, no LUT, outliers or sink).
-Codes must be packed nibbles (codebooks of <= 16 entries) and unrotated; other formats take the reference.
+Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a side's constexpr) and unrotated;
+other formats take the reference.
 """
 
 from __future__ import annotations
@@ -61,17 +63,30 @@ def _cos_sin(a, FAST: tl.constexpr):
 
 
 @triton.jit
+def _codes(row, c, mask, BITS: tl.constexpr):
+    """The BITS-bit codes of channels c in the packed rows at ``row`` (broadcast with c; ``pack_codes``' layout:
+    channel c at bit offset BITS·c). 2 and 4 bits: one byte load, a shift and a mask. 3 bits: a code at bit offset 6
+    or 7 of its byte (channels 8j + 2, 8j + 5) also takes the next byte, loaded only for those (so nothing past the
+    row's ceil(3e/8) bytes is read), as the high byte of a 16-bit word."""
+    off = c * BITS
+    word = tl.load(row + (off >> 3), mask=mask, other=0).to(tl.int32)
+    if BITS == 3:
+        spans = mask & ((off & 7) > 5)
+        word = word | (tl.load(row + (off >> 3) + 1, mask=spans, other=0).to(tl.int32) << 8)
+    return (word >> (off & 7)) & ((1 << BITS) - 1)
+
+
+@triton.jit
 def _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cols, cmask,
           s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
-          E: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr):
+          E: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, BITS: tl.constexpr):
     """(len(t), len(cols)) float32 tile of kv head hk of slot ``slot``: tokens t, channels cols (masked: 0)."""
     mask = tmask[:, None] & cmask[None, :]
     base = ptr + slot * s_s + t[:, None] * s_t + hk * s_h
     if FLOAT:
         x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        byte = tl.load(base + (cols // 2)[None, :], mask=mask, other=0).to(tl.int32)
-        c = tl.load(lut + ((byte >> ((cols % 2) * 4)[None, :]) & 15))
+        c = tl.load(lut + _codes(base, cols[None, :], mask, BITS))
         if PER_TOKEN:
             m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
             h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
@@ -113,7 +128,8 @@ def _group_scores(q, s_qh, qscale, ka, kb, kp, ch, cp, GROUP: tl.constexpr, GP: 
 def _outlier_scores(q, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
                     s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
                     GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr,
-                    PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr):
+                    PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr,
+                    BITS: tl.constexpr):
     """(GP, len(t)) what the keys' sparse outliers add to the scores: Σ_j (val_j - x̂[t, c_j]) · w(c_j), w(c) the
     coefficient of key channel c in q · R_t k, over the slots j whose channel c_j lies in kv head hk. A few gathers
     a slot, where writing the outliers into the tile costs a compare and a select on every entry a slot. Assumes
@@ -124,8 +140,7 @@ def _outlier_scores(q, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk
     c = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32) - hk * E  # (len(t), KP) channel in the head
     hit = om & (c >= 0) & (c < E)
     c = tl.where(hit, c, 0)
-    byte = tl.load(codes + slot * s_s + t[:, None] * s_t + hk * s_h + c // 2, mask=hit, other=0).to(tl.int32)
-    x = tl.load(lut + ((byte >> ((c % 2) * 4)) & 15))
+    x = tl.load(lut + _codes(codes + slot * s_s + t[:, None] * s_t + hk * s_h, c, hit, BITS))
     if PER_TOKEN:
         m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
         h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
@@ -159,7 +174,7 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
             GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
             PP: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
-            KP: tl.constexpr, FAST: tl.constexpr, DOT: tl.constexpr):
+            KP: tl.constexpr, FAST: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr):
     """(GP, len(t)) scores (log2 units; -inf where masked) of the query group against the keys t rotated by
     their positions: R_t k = (ka cos - kb sin, kb cos + ka sin, kp) over channels [0, r/2), [r/2, r), [r, e);
     the tiles without the outliers, which ``_outlier_scores`` adds."""
@@ -167,13 +182,13 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
     cp = R + tl.arange(0, PP)
     if R < E:
         kp = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cp, cp < E, s_s, s_t, s_h, s_ms, s_mt,
-                   s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
+                   s_os, s_ot, E, FLOAT, PER_TOKEN, 0, BITS)
     if R > 0:
         hm = ch < R // 2
         ka = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch, hm, s_s, s_t, s_h, s_ms, s_mt,
-                   s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
+                   s_os, s_ot, E, FLOAT, PER_TOKEN, 0, BITS)
         kb = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch + R // 2, hm, s_s, s_t, s_h, s_ms,
-                   s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, 0)
+                   s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, 0, BITS)
         freq = tl.load(inv_freq + ch, mask=hm, other=0.0)
         cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)  # the reference's float32 angles
         if R == E:
@@ -184,7 +199,8 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
         s = _group_scores(q, s_qh, qscale, kp, kp, kp, ch, cp, GROUP, GP, E, R, DOT)
     if KSLOTS > 0:
         s += _outlier_scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
-                             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP, GP, E, R, PER_TOKEN, KSLOTS, KP, FAST)
+                             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP, GP, E, R, PER_TOKEN, KSLOTS, KP, FAST,
+                             BITS)
     return tl.where(tmask[None, :], s, float("-inf"))
 
 
@@ -207,7 +223,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-                   DOT: tl.constexpr):
+                   DOT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
     i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i).to(tl.int64)
     n = tl.load(lens + i).to(tl.int32)
@@ -229,18 +245,19 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
             t = tl.arange(0, SP)
             tmask = t < tl.minimum(n, S)
             s = _scores(qg, s_qh, qscale, ksink, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
-                        ks_s, ks_t, ks_h, 0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST, DOT)
+                        ks_s, ks_t, ks_h, 0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST, DOT,
+                        KBITS)
             v = _tile(vsink, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
-                      vs_s, vs_t, vs_h, 0, 0, 0, 0, E, True, V_PER_TOKEN, 0)
+                      vs_s, vs_t, vs_h, 0, 0, 0, 0, E, True, V_PER_TOKEN, 0, VBITS)
             m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
     for start in range(lo, hi, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
         tmask = (t < hi) & (t >= S)
         s = _scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
                     k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, KP,
-                    FAST, DOT)
+                    FAST, DOT, KBITS)
         v = _tile(vc, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
-                  v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS)
+                  v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS, VBITS)
         m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
 
     heads = hk * GROUP + rows
@@ -333,8 +350,9 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     kt, ks = _side(k)
     vt, vs = _side(v)
     assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
+    assert k.bits in (2, 3, 4) and v.bits in (2, 3, 4), "codes of 2, 3 or 4 bits"
     flags = dict(FLOAT=False, K_PER_TOKEN=k.per_token, V_PER_TOKEN=v.per_token, KSLOTS=k.out_idx.shape[-1],
-                 VSLOTS=v.out_idx.shape[-1])
+                 VSLOTS=v.out_idx.shape[-1], KBITS=k.bits, VBITS=v.bits)
     return _launch(q, slots, kv_lens, kt, ks, vt, vs, (k.sink, v.sink), flags, rotary_dim, theta,
                    softmax_scale, splits)
 
@@ -350,5 +368,5 @@ def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     vt = (v_cache, v_cache, v_cache, v_cache, v_cache, v_cache)
     ks = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0, 0, 0, 0)
     vs = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0, 0, 0)
-    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0)
+    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8)
     return _launch(q, slots, kv_lens, kt, ks, vt, vs, (none, none), flags, 0, 10000.0, softmax_scale, splits)

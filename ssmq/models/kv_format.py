@@ -83,10 +83,16 @@ class KVSideSpec:
         return min(n, 2 * k) if self.granularity == "per_channel" else k
 
     def bits_per_token(self, hkv: int, e: int, as_stored: bool = False) -> int:
-        """Bits of one token of this side in a layer: codes (``bits`` each, or as ``QuantKVState`` stores them: 4
-        bits for codebooks of <= 16 entries, else 8), float16 per-token mid and half, (int16, float16) outliers."""
+        """Bits of one token of this side in a layer: codes (``bits`` each, or as ``QuantKVState`` stores them:
+        2 / 3 / 4 bits for codebooks of <= 4 / 8 / 16 entries, else 8, each head's row padded to whole bytes:
+        ``ssmq.ops.kv_quant.pack_codes``), float16 per-token mid and half, (int16, float16) outliers."""
         n = hkv * e
-        codes = n * ((8 if self.levels > 16 else 4) if as_stored else self.bits)
+        if as_stored:
+            from ssmq.ops.kv_quant import code_bits, packed_bytes
+
+            codes = hkv * 8 * packed_bytes(e, code_bits(self.levels))
+        else:
+            codes = n * self.bits
         return codes + (32 * hkv if self.granularity == "per_token" else 0) + 32 * self.outlier_slots(n)
 
 

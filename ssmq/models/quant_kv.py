@@ -1,10 +1,11 @@
 """Quantized KV state: an attention layer's keys and values as codes, scales and sparse outliers.
 
 Glossary: s cache slots, L max_seqlen, b rows served, l new tokens, T tokens read, hkv kv heads, e head dim,
-e' = e/2 when two codes share a byte (codebooks of <= 16 entries) else e, k outlier slots, S sink tokens.
+e' = ceil(e·bits/8) bytes of a packed row (``ssmq.ops.kv_quant.pack_codes``: bits 2, 3, 4 for codebooks of
+<= 4 / 8 / 16 entries, else 8), k outlier slots, S sink tokens.
 
 Per side (keys, values), ``QuantSide`` holds
-    codes     (s, L, hkv, e') uint8    nearest codebook entries (``ssmq.ops.kv_quant``), two per byte when they fit
+    codes     (s, L, hkv, e') uint8    nearest codebook entries (``ssmq.ops.kv_quant``), packed at ``bits`` a code
     mid, half (s, L, hkv) float16      per-token scales (per_token sides only; offline scales live in the quantizer)
     out_idx   (s, L, k) int16, out_val (s, L, k) float16    the token's sparse outliers
     sink      (s, S, hkv, e) float     the first S tokens, exactly (attention sink)
@@ -21,17 +22,17 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.models.state import RopeAtRead, StateFormat, _rows
 from ssmq.ops.attention import capturing
-from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, dequantize_kv_ref, pack_nibbles, quantize_kv_ref, scales_of,
-                               unpack_nibbles)
+from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, code_bits, dequantize_kv_ref, pack_codes, packed_bytes,
+                               quantize_kv_ref, scales_of, unpack_codes)
 
 
 class QuantSide:
     def __init__(self, quantizer, which: str, max_batch: int, max_seqlen: int, dtype, device):
         self.q, self.which = quantizer, which
         side, hkv, e = quantizer.side(which), quantizer.hkv, quantizer.e
-        self.packed = side.levels <= 16
+        self.bits = code_bits(side.levels)
         z = dict(device=device)
-        self.codes = torch.zeros(max_batch, max_seqlen, hkv, e // 2 if self.packed else e, dtype=torch.uint8, **z)
+        self.codes = torch.zeros(max_batch, max_seqlen, hkv, packed_bytes(e, self.bits), dtype=torch.uint8, **z)
         per_token = side.granularity == "per_token"
         self.mid = torch.zeros(max_batch, max_seqlen, hkv, dtype=torch.float16, **z) if per_token else None
         self.half = torch.ones(max_batch, max_seqlen, hkv, dtype=torch.float16, **z) if per_token else None
@@ -49,7 +50,7 @@ class QuantSide:
         q = quantize_kv_ref(x.reshape(-1, *x.shape[-2:]), self.q.params(self.which))
         lead = x.shape[:2]
         rows = slots[:, None].expand_as(positions)
-        codes = pack_nibbles(q.codes) if self.packed else q.codes
+        codes = pack_codes(q.codes, self.bits)
         self.codes[rows, positions] = codes.reshape(*lead, *codes.shape[1:])
         if self.mid is not None:
             self.mid[rows, positions] = q.mid.reshape(*lead, -1)
@@ -72,8 +73,7 @@ class QuantSide:
 
     def quantized(self, slots: torch.Tensor, end: int) -> QuantizedKV:
         """The rows ``slots`` up to ``end`` as a QuantizedKV of (b·T) tokens (codes unpacked)."""
-        codes = self.codes[slots, :end]
-        codes = unpack_nibbles(codes) if self.packed else codes
+        codes = unpack_codes(self.codes[slots, :end], self.bits, self.q.e)
         n = len(slots) * end
         flat = lambda t: None if t is None else t[slots, :end].reshape(n, *t.shape[2:])  # noqa: E731
         return QuantizedKV(codes.reshape(-1, *codes.shape[2:]), flat(self.mid), flat(self.half), flat(self.out_idx),
@@ -91,14 +91,14 @@ class QuantSide:
     def view(self) -> KVSideView | None:
         """The buffers as the decode kernels read them; None for formats they do not take (8-bit codes, rotation)."""
         p = self.q.params(self.which)
-        if not self.packed or p.signs is not None:
+        if self.bits > 4 or p.signs is not None:
             return None
         if self.mid is not None:
             mid, half = self.mid, self.half
         else:  # offline scales, as the reference derives them, broadcast to (hkv, e)
             mid, half = (t.expand(self.q.hkv, self.q.e).float().contiguous() for t in scales_of(None, p, None))
         return KVSideView(self.codes, p.codebook, mid, half, self.mid is not None, self.out_idx, self.out_val,
-                          self.sink)
+                          self.sink, self.bits)
 
     def reset(self, slots) -> None:
         for t in self.buffers():

@@ -195,16 +195,50 @@ def fake_quant_kv_ref(x: torch.Tensor, p: KVParams) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# storage: two 4-bit codes per byte
+# storage: codes packed at their bit width
 # ---------------------------------------------------------------------------------------------------------------
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """(..., e) uint8 codes < 16 → (..., e/2) uint8: even channel in the low nibble, odd in the high."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+# Layout (QuantKVState and the decode kernels): each (token, kv head) row of e codes is a little-endian bit
+# string, channel c's code at bit offset bits·c, padded with zero bits to whole bytes: ceil(e·bits/8) bytes a row.
+#     bits 4: two a byte, even channel in the low nibble;  bits 2: four a byte, channel 4j + i at bits 2i of byte j
+#     bits 3: every 8 channels a 24-bit field of 3 bytes (channel 8j + i at bits 3i of bytes 3j .. 3j + 2); a code
+#             at bit offset 6 or 7 of its byte spans two bytes (channels 8j + 2 and 8j + 5)
+#     bits 8: one a byte (codebooks of more than 16 entries)
+# Why a bit string rather than bit planes (the low bits of all channels, then the high bits): a code is one
+# contiguous field, so the kernel reads it with one byte load (bits 2, 4) or two adjacent ones (bits 3, the second
+# only for the two spanning channels of 8), then one shift and one mask; 3-bit planes (a 2-bit and a 1-bit one)
+# would cost two loads, two shifts, two masks and an or for every code. Rows are padded per head, not per token, so that a token's write replaces whole bytes
+# (no read-modify-write of a neighbour's bits) and the kernels address row hk at byte hk·ceil(e·bits/8).
+def code_bits(levels: int) -> int:
+    """Bits a code of a codebook of ``levels`` entries takes in the cache: 2, 3 or 4 (<= 4 / 8 / 16 entries), else 8."""
+    return next(b for b in (2, 3, 4, 8) if levels <= 2 ** b)
 
 
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """(..., e/2) → (..., e)."""
-    return torch.stack([packed & 15, packed >> 4], -1).flatten(-2)
+def packed_bytes(e: int, bits: int) -> int:
+    """Bytes of one packed row of e codes."""
+    return (e * bits + 7) // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., e) uint8 codes < 2^bits → (..., ceil(e·bits/8)) uint8 (the layout above)."""
+    if bits == 8:
+        return codes
+    e = codes.shape[-1]
+    x = torch.nn.functional.pad(codes, (0, -e % 8)).long().unflatten(-1, (-1, 8))  # (..., groups, 8)
+    shifts = torch.arange(8, device=codes.device) * bits
+    word = (x << shifts).sum(-1, keepdim=True)  # (..., groups, 1): 8 codes in 8·bits <= 32 bits
+    out = (word >> torch.arange(bits, device=codes.device) * 8) & 255  # (..., groups, bits) bytes
+    return out.flatten(-2)[..., :packed_bytes(e, bits)].to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, e: int) -> torch.Tensor:
+    """(..., ceil(e·bits/8)) → (..., e) uint8: the inverse of ``pack_codes``."""
+    if bits == 8:
+        return packed
+    n = packed.shape[-1]
+    x = torch.nn.functional.pad(packed, (0, -n % bits)).long().unflatten(-1, (-1, bits))  # (..., groups, bits)
+    word = (x << torch.arange(bits, device=packed.device) * 8).sum(-1, keepdim=True)
+    out = (word >> torch.arange(8, device=packed.device) * bits) & (2 ** bits - 1)  # (..., groups, 8)
+    return out.flatten(-2)[..., :e].to(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -213,8 +247,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 @dataclass
 class KVSideView:
     """One side of a quantized cache as the decode kernels read it (s slots, L positions, S sink tokens):
-    codes (s, L, hkv, e/2) uint8 packed nibbles; codebook (C,) float32; mid, half: per-token (s, L, hkv) float16,
-    or per-channel (hkv, e) float32 when ``per_token`` is False; out_idx, out_val (s, L, k); sink (s, S, hkv, e)."""
+    codes (s, L, hkv, ceil(e·bits/8)) uint8, ``bits`` (2, 3 or 4) a code (``pack_codes``); codebook (C,) float32;
+    mid, half: per-token (s, L, hkv) float16, or per-channel (hkv, e) float32 when ``per_token`` is False;
+    out_idx, out_val (s, L, k); sink (s, S, hkv, e) (its last dim gives e)."""
 
     codes: torch.Tensor
     codebook: torch.Tensor
@@ -224,10 +259,11 @@ class KVSideView:
     out_idx: torch.Tensor
     out_val: torch.Tensor
     sink: torch.Tensor
+    bits: int
 
     def dequantize(self, slots: torch.Tensor, end: int) -> torch.Tensor:
         """(b, T, hkv, e) float32 of the rows ``slots`` up to ``end``: codes, scales, outliers, then the sink."""
-        codes = unpack_nibbles(self.codes[slots, :end]).long()  # (b, T, hkv, e)
+        codes = unpack_codes(self.codes[slots, :end], self.bits, self.sink.shape[-1]).long()  # (b, T, hkv, e)
         if self.per_token:
             mid, half = self.mid[slots, :end].float()[..., None], self.half[slots, :end].float()[..., None]
         else:

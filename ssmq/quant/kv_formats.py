@@ -2,9 +2,9 @@
 
 A format is either the float cache (``KVState``: 2 · hkv · e elements of its dtype per layer and token) or a
 ``KVSpec`` — the KV presets of ``ssmq.quant.kv_presets``, the same data the quantizer runs — costed as
-``QuantKVState`` stores it (``KVSpec.bits_per_token(..., as_stored=True)``: codes of up to 16 levels two to a
-byte, else one byte; fp16 per-token scale and offset on per_token sides; an (int16, fp16) pair per outlier
-slot). Costs that do not grow with the context (per-channel key scales calibrated offline, per-layer codebooks,
+``QuantKVState`` stores it (``KVSpec.bits_per_token(..., as_stored=True)``: codes of up to 4 / 8 / 16 levels
+at 2 / 3 / 4 bits, each head's row of e codes padded to whole bytes (ceil(e·bits/8)), else one byte a code; fp16
+per-token scale and offset on per_token sides; an (int16, fp16) pair per outlier slot). Costs that do not grow with the context (per-channel key scales calibrated offline, per-layer codebooks,
 the FP16 attention-sink tokens) are left out: they are bytes per layer, not per token.
 
 Names: fp32 / fp16 / bf16, any KV preset (``kvquant-nuq3-1%``, ``kv-fp8-e4m3``, ``kv-int8-pth`` …), and the
