@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ssmq.ops.attention import attention_ref
-from ssmq.ops.kv_quant import KVSideView, pack_nibbles, quant_kv_decode_ref
+from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref
 
 HQ, HKV, E = 32, 8, 128
 HBM_TBPS = 3.35
@@ -36,10 +36,10 @@ DEV = "cuda"  # --device cpu with TRITON_INTERPRET=1: a smoke run of this script
 
 
 def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen) -> tuple[KVSideView, KVSideView]:
-    """Random nibble codes, codebooks, scales and outliers of a (b, L) cache (the kernels' speed does not depend
+    """Random 4-bit codes, codebooks, scales and outliers of a (b, L) cache (the kernels' speed does not depend
     on the values)."""
     def side(per_token, slots):
-        codes = pack_nibbles(torch.randint(0, 16, (b, L, HKV, E), generator=gen, device=DEV, dtype=torch.uint8))
+        codes = pack_codes(torch.randint(0, 16, (b, L, HKV, E), generator=gen, device=DEV, dtype=torch.uint8), 4)
         book = torch.sort(torch.rand(16, generator=gen, device=DEV) * 2 - 1).values
         if per_token:
             mid = torch.randn(b, L, HKV, generator=gen, device=DEV).half() * 0.1
@@ -52,7 +52,7 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen) -> tuple[KVSide
         idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
         val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
-        return KVSideView(codes, book, mid, half, per_token, idx, val, sink)
+        return KVSideView(codes, book, mid, half, per_token, idx, val, sink, 4)
     return side(False, k_slots), side(True, v_slots)
 
 
