@@ -128,6 +128,7 @@ def run_sweep(batches, out: dict) -> None:
     """int8 state update launch settings (tile rows BP; re-quantization by rcp.approx or by IEEE-range division; 4
     warps: 8 were slower at every BP on the H100) at the given batches: state bytes / time."""
     print(f"{'batch':>5} {'BP':>3} {'fast_rcp':>8} {'int8 ms':>9} {'state TB/s':>10}")
+    default = {k: state_update.CFG[k] for k in ("BP", "fast_rcp")}
     for b in batches:
         for bp in (16, 32, 64):
             for fast in (False, True):
@@ -135,7 +136,7 @@ def run_sweep(batches, out: dict) -> None:
                 try:
                     r = micro_row(b, None, only_int8=True)
                 finally:
-                    state_update.CFG.update(BP=None, fast_rcp=True)
+                    state_update.CFG.update(default)
                 out["sweep"].append({**r, "BP": bp, "num_warps": state_update.CFG["num_warps"], "fast_rcp": fast})
                 print(f"{b:>5} {bp:>3} {fast!s:>8} {r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
 

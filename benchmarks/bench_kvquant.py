@@ -22,13 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ssmq.ops.attention import attention_ref
-from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plotting import log_axes, pyplot  # noqa: E402
+
+from ssmq.ops.attention import attention_ref  # noqa: E402
+from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
 HBM_TBPS = 3.35
@@ -119,24 +123,18 @@ def run(lengths: list[int], batch: int) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["context"] for r in rows]
     for key in ("fp16 ours", "fp16 sdpa", "kvquant 4-bit", "kvquant 4-bit 1%"):
         ax.plot(x, [r[f"{key} ms"] for r in rows], marker="o", label=key)
     for key in ("fp16", "kvquant 4-bit"):
         ax.plot(x, [r[f"{key} limit ms"] for r in rows], ls="--", label=f"{key} bytes at {HBM_TBPS} TB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("decode attention, ms (one layer)")
-    ax.set_title(f"KV decode, {HQ} q / {HKV} kv heads x {E}, batch {rows[0]['batch']}")
+    log_axes(ax, "context (tokens)", "decode attention, ms (one layer)",
+             f"KV decode, {HQ} q / {HKV} kv heads x {E}, batch {rows[0]['batch']}", legend_size=10)
     ax.grid(alpha=0.3)
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -194,12 +194,7 @@ def plot(out: dict, path: Path) -> None:
         ax.plot(bs, [r["plain_ms"] * 1e3 for r in rows], "o-", color=color, label=f"{state} state, plain")
         ax.plot(bs, [r["replay_ms"] * 1e3 for r in rows], "s--", color=color, label=f"{state} state, checkpoint")
         ax.plot(bs, [r["replay_limit_ms"] * 1e3 for r in rows], ":", color=color, label=f"{state} checkpoint bytes")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch")
-    ax.set_ylabel("µs per layer")
-    ax.set_title(f"state update, h {H} p {P} n {N}")
-    ax.legend(fontsize=7)
+    log_axes(ax, "batch", "µs per layer", f"state update, h {H} p {P} n {N}", legend_size=7)
     ax = axes[1]
     for key, rows in out["e2e"].items():
         pts = [(int(b[1:]), r["tpot_ms"]) for b, r in rows.items() if "tpot_ms" in r]

@@ -109,31 +109,18 @@ def offline(model, args, levels) -> dict:
         out["throughput_tok_s"][c] = c * args.output_len / (time.perf_counter() - t)
         # the bound a server could reach with no prefill and no host work: C rows per decode step (graph replay on
         # CUDA). generate() prefills prompt by prompt, so its throughput is far below this at large C
-        out["decode_step_tok_s"][c] = c / decode_step_s(model, run, c)
+        step_s = decode_step_s(model, run, c, steps=min(args.output_len, 200))
+        out["decode_step_tok_s"][c] = c / step_s
         if c == 1:  # TPOT: decode steps only, prefill excluded
-            steps = []
-            slot = torch.zeros(1, dtype=torch.long, device=model.device)
-            tok = torch.ones(1, dtype=torch.long, device=model.device)
-            if cuda:
-                step = run["decode_fn"]
-            else:
-                cache = model.allocate_cache(1, 1)
-                step = lambda x, s: model.step(x, cache, s)  # noqa: E731
-            with torch.inference_mode():
-                for _ in range(min(args.output_len, 200) + 5):
-                    sync()
-                    t = time.perf_counter()
-                    step(tok, slot).argmax(-1)
-                    sync()
-                    steps.append(time.perf_counter() - t)
-            out["tpot_ms"] = statistics.median(steps[5:]) * 1e3
+            out["tpot_ms"] = step_s * 1e3
         del run
     return out
 
 
-def decode_step_s(model, run: dict, c: int, steps: int = 10) -> float:
-    """Median seconds of one decode step of C rows: ``run``'s CudaGraphDecoder over its cache (reset first: the
-    timed steps must not run past the cache's length), else ``model.step`` on a fresh cache."""
+def decode_step_s(model, run: dict, c: int, steps: int = 10, warmup: int = 5) -> float:
+    """Median seconds of one greedy decode step of C rows (argmax included): ``run``'s CudaGraphDecoder over its
+    cache (reset first: the timed steps must not run past the cache's length), else ``model.step`` on a fresh
+    cache."""
     import torch
 
     dev = model.device
@@ -143,17 +130,17 @@ def decode_step_s(model, run: dict, c: int, steps: int = 10) -> float:
         run["cache"].reset()
         decode_fn = run["decode_fn"]
     else:
-        cache = model.allocate_cache(c, steps + 4)
+        cache = model.allocate_cache(c, steps + warmup)
         decode_fn = lambda x, s: model.step(x, cache, s)  # noqa: E731
     times = []
     with torch.inference_mode():
-        for _ in range(steps + 2):
+        for _ in range(steps + warmup):
             sync()
             t = time.perf_counter()
-            decode_fn(tokens, slots)
+            decode_fn(tokens, slots).argmax(-1)
             sync()
             times.append(time.perf_counter() - t)
-    return statistics.median(times[2:])
+    return statistics.median(times[warmup:])
 
 
 def sync():
