@@ -85,9 +85,9 @@ class Mamba2Mixer(SSMMixer):
         b, l, _ = hidden.shape
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         state = None if cache is None else cache.states[self.layer_idx]
-        taps = (self.act_x, self.act_B, self.act_C)
         if type(self.ssd) is ChunkScan and self._int8_prefill(xbc, ("act_x", "act_B", "act_C")):
             # the taps' codes from the conv, scanned as they are (x (h, p), B and C (g, n) or () scales)
+            taps = (self.act_x, self.act_B, self.act_C)
             xbc_scale, x_scale, B_scale, C_scale = self._tap_scales.get("xbc", taps, self._xbc_scales)
             # per-tensor B / C scales as one state group per B/C group, the (g, k) of quant_ssd
             B_scale, C_scale = (s if s.dim() else s.expand(c.ngroups, 1) for s in (B_scale, C_scale))

@@ -53,7 +53,7 @@ class SSMMixer(nn.Module):
 
     def _int8_prefill(self, t: torch.Tensor, code_taps: tuple[str, ...]) -> bool:
         """Prefill on the codes of ``code_taps`` (the int8-input scan kernels) when they all quantize and t's device
-        runs those kernels (``kernels.int8_prefill``: CUDA, unless ``SSMQ_INT8_PREFILL=0``)."""
+        runs those kernels (``kernels.int8_prefill``: CUDA with ``SSMQ_INT8_PREFILL=1``)."""
         return kernels.int8_prefill(t) and all(is_quantizer(getattr(self, tap)) for tap in code_taps)
 
     def bc_groups(self) -> int:
