@@ -20,7 +20,7 @@ import torch
 
 from ssmq.errors import SSMQError
 from ssmq.models.state import RopeAtRead, StateFormat
-from ssmq.ops.attention import capturing
+from ssmq.ops.attention import check_fits, read_extent
 
 
 class BlockTable:
@@ -67,8 +67,7 @@ class PagedKVState:
 
     def append(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots``, into their blocks."""
-        if not capturing(positions) and int(positions.max()) >= self.max_seqlen:
-            raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
+        check_fits(positions, self.max_seqlen)
         block, offset = self.table.locate(slots, positions)
         self.k[block, offset] = k.to(self.k.dtype)
         self.v[block, offset] = v.to(self.v.dtype)
@@ -77,7 +76,7 @@ class PagedKVState:
         """Keys (post-RoPE) and values of the rows ``slots``: (b, T, hkv, e), valid up to ``kv_lens`` (b,).
 
         T = the longest of ``kv_lens`` rounded up to whole blocks (max_seqlen while a CUDA graph is captured)."""
-        end = self.max_seqlen if capturing(kv_lens) else int(kv_lens.max())
+        end = read_extent(kv_lens, self.max_seqlen)
         n = -(-end // self.table.block_size)
         blocks = self.table.rows[slots, :n]  # (b, n)
         b, bs = blocks.shape[0], self.table.block_size

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ssmq.errors import SSMQError
 from ssmq.models.state import RopeAtRead, StateFormat, _rows
-from ssmq.ops.attention import capturing
+from ssmq.ops.attention import check_fits, read_extent
 from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, code_bits, dequantize_kv_ref, pack_codes, packed_bytes,
                                quantize_kv_ref, scales_of, unpack_codes)
 
@@ -127,8 +126,7 @@ class QuantKVState:
         """Quantize and write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (b,). The writes have
         static shapes and read nothing on the host; the bound check reads the last position, so it is skipped while
         a CUDA graph is being captured (the graph runner's caller keeps the lengths within the cache, as KVState)."""
-        if not capturing(positions) and int(positions.max()) >= self.max_seqlen:
-            raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
+        check_fits(positions, self.max_seqlen)
         self.k.write(slots, positions, k)
         self.v.write(slots, positions, v)
 
@@ -137,7 +135,7 @@ class QuantKVState:
         Dequantizes the whole prefix (prefill, and the formats without a decode kernel): T = the longest of
         ``kv_lens`` (a host read), or L while a CUDA graph is being captured (static shapes; the mask hides the rest).
         A decode step reads through ``decode`` instead, which reads no length on the host."""
-        end = self.max_seqlen if capturing(kv_lens) else int(kv_lens.max())
+        end = read_extent(kv_lens, self.max_seqlen)
         keys, values = self.k.read(slots, end, self.dtype), self.v.read(slots, end, self.dtype)
         if self.rope is not None:
             from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin

@@ -35,7 +35,7 @@ import torch
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
-from ssmq.ops.attention import capturing
+from ssmq.ops.attention import check_fits, read_extent
 from ssmq.ops.replay_ssm import StateRing, replay_state_ref
 
 
@@ -252,8 +252,7 @@ class KVState:
         """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (keys pre-RoPE when
         ``keys_before_rope``). The bound check reads a device value, so it is skipped while a CUDA graph is
         being captured (the graph runner checks lengths on the host instead)."""
-        if not capturing(positions) and int(positions.max()) >= self.max_seqlen:
-            raise SSMQError(f"sequence longer than the cache ({self.max_seqlen} tokens); allocate a larger cache")
+        check_fits(positions, self.max_seqlen)
         rows = slots[:, None].expand_as(positions)
         self.k[rows, positions] = k.to(self.k.dtype)
         self.v[rows, positions] = v.to(self.v.dtype)
@@ -264,7 +263,7 @@ class KVState:
         T = the longest of ``kv_lens`` (one device-to-host read), so a step copies only the positions its rows
         hold; while a CUDA graph is captured T = L (static shapes, no host read; the mask hides the rest).
         """
-        end = self.max_seqlen if capturing(kv_lens) else int(kv_lens.max())
+        end = read_extent(kv_lens, self.max_seqlen)
         keys, values = self.k[slots, :end], self.v[slots, :end]
         if self.rope is not None:
             from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin

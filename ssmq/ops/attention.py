@@ -8,11 +8,26 @@ from __future__ import annotations
 
 import torch
 
+from ssmq.errors import SSMQError
+
 
 def capturing(t: torch.Tensor) -> bool:
     """True while a CUDA graph is being captured on t's device: shapes must then be static and no device value may be
     read on the host (a cache reads its capacity instead of its rows' lengths, and skips its host-side checks)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def check_fits(positions: torch.Tensor, capacity: int) -> None:
+    """A KV cache's bound check before a write at ``positions``: it reads the last position on the host, so it is
+    skipped while a CUDA graph is being captured (the graph runner's caller keeps the lengths within the cache)."""
+    if not capturing(positions) and int(positions.max()) >= capacity:
+        raise SSMQError(f"sequence longer than the cache ({capacity} tokens); allocate a larger cache")
+
+
+def read_extent(kv_lens: torch.Tensor, capacity: int) -> int:
+    """Tokens a KV read covers: the longest of ``kv_lens`` (a host read), or the whole capacity while a CUDA graph is
+    being captured (static shapes; the rows' lengths mask the rest)."""
+    return capacity if capturing(kv_lens) else int(kv_lens.max())
 
 
 def rotary_inv_freq(rotary_dim: int, base: float = 10000.0, device=None) -> torch.Tensor:

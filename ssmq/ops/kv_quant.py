@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssmq.ops.attention import capturing
+from ssmq.ops.attention import read_extent
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn value
 
@@ -286,7 +286,7 @@ def quant_kv_decode_ref(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Ten
     longest of ``kv_lens`` on the host, except while a CUDA graph is being captured: then all L positions (masked)."""
     from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
 
-    end = k.codes.shape[1] if capturing(kv_lens) else int(kv_lens.max())
+    end = read_extent(kv_lens, k.codes.shape[1])
     keys, values = k.dequantize(slots, end), v.dequantize(slots, end)
     if rotary_dim:
         pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)
