@@ -257,11 +257,28 @@ def wait_ready(url, proc, timeout_s) -> None:
     raise SystemExit(f"the server was not ready within {timeout_s} s")
 
 
+def merge_runs(old: dict, new: dict) -> dict:
+    """``new`` with the levels (and their offline figures) of ``old`` that it did not measure; refuses runs of
+    another model, recipe or prompt / output length, whose rows would not compare."""
+    for key in ("model", "quant", "prompt_len", "output_len"):
+        if old.get(key) != new.get(key):
+            raise SystemExit(f"--merge: {key} differs ({old.get(key)!r} vs {new.get(key)!r})")
+    done = {r["concurrency"] for r in new["levels"]}
+    merged = {**new, "offline": {**new["offline"]}, "merged_from": old.get("command")}
+    for key in ("throughput_tok_s", "decode_step_tok_s"):
+        merged["offline"][key] = {**old["offline"].get(key, {}), **new["offline"].get(key, {})}
+    if "tpot_ms" not in merged["offline"] and "tpot_ms" in old["offline"]:
+        merged["offline"]["tpot_ms"] = old["offline"]["tpot_ms"]
+    merged["levels"] = sorted([r for r in old["levels"] if r["concurrency"] not in done] + new["levels"],
+                              key=lambda r: r["concurrency"])
+    return merged
+
+
 def report(res: dict, out: Path) -> None:
     off = res["offline"]
     lines = [f"# ssmq serve: {res['model']}{' ' + res['quant'] if res['quant'] else ''} on {res['device']}", "",
              f"prompt {res['prompt_len']} tokens, output {res['output_len']} tokens (ignore_eos), streaming, "
-             f"closed-loop clients; offline TPOT {off['tpot_ms']:.2f} ms", "",
+             "closed-loop clients" + (f"; offline TPOT {off['tpot_ms']:.2f} ms" if "tpot_ms" in off else ""), "",
              "| clients | requests | throughput tok/s | offline tok/s | ratio | decode-step bound tok/s | ratio | "
              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | TPOT p50 / offline |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -270,11 +287,12 @@ def report(res: dict, out: Path) -> None:
             lines.append(f"| {r['concurrency']} | 0 | | | | | | | | | | |")
             continue
         o = off["throughput_tok_s"][str(r["concurrency"])]
+        tpot_ratio = f"{r['tpot_ms_p50'] / off['tpot_ms']:.2f}" if "tpot_ms" in off else ""
         bound = off.get("decode_step_tok_s", {}).get(str(r["concurrency"]))
         bound_cells = f"{bound:.0f} | {r['throughput_tok_s'] / bound:.2f}" if bound else " | "
         lines.append(f"| {r['concurrency']} | {r['requests']} | {r['throughput_tok_s']:.0f} | {o:.0f} | "
                      f"{r['throughput_tok_s'] / o:.2f} | {bound_cells} | {r['ttft_ms_p50']:.1f} | {r['ttft_ms_p99']:.1f} | "
-                     f"{r['tpot_ms_p50']:.2f} | {r['tpot_ms_p99']:.2f} | {r['tpot_ms_p50'] / off['tpot_ms']:.2f} |")
+                     f"{r['tpot_ms_p50']:.2f} | {r['tpot_ms_p99']:.2f} | {tpot_ratio} |")
     (out / "serve.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plt = pyplot()
@@ -285,15 +303,17 @@ def report(res: dict, out: Path) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     ax[0].plot(cs, [r["throughput_tok_s"] for r in rows], "o-", label="server")
     ax[0].plot(cs, [off["throughput_tok_s"][str(c)] for c in cs], "s--", label="offline generate")
-    if off.get("decode_step_tok_s"):
-        ax[0].plot(cs, [off["decode_step_tok_s"][str(c)] for c in cs], "k:", label="decode-step bound")
+    bound = [c for c in cs if str(c) in off.get("decode_step_tok_s", {})]
+    if bound:
+        ax[0].plot(bound, [off["decode_step_tok_s"][str(c)] for c in bound], "k:", label="decode-step bound")
     ax[0].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="generated tok/s", title="throughput")
     ax[1].plot(cs, [r["ttft_ms_p50"] for r in rows], "o-", label="p50")
     ax[1].plot(cs, [r["ttft_ms_p99"] for r in rows], "o--", label="p99")
     ax[1].set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="TTFT")
     ax[2].plot(cs, [r["tpot_ms_p50"] for r in rows], "o-", label="p50")
     ax[2].plot(cs, [r["tpot_ms_p99"] for r in rows], "o--", label="p99")
-    ax[2].axhline(off["tpot_ms"], color="gray", ls=":", label="offline, 1 sequence")
+    if "tpot_ms" in off:
+        ax[2].axhline(off["tpot_ms"], color="gray", ls=":", label="offline, 1 sequence")
     ax[2].set(xscale="log", xlabel="concurrent clients", ylabel="ms", title="TPOT")
     for a in ax:
         a.legend(fontsize=8)
@@ -316,6 +336,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument("--out", default="out/serve")
+    p.add_argument("--merge", help="serve.json of an earlier run (same model and recipe): its other levels and "
+                   "offline figures join this run's report, each level's row as it was measured")
     p.add_argument("--serve-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--offline-json", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -358,6 +380,8 @@ def main() -> None:
     res = {"model": args.model, "quant": args.quant, "prompt_len": args.prompt_len, "output_len": args.output_len,
            "date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
            **info, "levels": levels}
+    if args.merge:
+        res = merge_runs(json.loads(Path(args.merge).read_text()), res)
     (out / "serve.json").write_text(json.dumps(res, indent=1))
     report(res, out)
 
