@@ -95,7 +95,7 @@ def test_state_update_compiles_as_launched(state, replay):
     values = {**dict(zip(kernel.arg_names, args)), **kwargs}
     signature, constexprs, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
-        v = values[param.name]
+        v = values[param.name] if param.name in values else param.default
         if param.is_constexpr:
             signature[param.name], constexprs[(i,)] = "constexpr", v
             continue
@@ -277,3 +277,18 @@ def test_kv_decode_compiles_for_sm90(variant):
                              num_stages=kd.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
     _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=32))
+
+
+@pytest.mark.parametrize("use_gdc", [False, True])
+def test_pdl_wait_compiles_into_decode_kernels(use_gdc):
+    """With USE_GDC the decode-path kernels start with griddepcontrol.wait (the PDL contract: no load before the
+    previous kernel's writes are visible) and release their dependents; without it the PTX has neither."""
+    from ssmq.kernels import norm
+
+    c = _compile_sm90(norm._rms_norm, {"x_ptr": "fp16", "res_ptr": "fp16", "w_ptr": "fp16", "out_ptr": "fp16",
+                                       "res_out_ptr": "fp16"}, {"HAS_RES": True, "BLOCK": 2048, "USE_GDC": use_gdc},
+                      floats=("eps",))
+    ptx = c.asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == use_gdc and ("griddepcontrol.launch_dependents" in ptx) == use_gdc
+    if use_gdc:
+        assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")

@@ -112,3 +112,14 @@ def test_gated_norm_groups_and_rms_norm_residual():
     y, res = ops.rms_norm_ref(x, w, eps=0.0, residual=z)
     torch.testing.assert_close(res, x + z)
     torch.testing.assert_close(y, (x + z) / (x + z).pow(2).mean(-1, keepdim=True).sqrt() * w)
+
+
+def test_pdl_launch_keywords_only_for_cuda_when_enabled(monkeypatch):
+    """PDL keywords go only to CUDA launches and only when enabled: CPU / interpreter launches never get them."""
+    pytest.importorskip("triton")
+    from ssmq.kernels import _common
+
+    monkeypatch.setitem(_common.PDL, "on", True)
+    assert _common.pdl_args(torch.zeros(1)) == {}
+    monkeypatch.setitem(_common.PDL, "on", False)
+    assert _common.pdl_args(torch.zeros(1)) == {}

@@ -7,6 +7,7 @@ modules lazily so that ``import ssmq`` never does.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -70,3 +71,33 @@ def pow2(x: int, lo: int = 1) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     """Float32 inputs get exact float32 products (tf32 would cost ~3e-4 of accuracy); fp16/bf16 ignore it."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Programmatic Dependent Launch (Hopper+): a kernel launched with it may be scheduled while the kernel before it in
+# the stream is still running; it must then wait (griddepcontrol.wait) before touching memory that kernel writes.
+# A decode step is a chain of ~6 small dependent kernels a layer, each paying a launch gap that PDL hides. Opt-in
+# (SSMQ_PDL=1, or PDL["on"] = True) until measured on a GPU.
+PDL = {"on": os.environ.get("SSMQ_PDL", "0") == "1"}
+
+
+@functools.lru_cache(maxsize=None)
+def _major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """Launch keywords for a kernel that calls ``gdc_enter(USE_GDC)`` first: PDL on sm_90+ CUDA tensors when
+    enabled, nothing otherwise (the interpreter and older GPUs run the kernel as before)."""
+    if not (PDL["on"] and t.is_cuda and _major(t.device.index if t.device.index is not None
+                                                  else torch.cuda.current_device()) >= 9):
+        return {}
+    return {"USE_GDC": True, "launch_pdl": True}
+
+
+@triton.jit
+def gdc_enter(USE_GDC: tl.constexpr):
+    # before the kernel's first load: wait until the previous kernel's writes are visible (transitively, those of
+    # every earlier one), then let the next kernel launch while this one runs
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import pow2, quantize_rne, silu
+from ssmq.kernels._common import gdc_enter, pdl_args, pow2, quantize_rne, silu
 
 
 def _check_activation(activation):
@@ -126,8 +126,9 @@ def _conv1d_update(
     d,
     sxb, sxd, ssb, ssd, ssw, swd, sww, sob, sod, sqd, sdb, sdd,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_IDX: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr,
-    DEQ: tl.constexpr, BD: tl.constexpr,
+    DEQ: tl.constexpr, BD: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_enter(USE_GDC)
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
     offs_d = pid_d * BD + tl.arange(0, BD)
     mask = offs_d < d
@@ -186,6 +187,6 @@ def _conv1d_update_launch(x, conv_state, weight, bias, use_silu, conv_state_indi
         *x.stride(), *conv_state.stride(), *weight.stride(), *out.stride(),
         qscale.stride(0) if qscale is not None else 0, *(deq.stride() if deq is not None else (0, 0)),
         W=w, HAS_BIAS=bias is not None, HAS_IDX=conv_state_indices is not None, SILU=use_silu,
-        QUANT=qscale is not None, DEQ=deq is not None, BD=BD, num_warps=4,
+        QUANT=qscale is not None, DEQ=deq is not None, BD=BD, num_warps=4, **pdl_args(x),
     )
     return out if deq is None else (out, deq)

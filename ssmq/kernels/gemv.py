@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import dot_precision, pow2, sm_count
+from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
 
 MAX_ROWS = 8  # rows an FMA program serves (a DOT program serves 16); more rows take more programs, each
 # re-reading its weight slab
@@ -45,8 +45,9 @@ def _gemv(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_split,
     s_xm, s_wn, s_om, s_os,
     HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_enter(USE_GDC)
     # row and output blocks share axis 0 (grid axes past 0 stop at 65535), output blocks fastest so
     # that programs running together read the same rows of x
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -91,7 +92,9 @@ def _gemv(
 
 
 @triton.jit
-def _sum_splits(p_ptr, b_ptr, out_ptr, MN, N, n_split, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits(p_ptr, b_ptr, out_ptr, MN, N, n_split, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -171,12 +174,12 @@ def linear_decode(x, weight, bias=None, cfg=None):
         HAS_BIAS=bias is not None and split == 1, DOT=c["DOT"], PRECISION=dot_precision(x.dtype),
         EVEN_K=c["EVEN_K"],
         BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
+        num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl_args(x2),
     )
     if split > 1:
         BLOCK = 1024
         _sum_splits[(triton.cdiv(M * N, BLOCK),)](
             part, bias if bias is not None else part, out, M * N, N, split,
-            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4,
+            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(x2),
         )
     return out

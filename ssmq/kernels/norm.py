@@ -10,15 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import pow2, silu
+from ssmq.kernels._common import gdc_enter, pdl_args, pow2, silu
 
 
 @triton.jit
 def _rms_norm(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, eps,
     s_x, s_r, s_o, s_ro,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < d
@@ -54,7 +55,7 @@ def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):
     if M:
         _rms_norm[(M,)](
             x2, r2, weight, out, res_out, d, eps, x2.stride(0), r2.stride(0), d, d,
-            HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)),
+            HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 256)), **pdl_args(x2),
         )
     return out, res_out
 
@@ -63,8 +64,9 @@ def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):
 def _rmsnorm_gated(
     x_ptr, z_ptr, w_ptr, out_ptr, gsize, eps,
     s_x, s_z, s_o,
-    HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * gsize + tl.arange(0, BLOCK)
     m = tl.arange(0, BLOCK) < gsize
@@ -99,6 +101,6 @@ def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate
         _rmsnorm_gated[(M, d // gs)](
             x2, z2, weight, out, gs, eps, x2.stride(0), z2.stride(0), d,
             HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=BLOCK,
-            num_warps=min(16, max(1, BLOCK // 256)),
+            num_warps=min(16, max(1, BLOCK // 256)), **pdl_args(x2),
         )
     return out

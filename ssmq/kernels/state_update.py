@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import pow2, rne_int8, silu, sm_count, softplus
+from ssmq.kernels._common import gdc_enter, pdl_args, pow2, rne_int8, silu, sm_count, softplus
 from ssmq.ops.layout import heads_per_group
 
 
@@ -133,7 +133,9 @@ def _state_update(
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
     REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BNC: tl.constexpr,
     FOLD_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
+    gdc_enter(USE_GDC)
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
@@ -426,6 +428,6 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
         Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=cfg.get("ring_stages", 1), RP=RP,
         BNC=BNC, FOLD_STAGES=cfg.get("fold_stages", 1), FAST_RCP=CFG["fast_rcp"] and state.is_cuda, BP=BP, BN=BN,
-        num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}),
+        num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **pdl_args(x),
     )
     return out if multihead else out.squeeze(1)
