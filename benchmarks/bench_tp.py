@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import time_ms as e2e_time_ms  # noqa: E402
+from bench_e2e import profile_step, time_ms as e2e_time_ms  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
@@ -156,7 +156,12 @@ def ttft_ms(model, L: int) -> float:
     ids = torch.randint(0, 1000, (1, L), device="cuda")
     cache = model.allocate_cache(2, L + 1)
     prefill = CudaGraphPrefill(model, cache, max_len=L)
-    ms = time_ms(lambda: prefill(ids, 0).argmax(-1), warmup=1, reps=5)
+
+    def run():  # a fresh slot each time: the prompt fills the cache, a second prefill into it would not fit
+        cache.reset([0])
+        return prefill(ids, 0).argmax(-1)
+
+    ms = time_ms(run, warmup=1, reps=5)
     del prefill, cache
     return ms
 
@@ -193,7 +198,7 @@ def gather(value: float) -> list[float]:
 def model_rows(bench: Bench, name: str, comm_auto, comm_nccl, comm_int8):
     a = bench.args
     cfg = PUBLISHED[name]
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = [int(b) for b in a.batches.split(",")] if "decode" in a.kinds else []
     W = bench.world
     for mode in ("single", "tp"):
         fields = {"model": name, "mode": mode}
@@ -214,17 +219,21 @@ def model_rows(bench: Bench, name: str, comm_auto, comm_nccl, comm_int8):
                     return {"tpot_ms": ms, "tok_s": per_rank[0], "dp_batch": W * bs, "dp_tok_s": sum(per_rank)}
                 return {"tpot_ms": ms, "tok_s": bs / ms * 1e3}
             bench.row({**fields, "kind": "decode", "batch": bs}, dec)
-        for L in (1024, 4096):
+        if a.profile:  # where a batch-1 step's time goes: rank 0's kernels (every rank steps: the all-reduces)
+            bench.row({**fields, "kind": "profile"},
+                      lambda: {"kernels": profile_step(model, 1, top=20 if bench.rank == 0 else 0)})
+        for L in (1024, 4096) if "ttft" in a.kinds else ():
             bench.row({**fields, "kind": "ttft", "prompt": L}, lambda: {"ttft_ms": ttft_ms(model, L)})
-        bench.row({**fields, "kind": "capacity", "ctx": a.capacity_ctx},
-                  lambda: {"max_batch": max_batch(model, a.capacity_ctx, 256, a.capacity_limit)})
+        if "capacity" in a.kinds:
+            bench.row({**fields, "kind": "capacity", "ctx": a.capacity_ctx},
+                      lambda: {"max_batch": max_batch(model, a.capacity_ctx, 256, a.capacity_limit)})
         del model
         gc.collect()
         torch.cuda.empty_cache()
     # TP variants at small batches: fused norm off, NCCL only, int8 payload
     variants = {"two_allreduces": (comm_auto, False), "nccl_only": (comm_nccl, True), "int8_payload": (comm_int8, True)}
     for vname, (comm, fuse) in variants.items():
-        if comm is None:
+        if comm is None or "variants" not in a.kinds:
             continue
         model = None
 
@@ -316,7 +325,9 @@ def main():
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timing")
     ap.add_argument("--capacity-ctx", type=int, default=4096)
     ap.add_argument("--capacity-limit", type=int, default=16384)
-    ap.add_argument("--ar-batches", default="1,4,16,64,256")
+    ap.add_argument("--ar-batches", default="1,4,16,64,256", help="all-reduce rows' batches ('' for none)")
+    ap.add_argument("--kinds", default="decode,ttft,capacity,variants", help="which model rows to run")
+    ap.add_argument("--profile", action="store_true", help="kernels of one eager batch-1 decode step per mode")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip rows once this much time has passed")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/tp"))
     args = ap.parse_args()
@@ -336,7 +347,7 @@ def main():
     comms["int8_payload"] = Communicator(mode="nccl", payload="int8", device=device)
     d_models = sorted({PUBLISHED[m].d_model for m in args.models.split(",")})
     allreduce_rows(bench, {k: comms[k] for k in ("nccl", "oneshot", "int8_payload")}, d_models,
-                   [int(b) for b in args.ar_batches.split(",")])
+                   [int(b) for b in args.ar_batches.split(",") if b])
     # the model rows use "auto" only if every one-shot row worked (graphs included); rank 0 decides for all
     bad = [r for r in bench.rows if r.get("mode") == "oneshot" and r.get("status") != "ok"] if rank == 0 else []
     flag = torch.tensor([0.0 if comms["oneshot"] is None or bad else 1.0], device="cuda")
