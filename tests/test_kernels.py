@@ -267,13 +267,6 @@ def _decode_inputs(b, s, h, p, g, n, dtype, state_dtype, gsize):
     )
 
 
-# On the H100 (2026-11-23) the previous kernel failed these for most shapes with n = 128 (a conv-state race, see
-# ssmq/kernels/mamba2_decode.py); the fix has not run on a GPU yet. Non-strict: XPASS there means it is fixed, and
-# the kernel can become the default (SSMQ_FUSED_DECODE) and this mark go.
-_FUSED_ON_GPU = pytest.mark.xfail(not INTERPRET, reason="fused decode kernel not yet verified on a GPU", strict=False)
-
-
-@_FUSED_ON_GPU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("b,s,h,p,g,n,gsize", cases(
     [(1, 2, 80, 64, 1, 128, None), (3, 7, 32, 64, 8, 128, None), (32, 33, 80, 64, 1, 128, None),
@@ -310,7 +303,6 @@ def test_mamba2_decode_step(K, dtype, b, s, h, p, g, n, gsize, variant, monkeypa
     check(kk["ssm_state"], kw["ssm_state"], TOL[dtype])
 
 
-@_FUSED_ON_GPU
 @pytest.mark.parametrize("quantize", [False, True])
 def test_mamba2_decode_step_several_tiles_and_tail_blocks(K, quantize, monkeypatch):
     # few SMs: programs take several tiles each; a small tail block: the row is normalised in several blocks

@@ -75,9 +75,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 # Programmatic Dependent Launch (Hopper+): a kernel launched with it may be scheduled while the kernel before it in
 # the stream is still running; it must then wait (griddepcontrol.wait) before touching memory that kernel writes.
-# A decode step is a chain of ~6 small dependent kernels a layer, each paying a launch gap that PDL hides. Opt-in
-# (SSMQ_PDL=1, or PDL["on"] = True) until measured on a GPU.
-PDL = {"on": os.environ.get("SSMQ_PDL", "0") == "1"}
+# A decode step is a chain of ~6 small dependent kernels a layer, each paying a launch gap that PDL hides: Mamba2-2.7B
+# FP16 decode 2.85 -> 2.62 ms a token at batch 1, 5.32 -> 5.17 at 32 (H100, CUDA graphs, 2026-11-23; the GPU runtime
+# tests pass with it). On by default; SSMQ_PDL=0 (or PDL["on"] = False) launches every kernel plainly.
+PDL = {"on": os.environ.get("SSMQ_PDL", "1") == "1"}
 
 
 @functools.lru_cache(maxsize=None)

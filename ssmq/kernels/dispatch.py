@@ -160,8 +160,9 @@ def replay_state_update(ckpt, state_scale, state_index, ring, x_q, x_scale, dt, 
                 dt_softplus, state_batch_indices, out_dtype)
 
 
-# SSMQ_FUSED_DECODE=1 runs the fused Triton decode step; by default CUDA runs the three single-stage kernels
-# through the same op: the fused kernel is not yet verified on a GPU (see ssmq/kernels/mamba2_decode.py).
+# SSMQ_FUSED_DECODE=1 runs the fused Triton decode step (two launches); by default CUDA runs the three single-stage
+# kernels through the same op: the fused kernel passes its GPU tests (H100, 2026-11-23) but measured no faster
+# end to end (2.83 vs 2.88 ms a token, Mamba2-2.7B batch 1, within the spread; see ssmq/kernels/mamba2_decode.py).
 _FUSED_DECODE = os.environ.get("SSMQ_FUSED_DECODE", "0") == "1"
 
 

@@ -4,14 +4,14 @@
 Same signature as ``ssmq.ops.mamba2_decode.mamba2_decode_step_ref``. At decode these stages move almost no
 bytes besides the SSM state, so their launches and ramps (~2 µs each) are the cost.
 
-STATUS: opt-in (``SSMQ_FUSED_DECODE=1``), not yet verified on a GPU. It equals the reference in Triton's
-interpreter (also with programs run in random order). The previous version failed most GPU tests on the H100
-(relative errors 2e-4 .. 4e-2 in the state, varying run to run); the probable cause, found afterwards in the
+STATUS: opt-in (``SSMQ_FUSED_DECODE=1``). Verified on an H100 (2026-11-23: its 92 GPU tests pass, shapes and
+variants below). It equals the reference in Triton's interpreter too (also with programs run in random order).
+The previous version failed most GPU tests on the H100 (relative errors 2e-4 .. 4e-2 in the state, varying run
+to run); the cause, found afterwards in the
 compiled TTGIR (sm_90, compiled on the CPU): Triton loaded the x channels' conv state twice, in two register
 layouts (one for the convolution, one for the in-place shift's stores), so one warp could shift a column before
 another warp had read it for the convolution. This version writes no conv state in the step kernel: the tail
-kernel shifts every channel's conv state, each element loaded and stored by one thread. No device time was left
-to run the GPU tests on it.
+kernel shifts every channel's conv state, each element loaded and stored by one thread.
 
 ``_mamba2_decode_step``: one program per (batch row, T consecutive tiles of BP channels of one B/C group)
 owns (BP, n) tiles of the state, as the plain state update does; it convolves its tiles' x channels and, once
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import pow2, silu, sm_count, softplus
+from ssmq.kernels._common import gdc_enter, pdl_args, pow2, silu, sm_count, softplus
 from ssmq.ops.layout import NO_DT_LIMIT, has_dt_limit, heads_per_group
 
 QUANT_EPS = tl.constexpr(1e-8)  # ssmq.ops.quant_linear.EPS
@@ -70,8 +70,9 @@ def _mamba2_decode_step(
     d, p, n, ngroups, dt_lo, dt_hi,
     s_xb, s_zb, s_dtb, s_dth, s_cs, s_cc, s_cw, s_wc, s_ww, s_ss, s_sh, s_sp, s_sn,
     W: tl.constexpr, HAS_CBIAS: tl.constexpr, HAS_IDX: tl.constexpr, CLAMP: tl.constexpr,
-    BP: tl.constexpr, BN: tl.constexpr, T: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, T: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
+    gdc_enter(USE_GDC)
     pid = tl.program_id(0)  # grid (programs of a row, rows)
     row, slot = _row_and_slot(idx_ptr, HAS_IDX)
     io_ty = xbc_ptr.dtype.element_ty
@@ -135,9 +136,11 @@ def _mamba2_decode_tail(
     d, n, ngroups, gs, unit, eps, s_xb, s_cs, s_cc, s_cw, s_ob, s_qb,
     W: tl.constexpr, HAS_IDX: tl.constexpr, QUANT: tl.constexpr, STATIC_SCALE: tl.constexpr, BP: tl.constexpr,
     SB: tl.constexpr, NGB: tl.constexpr, GSB: tl.constexpr, PPG: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     """Programs 0 .. d/unit - 1 of a row: one unit's gated norm from the tiles' partial sums, quantization.
     The next programs: the conv state shift of SB channels each (every channel, now that every reader is done)."""
+    gdc_enter(USE_GDC)
     u = tl.program_id(0)
     row, slot = _row_and_slot(idx_ptr, HAS_IDX)
     ntiles = d // BP
@@ -302,7 +305,7 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
         d, p, n, ngroups, float(dt_limit[0]), float(min(dt_limit[1], 3.0e38)),
         xbc.stride(0), z.stride(0), *dt.stride(), *conv_state.stride(), *conv_weight.stride(), *ssm_state.stride(),
         W=w, HAS_CBIAS=conv_bias is not None, HAS_IDX=slots is not None, CLAMP=has_dt_limit(dt_limit),
-        BP=bp, BN=pow2(n, 16), T=T, num_warps=NUM_WARPS, num_stages=1,
+        BP=bp, BN=pow2(n, 16), T=T, num_warps=NUM_WARPS, num_stages=1, **pdl_args(xbc),
     )
     block = ngb * pow2(gs)
     sb = 1024  # conv channels a shift program moves
@@ -311,6 +314,6 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
         xbc.stride(0), *conv_state.stride(), out.stride(0), q.stride(0),
         W=w, HAS_IDX=slots is not None, QUANT=quantize, STATIC_SCALE=out_scale is not None, BP=bp,
         SB=sb, NGB=ngb, GSB=pow2(gs), PPG=pow2(gs // bp),
-        ONE_BLOCK=ngb * gs >= unit, num_warps=min(16, max(4, block // 512)),
+        ONE_BLOCK=ngb * gs >= unit, num_warps=min(16, max(4, block // 512)), **pdl_args(xbc),
     )
     return (out, q, scale) if quantize else out
