@@ -6,9 +6,9 @@ full RoPE on keys cached before it), batch 1 (and --batch), one new token per ro
                      fp16 cache (keys post-RoPE), so that the comparison is kernel against kernel
     fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
     fp16 ref         ``ops.attention_ref`` (float32 copies, GQA by repeat_interleave): "fp16 ours" until issue 17
-    kvquant 4-bit    ``kernels.kv_decode.quant_kv_decode``: nibble codes, per-channel keys (pre-RoPE, RoPE on the
-                     fly), per-token values, sink 1; without outliers, and with 1% (20 key / 10 value outlier
-                     slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels)
+    kvquant X-bit    ``kernels.kv_decode.quant_kv_decode``: codes packed at 4, 3, 2 bits, per-channel keys (pre-RoPE,
+                     RoPE on the fly), per-token values, sink 1; without outliers, and with 1% (20 key / 10 value
+                     outlier slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels)
 Times are medians of ``triton.testing.do_bench`` (ms); "KV MB" the cache bytes read, "limit ms" the time those
 bytes take at HBM_TBPS (H100 SXM: 3.35 TB/s). The first length's rows also record the kernels' max |error|
 against ``quant_kv_decode_ref`` / ``attention_ref``. JSON and PNG to --out. --cfg overrides
@@ -35,16 +35,22 @@ from ssmq.ops.attention import attention_ref  # noqa: E402
 from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
+ONE_PCT = (2 * round(0.01 * HKV * E), round(0.01 * HKV * E))  # key / value outlier slots of 1% (KVQuantizer's)
+QUANT_ROWS = [(f"kvquant {bits}-bit{' 1%' if o else ''}", bits, ONE_PCT if o else (0, 0))
+              for bits in (4, 3, 2) for o in (False, True)]
 HBM_TBPS = 3.35
 DEV = "cuda"  # --device cpu with TRITON_INTERPRET=1: a smoke run of this script (tiny lengths)
 
 
-def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen) -> tuple[KVSideView, KVSideView]:
-    """Random 4-bit codes, codebooks, scales and outliers of a (b, L) cache (the kernels' speed does not depend
-    on the values)."""
+def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) -> tuple[KVSideView, KVSideView]:
+    """Random ``bits``-bit codes (packed at their width), codebooks, scales and outliers of a (b, L) cache (the
+    kernels' speed does not depend on the values)."""
+    levels = 2 ** bits
+
     def side(per_token, slots):
-        codes = pack_codes(torch.randint(0, 16, (b, L, HKV, E), generator=gen, device=DEV, dtype=torch.uint8), 4)
-        book = torch.sort(torch.rand(16, generator=gen, device=DEV) * 2 - 1).values
+        codes = torch.randint(0, levels, (b, L, HKV, E), generator=gen, device=DEV, dtype=torch.uint8)
+        codes = pack_codes(codes, bits)
+        book = torch.sort(torch.rand(levels, generator=gen, device=DEV) * 2 - 1).values
         if per_token:
             mid = torch.randn(b, L, HKV, generator=gen, device=DEV).half() * 0.1
             half = torch.rand(b, L, HKV, generator=gen, device=DEV).half() + 0.5
@@ -56,7 +62,7 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen) -> tuple[KVSide
         idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
         val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
-        return KVSideView(codes, book, mid, half, per_token, idx, val, sink, 4)
+        return KVSideView(codes, book, mid, half, per_token, idx, val, sink, bits)
     return side(False, k_slots), side(True, v_slots)
 
 
@@ -89,7 +95,6 @@ def run(lengths: list[int], batch: int) -> list[dict]:
 
     rows = []
     gen = torch.Generator(device=DEV).manual_seed(0)
-    n = HKV * E
     for L in lengths:
         q = torch.randn(batch, HQ, E, generator=gen, device=DEV, dtype=torch.float16)
         slots = torch.arange(batch, device=DEV)
@@ -106,9 +111,8 @@ def run(lengths: list[int], batch: int) -> list[dict]:
             want = attention_ref(q.float()[:, None], k16.float(), v16.float(), lens)[:, 0]
             r["fp16 ours max err"] = float((float_kv_decode(q, slots, lens, k16, v16) - want).abs().max())
         del k16, v16, ks, vs
-        for label, (ko, vo) in (("kvquant 4-bit", (0, 0)),
-                                ("kvquant 4-bit 1%", (2 * round(0.01 * n), round(0.01 * n)))):
-            K, V = quant_cache(batch, L, ko, vo, gen)
+        for label, bits, (ko, vo) in QUANT_ROWS:
+            K, V = quant_cache(batch, L, ko, vo, gen, bits)
             r[f"{label} KV MB"] = nbytes(K, V) / 1e6
             r[f"{label} limit ms"] = r[f"{label} KV MB"] / HBM_TBPS / 1e3
             r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
@@ -128,9 +132,9 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["context"] for r in rows]
-    for key in ("fp16 ours", "fp16 sdpa", "kvquant 4-bit", "kvquant 4-bit 1%"):
-        ax.plot(x, [r[f"{key} ms"] for r in rows], marker="o", label=key)
-    for key in ("fp16", "kvquant 4-bit"):
+    for key in ("fp16 ours", "fp16 sdpa", *(label for label, _, _ in QUANT_ROWS)):
+        ax.plot(x, [r[f"{key} ms"] for r in rows], marker="o", label=key, ls=":" if key.endswith("1%") else "-")
+    for key in ("fp16", "kvquant 4-bit", "kvquant 2-bit"):
         ax.plot(x, [r[f"{key} limit ms"] for r in rows], ls="--", label=f"{key} bytes at {HBM_TBPS} TB/s")
     log_axes(ax, "context (tokens)", "decode attention, ms (one layer)",
              f"KV decode, {HQ} q / {HKV} kv heads x {E}, batch {rows[0]['batch']}", legend_size=10)
@@ -139,33 +143,74 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def set_cfg(text: str) -> None:
+    """Apply "KEY=VALUE,..." overrides to ``kernels.kv_decode.CFG``."""
+    from ssmq.kernels import kv_decode
+
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        kv_decode.CFG[key] = int(value) if value.isdigit() else value
+
+
+def sweep(cfgs: list[str], lengths: list[int], batch: int) -> list[dict]:
+    """The 4-bit kvquant rows' times under each launch setting of ``cfgs`` (each "KEY=VALUE,..." over the CFG found)."""
+    from ssmq.kernels import kv_decode
+    from ssmq.kernels.kv_decode import quant_kv_decode
+
+    base, out = dict(kv_decode.CFG), []
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    for L in lengths:
+        q = torch.randn(batch, HQ, E, generator=gen, device=DEV, dtype=torch.float16)
+        slots, lens = torch.arange(batch, device=DEV), torch.full((batch,), L, device=DEV)
+        for label, bits, (ko, vo) in QUANT_ROWS[:2]:  # 4-bit, without and with outliers (few compiles)
+            K, V = quant_cache(batch, L, ko, vo, gen, bits)
+            for cfg in cfgs:
+                kv_decode.CFG.clear()
+                kv_decode.CFG.update(base)
+                set_cfg(cfg)
+                r = {"context": L, "row": label, "cfg": cfg,
+                     "ms": timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))}
+                print(json.dumps(r), flush=True)
+                out.append(r)
+            del K, V
+    kv_decode.CFG.clear()
+    kv_decode.CFG.update(base)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out")
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--cfg", default="", help="kv_decode.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,dot=tf32")
+    ap.add_argument("--cfg", default="", help="kv_decode.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,ROPE=direct")
+    ap.add_argument("--sweep", default="", help="launch settings to time the kvquant rows under, ';'-separated "
+                    "--cfg strings (e.g. 'num_warps=4;BLOCK_T=32'), at --sweep-lengths; to JSON 'sweep'")
+    ap.add_argument("--sweep-lengths", default="131072")
     args = ap.parse_args()
     global DEV
     DEV = args.device
     from ssmq.kernels import kv_decode
 
-    for item in filter(None, args.cfg.split(",")):
-        key, value = item.split("=")
-        kv_decode.CFG[key] = int(value) if value.isdigit() else value
+    set_cfg(args.cfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = run([int(x) for x in args.lengths.split(",")], args.batch)
+    swept = sweep(["", *filter(None, args.sweep.split(";"))], [int(x) for x in args.sweep_lengths.split(",")],
+                  args.batch) if args.sweep else []
     meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}, "cfg": kv_decode.CFG}
-    (out / f"kvquant_kernels_b{args.batch}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / f"kvquant_kernels_b{args.batch}.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "sweep": swept}, indent=2))
     plot(rows, out / f"kvquant_kernels_b{args.batch}.png")
     for r in rows:
         print(f"{r['context']:>7} | ours {r['fp16 ours ms']:.3f} | sdpa {r['fp16 sdpa ms']:.3f} | "
               f"ref {r['fp16 ref ms']:.3f} | fp16 limit {r['fp16 limit ms']:.3f} | "
-              f"kvq4 {r['kvquant 4-bit ms']:.3f} | kvq4-1% {r['kvquant 4-bit 1% ms']:.3f} | "
-              f"kvq4 limit {r['kvquant 4-bit limit ms']:.3f} | kvq4-1% limit {r['kvquant 4-bit 1% limit ms']:.3f} ms")
+              + " | ".join(f"{label.removeprefix('kvquant ')} {r[f'{label} ms']:.3f} "
+                           f"(limit {r[f'{label} limit ms']:.3f})" for label, _, _ in QUANT_ROWS) + " ms")
+    for r in swept:
+        print(f"sweep {r['context']:>7} | {r['row']:<18} | {r['cfg'] or 'CFG'}: {r['ms']:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def _check(k, case, k_per_token, splits=None):
         lens[-1] = 1  # a new row: shorter than the sink when there are several sink tokens
     got = k.quant_kv_decode(q, slots, lens, K, V, r, 10000.0, splits=splits)
     want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), *(_cpu(x) for x in (K, V)), r, 10000.0)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 4])
@@ -99,7 +99,7 @@ def test_float_kv_decode_equals_attention_reference(k, splits):
     lens = torch.tensor([L, 1, 37], device=DEV)
     got = k.float_kv_decode(q, slots, lens, kc, vc, splits=splits)
     want = attention_ref(q.float()[:, None], kc[slots].float(), vc[slots].float(), lens)[:, 0]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=3e-3, atol=3e-3)
 
 
 def _cpu(view):
@@ -130,4 +130,4 @@ def test_model_decode_through_kernels_equals_reference_decode(k, monkeypatch):
             m(ids[:, :7], cache=cache)
             runs.append(torch.stack([m.step(ids[:, t], cache) for t in range(7, 12)], 1))
     assert calls == [k.quant_kv_decode] * 5 + [quant_kv_decode_ref] * 5  # one call per decode step
-    torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runs[0], runs[1], rtol=3e-3, atol=3e-3)
