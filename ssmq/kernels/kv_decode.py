@@ -132,25 +132,27 @@ def _codes(row, c, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def _word(x, grp, k):
+    """The bits of x's entries of group k, or-ed into one int32 (they do not overlap)."""
+    return tl.sum(tl.where(grp == k, x, 0), 0)
+
+
+@triton.jit
 def _lut_words(lut, LEVELS: tl.constexpr, BITS: tl.constexpr):
     """The codebook's float16 entries as the PRMT tables of ``_LUT4`` (8 words: low bytes of entries 4k .. 4k + 3,
     then their high bytes) or ``_LUT2`` (entries (0, 1), (2, 3) as float16 pairs; the other words 0)."""
     i = tl.arange(0, 16)
     e = tl.load(lut + i, mask=i < LEVELS, other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     if BITS == 4:
+        grp = i // 4
         lo = (e & 0xFF) << ((i % 4) * 8)
         hi = (e >> 8) << ((i % 4) * 8)
     else:
+        grp = i // 2
         lo = e << ((i % 2) * 16)
         hi = lo * 0
-    w0 = tl.sum(tl.where(i // 4 == 0, lo, 0), 0) if BITS == 4 else tl.sum(tl.where(i // 2 == 0, lo, 0), 0)
-    w1 = tl.sum(tl.where(i // 4 == 1, lo, 0), 0) if BITS == 4 else tl.sum(tl.where(i // 2 == 1, lo, 0), 0)
-    w2 = tl.sum(tl.where(i // 4 == 2, lo, 0), 0)
-    w3 = tl.sum(tl.where(i // 4 == 3, lo, 0), 0)
-    w4 = tl.sum(tl.where(i // 4 == 0, hi, 0), 0)
-    w5 = tl.sum(tl.where(i // 4 == 1, hi, 0), 0)
-    w6 = tl.sum(tl.where(i // 4 == 2, hi, 0), 0)
-    w7 = tl.sum(tl.where(i // 4 == 3, hi, 0), 0)
+    w0, w1, w2, w3 = _word(lo, grp, 0), _word(lo, grp, 1), _word(lo, grp, 2), _word(lo, grp, 3)
+    w4, w5, w6, w7 = _word(hi, grp, 0), _word(hi, grp, 1), _word(hi, grp, 2), _word(hi, grp, 3)
     return w0, w1, w2, w3, w4, w5, w6, w7
 
 
