@@ -66,30 +66,15 @@ FAST_TRIG = os.environ.get("TRITON_INTERPRET") != "1"
 # high bytes (each table argument comes 4 times a pack). PRMT picks byte (s & 7) of 8 for each of 4 selector
 # nibbles (bit 3 would replicate a sign: masked off); the codes' bit 3 then picks the 0-7 or the 8-15 lookup
 # (selector i | 4·bit3 per byte, as llama.cpp's IQ4_NL lookup), and the last PRMTs interleave low and high bytes.
-_LUT4 = tl.constexpr("""{
-.reg .b32 s, h, s2, h2, a, b, l0, l1, g0, g1;
-and.b32 s, $4, 0x77777777;
-shr.u32 h, $4, 1;
-lop3.b32 h, h, 0x44444444, 0x32103210, 0xEA;
-shr.u32 s2, s, 16;
-shr.u32 h2, h, 16;
-prmt.b32 a, $5, $9, s;
-prmt.b32 b, $13, $17, s;
-prmt.b32 l0, a, b, h;
-prmt.b32 a, $21, $25, s;
-prmt.b32 b, $29, $33, s;
-prmt.b32 g0, a, b, h;
-prmt.b32 a, $5, $9, s2;
-prmt.b32 b, $13, $17, s2;
-prmt.b32 l1, a, b, h2;
-prmt.b32 a, $21, $25, s2;
-prmt.b32 b, $29, $33, s2;
-prmt.b32 g1, a, b, h2;
-prmt.b32 $0, l0, g0, 0x6240;
-prmt.b32 $1, l1, g1, 0x6240;
-prmt.b32 $2, l0, g0, 0x7351;
-prmt.b32 $3, l1, g1, 0x7351;
-}""")
+_LUT4 = tl.constexpr(
+    "{\n.reg .b32 s, h, s2, h2, a, b, l0, l1, g0, g1;\nand.b32 s, $4, 0x77777777;\nshr.u32 h, $4, 1;\n"
+    "lop3.b32 h, h, 0x44444444, 0x32103210, 0xEA;\nshr.u32 s2, s, 16;\nshr.u32 h2, h, 16;\n"
+    + "".join(f"prmt.b32 a, ${t0}, ${t0 + 4}, {sel};\nprmt.b32 b, ${t0 + 8}, ${t0 + 12}, {sel};\n"
+              f"prmt.b32 {dst}, a, b, {hs};\n"
+              for sel, hs, half in (("s", "h", "0"), ("s2", "h2", "1"))
+              for t0, dst in ((5, "l" + half), (21, "g" + half)))
+    + "prmt.b32 $0, l0, g0, 0x6240;\nprmt.b32 $1, l1, g1, 0x6240;\nprmt.b32 $2, l0, g0, 0x7351;\n"
+    "prmt.b32 $3, l1, g1, 0x7351;\n}")
 _LUT4_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
 # 2-bit lookup, 4 packed bytes (16 codes) → the float16 values of bits 0-1, 2-3, 4-5, 6-7 of each byte
 # ($0 .. $7, two registers an output). Tables $9, $13: entries (0, 1), (2, 3) as float16 pairs; a byte's code c
