@@ -168,8 +168,11 @@ def sweep(cfgs: list[str], lengths: list[int], batch: int) -> list[dict]:
                 kv_decode.CFG.clear()
                 kv_decode.CFG.update(base)
                 set_cfg(cfg)
-                r = {"context": L, "row": label, "cfg": cfg,
-                     "ms": timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))}
+                r = {"context": L, "row": label, "cfg": cfg}
+                try:  # a setting this Triton cannot compile is a row with its error, not the end of the sweep
+                    r["ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+                except Exception as exc:  # noqa: BLE001
+                    r["ms"], r["error"] = math.nan, f"{type(exc).__name__}: {str(exc)[:200]}"
                 print(json.dumps(r), flush=True)
                 out.append(r)
             del K, V

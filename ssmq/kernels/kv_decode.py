@@ -10,9 +10,9 @@ One program per (row, kv head, split): the split's tokens in (BLOCK_T, e) tiles,
 kv head's g query heads (the M rows of float16 tensor-core products, padded to 16), with an online softmax
 (running max m, sum l, unnormalized output acc):
     codes    a tile's packed bytes, loaded as bytes (vectorized), turned into float16 codebook values B with
-             byte-permute lookups (``_LUT4`` / ``_LUT2``: the 16 (4) fp16 entries live in 8 (2) registers, PRMT
-             selects bytes by the codes; ~2.6 (1.5) instructions a code, no memory gather), on the GPU; the
-             interpreter and 3-bit codes take ``_codes`` + a gathered LUT
+             byte-permute lookups (``_LUT4`` / ``_LUT3`` / ``_LUT2``: the 16 / 8 / 4 fp16 entries live in 8 / 4 /
+             2 registers, PRMT selects bytes by the codes; ~2.6 / 2.5 / 1.5 instructions a code, no memory
+             gather), on the GPU; the interpreter takes ``_codes`` + a gathered LUT
     keys     x = mid + half · B in float32 (per-channel or per-token scales), rotated by their position (RoPE on
              the fly: keys are cached before it; a rotation per token cannot move to the query, as R_t differs per
              token), then float16; scores (g, BLOCK_T) = q · kᵀ, q pre-scaled and float16, three products (the
@@ -56,7 +56,9 @@ from ssmq.ops.kv_quant import KVSideView
 # this many tiles of the cache's capacity (fewer splits for short caches). ROPE "step": a tile's (BLOCK_T, r/2)
 # cos / sin are the previous tile's rotated by BLOCK_T θ (angle addition, 4 FMA a pair; the drift over a split's
 # <= a few hundred tiles stays ~1e-5); "direct": cos.approx / sin.approx of every (token, channel) angle.
-CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="step")
+CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="step", GP_MIN=16)
+# GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two); Triton >= 3.2 pads the tensor-core
+# products' M itself, so 1 shrinks the softmax's work and registers for small groups (kept at 16 until timed)
 # cos.approx / sin.approx and the PRMT lookups on the GPU (tl.cos is libdevice's precise cosf, ~20 instructions
 # with a slow path for large angles); the interpreter runs no PTX: numpy's trig and a gathered LUT there
 FAST_TRIG = os.environ.get("TRITON_INTERPRET") != "1"
@@ -84,6 +86,22 @@ _LUT2 = tl.constexpr("{\n.reg .b32 t, u;\n" + "".join(
     f"prmt.b32 ${2 * i}, $9, $13, u;\nshr.u32 u, u, 16;\nprmt.b32 ${2 * i + 1}, $9, $13, u;\n" for i in range(4))
     + "}")
 _LUT2_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 32)
+
+# 3-bit lookup, one 24-bit group of 8 codes (pack=1; the group's 3 bytes as one int32, $8) → the float16 values of
+# its 8 codes ($0 .. $7). The codes are spread to nibbles first (shifts and masks: 8 codes in 9 instructions), then
+# as 4.bit: PRMT selects the low bytes of entries 0-7 ($9, $10) and their high bytes ($11, $12), two more
+# interleave them into float16 pairs.
+_LUT3 = tl.constexpr(
+    "{\n.reg .b32 x, u, s, l, g, r;\nshl.b32 u, $8, 4;\nand.b32 u, u, 0x0FFF0000;\n"
+    "lop3.b32 x, $8, 0xFFF, u, 0xEA;\nshl.b32 u, x, 2;\nand.b32 u, u, 0x3F003F00;\n"
+    "lop3.b32 x, x, 0x003F003F, u, 0xEA;\nshl.b32 u, x, 1;\nand.b32 u, u, 0x70707070;\n"
+    "lop3.b32 s, x, 0x07070707, u, 0xEA;\n"
+    + "".join(f"prmt.b32 l, $9, $10, s;\nprmt.b32 g, $11, $12, s;\nprmt.b32 r, l, g, 0x5140;\n"
+              f"mov.b32 {{${4 * k}, ${4 * k + 1}}}, r;\nprmt.b32 r, l, g, 0x7362;\n"
+              f"mov.b32 {{${4 * k + 2}, ${4 * k + 3}}}, r;\n" + ("shr.u32 s, s, 16;\n" if k == 0 else "")
+              for k in range(2))
+    + "}")
+_LUT3_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r")
 
 
 @triton.jit
@@ -128,7 +146,7 @@ def _lut_words(lut, LEVELS: tl.constexpr, BITS: tl.constexpr):
     then their high bytes) or ``_LUT2`` (entries (0, 1), (2, 3) as float16 pairs; the other words 0)."""
     i = tl.arange(0, 16)
     e = tl.load(lut + i, mask=i < LEVELS, other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    if BITS == 4:
+    if BITS >= 3:
         grp = i // 4
         lo = (e & 0xFF) << ((i % 4) * 8)
         hi = (e >> 8) << ((i % 4) * 8)
@@ -161,6 +179,16 @@ def _book(rows, c0, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, 
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=4)
         x = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (T, CP))
+    elif ASM and BITS == 3:
+        g = tl.arange(0, CP // 8)
+        gm = tmask[:, None] & (g < NC // 8)[None, :]
+        p = rows + (c0 // 8 + g[None, :]) * 3
+        w = (tl.load(p, mask=gm, other=0).to(tl.int32) | (tl.load(p + 1, mask=gm, other=0).to(tl.int32) << 8)
+             | (tl.load(p + 2, mask=gm, other=0).to(tl.int32) << 16))
+        b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS, [w, w0, w1, w4, w5],
+                                                                   dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        x = tl.reshape(tl.join(tl.join(tl.join(b0, b1), tl.join(b2, b3)), tl.join(tl.join(b4, b5), tl.join(b6, b7))),
+                       (T, CP))
     else:
         c = tl.arange(0, CP)
         x = tl.load(lut + _codes(rows, c0 + c[None, :], tmask[:, None] & (c < NC)[None, :], BITS)).to(tl.float16)
@@ -285,10 +313,10 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
     chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T  # this row's tokens a split, whole tiles
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, n)
-    KASM: tl.constexpr = FAST and (KBITS == 4 or KBITS == 2)  # PRMT lookups (else ``_codes`` + a gathered LUT)
-    VASM: tl.constexpr = FAST and (VBITS == 4 or VBITS == 2)
+    KASM: tl.constexpr = FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
+    VASM: tl.constexpr = FAST and VBITS <= 4
 
-    rows = tl.arange(0, GP)  # the kv head's query heads, padded (tensor-core products need >= 16 rows)
+    rows = tl.arange(0, GP)  # the kv head's query heads, padded to GP (CFG["GP_MIN"])
     rmask = rows < GROUP
     qg = q + i * s_qb + hk * GROUP * s_qh  # the group's first query head
     qscale = scale * 1.4426950408889634  # scores in log2 units: exp2 in the softmax
@@ -355,13 +383,13 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                 acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
                 if VSLOTS > 0:  # the outliers' (val - x̂) at their channels, one more product
-                    xh = mv[:, None] + hv[:, None] * B.to(tl.float32)
-                    d = tl.zeros((BLOCK_T, E), tl.float32)
-                    for js in range(VSLOTS):
+                    d = tl.full((BLOCK_T, E), float("nan"), tl.float32)  # NaN: no outlier (a compare, a select
+                    for js in range(VSLOTS):  # a slot and entry; x̂ subtracted once, after)
                         ob = slot * v_os + t * v_ot + js
                         idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
                         val = tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)
-                        d = tl.where(idx[:, None] == e[None, :], val[:, None] - xh, d)
+                        d = tl.where(idx[:, None] == e[None, :], val[:, None], d)
+                    d = tl.where(d == d, d - (mv[:, None] + hv[:, None] * B.to(tl.float32)), 0.0)
                     acc = tl.dot(p.to(tl.float16), d.to(tl.float16), acc)
             else:
                 lm = lm * alpha
@@ -427,7 +455,7 @@ def _side(v: KVSideView):
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
     """_decode_kernel's constexprs for a launch (the compile tests build the same)."""
-    return dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), E=e, R=rotary_dim,
+    return dict(GROUP=group, GP=max(CFG["GP_MIN"], triton.next_power_of_2(group)), E=e, R=rotary_dim,
                 HP=max(16, triton.next_power_of_2(rotary_dim // 2)),
                 PP=max(16, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), BLOCK_T=block_t, ONE_SPLIT=one_split,
