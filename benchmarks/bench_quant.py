@@ -130,7 +130,9 @@ def make_op(fmt: str, n: int, k: int, dev="cuda"):
     i8 = lambda: torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8)  # noqa: E731
     i4 = lambda: pack_int4(torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8))  # noqa: E731
     base, _, path = fmt.partition(":")
-    cfg = {"cublas": {"PREFILL_A16": "cublas"}, "triton": {"PREFILL_A8": "triton"}}.get(path)
+    # ":qmm": decode rows on the kernels before the word GEMV (WORD_MAX_ROWS = 0), for comparison
+    cfg = {"cublas": {"PREFILL_A16": "cublas"}, "triton": {"PREFILL_A8": "triton"},
+           "qmm": {"WORD_MAX_ROWS": 0}}.get(path)
     ql = kernels.dispatch._kernels("quant_gemm").quant_linear
     qla = kernels.dispatch._kernels("quant_gemm").quant_linear_act
 
@@ -201,7 +203,7 @@ def run_micro(args, bw, results) -> None:
                 torch.cuda.empty_cache()
             micro["ops"][f"{sname} {n}x{k} {fmt}"] = row
             print(sname, fmt, json.dumps(row), flush=True)
-    save(results, args)
+            save(results, args)  # after each op: a run cut short by a time limit keeps what it measured
 
 
 SWEEP_FMA = [dict(FMA_MAX_ROWS=2, TILE_FMA=t, BK_FMA=bk, warps_fma=nw, stages_fma=ns)
@@ -218,7 +220,11 @@ SWEEP_CVT = [dict(FMA_MAX_ROWS=0, FAST_CVT=fc, BN_DEC=bn, stages_dec=ns, WAVES=w
              for fc in (True, False) for bn in (32, 64) for ns in (3, 5) for wv in (2, 6)]
 
 
-SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128")}
+# the word-load decode GEMV (_qgemv_words, CFG's WORD_MAX_ROWS): tile size and programs per SM before a K split
+SWEEP_WORDS = [dict(TILE_W=t, WAVES_W=wv) for t in (128, 256, 512) for wv in (2, 6)]
+
+
+SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128"), "words": ("w4a16-g128", "w8a16")}
 
 
 def run_sweep(args, bw, results) -> None:
@@ -229,7 +235,8 @@ def run_sweep(args, bw, results) -> None:
     """
     qk = kernels.dispatch._kernels("quant_gemm")
     cfg = PUBLISHED[args.models.split(",")[0]]
-    variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT, "cvt": SWEEP_CVT, "w4": SWEEP_W4}[args.sweep]
+    variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT, "cvt": SWEEP_CVT, "w4": SWEEP_W4,
+                "words": SWEEP_WORDS}[args.sweep]
     times: dict = {}
     for sname, (n, k) in list(shapes(cfg).items())[:2]:
         for fmt in SWEEP_FORMATS.get(args.sweep, ("w4a16-g128", "w8a16", "w8a8", "fp8")):
@@ -343,7 +350,7 @@ def main():
     ap.add_argument("--micro", action="store_true", help="GEMV / GEMM micro-benchmark at the first model's shapes")
     ap.add_argument("--micro-rows", default="1,2,8,16,32,1024")
     ap.add_argument("--formats", default=FORMATS)
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt", "w4"],
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt", "w4", "words"],
                     help="decode launch-setting sweep at batch 1: all paths, or the tensor-core path's K split")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step per recipe")

@@ -293,3 +293,36 @@ def test_pdl_wait_compiles_into_decode_kernels(use_gdc):
     assert ("griddepcontrol.wait" in ptx) == use_gdc and ("griddepcontrol.launch_dependents" in ptx) == use_gdc
     if use_gdc:
         assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+# the word-load decode GEMV of quant_gemm (W4A16 g128 / W8A16 / W8A8 / W4A8 at 1-4 rows; see its CFG)
+WORD_VARIANTS = {  # name: (x, A_MODE, W4, WS_MODE, HAS_ZERO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    "w4a16-g128-split": ("fp16", 0, True, 2, False, True, 1, 256, 128),
+    "w4a16-g128-asym-rows4": ("fp16", 0, True, 2, True, True, 4, 64, 128),
+    "w8a16-bf16-channel-rows2": ("bf16", 0, False, 1, False, True, 2, 128, 64),
+    "w8a16-fp32-channel-zero": ("fp32", 0, False, 1, True, False, 1, 256, 64),
+    "w8a8-channel-split": ("i32", 1, False, 1, False, True, 1, 256, 64),
+    "w4a8-g128-rows4": ("i32", 1, True, 2, False, False, 4, 64, 128),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(WORD_VARIANTS))
+def test_word_gemv_compiles_for_sm90(variant):
+    """_qgemv_words with its inline PTX (dp4a, prmt) and the in-kernel K-split reduction (acq_rel counter): float x
+    converts codes by bit assembly, so no int -> float conversion instruction is left; int8 x runs on dp4a."""
+    from ssmq.kernels import quant_gemm as qg
+
+    x, a_mode, w4, ws_mode, zero, split, bm, bn, bk = WORD_VARIANTS[variant]
+    x16 = x in ("fp16", "bf16")
+    pointers = {"x_ptr": "i32" if x16 else x, "xs_ptr": "fp32", "w_ptr": "i32", "ws_ptr": "fp32", "wz_ptr": "i32",
+                "b_ptr": "fp16", "out_ptr": "fp16", "part_ptr": "i32" if a_mode == 1 and ws_mode != 2 else "fp32",
+                "cnt_ptr": "i32"}
+    const = dict(A_MODE=a_mode, XS_ROWS=True, W4=w4, WS_MODE=ws_mode, HAS_ZERO=zero, HAS_BIAS=True, GROUP=bk,
+                 EVEN_K=True, SPLIT=split, X16=x16, XBF16=x == "bf16", PTX=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    ptx = _compile_sm90(qg._qgemv_words, pointers, const, num_warps=qg.CFG["warps_w"],
+                        num_stages=qg.CFG["stages_w"]).asm["ptx"]
+    if a_mode == 0:  # (zero points, one a column and group, are converted: far fewer than a step's codes)
+        assert ptx.count("cvt.rn.f32.s") < (bn * bk // (32 * qg.CFG["warps_w"]) if zero else 1)
+    else:
+        assert "dp4a.s32.s32" in ptx
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == split

@@ -158,11 +158,12 @@ def test_leading_dims_and_empty(QK):
     assert QK.quant_linear(x[:0], w_q, w_s, w_z).shape == (0, 3, 40)
 
 
-@pytest.mark.parametrize("path", [{"FMA_MAX_ROWS": 2}, {"FMA_MAX_ROWS": 0}], ids=["cuda-core", "tensor-core"])
+@pytest.mark.parametrize("path", [{"FMA_MAX_ROWS": 2, "WORD_MAX_ROWS": 0}, {"FMA_MAX_ROWS": 0, "WORD_MAX_ROWS": 0},
+                                  {"WORD_MAX_ROWS": 4}], ids=["cuda-core", "tensor-core", "words"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("fmt", [(8, None, False), (4, 128, True), (4, 32, False)])
 def test_decode_paths(QK, path, rows, fmt):
-    # batch 1-2 runs on either decode kernel (CFG's FMA_MAX_ROWS picks one): both equal the reference
+    # batch 1-2 runs on any decode kernel (CFG's WORD_MAX_ROWS / FMA_MAX_ROWS pick one): all equal the reference
     torch.manual_seed(rows + 11)
     n, k = N_K[0]
     w_q, w_s, w_z = _weight(n, k, fmt)
@@ -213,10 +214,104 @@ def test_int4_strided_x(QK, rows, fmt):
     w_q, w_s, w_z = _weight(n, k, fmt)
     x = torch.randn(rows, k, device=DEV).to(torch.float16)
     exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z)
-    out = QK.quant_linear(x, w_q, w_s, w_z, cfg={"X_STRIDED": True})
+    out = QK.quant_linear(x, w_q, w_s, w_z, cfg={"X_STRIDED": True, "WORD_MAX_ROWS": 0})
     assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z), exact) + 2e-3
     if w_z is None and fmt[1] >= 64:
         x_s = torch.tensor(0.02, device=DEV)
         out = QK.quant_linear_act(x, w_q, w_s, x_s, False, torch.int8, None, torch.float32,
                                   cfg={"X_STRIDED": True, "FUSE_ACT_QUANT": True})
         assert torch.equal(out, ops.quant_linear_act_ref(x, w_q, w_s, x_s, False, torch.int8, None, torch.float32))
+
+
+# The word-load decode GEMV (_qgemv_words, 1-4 rows, CFG's WORD_MAX_ROWS): codes read as 32-bit words, converted by
+# bit assembly (float x) or multiplied by dp4a (int8 x); SPLIT_CFG splits k over as many programs as it allows,
+# the partial sums added by the last program of each output tile.
+SPLIT_CFG = {"WAVES_W": 10 ** 6, "MIN_SPLIT_K_W": 32, "KW_W": 4}
+WORD_ROWS = [1, 3, 4] if INTERPRET else [1, 2, 4] if QUICK else [1, 2, 3, 4]
+WORD_N = [37] if INTERPRET else [37, 10576] if QUICK else [37, 2560, 10576]  # 2560 x 5120, 10576 x 2560: Mamba2-2.7B
+
+
+def _spy_words(QK, monkeypatch):
+    calls = []
+    real = QK._launch_words
+    monkeypatch.setattr(QK, "_launch_words", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("fmt", WFMTS)
+@pytest.mark.parametrize("rows", WORD_ROWS)
+@pytest.mark.parametrize("n", WORD_N)
+@pytest.mark.parametrize("split", [False, True])
+def test_word_gemv(QK, monkeypatch, fmt, rows, n, split):
+    # k = 200 (per channel / tensor): the last tile of words is partial (masked)
+    k = 200 if fmt[1] in (None, "tensor") else 256
+    if n > 37:
+        k = 5120 if n == 2560 else 2560
+    torch.manual_seed(rows + n)
+    w_q, w_s, w_z = _weight(n, k, fmt)
+    x = torch.randn(rows, k, device=DEV).half()
+    bias = torch.randn(n, device=DEV).half()
+    cfg = SPLIT_CFG if split else {"MAX_SPLIT_W": 1}
+    calls = _spy_words(QK, monkeypatch)
+    out = QK.quant_linear(x, w_q, w_s, w_z, None, bias, cfg=cfg)
+    assert calls, "the word GEMV did not serve this call"
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z, None, bias.double())
+    assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z, None, bias), exact) + 2e-3
+    if w_z is None:  # int8 x: bit-exact, split or not (per-channel partials are exact int32 sums)
+        x_q = torch.randint(-128, 128, (rows, k), device=DEV, dtype=torch.int8)
+        x_s = torch.rand(rows, device=DEV) * 0.1
+        out = QK.quant_linear(x_q, w_q, w_s, None, x_s, bias.float(), torch.float32, cfg=cfg)
+        assert torch.equal(out, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, bias.float(), torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", [(8, None, True), (4, 32, True)])
+def test_word_gemv_x_dtypes(QK, dtype, fmt):
+    # float32 x is read element by element, bfloat16 like float16 as int32 pairs
+    torch.manual_seed(9)
+    w_q, w_s, w_z = _weight(40, 256, fmt)
+    x = torch.randn(2, 256, device=DEV).to(dtype)
+    out = QK.quant_linear(x, w_q, w_s, w_z, cfg=SPLIT_CFG)
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z)
+    eps = 1e-5 if dtype == torch.float32 else 1.6e-2
+    assert out.dtype == dtype and rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z), exact) + eps
+
+
+def test_word_gemv_falls_back(QK, monkeypatch):
+    # rows of an int4 weight that are not whole 32-bit words (k = 100) and 5+ rows go to the other decode kernels
+    calls = _spy_words(QK, monkeypatch)
+    w_q, w_s, _ = _weight(24, 100, (4, None, False))
+    x = torch.randn(1, 100, device=DEV).half()
+    assert rel(QK.quant_linear(x, w_q, w_s), ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
+    w_q, w_s, _ = _weight(24, 128, (4, 32, False))
+    x = torch.randn(5, 128, device=DEV).half()
+    assert rel(QK.quant_linear(x, w_q, w_s), ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
+    assert not calls
+
+
+@pytest.mark.skipif(INTERPRET or DEV != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("fmt", [(4, 128, False), (8, None, False)])
+def test_word_gemv_split_under_graph_replays(QK, fmt):
+    # the K-split counters reset themselves: replays of a captured call stay right, for new x each time
+    n, k = 2560, 5120
+    torch.manual_seed(1)
+    w_q, w_s, _ = _weight(n, k, fmt)
+    x = torch.randn(1, k, device=DEV).half()
+    x_q = torch.randint(-128, 128, (1, k), device=DEV, dtype=torch.int8)
+    x_s = torch.rand(1, device=DEV) * 0.1
+    plan = QK._plan_words(1, n, k, {"bits": fmt[0], "fp8": False, "n": n, "k": k, "group_size": fmt[1]}, 0,
+                          QK.sm_count(x.device), QK.CFG)
+    assert plan["split"] > 1
+    QK.quant_linear(x, w_q, w_s)  # compile and allocate outside the capture
+    QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = QK.quant_linear(x, w_q, w_s)
+        out_i = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        x_q.copy_(torch.randint_like(x_q, -128, 128))
+        graph.replay()
+        exact = ops.quant_linear_ref(x.double(), w_q, w_s)
+        assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
+        assert torch.equal(out_i, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, None, torch.float32))

@@ -10,8 +10,14 @@ sign-extended in registers by two shifts (low nibble ``(b << 4) >> 4``, high ``b
 matching x columns are taken apart the same way (even / odd), so that each half is one tensor-core
 product: x_even @ lo.T + x_odd @ hi.T.
 
-Two kernels do every case, with the same arguments:
-``_qgemv`` (1-2 rows, decode at batch 1-2): CUDA-core multiply-adds, products kept elementwise across the K
+Decode at batch 1-4 (CFG's WORD_MAX_ROWS) runs ``_qgemv_words``: int8 / int4 codes loaded as 32-bit words, 16
+bytes a load, for float x turned into exact float32 values by bit assembly (one LOP3 and one FADD a code, then one
+FFMA a code and row; no I2F), for int8 x multiplied by dp4a on whole words (int4 nibbles shifted into the high
+half of each byte); K split over many programs, the partial sums added by the last program of each output tile
+(an acq_rel counter that resets itself: no second kernel, CUDA-graph safe). It serves int8 and int4 codes whose
+rows are whole words (k a multiple of 8 for int4, 4 for int8), float or int8 x; fp8 and the rest go below.
+Two kernels do every other case, with the same arguments:
+``_qgemv`` (1-2 rows, decode at batch 1-2, when FMA_MAX_ROWS asks for it): CUDA-core multiply-adds, products kept elementwise across the K
   loop and reduced once; small register tiles, so many programs per SM keep loads in flight. Weight-only
   groups are dequantized in registers ((q - z) * s, one group per tile); int8 x: int32 products, per group
   reduced and scaled (``int_matmul_ref``'s order).
@@ -57,6 +63,16 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   FUSE_ACT_QUANT: quant_linear_act quantizes decode rows inside _qmm (see there: measured slower, off).
 #   X_STRIDED: int4 decode loads x's even / odd columns apart (two strided loads) instead of splitting a tile;
 #     no faster on the H100 (in_proj W4A16 18.6 us either way, --sweep w4, 2026-11-23), so off.
+#   WORD_MAX_ROWS (<= 4): rows up to which the word GEMV _qgemv_words runs (0: the kernels below, as before).
+#     TILE_W: output columns a program x rows (BLOCK_N = TILE_W / rows: each thread keeps 8 columns x 4 words
+#     at 256, 4 warps); KW_W: words a tile row for per-channel / per-tensor scales (per group: the group);
+#     warps_w / stages_w; WAVES_W, MAX_SPLIT_W, MIN_SPLIT_K_W: split K until WAVES_W programs an SM.
+#     Predicted from sm_90 SASS (issue slots of the K loop per code, 4 warps; H100: 128 issue slots a clock per
+#     SM, 132 SMs at 1.98 GHz): W4A16 g128 4.5 (1 row, TILE_W 256), 6.1 (2 rows), 10.7 (4 rows, BLOCK_N 128),
+#     13.2 (4 rows, 64); W8A16 4.7; W8A8 0.7 (dp4a). At in_proj (27 M codes) 1 row: W4A16 3.6 us issue-bound
+#     vs 4.3 us of weight bytes at 3.35 TB/s, so bandwidth-bound if loads stay in flight (about 4-5 programs of
+#     16 KB tiles an SM at 100 registers); the old paths measured 18.2 us + 2.2 us split sum (W4A16), 13.8 us
+#     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -70,7 +86,8 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=3,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
-           CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False)
+           CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
+           WORD_MAX_ROWS=4, TILE_W=256, KW_W=16, warps_w=4, stages_w=1, WAVES_W=4, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
 
 @triton.jit
@@ -380,6 +397,291 @@ def _qgemv(
                       mn, rows, mm, pid_k, s_om, s_os, WS_MODE != 2, A_MODE, WS_MODE, HAS_ZERO, HAS_BIAS)
 
 
+# ------------------------------------------------------------------------------------------ decode GEMV on words
+# _qgemv_words: the decode GEMV (a few rows) on the codes read as 32-bit words (8 int4 or 4 int8 codes each).
+# Glossary: WPW codes a word, KW words a tile row, p a code's bit offset within the word (or its upper half).
+
+
+@triton.jit
+def _code_halves(w, W4: tl.constexpr):
+    """Each 32-bit word of codes w as two words (its low / high 16 bits) ready for _code_f32: every code's sign bit
+    flipped (two's complement -> offset binary, q + 2^(b-1)) and the exponent of 2^23 above them. One LOP3 for the
+    low half, a shift and one LOP3 for the high one, shared by the word's 8 (int4) or 4 (int8) codes."""
+    C: tl.constexpr = 0x4B000000 | (0x8888 if W4 else 0x8080)
+    return (w & 0xFFFF) ^ C, ((w >> 16) & 0xFFFF) ^ C
+
+
+@triton.jit
+def _code_f32(lo, hi, J: tl.constexpr, W4: tl.constexpr):
+    """Code J of each word (lo, hi from _code_halves) as an exact float32 times 2^P (P: its bit offset within
+    its half), by bit assembly: no I2F, the quarter-rate conversion that bounded the old decode loop. Masking the
+    half to the exponent and the code gives 2^23 + (q + 2^(b-1)) 2^P (one LOP3, its one constant an immediate);
+    one FADD removes 2^23 + 2^(b-1) 2^P exactly. The caller scales the matching x by 2^-P (exact)."""
+    BITS: tl.constexpr = 4 if W4 else 8
+    H: tl.constexpr = 16 // BITS  # codes per half word
+    P: tl.constexpr = BITS * (J % H)
+    MASK: tl.constexpr = 0x7F800000 | (((1 << BITS) - 1) << P)
+    OFF: tl.constexpr = (1 << 23) + ((1 << (BITS - 1)) << P)
+    src = hi if J >= H else lo
+    return (src & MASK).to(tl.float32, bitcast=True) - OFF
+
+
+@triton.jit
+def _x_f32(xv, HI: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr):
+    """float32 x from a load: 16-bit x travels as int32 pairs (HI: the odd column), one load for two columns."""
+    if X16:
+        if XBF16:
+            r = ((xv & -65536) if HI else (xv << 16)).to(tl.float32, bitcast=True)
+        else:
+            r = ((xv >> 16) if HI else xv).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        r = xv.to(tl.float32)
+    return r
+
+
+@triton.jit
+def _dp4a(a, b, c, PTX: tl.constexpr):
+    """c + the dot product of the four signed bytes of a and b (int32 words): one IDP.4A instruction, or its
+    pure-Triton twin for the interpreter."""
+    if PTX:
+        r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                      is_pure=True, pack=1)
+    else:
+        r = c
+        for i in tl.static_range(4):
+            r += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+    return r
+
+
+@triton.jit
+def _pick_bytes(a, b, ODD: tl.constexpr, PTX: tl.constexpr):
+    """The even (ODD: odd) bytes of the 8-byte run a, b (int32 words) as one word: the int8 x codes that meet
+    the low (high) nibbles of an int4 word. One PRMT, or shifts and masks in the interpreter."""
+    if PTX:
+        if ODD:
+            r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7531;", "=r,r,r", [a, b], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x6420;", "=r,r,r", [a, b], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+    else:
+        TOP: tl.constexpr = -16777216  # 0xFF000000
+        if ODD:
+            r = ((a >> 8) & 0xFF) | ((a >> 16) & 0xFF00) | ((b << 8) & 0xFF0000) | (b & TOP)
+        else:
+            r = (a & 0xFF) | ((a >> 8) & 0xFF00) | ((b & 0xFF) << 16) | ((b << 8) & TOP)
+    return r
+
+
+@triton.jit
+def _row_step(p, xk, w, lo, hi, x_row, mx, A_MODE: tl.constexpr, W4: tl.constexpr, HAS_ZERO: tl.constexpr,
+              X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr):
+    """One decode row times a (BLOCK_N, KW) tile of code words w (lo, hi: _code_halves(w)), added elementwise into
+    p; x_row (KW,) points at the row's x for each word: float x at its first code's column (16-bit x: as int32
+    pairs), int8 x at its first int32 word of codes; xk (KW,) gathers the row's x for zero points. The codes are
+    converted once for all rows (the compiler shares _code_f32's values between the rows' calls)."""
+    if A_MODE == 0:
+        BITS: tl.constexpr = 4 if W4 else 8
+        H: tl.constexpr = 16 // BITS
+        for i in tl.static_range(4 if W4 else 2):  # code pairs 2i, 2i + 1
+            if X16:
+                xv = tl.load(x_row + i, mask=mx, other=0)
+                xa = _x_f32(xv, False, X16, XBF16)
+                xb = _x_f32(xv, True, X16, XBF16)
+            else:
+                xa = tl.load(x_row + 2 * i, mask=mx, other=0.0).to(tl.float32)
+                xb = tl.load(x_row + 2 * i + 1, mask=mx, other=0.0).to(tl.float32)
+            p += (xa * (1.0 / (1 << (BITS * ((2 * i) % H)))))[None, :] * _code_f32(lo, hi, 2 * i, W4)
+            p += (xb * (1.0 / (1 << (BITS * ((2 * i + 1) % H)))))[None, :] * _code_f32(lo, hi, 2 * i + 1, W4)
+            if HAS_ZERO:
+                xk += xa + xb
+    else:
+        xa = tl.load(x_row, mask=mx, other=0)
+        if W4:
+            xb = tl.load(x_row + 1, mask=mx, other=0)
+            NIB: tl.constexpr = -252645136  # 0xF0F0F0F0: each byte's high nibble, i.e. 16 q
+            p = _dp4a(tl.broadcast_to(_pick_bytes(xa, xb, False, PTX)[None, :], p.shape), (w << 4) & NIB, p, PTX)
+            p = _dp4a(tl.broadcast_to(_pick_bytes(xa, xb, True, PTX)[None, :], p.shape), w & NIB, p, PTX)
+        else:
+            p = _dp4a(tl.broadcast_to(xa[None, :], p.shape), w, p, PTX)
+    return p, xk
+
+
+@triton.jit
+def _row_group(acc, p, xk, s, z, xs_r, A_MODE: tl.constexpr, W4: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """A group's products of one row (p (BLOCK_N, KW), xk its x) into its output sums acc (BLOCK_N,): scaled by
+    the group's scales s (and zeros z), in int_matmul_ref's order for int8 x (out += float(acc_t) * s_t)."""
+    part = tl.sum(p, axis=1)
+    if A_MODE == 0:
+        if HAS_ZERO:
+            part -= z * tl.sum(xk, axis=0)
+        acc += part * s
+    else:
+        if W4:
+            part = part >> 4
+        acc += part.to(tl.float32) * (xs_r * s)
+    return acc
+
+
+@triton.jit
+def _row_total(p, xsum, z, A_MODE: tl.constexpr, W4: tl.constexpr, HAS_ZERO: tl.constexpr):
+    """A row's products over all of its k (per-channel / per-tensor scales) as (BLOCK_N,) sums, zeros applied."""
+    tot = tl.sum(p, axis=1)
+    if A_MODE == 1 and W4:
+        tot = tot >> 4
+    if A_MODE == 0 and HAS_ZERO:
+        tot -= z * tl.sum(xsum, axis=0)
+    return tot
+
+
+@triton.jit
+def _rows_tile(t0, t1, t2, t3, offs_m):
+    """(BLOCK_M, BLOCK_N) from the rows' (BLOCK_N,) vectors (BLOCK_M <= 4; t1.. unused past BLOCK_M)."""
+    tile = tl.where(offs_m[:, None] == 0, t0[None, :], 0)
+    tile = tl.where(offs_m[:, None] == 1, t1[None, :], tile)
+    tile = tl.where(offs_m[:, None] == 2, t2[None, :], tile)
+    return tl.where(offs_m[:, None] == 3, t3[None, :], tile)
+
+
+@triton.jit
+def _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om,
+                  A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # zero points are already applied (per split): the scale epilogue of the other kernels, into out
+    _scale_bias_store(tot.to(tl.float32), xs, xs * 0.0, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, 0,
+                      s_om, 0, WS_MODE != 2, A_MODE, WS_MODE, False, HAS_BIAS)
+
+
+@triton.jit
+def _qgemv_words(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, kw_split, n_split, n_groups, s_xm, s_wn, s_om,
+    A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, WS_MODE: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Up to 4 decode rows (BLOCK_M) x a (BLOCK_N, BLOCK_K) weight tile a step, the codes loaded as int32 words
+    # (w_ptr: the stored rows viewed as int32, s_wn in words), 16 bytes a load. Float x (A_MODE 0): each code
+    # becomes an exact float32 by _code_f32 (LOP3 + FADD) and meets its x element (column WPW * word + J, loaded
+    # per code position J) in one FFMA. int8 x (A_MODE 1; x_ptr: int32 words of codes, s_xm in words): dp4a on
+    # whole words (int4: nibbles moved to the high half of each byte, i.e. 16 q, the sums shifted back by 4:
+    # exact while |sum| < 2^31, k < 2^17). Each row has its own 2-D accumulator in the weight tile's layout
+    # (a 3-D rows x tile product made Triton move the codes through shared memory every step); products stay
+    # elementwise over words across the loop and are reduced once, per group (BLOCK_K == GROUP) when the scales
+    # are per group.
+    # SPLIT: program (tile, pid_k) sums k in [pid_k * kw_split * WPW, +kw_split * WPW); it stores its partial
+    # (float32, or exact int32 for int8 x per channel / tensor) to part_ptr, counts itself at cnt_ptr[tile]
+    # (acq_rel), and the last of the tile's n_split programs adds the partials in split order (deterministic),
+    # applies the scales and the bias, and zeroes the count for the next launch (CUDA-graph replays need no reset).
+    WPW: tl.constexpr = 8 if W4 else 4
+    KW: tl.constexpr = BLOCK_K // WPW
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    tile = tl.program_id(0)
+    pid_n, pid_m, pid_k = tile % n_blocks, tile // n_blocks, tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, KW)
+    mm, mn = offs_m < M, offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    # the split in words (kw_split): a multiple of 16 words whose divisibility the compiler sees (16-byte loads)
+    k0 = pid_k * kw_split * WPW
+    k_len = tl.minimum(kw_split * WPW, K - k0)
+    w_ptrs = w_ptr + cols[:, None] * s_wn + pid_k * kw_split + offs_c[None, :]
+    r0 = pid_m * BLOCK_M
+    # x's pointer unit: XE columns (int8 x: int32 words of 4 codes; 16-bit float x: int32 pairs)
+    XE: tl.constexpr = 4 if A_MODE == 1 else 2 if X16 else 1
+    x_ptrs = x_ptr + r0.to(tl.int64) * s_xm + pid_k * kw_split * (WPW // XE) + offs_c * (WPW // XE)
+    XSTEP: tl.constexpr = BLOCK_K // XE
+    ACC = tl.int32 if A_MODE == 1 else tl.float32
+    if A_MODE == 1:
+        if XS_ROWS:
+            xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
+            xs0 = tl.load(xs_ptr + r0)
+            xs1 = tl.load(xs_ptr + tl.minimum(r0 + 1, M - 1))
+            xs2 = tl.load(xs_ptr + tl.minimum(r0 + 2, M - 1))
+            xs3 = tl.load(xs_ptr + tl.minimum(r0 + 3, M - 1))
+        else:
+            xs = tl.load(xs_ptr + offs_m * 0)
+            xs0 = tl.load(xs_ptr)
+            xs1, xs2, xs3 = xs0, xs0, xs0
+    else:
+        xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        xs0, xs1, xs2, xs3 = 0.0, 0.0, 0.0, 0.0
+    # per row r < BLOCK_M: products p_r, x sums x_r (zero points), group-scaled sums a_r (per-group scales)
+    p0 = tl.zeros((BLOCK_N, KW), dtype=ACC)
+    p1, p2, p3 = p0, p0, p0
+    x0 = tl.zeros((KW,), dtype=tl.float32)
+    x1, x2, x3 = x0, x0, x0
+    a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    a1, a2, a3 = a0, a0, a0
+    for k in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            mw = mn[:, None]
+            mc = offs_c >= 0
+        else:
+            mc = offs_c < (k_len - k) // WPW
+            mw = mn[:, None] & mc[None, :]
+        w = tl.load(w_ptrs, mask=mw, other=0)
+        lo, hi = _code_halves(w, W4)
+        if WS_MODE == 2:
+            q0 = tl.zeros((BLOCK_N, KW), dtype=ACC)
+            q1, q2, q3 = q0, q0, q0
+            y0 = tl.zeros((KW,), dtype=tl.float32)
+            y1, y2, y3 = y0, y0, y0
+        else:
+            q0, q1, q2, q3, y0, y1, y2, y3 = p0, p1, p2, p3, x0, x1, x2, x3
+        q0, y0 = _row_step(q0, y0, w, lo, hi, x_ptrs, mc & (r0 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
+        if BLOCK_M > 1:
+            q1, y1 = _row_step(q1, y1, w, lo, hi, x_ptrs + s_xm, mc & (r0 + 1 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
+        if BLOCK_M > 2:
+            q2, y2 = _row_step(q2, y2, w, lo, hi, x_ptrs + 2 * s_xm, mc & (r0 + 2 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
+            q3, y3 = _row_step(q3, y3, w, lo, hi, x_ptrs + 3 * s_xm, mc & (r0 + 3 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
+        if WS_MODE == 2:
+            t = (k0 + k) // GROUP
+            s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + cols * n_groups + t, mask=mn, other=0).to(tl.float32)
+            else:
+                z = s
+            a0 = _row_group(a0, q0, y0, s, z, xs0, A_MODE, W4, HAS_ZERO)
+            if BLOCK_M > 1:
+                a1 = _row_group(a1, q1, y1, s, z, xs1, A_MODE, W4, HAS_ZERO)
+            if BLOCK_M > 2:
+                a2 = _row_group(a2, q2, y2, s, z, xs2, A_MODE, W4, HAS_ZERO)
+                a3 = _row_group(a3, q3, y3, s, z, xs3, A_MODE, W4, HAS_ZERO)
+        else:
+            p0, p1, p2, p3, x0, x1, x2, x3 = q0, q1, q2, q3, y0, y1, y2, y3
+        w_ptrs += KW
+        x_ptrs += XSTEP
+    if WS_MODE == 2:
+        tot = _rows_tile(a0, a1, a2, a3, offs_m)
+    else:
+        if HAS_ZERO:
+            z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
+        else:
+            z = a0
+        tot = _rows_tile(_row_total(p0, x0, z, A_MODE, W4, HAS_ZERO), _row_total(p1, x1, z, A_MODE, W4, HAS_ZERO),
+                         _row_total(p2, x2, z, A_MODE, W4, HAS_ZERO), _row_total(p3, x3, z, A_MODE, W4, HAS_ZERO),
+                         offs_m)
+    if SPLIT:
+        MN = M * N
+        p_off = rows[:, None] * N + offs_n[None, :]
+        mo = mm[:, None] & mn[None, :]
+        tl.store(part_ptr + pid_k * MN + p_off, tot, mask=mo)
+        tl.debug_barrier()  # every thread's partial stored before the count releases them
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == n_split - 1:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=part_ptr.dtype.element_ty)
+            for s in range(n_split):  # in split order, whichever program came last
+                tot += tl.load(part_ptr + s * MN + p_off, mask=mo, other=0, cache_modifier=".cg")
+            tl.store(cnt_ptr + tile, 0)
+            _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE,
+                          HAS_BIAS)
+    else:
+        _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE, HAS_BIAS)
+
+
 @triton.jit
 def _int_epilogue(acc_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, XS_ROWS: tl.constexpr, WS_COLS: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -495,8 +797,82 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
                 k_split=k_split, EVEN_K=K % BK == 0 and k_split % BK == 0, grid=(n_blocks * m_blocks, split))
 
 
+_COUNTS: dict = {}  # (device, stream) -> int32 tile counts of the split decode GEMV, zero between launches
+
+
+def _counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters for ``tiles`` output tiles, one buffer per (device, stream): each launch leaves them
+    zero again, so kernels in one stream (and CUDA-graph replays) share it; allocated before any capture by the
+    first eager call (a call that must grow it during a capture zeroes it inside the graph, still correct)."""
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _COUNTS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = _COUNTS[key] = torch.zeros(max(tiles, 1 << 14), device=device, dtype=torch.int32)
+    return buf
+
+
+def _words_ok(x2, w_q, f: dict, a_mode: int, cfg: dict) -> bool:
+    """Whether _qgemv_words serves this call: int8 / int4 codes with float or int8 x, up to WORD_MAX_ROWS rows,
+    rows of whole 32-bit words (k a multiple of 8 for int4, 4 for int8; int8 x rows too)."""
+    M, K = x2.shape
+    wpw = 8 if f["bits"] == 4 else 4
+    g = f["group_size"]
+    return (0 < M <= min(cfg["WORD_MAX_ROWS"], 4) and a_mode in (0, 1) and not f["fp8"] and K % wpw == 0
+            and w_q.stride(0) % 4 == 0 and w_q.data_ptr() % 4 == 0 and (g is None or g % wpw == 0)
+            and (x2.dtype == torch.float32 or (x2.stride(0) % (4 // x2.element_size()) == 0 and x2.data_ptr() % 4 == 0)))
+
+
+def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> dict:
+    g = f["group_size"]
+    wpw = 8 if f["bits"] == 4 else 4
+    BM = pow2(M)
+    BK = g if g is not None else wpw * min(cfg["KW_W"], pow2(K // wpw))
+    BN = min(max(16, cfg["TILE_W"] // BM), pow2(N))
+    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    split = 1
+    # int8 x per group: int_matmul_ref sums the groups' scaled products in order, so one program does all of k
+    if not (a_mode == 1 and g is not None):
+        want = triton.cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks)
+        split = max(1, min(cfg["MAX_SPLIT_W"], want, K // cfg["MIN_SPLIT_K_W"]))
+    k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
+    split = triton.cdiv(K, k_split)
+    return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, split=split, k_split=k_split, tiles=n_blocks * m_blocks,
+                EVEN_K=K % BK == 0 and k_split % BK == 0, grid=(n_blocks * m_blocks, split))
+
+
+def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
+    M, K = x2.shape
+    N = f["n"]
+    c = _plan_words(M, N, K, f, a_mode, sm_count(x2.device), cfg)
+    split = c["split"]
+    if split > 1:
+        part = torch.empty((split, M, N), device=x2.device,
+                           dtype=torch.int32 if a_mode == 1 and f["group_size"] is None else torch.float32)
+        cnt = _counts(x2.device, c["tiles"])
+    else:
+        part = cnt = out
+    x16 = a_mode == 0 and x2.dtype != torch.float32
+    xw = x2.view(torch.int32) if a_mode == 1 or x16 else x2
+    dummy = w_scale
+    _qgemv_words[c["grid"]](
+        xw, xs if xs is not None else dummy, w_q.view(torch.int32), w_scale, w_zero if w_zero is not None else dummy,
+        bias if bias is not None else dummy, out, part, cnt,
+        M, N, K, c["k_split"] // (8 if f["bits"] == 4 else 4), split, w_scale.shape[1] if w_scale.dim() == 2 else 1,
+        xw.stride(0),
+        w_q.stride(0) // 4, N,
+        A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, WS_MODE=_ws_mode(w_scale),
+        HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, GROUP=f["group_size"] or 1, EVEN_K=c["EVEN_K"],
+        SPLIT=split > 1, X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+        num_warps=cfg["warps_w"], num_stages=cfg["stages_w"],
+        # the integer paths reproduce int_matmul_ref's separately rounded products and sums
+        enable_fp_fusion=a_mode == 0)
+    return out
+
+
 def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x=0):
     M, K = x2.shape
+    if not quant_x and _words_ok(x2, w_q, f, a_mode, cfg):
+        return _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg)
     N = f["n"]
     c = _plan(M, N, K, f, a_mode, sm_count(x2.device), cfg)
     split = c["split"]
