@@ -20,8 +20,9 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to 1
              the previous tile's rotated by BLOCK_T θ (angle addition: 4 FMA a pair, no MUFU a token)
              the sparse outliers then add (val - x̂) · (their channel's coefficient in q · R_t k), gathered
     values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
-             so the tile is B itself (no arithmetic a value); per-channel scales scale the tile; the sparse
-             outliers add p · D, D the tile of (val - x̂) at the outliers' channels
+             so the tile is B itself (no arithmetic a value); per-channel scales scale the tile; sparse
+             outliers: B zeroed at their entries and p · (val - m_t) added there (one more product); a tile's
+             slots are loaded as one (BLOCK_T, slots) tile, each slot's column then picked in registers
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -304,7 +305,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
-                   VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
+                   VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
                    ROPE_STEP: tl.constexpr):
     i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -380,17 +381,22 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
                 mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-                acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
-                if VSLOTS > 0:  # the outliers' (val - x̂) at their channels, one more product
-                    d = tl.full((BLOCK_T, E), float("nan"), tl.float32)  # NaN: no outlier (a compare, a select
-                    for js in range(VSLOTS):  # a slot and entry; x̂ subtracted once, after)
-                        ob = slot * v_os + t * v_ot + js
-                        idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
-                        val = tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)
+                if VSLOTS > 0:  # outliers: B zeroed there, and p · (val - mid) there, one more product
+                    d = tl.full((BLOCK_T, E), float("nan"), tl.float32)  # NaN: no outlier (a compare and a
+                    jj = tl.arange(0, VP)  # select a slot and entry)
+                    ob = slot * v_os + t[:, None] * v_ot + jj[None, :]
+                    om = tmask[:, None] & (jj < VSLOTS)[None, :]
+                    idx2 = tl.load(voi + ob, mask=om, other=-1).to(tl.int32) - hk * E
+                    val2 = tl.load(vov + ob, mask=om, other=0.0).to(tl.float32)
+                    for js in tl.static_range(VSLOTS):
+                        idx = tl.sum(tl.where(jj[None, :] == js, idx2, 0), 1)
+                        val = tl.sum(tl.where(jj[None, :] == js, val2, 0.0), 1)
                         d = tl.where(idx[:, None] == e[None, :], val[:, None], d)
-                    d = tl.where(d == d, d - (mv[:, None] + hv[:, None] * B.to(tl.float32)), 0.0)
-                    acc = tl.dot(p.to(tl.float16), d.to(tl.float16), acc)
+                    hit = d == d
+                    B = tl.where(hit, 0.0, B)
+                    acc = tl.dot(p.to(tl.float16), tl.where(hit, d - mv[:, None], 0.0).to(tl.float16), acc)
+                acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
             else:
                 lm = lm * alpha
                 x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
@@ -458,7 +464,8 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
     return dict(GROUP=group, GP=max(CFG["GP_MIN"], triton.next_power_of_2(group)), E=e, R=rotary_dim,
                 HP=max(16, triton.next_power_of_2(rotary_dim // 2)),
                 PP=max(16, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
-                KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), BLOCK_T=block_t, ONE_SPLIT=one_split,
+                KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
+                BLOCK_T=block_t, ONE_SPLIT=one_split,
                 FAST=FAST_TRIG, ROPE_STEP=rotary_dim > 0 and CFG["ROPE"] == "step", **flags)
 
 
