@@ -124,21 +124,31 @@ def micro_row(b: int, pk, only_int8: bool = False) -> dict:
     return row
 
 
+# int8 state update launch settings: tile rows BP and warps (values a thread: BP * 128 / (32 * warps), the
+# per-program setup amortized over them, against registers), and the codes' conversion: by bit assembly
+# (ptx_codes, ssmq.kernels._common.int8_to_float / rne_int8_of_product) or by I2F / float rounding as before
+# (rcp.approx for the division in both: fast_rcp; at BP 16-64 it beat '/' on the H100, 2026-11-23)
+SWEEP = [dict(BP=32, num_warps=4, ptx_codes=False), dict(BP=32, num_warps=4, ptx_codes=True),
+         dict(BP=64, num_warps=4, ptx_codes=False), dict(BP=64, num_warps=4, ptx_codes=True),
+         dict(BP=64, num_warps=8, ptx_codes=True), dict(BP=16, num_warps=4, ptx_codes=True)]
+
+
 def run_sweep(batches, out: dict) -> None:
-    """int8 state update launch settings (tile rows BP; re-quantization by rcp.approx or by IEEE-range division; 4
-    warps: 8 were slower at every BP on the H100) at the given batches: state bytes / time."""
-    print(f"{'batch':>5} {'BP':>3} {'fast_rcp':>8} {'int8 ms':>9} {'state TB/s':>10}")
-    default = {k: state_update.CFG[k] for k in ("BP", "fast_rcp")}
+    """int8 state update launch settings (``SWEEP``) at the given batches: state bytes / time."""
+    print(f"{'batch':>5} {'BP':>3} {'warps':>5} {'ptx_codes':>9} {'int8 ms':>9} {'state TB/s':>10}")
+    default = {k: state_update.CFG[k] for k in ("BP", "num_warps", "ptx_codes")}
     for b in batches:
-        for bp in (16, 32, 64):
-            for fast in (False, True):
-                state_update.CFG.update(BP=bp, fast_rcp=fast)
-                try:
-                    r = micro_row(b, None, only_int8=True)
-                finally:
-                    state_update.CFG.update(default)
-                out["sweep"].append({**r, "BP": bp, "num_warps": state_update.CFG["num_warps"], "fast_rcp": fast})
-                print(f"{b:>5} {bp:>3} {fast!s:>8} {r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
+        for setting in SWEEP:
+            state_update.CFG.update(setting)
+            try:
+                r = micro_row(b, None, only_int8=True)
+            except Exception as e:  # noqa: BLE001 - a failing setting must not end the sweep
+                r = {"batch": b, "int8_ms": math.nan, "int8_TBps": math.nan, "error": f"{type(e).__name__}: {e}"[:300]}
+            finally:
+                state_update.CFG.update(default)
+            out["sweep"].append({**r, **setting, "fast_rcp": state_update.CFG["fast_rcp"]})
+            print(f"{b:>5} {setting['BP']:>3} {setting['num_warps']:>5} {setting['ptx_codes']!s:>9} "
+                  f"{r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
 
 
 def run_micro(batches, out: dict) -> None:

@@ -164,6 +164,30 @@ def test_rne_int8_is_torch_round_and_clamp(SU):
     assert torch.equal(args[3].cpu(), quantize_ref(v, scale))
 
 
+def test_codes_by_bit_assembly_are_exact(SU):
+    """The PTX codes helpers of the int8 state (GPU; the interpreter runs their Triton fallback): every int8 code back
+    to its float exactly, and codes of v * r = the exact product rounded half to even (in float64, where a product of
+    two float32 is exact) then clamped: ties, saturation far outside [-128, 127], infinities."""
+    import triton
+
+    from _codes_kernel import codes_of_product
+
+    g = gen(8)
+    v = torch.cat([torch.arange(-600, 600) / 2, torch.randn(2800, generator=g) * 100,
+                   torch.tensor([1e9, -1e9, 3e7, -3e7, -1.5e7, 0.49999997, -0.49999997, 127.5, -128.5,
+                                 float("inf"), float("-inf"), 0.0, -0.0, 126.49999, -127.50001, 2.5, -2.5, 1e-30])])
+    r = torch.rand(v.numel(), generator=g) * 4 + 0.01
+    r[:1200] = r[4000:] = 1.0  # the ties and the special values as they are
+    v, r = torch.cat([v, torch.zeros(4096 - v.numel())]), torch.cat([r, torch.ones(4096 - r.numel())])
+    q = torch.arange(4096).remainder(256).sub(128).to(torch.int8)
+    out, back = torch.empty(v.numel(), dtype=torch.int8), torch.empty(v.numel())
+    args = _dev([v, r, q, out, back])
+    codes_of_product[(triton.cdiv(v.numel(), 1024),)](*args, v.numel(), PTX=not INTERPRET, BLOCK=1024)
+    want = torch.round(v.double() * r.double()).clamp(-128, 127).to(torch.int8)
+    assert torch.equal(args[3].cpu(), want)
+    assert torch.equal(args[4].cpu(), q.float())
+
+
 def test_bad_state_and_scales_are_refused(SU):
     args = _dev(_case("mamba2", "int8_index", "codes_per_channel"))
     with pytest.raises(SSMQError, match="no scale"):

@@ -34,7 +34,8 @@ def test_state_update_compiles_for_sm90(variant, ring_stages):
                 "done_ptr": "i32"}
     const = dict(HAS_D=True, HAS_Z=not tie, HAS_DTB=True, HAS_IDX=True, SOFTPLUS=True, TIE_HDIM=tie, Q_STATE=q_state,
                  HAS_SIDX=q_state, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages, RP=16,
-                 BNC=32, FOLD_STAGES=ring_stages + 1, FAST_RCP=q_state, BP=32, BN=128)
+                 BNC=32, FOLD_STAGES=ring_stages + 1, FAST_RCP=q_state, PTX_CODES=q_state, EVEN=ring_stages == 2,
+                 HPG=3, BP=32, BN=128)
     _compile_sm90(kernel, pointers, const)
 
 
@@ -91,6 +92,7 @@ def test_state_update_compiles_as_launched(state, replay):
     else:
         args, kwargs = _launch_args(su, lambda: su.quant_state_update(st, table, index, *inputs, **kw))
     kernel = su._state_update
+    kwargs.update(FAST_RCP=su.CFG["fast_rcp"], PTX_CODES=su.CFG["ptx_codes"])  # as launched on CUDA tensors
     options = {k: kwargs.pop(k) for k in ("num_warps", "maxnreg") if k in kwargs}
     values = {**dict(zip(kernel.arg_names, args)), **kwargs}
     signature, constexprs, attrs = {}, {}, {}
@@ -115,6 +117,8 @@ def test_state_update_compiles_as_launched(state, replay):
     assert compiled.asm.get("cubin")
     # the fp16 checkpoint streamed through shared memory (the int8 one is read unchunked: CFG["replay_int8"])
     assert not (replay and not int8) or "cp.async" in compiled.asm["ptx"]
+    # the int8 state's codes by bit assembly, not conversions: the unpacking xor and the packing prmt
+    assert not int8 or ("0x80808080" in compiled.asm["ptx"] and "0x5410" in compiled.asm["ptx"])
 
 
 def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4, num_stages=3):

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import gdc_enter, pdl_args, pow2, rne_int8, silu, sm_count, softplus
+from ssmq.kernels._common import (gdc_enter, int8_to_float, pdl_args, pow2, rne_int8, rne_int8_of_product, silu,
+                                   sm_count, softplus)
 from ssmq.ops.layout import heads_per_group
 
 
@@ -33,7 +34,7 @@ from ssmq.ops.layout import heads_per_group
 # fast_rcp: an int8 state is re-quantized as hs * rcp.approx(scale) (1 MUFU + 1 FMUL) rather than hs / scale, whose
 # div.full expands to ~11 instructions with its range scaling: the int8 step was issue-bound (34 SASS instructions a
 # state value) at 1.55 TB/s on the H100, 1.8 TB/s with it (bench_int8_ssm --sweep); both within 2 ulp of IEEE.
-CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True,
+CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True, "ptx_codes": True,
        "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
                   "ring_stages": 1},
        # an int8 checkpoint: unchunked 32 x 128 tiles, no cp.async pipelining. H100 sweep (bench_replay --sweep 128,
@@ -101,16 +102,27 @@ def _rcp_approx(x):
 
 
 @triton.jit
-def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constexpr):
+def _load_state(s_ptrs, sc, m2, Q_STATE: tl.constexpr, PTX_CODES: tl.constexpr):
+    """A float32 state tile: int8 codes times their scales sc (PTX_CODES: converted by bit assembly), or the float
+    state as it is."""
+    if Q_STATE:
+        return int8_to_float(tl.load(s_ptrs, mask=m2, other=0), PTX_CODES) * sc
+    else:
+        return tl.load(s_ptrs, mask=m2, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr):
     if Q_STATE:
         # not div_rn: the exact division costs ~15 instructions a state value and would make a large-batch step
         # compute-bound. '/' (div.full) or, FAST_RCP, rcp.approx and a multiply (CFG's comment): the codes can then
         # differ from the reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no
         # different from, what exp and fused multiply-adds already do to the float32 state (tests allow one step).
+        # PTX_CODES: that multiply fused with the rounding (rne_int8_of_product) and the codes packed by prmt.
         if FAST_RCP:
-            tl.store(s_ptrs, rne_int8(hs * _rcp_approx(sc)), mask=m2)
+            tl.store(s_ptrs, rne_int8_of_product(hs, _rcp_approx(sc), PTX_CODES), mask=m2)
         else:
-            tl.store(s_ptrs, rne_int8(hs / sc), mask=m2)
+            tl.store(s_ptrs, rne_int8_of_product(hs / sc, 1.0, PTX_CODES), mask=m2)
     else:
         tl.store(s_ptrs, hs.to(s_ptrs.dtype.element_ty), mask=m2)
 
@@ -119,7 +131,7 @@ def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constex
 def _state_update(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
     ss_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr,
-    p, n, heads_per_group,
+    p, n,
     s_sb, s_sh, s_sp, s_sn,
     s_xb, s_xh, s_xp, s_dtb, s_dth, s_dtp, s_Ah, s_Ap, s_An,
     s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_dbp,
@@ -132,19 +144,22 @@ def _state_update(
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
     REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BNC: tl.constexpr,
-    FOLD_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    FOLD_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, EVEN: tl.constexpr,
+    HPG: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
     pid_b, pid_h, pid_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_p = pid_p * BP + tl.arange(0, BP)
     offs_n = tl.arange(0, BN)
-    mp, mn = offs_p < p, offs_n < n
+    if EVEN:  # the tile inside the state (p % BP == 0, n == BN): all-true masks, which the compiler drops
+        mp, mn = tl.full((BP,), 1, tl.int1), tl.full((BN,), 1, tl.int1)
+    else:
+        mp, mn = offs_p < p, offs_n < n
     if HAS_IDX:
         slot = tl.load(idx_ptr + pid_b).to(tl.int64)
     else:
         slot = pid_b.to(tl.int64)
-    grp = pid_h // heads_per_group
+    grp = pid_h // HPG  # a constexpr divisor: a multiply and a shift, not a ~20-instruction integer division
 
     s_rows = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp  # (BP, 1): the tile's rows
     if Q_STATE:
@@ -196,12 +211,14 @@ def _state_update(
         bt = 0.0  # B · C of the token
         for c in tl.range(0, BN, BNC, num_stages=FOLD_STAGES):
             offs_c = c + tl.arange(0, BNC)
-            mc = offs_c < n
+            mc = mn if BNC == BN else offs_c < n
             mc2 = mp[:, None] & mc[None, :]
             Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
-            ck = tl.load(s_rows + offs_c[None, :] * s_sn, mask=mc2, other=0).to(tl.float32)
             if Q_STATE:
-                ck = ck * _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                ck = _load_state(s_rows + offs_c[None, :] * s_sn, _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2),
+                                 mc2, Q_STATE, PTX_CODES)
+            else:
+                ck = _load_state(s_rows + offs_c[None, :] * s_sn, 1.0, mc2, Q_STATE, PTX_CODES)
             Brc = tl.load(rB_row + offs_r[:, None] * s_rBr + offs_c[None, :] * s_rBn, mask=mr[:, None] & mc[None, :],
                           other=0.0)
             yc += tl.sum(ck * Cc[None, :], axis=1)
@@ -226,15 +243,14 @@ def _state_update(
                                   tl.sum(_vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, mn, Q_B) * Cv, axis=0))
         for c in tl.range(0, BN, BNC, num_stages=1):
             offs_c = c + tl.arange(0, BNC)
-            mc = offs_c < n
+            mc = mn if BNC == BN else offs_c < n
             mc2 = mp[:, None] & mc[None, :]
             s_ptrs = s_rows + offs_c[None, :] * s_sn
             if Q_STATE:
                 sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
-                hs = tl.load(s_ptrs, mask=mc2, other=0).to(tl.float32) * sc
             else:
                 sc = 1.0
-                hs = tl.load(s_ptrs, mask=mc2, other=0.0).to(tl.float32)
+            hs = _load_state(s_ptrs, sc, mc2, Q_STATE, PTX_CODES)
             if not REPLAY or TIE_HDIM:  # C read with the state (its load overlaps; int8 plain: 96 registers, not 126)
                 Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
             if REPLAY and TIE_HDIM:  # y's checkpoint term, from the chunk before its replay
@@ -252,9 +268,9 @@ def _state_update(
                 if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
                     if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
                         sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
-                    _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP)
+                    _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES)
             else:
-                _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP)
+                _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES)
             if not (REPLAY and TIE_HDIM):  # y reads the float32 state, before its re-quantization (as the reference)
                 if REPLAY:  # C read after the replay: not live through the ring loop
                     Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
@@ -276,7 +292,7 @@ def _state_update(
         else:
             tl.store(rdt + cnt * s_rdtr + offs_p * s_rdtp, dt, mask=mp & append_p)
         # one program writes its group's B: the first tile of the group's first head
-        m_B = mn & append_n & ((offs_n * 0 + pid_p * BP + pid_h % heads_per_group) == 0)
+        m_B = mn & append_n & ((offs_n * 0 + pid_p * BP + pid_h % HPG) == 0)
         Bv = _vec(B_row, Bs_row, offs_n, s_Bn, s_Bsn, m_B, Q_B)
         tl.store(rB + cnt * s_rBr, Bv.to(rB_ptr.dtype.element_ty), mask=m_B)
 
@@ -417,7 +433,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         state_batch_indices if state_batch_indices is not None else x, out,
         ss if ss is not None else dummy, sidx if sidx is not None else dummy,
         xs if xs is not None else dummy, Bs if Bs is not None else dummy, Cs if Cs is not None else dummy,
-        p, n, rep,
+        p, n,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
         *_strides(D, 2), *_strides(z, 3), *_strides(dt_bias, 2), *out.stride(),
         s_ssg, ss.stride(1) if ss is not None else 0, sidx.stride(0) if sidx is not None else 0,
@@ -427,7 +443,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
         Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=cfg.get("ring_stages", 1), RP=RP,
-        BNC=BNC, FOLD_STAGES=cfg.get("fold_stages", 1), FAST_RCP=CFG["fast_rcp"] and state.is_cuda, BP=BP, BN=BN,
+        BNC=BNC, FOLD_STAGES=cfg.get("fold_stages", 1), FAST_RCP=CFG["fast_rcp"] and state.is_cuda,
+        PTX_CODES=CFG["ptx_codes"] and state.is_cuda, EVEN=p % BP == 0 and n == BN, HPG=rep, BP=BP, BN=BN,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **pdl_args(x),
     )
     return out if multihead else out.squeeze(1)
