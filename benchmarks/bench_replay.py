@@ -114,9 +114,16 @@ SWEEP = [dict(BP=64, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stag
          dict(BP=32, num_warps=4, maxnreg=None, BNC=64, fold_stages=2, ring_stages=1),
          dict(BP=32, num_warps=4, maxnreg=None, BNC=128, fold_stages=1, ring_stages=1),
          dict(BP=16, num_warps=4, maxnreg=None, BNC=32, fold_stages=4, ring_stages=1)]
+# the int8 checkpoint's: unchunked tiles (its chunked rows above ran 2-2.5x slower on the H100); rows a program set
+# how far the per-program ring work (B_j . C, the fold's reductions) is amortized; the first row is the default
+SWEEP_INT8 = [dict(BP=32, num_warps=4, maxnreg=None, BNC=128, fold_stages=1, ring_stages=1),
+              dict(BP=64, num_warps=4, maxnreg=None, BNC=128, fold_stages=1, ring_stages=1),
+              dict(BP=64, num_warps=8, maxnreg=None, BNC=128, fold_stages=1, ring_stages=1),
+              dict(BP=64, num_warps=4, maxnreg=None, BNC=64, fold_stages=2, ring_stages=1),
+              dict(BP=16, num_warps=4, maxnreg=None, BNC=128, fold_stages=1, ring_stages=1)]
 
 
-def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
+def run_sweep(batches, k: int, ring_dtype, out: dict, save, states=("fp16", "int8")) -> None:
     """The checkpointed step's launch settings (``SWEEP``) at the given batches."""
     print(f"{'state':>5} {'batch':>5} {'BP':>3} {'warps':>5} {'maxnreg':>7} {'BNC':>4} {'stages':>6} {'ring':>4} "
           f"{'replay ms':>9} {'limit ms':>9}")
@@ -124,15 +131,15 @@ def run_sweep(batches, k: int, ring_dtype, out: dict, save) -> None:
     default, int8_defaults = dict(cfg), state_update.CFG["replay_int8"]
     state_update.CFG["replay_int8"] = {}  # the sweep's settings apply to the int8 state as they are
     try:
-        _sweep(batches, k, ring_dtype, out, save, cfg, default)
+        _sweep(batches, k, ring_dtype, out, save, cfg, default, states)
     finally:
         state_update.CFG["replay_int8"] = int8_defaults
 
 
-def _sweep(batches, k, ring_dtype, out, save, cfg, default) -> None:
-    for int8 in (False, True):
+def _sweep(batches, k, ring_dtype, out, save, cfg, default, states) -> None:
+    for int8 in [s == "int8" for s in states]:
         for b in batches:
-            for setting in SWEEP:
+            for setting in SWEEP_INT8 if int8 else SWEEP:
                 st = {**default, **setting}
                 cfg.update(st)
                 try:
@@ -213,6 +220,7 @@ def main() -> None:
     ap.add_argument("--ring-dtype", default="float32", choices=["float32", "float16"])
     ap.add_argument("--no-micro", action="store_true")
     ap.add_argument("--sweep", default="", help="batches (comma list) of a replay launch-setting sweep, e.g. 128,256")
+    ap.add_argument("--sweep-states", default="fp16,int8", help="state dtypes of --sweep (comma list)")
     ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT, plain vs checkpointed, fp16 / int8 state")
     ap.add_argument("--e2e-batches", default="1,128,256")
     ap.add_argument("--e2e-states", default="fp16,int8", help="state dtypes of --e2e (comma list)")
@@ -230,7 +238,8 @@ def main() -> None:
     if not args.no_micro:
         run_micro([int(b) for b in args.batches.split(",")], args.k, getattr(torch, args.ring_dtype), out, save)
     if args.sweep:
-        run_sweep([int(b) for b in args.sweep.split(",")], args.k, getattr(torch, args.ring_dtype), out, save)
+        run_sweep([int(b) for b in args.sweep.split(",")], args.k, getattr(torch, args.ring_dtype), out, save,
+                  args.sweep_states.split(","))
     if args.e2e:
         run_e2e([int(b) for b in args.e2e_batches.split(",")], args.k, out, save, args.e2e_states.split(","))
     save()
