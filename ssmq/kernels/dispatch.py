@@ -191,6 +191,38 @@ def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate
     return impl(x, weight, z, eps, group_size, norm_before_gate)
 
 
+# SSMQ_FUSED_ACT_QUANT=0: an A8 linear quantizes its float input itself (``quant_linear_act``: a quantize kernel,
+# then the integer GEMM), as before the fused producers. By default the op that produces the input of an A8 linear
+# (block norm, gated norm, online Hadamard) emits its int8 codes and scale (the ``*_quant`` ops below) and the linear
+# takes them as they are; on CPU both ways are the same references, bit for bit. Read at call time (benchmarks flip it).
+ACT_QUANT_FUSION = os.environ.get("SSMQ_FUSED_ACT_QUANT", "1") == "1"
+
+
+def act_quant_fusion_enabled() -> bool:
+    return ACT_QUANT_FUSION
+
+
+def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_scale=None, per_token=True):
+    """``ops.norm.rms_norm_quant_ref``: residual add + RMSNorm with int8 codes out -> (codes, scale, new_residual)."""
+    impl = _kernels("norm").rms_norm_quant if _use_triton(x) else ops.rms_norm_quant_ref
+    return impl(x, weight, eps, residual, residual_in_fp32, x_scale, per_token)
+
+
+def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
+                        per_token=True, with_out=False):
+    """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm with int8 codes out -> (codes, scale, out or None)."""
+    impl = _kernels("norm").rmsnorm_gated_quant if _use_triton(x) else ops.rmsnorm_gated_quant_ref
+    return impl(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out)
+
+
+def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):
+    """``ops.hadamard.hadamard_quant_ref``: online Hadamard + int8 codes -> (codes, scale[, y]); one kernel on CUDA."""
+    from ssmq.ops.hadamard import hadamard_quant_ref
+
+    impl = _kernels("hadamard").hadamard_quant if _use_triton(x) else hadamard_quant_ref
+    return impl(x, x_scale, per_token, with_y)
+
+
 _DECODE_ROWS = 8  # gemv.MAX_ROWS: one weight pass serves this many rows; more rows are GEMMs, cuBLAS's ground
 
 

@@ -14,7 +14,7 @@ from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
 from ssmq.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from ssmq.ops.mamba2_decode import mamba2_decode_step_ref
 from ssmq.ops.quant_linear import dequantize_weight, quant_linear_act_ref, quant_linear_ref, quantize_act_ref
-from ssmq.ops.norm import rms_norm_ref, rmsnorm_gated_ref
+from ssmq.ops.norm import rms_norm_quant_ref, rms_norm_ref, rmsnorm_gated_quant_ref, rmsnorm_gated_ref
 from ssmq.ops.selective_scan import selective_scan_ref
 from ssmq.ops.ssd import ssd_chunk_scan_ref, ssd_sequential_ref
 from ssmq.ops.state_update import selective_state_update_ref
@@ -27,11 +27,13 @@ __all__ = [
     "causal_conv1d_update_ref",
     "mamba2_decode_step_ref",
     "rms_norm_ref",
+    "rms_norm_quant_ref",
     "dequantize_weight",
     "quant_linear_act_ref",
     "quant_linear_ref",
     "quantize_act_ref",
     "rmsnorm_gated_ref",
+    "rmsnorm_gated_quant_ref",
     "selective_scan_ref",
     "ssd_chunk_scan_ref",
     "ssd_sequential_ref",

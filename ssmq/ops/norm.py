@@ -1,9 +1,12 @@
-"""RMSNorm references: the block norm with fused residual add, and Mamba-2's gated norm."""
+"""RMSNorm references: the block norm with fused residual add, and Mamba-2's gated norm (each also with its output
+quantized to int8 for the A8 linear that reads it)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ssmq.ops.quant_linear import quantize_act_ref
 
 
 def rms_norm_ref(
@@ -52,3 +55,44 @@ def rmsnorm_gated_ref(
     if z is not None and norm_before_gate:
         out = out * F.silu(z.float())
     return out.to(dtype_in)
+
+
+# The A8 linear that reads a norm's output takes it as int8 codes + scale (``quant_linear(x_q, ..., x_scale)``):
+# these two are the norms with that quantization in their epilogue, so that no quantize runs on its own.
+def rms_norm_quant_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    residual_in_fp32: bool = True,
+    x_scale: torch.Tensor | None = None,
+    per_token: bool = True,
+):
+    """``rms_norm_ref`` with its output quantized: (codes (..., d) int8, scale, new_residual).
+
+    The output is rounded to weight's dtype, then quantized as ``quantize_act_ref(out, x_scale, per_token)`` (a static
+    () scale, or dynamic per token (...) / per tensor ()): the codes of the unfused pair, bit for bit.
+    """
+    out, new_residual = rms_norm_ref(x, weight, eps, residual, residual_in_fp32)
+    q, scale = quantize_act_ref(out, x_scale, per_token)
+    return q, scale, new_residual
+
+
+def rmsnorm_gated_quant_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    x_scale: torch.Tensor | None = None,
+    per_token: bool = True,
+    with_out: bool = False,
+):
+    """``rmsnorm_gated_ref`` with its output (x's dtype) quantized as ``quantize_act_ref(out, x_scale, per_token)``.
+
+    Returns (codes (..., d) int8, scale, out (..., d) in x's dtype when ``with_out`` else None).
+    """
+    out = rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate)
+    q, scale = quantize_act_ref(out, x_scale, per_token)
+    return q, scale, out if with_out else None

@@ -1,0 +1,75 @@
+"""Triton online Hadamard + int8 quantization: the input of a rotated A8 linear (Quamba's Hadamard on y, Quamba2's
+and QuaRot's online rotation of out_proj's input) in one kernel, as ``ssmq.ops.hadamard.hadamard_quant_ref``.
+
+The transform is the two-GEMM Kronecker form that CUDA runs unfused (``ops.hadamard.hadamard_transform_gemm``):
+x (n,) read as X (t1, r), Y = H_t1 X R^T with the ±1 factor H_t1 and R = (H_{t2} (x) H_b) / sqrt(n) (``kron_factors``),
+one program per row with both products on tensor cores (tiles padded to powers of two, zeros outside), rounded
+to the work dtype after each product and to x's dtype at the end as the unfused GEMMs are, then quantized in
+registers: the per-token scale max |y| / 127 of the whole row or a static one, IEEE division, round half to
+even (``_common.quantize_rne``). Replaces two cuBLAS GEMMs and the quantize kernel (three launches) with one; no
+host sync (CUDA-graph capturable).
+
+Glossary: m rows (all leading dims), n = t1 * r row width, BT / BR the padded t1 / r.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, quantize_rne
+from ssmq.kernels.norm import _quant_out, _row_scale
+from ssmq.ops.hadamard import hadamard_quant_ref, kron_factors, split_order
+
+MAX_R = 128  # widest right factor tile: larger ones (n > 8192) keep the unfused path (register / smem budget)
+CFG = dict(warps=4)  # launch setting (the benchmark sweeps it)
+
+
+@triton.jit
+def _hadamard_quant(x_ptr, l_ptr, r_ptr, q_ptr, scale_ptr, y_ptr, T, R, s_xm,
+                    STATIC: tl.constexpr, STORE_Y: tl.constexpr, PRECISION: tl.constexpr,
+                    BT: tl.constexpr, BR: tl.constexpr, USE_GDC: tl.constexpr = False):
+    gdc_enter(USE_GDC)
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.arange(0, BT)
+    r = tl.arange(0, BR)
+    mt, mr = t < T, r < R
+    mx = mt[:, None] & mr[None, :]
+    cols = t[:, None] * R + r[None, :]  # (BT, BR): element (i, j) of X is x[i * r + j]
+    work = l_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * s_xm + cols, mask=mx, other=0.0).to(work)
+    left = tl.load(l_ptr + t[:, None] * T + t[None, :], mask=mt[:, None] & mt[None, :], other=0.0)
+    right_t = tl.load(r_ptr + r[None, :] * R + r[:, None], mask=mr[:, None] & mr[None, :], other=0.0)  # R^T
+    hx = tl.dot(left, x, input_precision=PRECISION).to(work)
+    y = tl.dot(hx, right_t, input_precision=PRECISION).to(work).to(x_ptr.dtype.element_ty)
+    if STORE_Y:
+        tl.store(y_ptr + row * (T * R) + cols, y, mask=mx)
+    yf = y.to(tl.float32)
+    yr = tl.reshape(yf, (BT * BR,))
+    scale = _row_scale(yr, scale_ptr, row, STATIC)
+    tl.store(q_ptr + row * (T * R) + cols, quantize_rne(yf, scale), mask=mx)
+
+
+def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):
+    """``hadamard_quant_ref`` on the GPU: x (..., n) float -> (codes (..., n) int8, scale () or (...)); with
+    ``with_y`` also the rotated x (..., n) in x's dtype (tests: the codes are exactly those of that y)."""
+    n = x.shape[-1]
+    two, b = split_order(n)
+    work = {torch.float16: torch.float16}.get(x.dtype, torch.float32)  # as hadamard_transform_gemm (bf16: float32)
+    left, right = kron_factors(two, b, x.device, work)
+    T, R = left.shape[0], right.shape[0]
+    if (x_scale is None and not per_token) or pow2(R, 16) > MAX_R or x.dtype not in (
+            torch.float16, torch.bfloat16, torch.float32):
+        return hadamard_quant_ref(x, x_scale, per_token, with_y)  # the unfused transform and quantize
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q, scale = _quant_out(x, x_scale, per_token)
+    y = torch.empty(x.shape if with_y else 0, device=x.device, dtype=x.dtype)
+    M = x2.shape[0]
+    if M:
+        _hadamard_quant[(M,)](x2, left, right, q, scale, y, T, R, x2.stride(0), STATIC=x_scale is not None,
+                              STORE_Y=with_y, PRECISION=dot_precision(work), BT=pow2(T, 16), BR=pow2(R, 16),
+                              num_warps=CFG["warps"], **pdl_args(x2))
+    return (q, scale, y) if with_y else (q, scale)

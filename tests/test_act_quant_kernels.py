@@ -1,0 +1,118 @@
+"""The producers of an A8 linear's input with int8 codes out (block norm, gated norm, online Hadamard) equal their
+references in ``ssmq.ops``: the codes are exactly ``quantize_act_ref`` of the kernel's own float output (IEEE
+division, round half to even, the per-token scale max|out| / 127), and that float output is the unfused kernel's.
+
+``gpu`` tests (skipped without CUDA); ``SSMQ_TRITON_INTERPRET=1`` runs a smaller sweep through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssmq import ops
+from ssmq.ops.hadamard import hadamard_quant_ref, hadamard_transform
+from ssmq.ops.quant_linear import quantize_act_ref
+from test_kernels import DEV, DTYPES, INTERPRET, TOL, cases, kernel_module, rel
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def N():
+    return kernel_module("norm")
+
+
+@pytest.fixture(scope="module")
+def H():
+    return kernel_module("hadamard")
+
+
+def _scale(static):
+    return torch.tensor(0.013, device=DEV) if static else None
+
+
+def _same_codes(q, s, out, static, scale):
+    """q, s are quantize_act_ref(out) exactly (the float output the kernel quantized)."""
+    q_ref, s_ref = quantize_act_ref(out, scale)
+    assert q.dtype == torch.int8 and q.shape == out.shape
+    assert torch.equal(s, s_ref), (s, s_ref)
+    assert torch.equal(q, q_ref), f"{(q != q_ref).sum().item()} codes differ"
+    if static:
+        assert s.dim() == 0
+    else:
+        assert s.shape == out.shape[:-1]
+
+
+def _close_codes(q, q_ref):
+    """Codes of two float outputs that agree to rounding: at most one step apart, and rarely."""
+    diff = (q.int() - q_ref.int()).abs()
+    assert diff.max().item() <= 1 and diff.float().mean().item() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("shape,has_res,res32", cases(
+    [((1, 2560), True, True), ((3, 5, 768), True, False), ((128, 2560), False, True), ((7, 100), True, True)],
+    [((1, 48), True, True), ((3, 2, 40), False, True), ((5, 64), True, False)]))
+def test_rms_norm_quant(N, dtype, static, shape, has_res, res32):
+    torch.manual_seed(0)
+    d = shape[-1]
+    x = torch.randn(shape, device=DEV).to(dtype)
+    res = (torch.randn(shape, device=DEV) * 2).to(torch.float32 if res32 else dtype) if has_res else None
+    w = (1 + 0.3 * torch.randn(d, device=DEV)).to(dtype)
+    if not static:
+        x[0].zero_()  # an all-zero row (when there is no residual): the scale is EPS, the codes 0
+    scale = _scale(static)
+    q, s, new_res = N.rms_norm_quant(x, w, 1e-5, res, res32, scale)
+    out, res_float = N.rms_norm(x, w, 1e-5, res, res32)
+    assert torch.equal(new_res, res_float)
+    _same_codes(q, s, out, static, scale)
+    q_ref, s_ref, r_ref = ops.rms_norm_quant_ref(x.cpu(), w.cpu(), 1e-5, None if res is None else res.cpu(), res32,
+                                                 None if scale is None else scale.cpu())
+    assert rel(new_res, r_ref) < 1e-6
+    _close_codes(q.cpu(), q_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("with_z", [True, False])
+@pytest.mark.parametrize("shape,group", cases(
+    [((1, 5120), None), ((4, 5120), 1280), ((2, 3, 640), 160), ((128, 2048), 256), ((3, 96), 48)],
+    [((1, 64), None), ((3, 64), 16), ((2, 2, 48), 24)]))
+def test_rmsnorm_gated_quant(N, dtype, static, with_z, shape, group):
+    torch.manual_seed(1)
+    d = shape[-1]
+    x = torch.randn(shape, device=DEV).to(dtype)
+    z = torch.randn(shape, device=DEV).to(dtype) if with_z else None
+    w = (1 + 0.3 * torch.randn(d, device=DEV)).to(dtype)
+    scale = _scale(static)
+    q, s, out = N.rmsnorm_gated_quant(x, w, z, 1e-6, group, False, scale, True, True)
+    assert torch.equal(out, N.rmsnorm_gated(x, w, z, 1e-6, group, False))  # the same arithmetic as the float kernel
+    _same_codes(q, s, out, static, scale)
+    q2, s2, none = N.rmsnorm_gated_quant(x, w, z, 1e-6, group, False, scale)  # codes only
+    assert none is None and torch.equal(q2, q) and torch.equal(s2, s)
+    ref_out = ops.rmsnorm_gated_ref(x.cpu(), w.cpu(), None if z is None else z.cpu(), 1e-6, group)
+    assert rel(out, ref_out) < TOL[dtype]
+    _close_codes(q.cpu(), quantize_act_ref(ref_out, None if scale is None else scale.cpu())[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("shape", cases([(1, 5120), (32, 5120), (3, 2, 2560), (4, 8192), (2, 768), (5, 64), (1, 40)],
+                                        [(1, 64), (3, 40), (2, 2, 96)]))
+def test_hadamard_quant(H, dtype, static, shape):
+    torch.manual_seed(2)
+    x = torch.randn(shape, device=DEV).to(dtype)
+    scale = _scale(static)
+    q, s, y = H.hadamard_quant(x, scale, True, with_y=True)
+    assert y.dtype == dtype
+    _same_codes(q, s, y, static, scale)
+    q2, s2 = H.hadamard_quant(x, scale)
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+    exact = hadamard_transform(x.double().cpu())
+    assert rel(y, exact) < (5e-3 if dtype != torch.float32 else 1e-5)
+    if not INTERPRET:  # the unfused CUDA path (two GEMMs, then quantize): the same up to summation order
+        q_ref, _ = hadamard_quant_ref(x, scale)
+        _close_codes(q, q_ref)
+
