@@ -50,3 +50,79 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "l_ptr": work, "r_ptr": work, "q_ptr": "i8",
                                              "scale_ptr": "fp32", "y_ptr": dtype},
                   dict(STATIC=static, STORE_Y=True, PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br))
+
+
+# --- wiring: quantized models give the same logits with and without the fusion (CPU: bit for bit) ------------------
+
+CASES = [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"), ("mamba2", "quamba2-w8a8"), ("mamba1", "quamba-w8a8"),
+         ("mamba1", "dynamic-w8a8"), ("mamba2", "ssdi8-w8a8")]
+# A8 linears whose float input is still quantized by the linear itself when the fusion is on, per layer and pass:
+# Mamba-1's x_proj (its input is the conv's output) and, without an online Hadamard, out_proj (the scan's output)
+UNFUSED = {("mamba1", "quamba-w8a8"): 1, ("mamba1", "dynamic-w8a8"): 2}
+
+
+def _run(model, ids, steps):
+    """Prefill logits, then ``steps`` decode steps on a cache: (prefill logits, (steps, b, vocab) step logits)."""
+    b, l = ids.shape
+    cache = model.allocate_cache(b, l + steps)
+    out = [model(ids, cache)]
+    tok = out[0][:, -1].argmax(-1)
+    steps_out = []
+    for _ in range(steps):
+        logits = model.step(tok, cache)
+        steps_out.append(logits)
+        tok = logits.argmax(-1)
+    return out[0], torch.stack(steps_out)
+
+
+def _compare(monkeypatch, model, ids, steps=3):
+    """Logits with the fusion off and on (identical), and the float-input A8 calls per pass with it on."""
+    from ssmq import kernels
+    from ssmq.kernels import dispatch
+
+    calls = []
+    real = kernels.quant_linear_act
+    monkeypatch.setattr(kernels, "quant_linear_act", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", False)
+    with torch.no_grad():
+        off = _run(model, ids, steps)
+        unfused_calls = len(calls)
+        calls.clear()
+        monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", True)
+        on = _run(model, ids, steps)
+    for a, b in zip(off, on):
+        assert torch.equal(a, b), (a - b).abs().max()
+    return unfused_calls, len(calls)
+
+
+@pytest.mark.parametrize("arch,recipe", CASES)
+def test_fused_activation_quantization_is_bit_identical(monkeypatch, arch, recipe):
+    from ssmq.quant.api import quantize
+    from tiny_ssm import synthetic_calibration, tiny_model
+
+    model = tiny_model(arch)
+    model = quantize(model, recipe, synthetic_calibration(model.config.vocab_size, n=4, seqlen=16), progress=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    before, after = _compare(monkeypatch, model, ids)
+    passes = 1 + 3  # prefill + decode steps
+    n_layer = model.config.n_layer
+    assert before >= 2 * n_layer * passes  # in_proj and out_proj of every layer quantized their own input
+    assert after == UNFUSED.get((arch, recipe), 0) * n_layer * passes
+
+
+@pytest.mark.parametrize("arch,recipe", [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"),
+                                         ("mamba2", "quamba2-w8a8"), ("mamba1", "quamba-w8a8")])
+def test_fused_activation_quantization_reference_models(monkeypatch, arch, recipe):
+    """The trained reference models (``../shared/models``): the fusion leaves their logits bit for bit unchanged."""
+    from conftest import shared_or_skip
+
+    from ssmq.models.loading import load_model
+    from ssmq.quant.api import quantize
+    from tiny_ssm import synthetic_calibration
+
+    model = load_model(shared_or_skip("models", arch))
+    vocab = model.config.vocab_size
+    model = quantize(model, recipe, synthetic_calibration(vocab, n=2, seqlen=32), progress=False)
+    ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(4))
+    before, after = _compare(monkeypatch, model, ids, steps=2)
+    assert after < before

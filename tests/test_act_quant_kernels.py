@@ -116,3 +116,45 @@ def test_hadamard_quant(H, dtype, static, shape):
         q_ref, _ = hadamard_quant_ref(x, scale)
         _close_codes(q, q_ref)
 
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="whole models on CUDA")
+@pytest.mark.parametrize("arch,recipe", [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"),
+                                         ("mamba2", "quamba2-w8a8"), ("mamba1", "quamba-w8a8")])
+def test_fused_models_on_gpu(monkeypatch, arch, recipe):
+    """fp16 tiny models on the GPU: the fusion changes no logit where only norms quantize (the same arithmetic as the
+    float norm kernel + the quantize kernel), stays within fp16 rounding where the online Hadamard is fused (tensor
+    -core dots instead of cuBLAS), and CUDA-graph decode (captured with the fusion) equals eager decode."""
+    from ssmq.kernels import dispatch
+    from ssmq.quant.api import quantize
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder
+    from tiny_ssm import synthetic_calibration, tiny_model
+
+    model = tiny_model(arch).half().cuda()
+    model = quantize(model, recipe, synthetic_calibration(model.config.vocab_size, n=4, seqlen=16), progress=False)
+    ids = torch.randint(0, model.config.vocab_size, (3, 20), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
+    outs = {}
+    with torch.inference_mode():
+        for fused in (False, True):
+            monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", fused)
+            cache = model.allocate_cache(3, 32)
+            prefill = model(ids, cache)
+            steps = [model.step(ids[:, i], cache).float() for i in range(4)]
+            outs[fused] = (prefill.float(), torch.stack(steps))
+        exact = "w8a8" in recipe and "quamba" not in recipe
+        for a, b in zip(outs[False], outs[True]):
+            if exact:
+                assert torch.equal(a, b)
+            else:
+                assert rel(b, a) < 2e-2
+        dec = CudaGraphDecoder(model, max_batch=3, max_seqlen=32)
+        eager_cache = model.allocate_cache(3, 32)
+        slots = torch.arange(3, device="cuda")
+        for i in range(4):
+            eager = model.step(ids[:, i], eager_cache, slots).float()
+            graph = dec(ids[:, i], slots).float()
+            if recipe == "dynamic-w8a8" and not torch.allclose(graph, eager, atol=2e-2, rtol=2e-2):
+                pytest.xfail("known open bug: dynamic-activation graph decode differs from eager "
+                             "(test_gpu_quant_runtime.KNOWN)")
+            torch.testing.assert_close(graph, eager, atol=2e-2, rtol=2e-2)

@@ -177,8 +177,9 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
         return _kernels("mamba2_decode").mamba2_decode_step(*args)
     from ssmq.ops.mamba2_decode import compose
 
+    norm = _kernels("norm")
     return compose(_kernels("conv1d").causal_conv1d_update, _kernels("state_update").selective_state_update,
-                   _kernels("norm").rmsnorm_gated, *args)
+                   norm.rmsnorm_gated, *args, norm.rmsnorm_gated_quant)
 
 
 def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from ssmq import kernels
+from ssmq.models.act_codes import ActCodes, CodeInput, code_input
 from ssmq.models.cache import InferenceCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
@@ -27,9 +28,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
         self.eps, self.residual_in_fp32 = eps, residual_in_fp32
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Returns (norm(x + residual), x + residual)."""
-        return kernels.rms_norm(x, self.weight, self.eps, residual, self.residual_in_fp32)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, codes: CodeInput | None = None):
+        """Returns (norm(x + residual), x + residual); with ``codes`` (what the A8 linear reading the norm wants),
+        the norm's output comes as its int8 ``ActCodes``, quantized in the norm's epilogue."""
+        if codes is None:
+            return kernels.rms_norm(x, self.weight, self.eps, residual, self.residual_in_fp32)
+        q, scale, residual = kernels.rms_norm_quant(x, self.weight, self.eps, residual, self.residual_in_fp32,
+                                                    codes.scale)
+        return ActCodes(q, scale, self.weight.dtype), residual
 
 
 class Block(nn.Module):
@@ -45,7 +51,8 @@ class Block(nn.Module):
             self.mlp_norm = self.mlp = None
 
     def forward(self, hidden, residual, cache=None, slots=None, decode: bool = False):
-        normed, residual = self.norm(hidden, residual)
+        # an SSM mixer's in_proj is the norm's one reader: when it is an A8 linear, it gets the norm's int8 codes
+        normed, residual = self.norm(hidden, residual, code_input(getattr(self.mixer, "in_proj", None)))
         hidden = self.mixer.step(normed, cache, slots) if decode else self.mixer(normed, cache, slots)
         if self.mlp is not None:
             normed, residual = self.mlp_norm(hidden, residual)
@@ -72,7 +79,7 @@ class SSMLM(nn.Module):
             hidden, residual = layer(hidden, residual, cache, slots, decode)
         if num_last_tokens:
             hidden, residual = hidden[:, -num_last_tokens:], residual[:, -num_last_tokens:]
-        hidden, _ = self.norm_f(hidden, residual)
+        hidden, _ = self.norm_f(hidden, residual, code_input(self.lm_head))
         return self.lm_head(hidden)
 
     def _slots(self, cache, slots, b, device):

@@ -11,6 +11,7 @@ import torch.nn as nn
 from ssmq import kernels
 from ssmq.ops.layout import discretize_dt, has_dt_limit
 from ssmq.models._float_params import FloatParamCache
+from ssmq.models.act_codes import ActCodes, CodeInput, code_input
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
@@ -26,8 +27,12 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
         self.eps, self.group_size = eps, group_size
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
+    def forward(self, y: torch.Tensor, z: torch.Tensor, codes: CodeInput | None = None):
+        """y, z: (..., d) -> (..., d) in y's dtype, or its int8 ``ActCodes`` (quantized in the norm's epilogue)."""
+        if codes is None:
+            return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
+        q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale)
+        return ActCodes(q, scale, y.dtype)
 
 
 class ChunkScan(nn.Module):
@@ -111,8 +116,18 @@ class Mamba2Mixer(SSMMixer):
         if state is not None:
             y, final = y
             state.write_ssm(slots, final)
-        y = self.norm(y.reshape(b, l, c.d_inner), self.act_z(z))
-        return self.out_proj(self.act_y(y))
+        return self.out_proj(self._normed(y.reshape(b, l, c.d_inner), self.act_z(z)))
+
+    def _out_codes(self) -> CodeInput | None:
+        """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y)."""
+        if type(self.act_y) is not nn.Identity or type(self.norm) is not GatedRMSNorm:
+            return None
+        return code_input(self.out_proj)
+
+    def _normed(self, y: torch.Tensor, z: torch.Tensor):
+        """The gated norm and act_y: out_proj's input, as int8 codes when out_proj takes them."""
+        codes = self._out_codes()
+        return self.act_y(self.norm(y, z)) if codes is None else self.norm(y, z, codes)
 
     def _fusable(self, state) -> bool:
         """No quantizer on a tap between in_proj and the norm, the plain gated norm and a float SSM state (an int8
@@ -128,13 +143,16 @@ class Mamba2Mixer(SSMMixer):
         state = cache.states[self.layer_idx]
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         if self._fusable(state):  # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step)
+            codes = self._out_codes()  # and out_proj's int8 codes from the norm's epilogue when it takes them
             y = kernels.mamba2_decode_step(
                 xbc, z, dt, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                 state.ssm, self._f32.get(self, "A_log"), self._f32.get(self, "D"),
                 self._f32.get(self, "dt_bias"), self.norm.weight, c.ngroups, self.norm.group_size, self.norm.eps,
-                c.dt_limit, slots,
+                c.dt_limit, slots, quantize=codes is not None, out_scale=None if codes is None else codes.scale,
             )
-            return self.out_proj(self.act_y(y))
+            if codes is not None:
+                y = ActCodes(y[1], y[2], y[0].dtype)
+            return self.out_proj(self.act_y(y) if codes is None else y)
         if self._int8_decode(state, ("act_x", "act_B", "act_C")):
             y = self._int8_step(xbc, dt, state, slots)
         else:
@@ -145,8 +163,7 @@ class Mamba2Mixer(SSMMixer):
             x, B, C = self._split_xbc(xbc)
             y = state.update_ssm(slots, lambda ssm, idx: self._state_step(
                 lambda *a, **kw: kernels.selective_state_update(ssm, *a, state_batch_indices=idx, **kw), x, dt, B, C))
-        y = self.norm(y.reshape(b, c.d_inner), self.act_z(z))
-        return self.out_proj(self.act_y(y))
+        return self.out_proj(self._normed(y.reshape(b, c.d_inner), self.act_z(z)))
 
     def _int8_step(self, xbc: torch.Tensor, dt: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
         """Quantized decode: conv + SiLU emitting the int8 codes of x, B, C (when their three taps quantize), then one

@@ -22,7 +22,7 @@ import torch
 
 from ssmq.ops.conv1d import causal_conv1d_update_ref
 from ssmq.ops.layout import NO_DT_LIMIT, discretize_dt, has_dt_limit, mamba2_conv_segments
-from ssmq.ops.norm import rmsnorm_gated_ref
+from ssmq.ops.norm import rmsnorm_gated_quant_ref, rmsnorm_gated_ref
 from ssmq.ops.quant_linear import quantize_act_ref
 from ssmq.ops.state_update import selective_state_update_ref
 
@@ -55,12 +55,14 @@ def mamba2_decode_step_ref(
     """
     return compose(causal_conv1d_update_ref, selective_state_update_ref, rmsnorm_gated_ref,
                    xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
-                   ngroups, norm_group_size, eps, dt_limit, slots, quantize, out_scale)
+                   ngroups, norm_group_size, eps, dt_limit, slots, quantize, out_scale, rmsnorm_gated_quant_ref)
 
 
 def compose(conv_update, state_update, norm, xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D,
-            dt_bias, norm_weight, ngroups, norm_group_size, eps, dt_limit, slots, quantize, out_scale):
-    """The decode step from three single-stage ops (references, or their kernels as a fallback)."""
+            dt_bias, norm_weight, ngroups, norm_group_size, eps, dt_limit, slots, quantize, out_scale, norm_quant=None):
+    """The decode step from three single-stage ops (references, or their kernels as a fallback); ``norm_quant`` (the
+    gated norm with int8 codes out, ``rmsnorm_gated_quant``) quantizes in the norm's epilogue, else the norm's output
+    is quantized after it."""
     b = xbc.shape[0]
     _, h, p, n = ssm_state.shape
     xbc = conv_update(xbc, conv_state, conv_weight, conv_bias, "silu", slots)
@@ -74,8 +76,12 @@ def compose(conv_update, state_update, norm, xbc, z, dt, conv_state, conv_weight
         B.reshape(b, ngroups, n), C.reshape(b, ngroups, n), D=D[:, None].expand(h, p),
         dt_bias=None if bias is None else bias[:, None].expand(h, p), dt_softplus=softplus, state_batch_indices=slots,
     )
+    if quantize and norm_quant is not None:  # the A8 linear's input: codes + per-token (or static) scale
+        q, scale, out = norm_quant(y.reshape(b, h * p), norm_weight, z, eps, norm_group_size, False, out_scale, True,
+                                   True)
+        return out, q, scale
     out = norm(y.reshape(b, h * p), norm_weight, z, eps, norm_group_size, False)
     if not quantize:
         return out
-    q, scale = quantize_act_ref(out, out_scale)  # the A8 linear's input: codes + per-token (or static) scale
+    q, scale = quantize_act_ref(out, out_scale)
     return out, q, scale

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
+from ssmq.models.act_codes import ActCodes, CodeInput
 from ssmq.quant.hadamard import hadamard_transform
 from ssmq.quant.primitives import (
     PerChannel,
@@ -103,7 +104,9 @@ class QuantLinear(_QuantWeight):
     ``rotate_input``: x -> Q x (normalised Hadamard, ``hadamard_transform``) first; the weight was
     rotated offline (W Q.T), so the function is unchanged and the quantized input is the rotated one.
     Runs as ``kernels.quantize_act`` + ``kernels.quant_linear``: the exact references of
-    ``ssmq.ops.quant_linear`` on CPU, the low-bit Triton kernels on CUDA (stored buffers used as is).
+    ``ssmq.ops.quant_linear`` on CPU, the low-bit Triton kernels on CUDA (stored buffers used as is). Int8 inputs come
+    quantized by their producer where it can (``code_input``, ``ssmq.models.act_codes``): x is then an ``ActCodes``;
+    an online rotation and the quantization run as one op (``kernels.hadamard_quant``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -144,8 +147,35 @@ class QuantLinear(_QuantWeight):
             m.act_scale.copy_(act_scale.reshape(()))
         return m
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def code_input(self) -> CodeInput | None:
+        """How the producer of x may hand it over as int8 codes (``ssmq.models.act_codes``), or None: int8
+        activations with a static or a dynamic per-token scale, no online rotation (that producer is this module's
+        own Hadamard: ``forward`` fuses it with the quantization), no tensor-parallel hook on a dynamic scale."""
+        a = self.act
+        if a is None or a.dtype != "int8" or self.rotate_input:
+            return None
+        if self.act_scale is not None:
+            return CodeInput(self.act_scale)
+        return CodeInput(None) if isinstance(a.granularity, PerToken) and self.scale_hook is None else None
+
+    def _rotated_codes(self, x: torch.Tensor):
+        """(codes, scale) of the rotated x in one op (``kernels.hadamard_quant``) when its quantization allows
+        it, else None (the transform, then the linear's own quantization)."""
+        a = self.act
+        if a is None or a.dtype != "int8" or not kernels.act_quant_fusion_enabled():
+            return None
+        if self.act_scale is None and (self.scale_hook is not None or not isinstance(a.granularity, PerToken)):
+            return None
+        return kernels.hadamard_quant(x, self.act_scale, True)
+
+    def forward(self, x: torch.Tensor | ActCodes) -> torch.Tensor:
+        if isinstance(x, ActCodes):  # its producer quantized it as this linear would have (``code_input``)
+            return kernels.quant_linear(x.q, self.weight_q, self.weight_scale, None, x.scale, self.bias, x.dtype)
         if self.rotate_input:
+            codes = self._rotated_codes(x)
+            if codes is not None:
+                return kernels.quant_linear(codes[0], self.weight_q, self.weight_scale, None, codes[1], self.bias,
+                                            x.dtype)
             x = hadamard_transform(x)
         a = self.act
         if a is None:

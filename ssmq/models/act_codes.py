@@ -1,0 +1,46 @@
+"""Activations handed to an A8 linear as int8 codes: the op that produces the activation (block norm, Mamba-2's
+gated norm) quantizes in its epilogue and the linear multiplies the codes, so no quantize kernel runs on its own.
+
+Models sit below ``ssmq.quant``: a linear that takes codes says so through a ``code_input()`` method (``QuantLinear``
+has one) returning a ``CodeInput``; its forward accepts an ``ActCodes`` in place of the float tensor. The decision
+is read off the modules (no registry): a producer quantizes when its one consumer asks for codes and
+``kernels.act_quant_fusion_enabled()`` (``SSMQ_FUSED_ACT_QUANT``, default on). On CPU the result is bit for bit the
+unfused one (the same references, in the same order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ssmq import kernels
+
+
+@dataclass(frozen=True)
+class CodeInput:
+    """How a linear takes its input as int8 codes: a static per-tensor scale (), or None for dynamic per-token scales
+    (absmax / 127 of each row), both as ``ssmq.ops.quant_linear.quantize_act_ref`` makes them."""
+
+    scale: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class ActCodes:
+    """An activation as int8 codes q (..., k), its scale (() static or (...) per token, float32) and the float dtype
+    it stands for (the linear's output dtype)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def code_input(linear: nn.Module | None) -> CodeInput | None:
+    """What ``linear`` wants from its producer: a ``CodeInput`` when it takes int8 codes (and the fusion is on)."""
+    ask = getattr(linear, "code_input", None)
+    return ask() if callable(ask) and kernels.act_quant_fusion_enabled() else None
