@@ -32,12 +32,12 @@ def test_norm_quant_kernels_compile_for_sm90(static, dtype):
 
     _compile_sm90(norm._rms_norm, {"x_ptr": dtype, "res_ptr": "fp32", "w_ptr": dtype, "out_ptr": dtype,
                                    "res_out_ptr": "fp32", "q_ptr": "i8", "scale_ptr": "fp32"},
-                  dict(HAS_RES=True, QUANT=True, STATIC=static, BLOCK=4096), floats=("eps",), num_warps=16)
+                  dict(HAS_RES=True, QUANT=True, STATIC=static, BLOCK=4096, USE_GDC=static), floats=("eps",), num_warps=16)
     for one in (True, False):
         _compile_sm90(norm._rmsnorm_gated_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype,
                                                   "q_ptr": "i8", "scale_ptr": "fp32"},
                       dict(HAS_Z=True, NORM_BEFORE_GATE=False, STORE_OUT=True, STATIC=static, ONE_GROUP=one,
-                           BLOCK=8192 if one else 2048), floats=("eps",), num_warps=16 if one else 8)
+                           BLOCK=8192 if one else 2048, USE_GDC=static), floats=("eps",), num_warps=16 if one else 8)
 
 
 @pytest.mark.parametrize("static,dtype,work,bt,br", [(False, "fp16", "fp16", 64, 128), (True, "bf16", "fp32", 64, 128),
@@ -49,7 +49,8 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
 
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "l_ptr": work, "r_ptr": work, "q_ptr": "i8",
                                              "scale_ptr": "fp32", "y_ptr": dtype},
-                  dict(STATIC=static, STORE_Y=True, PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br))
+                  dict(STATIC=static, STORE_Y=True, PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br,
+                       USE_GDC=static))
 
 
 # --- wiring: quantized models give the same logits with and without the fusion (CPU: bit for bit) ------------------

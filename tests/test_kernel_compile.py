@@ -291,7 +291,8 @@ def test_pdl_wait_compiles_into_decode_kernels(use_gdc):
     from ssmq.kernels import norm
 
     c = _compile_sm90(norm._rms_norm, {"x_ptr": "fp16", "res_ptr": "fp16", "w_ptr": "fp16", "out_ptr": "fp16",
-                                       "res_out_ptr": "fp16"}, {"HAS_RES": True, "BLOCK": 2048, "USE_GDC": use_gdc},
+                                       "res_out_ptr": "fp16", "q_ptr": "i8", "scale_ptr": "fp32"},
+                      {"HAS_RES": True, "QUANT": False, "STATIC": False, "BLOCK": 2048, "USE_GDC": use_gdc},
                       floats=("eps",))
     ptx = c.asm["ptx"]
     assert ("griddepcontrol.wait" in ptx) == use_gdc and ("griddepcontrol.launch_dependents" in ptx) == use_gdc
