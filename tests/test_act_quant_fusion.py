@@ -47,10 +47,10 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
 
     from ssmq.kernels import hadamard
 
-    _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "l_ptr": work, "r_ptr": work, "q_ptr": "i8",
-                                             "scale_ptr": "fp32", "y_ptr": dtype},
-                  dict(STATIC=static, STORE_Y=True, PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br,
-                       USE_GDC=static))
+    _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "l_ptr": work,
+                                             "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype},
+                  dict(GATED=static, HAS_Z=True, STATIC=static, STORE_Y=True,
+                       PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br, USE_GDC=static), floats=("eps",))
 
 
 # --- wiring: quantized models give the same logits with and without the fusion (CPU: bit for bit) ------------------

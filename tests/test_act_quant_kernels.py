@@ -99,6 +99,33 @@ def test_rmsnorm_gated_quant(N, dtype, static, with_z, shape, group):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("shape,group", cases([((1, 5120), None), ((64, 5120), None), ((3, 2, 2560), None),
+                                               ((2, 4096), 1024), ((5, 40), None)],
+                                              [((1, 64), None), ((3, 40), None), ((2, 64), 32)]))
+def test_rmsnorm_gated_hadamard_quant(N, dtype, static, shape, group):
+    """Quamba2's out_proj input: gated norm, online Hadamard and codes in one kernel (one norm group), or the gated
+    norm kernel then hadamard_quant (several)."""
+    torch.manual_seed(4)
+    d = shape[-1]
+    x, z = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
+    w = (1 + 0.3 * torch.randn(d, device=DEV)).to(dtype)
+    scale = _scale(static)
+    q, s, y = N.rmsnorm_gated_quant(x, w, z, 1e-6, group, False, scale, True, True, rotate=True)
+    assert y.dtype == dtype
+    _same_codes(q, s, y, static, scale)
+    q2, s2, none = N.rmsnorm_gated_quant(x, w, z, 1e-6, group, False, scale, rotate=True)
+    assert none is None and torch.equal(q2, q) and torch.equal(s2, s)
+    exact = hadamard_transform(ops.rmsnorm_gated_ref(x.double().cpu(), w.double().cpu(), z.double().cpu(), 1e-6,
+                                                     group))
+    assert rel(y, exact) < (8e-3 if dtype != torch.float32 else 1e-5)
+    q_ref, _, _ = ops.rmsnorm_gated_quant_ref(x.cpu(), w.cpu(), z.cpu(), 1e-6, group, False,
+                                              None if scale is None else scale.cpu(), rotate=True)
+    diff = (q.cpu().int() - q_ref.int()).abs()
+    assert diff.max().item() <= 1 and diff.float().mean().item() < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("shape", cases([(1, 5120), (32, 5120), (3, 2, 2560), (4, 8192), (2, 768), (5, 64), (1, 40)],
                                         [(1, 64), (3, 40), (2, 2, 96)]))
 def test_hadamard_quant(H, dtype, static, shape):

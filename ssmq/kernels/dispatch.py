@@ -210,10 +210,11 @@ def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_
 
 
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False):
-    """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm with int8 codes out -> (codes, scale, out or None)."""
+                        per_token=True, with_out=False, rotate=False):
+    """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm (``rotate``: and its online Hadamard) with int8 codes out
+    -> (codes, scale, out or None)."""
     impl = _kernels("norm").rmsnorm_gated_quant if _use_triton(x) else ops.rmsnorm_gated_quant_ref
-    return impl(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out)
+    return impl(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out, rotate)
 
 
 def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):

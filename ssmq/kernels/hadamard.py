@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, quantize_rne
+from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, quantize_rne, silu
 from ssmq.kernels.norm import _quant_out, _row_scale
 from ssmq.ops.hadamard import hadamard_quant_ref, kron_factors, split_order
 
@@ -27,9 +27,10 @@ CFG = dict(warps=4)  # launch setting (the benchmark sweeps it)
 
 
 @triton.jit
-def _hadamard_quant(x_ptr, l_ptr, r_ptr, q_ptr, scale_ptr, y_ptr, T, R, s_xm,
-                    STATIC: tl.constexpr, STORE_Y: tl.constexpr, PRECISION: tl.constexpr,
-                    BT: tl.constexpr, BR: tl.constexpr, USE_GDC: tl.constexpr = False):
+def _hadamard_quant(x_ptr, z_ptr, w_ptr, l_ptr, r_ptr, q_ptr, scale_ptr, y_ptr, T, R, s_xm, s_zm, eps,
+                    GATED: tl.constexpr, HAS_Z: tl.constexpr, STATIC: tl.constexpr, STORE_Y: tl.constexpr,
+                    PRECISION: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, USE_GDC: tl.constexpr = False):
+    """One row: [gated RMSNorm (GATED: one norm group, the row),] Hadamard, int8 codes."""
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     t = tl.arange(0, BT)
@@ -38,7 +39,14 @@ def _hadamard_quant(x_ptr, l_ptr, r_ptr, q_ptr, scale_ptr, y_ptr, T, R, s_xm,
     mx = mt[:, None] & mr[None, :]
     cols = t[:, None] * R + r[None, :]  # (BT, BR): element (i, j) of X is x[i * r + j]
     work = l_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * s_xm + cols, mask=mx, other=0.0).to(work)
+    x = tl.load(x_ptr + row * s_xm + cols, mask=mx, other=0.0)
+    if GATED:  # norm(x * silu(z)) * w as rmsnorm_gated_ref, rounded to x's dtype as the unfused norm's output
+        u = x.to(tl.float32)
+        if HAS_Z:
+            u *= silu(tl.load(z_ptr + row * s_zm + cols, mask=mx, other=0.0).to(tl.float32))
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(u * u, axis=1), axis=0) / (T * R) + eps)
+        x = (u * rstd * tl.load(w_ptr + cols, mask=mx, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+    x = x.to(work)
     left = tl.load(l_ptr + t[:, None] * T + t[None, :], mask=mt[:, None] & mt[None, :], other=0.0)
     right_t = tl.load(r_ptr + r[None, :] * R + r[:, None], mask=mr[:, None] & mr[None, :], other=0.0)  # R^T
     hx = tl.dot(left, x, input_precision=PRECISION).to(work)
@@ -46,30 +54,61 @@ def _hadamard_quant(x_ptr, l_ptr, r_ptr, q_ptr, scale_ptr, y_ptr, T, R, s_xm,
     if STORE_Y:
         tl.store(y_ptr + row * (T * R) + cols, y, mask=mx)
     yf = y.to(tl.float32)
-    yr = tl.reshape(yf, (BT * BR,))
-    scale = _row_scale(yr, scale_ptr, row, STATIC)
+    scale = _row_scale(tl.reshape(yf, (BT * BR,)), scale_ptr, row, STATIC)
     tl.store(q_ptr + row * (T * R) + cols, quantize_rne(yf, scale), mask=mx)
+
+
+def _factors(x):
+    """(left, right) Kronecker factors in the work dtype of ``hadamard_transform_gemm`` (bf16: float32), or None
+    where this kernel does not run (right factor wider than MAX_R, or x not a float16 / bfloat16 / float32)."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    two, b = split_order(x.shape[-1])
+    left, right = kron_factors(two, b, x.device, torch.float16 if x.dtype == torch.float16 else torch.float32)
+    return None if pow2(right.shape[0], 16) > MAX_R else (left, right)
+
+
+def _launch(x, z, weight, eps, factors, x_scale, with_y):
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    z2 = x2 if z is None else z.reshape(-1, n)
+    if z2.stride(-1) != 1:
+        z2 = z2.contiguous()
+    left, right = factors
+    T, R = left.shape[0], right.shape[0]
+    q, scale = _quant_out(x, x_scale, True)
+    y = torch.empty(x.shape if with_y else 0, device=x.device, dtype=x.dtype)
+    M = x2.shape[0]
+    if M:
+        _hadamard_quant[(M,)](x2, z2, x2 if weight is None else weight, left, right, q, scale, y, T, R, x2.stride(0),
+                              z2.stride(0), eps, GATED=weight is not None, HAS_Z=z is not None,
+                              STATIC=x_scale is not None, STORE_Y=with_y, PRECISION=dot_precision(left.dtype),
+                              BT=pow2(T, 16), BR=pow2(R, 16), num_warps=CFG["warps"], **pdl_args(x2))
+    return q, scale, y if with_y else None
 
 
 def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):
     """``hadamard_quant_ref`` on the GPU: x (..., n) float -> (codes (..., n) int8, scale () or (...)); with
     ``with_y`` also the rotated x (..., n) in x's dtype (tests: the codes are exactly those of that y)."""
-    n = x.shape[-1]
-    two, b = split_order(n)
-    work = {torch.float16: torch.float16}.get(x.dtype, torch.float32)  # as hadamard_transform_gemm (bf16: float32)
-    left, right = kron_factors(two, b, x.device, work)
-    T, R = left.shape[0], right.shape[0]
-    if (x_scale is None and not per_token) or pow2(R, 16) > MAX_R or x.dtype not in (
-            torch.float16, torch.bfloat16, torch.float32):
+    factors = _factors(x)
+    if factors is None or (x_scale is None and not per_token):
         return hadamard_quant_ref(x, x_scale, per_token, with_y)  # the unfused transform and quantize
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    q, scale = _quant_out(x, x_scale, per_token)
-    y = torch.empty(x.shape if with_y else 0, device=x.device, dtype=x.dtype)
-    M = x2.shape[0]
-    if M:
-        _hadamard_quant[(M,)](x2, left, right, q, scale, y, T, R, x2.stride(0), STATIC=x_scale is not None,
-                              STORE_Y=with_y, PRECISION=dot_precision(work), BT=pow2(T, 16), BR=pow2(R, 16),
-                              num_warps=CFG["warps"], **pdl_args(x2))
+    q, scale, y = _launch(x, None, None, 0.0, factors, x_scale, with_y)
     return (q, scale, y) if with_y else (q, scale)
+
+
+def rmsnorm_gated_hadamard_quant(x, weight, z=None, eps=1e-6, group_size=None, x_scale=None, per_token=True,
+                                 with_out=False):
+    """The gated norm (before the gate: no), its Hadamard and int8 codes in one kernel when the norm has one group
+    (the whole row): ``ops.norm.rmsnorm_gated_quant_ref(..., rotate=True)`` -> (codes, scale, rotated out or None).
+    Several norm groups: the gated-norm kernel, then ``hadamard_quant``."""
+    from ssmq.kernels.norm import rmsnorm_gated
+
+    factors = _factors(x)
+    if factors is None or (group_size not in (None, x.shape[-1])) or (x_scale is None and not per_token):
+        out = rmsnorm_gated(x, weight, z, eps, group_size, False)
+        q, scale, *y = hadamard_quant(out, x_scale, per_token, with_out)
+        return q, scale, y[0] if with_out else None
+    return _launch(x, z, weight, eps, factors, x_scale, with_out)

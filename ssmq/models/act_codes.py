@@ -21,9 +21,11 @@ from ssmq import kernels
 @dataclass(frozen=True)
 class CodeInput:
     """How a linear takes its input as int8 codes: a static per-tensor scale (), or None for dynamic per-token scales
-    (absmax / 127 of each row), both as ``ssmq.ops.quant_linear.quantize_act_ref`` makes them."""
+    (absmax / 127 of each row), both as ``ssmq.ops.quant_linear.quantize_act_ref`` makes them; ``rotate``: the codes
+    of the input's online Hadamard (``hadamard_transform``), which the linear's weight was rotated for."""
 
     scale: torch.Tensor | None
+    rotate: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,9 @@ class ActCodes:
         return self.q.shape
 
 
-def code_input(linear: nn.Module | None) -> CodeInput | None:
-    """What ``linear`` wants from its producer: a ``CodeInput`` when it takes int8 codes (and the fusion is on)."""
+def code_input(linear: nn.Module | None, rotate: bool = False) -> CodeInput | None:
+    """What ``linear`` wants from its producer: a ``CodeInput`` when it takes int8 codes (and the fusion is on); one
+    that needs the Hadamard only for a producer that can apply it (``rotate``)."""
     ask = getattr(linear, "code_input", None)
-    return ask() if callable(ask) and kernels.act_quant_fusion_enabled() else None
+    codes = ask() if callable(ask) and kernels.act_quant_fusion_enabled() else None
+    return None if codes is None or (codes.rotate and not rotate) else codes

@@ -31,7 +31,8 @@ class GatedRMSNorm(nn.Module):
         """y, z: (..., d) -> (..., d) in y's dtype, or its int8 ``ActCodes`` (quantized in the norm's epilogue)."""
         if codes is None:
             return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
-        q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale)
+        q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale,
+                                                  rotate=codes.rotate)
         return ActCodes(q, scale, y.dtype)
 
 
@@ -118,11 +119,12 @@ class Mamba2Mixer(SSMMixer):
             state.write_ssm(slots, final)
         return self.out_proj(self._normed(y.reshape(b, l, c.d_inner), self.act_z(z)))
 
-    def _out_codes(self) -> CodeInput | None:
-        """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y)."""
+    def _out_codes(self, rotate: bool = True) -> CodeInput | None:
+        """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y);
+        ``rotate``: also when it wants the codes of that output's online Hadamard."""
         if type(self.act_y) is not nn.Identity or type(self.norm) is not GatedRMSNorm:
             return None
-        return code_input(self.out_proj)
+        return code_input(self.out_proj, rotate)
 
     def _normed(self, y: torch.Tensor, z: torch.Tensor):
         """The gated norm and act_y: out_proj's input, as int8 codes when out_proj takes them."""
@@ -143,7 +145,7 @@ class Mamba2Mixer(SSMMixer):
         state = cache.states[self.layer_idx]
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         if self._fusable(state):  # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step)
-            codes = self._out_codes()  # and out_proj's int8 codes from the norm's epilogue when it takes them
+            codes = self._out_codes(rotate=False)  # and out_proj's int8 codes from the norm's epilogue
             y = kernels.mamba2_decode_step(
                 xbc, z, dt, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                 state.ssm, self._f32.get(self, "A_log"), self._f32.get(self, "D"),

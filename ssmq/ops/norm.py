@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ssmq.ops.hadamard import hadamard_transform
 from ssmq.ops.quant_linear import quantize_act_ref
 
 
@@ -88,11 +89,16 @@ def rmsnorm_gated_quant_ref(
     x_scale: torch.Tensor | None = None,
     per_token: bool = True,
     with_out: bool = False,
+    rotate: bool = False,
 ):
-    """``rmsnorm_gated_ref`` with its output (x's dtype) quantized as ``quantize_act_ref(out, x_scale, per_token)``.
+    """``rmsnorm_gated_ref`` with its output (x's dtype) quantized as ``quantize_act_ref(out, x_scale, per_token)``;
+    with ``rotate``, the output's online Hadamard (``hadamard_transform``, x's dtype) is what is quantized (the input
+    of a rotated A8 out_proj).
 
-    Returns (codes (..., d) int8, scale, out (..., d) in x's dtype when ``with_out`` else None).
+    Returns (codes (..., d) int8, scale, the quantized float output (..., d) in x's dtype when ``with_out``, else None).
     """
     out = rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate)
+    if rotate:
+        out = hadamard_transform(out)
     q, scale = quantize_act_ref(out, x_scale, per_token)
     return q, scale, out if with_out else None

@@ -149,33 +149,25 @@ class QuantLinear(_QuantWeight):
 
     def code_input(self) -> CodeInput | None:
         """How the producer of x may hand it over as int8 codes (``ssmq.models.act_codes``), or None: int8
-        activations with a static or a dynamic per-token scale, no online rotation (that producer is this module's
-        own Hadamard: ``forward`` fuses it with the quantization), no tensor-parallel hook on a dynamic scale."""
+        activations with a static or a dynamic per-token scale, no tensor-parallel hook on a dynamic scale; with an
+        online rotation, the codes of the rotated x (``rotate``)."""
         a = self.act
-        if a is None or a.dtype != "int8" or self.rotate_input:
+        if a is None or a.dtype != "int8":
             return None
         if self.act_scale is not None:
-            return CodeInput(self.act_scale)
-        return CodeInput(None) if isinstance(a.granularity, PerToken) and self.scale_hook is None else None
-
-    def _rotated_codes(self, x: torch.Tensor):
-        """(codes, scale) of the rotated x in one op (``kernels.hadamard_quant``) when its quantization allows
-        it, else None (the transform, then the linear's own quantization)."""
-        a = self.act
-        if a is None or a.dtype != "int8" or not kernels.act_quant_fusion_enabled():
-            return None
-        if self.act_scale is None and (self.scale_hook is not None or not isinstance(a.granularity, PerToken)):
-            return None
-        return kernels.hadamard_quant(x, self.act_scale, True)
+            return CodeInput(self.act_scale, self.rotate_input)
+        if isinstance(a.granularity, PerToken) and self.scale_hook is None:
+            return CodeInput(None, self.rotate_input)
+        return None
 
     def forward(self, x: torch.Tensor | ActCodes) -> torch.Tensor:
         if isinstance(x, ActCodes):  # its producer quantized it as this linear would have (``code_input``)
             return kernels.quant_linear(x.q, self.weight_q, self.weight_scale, None, x.scale, self.bias, x.dtype)
         if self.rotate_input:
-            codes = self._rotated_codes(x)
-            if codes is not None:
-                return kernels.quant_linear(codes[0], self.weight_q, self.weight_scale, None, codes[1], self.bias,
-                                            x.dtype)
+            codes = self.code_input() if kernels.act_quant_fusion_enabled() else None
+            if codes is not None:  # the transform and the quantization as one op
+                q, scale = kernels.hadamard_quant(x, codes.scale, True)
+                return kernels.quant_linear(q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
             x = hadamard_transform(x)
         a = self.act
         if a is None:
