@@ -5,7 +5,8 @@ output that a stand-alone quantize kernel reads again.
     python benchmarks/bench_act_quant.py [--recipes quamba2-w8a8,static-w8a8] [--batches 1,128] [--out DIR]
 
 1. Micro: each fused op vs its unfused pair (float op, then ``kernels.quantize_act``; for the Hadamard the two
-   GEMMs of ``hadamard_transform_gemm``), CUDA-graph replays, at Mamba2-2.7B widths (d_model 2560, d_inner 5120)
+   GEMMs of ``hadamard_transform_gemm``; for Quamba2's out_proj input gated norm + Hadamard + quantize vs the
+   one kernel of ``rmsnorm_gated_quant(rotate=True)``), CUDA-graph replays, at Mamba2-2.7B widths (d_model 2560, d_inner 5120)
    for 1, 128 and 1024 rows; the Hadamard kernel at each num_warps of --warps (a launch-setting sweep).
 2. End to end: Mamba2-2.7B, random fp16 weights, quantized by each recipe (static scales calibrated on random
    tokens), TPOT from CUDA-graph decode replays with the fusion off and on (graphs captured for each setting),
@@ -76,9 +77,14 @@ def micro(args) -> dict:
                 lambda: kernels.rmsnorm_gated_quant(y, wi, z, 1e-5, None, False, scale))
             r[f"hadamard_gemm+quantize_{name}_us"] = 1e3 * graph_ms(
                 lambda: kernels.quantize_act(hadamard_transform_gemm(y), scale))
+            # Quamba2's out_proj input: gated norm, Hadamard GEMMs, quantize (three ops, four launches) vs one kernel
+            r[f"gated_norm+hadamard_gemm+quantize_{name}_us"] = 1e3 * graph_ms(
+                lambda: kernels.quantize_act(hadamard_transform_gemm(kernels.rmsnorm_gated(y, wi, z, 1e-5)), scale))
             for wps in map(int, args.warps.split(",")):
                 hk.CFG["warps"] = wps
                 r[f"hadamard_quant_{name}_w{wps}_us"] = 1e3 * graph_ms(lambda: hk.hadamard_quant(y, scale))
+                r[f"gated_hadamard_quant_{name}_w{wps}_us"] = 1e3 * graph_ms(
+                    lambda: kernels.rmsnorm_gated_quant(y, wi, z, 1e-5, None, False, scale, rotate=True))
             hk.CFG["warps"] = 4
         out[rows] = {k: round(v, 2) for k, v in r.items()}
         print("micro", rows, json.dumps(out[rows]), flush=True)
