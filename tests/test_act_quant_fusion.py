@@ -77,13 +77,16 @@ def _run(model, ids, steps):
 
 
 def _compare(monkeypatch, model, ids, steps=3):
-    """Logits with the fusion off and on (identical), and the float-input A8 calls per pass with it on."""
+    """Logits with the fusion off and on (identical); returns the float-input A8 linear calls with it off and on, and
+    the stand-alone Hadamard + codes ops with it on."""
     from ssmq import kernels
     from ssmq.kernels import dispatch
 
-    calls = []
-    real = kernels.quant_linear_act
+    calls, rotations = [], []
+    real, real_h = kernels.quant_linear_act, kernels.hadamard_quant
     monkeypatch.setattr(kernels, "quant_linear_act", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    # a rotated linear's own Hadamard + codes op: not run where the gated norm emits the rotated codes itself
+    monkeypatch.setattr(kernels, "hadamard_quant", lambda *a, **kw: rotations.append(1) or real_h(*a, **kw))
     monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", False)
     with torch.no_grad():
         off = _run(model, ids, steps)
@@ -93,7 +96,7 @@ def _compare(monkeypatch, model, ids, steps=3):
         on = _run(model, ids, steps)
     for a, b in zip(off, on):
         assert torch.equal(a, b), (a - b).abs().max()
-    return unfused_calls, len(calls)
+    return unfused_calls, len(calls), len(rotations)
 
 
 @pytest.mark.parametrize("arch,recipe", CASES)
@@ -104,11 +107,13 @@ def test_fused_activation_quantization_is_bit_identical(monkeypatch, arch, recip
     model = tiny_model(arch)
     model = quantize(model, recipe, synthetic_calibration(model.config.vocab_size, n=4, seqlen=16), progress=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
-    before, after = _compare(monkeypatch, model, ids)
+    before, after, rotations = _compare(monkeypatch, model, ids)
     passes = 1 + 3  # prefill + decode steps
     n_layer = model.config.n_layer
     assert before >= 2 * n_layer * passes  # in_proj and out_proj of every layer quantized their own input
     assert after == UNFUSED.get((arch, recipe), 0) * n_layer * passes
+    # Mamba-1's rotated out_proj reads the scan's output: its own hadamard_quant; Mamba-2's reads the gated norm's
+    assert rotations == (n_layer * passes if (arch, recipe) == ("mamba1", "quamba-w8a8") else 0)
 
 
 @pytest.mark.parametrize("arch,recipe", [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"),
@@ -125,5 +130,5 @@ def test_fused_activation_quantization_reference_models(monkeypatch, arch, recip
     vocab = model.config.vocab_size
     model = quantize(model, recipe, synthetic_calibration(vocab, n=2, seqlen=32), progress=False)
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(4))
-    before, after = _compare(monkeypatch, model, ids, steps=2)
+    before, after, _ = _compare(monkeypatch, model, ids, steps=2)
     assert after < before

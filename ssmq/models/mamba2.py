@@ -144,8 +144,10 @@ class Mamba2Mixer(SSMMixer):
         b = hidden.shape[0]
         state = cache.states[self.layer_idx]
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
-        if self._fusable(state):  # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step)
-            codes = self._out_codes(rotate=False)  # and out_proj's int8 codes from the norm's epilogue
+        codes = self._out_codes()
+        # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step), with out_proj's int8 codes from
+        # the norm's epilogue; a rotated out_proj takes the stages one by one, the last one emitting the rotated codes
+        if self._fusable(state) and (codes is None or not codes.rotate):
             y = kernels.mamba2_decode_step(
                 xbc, z, dt, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                 state.ssm, self._f32.get(self, "A_log"), self._f32.get(self, "D"),
