@@ -84,7 +84,7 @@ def micro(args) -> dict:
                 hk.CFG["warps"] = wps
                 r[f"hadamard_quant_{name}_w{wps}_us"] = 1e3 * graph_ms(lambda: hk.hadamard_quant(y, scale))
                 r[f"gated_hadamard_quant_{name}_w{wps}_us"] = 1e3 * graph_ms(
-                    lambda: kernels.rmsnorm_gated_quant(y, wi, z, 1e-5, None, False, scale, rotate=True))
+                    lambda: hk.rmsnorm_gated_hadamard_quant(y, wi, z, 1e-5, None, False, scale))
             hk.CFG["warps"] = 4
         out[rows] = {k: round(v, 2) for k, v in r.items()}
         print("micro", rows, json.dumps(out[rows]), flush=True)

@@ -102,7 +102,7 @@ def test_rmsnorm_gated_quant(N, dtype, static, with_z, shape, group):
 @pytest.mark.parametrize("shape,group", cases([((1, 5120), None), ((64, 5120), None), ((3, 2, 2560), None),
                                                ((2, 4096), 1024), ((5, 40), None)],
                                               [((1, 64), None), ((3, 40), None), ((2, 64), 32)]))
-def test_rmsnorm_gated_hadamard_quant(N, dtype, static, shape, group):
+def test_rmsnorm_gated_hadamard_quant(H, dtype, static, shape, group):
     """Quamba2's out_proj input: gated norm, online Hadamard and codes in one kernel (one norm group), or the gated
     norm kernel then hadamard_quant (several)."""
     torch.manual_seed(4)
@@ -110,10 +110,10 @@ def test_rmsnorm_gated_hadamard_quant(N, dtype, static, shape, group):
     x, z = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
     w = (1 + 0.3 * torch.randn(d, device=DEV)).to(dtype)
     scale = _scale(static)
-    q, s, y = N.rmsnorm_gated_quant(x, w, z, 1e-6, group, False, scale, True, True, rotate=True)
+    q, s, y = H.rmsnorm_gated_hadamard_quant(x, w, z, 1e-6, group, False, scale, True, True)
     assert y.dtype == dtype
     _same_codes(q, s, y, static, scale)
-    q2, s2, none = N.rmsnorm_gated_quant(x, w, z, 1e-6, group, False, scale, rotate=True)
+    q2, s2, none = H.rmsnorm_gated_hadamard_quant(x, w, z, 1e-6, group, False, scale)
     assert none is None and torch.equal(q2, q) and torch.equal(s2, s)
     exact = hadamard_transform(ops.rmsnorm_gated_ref(x.double().cpu(), w.double().cpu(), z.double().cpu(), 1e-6,
                                                      group))

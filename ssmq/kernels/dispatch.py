@@ -213,8 +213,14 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
                         per_token=True, with_out=False, rotate=False):
     """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm (``rotate``: and its online Hadamard) with int8 codes out
     -> (codes, scale, out or None)."""
-    impl = _kernels("norm").rmsnorm_gated_quant if _use_triton(x) else ops.rmsnorm_gated_quant_ref
-    return impl(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out, rotate)
+    if not _use_triton(x):
+        return ops.rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
+                                           with_out, rotate)
+    if rotate:  # norm, Hadamard and codes in one kernel
+        return _kernels("hadamard").rmsnorm_gated_hadamard_quant(x, weight, z, eps, group_size, norm_before_gate,
+                                                                 x_scale, per_token, with_out)
+    return _kernels("norm").rmsnorm_gated_quant(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
+                                                with_out)
 
 
 def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):

@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, quantize_rne, silu
-from ssmq.kernels.norm import _quant_out, _row_scale
+from ssmq.kernels.norm import _quant_out, _row_scale, rmsnorm_gated
 from ssmq.ops.hadamard import hadamard_quant_ref, kron_factors, split_order
+from ssmq.ops.norm import rmsnorm_gated_quant_ref
 
 MAX_R = 128  # widest right factor tile: larger ones (n > 8192) keep the unfused path (register / smem budget)
 CFG = dict(warps=4)  # launch setting (the benchmark sweeps it)
@@ -99,13 +100,13 @@ def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):
     return (q, scale, y) if with_y else (q, scale)
 
 
-def rmsnorm_gated_hadamard_quant(x, weight, z=None, eps=1e-6, group_size=None, x_scale=None, per_token=True,
-                                 with_out=False):
-    """The gated norm (before the gate: no), its Hadamard and int8 codes in one kernel when the norm has one group
-    (the whole row): ``ops.norm.rmsnorm_gated_quant_ref(..., rotate=True)`` -> (codes, scale, rotated out or None).
-    Several norm groups: the gated-norm kernel, then ``hadamard_quant``."""
-    from ssmq.kernels.norm import rmsnorm_gated
-
+def rmsnorm_gated_hadamard_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
+                                 per_token=True, with_out=False):
+    """The gated norm, its Hadamard and int8 codes in one kernel when the norm has one group (the whole row):
+    ``ops.norm.rmsnorm_gated_quant_ref(..., rotate=True)`` -> (codes, scale, rotated out or None). Several norm
+    groups: the gated-norm kernel, then ``hadamard_quant``."""
+    if norm_before_gate:  # no model gates after the norm: the reference
+        return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, True, x_scale, per_token, with_out, True)
     factors = _factors(x)
     if factors is None or (group_size not in (None, x.shape[-1])) or (x_scale is None and not per_token):
         out = rmsnorm_gated(x, weight, z, eps, group_size, False)

@@ -219,19 +219,14 @@ def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate
 
 
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False, rotate=False):
+                        per_token=True, with_out=False):
     """``rmsnorm_gated`` with int8 codes out, as ``rmsnorm_gated_quant_ref``: (codes (..., d), scale, out or None).
 
     x_scale: a static () scale, or None for dynamic per-token scales (...) (dynamic per tensor: the reference).
-    rotate: the codes of the output's online Hadamard (``kernels.hadamard``: norm, transform and codes in one kernel).
+    The reference's ``rotate`` (codes of the output's online Hadamard): ``kernels.hadamard``.
     """
-    if rotate and not norm_before_gate:
-        from ssmq.kernels.hadamard import rmsnorm_gated_hadamard_quant
-
-        return rmsnorm_gated_hadamard_quant(x, weight, z, eps, group_size, x_scale, per_token, with_out)
-    if (x_scale is None and not per_token) or rotate:
-        return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out,
-                                       rotate)
+    if x_scale is None and not per_token:
+        return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out)
     d, gs, x2, z2 = _gated_args(x, z, group_size)
     out = torch.empty(x.shape if with_out else 0, device=x.device, dtype=x.dtype)
     q, scale = _quant_out(x, x_scale, per_token)
