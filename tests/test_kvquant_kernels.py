@@ -102,6 +102,33 @@ def test_float_kv_decode_equals_attention_reference(k, splits):
     torch.testing.assert_close(got, want, rtol=3e-3, atol=3e-3)
 
 
+@pytest.mark.parametrize("pieces", [4, 8])
+def test_interleave_puts_piece_i_at_column_i(k, pieces):
+    """The PRMT lookups return a tile's codes as pieces (piece i: channel GS·g + i); ``_interleave4`` / ``_interleave8``
+    put them back in channel order (nested tl.join adds its axis last: the first GPU run had pieces 1 and 2 swapped)."""
+    import triton
+    import triton.language as tl
+
+    global _IL4, _IL8
+    _IL4, _IL8 = k._interleave4, k._interleave8
+
+    @triton.jit
+    def run(src, dst, G: tl.constexpr, P: tl.constexpr):
+        p = src + tl.arange(0, 2)[:, None] * G + tl.arange(0, G)[None, :]  # piece i at src + i·2G
+        if P == 4:
+            x = _IL4(tl.load(p), tl.load(p + 2 * G), tl.load(p + 4 * G), tl.load(p + 6 * G))
+        else:
+            x = _IL8(tl.load(p), tl.load(p + 2 * G), tl.load(p + 4 * G), tl.load(p + 6 * G), tl.load(p + 8 * G),
+                     tl.load(p + 10 * G), tl.load(p + 12 * G), tl.load(p + 14 * G))
+        tl.store(dst + tl.arange(0, 2)[:, None] * P * G + tl.arange(0, P * G)[None, :], x)
+
+    G = 4
+    src = torch.arange(pieces * 2 * G, dtype=torch.float32, device=DEV).reshape(pieces, 2, G)
+    dst = torch.empty(2, pieces * G, device=DEV)
+    run[(1,)](src, dst, G, pieces)
+    torch.testing.assert_close(dst, src.permute(1, 2, 0).reshape(2, pieces * G))
+
+
 def _cpu(view):
     from dataclasses import fields, replace
 

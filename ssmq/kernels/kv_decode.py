@@ -16,8 +16,9 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to 1
     keys     x = mid + half · B in float32 (per-channel or per-token scales), rotated by their position (RoPE on
              the fly: keys are cached before it; a rotation per token cannot move to the query, as R_t differs per
              token), then float16; scores (g, BLOCK_T) = q · kᵀ, q pre-scaled and float16, three products (the
-             rotary halves and the pass-through channels); cos / sin of a tile:
-             the previous tile's rotated by BLOCK_T θ (angle addition: 4 FMA a pair, no MUFU a token)
+             rotary halves and the pass-through channels). The rotation splits exactly: q · R((t0 + j) θ) k =
+             (R(t0 θ)ᵀ q) · (R(j θ) k), so the keys turn by the within-tile angles (a per-program table of cos /
+             sin of j θ, no trig a tile) and the query, (g, r/2) entries, by the tile's t0 θ
              the sparse outliers then add (val - x̂) · (their channel's coefficient in q · R_t k), gathered
     values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
              so the tile is B itself (no arithmetic a value); per-channel scales scale the tile; sparse
@@ -31,10 +32,10 @@ divided among the P splits in the kernel, so there is no host sync, and no torch
 Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a side's constexpr) and unrotated;
 other formats take the reference.
 
-Accuracy (float16 products; the reference is float32): q, the rotated keys, B, p ⊙ h and the sink are rounded to
-float16 (relative error u = 2^-11 at most each), products accumulate in float32; the angles are those of the split's first tile
-advanced by rotations of BLOCK_T θ where the reference rounds fl(t θ) (about an ulp of t θ apart: 5e-4 rad at 4K
-tokens). A score then moves by
+Accuracy (float16 products; the reference is float32): q (rotated a tile), the rotated keys, B, p ⊙ h and the sink are rounded to
+float16 (relative error u = 2^-11 at most each), products accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the
+reference rounds fl(t θ) (about an ulp of t θ apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the
+reference's own rounding is from t θ). A score then moves by
 about u·scale·sqrt(Σ_c (q_c k_c)²) (random rounding), the output by that times the spread of v: ~1e-3 of |v| for
 unit-variance data; tests compare at rtol = atol = 3e-3 (the former 3xTF32 kernel: 1e-4), far below what 2-4 bit
 codes change (KVQuant nuq4: ~1e-1 relative error a value).
@@ -52,12 +53,14 @@ import triton.language as tl
 from ssmq.ops.attention import rotary_inv_freq
 from ssmq.ops.kv_quant import KVSideView
 
-# Launch settings (the bench's --cfg overrides them). BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers:
+# Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
+# BLOCK_T 32 / 4 warps 0.335 ms against 64 / 8 warps 0.407 (252 registers: one 8-warp program an SM; 32 / 4: two);
+# with outliers 16-token tiles keep 4 warps without spills (sm_90 ptxas). BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers:
 # their per-slot work holds more registers); WAVES programs an SM over the grid; MIN_TILES: a split covers at least
-# this many tiles of the cache's capacity (fewer splits for short caches). ROPE "step": a tile's (BLOCK_T, r/2)
-# cos / sin are the previous tile's rotated by BLOCK_T θ (angle addition, 4 FMA a pair; the drift over a split's
-# <= a few hundred tiles stays ~1e-5); "direct": cos.approx / sin.approx of every (token, channel) angle.
-CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="step", GP_MIN=16)
+# this many tiles of the cache's capacity (fewer splits for short caches). ROPE "split": R(t0 + j) = R(t0) R(j),
+# keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
+# t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
+CFG = dict(BLOCK_T=32, BLOCK_T_OUTLIERS=16, num_warps=4, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="split", GP_MIN=16)
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two); Triton >= 3.2 pads the tensor-core
 # products' M itself, so 1 shrinks the softmax's work and registers for small groups (kept at 16 until timed)
 # cos.approx / sin.approx and the PRMT lookups on the GPU (tl.cos is libdevice's precise cosf, ~20 instructions
@@ -161,6 +164,20 @@ def _lut_words(lut, LEVELS: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _interleave4(b0, b1, b2, b3):
+    """(T, G) pieces → (T, 4G), column 4g + i from piece i. join adds its axis last, so the outer join picks the
+    lowest bit of i: join(join(b0, b2), join(b1, b3))[.., y, x] = b_(2y + x)."""
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (b0.shape[0], 4 * b0.shape[1]))
+
+
+@triton.jit
+def _interleave8(b0, b1, b2, b3, b4, b5, b6, b7):
+    """(T, G) pieces → (T, 8G), column 8g + i from piece i (as ``_interleave4``: [.., z, y, x] = b_(4z + 2y + x))."""
+    return tl.reshape(tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7))),
+                      (b0.shape[0], 8 * b0.shape[1]))
+
+
+@triton.jit
 def _book(rows, c0, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, w3, w4, w5, w6, w7,
           BITS: tl.constexpr, ASM: tl.constexpr):
     """(len(tmask), CP) float16 codebook values B of channels [c0, c0 + CP) of the packed rows ``rows`` (T, 1
@@ -179,7 +196,7 @@ def _book(rows, c0, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, 
         b0, b1, b2, b3 = tl.inline_asm_elementwise(_LUT2, _LUT2_CONSTRAINTS, [w, w0, w1, w2, w3, w4, w5, w6, w7],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=4)
-        x = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (T, CP))
+        x = _interleave4(b0, b1, b2, b3)
     elif ASM and BITS == 3:
         g = tl.arange(0, CP // 8)
         gm = tmask[:, None] & (g < NC // 8)[None, :]
@@ -188,8 +205,7 @@ def _book(rows, c0, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, 
              | (tl.load(p + 2, mask=gm, other=0).to(tl.int32) << 16))
         b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS, [w, w0, w1, w4, w5],
                                                                    dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        x = tl.reshape(tl.join(tl.join(tl.join(b0, b1), tl.join(b2, b3)), tl.join(tl.join(b4, b5), tl.join(b6, b7))),
-                       (T, CP))
+        x = _interleave8(b0, b1, b2, b3, b4, b5, b6, b7)
     else:
         c = tl.arange(0, CP)
         x = tl.load(lut + _codes(rows, c0 + c[None, :], tmask[:, None] & (c < NC)[None, :], BITS)).to(tl.float16)
@@ -307,7 +323,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_STEP: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr):
     i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i).to(tl.int64)
     n = tl.load(lens + i).to(tl.int32)
@@ -325,15 +341,16 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
     ch = tl.arange(0, HP)
     cp = tl.arange(0, PP)
     hm = rmask[:, None] & (ch < R // 2)[None, :]
-    qa = (tl.load(qrow + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale).to(tl.float16)
-    qb = (tl.load(qrow + R // 2 + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale).to(tl.float16)
+    qa32 = tl.load(qrow + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
+    qb32 = tl.load(qrow + R // 2 + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
+    qa = qa32.to(tl.float16)
+    qb = qb32.to(tl.float16)
     qp = (tl.load(qrow + R + cp[None, :], mask=rmask[:, None] & (cp < E - R)[None, :], other=0.0).to(tl.float32)
           * qscale).to(tl.float16)
     freq = tl.load(inv_freq + ch, mask=ch < R // 2, other=0.0)
     j = tl.arange(0, BLOCK_T)
-    if ROPE_STEP:  # cos / sin of the split's first tile, then each next tile's by a rotation of BLOCK_T θ
-        cos, sin = _cos_sin((lo + j).to(tl.float32)[:, None] * freq[None, :], FAST)
-        c_step, s_step = _cos_sin(freq * BLOCK_T, FAST)
+    if ROPE_SPLIT:  # R(t0 θ + j θ) = R(t0 θ) R(j θ): keys turn by j θ (this table, the same every tile), the
+        cj, sj = _cos_sin(j.to(tl.float32)[:, None] * freq[None, :], FAST)  # query back by t0 θ (a tile)
     kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7 = _lut_words(klut, KLEVELS, KBITS)
     vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7 = _lut_words(vlut, VLEVELS, VBITS)
 
@@ -357,19 +374,24 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
     for start in range(lo, hi, BLOCK_T):
         t = start + j
         tmask = (t < hi) & (t >= S)
-        if R > 0 and not ROPE_STEP:
+        if ROPE_SPLIT:  # q · R(t0 + j) k = (R(t0)ᵀ q) · (R(j) k), exact; R(t0)ᵀ q: (g, r/2) work a tile
+            c0, s0 = _cos_sin((start * 1.0) * freq, FAST)
+            ua = (qa32 * c0[None, :] + qb32 * s0[None, :]).to(tl.float16)
+            ub = (qb32 * c0[None, :] - qa32 * s0[None, :]).to(tl.float16)
+            cos, sin = cj, sj
+        elif R > 0:
+            ua, ub = qa, qb
             cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
-        elif R == 0:
+        else:
+            ua, ub = qa, qb
             cos, sin = 1.0, 0.0
-        s = _key_scores(qa, qb, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
+        s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
                         kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, E, R, HP,
                         PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
         if KSLOTS > 0:
             s += _outlier_scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
                                  k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN, KSLOTS, KP,
                                  FAST, KBITS)
-        if ROPE_STEP:  # (cos, sin)(t + BLOCK_T) = (cos, sin)(t) rotated by BLOCK_T θ: 4 FMA a pair, no MUFU
-            cos, sin = cos * c_step[None, :] - sin * s_step[None, :], sin * c_step[None, :] + cos * s_step[None, :]
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
@@ -466,7 +488,7 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 PP=max(16, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_STEP=rotary_dim > 0 and CFG["ROPE"] == "step", **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", **flags)
 
 
 def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits):
