@@ -14,7 +14,8 @@ desynchronises the collectives of the next):
   capacity      the largest decode batch whose cache and one step fit at context --capacity-ctx
                 (a pure Mamba model's state does not grow with context)
   variants      TP decode with the gated norm fused into out_proj's all-reduce (1 per block) vs not (2),
-                NCCL-only vs auto (one-shot for small messages), int8-payload all-reduce
+                NCCL-only vs auto (one-shot for small messages), int8-payload all-reduce, the sharded gated
+                norm as torch references instead of its Triton kernels (--variants picks)
 A global budget (--budget-s) skips the remaining rows (recorded as skipped) so the job ends in time.
 Writes tp.json (rows as they come), tp.md and tp.png to --out; prints the table at the end.
 """
@@ -22,6 +23,7 @@ Writes tp.json (rows as they come), tp.md and tp.png to --out; prints the table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -230,10 +232,14 @@ def model_rows(bench: Bench, name: str, comm_auto, comm_nccl, comm_int8):
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    # TP variants at small batches: fused norm off, NCCL only, int8 payload
-    variants = {"two_allreduces": (comm_auto, False), "nccl_only": (comm_nccl, True), "int8_payload": (comm_int8, True)}
-    for vname, (comm, fuse) in variants.items():
-        if comm is None or "variants" not in a.kinds:
+    # TP variants at small batches: fused norm off, NCCL only, int8 payload; the sharded gated norm as the torch
+    # references (the per-op glue it was before its Triton kernels), fused and two-all-reduce
+    variants = {"two_allreduces": (comm_auto, False, False), "nccl_only": (comm_nccl, True, False),
+                "int8_payload": (comm_int8, True, False), "torch_norm": (comm_auto, True, True),
+                "torch_norm_two_allreduces": (comm_auto, False, True)}
+    for vname in a.variants.split(",") if "variants" in a.kinds else ():
+        comm, fuse, torch_norm = variants[vname]
+        if comm is None:
             continue
         model = None
 
@@ -244,12 +250,34 @@ def model_rows(bench: Bench, name: str, comm_auto, comm_nccl, comm_int8):
 
         if bench.row({"model": name, "mode": f"tp:{vname}", "kind": "build"}, build_v) is None:
             continue
-        for bs in (1, 32):
-            bench.row({"model": name, "mode": f"tp:{vname}", "kind": "decode", "batch": bs},
-                      lambda: {"tpot_ms": decode_ms(model, bs, a.steps), "tok_s": None})
+        with sharded_norm_as_references(torch_norm):
+            for bs in [int(b) for b in a.variant_batches.split(",")]:
+                bench.row({"model": name, "mode": f"tp:{vname}", "kind": "decode", "batch": bs},
+                          lambda: {"tpot_ms": decode_ms(model, bs, a.steps), "tok_s": None})
+            if a.profile and torch_norm:
+                bench.row({"model": name, "mode": f"tp:{vname}", "kind": "profile"},
+                          lambda: {"kernels": profile_step(model, 1, top=20 if bench.rank == 0 else 0)})
         del model
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def sharded_norm_as_references(on: bool):
+    """While on, ``ssmq.runtime.tp`` runs the sharded gated norm's torch references instead of its Triton kernels."""
+    from ssmq import kernels
+    from ssmq.ops import norm as ref
+
+    names = ("rmsnorm_gated_partial", "rmsnorm_gated_reduced", "rstd_scale")
+    saved = {n: getattr(kernels, n) for n in names}
+    if on:
+        for n in names:
+            setattr(kernels, n, getattr(ref, f"{n}_ref"))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(kernels, n, f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,6 +355,10 @@ def main():
     ap.add_argument("--capacity-limit", type=int, default=16384)
     ap.add_argument("--ar-batches", default="1,4,16,64,256", help="all-reduce rows' batches ('' for none)")
     ap.add_argument("--kinds", default="decode,ttft,capacity,variants", help="which model rows to run")
+    ap.add_argument("--variants", default="two_allreduces,nccl_only,int8_payload,torch_norm",
+                    help="TP variants to time (two_allreduces, nccl_only, int8_payload, torch_norm, "
+                         "torch_norm_two_allreduces)")
+    ap.add_argument("--variant-batches", default="1,32")
     ap.add_argument("--profile", action="store_true", help="kernels of one eager batch-1 decode step per mode")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip rows once this much time has passed")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/tp"))

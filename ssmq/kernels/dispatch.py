@@ -231,6 +231,30 @@ def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):
     return impl(x, x_scale, per_token, with_y)
 
 
+def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True):
+    """``ops.norm.rmsnorm_gated_partial_ref``: a tensor-parallel rank's gated norm before the group's all-reduce."""
+    from ssmq.ops.norm import rmsnorm_gated_partial_ref
+
+    impl = _kernels("norm_sharded").rmsnorm_gated_partial if _use_triton(x) else rmsnorm_gated_partial_ref
+    return impl(x, weight, z, ss_out, col, with_out)
+
+
+def rmsnorm_gated_reduced(x, weight, z, ss, col, group_size, eps):
+    """``ops.norm.rmsnorm_gated_reduced_ref``: the rank's gated norm from its group's all-reduced sum of squares."""
+    from ssmq.ops.norm import rmsnorm_gated_reduced_ref
+
+    impl = _kernels("norm_sharded").rmsnorm_gated_reduced if _use_triton(x) else rmsnorm_gated_reduced_ref
+    return impl(x, weight, z, ss, col, group_size, eps)
+
+
+def rstd_scale(red, group_size, eps, bias=None, out_dtype=None):
+    """``ops.norm.rstd_scale_ref``: the fused norm + out_proj all-reduce's result, normalised per token."""
+    from ssmq.ops.norm import rstd_scale_ref
+
+    impl = _kernels("norm_sharded").rstd_scale if _use_triton(red) else rstd_scale_ref
+    return impl(red, group_size, eps, bias, out_dtype)
+
+
 _DECODE_ROWS = 8  # gemv.MAX_ROWS: one weight pass serves this many rows; more rows are GEMMs, cuBLAS's ground
 
 

@@ -102,3 +102,63 @@ def rmsnorm_gated_quant_ref(
         out = hadamard_transform(out)
     q, scale = quantize_act_ref(out, x_scale, per_token)
     return q, scale, out if with_out else None
+
+
+# Tensor parallelism (ssmq.runtime.tp) can split one gated-norm group over ranks (Mamba-2 with ngroups 1): each rank
+# holds d_l of the group's channels, and the group's sum of squares is the sum of the ranks' partial sums. These
+# three ops are the rank-local pieces around the all-reduce that adds them up.
+def rmsnorm_gated_partial_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor,
+    ss_out: torch.Tensor,
+    col: int = 0,
+    with_out: bool = True,
+) -> torch.Tensor | None:
+    """One rank's share of a gated RMSNorm whose group spans ranks, before the reduction.
+
+    x, z: (..., d_l) this rank's channels; weight: (d_l,) their norm weight; ss_out: (..., k) float32, written in
+    place (it is what the all-reduce sends): column ``col`` gets sum(u²) over the rank's channels, u = x · silu(z)
+    in float32, the other columns 0. Returns u · weight in x's dtype (..., d_l): out_proj's input on the fused path,
+    where out_proj(u · w) · rstd == out_proj(norm(u) · w) because rstd is one number per token; None when not
+    ``with_out`` (the two-all-reduce path normalises after the reduction, ``rmsnorm_gated_reduced_ref``).
+    """
+    u = x.float() * F.silu(z.float())
+    ss_out.zero_()
+    ss_out[..., col] = u.pow(2).sum(-1)
+    return (u * weight.float()).to(x.dtype) if with_out else None
+
+
+def rmsnorm_gated_reduced_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor,
+    ss: torch.Tensor,
+    col: int,
+    group_size: int,
+    eps: float,
+) -> torch.Tensor:
+    """This rank's channels of a gated RMSNorm given their group's all-reduced sum of squares ``ss[..., col]``.
+
+    x, z: (..., d_l); weight: (d_l,); ss: (..., k) float32. Returns x · silu(z) · rsqrt(ss / group_size + eps) ·
+    weight in x's dtype (..., d_l).
+    """
+    u = x.float() * F.silu(z.float())
+    return (u * torch.rsqrt(ss[..., col:col + 1] / group_size + eps) * weight.float()).to(x.dtype)
+
+
+def rstd_scale_ref(
+    red: torch.Tensor,
+    group_size: int,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The fused path after its all-reduce: red (..., n + 1) float32 = [Σ_ranks out_proj(u · w) | Σ_ranks sum(u²)].
+
+    Returns red[..., :n] · rsqrt(red[..., n] / group_size + eps) (+ bias) in ``out_dtype`` (None: red's), (..., n).
+    """
+    out = red[..., :-1] * torch.rsqrt(red[..., -1:] / group_size + eps)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or red.dtype)

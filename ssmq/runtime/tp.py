@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ssmq import kernels
 from ssmq.errors import SSMQError
 from ssmq.ops.layout import mamba1_in_proj_segments, mamba2_conv_segments, mamba2_in_proj_segments, norm_group_size
 from ssmq.quant.hadamard import RotatedLinear, hadamard_transform
@@ -182,26 +182,30 @@ class RowParallel(nn.Module):
 # ---------------------------------------------------------------------------------------------
 class ShardedGatedNorm(nn.Module):
     """norm(y · silu(z)) · w where this rank's channels lie inside norm group ``group`` of ``n_groups``
-    (of ``group_size`` channels each): the group's sum of squares is all-reduced. y, z: (..., d_l)."""
+    (of ``group_size`` channels each): the group's sum of squares is all-reduced. y, z: (..., d_l).
+
+    partial (the fused path): returns u · w (u = y · silu(z), unnormalised) and leaves ``self.part``, the
+    (..., send_cols) float32 tensor that ``FusedNormOutProj`` all-reduces, with this rank's partial sum of
+    squares already in its last column (``kernels.rmsnorm_gated_partial``: one kernel, no cast or cat).
+    """
 
     def __init__(self, weight: torch.Tensor, eps: float, group_size: int, group: int, n_groups: int,
                  comm: Communicator, partial: bool = False):
         super().__init__()
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.eps, self.group_size, self.group, self.n_groups, self.comm = eps, group_size, group, n_groups, comm
-        self.partial = partial  # fused path: return u · w and leave the sum of squares in ``self.ss``
-        self.ss = None
+        self.partial = partial
+        self.send_cols = None  # out_proj's outputs + 1, set by FusedNormOutProj
+        self.part = None
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        u = y.float() * F.silu(z.float())
-        ss = u.pow(2).sum(-1, keepdim=True)  # (..., 1)
         if self.partial:
-            self.ss = ss
-            return (u * self.weight.float()).to(y.dtype)
-        sums = torch.zeros(*ss.shape[:-1], self.n_groups, dtype=torch.float32, device=u.device)
-        sums[..., self.group:self.group + 1] = ss
-        ss = self.comm.all_reduce(sums, name="gated_norm")[..., self.group:self.group + 1]
-        return (u * torch.rsqrt(ss / self.group_size + self.eps) * self.weight.float()).to(y.dtype)
+            self.part = torch.empty(*y.shape[:-1], self.send_cols, dtype=torch.float32, device=y.device)
+            return kernels.rmsnorm_gated_partial(y, self.weight, z, self.part[..., -1:], 0)
+        sums = torch.empty(*y.shape[:-1], self.n_groups, dtype=torch.float32, device=y.device)
+        kernels.rmsnorm_gated_partial(y, self.weight, z, sums, self.group, with_out=False)
+        ss = self.comm.all_reduce(sums, name="gated_norm")
+        return kernels.rmsnorm_gated_reduced(y, self.weight, z, ss, self.group, self.group_size, self.eps)
 
 
 class FusedNormOutProj(nn.Module):
@@ -209,8 +213,8 @@ class FusedNormOutProj(nn.Module):
 
     The norm left u·w (unnormalised) and its partial sum of squares; since out_proj is linear and the
     norm factor rsqrt(mean + eps) is one scalar per token, out_proj(u·w)·factor == out_proj(norm(u)·w):
-    the partial sum of squares rides as an extra column of out_proj's all-reduce (float32) and the factor
-    is applied after it. The bias is added once, after.
+    out_proj writes its (float32) partial output beside the partial sum of squares in the norm's send
+    tensor, one all-reduce adds both up, and ``kernels.rstd_scale`` applies the factor (and the bias, once).
     """
 
     def __init__(self, inner: nn.Module, norm: ShardedGatedNorm, comm: Communicator, start: int, stop: int):
@@ -219,14 +223,13 @@ class FusedNormOutProj(nn.Module):
         row_parallel_(inner, start, stop, keep_bias=True)
         inner.bias = None
         self.inner, self.norm, self.comm = inner, norm, comm
+        norm.send_cols = inner.out_features + 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        part = torch.cat([self.inner(x).float(), self.norm.ss], dim=-1)
+        part = self.norm.part
+        part[..., :-1] = self.inner(x)
         red = self.comm.all_reduce(part, name="out_proj+norm", exact_cols=1)
-        out = red[..., :-1] * torch.rsqrt(red[..., -1:] / self.norm.group_size + self.norm.eps)
-        if self.bias is not None:
-            out = out + self.bias.float()
-        return out.to(x.dtype)
+        return kernels.rstd_scale(red, self.norm.group_size, self.norm.eps, self.bias, x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

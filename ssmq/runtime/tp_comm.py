@@ -47,7 +47,7 @@ class Communicator:
         self.mode, self.payload, self.block = mode, payload, block
         self.oneshot_max_bytes = oneshot_max_bytes
         self.counting, self.counts = False, Counter()
-        self._symm = None  # (buffer, group name) once symmetric memory is set up
+        self._symm = None  # (buffer, group name, copy_in) once symmetric memory is set up
         if mode in ("auto", "oneshot") and device is not None and torch.device(device).type == "cuda":
             self._symm = _symmetric_buffer(self.group, oneshot_max_bytes, torch.device(device), strict=mode == "oneshot")
         if mode == "oneshot" and self._symm is None:
@@ -81,12 +81,15 @@ class Communicator:
         return x
 
     def _oneshot(self, x: torch.Tensor) -> torch.Tensor:
-        buf, name = self._symm
-        n = x.numel()
-        view = buf.view(x.dtype)[:n]
-        view.copy_(x.reshape(-1))
+        buf, name, copy_in = self._symm
+        x = x.contiguous()
+        view = buf.view(x.dtype)[:x.numel()]
         out = torch.empty_like(x)
-        torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", name, out.view(-1))
+        if copy_in:  # the kernel copies x into the symmetric buffer itself: no memcpy of its own
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(view, x.view(-1), "sum", name, out.view(-1))
+        else:
+            view.copy_(x.view(-1))
+            torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", name, out.view(-1))
         return out
 
     def _quantized_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +142,8 @@ def dequantize_blocks(codes: torch.Tensor, scale: torch.Tensor, k: int, block: i
 
 
 def _symmetric_buffer(group, nbytes: int, device: torch.device, strict: bool):
-    """(uint8 symmetric buffer of ``nbytes``, group name), or None where symmetric memory is unavailable.
+    """(uint8 symmetric buffer of ``nbytes``, group name, whether ``one_shot_all_reduce_copy_out`` works), or None
+    where symmetric memory is unavailable.
 
     NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set when absent); the one-shot
     kernel only reads peers' buffers over peer-to-peer mappings.
@@ -154,8 +158,28 @@ def _symmetric_buffer(group, nbytes: int, device: torch.device, strict: bool):
             symm_mem.enable_symm_mem_for_group(group.group_name)
         buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(buf, group.group_name)
-        return buf, group.group_name
+        return buf, group.group_name, _copy_in_works(buf, group)
     except Exception as e:  # noqa: BLE001 - any failure means: fall back to NCCL
         if strict:
             raise SSMQError(f"symmetric memory unavailable for the one-shot all-reduce: {e}") from e
         return None
+
+
+def _copy_in_works(buf: torch.Tensor, group) -> bool:
+    """Whether this torch's ``one_shot_all_reduce_copy_out`` (the input copied into the symmetric buffer inside the
+    all-reduce kernel, one launch less than copy + ``one_shot_all_reduce_out``) exists and sums correctly: tried once
+    at setup, on every rank (each rank sends rank + 1)."""
+    op = getattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out", None)
+    if op is None:
+        return False
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    try:
+        x = torch.full((16,), float(rank + 1), device=buf.device)
+        out = torch.empty_like(x)
+        op(buf.view(torch.float32)[:16], x, "sum", group.group_name, out)
+        ok = bool((out == world * (world + 1) / 2).all())
+    except Exception:  # noqa: BLE001 - any failure: copy, then the plain one-shot kernel
+        ok = False
+    flag = torch.tensor([int(ok)], device=buf.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # every rank takes the same path
+    return bool(flag.item())

@@ -1,0 +1,229 @@
+"""The gated norm split over tensor-parallel ranks (``ssmq.ops.norm`` *_partial / *_reduced / rstd_scale).
+
+CPU: the rank-local references, with the all-reduce simulated by a sum, give the unsharded gated norm (two-all-reduce
+path) and out_proj of it (fused path). ``gpu`` (or ``SSMQ_TRITON_INTERPRET=1``): the Triton twins equal the
+references; with 2 GPUs, a tiny Mamba-2 with one norm group sharded over 2 ranks (NCCL, one-shot all-reduce, CUDA
+graphs) gives the single-GPU logits.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssmq.ops.norm import rmsnorm_gated_partial_ref, rmsnorm_gated_reduced_ref, rmsnorm_gated_ref, rstd_scale_ref
+
+
+def _shards(t, world):
+    return t.chunk(world, dim=-1)
+
+
+@pytest.mark.parametrize("world,group", [(2, 256), (4, 256), (4, 128)])
+def test_two_reduce_refs_compose_to_the_gated_norm(world, group):
+    """Ranks' partial sums of squares, summed (the all-reduce), then each rank's reduced norm == the full norm."""
+    torch.manual_seed(0)
+    d, eps = 256, 1e-5
+    x, z, w = torch.randn(3, 2, d), torch.randn(3, 2, d), 1 + 0.1 * torch.randn(d)
+    n_groups, d_l = d // group, d // world
+    sends = []
+    for r, (xr, zr, wr) in enumerate(zip(_shards(x, world), _shards(z, world), _shards(w, world))):
+        ss = torch.full((3, 2, n_groups), float("nan"))  # every column is written
+        assert rmsnorm_gated_partial_ref(xr, wr, zr, ss, r * d_l // group, with_out=False) is None
+        sends.append(ss)
+    red = sum(sends)
+    out = torch.cat([rmsnorm_gated_reduced_ref(xr, wr, zr, red, r * d_l // group, group, eps)
+                     for r, (xr, zr, wr) in enumerate(zip(_shards(x, world), _shards(z, world), _shards(w, world)))],
+                    dim=-1)
+    ref = rmsnorm_gated_ref(x, w, z, eps, group)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_refs_compose_to_out_proj_of_the_gated_norm(bias):
+    """Σ_ranks [out_proj_r(u_r · w_r) | ss_r], then rstd_scale == out_proj(norm(u) · w) (+ bias)."""
+    torch.manual_seed(1)
+    d, n, eps, world = 192, 40, 1e-6, 2
+    x, z, w = torch.randn(5, d), torch.randn(5, d), 1 + 0.1 * torch.randn(d)
+    W, b = torch.randn(n, d) / d ** 0.5, torch.randn(n) if bias else None
+    red = 0
+    for xr, zr, wr, Wr in zip(_shards(x, world), _shards(z, world), _shards(w, world), _shards(W, world)):
+        part = torch.empty(5, n + 1)
+        yw = rmsnorm_gated_partial_ref(xr, wr, zr, part[:, -1:])
+        part[:, :-1] = F.linear(yw, Wr)
+        red = red + part
+    out = rstd_scale_ref(red, d, eps, b, torch.float32)
+    ref = F.linear(rmsnorm_gated_ref(x, w, z, eps), W, b)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels vs the references
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def NS():
+    from test_kernels import kernel_module
+
+    return kernel_module("norm_sharded")
+
+
+def _kernel_cases():
+    from test_kernels import DTYPES, INTERPRET
+
+    shapes = [((2,), 40, 1), ((3,), 96, 3)] if INTERPRET else [((1,), 2560, 1), ((8,), 2560, 1), ((2, 3), 1280, 4),
+                                                               ((64,), 4096, 2), ((1,), 40, 1)]
+    return [(lead, d, k, dt) for lead, d, k in shapes for dt in DTYPES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,d,k,dtype", _kernel_cases())
+def test_partial_and_reduced_kernels_match_references(NS, lead, d, k, dtype):
+    from test_kernels import DEV, TOL, rel
+
+    torch.manual_seed(2)
+    # x and z as strided views of one in_proj-like output, as the mixer hands them over
+    proj = torch.randn(*lead, 3 * d + 7, device=DEV).to(dtype)
+    z, x = proj[..., :d], proj[..., d + 3:2 * d + 3]
+    w = (1 + 0.1 * torch.randn(d, device=DEV)).to(dtype)
+    col = k - 1
+    # fused path: the sum of squares goes into the last column of the send tensor beside out_proj's outputs
+    part, part_ref = (torch.full((*lead, 33), float("nan"), device=DEV) for _ in range(2))
+    yw = NS.rmsnorm_gated_partial(x, w, z, part[..., -1:], 0)
+    yw_ref = rmsnorm_gated_partial_ref(x, w, z, part_ref[..., -1:], 0)
+    assert yw.dtype == dtype and yw.shape == x.shape
+    assert rel(yw, yw_ref) <= TOL[dtype]
+    assert rel(part[..., -1], part_ref[..., -1]) <= 1e-5
+    assert torch.isnan(part[..., :-1]).all()  # nothing else of the row touched
+    # two-all-reduce path: the whole (..., k) row, the group column and zeros
+    ss, ss_ref = (torch.full((*lead, k), float("nan"), device=DEV) for _ in range(2))
+    assert NS.rmsnorm_gated_partial(x, w, z, ss, col, with_out=False) is None
+    rmsnorm_gated_partial_ref(x, w, z, ss_ref, col, with_out=False)
+    assert rel(ss, ss_ref) <= 1e-5 and (ss[..., :col] == 0).all()
+    red = ss * 2.5  # as if the other ranks had added theirs
+    out = NS.rmsnorm_gated_reduced(x, w, z, red, col, 2 * d, 1e-5)
+    ref = rmsnorm_gated_reduced_ref(x, w, z, red, col, 2 * d, 1e-5)
+    assert out.dtype == dtype and rel(out, ref) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,d,k,dtype", _kernel_cases())
+def test_rstd_scale_kernel_matches_reference(NS, lead, d, k, dtype):
+    from test_kernels import DEV, TOL, rel
+
+    torch.manual_seed(3)
+    red = torch.randn(*lead, d + 1, device=DEV)
+    red[..., -1] = red[..., -1].abs() * d
+    for bias in (None, torch.randn(d, device=DEV).to(dtype)):
+        out = NS.rstd_scale(red, 2 * d, 1e-6, bias, dtype)
+        ref = rstd_scale_ref(red, 2 * d, 1e-6, bias, dtype)
+        assert out.dtype == dtype and out.shape == (*lead, d) and rel(out, ref) <= TOL[dtype]
+
+
+def test_partial_kernel_refuses_a_send_buffer_it_cannot_write_in_place(NS):
+    from test_kernels import DEV
+
+    x = torch.randn(4, 32, device=DEV)
+    with pytest.raises(ValueError, match="unit stride"):
+        NS.rmsnorm_gated_partial(x, torch.ones(32, device=DEV), x, torch.zeros(3, 4, device=DEV).t(), 0)
+
+
+@pytest.mark.parametrize("use_gdc", [False, True])
+def test_kernels_compile_for_sm90_with_and_without_pdl(use_gdc):
+    """The three kernels compile for the H100/H200 at Mamba2-2.7B's TP=2 sizes; with USE_GDC each waits on
+    griddepcontrol before its first load (the PDL contract of ssmq.kernels._common)."""
+    pytest.importorskip("triton")
+    from test_kernel_compile import _compile_sm90
+
+    from ssmq.kernels import norm_sharded as ns
+
+    io = {"x_ptr": "bf16", "z_ptr": "bf16", "w_ptr": "bf16"}
+    for kernel, pointers, const, floats in (
+        (ns._gated_partial, {**io, "out_ptr": "bf16", "ss_ptr": "fp32"},
+         {"WITH_OUT": True, "BLOCK": 4096, "BLOCK_K": 2}, ()),
+        (ns._gated_partial, {**io, "out_ptr": "bf16", "ss_ptr": "fp32"},
+         {"WITH_OUT": False, "BLOCK": 2048, "BLOCK_K": 4}, ()),
+        (ns._gated_reduced, {**io, "ss_ptr": "fp32", "out_ptr": "bf16"}, {"BLOCK": 4096}, ("eps",)),
+        (ns._rstd_scale, {"red_ptr": "fp32", "b_ptr": "bf16", "out_ptr": "bf16"}, {"HAS_BIAS": True, "BLOCK": 4096},
+         ("eps",)),
+    ):
+        ptx = _compile_sm90(kernel, pointers, {**const, "USE_GDC": use_gdc}, floats=floats, num_warps=16).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == use_gdc
+        if use_gdc:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
+# ---------------------------------------------------------------------------------------------
+# two GPUs: a sharded Mamba-2 with one norm group == one GPU
+# ---------------------------------------------------------------------------------------------
+def _gpu_rank(rank, world, init_file, out_dir, dtype):
+    import torch.distributed as dist
+
+    from _tp_cases import run_model
+    from tiny_ssm import tiny_model
+
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder
+    from ssmq.runtime.tp import apply_tp
+    from ssmq.runtime.tp_comm import Communicator
+    from ssmq.runtime.tp_launch import init_tp
+
+    _, _, device = init_tp(world, device="cuda", init_method=f"file://{init_file}", rank=rank, world=world)
+    results = {}
+    for fuse in (True, False):
+        for mode in ("auto", "nccl"):  # auto: the one-shot symmetric-memory all-reduce at these sizes
+            model = tiny_model("mamba2", ngroups=1).to(device=device, dtype=dtype)
+            eager = dtype == torch.float32  # run_model's caches are float32
+            ref = run_model(model) if eager else {}
+            ref["graph"] = _graph_steps(CudaGraphDecoder, model, dtype)
+            comm = Communicator(mode=mode, device=device)
+            apply_tp(model, comm, fuse_norm=fuse)
+            got = run_model(model) if eager else {}
+            got["graph"] = _graph_steps(CudaGraphDecoder, model, dtype)
+            results[f"fuse={fuse} {mode} copy_in={comm._symm[2] if comm._symm else None}"] = (
+                {k: v.cpu() if torch.is_tensor(v) else v for k, v in got.items()},
+                {k: v.cpu() if torch.is_tensor(v) else v for k, v in ref.items()})
+    torch.save(results, Path(out_dir) / f"{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@torch.no_grad()
+def _graph_steps(decoder_cls, model, dtype, steps: int = 4):
+    dec = decoder_cls(model, max_batch=2, max_seqlen=16, buckets=(2,), dtype=dtype)
+    tok, slots, out = torch.tensor([3, 5], device="cuda"), torch.arange(2, device="cuda"), []
+    for _ in range(steps):
+        logits = dec(tok, slots)
+        out.append(logits.float().clone())  # a view of the graph's output buffer
+        tok = logits.argmax(-1)
+    return torch.stack(out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_sharded_norm_on_two_gpus_equals_one_gpu(dtype, tol):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_gpu_rank, args=(r, 2, os.path.join(tmp, "init"), tmp, dtype)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        codes = [p.exitcode for p in procs]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        assert codes == [0, 0], f"ranks exited with {codes}"
+        per_rank = [torch.load(Path(tmp) / f"{r}.pt", weights_only=False) for r in range(2)]
+    for name, (got, ref) in per_rank[0].items():
+        for key in ("full", "prefill", "decode", "graph") if dtype == torch.float32 else ("graph",):
+            err = ((got[key].float() - ref[key].float()).abs().max() / ref[key].float().abs().max().clamp(min=1)).item()
+            assert err <= tol, f"{name} {key}: max |TP - single| / max |logit| = {err:.2e}"
+            assert torch.equal(per_rank[1][name][0][key], got[key]), f"{name} {key}: ranks disagree"
+        if dtype == torch.float32:
+            assert got["generated"] == ref["generated"], f"{name}: greedy generation differs"
