@@ -124,6 +124,28 @@ def test_rstd_scale_kernel_matches_reference(NS, lead, d, k, dtype):
         assert out.dtype == dtype and out.shape == (*lead, d) and rel(out, ref) <= TOL[dtype]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+def test_gemv_writes_float32_into_a_column_slice(rows):
+    """``linear_decode(out=...)``: the fused path's out_proj writes its float32 sums beside the norm's column (both the
+    one-pass and the K-split GEMV), leaving that column alone."""
+    from test_kernels import DEV, DTYPES, INTERPRET, kernel_module, rel
+
+    gemv = kernel_module("gemv")
+    torch.manual_seed(4)
+    n, k = (48, 1024) if INTERPRET else (2560, 2560)
+    for dtype in DTYPES:
+        x, w = torch.randn(rows, k, device=DEV).to(dtype), (torch.randn(n, k, device=DEV) / k ** 0.5).to(dtype)
+        for split in (False, True):  # MAX_SPLIT 1: one pass; MIN_SPLIT_K 256: a K split
+            cfg = {"MAX_SPLIT": 8, "MIN_SPLIT_K": 256, "WAVES": 64} if split else {"MAX_SPLIT": 1}
+            part = torch.full((rows, n + 1), float("nan"), device=DEV)
+            assert gemv.linear_decode(x, w, cfg=cfg, out=part[:, :-1]).data_ptr() == part.data_ptr()
+            assert rel(part[:, :-1], F.linear(x.float(), w.float())) <= (1e-5 if dtype == torch.float32 else 2e-3)
+            assert torch.isnan(part[:, -1]).all()
+    with pytest.raises(ValueError, match="view"):
+        gemv.linear_decode(x, w, out=torch.empty(rows, n + 1, device=DEV)[:, :-2])
+
+
 def test_partial_kernel_refuses_a_send_buffer_it_cannot_write_in_place(NS):
     from test_kernels import DEV
 
@@ -134,8 +156,9 @@ def test_partial_kernel_refuses_a_send_buffer_it_cannot_write_in_place(NS):
 
 @pytest.mark.parametrize("use_gdc", [False, True])
 def test_kernels_compile_for_sm90_with_and_without_pdl(use_gdc):
-    """The three kernels compile for the H100/H200 at Mamba2-2.7B's TP=2 sizes; with USE_GDC each waits on
-    griddepcontrol before its first load (the PDL contract of ssmq.kernels._common)."""
+    """The three kernels (and the GEMV's K-split sum with its row stride) compile for the H100/H200 at Mamba2-2.7B's
+    TP=2 sizes; with USE_GDC each waits on griddepcontrol before its first load (the PDL contract of
+    ssmq.kernels._common)."""
     pytest.importorskip("triton")
     from test_kernel_compile import _compile_sm90
 
@@ -155,6 +178,12 @@ def test_kernels_compile_for_sm90_with_and_without_pdl(use_gdc):
         assert ("griddepcontrol.wait" in ptx) == use_gdc
         if use_gdc:
             assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    # the GEMV's K-split sum with strided output rows (linear_into's float32 column slice)
+    from ssmq.kernels import gemv
+
+    ptx = _compile_sm90(gemv._sum_splits, {"p_ptr": "fp32", "b_ptr": "fp32", "out_ptr": "fp32"},
+                        {"HAS_BIAS": False, "BLOCK": 1024, "USE_GDC": use_gdc}).asm["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == use_gdc
 
 
 # ---------------------------------------------------------------------------------------------

@@ -266,6 +266,17 @@ def linear(x, weight, bias=None):
     return F.linear(x, weight, bias)
 
 
+def linear_into(x, weight, out):
+    """``out[...] = F.linear(x, weight)``, out (..., N) of any float dtype whose rows may be strided (a column slice of
+    a wider tensor): on CUDA the decode GEMV writes it directly (no output tensor of its own, no cast or copy after);
+    elsewhere, or for more rows, F.linear and one copy. Returns out."""
+    if (_use_triton(x) and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and 0 < math.prod(x.shape[:-1]) <= _DECODE_ROWS and out.stride(-1) == 1):
+        return _kernels("gemv").linear_decode(x, weight, None, out=out)
+    out.copy_(F.linear(x, weight))
+    return out
+
+
 def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None):
     """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear)."""
     impl = _kernels("quant_gemm").quant_linear if _use_triton(w_q) else ops.quant_linear_ref

@@ -93,7 +93,7 @@ def _gemv(
 
 @triton.jit
 def _sum_splits(p_ptr, b_ptr, out_ptr, MN, N, n_split, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-                USE_GDC: tl.constexpr = False):
+                USE_GDC: tl.constexpr = False, s_om=0):
     gdc_enter(USE_GDC)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < MN
@@ -102,7 +102,10 @@ def _sum_splits(p_ptr, b_ptr, out_ptr, MN, N, n_split, HAS_BIAS: tl.constexpr, B
         acc += tl.load(p_ptr + s * MN + offs, mask=m, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+    dst = offs
+    if s_om != 0:  # output rows s_om apart (written into a wider tensor, ``linear_decode(out=...)``)
+        dst = (offs // N) * s_om + offs % N
+    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _plan(dot: bool, M: int, N: int, K: int, sms: int, cfg: dict) -> dict:
@@ -141,13 +144,15 @@ def _config(M: int, N: int, K: int, sms: int, cfg=None) -> dict:
     return dot if dot["split"] == 1 else _plan(False, M, N, K, sms, cfg)
 
 
-def linear_decode(x, weight, bias=None, cfg=None):
+def linear_decode(x, weight, bias=None, cfg=None, out=None):
     """``F.linear(x, weight, bias)`` for few rows, streaming the weight once.
 
     x: (..., K); weight: (N, K) with unit stride on K (nn.Linear's layout); bias: (N,) or None;
     all one dtype (float16, bfloat16 or float32). Returns (..., N) in x's dtype, sums in float32.
     Meant for at most MAX_ROWS rows (prod of x's leading dims); more rows work, each further
     block of rows re-reading the weight. ``cfg`` overrides entries of CFG (tests, tuning).
+    ``out``: (..., N) to write the result into instead (returned), in its own float dtype (the float32
+    sums rounded once); its rows may be strided (a column slice of a wider tensor), its N not.
     """
     K = x.shape[-1]
     N = weight.shape[0]
@@ -161,7 +166,16 @@ def linear_decode(x, weight, bias=None, cfg=None):
         weight = weight.contiguous()
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()
-    out = torch.empty((*x.shape[:-1], N), device=x.device, dtype=x.dtype)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], N), device=x.device, dtype=x.dtype)
+        s_om = N
+    else:
+        o2 = out.reshape(M, N) if tuple(out.shape) == (*x.shape[:-1], N) else None
+        if o2 is None or (N > 1 and o2.stride(-1) != 1) \
+                or o2.untyped_storage().data_ptr() != out.untyped_storage().data_ptr():
+            raise ValueError(f"out {tuple(out.shape)} must be a ({', '.join(map(str, (*x.shape[:-1], N)))}) view "
+                             f"with rows of unit stride")
+        s_om = o2.stride(0)
     if M == 0 or N == 0:
         return out
     c = _config(M, N, K, sm_count(x.device), CFG if cfg is None else {**CFG, **cfg})
@@ -170,7 +184,7 @@ def linear_decode(x, weight, bias=None, cfg=None):
     part = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
     _gemv[c["grid"]](
         x2, weight, bias if bias is not None else weight, part, M, N, K, c["k_split"],
-        x2.stride(0), weight.stride(0), N, M * N,
+        x2.stride(0), weight.stride(0), s_om if split == 1 else N, M * N,
         HAS_BIAS=bias is not None and split == 1, DOT=c["DOT"], PRECISION=dot_precision(x.dtype),
         EVEN_K=c["EVEN_K"],
         BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
@@ -180,6 +194,6 @@ def linear_decode(x, weight, bias=None, cfg=None):
         BLOCK = 1024
         _sum_splits[(triton.cdiv(M * N, BLOCK),)](
             part, bias if bias is not None else part, out, M * N, N, split,
-            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(x2),
+            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(x2), s_om=0 if s_om == N else s_om,
         )
     return out

@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
+from ssmq.models.linear import Linear
 from ssmq.ops.layout import mamba1_in_proj_segments, mamba2_conv_segments, mamba2_in_proj_segments, norm_group_size
 from ssmq.quant.hadamard import RotatedLinear, hadamard_transform
 from ssmq.quant.linear import QuantLinear
@@ -227,7 +228,10 @@ class FusedNormOutProj(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = self.norm.part
-        part[..., :-1] = self.inner(x)
+        if type(self.inner) in (Linear, nn.Linear):  # float: the GEMV writes float32 sums straight into part
+            kernels.linear_into(x, self.inner.weight, part[..., :-1])
+        else:
+            part[..., :-1] = self.inner(x)
         red = self.comm.all_reduce(part, name="out_proj+norm", exact_cols=1)
         return kernels.rstd_scale(red, self.norm.group_size, self.norm.eps, self.bias, x.dtype)
 
