@@ -21,7 +21,7 @@ def build(source):
 @torch.no_grad()
 def run_model(model, prompt=PROMPT, steps: int = 4, batch: int = 2, ssm_dtype=None) -> dict:
     """Logits of a full forward, of a cached prefill, of ``steps`` greedy decode steps; greedy tokens."""
-    ids = torch.tensor([prompt] * batch)
+    ids = torch.tensor([prompt] * batch, device=model.device)
     ids[1:, 0] = 1  # rows differ
     full = model(ids)
     cache = model.allocate_cache(batch, len(prompt) + steps + 1, dtype=torch.float32, ssm_dtype=ssm_dtype)
