@@ -164,6 +164,8 @@ def test_kernels_compile_for_sm90_with_and_without_pdl(use_gdc):
 
     from ssmq.kernels import norm_sharded as ns
 
+    if type(ns._gated_partial).__name__ == "InterpretedFunction":
+        pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
     io = {"x_ptr": "bf16", "z_ptr": "bf16", "w_ptr": "bf16"}
     for kernel, pointers, const, floats in (
         (ns._gated_partial, {**io, "out_ptr": "bf16", "ss_ptr": "fp32"},
