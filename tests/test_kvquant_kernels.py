@@ -66,7 +66,13 @@ def test_decode_splits_equal_reference(k, case, splits):
     _check(k, case, False, splits)
 
 
-def _check(k, case, k_per_token, splits=None):
+def test_decode_many_value_outliers_equal_reference(k):
+    """6 value outlier slots a token over 2 kv heads x 16 channels: several land in one head and token (the kernel
+    visits a head's slots in rank order, as many passes as the busiest token of a tile needs)."""
+    _check(k, (2, 4, 2, 16, 50, 16, 2, 1, 16), False, v_slots=6)
+
+
+def _check(k, case, k_per_token, splits=None, v_slots=1):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
     b, hq, hkv, e, L, r, ko, sink, levels = case
@@ -74,7 +80,7 @@ def _check(k, case, k_per_token, splits=None):
     s = b + 2
     k_levels, v_levels = levels if isinstance(levels, tuple) else (levels, levels)
     K = side(s, L, hkv, e, k_per_token, ko, sink, gen, k_levels)
-    V = side(s, L, hkv, e, True, 1, sink, gen, v_levels)
+    V = side(s, L, hkv, e, True, v_slots, sink, gen, v_levels)
     q = torch.randn(b, hq, e, generator=gen).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
     lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).to(DEV)

@@ -23,7 +23,8 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to 1
     values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
              so the tile is B itself (no arithmetic a value); per-channel scales scale the tile; sparse
              outliers: B zeroed at their entries and p · (val - m_t) added there (one more product); a tile's
-             slots are loaded as one (BLOCK_T, slots) tile, each slot's column then picked in registers
+             slots are loaded as one (BLOCK_T, slots) tile, the kv head's own ranked within their token, and the
+             tile takes as many compare-and-select passes as its busiest token has (~3 of 1%'s 10 slots)
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -411,9 +412,11 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                     om = tmask[:, None] & (jj < VSLOTS)[None, :]
                     idx2 = tl.load(voi + ob, mask=om, other=-1).to(tl.int32) - hk * E
                     val2 = tl.load(vov + ob, mask=om, other=0.0).to(tl.float32)
-                    for js in tl.static_range(VSLOTS):
-                        idx = tl.sum(tl.where(jj[None, :] == js, idx2, 0), 1)
-                        val = tl.sum(tl.where(jj[None, :] == js, val2, 0.0), 1)
+                    hit = (idx2 >= 0) & (idx2 < E)  # this head's slots, ranked within their token: as many
+                    rank = tl.where(hit, tl.cumsum(hit.to(tl.int32), 1) - 1, VP)  # passes as the tile's busiest
+                    for js in range(tl.max(tl.sum(hit.to(tl.int32), 1), 0)):  # token has (~3 of 10 slots)
+                        idx = tl.sum(tl.where(rank == js, idx2 + 1, 0), 1) - 1  # -1: no more in this token
+                        val = tl.sum(tl.where(rank == js, val2, 0.0), 1)
                         d = tl.where(idx[:, None] == e[None, :], val[:, None], d)
                     hit = d == d
                     B = tl.where(hit, 0.0, B)
