@@ -35,9 +35,9 @@ def test_norm_quant_kernels_compile_for_sm90(static, dtype):
                   dict(HAS_RES=True, QUANT=True, STATIC=static, BLOCK=4096, USE_GDC=static), floats=("eps",), num_warps=16)
     for one in (True, False):
         _compile_sm90(norm._rmsnorm_gated_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype,
-                                                  "q_ptr": "i8", "scale_ptr": "fp32"},
+                                                  "q_ptr": "i8", "scale_ptr": "fp32", "zs_ptr": "fp32"},
                       dict(HAS_Z=True, NORM_BEFORE_GATE=False, STORE_OUT=True, STATIC=static, ONE_GROUP=one,
-                           BLOCK=8192 if one else 2048, USE_GDC=static), floats=("eps",), num_warps=16 if one else 8)
+                           BLOCK=8192 if one else 2048, Z_QUANT=static, USE_GDC=static), floats=("eps",), num_warps=16 if one else 8)
 
 
 @pytest.mark.parametrize("static,dtype,work,bt,br", [(False, "fp16", "fp16", 64, 128), (True, "bf16", "fp32", 64, 128),
@@ -48,8 +48,9 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
     from ssmq.kernels import hadamard
 
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "l_ptr": work,
-                                             "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype},
-                  dict(GATED=static, HAS_Z=True, STATIC=static, STORE_Y=True,
+                                             "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype,
+                                             "zs_ptr": "fp32"},
+                  dict(GATED=static, HAS_Z=True, Z_QUANT=static, STATIC=static, STORE_Y=True,
                        PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br, USE_GDC=static), floats=("eps",))
 
 

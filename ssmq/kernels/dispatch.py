@@ -210,17 +210,17 @@ def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_
 
 
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False, rotate=False):
-    """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm (``rotate``: and its online Hadamard) with int8 codes out
-    -> (codes, scale, out or None)."""
+                        per_token=True, with_out=False, rotate=False, z_scale=None):
+    """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm (``rotate``: and its online Hadamard; ``z_scale``: on z
+    fake-quantized in registers) with int8 codes out -> (codes, scale, out or None)."""
     if not _use_triton(x):
         return ops.rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
-                                           with_out, rotate)
+                                           with_out, rotate, z_scale)
     if rotate:  # norm, Hadamard and codes in one kernel
         return _kernels("hadamard").rmsnorm_gated_hadamard_quant(x, weight, z, eps, group_size, norm_before_gate,
-                                                                 x_scale, per_token, with_out)
+                                                                 x_scale, per_token, with_out, z_scale)
     return _kernels("norm").rmsnorm_gated_quant(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
-                                                with_out)
+                                                with_out, z_scale)
 
 
 def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):

@@ -121,21 +121,33 @@ def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_
 
 
 @triton.jit
-def _gated_group(x_ptr, z_ptr, w_ptr, row, col0, gsize, eps, s_x, s_z,
-                 HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr):
+def gate(z_ptrs, cols, m, zs_ptr, s_zs, Z_QUANT: tl.constexpr):
+    """silu(z) at z_ptrs (float32); Z_QUANT: of z's fake-quantized value (an ``ActQuantizer`` on z, scale () or per
+    channel at zs_ptr + cols * s_zs), exactly as ``ops.quant_linear.fake_quantize_ref`` (and kernels.fake_quant)."""
+    z = tl.load(z_ptrs, mask=m, other=0.0)
+    zf = z.to(tl.float32)
+    if Z_QUANT:
+        zs = tl.load(zs_ptr + cols * s_zs, mask=m, other=1.0)
+        zf = (quantize_rne(zf, zs).to(tl.float32) * zs).to(z.dtype).to(tl.float32)
+    return silu(zf)
+
+
+@triton.jit
+def _gated_group(x_ptr, z_ptr, w_ptr, row, col0, gsize, eps, s_x, s_z, zs_ptr, s_zs,
+                 HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr, Z_QUANT: tl.constexpr):
     """One norm group of a row, from column col0: (y float32 (BLOCK,), its columns, mask)."""
     col = col0 + tl.arange(0, BLOCK)
     m = tl.arange(0, BLOCK) < gsize
     x = tl.load(x_ptr + row * s_x + col, mask=m, other=0.0).to(tl.float32)
     if HAS_Z:
-        gate = silu(tl.load(z_ptr + row * s_z + col, mask=m, other=0.0).to(tl.float32))
+        g = gate(z_ptr + row * s_z + col, col, m, zs_ptr, s_zs, Z_QUANT)
         if not NORM_BEFORE_GATE:
-            x *= gate
+            x *= g
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / gsize + eps)
     y = x * rstd * tl.load(w_ptr + col, mask=m, other=0.0).to(tl.float32)
     if HAS_Z:
         if NORM_BEFORE_GATE:
-            y *= gate
+            y *= g
     return y, col, m
 
 
@@ -147,17 +159,17 @@ def _rmsnorm_gated(
 ):
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
-    y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, tl.program_id(1) * gsize, gsize, eps, s_x, s_z,
-                             HAS_Z, NORM_BEFORE_GATE, BLOCK)
+    y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, tl.program_id(1) * gsize, gsize, eps, s_x, s_z, z_ptr, 0,
+                             HAS_Z, NORM_BEFORE_GATE, BLOCK, False)
     tl.store(out_ptr + row * s_o + col, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def _rmsnorm_gated_quant(
-    x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, scale_ptr, n_groups, gsize, eps,
-    s_x, s_z, s_o, s_q,
+    x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, scale_ptr, zs_ptr, n_groups, gsize, eps,
+    s_x, s_z, s_o, s_q, s_zs,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, STORE_OUT: tl.constexpr, STATIC: tl.constexpr,
-    ONE_GROUP: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False,
+    ONE_GROUP: tl.constexpr, BLOCK: tl.constexpr, Z_QUANT: tl.constexpr = False, USE_GDC: tl.constexpr = False,
 ):
     """One program per row (a per-token scale spans all norm groups of the row). One group: normalised, scaled and
     quantized in registers. Several with a dynamic scale: a first pass over the groups finds max |out|, a second
@@ -165,7 +177,8 @@ def _rmsnorm_gated_quant(
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     if ONE_GROUP:
-        y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, 0, gsize, eps, s_x, s_z, HAS_Z, NORM_BEFORE_GATE, BLOCK)
+        y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, 0, gsize, eps, s_x, s_z, zs_ptr, s_zs, HAS_Z,
+                                 NORM_BEFORE_GATE, BLOCK, Z_QUANT)
         y = y.to(out_ptr.dtype.element_ty)
         if STORE_OUT:
             tl.store(out_ptr + row * s_o + col, y, mask=m)
@@ -177,14 +190,14 @@ def _rmsnorm_gated_quant(
         else:
             amax = 0.0
             for g in range(n_groups):
-                y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z,
-                                         HAS_Z, NORM_BEFORE_GATE, BLOCK)
+                y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z, zs_ptr, s_zs,
+                                         HAS_Z, NORM_BEFORE_GATE, BLOCK, Z_QUANT)
                 amax = tl.maximum(amax, tl.max(tl.abs(y.to(out_ptr.dtype.element_ty).to(tl.float32)), axis=0))
             scale = tl.maximum(tl.math.div_rn(amax, 127.0), QUANT_EPS)
             tl.store(scale_ptr + row, scale)
         for g in range(n_groups):
-            y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z,
-                                     HAS_Z, NORM_BEFORE_GATE, BLOCK)
+            y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z, zs_ptr, s_zs,
+                                     HAS_Z, NORM_BEFORE_GATE, BLOCK, Z_QUANT)
             y = y.to(out_ptr.dtype.element_ty)
             if STORE_OUT:
                 tl.store(out_ptr + row * s_o + col, y, mask=m)
@@ -218,24 +231,37 @@ def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate
     return out
 
 
+def z_scale_arg(z_scale, d: int, like):
+    """(scale tensor, its stride over channels, Z_QUANT) for a z fake-quantization scale () / (d,) or None."""
+    if z_scale is None:
+        return like, 0, False
+    if z_scale.dim() not in (0, 1) or z_scale.numel() not in (1, d):
+        raise SSMQError(f"z's fake-quant scale must be () or ({d},), got {tuple(z_scale.shape)}")
+    zs = z_scale.float().reshape(-1)
+    return zs, int(zs.numel() > 1), True
+
+
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False):
+                        per_token=True, with_out=False, z_scale=None):
     """``rmsnorm_gated`` with int8 codes out, as ``rmsnorm_gated_quant_ref``: (codes (..., d), scale, out or None).
 
     x_scale: a static () scale, or None for dynamic per-token scales (...) (dynamic per tensor: the reference).
+    z_scale: z is fake-quantized first with it (() or (d,): an ``ActQuantizer`` on z, in registers).
     The reference's ``rotate`` (codes of the output's online Hadamard): ``kernels.hadamard``.
     """
     if x_scale is None and not per_token:
-        return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out)
+        return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out,
+                                       False, z_scale)
     d, gs, x2, z2 = _gated_args(x, z, group_size)
+    zs, s_zs, z_quant = z_scale_arg(z_scale if z is not None else None, d, x2)
     out = torch.empty(x.shape if with_out else 0, device=x.device, dtype=x.dtype)
     q, scale = _quant_out(x, x_scale, per_token)
     M = x2.shape[0]
     BLOCK = pow2(gs, 16)
     if M:
         _rmsnorm_gated_quant[(M,)](
-            x2, z2, weight, out, q, scale, d // gs, gs, eps, x2.stride(0), z2.stride(0), d, d,
+            x2, z2, weight, out, q, scale, zs, d // gs, gs, eps, x2.stride(0), z2.stride(0), d, d, s_zs,
             HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, STORE_OUT=with_out, STATIC=x_scale is not None,
-            ONE_GROUP=gs == d, BLOCK=BLOCK, num_warps=_warps(BLOCK), **pdl_args(x2),
+            ONE_GROUP=gs == d, BLOCK=BLOCK, Z_QUANT=z_quant, num_warps=_warps(BLOCK), **pdl_args(x2),
         )
     return q, scale, out if with_out else None

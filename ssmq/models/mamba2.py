@@ -27,12 +27,14 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
         self.eps, self.group_size = eps, group_size
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor, codes: CodeInput | None = None):
-        """y, z: (..., d) -> (..., d) in y's dtype, or its int8 ``ActCodes`` (quantized in the norm's epilogue)."""
+    def forward(self, y: torch.Tensor, z: torch.Tensor, codes: CodeInput | None = None,
+                z_scale: torch.Tensor | None = None):
+        """y, z: (..., d) -> (..., d) in y's dtype, or its int8 ``ActCodes`` (quantized in the norm's epilogue; then
+        ``z_scale`` () / (d,) fake-quantizes z in registers first, the ``act_z`` quantizer's job)."""
         if codes is None:
             return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
         q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale,
-                                                  rotate=codes.rotate)
+                                                  rotate=codes.rotate, z_scale=z_scale)
         return ActCodes(q, scale, y.dtype)
 
 
@@ -117,7 +119,7 @@ class Mamba2Mixer(SSMMixer):
         if state is not None:
             y, final = y
             state.write_ssm(slots, final)
-        return self.out_proj(self._normed(y.reshape(b, l, c.d_inner), self.act_z(z)))
+        return self.out_proj(self._normed(y.reshape(b, l, c.d_inner), z))
 
     def _out_codes(self, rotate: bool = True) -> CodeInput | None:
         """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y);
@@ -127,9 +129,14 @@ class Mamba2Mixer(SSMMixer):
         return code_input(self.out_proj, rotate)
 
     def _normed(self, y: torch.Tensor, z: torch.Tensor):
-        """The gated norm and act_y: out_proj's input, as int8 codes when out_proj takes them."""
+        """act_z, the gated norm and act_y: out_proj's input, as int8 codes when out_proj takes them (z from in_proj,
+        fake-quantized inside the norm kernel when act_z quantizes)."""
         codes = self._out_codes()
-        return self.act_y(self.norm(y, z)) if codes is None else self.norm(y, z, codes)
+        if codes is None:
+            return self.act_y(self.norm(y, self.act_z(z)))
+        if is_quantizer(self.act_z):
+            return self.norm(y, z, codes, self._tap_scales.get("z", (self.act_z,), lambda s: s))
+        return self.norm(y, self.act_z(z), codes)
 
     def _fusable(self, state) -> bool:
         """No quantizer on a tap between in_proj and the norm, the plain gated norm and a float SSM state (an int8
@@ -167,7 +174,7 @@ class Mamba2Mixer(SSMMixer):
             x, B, C = self._split_xbc(xbc)
             y = state.update_ssm(slots, lambda ssm, idx: self._state_step(
                 lambda *a, **kw: kernels.selective_state_update(ssm, *a, state_batch_indices=idx, **kw), x, dt, B, C))
-        return self.out_proj(self._normed(y.reshape(b, c.d_inner), self.act_z(z)))
+        return self.out_proj(self._normed(y.reshape(b, c.d_inner), z))
 
     def _int8_step(self, xbc: torch.Tensor, dt: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
         """Quantized decode: conv + SiLU emitting the int8 codes of x, B, C (when their three taps quantize), then one

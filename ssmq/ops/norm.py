@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ssmq.ops.hadamard import hadamard_transform
-from ssmq.ops.quant_linear import quantize_act_ref
+from ssmq.ops.quant_linear import fake_quantize_ref, quantize_act_ref
 
 
 def rms_norm_ref(
@@ -90,13 +90,18 @@ def rmsnorm_gated_quant_ref(
     per_token: bool = True,
     with_out: bool = False,
     rotate: bool = False,
+    z_scale: torch.Tensor | None = None,
 ):
     """``rmsnorm_gated_ref`` with its output (x's dtype) quantized as ``quantize_act_ref(out, x_scale, per_token)``;
     with ``rotate``, the output's online Hadamard (``hadamard_transform``, x's dtype) is what is quantized (the input
     of a rotated A8 out_proj).
 
+    z_scale (() or (d,)): z is fake-quantized with it first (``fake_quantize_ref``: an ``ActQuantizer`` on z).
+
     Returns (codes (..., d) int8, scale, the quantized float output (..., d) in x's dtype when ``with_out``, else None).
     """
+    if z is not None and z_scale is not None:
+        z = fake_quantize_ref(z, z_scale)
     out = rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate)
     if rotate:
         out = hadamard_transform(out)

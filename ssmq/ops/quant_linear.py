@@ -225,6 +225,20 @@ def quantize_act_ref(
     return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), x_scale
 
 
+def quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (any) float, scale broadcastable against x -> int8 codes (the primitives' rounding: IEEE division, half to even)."""
+    return torch.round(x / scale.float()).clamp(-128, 127).to(torch.int8)
+
+
+def dequantize_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()
+
+
+def fake_quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (..., d) float, scale () or (d,) -> dequantize(quantize(x)) in x's dtype (an ``ActQuantizer``'s output)."""
+    return dequantize_ref(quantize_ref(x.float(), scale), scale).to(x.dtype)
+
+
 def quant_linear_act_ref(
     x: torch.Tensor,
     w_q: torch.Tensor,

@@ -23,21 +23,11 @@ import torch.nn.functional as F
 from ssmq.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from ssmq.ops.layout import discretize_dt, heads_per_group
 from ssmq.ops.norm import rms_norm_ref
+# the int8 rounding of the taps lives with the activation quantization of ops.quant_linear (ops.norm uses it too)
+from ssmq.ops.quant_linear import dequantize_ref, fake_quantize_ref, quantize_ref  # noqa: F401
 from ssmq.ops.state_update import selective_state_update_ref
 
 
-def quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (any) float, scale broadcastable against x -> int8 codes (the primitives' rounding)."""
-    return torch.round(x / scale.float()).clamp(-128, 127).to(torch.int8)
-
-
-def dequantize_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()
-
-
-def fake_quantize_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (..., d) float, scale () or (d,) -> dequantize(quantize(x)) in x's dtype (an ``ActQuantizer``'s output)."""
-    return dequantize_ref(quantize_ref(x.float(), scale), scale).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
