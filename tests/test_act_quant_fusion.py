@@ -50,7 +50,7 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "l_ptr": work,
                                              "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype,
                                              "zs_ptr": "fp32"},
-                  dict(GATED=static, HAS_Z=True, Z_QUANT=static, STATIC=static, STORE_Y=True,
+                  dict(T=bt, R=br * 5 // 8, GATED=static, HAS_Z=True, Z_QUANT=static, STATIC=static, STORE_Y=True,
                        PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br, USE_GDC=static), floats=("eps",))
 
 
