@@ -180,12 +180,26 @@ def test_codes_by_bit_assembly_are_exact(SU):
     r[:1200] = r[4000:] = 1.0  # the ties and the special values as they are
     v, r = torch.cat([v, torch.zeros(4096 - v.numel())]), torch.cat([r, torch.ones(4096 - r.numel())])
     q = torch.arange(4096).remainder(256).sub(128).to(torch.int8)
-    out, back = torch.empty(v.numel(), dtype=torch.int8), torch.empty(v.numel())
-    args = _dev([v, r, q, out, back])
+    out, sat, back = torch.empty(v.numel(), dtype=torch.int8), torch.empty(v.numel(), dtype=torch.int8), torch.empty(
+        v.numel())
+    args = _dev([v, r, q, out, sat, back])
     codes_of_product[(triton.cdiv(v.numel(), 1024),)](*args, v.numel(), PTX=not INTERPRET, BLOCK=1024)
     want = torch.round(v.double() * r.double()).clamp(-128, 127).to(torch.int8)
     assert torch.equal(args[3].cpu(), want)
-    assert torch.equal(args[4].cpu(), q.float())
+    # the saturating conversion rounds the float32 product (one more rounding, as hs * (1 / scale) has)
+    assert torch.equal(args[4].cpu(), torch.round(v * r).clamp(-128, 127).to(torch.int8))
+    assert torch.equal(args[5].cpu(), q.float())
+
+
+def test_reciprocal_table_follows_its_scales(SU):
+    """The int8 state's reciprocal table (``rcp_table``) is kept per scale tensor and recomputed when the scales change
+    in place (a calibration after a decode): never a stale one."""
+    scale = torch.rand(4, 16, device=DEV) + 0.5
+    first = SU._reciprocal_table(scale, scale)
+    assert torch.equal(first, 1.0 / scale) and SU._reciprocal_table(scale, scale) is first
+    scale.mul_(2)
+    again = SU._reciprocal_table(scale, scale)
+    assert again is not first and torch.equal(again, 1.0 / scale)
 
 
 def test_bad_state_and_scales_are_refused(SU):

@@ -29,13 +29,13 @@ def test_state_update_compiles_for_sm90(variant, ring_stages):
     state, inputs, q_state, q_in, replay, tie = VARIANTS[variant]
     pointers = {"state_ptr": state, "x_ptr": inputs, "dt_ptr": "fp16", "A_ptr": "fp32", "B_ptr": inputs,
                 "C_ptr": inputs, "D_ptr": "fp32", "z_ptr": "fp16", "dtb_ptr": "fp32", "idx_ptr": "i32",
-                "out_ptr": "fp16", "ss_ptr": "fp32", "sidx_ptr": "i64", "xs_ptr": "fp32", "Bs_ptr": "fp32",
+                "out_ptr": "fp16", "ss_ptr": "fp32", "ssi_ptr": "fp32", "sidx_ptr": "i64", "xs_ptr": "fp32", "Bs_ptr": "fp32",
                 "Cs_ptr": "fp32", "rx_ptr": "fp32", "rdt_ptr": "fp32", "rB_ptr": "fp32", "cnt_ptr": "i32",
                 "done_ptr": "i32"}
     const = dict(HAS_D=True, HAS_Z=not tie, HAS_DTB=True, HAS_IDX=True, SOFTPLUS=True, TIE_HDIM=tie, Q_STATE=q_state,
                  HAS_SIDX=q_state, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages, RP=16,
-                 BNC=32, FOLD_STAGES=ring_stages + 1, FAST_RCP=q_state, PTX_CODES=q_state, EVEN=ring_stages == 2,
-                 HPG=3, BP=32, BN=128)
+                 BNC=32, FOLD_STAGES=ring_stages + 1, FAST_RCP=q_state, PTX_CODES=q_state,
+                 RCP_TABLE=q_state and ring_stages != 1, EVEN=ring_stages == 2, HPG=3, BP=32, BN=128)
     _compile_sm90(kernel, pointers, const)
 
 

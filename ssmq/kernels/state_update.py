@@ -12,13 +12,15 @@ folds the ring into y without materializing the state, which it writes only when
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import (gdc_enter, int8_to_float, pdl_args, pow2, rne_int8, rne_int8_of_product, silu,
-                                   sm_count, softplus)
+from ssmq.kernels._common import (gdc_enter, int8_to_float, pdl_args, pow2, rne_int8, rne_int8_of_product,
+                                   rne_int8_sat, silu, sm_count, softplus)
 from ssmq.ops.layout import heads_per_group
 
 
@@ -34,7 +36,13 @@ from ssmq.ops.layout import heads_per_group
 # fast_rcp: an int8 state is re-quantized as hs * rcp.approx(scale) (1 MUFU + 1 FMUL) rather than hs / scale, whose
 # div.full expands to ~11 instructions with its range scaling: the int8 step was issue-bound (34 SASS instructions a
 # state value) at 1.55 TB/s on the H100, 1.8 TB/s with it (bench_int8_ssm --sweep); both within 2 ulp of IEEE.
+# ptx_codes (sm_90, not the interpreter): the codes converted by bit assembly (ssmq.kernels._common.int8_to_float,
+# rne_int8_of_product): no I2F, one FFMA rounds and offsets; 25 -> 22 SASS instructions a state value at 32 x 128
+# tiles, 20.4 -> 17.9 at 64 x 128 (/work/notes/i8state.md: counts as launched). rcp_table: re-quantized as
+# hs * (1 / scale) from a table of the reciprocals the launcher keeps per scale tensor (_reciprocal_table) and one
+# saturating F2I a value (rne_int8_sat): no MUFU and no clamps, 20.5 / 16.5 instructions a value.
 CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True, "ptx_codes": True,
+       "rcp_table": True,
        "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
                   "ring_stages": 1},
        # an int8 checkpoint: unchunked 32 x 128 tiles, no cp.async pipelining. H100 sweep (bench_replay --sweep 128,
@@ -112,14 +120,21 @@ def _load_state(s_ptrs, sc, m2, Q_STATE: tl.constexpr, PTX_CODES: tl.constexpr):
 
 
 @triton.jit
-def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr):
+def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr,
+                 RCP_TABLE: tl.constexpr):
+    """Store a float32 state tile: re-quantized with its scales sc (RCP_TABLE: sc holds their reciprocals) for an
+    int8 state, else cast."""
     if Q_STATE:
         # not div_rn: the exact division costs ~15 instructions a state value and would make a large-batch step
         # compute-bound. '/' (div.full) or, FAST_RCP, rcp.approx and a multiply (CFG's comment): the codes can then
         # differ from the reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no
         # different from, what exp and fused multiply-adds already do to the float32 state (tests allow one step).
         # PTX_CODES: that multiply fused with the rounding (rne_int8_of_product) and the codes packed by prmt.
-        if FAST_RCP:
+        # RCP_TABLE: the reciprocals read (L1 hits, as the scales) and the product rounded by one saturating
+        # conversion a value (rne_int8_sat): no MUFU, no clamps (CFG's comment).
+        if RCP_TABLE:
+            tl.store(s_ptrs, rne_int8_sat(hs * sc, PTX_CODES), mask=m2)
+        elif FAST_RCP:
             tl.store(s_ptrs, rne_int8_of_product(hs, _rcp_approx(sc), PTX_CODES), mask=m2)
         else:
             tl.store(s_ptrs, rne_int8_of_product(hs / sc, 1.0, PTX_CODES), mask=m2)
@@ -130,7 +145,7 @@ def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constex
 @triton.jit
 def _state_update(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
-    ss_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr,
+    ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr,
     p, n,
     s_sb, s_sh, s_sp, s_sn,
     s_xb, s_xh, s_xp, s_dtb, s_dth, s_dtp, s_Ah, s_Ap, s_An,
@@ -144,7 +159,8 @@ def _state_update(
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
     Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
     REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BNC: tl.constexpr,
-    FOLD_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, EVEN: tl.constexpr,
+    FOLD_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, RCP_TABLE: tl.constexpr,
+    EVEN: tl.constexpr,
     HPG: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
@@ -267,10 +283,12 @@ def _state_update(
             if REPLAY:
                 if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
                     if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
-                        sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
-                    _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES)
+                        sc = _state_scales(ssi_ptr if RCP_TABLE else ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                    _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES, RCP_TABLE)
             else:
-                _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES)
+                if Q_STATE and RCP_TABLE:
+                    sc = _state_scales(ssi_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES, RCP_TABLE)
             if not (REPLAY and TIE_HDIM):  # y reads the float32 state, before its re-quantization (as the reference)
                 if REPLAY:  # C read after the replay: not live through the ring loop
                     Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
@@ -394,11 +412,29 @@ def _state_table(state, scale, index, channels):
     return scale, index, scale.stride(0) if G > 1 else 0
 
 
+_RECIPROCALS = {}  # id of a scale table -> (a weak reference to it, its version, 1 / it in float32)
+
+
+def _reciprocal_table(scale: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """1 / table (float32, as the kernel reads it), kept per scale tensor and recomputed when it changes in place
+    (its version): the tables are model constants, so a decode step does not pay an extra launch for them. Not kept
+    when computed inside a CUDA graph capture (its memory would belong to that graph): then the graph computes it."""
+    key = id(scale)
+    ref, version, inv = _RECIPROCALS.get(key, (None, None, None))
+    if ref is not None and ref() is scale and version == scale._version and inv.device == table.device:
+        return inv
+    inv = 1.0 / table
+    if not (table.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _RECIPROCALS[key] = (weakref.ref(scale, lambda _, key=key: _RECIPROCALS.pop(key, None)), scale._version, inv)
+    return inv
+
+
 def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices,
             state_scale=None, state_index=None, x_scale=None, B_scale=None, C_scale=None, out_dtype=None, ring=None):
     multihead = state.dim() == 4
     channels = state.shape[-2] * (state.shape[1] if multihead else 1)
     ss, sidx, s_ssg = _state_table(state, state_scale, state_index, channels)
+    ssi = _reciprocal_table(state_scale, ss) if ss is not None and CFG["rcp_table"] else None
     xs, Bs, Cs = _input_scale("x", x, x_scale), _input_scale("B", B, B_scale), _input_scale("C", C, C_scale)
     out_dtype = out_dtype or (torch.float32 if x.dtype == torch.int8 else x.dtype)
     if not multihead:  # views with h = 1: no copies, the kernel writes the caller's state
@@ -431,7 +467,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
         state_batch_indices if state_batch_indices is not None else x, out,
-        ss if ss is not None else dummy, sidx if sidx is not None else dummy,
+        ss if ss is not None else dummy, ssi if ssi is not None else dummy, sidx if sidx is not None else dummy,
         xs if xs is not None else dummy, Bs if Bs is not None else dummy, Cs if Cs is not None else dummy,
         p, n,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
@@ -444,7 +480,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
         Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=cfg.get("ring_stages", 1), RP=RP,
         BNC=BNC, FOLD_STAGES=cfg.get("fold_stages", 1), FAST_RCP=CFG["fast_rcp"] and state.is_cuda,
-        PTX_CODES=CFG["ptx_codes"] and state.is_cuda, EVEN=p % BP == 0 and n == BN, HPG=rep, BP=BP, BN=BN,
+        PTX_CODES=CFG["ptx_codes"] and state.is_cuda, RCP_TABLE=ssi is not None, EVEN=p % BP == 0 and n == BN,
+        HPG=rep, BP=BP, BN=BN,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}), **pdl_args(x),
     )
     return out if multihead else out.squeeze(1)
