@@ -128,19 +128,19 @@ def micro_row(b: int, pk, only_int8: bool = False) -> dict:
 # per-program setup amortized over them, against registers), and the codes' arithmetic (ssmq.kernels._common):
 # ptx_codes, codes by bit assembly (else I2F in, float rounding out); rcp_table, re-quantized with a table of the
 # scales' reciprocals and one saturating conversion a value (else rcp.approx, fast_rcp, and clamps)
-SWEEP = [dict(BP=32, num_warps=4, ptx_codes=False, rcp_table=False),
+SWEEP = [dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=False),
+         dict(BP=64, num_warps=4, ptx_codes=False, rcp_table=False),
+         dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=True),
          dict(BP=32, num_warps=4, ptx_codes=True, rcp_table=False),
          dict(BP=32, num_warps=4, ptx_codes=True, rcp_table=True),
-         dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=False),
-         dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=True),
-         dict(BP=64, num_warps=8, ptx_codes=True, rcp_table=True),
-         dict(BP=16, num_warps=4, ptx_codes=True, rcp_table=True)]
+         dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=False, maxnreg=96)]
 
 
 def run_sweep(batches, out: dict) -> None:
     """int8 state update launch settings (``SWEEP``) at the given batches: state bytes / time."""
-    print(f"{'batch':>5} {'BP':>3} {'warps':>5} {'ptx_codes':>9} {'rcp_table':>9} {'int8 ms':>9} {'state TB/s':>10}")
-    default = {k: state_update.CFG[k] for k in SWEEP[0]}
+    print(f"{'batch':>5} {'BP':>3} {'warps':>5} {'ptx_codes':>9} {'rcp_table':>9} {'maxnreg':>7} {'int8 ms':>9} "
+          f"{'state TB/s':>10}")
+    default = {k: state_update.CFG[k] for k in (*SWEEP[0], "maxnreg")}
     for b in batches:
         for setting in SWEEP:
             state_update.CFG.update(setting)
@@ -150,9 +150,10 @@ def run_sweep(batches, out: dict) -> None:
                 r = {"batch": b, "int8_ms": math.nan, "int8_TBps": math.nan, "error": f"{type(e).__name__}: {e}"[:300]}
             finally:
                 state_update.CFG.update(default)
-            out["sweep"].append({**r, **setting, "fast_rcp": state_update.CFG["fast_rcp"]})
+            out["sweep"].append({"maxnreg": None, **r, **setting, "fast_rcp": state_update.CFG["fast_rcp"]})
             print(f"{b:>5} {setting['BP']:>3} {setting['num_warps']:>5} {setting['ptx_codes']!s:>9} "
-                  f"{setting['rcp_table']!s:>9} {r['int8_ms']:>9.4f} {r['int8_TBps']:>10.2f}", flush=True)
+                  f"{setting['rcp_table']!s:>9} {setting.get('maxnreg')!s:>7} {r['int8_ms']:>9.4f} "
+                  f"{r['int8_TBps']:>10.2f}", flush=True)
 
 
 def run_micro(batches, out: dict) -> None:

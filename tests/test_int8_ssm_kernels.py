@@ -120,6 +120,19 @@ def test_quant_state_update_equals_reference(SU, layout, state_fmt, input_fmt):
     assert torch.equal(dev_args[0][others], before[others])  # rows not served are not touched
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_reciprocal_table_path_equals_reference(SU, layout, monkeypatch):
+    """The re-quantization by a table of the scales' reciprocals (``CFG["rcp_table"]``, off by default): the same
+    codes as the reference but where a value sits within an ulp of a rounding boundary."""
+    monkeypatch.setitem(SU.CFG, "rcp_table", True)
+    args = _case(layout, "int8_index", "codes_per_channel", seed=3)
+    ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]
+    y_ref = quant_state_update_ref(*ref_args)
+    dev_args = _dev(args)
+    assert rel(SU.quant_state_update(*dev_args), y_ref) < 1e-5
+    _assert_state_close(dev_args[0], ref_args[0], "int8_index")
+
+
 def test_y_is_written_in_the_asked_dtype(SU):
     """``out_dtype`` (the model's fp16): the kernel writes y so, no cast after; the same values as the reference's."""
     args = _case("mamba2", "int8_index", "codes_per_channel")

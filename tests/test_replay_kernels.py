@@ -91,10 +91,12 @@ def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt, 
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_replay_kernel_over_k_steps(SU, layout):
+@pytest.mark.parametrize("rcp_table", [False, True])
+def test_replay_kernel_over_k_steps(SU, layout, rcp_table, monkeypatch):
     """2·K + 1 steps in a row on an int8 checkpoint with int8 inputs: every ring empties twice. y within 1e-4: a
     checkpoint code one step from the reference's (a float32 state within an ulp of a rounding boundary, rare) is
-    carried by the steps after it."""
+    carried by the steps after it. ``rcp_table``: the checkpoints re-quantized with the reciprocals' table."""
+    monkeypatch.setitem(SU.CFG, "rcp_table", rcp_table)
     args = _case_tied(layout, "int8_index", "codes_per_channel")
     ring = _ring(layout, args[-1])
     ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]

@@ -40,9 +40,14 @@ from ssmq.ops.layout import heads_per_group
 # rne_int8_of_product): no I2F, one FFMA rounds and offsets; 25 -> 22 SASS instructions a state value at 32 x 128
 # tiles, 20.4 -> 17.9 at 64 x 128 (/work/notes/i8state.md: counts as launched). rcp_table: re-quantized as
 # hs * (1 / scale) from a table of the reciprocals the launcher keeps per scale tensor (_reciprocal_table) and one
-# saturating F2I a value (rne_int8_sat): no MUFU and no clamps, 20.5 / 16.5 instructions a value.
+# saturating F2I a value (rne_int8_sat): no MUFU and no clamps, 20.5 / 16.5 instructions a value; off by default: it
+# gathers a second 4-byte table entry a 1-byte code, and the gathers, not the instructions, look like the limit: a
+# thread's 16 consecutive scales are 4 LDG.128 that each touch all 4 lines of a table row (16 L1 wavefronts for a
+# warp's 512 bytes). H100, 2026-11-23 (bench_int8_ssm --sweep 128): ptx_codes 0.0958 ms a layer at batch 128 vs 0.0996
+# without (32 x 128 tiles), 0.0904 vs 0.0978 at 64 x 128 (hence "int8": 64-row tiles for the int8 state; 8 warps
+# 0.117, 16 rows 0.102): 1.85 TB/s of the state, where 22 -> 18 instructions a value predicted more.
 CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True, "ptx_codes": True,
-       "rcp_table": True,
+       "rcp_table": False, "int8": {"tile": 8192},
        "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
                   "ring_stages": 1},
        # an int8 checkpoint: unchunked 32 x 128 tiles, no cp.async pipelining. H100 sweep (bench_replay --sweep 128,
@@ -450,8 +455,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
            and (dt_bias is None or dt_bias.stride(1) == 0))
     BN = pow2(n, 16)
     cfg = CFG["replay"] if ring is not None else CFG
-    if ring is not None and state.dtype == torch.int8:
-        cfg = {**cfg, **CFG["replay_int8"]}
+    if state.dtype == torch.int8:
+        cfg = {**cfg, **CFG["replay_int8" if ring is not None else "int8"]}
     BNC = min(BN, cfg["BNC"] or BN)
     BP = max(4, min(pow2(p), cfg["tile"] // BNC))  # ~4K state values in registers: enough loads in flight
     # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
