@@ -263,8 +263,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="decode steps per TPOT timing")
     ap.add_argument("--no-micro", action="store_true")
     ap.add_argument("--sweep", default="", help="batches (comma list) of an int8 launch-setting sweep, e.g. 128,256")
+    ap.add_argument("--state-groups", type=int, default=STATE_GROUPS,
+                    help="scale groups of the micro's state table (1: every row reads one table row, which isolates "
+                         "the cost of the per-value scale gather)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/int8_ssm"))
     args = ap.parse_args()
+    globals()["STATE_GROUPS"] = args.state_groups
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
