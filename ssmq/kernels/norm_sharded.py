@@ -48,7 +48,7 @@ def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True):
     k = ss_out.shape[-1]
     x2, z2 = _rows(x, d), _rows(z, d)
     ss2 = ss_out.reshape(-1, k)
-    if ss2.stride(-1) != 1 or ss2.untyped_storage().data_ptr() != ss_out.untyped_storage().data_ptr():
+    if (k > 1 and ss2.stride(-1) != 1) or ss2.untyped_storage().data_ptr() != ss_out.untyped_storage().data_ptr():
         raise ValueError("ss_out must be a (..., k) view with unit stride on k (the all-reduce's send buffer)")
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype) if with_out else None
     M = x2.shape[0]
