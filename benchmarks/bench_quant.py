@@ -221,7 +221,8 @@ SWEEP_CVT = [dict(FMA_MAX_ROWS=0, FAST_CVT=fc, BN_DEC=bn, stages_dec=ns, WAVES=w
 
 
 # the word-load decode GEMV (_qgemv_words, CFG's WORD_MAX_ROWS): tile size and programs per SM before a K split
-SWEEP_WORDS = [dict(TILE_W=t, WAVES_W=wv) for t in (128, 256, 512) for wv in (2, 6)]
+SWEEP_WORDS = [dict(TILE_W=t, WAVES_W=wv, PREFETCH_W=False) for t in (128, 256, 512) for wv in (2, 6)] + \
+    [dict(TILE_W=256, WAVES_W=wv, PREFETCH_W=True) for wv in (2, 6)]
 
 
 SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128"), "words": ("w4a16-g128", "w8a16")}
