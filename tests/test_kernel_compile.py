@@ -325,7 +325,7 @@ def test_word_gemv_compiles_for_sm90(variant):
                 "cnt_ptr": "i32"}
     const = dict(A_MODE=a_mode, XS_ROWS=True, W4=w4, WS_MODE=ws_mode, HAS_ZERO=zero, HAS_BIAS=True, GROUP=bk,
                  EVEN_K=True, SPLIT=split, X16=x16, XBF16=x == "bf16", PTX=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 PREFETCH=variant.endswith("prefetch"))
+                 PREFETCH=variant.endswith("prefetch"), NSP=16 if split else 1, USE_GDC=True)
     ptx = _compile_sm90(qg._qgemv_words, pointers, const, num_warps=qg.CFG["warps_w"],
                         num_stages=qg.CFG["stages_w"]).asm["ptx"]
     if a_mode == 0:  # (zero points, one a column and group, are converted: far fewer than a step's codes)
@@ -345,7 +345,7 @@ def test_qmm_split_in_kernel_compiles_for_sm90(w4):
     const = dict(A_MODE=0, XS_ROWS=False, W4=w4, W_FP8=False, WS_MODE=2 if w4 else 1, HAS_ZERO=w4, HAS_BIAS=False,
                  GROUP=128 if w4 else 1, EVEN_K=True, DEQ_W=False, PRECISION="tf32", BLOCK_M=16,
                  BLOCK_N=qg.CFG["BN_DEC"], BLOCK_K=qg.CFG["BK_DEC"], FAST_CVT=not w4, QUANT_X=0, QMAX=127.0, EPS_=1e-8,
-                 X_STRIDED=False, SPLIT_IN=True, FIN_BIAS=True)
+                 X_STRIDED=False, SPLIT_IN=True, FIN_BIAS=True, NSP=8, USE_GDC=True)
     ptx = _compile_sm90(qg._qmm, pointers, const, num_warps=qg.CFG["warps_dec"],
                         num_stages=qg.CFG["stages_dec"]).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx

@@ -92,8 +92,8 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
-           SPLIT_IN_KERNEL=True, WORD_MAX_ROWS=4, TILE_W=256, PREFETCH_W=False, KW_W=16, warps_w=4, stages_w=1,
-           WAVES_W=4, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
+           SPLIT_IN_KERNEL=True, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
+           WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
 
 @triton.jit
@@ -166,7 +166,7 @@ def _qmm(
     DEQ_W: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST_CVT: tl.constexpr = False, QUANT_X: tl.constexpr = 0, QMAX: tl.constexpr = 127.0, EPS_: tl.constexpr = 1e-8,
     X_STRIDED: tl.constexpr = False, SPLIT_IN: tl.constexpr = False, FIN_BIAS: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
+    NSP: tl.constexpr = 1, USE_GDC: tl.constexpr = False,
 ):
     # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP).
     # FAST_CVT: fp16 x, codes widened by _i8_to_f16. QUANT_X (A_MODE 1 / 2 with float x): each program quantizes
@@ -312,7 +312,8 @@ def _qmm(
     if SPLIT_IN:
         p_off = rows[:, None] * s_om + offs_n[None, :]
         mo = mm[:, None] & mn[None, :]
-        tot, last = _split_gather(out_ptr, cnt_ptr, tl.program_id(0), tl.num_programs(1), s_os, p_off, mo, offs_m)
+        tot, last = _split_gather(out_ptr, cnt_ptr, tl.program_id(0), tl.num_programs(1), s_os, p_off, mo, offs_m,
+                                  NSP)
         if FIN_BIAS:
             tot += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
         tl.store(fin_ptr + p_off, tot.to(fin_ptr.dtype.element_ty), mask=mo & last[:, None])
@@ -561,22 +562,24 @@ def _rows_tile(t0, t1, t2, t3, offs_m):
 
 
 @triton.jit
-def _split_gather(part_ptr, cnt_ptr, tile, n_split, MN, p_off, mo, offs_m):
+def _split_gather(part_ptr, cnt_ptr, tile, n_split, MN, p_off, mo, offs_m, NSP: tl.constexpr):
     """A K split summed inside the kernel, once this program stored its partial at part_ptr + pid_k * MN + p_off
     (p_off: (BLOCK_M, BLOCK_N) offsets of its output tile, mo their mask). It counts itself at cnt_ptr[tile]
     (acq_rel, after a barrier: every thread's partial is stored before the count releases it); the last of the
-    tile's n_split programs reads the partials back in split order (deterministic, whichever program came last)
-    and zeroes the count for the next launch, so CUDA-graph replays need no reset and no second kernel runs.
-    Returns the sum and a (BLOCK_M,) mask true only in that last program (elsewhere nothing is read)."""
+    tile's n_split programs reads the partials back (one load for all NSP >= n_split of them: a loop of loads
+    measured one L2 round trip per split, ~0.5 us each, on the H100) and adds them in a fixed order
+    (deterministic, whichever program came last), and zeroes the count for the next launch, so CUDA-graph replays
+    need no reset and no second kernel runs. Returns the sum and a (BLOCK_M,) mask true only in that last
+    program (elsewhere nothing is read)."""
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
     last = (offs_m * 0 + done) == n_split - 1
-    ml = mo & last[:, None]
-    tot = tl.zeros(p_off.shape, dtype=part_ptr.dtype.element_ty)
-    for s in range(n_split):
-        tot += tl.load(part_ptr + s * MN + p_off, mask=ml, other=0, cache_modifier=".cg")
+    offs_s = tl.arange(0, NSP)
+    ml = (offs_s < n_split)[:, None, None] & (mo & last[:, None])[None, :, :]
+    parts = tl.load(part_ptr + offs_s[:, None, None] * MN + p_off[None, :, :], mask=ml, other=0,
+                    cache_modifier=".cg")
     tl.store(cnt_ptr + tile + offs_m * 0, offs_m * 0, mask=last)
-    return tot, last
+    return tl.sum(parts, axis=0), last
 
 
 @triton.jit
@@ -595,7 +598,7 @@ def _qgemv_words(
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-    USE_GDC: tl.constexpr = False,
+    NSP: tl.constexpr = 1, USE_GDC: tl.constexpr = False,
 ):
     # Up to 4 decode rows (BLOCK_M) x a (BLOCK_N, BLOCK_K) weight tile a step, the codes loaded as int32 words
     # (w_ptr: the stored rows viewed as int32, s_wn in words), 16 bytes a load. Float x (A_MODE 0): each code
@@ -714,7 +717,7 @@ def _qgemv_words(
         p_off = rows[:, None] * N + offs_n[None, :]
         mo = mm[:, None] & mn[None, :]
         tl.store(part_ptr + pid_k * M * N + p_off, tot, mask=mo)
-        tot, last = _split_gather(part_ptr, cnt_ptr, tile, n_split, M * N, p_off, mo, offs_m)
+        tot, last = _split_gather(part_ptr, cnt_ptr, tile, n_split, M * N, p_off, mo, offs_m, NSP)
         mm = mm & last  # only the last program of the tile stores the output
     _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE, HAS_BIAS)
 
@@ -865,12 +868,16 @@ def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dic
     wpw = 8 if f["bits"] == 4 else 4
     BM = pow2(M)
     BK = g if g is not None else wpw * min(cfg["KW_W"], pow2(K // wpw))
-    BN = min(max(16, cfg["TILE_W"] // BM), pow2(N))
+    BN = min(max(64, cfg["TILE_W"] // BM), pow2(N))  # 64+: each thread's x serves 2+ weight rows
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     split = 1
     # int8 x per group: int_matmul_ref sums the groups' scaled products in order, so one program does all of k
     if not (a_mode == 1 and g is not None):
-        want = triton.cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks)
+        # enough programs for WAVES_W an SM, and at most ITERS_W K steps a program: each step is a dependent
+        # round trip to memory, so a long K loop is latency-bound (first H100 run, 2026-11-23: 4 rows unsplit,
+        # 20 steps, 46 us at in_proj; W8A8 10 steps 24 us)
+        want = max(triton.cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks),
+                   triton.cdiv(triton.cdiv(K, BK), cfg["ITERS_W"]))
         split = max(1, min(cfg["MAX_SPLIT_W"], want, K // cfg["MIN_SPLIT_K_W"]))
     k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
     split = triton.cdiv(K, k_split)
@@ -900,7 +907,7 @@ def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
         w_q.stride(0) // 4, N,
         A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, WS_MODE=_ws_mode(w_scale),
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, GROUP=f["group_size"] or 1, EVEN_K=c["EVEN_K"],
-        SPLIT=split > 1, X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda,
+        SPLIT=split > 1, NSP=pow2(split), X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda,
         PREFETCH=cfg["PREFETCH_W"] and c["EVEN_K"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         num_warps=cfg["warps_w"], num_stages=cfg["stages_w"], **pdl_args(x2),
         # the integer paths reproduce int_matmul_ref's separately rounded products and sums
@@ -940,7 +947,7 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
                 and not f["fp8"] and not c["DEQ_W"])
         _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast, QUANT_X=quant_x,
                         X_STRIDED=cfg["X_STRIDED"] and f["bits"] == 4 and not c["DEQ_W"],
-                        QMAX=FP8_MAX if a_mode == 2 else 127.0, EPS_=EPS, SPLIT_IN=in_kernel,
+                        QMAX=FP8_MAX if a_mode == 2 else 127.0, EPS_=EPS, SPLIT_IN=in_kernel, NSP=pow2(split),
                         FIN_BIAS=bias is not None, **pdl_args(x2),
                         PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
     if split > 1 and not in_kernel:
