@@ -221,10 +221,14 @@ SWEEP_CVT = [dict(FMA_MAX_ROWS=0, FAST_CVT=fc, BN_DEC=bn, stages_dec=ns, WAVES=w
 
 
 # the word-load decode GEMV (_qgemv_words, CFG's WORD_MAX_ROWS): tile size and programs per SM before a K split
-SWEEP_WORDS = [dict(TILE_W=t, WAVES_W=wv) for t in (128, 256, 512) for wv in (2, 6)]
+# (the first H100 sweep of TILE_W 128-512 x WAVES_W 2 / 6 measured within 1.4x of each other: the K loop's serial
+# steps, not the tile, set the time; ITERS_W bounds them)
+SWEEP_WORDS = [dict(TILE_W=t, ITERS_W=it, PREFETCH_W=pf) for t in (128, 256) for it in (1, 2, 4) for pf in (True, False)
+               if it > 1 or not pf]
 
 
-SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128"), "words": ("w4a16-g128", "w8a16")}
+SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128"),
+                 "words": ("w4a16-g128", "w8a16", "w8a8")}
 
 
 def run_sweep(args, bw, results) -> None:

@@ -308,6 +308,7 @@ WORD_VARIANTS = {  # name: (x, A_MODE, W4, WS_MODE, HAS_ZERO, SPLIT, BLOCK_M, BL
     "w8a16-fp32-channel-zero": ("fp32", 0, False, 1, True, False, 1, 256, 64),
     "w8a8-channel-split": ("i32", 1, False, 1, False, True, 1, 256, 64),
     "w4a8-g128-rows4": ("i32", 1, True, 2, False, False, 4, 64, 128),
+    "w4a16-g128-prefetch": ("fp16", 0, True, 2, False, True, 1, 256, 128),
 }
 
 
@@ -323,7 +324,8 @@ def test_word_gemv_compiles_for_sm90(variant):
                 "b_ptr": "fp16", "out_ptr": "fp16", "part_ptr": "i32" if a_mode == 1 and ws_mode != 2 else "fp32",
                 "cnt_ptr": "i32"}
     const = dict(A_MODE=a_mode, XS_ROWS=True, W4=w4, WS_MODE=ws_mode, HAS_ZERO=zero, HAS_BIAS=True, GROUP=bk,
-                 EVEN_K=True, SPLIT=split, X16=x16, XBF16=x == "bf16", PTX=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                 EVEN_K=True, SPLIT=split, X16=x16, XBF16=x == "bf16", PTX=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 PREFETCH=variant.endswith("prefetch"), NSP=16 if split else 1, USE_GDC=True)
     ptx = _compile_sm90(qg._qgemv_words, pointers, const, num_warps=qg.CFG["warps_w"],
                         num_stages=qg.CFG["stages_w"]).asm["ptx"]
     if a_mode == 0:  # (zero points, one a column and group, are converted: far fewer than a step's codes)
@@ -331,3 +333,19 @@ def test_word_gemv_compiles_for_sm90(variant):
     else:
         assert "dp4a.s32.s32" in ptx
     assert ("atom.global.gpu.acq_rel.add" in ptx) == split
+
+
+@pytest.mark.parametrize("w4", [True, False])
+def test_qmm_split_in_kernel_compiles_for_sm90(w4):
+    """The tensor-core decode kernel (rows 5-16) with its K split summed by its own last program (SPLIT_IN)."""
+    from ssmq.kernels import quant_gemm as qg
+
+    pointers = {"x_ptr": "fp16", "xs_ptr": "fp32", "w_ptr": "u8" if w4 else "i8", "ws_ptr": "fp32", "wz_ptr": "i32",
+                "b_ptr": "fp16", "out_ptr": "fp32", "fin_ptr": "fp16", "cnt_ptr": "i32"}
+    const = dict(A_MODE=0, XS_ROWS=False, W4=w4, W_FP8=False, WS_MODE=2 if w4 else 1, HAS_ZERO=w4, HAS_BIAS=False,
+                 GROUP=128 if w4 else 1, EVEN_K=True, DEQ_W=False, PRECISION="tf32", BLOCK_M=16,
+                 BLOCK_N=qg.CFG["BN_DEC"], BLOCK_K=qg.CFG["BK_DEC"], FAST_CVT=not w4, QUANT_X=0, QMAX=127.0, EPS_=1e-8,
+                 X_STRIDED=False, SPLIT_IN=True, FIN_BIAS=True, NSP=8, USE_GDC=True)
+    ptx = _compile_sm90(qg._qmm, pointers, const, num_warps=qg.CFG["warps_dec"],
+                        num_stages=qg.CFG["stages_dec"]).asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx

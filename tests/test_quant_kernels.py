@@ -226,9 +226,9 @@ def test_int4_strided_x(QK, rows, fmt):
 # The word-load decode GEMV (_qgemv_words, 1-4 rows, CFG's WORD_MAX_ROWS): codes read as 32-bit words, converted by
 # bit assembly (float x) or multiplied by dp4a (int8 x); SPLIT_CFG splits k over as many programs as it allows,
 # the partial sums added by the last program of each output tile.
-SPLIT_CFG = {"WAVES_W": 10 ** 6, "MIN_SPLIT_K_W": 32, "KW_W": 4}
-WORD_ROWS = [1, 3, 4] if INTERPRET else [1, 2, 4] if QUICK else [1, 2, 3, 4]
-WORD_N = [37] if INTERPRET else [37, 10576] if QUICK else [37, 2560, 10576]  # 2560 x 5120, 10576 x 2560: Mamba2-2.7B
+SPLIT_CFG = {"WAVES_W": 10 ** 6, "MIN_SPLIT_K_W": 32, "KW_W": 4, "PREFETCH_W": True}
+WORD_ROWS = [1, 3, 4] if INTERPRET else [1, 4] if QUICK else [1, 2, 3, 4]
+WORD_N = [37] if INTERPRET else [10576] if QUICK else [37, 2560, 10576]  # 2560 x 5120, 10576 x 2560: Mamba2-2.7B
 
 
 def _spy_words(QK, monkeypatch):
@@ -290,18 +290,20 @@ def test_word_gemv_falls_back(QK, monkeypatch):
 
 
 @pytest.mark.skipif(INTERPRET or DEV != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("rows", [1, 8])
 @pytest.mark.parametrize("fmt", [(4, 128, False), (8, None, False)])
-def test_word_gemv_split_under_graph_replays(QK, fmt):
-    # the K-split counters reset themselves: replays of a captured call stay right, for new x each time
+def test_split_under_graph_replays(QK, fmt, rows):
+    # the K-split counters reset themselves: replays of a captured call stay right, for new x each time (1 row:
+    # the word GEMV; 8 rows: _qmm with SPLIT_IN_KERNEL; int8 x at 8 rows is not split, bit-exactness forbids it)
     n, k = 2560, 5120
     torch.manual_seed(1)
     w_q, w_s, _ = _weight(n, k, fmt)
-    x = torch.randn(1, k, device=DEV).half()
-    x_q = torch.randint(-128, 128, (1, k), device=DEV, dtype=torch.int8)
-    x_s = torch.rand(1, device=DEV) * 0.1
-    plan = QK._plan_words(1, n, k, {"bits": fmt[0], "fp8": False, "n": n, "k": k, "group_size": fmt[1]}, 0,
-                          QK.sm_count(x.device), QK.CFG)
-    assert plan["split"] > 1
+    x = torch.randn(rows, k, device=DEV).half()
+    x_q = torch.randint(-128, 128, (rows, k), device=DEV, dtype=torch.int8)
+    x_s = torch.rand(rows, device=DEV) * 0.1
+    f = {"bits": fmt[0], "fp8": False, "n": n, "k": k, "group_size": fmt[1]}
+    plan = QK._plan_words if rows <= QK.CFG["WORD_MAX_ROWS"] else QK._plan
+    assert plan(rows, n, k, f, 0, QK.sm_count(x.device), QK.CFG)["split"] > 1
     QK.quant_linear(x, w_q, w_s)  # compile and allocate outside the capture
     QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32)
     graph = torch.cuda.CUDAGraph()
@@ -315,3 +317,22 @@ def test_word_gemv_split_under_graph_replays(QK, fmt):
         exact = ops.quant_linear_ref(x.double(), w_q, w_s)
         assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
         assert torch.equal(out_i, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, None, torch.float32))
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+@pytest.mark.parametrize("fmt", [(4, 128, True), (8, None, False)])
+def test_qmm_split_sums(QK, in_kernel, rows, fmt):
+    # the tensor-core decode kernel with K split: partials summed by its last program of each tile
+    # (SPLIT_IN_KERNEL) or by _sum_splits after it; both equal the reference, bias included
+    torch.manual_seed(rows)
+    n, k = 40, 512
+    w_q, w_s, w_z = _weight(n, k, fmt)
+    x = torch.randn(rows, k, device=DEV).half()
+    bias = torch.randn(n, device=DEV).half()
+    cfg = {"WORD_MAX_ROWS": 0, "FMA_MAX_ROWS": 0, "MIN_SPLIT_K": 128, "SPLIT_IN_KERNEL": in_kernel}
+    assert QK._plan(rows, n, k, {"bits": fmt[0], "fp8": False, "n": n, "k": k, "group_size": fmt[1]}, 0, 132,
+                    {**QK.CFG, **cfg})["split"] > 1
+    out = QK.quant_linear(x, w_q, w_s, w_z, None, bias, cfg=cfg)
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z, None, bias.double())
+    assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, w_z, None, bias), exact) + 2e-3

@@ -17,10 +17,10 @@ half of each byte); K split over many programs, the partial sums added by the la
 (an acq_rel counter that resets itself: no second kernel, CUDA-graph safe). It serves int8 and int4 codes whose
 rows are whole words (k a multiple of 8 for int4, 4 for int8), float or int8 x; fp8 and the rest go below.
 Two kernels do every other case, with the same arguments:
-``_qgemv`` (1-2 rows, decode at batch 1-2, when FMA_MAX_ROWS asks for it): CUDA-core multiply-adds, products kept elementwise across the K
-  loop and reduced once; small register tiles, so many programs per SM keep loads in flight. Weight-only
-  groups are dequantized in registers ((q - z) * s, one group per tile); int8 x: int32 products, per group
-  reduced and scaled (``int_matmul_ref``'s order).
+``_qgemv`` (1-2 rows, decode at batch 1-2, when FMA_MAX_ROWS asks for it): CUDA-core multiply-adds, products kept
+  elementwise across the K loop and reduced once; small register tiles, so many programs per SM keep loads in
+  flight. Weight-only groups are dequantized in registers ((q - z) * s, one group per tile); int8 x: int32 products,
+  per group reduced and scaled (``int_matmul_ref``'s order).
 ``_qmm`` (more rows): tensor cores (rows padded to 16 up to 16 rows, one weight pass for all):
   weight-only (x float): acc += (x @ q.T - zero * sum(x)) * scale per group of k (BLOCK_K = g),
       or once at the end per channel: the codes enter the product unscaled (integers, exact in
@@ -31,7 +31,8 @@ Two kernels do every other case, with the same arguments:
   fp8 x: e4m3 operands widened to fp16 (exact), float32 accumulation, scale epilogue.
 fp8 codes travel as raw int8 bytes and are reinterpreted in the kernels (masked loads need an integer fill).
 Decode: when the output blocks alone give too few programs for the SMs, K is split (where the result is
-not bit-exact anyway; float32 partials summed by a second kernel). Prefill: ``torch._int_mm`` + one fused
+not bit-exact anyway; float32 partials summed by the last program of each output tile, ``_split_gather``, or
+by a second kernel with SPLIT_IN_KERNEL off). Prefill: ``torch._int_mm`` + one fused
 epilogue kernel for per-channel / per-tensor W8A8, ``torch._scaled_mm`` for fp8 (where this torch accepts
 the scales), the dequantized weight on cuBLAS from CUBLAS_ROWS rows for weight-only (see CFG), ``_qmm`` else.
 """
@@ -45,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import dot_precision, pow2, sm_count
+from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
 from ssmq.ops.quant_linear import EPS, FP8_MAX, quant_linear_ref, weight_format
 
@@ -66,13 +67,17 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   WORD_MAX_ROWS (<= 4): rows up to which the word GEMV _qgemv_words runs (0: the kernels below, as before).
 #     TILE_W: output columns a program x rows (BLOCK_N = TILE_W / rows: each thread keeps 8 columns x 4 words
 #     at 256, 4 warps); KW_W: words a tile row for per-channel / per-tensor scales (per group: the group);
-#     warps_w / stages_w; WAVES_W, MAX_SPLIT_W, MIN_SPLIT_K_W: split K until WAVES_W programs an SM.
+#     warps_w / stages_w; WAVES_W, MAX_SPLIT_W, MIN_SPLIT_K_W: split K until WAVES_W programs an SM;
+#     PREFETCH_W: load the next K step's words before this step's arithmetic (Triton does not pipeline these loads
+#     by num_stages: no cp.async in the SASS), two tiles in flight a program for about 32 more registers.
 #     Predicted from sm_90 SASS (issue slots of the K loop per code, 4 warps; H100: 128 issue slots a clock per
 #     SM, 132 SMs at 1.98 GHz): W4A16 g128 4.5 (1 row, TILE_W 256), 6.1 (2 rows), 10.7 (4 rows, BLOCK_N 128),
 #     13.2 (4 rows, 64); W8A16 4.7; W8A8 0.7 (dp4a). At in_proj (27 M codes) 1 row: W4A16 3.6 us issue-bound
 #     vs 4.3 us of weight bytes at 3.35 TB/s, so bandwidth-bound if loads stay in flight (about 4-5 programs of
 #     16 KB tiles an SM at 100 registers); the old paths measured 18.2 us + 2.2 us split sum (W4A16), 13.8 us
 #     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
+#   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
+#     the _sum_splits kernel after it (2.2 us a call on the H100, see below). Not yet measured on a GPU.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -87,7 +92,8 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
-           WORD_MAX_ROWS=4, TILE_W=256, KW_W=16, warps_w=4, stages_w=1, WAVES_W=4, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
+           SPLIT_IN_KERNEL=True, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
+           WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
 
 @triton.jit
@@ -153,19 +159,23 @@ def _scale_bias_store(acc, xs, xsum, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn,
 
 @triton.jit
 def _qmm(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, fin_ptr, cnt_ptr,
     M, N, K, k_split, n_groups, s_xm, s_wn, s_om, s_os,
     A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     DEQ_W: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FAST_CVT: tl.constexpr = False, QUANT_X: tl.constexpr = 0, QMAX: tl.constexpr = 127.0, EPS_: tl.constexpr = 1e-8,
-    X_STRIDED: tl.constexpr = False,
+    X_STRIDED: tl.constexpr = False, SPLIT_IN: tl.constexpr = False, FIN_BIAS: tl.constexpr = False,
+    NSP: tl.constexpr = 1, USE_GDC: tl.constexpr = False,
 ):
     # A_MODE: 0 float x, 1 int8 x, 2 fp8 x. WS_MODE: 0 per-tensor, 1 per-channel, 2 per-group (BLOCK_K == GROUP).
     # FAST_CVT: fp16 x, codes widened by _i8_to_f16. QUANT_X (A_MODE 1 / 2 with float x): each program quantizes
     # x itself as quantize_act_ref does, 1 per token (absmax of the whole row first: a max is exact in any
     # order, so every program finds the same scale), 2 with the static scale at xs_ptr. X_STRIDED (int4, not
     # DEQ_W): the even and odd x columns are loaded apart instead of reshaping and splitting the x tile.
+    # SPLIT_IN: a K split's partials (at out_ptr[pid_k]) are summed in this kernel by the last program of each
+    # output tile (_split_gather; the count at cnt_ptr), plus the bias (FIN_BIAS), into fin_ptr.
+    gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_n, pid_m, pid_k = tl.program_id(0) % n_blocks, tl.program_id(0) // n_blocks, tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -299,11 +309,19 @@ def _qmm(
         acc = acc_i.to(tl.float32)
     _scale_bias_store(acc, xs, xsum, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, pid_k, s_om, s_os,
                       scale, A_MODE, WS_MODE, HAS_ZERO, HAS_BIAS)
+    if SPLIT_IN:
+        p_off = rows[:, None] * s_om + offs_n[None, :]
+        mo = mm[:, None] & mn[None, :]
+        tot, last = _split_gather(out_ptr, cnt_ptr, tl.program_id(0), tl.num_programs(1), s_os, p_off, mo, offs_m,
+                                  NSP)
+        if FIN_BIAS:
+            tot += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+        tl.store(fin_ptr + p_off, tot.to(fin_ptr.dtype.element_ty), mask=mo & last[:, None])
 
 
 @triton.jit
 def _qgemv(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, fin_ptr, cnt_ptr,  # fin_ptr, cnt_ptr: _qmm's SPLIT_IN
     M, N, K, k_split, n_groups, s_xm, s_wn, s_om, s_os,
     A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
@@ -544,6 +562,27 @@ def _rows_tile(t0, t1, t2, t3, offs_m):
 
 
 @triton.jit
+def _split_gather(part_ptr, cnt_ptr, tile, n_split, MN, p_off, mo, offs_m, NSP: tl.constexpr):
+    """A K split summed inside the kernel, once this program stored its partial at part_ptr + pid_k * MN + p_off
+    (p_off: (BLOCK_M, BLOCK_N) offsets of its output tile, mo their mask). It counts itself at cnt_ptr[tile]
+    (acq_rel, after a barrier: every thread's partial is stored before the count releases it); the last of the
+    tile's n_split programs reads the partials back (one load for all NSP >= n_split of them: a loop of loads
+    measured one L2 round trip per split, ~0.5 us each, on the H100) and adds them in a fixed order
+    (deterministic, whichever program came last), and zeroes the count for the next launch, so CUDA-graph replays
+    need no reset and no second kernel runs. Returns the sum and a (BLOCK_M,) mask true only in that last
+    program (elsewhere nothing is read)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    last = (offs_m * 0 + done) == n_split - 1
+    offs_s = tl.arange(0, NSP)
+    ml = (offs_s < n_split)[:, None, None] & (mo & last[:, None])[None, :, :]
+    parts = tl.load(part_ptr + offs_s[:, None, None] * MN + p_off[None, :, :], mask=ml, other=0,
+                    cache_modifier=".cg")
+    tl.store(cnt_ptr + tile + offs_m * 0, offs_m * 0, mask=last)
+    return tl.sum(parts, axis=0), last
+
+
+@triton.jit
 def _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om,
                   A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr):
     # zero points are already applied (per split): the scale epilogue of the other kernels, into out
@@ -558,7 +597,8 @@ def _qgemv_words(
     A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, WS_MODE: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
+    NSP: tl.constexpr = 1, USE_GDC: tl.constexpr = False,
 ):
     # Up to 4 decode rows (BLOCK_M) x a (BLOCK_N, BLOCK_K) weight tile a step, the codes loaded as int32 words
     # (w_ptr: the stored rows viewed as int32, s_wn in words), 16 bytes a load. Float x (A_MODE 0): each code
@@ -569,10 +609,10 @@ def _qgemv_words(
     # (a 3-D rows x tile product made Triton move the codes through shared memory every step); products stay
     # elementwise over words across the loop and are reduced once, per group (BLOCK_K == GROUP) when the scales
     # are per group.
-    # SPLIT: program (tile, pid_k) sums k in [pid_k * kw_split * WPW, +kw_split * WPW); it stores its partial
-    # (float32, or exact int32 for int8 x per channel / tensor) to part_ptr, counts itself at cnt_ptr[tile]
-    # (acq_rel), and the last of the tile's n_split programs adds the partials in split order (deterministic),
-    # applies the scales and the bias, and zeroes the count for the next launch (CUDA-graph replays need no reset).
+    # SPLIT: program (tile, pid_k) sums k in [pid_k * kw_split * WPW, +kw_split * WPW) and stores its partial
+    # (float32, or exact int32 for int8 x per channel / tensor) to part_ptr; the last of the tile's n_split programs
+    # adds them up (_split_gather), applies the scales and the bias.
+    gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
     WPW: tl.constexpr = 8 if W4 else 4
     KW: tl.constexpr = BLOCK_K // WPW
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -615,6 +655,8 @@ def _qgemv_words(
     x1, x2, x3 = x0, x0, x0
     a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a1, a2, a3 = a0, a0, a0
+    if PREFETCH:  # (EVEN_K) the next step's words are loaded before this step's arithmetic: two tiles in flight
+        w_next = tl.load(w_ptrs, mask=mn[:, None], other=0)
     for k in range(0, k_len, BLOCK_K):
         if EVEN_K:
             mw = mn[:, None]
@@ -622,7 +664,11 @@ def _qgemv_words(
         else:
             mc = offs_c < (k_len - k) // WPW
             mw = mn[:, None] & mc[None, :]
-        w = tl.load(w_ptrs, mask=mw, other=0)
+        if PREFETCH:
+            w = w_next
+            w_next = tl.load(w_ptrs + KW, mask=mn[:, None] & (offs_c * 0 + k + BLOCK_K < k_len)[None, :], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=mw, other=0)
         lo, hi = _code_halves(w, W4)
         if WS_MODE == 2:
             q0 = tl.zeros((BLOCK_N, KW), dtype=ACC)
@@ -633,10 +679,13 @@ def _qgemv_words(
             q0, q1, q2, q3, y0, y1, y2, y3 = p0, p1, p2, p3, x0, x1, x2, x3
         q0, y0 = _row_step(q0, y0, w, lo, hi, x_ptrs, mc & (r0 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
         if BLOCK_M > 1:
-            q1, y1 = _row_step(q1, y1, w, lo, hi, x_ptrs + s_xm, mc & (r0 + 1 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
+            q1, y1 = _row_step(q1, y1, w, lo, hi, x_ptrs + s_xm, mc & (r0 + 1 < M), A_MODE, W4,
+                               HAS_ZERO, X16, XBF16, PTX)
         if BLOCK_M > 2:
-            q2, y2 = _row_step(q2, y2, w, lo, hi, x_ptrs + 2 * s_xm, mc & (r0 + 2 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
-            q3, y3 = _row_step(q3, y3, w, lo, hi, x_ptrs + 3 * s_xm, mc & (r0 + 3 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
+            q2, y2 = _row_step(q2, y2, w, lo, hi, x_ptrs + 2 * s_xm, mc & (r0 + 2 < M), A_MODE, W4,
+                               HAS_ZERO, X16, XBF16, PTX)
+            q3, y3 = _row_step(q3, y3, w, lo, hi, x_ptrs + 3 * s_xm, mc & (r0 + 3 < M), A_MODE, W4,
+                               HAS_ZERO, X16, XBF16, PTX)
         if WS_MODE == 2:
             t = (k0 + k) // GROUP
             s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
@@ -665,21 +714,12 @@ def _qgemv_words(
                          _row_total(p2, x2, z, A_MODE, W4, HAS_ZERO), _row_total(p3, x3, z, A_MODE, W4, HAS_ZERO),
                          offs_m)
     if SPLIT:
-        MN = M * N
         p_off = rows[:, None] * N + offs_n[None, :]
         mo = mm[:, None] & mn[None, :]
-        tl.store(part_ptr + pid_k * MN + p_off, tot, mask=mo)
-        tl.debug_barrier()  # every thread's partial stored before the count releases them
-        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if done == n_split - 1:
-            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=part_ptr.dtype.element_ty)
-            for s in range(n_split):  # in split order, whichever program came last
-                tot += tl.load(part_ptr + s * MN + p_off, mask=mo, other=0, cache_modifier=".cg")
-            tl.store(cnt_ptr + tile, 0)
-            _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE,
-                          HAS_BIAS)
-    else:
-        _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE, HAS_BIAS)
+        tl.store(part_ptr + pid_k * M * N + p_off, tot, mask=mo)
+        tot, last = _split_gather(part_ptr, cnt_ptr, tile, n_split, M * N, p_off, mo, offs_m, NSP)
+        mm = mm & last  # only the last program of the tile stores the output
+    _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE, HAS_BIAS)
 
 
 @triton.jit
@@ -819,7 +859,8 @@ def _words_ok(x2, w_q, f: dict, a_mode: int, cfg: dict) -> bool:
     g = f["group_size"]
     return (0 < M <= min(cfg["WORD_MAX_ROWS"], 4) and a_mode in (0, 1) and not f["fp8"] and K % wpw == 0
             and w_q.stride(0) % 4 == 0 and w_q.data_ptr() % 4 == 0 and (g is None or g % wpw == 0)
-            and (x2.dtype == torch.float32 or (x2.stride(0) % (4 // x2.element_size()) == 0 and x2.data_ptr() % 4 == 0)))
+            and (x2.dtype == torch.float32
+                 or (x2.stride(0) % (4 // x2.element_size()) == 0 and x2.data_ptr() % 4 == 0)))
 
 
 def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> dict:
@@ -827,12 +868,16 @@ def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dic
     wpw = 8 if f["bits"] == 4 else 4
     BM = pow2(M)
     BK = g if g is not None else wpw * min(cfg["KW_W"], pow2(K // wpw))
-    BN = min(max(16, cfg["TILE_W"] // BM), pow2(N))
+    BN = min(max(64, cfg["TILE_W"] // BM), pow2(N))  # 64+: each thread's x serves 2+ weight rows
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     split = 1
     # int8 x per group: int_matmul_ref sums the groups' scaled products in order, so one program does all of k
     if not (a_mode == 1 and g is not None):
-        want = triton.cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks)
+        # enough programs for WAVES_W an SM, and at most ITERS_W K steps a program: each step is a dependent
+        # round trip to memory, so a long K loop is latency-bound (first H100 run, 2026-11-23: 4 rows unsplit,
+        # 20 steps, 46 us at in_proj; W8A8 10 steps 24 us)
+        want = max(triton.cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks),
+                   triton.cdiv(triton.cdiv(K, BK), cfg["ITERS_W"]))
         split = max(1, min(cfg["MAX_SPLIT_W"], want, K // cfg["MIN_SPLIT_K_W"]))
     k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
     split = triton.cdiv(K, k_split)
@@ -862,8 +907,9 @@ def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
         w_q.stride(0) // 4, N,
         A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, WS_MODE=_ws_mode(w_scale),
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, GROUP=f["group_size"] or 1, EVEN_K=c["EVEN_K"],
-        SPLIT=split > 1, X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        num_warps=cfg["warps_w"], num_stages=cfg["stages_w"],
+        SPLIT=split > 1, NSP=pow2(split), X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda,
+        PREFETCH=cfg["PREFETCH_W"] and c["EVEN_K"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+        num_warps=cfg["warps_w"], num_stages=cfg["stages_w"], **pdl_args(x2),
         # the integer paths reproduce int_matmul_ref's separately rounded products and sums
         enable_fp_fusion=a_mode == 0)
     return out
@@ -881,8 +927,10 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
     if f["fp8"]:  # raw bytes: the kernel reinterprets them (see _qmm)
         w_q = w_q.view(torch.int8)
         x2 = x2.view(torch.int8) if a_mode == 2 and not quant_x else x2
+    # the K split summed inside _qmm (SPLIT_IN_KERNEL), or by _sum_splits after it
+    in_kernel = split > 1 and cfg["SPLIT_IN_KERNEL"] and not c["FMA"]
     args = (x2, xs if xs is not None else dummy, w_q, w_scale, w_zero if w_zero is not None else dummy,
-            bias if bias is not None else dummy, part,
+            bias if bias is not None else dummy, part, out, _counts(x2.device, c["grid"][0]) if in_kernel else part,
             M, N, K, c["k_split"], w_scale.shape[1] if w_scale.dim() == 2 else 1, x2.stride(0), w_q.stride(0),
             N, M * N)
     common = dict(A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, W_FP8=f["fp8"],
@@ -899,13 +947,14 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
                 and not f["fp8"] and not c["DEQ_W"])
         _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast, QUANT_X=quant_x,
                         X_STRIDED=cfg["X_STRIDED"] and f["bits"] == 4 and not c["DEQ_W"],
-                        QMAX=FP8_MAX if a_mode == 2 else 127.0, EPS_=EPS,
+                        QMAX=FP8_MAX if a_mode == 2 else 127.0, EPS_=EPS, SPLIT_IN=in_kernel, NSP=pow2(split),
+                        FIN_BIAS=bias is not None, **pdl_args(x2),
                         PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
-    if split > 1:
+    if split > 1 and not in_kernel:
         BLOCK = 1024
         _sum_splits[(triton.cdiv(M * N, BLOCK),)](
             part, bias if bias is not None else part, out, M * N, N, split,
-            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4)
+            HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(x2))
     return out
 
 
