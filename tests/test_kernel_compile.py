@@ -274,10 +274,9 @@ def test_kv_decode_compiles_for_sm90(variant):
                 "koi": "i16", "kov": "fp16", "ksink": "fp16", "vc": code, "vmid": scale, "vhalf": scale,
                 "vlut": "fp32", "voi": "i16", "vov": "fp16", "vsink": "fp16"}
     block_t = kd.CFG["BLOCK_T_OUTLIERS"] if ko or vo else kd.CFG["BLOCK_T"]
-    levels = 2 ** bits if not fl else 1
-    flags = dict(FLOAT=fl, K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, VSLOTS=vo, KBITS=bits, VBITS=bits,
-                 KLEVELS=levels, VLEVELS=levels)
-    const = {**kd.constexprs(4, 128, r, sink, flags, block_t, False), "FAST": True}  # the GPU's code (PRMT lookups)
+    const = dict(GROUP=4, GP=16, E=128, R=r, HP=max(16, r // 2), PP=max(16, 128 - r), S=sink, SP=16, FLOAT=fl,
+                 K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, KP=triton.next_power_of_2(max(ko, 1)), VSLOTS=vo,
+                 BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"], KBITS=bits, VBITS=bits)
     compiled = _compile_sm90(kd._decode_kernel, pointers, const, floats=("scale",), num_warps=kd.CFG["num_warps"],
                              num_stages=kd.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"

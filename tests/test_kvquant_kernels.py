@@ -66,13 +66,7 @@ def test_decode_splits_equal_reference(k, case, splits):
     _check(k, case, False, splits)
 
 
-def test_decode_many_value_outliers_equal_reference(k):
-    """6 value outlier slots a token over 2 kv heads x 16 channels: several land in one head and token (the kernel
-    visits a head's slots in rank order, as many passes as the busiest token of a tile needs)."""
-    _check(k, (2, 4, 2, 16, 50, 16, 2, 1, 16), False, v_slots=6)
-
-
-def _check(k, case, k_per_token, splits=None, v_slots=1):
+def _check(k, case, k_per_token, splits=None):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
     b, hq, hkv, e, L, r, ko, sink, levels = case
@@ -80,7 +74,7 @@ def _check(k, case, k_per_token, splits=None, v_slots=1):
     s = b + 2
     k_levels, v_levels = levels if isinstance(levels, tuple) else (levels, levels)
     K = side(s, L, hkv, e, k_per_token, ko, sink, gen, k_levels)
-    V = side(s, L, hkv, e, True, v_slots, sink, gen, v_levels)
+    V = side(s, L, hkv, e, True, 1, sink, gen, v_levels)
     q = torch.randn(b, hq, e, generator=gen).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
     lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).to(DEV)
@@ -89,7 +83,7 @@ def _check(k, case, k_per_token, splits=None, v_slots=1):
         lens[-1] = 1  # a new row: shorter than the sink when there are several sink tokens
     got = k.quant_kv_decode(q, slots, lens, K, V, r, 10000.0, splits=splits)
     want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), *(_cpu(x) for x in (K, V)), r, 10000.0)
-    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 4])
@@ -105,34 +99,7 @@ def test_float_kv_decode_equals_attention_reference(k, splits):
     lens = torch.tensor([L, 1, 37], device=DEV)
     got = k.float_kv_decode(q, slots, lens, kc, vc, splits=splits)
     want = attention_ref(q.float()[:, None], kc[slots].float(), vc[slots].float(), lens)[:, 0]
-    torch.testing.assert_close(got, want, rtol=3e-3, atol=3e-3)
-
-
-@pytest.mark.parametrize("pieces", [4, 8])
-def test_interleave_puts_piece_i_at_column_i(k, pieces):
-    """The PRMT lookups return a tile's codes as pieces (piece i: channel GS·g + i); ``_interleave4`` / ``_interleave8``
-    put them back in channel order (nested tl.join adds its axis last: the first GPU run had pieces 1 and 2 swapped)."""
-    import triton
-    import triton.language as tl
-
-    global _IL4, _IL8
-    _IL4, _IL8 = k._interleave4, k._interleave8
-
-    @triton.jit
-    def run(src, dst, G: tl.constexpr, P: tl.constexpr):
-        p = src + tl.arange(0, 2)[:, None] * G + tl.arange(0, G)[None, :]  # piece i at src + i·2G
-        if P == 4:
-            x = _IL4(tl.load(p), tl.load(p + 2 * G), tl.load(p + 4 * G), tl.load(p + 6 * G))
-        else:
-            x = _IL8(tl.load(p), tl.load(p + 2 * G), tl.load(p + 4 * G), tl.load(p + 6 * G), tl.load(p + 8 * G),
-                     tl.load(p + 10 * G), tl.load(p + 12 * G), tl.load(p + 14 * G))
-        tl.store(dst + tl.arange(0, 2)[:, None] * P * G + tl.arange(0, P * G)[None, :], x)
-
-    G = 4
-    src = torch.arange(pieces * 2 * G, dtype=torch.float32, device=DEV).reshape(pieces, 2, G)
-    dst = torch.empty(2, pieces * G, device=DEV)
-    run[(1,)](src, dst, G, pieces)
-    torch.testing.assert_close(dst, src.permute(1, 2, 0).reshape(2, pieces * G))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def _cpu(view):
@@ -163,4 +130,4 @@ def test_model_decode_through_kernels_equals_reference_decode(k, monkeypatch):
             m(ids[:, :7], cache=cache)
             runs.append(torch.stack([m.step(ids[:, t], cache) for t in range(7, 12)], 1))
     assert calls == [k.quant_kv_decode] * 5 + [quant_kv_decode_ref] * 5  # one call per decode step
-    torch.testing.assert_close(runs[0], runs[1], rtol=3e-3, atol=3e-3)
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4)
