@@ -77,9 +77,10 @@ def _run(model, ids, steps):
     return out[0], torch.stack(steps_out)
 
 
-def _compare(monkeypatch, model, ids, steps=3):
+def _compare(monkeypatch, model, ids, steps=3, hadamard=True):
     """Logits with the fusion off and on (identical); returns the float-input A8 linear calls with it off and on, and
-    the stand-alone Hadamard + codes ops with it on."""
+    the stand-alone Hadamard + codes ops with it on. ``hadamard``: the Hadamard + quantize fusion too (opt-in on
+    GPUs, where its kernel measured slower; on CPU both are the same references)."""
     from ssmq import kernels
     from ssmq.kernels import dispatch
 
@@ -94,6 +95,7 @@ def _compare(monkeypatch, model, ids, steps=3):
         unfused_calls = len(calls)
         calls.clear()
         monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", True)
+        monkeypatch.setattr(dispatch, "HADAMARD_QUANT_FUSION", hadamard)
         on = _run(model, ids, steps)
     for a, b in zip(off, on):
         assert torch.equal(a, b), (a - b).abs().max()
@@ -133,3 +135,18 @@ def test_fused_activation_quantization_reference_models(monkeypatch, arch, recip
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(4))
     before, after, _ = _compare(monkeypatch, model, ids, steps=2)
     assert after < before
+
+
+def test_hadamard_fusion_off_quantizes_in_the_rotated_linear(monkeypatch):
+    """The default on GPUs: norms emit codes, but a rotated out_proj (Quamba2) rotates and quantizes its own float
+    input: one stand-alone quantization a layer and pass, logits bit-identical to the unfused path."""
+    from ssmq.quant.api import quantize
+    from tiny_ssm import synthetic_calibration, tiny_model
+
+    model = tiny_model("mamba2")
+    model = quantize(model, "quamba2-w8a8", synthetic_calibration(model.config.vocab_size, n=4, seqlen=16),
+                     progress=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    before, after, rotations = _compare(monkeypatch, model, ids, hadamard=False)
+    passes = 1 + 3
+    assert after == model.config.n_layer * passes < before and rotations == 0

@@ -203,6 +203,16 @@ def act_quant_fusion_enabled() -> bool:
     return ACT_QUANT_FUSION
 
 
+# The online Hadamard fused with the quantization (``hadamard_quant``, alone or in the gated norm) is opt-in
+# (SSMQ_FUSED_HADAMARD_QUANT=1): on the H100 (2026-11-23, Quamba2 W8A8 Mamba2-2.7B batch 1) its kernel took 14.8 and,
+# after a rewrite, 20.6 us a layer, against ~9.5 us for the float16 Hadamard GEMM + the quantize it replaces.
+HADAMARD_QUANT_FUSION = os.environ.get("SSMQ_FUSED_HADAMARD_QUANT", "0") == "1"
+
+
+def hadamard_quant_fusion_enabled() -> bool:
+    return ACT_QUANT_FUSION and HADAMARD_QUANT_FUSION
+
+
 def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_scale=None, per_token=True):
     """``ops.norm.rms_norm_quant_ref``: residual add + RMSNorm with int8 codes out -> (codes, scale, new_residual)."""
     impl = _kernels("norm").rms_norm_quant if _use_triton(x) else ops.rms_norm_quant_ref

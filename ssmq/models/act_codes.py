@@ -47,4 +47,5 @@ def code_input(linear: nn.Module | None, rotate: bool = False) -> CodeInput | No
     that needs the Hadamard only for a producer that can apply it (``rotate``)."""
     ask = getattr(linear, "code_input", None)
     codes = ask() if callable(ask) and kernels.act_quant_fusion_enabled() else None
-    return None if codes is None or (codes.rotate and not rotate) else codes
+    return None if codes is None or (codes.rotate and not (rotate and kernels.hadamard_quant_fusion_enabled())) \
+        else codes

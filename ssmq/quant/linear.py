@@ -164,7 +164,7 @@ class QuantLinear(_QuantWeight):
         if isinstance(x, ActCodes):  # its producer quantized it as this linear would have (``code_input``)
             return kernels.quant_linear(x.q, self.weight_q, self.weight_scale, None, x.scale, self.bias, x.dtype)
         if self.rotate_input:
-            codes = self.code_input() if kernels.act_quant_fusion_enabled() else None
+            codes = self.code_input() if kernels.hadamard_quant_fusion_enabled() else None
             if codes is not None:  # the transform and the quantization as one op
                 q, scale = kernels.hadamard_quant(x, codes.scale, True)
                 return kernels.quant_linear(q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
