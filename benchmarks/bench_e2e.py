@@ -256,6 +256,28 @@ def profile_step(model, bs: int = 1, top: int = 15, ssm_dtype=None) -> list[dict
     return rows
 
 
+def profile_prefill(model, seqlen: int = 1024, top: int = 12) -> list[dict]:
+    """Print (and return) the kernels of one eager batch-1 prefill of ``seqlen`` tokens, costliest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.zeros((1, seqlen), dtype=torch.long, device="cuda")
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(ids)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events)
+    print(f"prefill of {seqlen} tokens: {sum(e.count for e in events)} kernel launches, {total / 1e3:.2f} ms GPU time")
+    rows = []
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.count:5d} x {e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:90]}")
+        rows.append({"kernel": e.key[:120], "count": e.count, "us_each": e.self_device_time_total / max(e.count, 1)})
+    return rows
+
+
 def markdown_table(results, prompt_lens, batches) -> str:
     cols = [f"TTFT {L}" for L in prompt_lens] + [f"TPOT b{b}" for b in batches]
     keys = [f"ttft_{L}_ms" for L in prompt_lens] + [f"tpot_b{b}_ms" for b in batches]

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import bench_mamba_ssm, bench_model, copy_bandwidth, model_bytes, profile_step, time_ms  # noqa: E402
+from bench_e2e import (bench_mamba_ssm, bench_model, copy_bandwidth, model_bytes, profile_prefill,  # noqa: E402
+                       profile_step, time_ms)
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
@@ -96,12 +97,13 @@ def run_e2e(args, bw, results) -> None:
                               for b in batches}
                 if args.profile:
                     r["profile_b1"] = profile_step(model, 1, top=8)
+                    r["profile_prefill"] = profile_prefill(model, args.prompt_len, top=10)
                 del model
             except Exception as e:  # one recipe that cannot run is reported, not fatal
                 r = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
             r["wall_s"] = round(time.time() - t0, 1)
             entry[recipe] = r
-            print(name, recipe, json.dumps({k: v for k, v in r.items() if k != "profile_b1"}), flush=True)
+            print(name, recipe, json.dumps({k: v for k, v in r.items() if not k.startswith("profile")}), flush=True)
             save(results, args)
         if "mamba_ssm" in args.peers.split(","):
             gc.collect()
@@ -357,7 +359,7 @@ def main():
     ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt", "w4", "words"],
                     help="decode launch-setting sweep at batch 1: all paths, or the tensor-core path's K split")
     ap.add_argument("--no-e2e", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step per recipe")
+    ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step (batch 1) and one eager prefill per recipe")
     ap.add_argument("--cfg", default="", help="JSON object of kernel launch settings (kernels.quant_gemm.CFG)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/quant"))
     args = ap.parse_args()
