@@ -132,8 +132,9 @@ def test_quantize_act_bit_exact(QK, rows, k, mode, dtype):
 
 
 @pytest.mark.parametrize("fmt", WFMTS)
-def test_dequantize_weight(QK, fmt):
-    w_q, w_s, w_z = _weight(48, 256, fmt)
+@pytest.mark.parametrize("n,k", [(48, 256), (70, 384)])
+def test_dequantize_weight(QK, fmt, n, k):
+    w_q, w_s, w_z = _weight(n, k, fmt)
     ref = ops.dequantize_weight(w_q, w_s, w_z).half()
     assert torch.equal(QK.dequantize_weight(w_q, w_s, w_z, torch.float16), ref)
 

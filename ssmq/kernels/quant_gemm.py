@@ -78,6 +78,10 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
 #   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
 #     the _sum_splits kernel after it (2.2 us a call on the H100, see below). Not yet measured on a GPU.
+#   MID_MAX_ROWS / BN_MID / warps_mid / stages_mid: weight-only batches of DECODE_ROWS + 1 .. MID_MAX_ROWS rows take
+#     one row tile (BLOCK_M = rows padded to a power of two) and the decode path's K split: the prefill tiles
+#     (128-wide column tiles, no split) gave Mamba2-2.7B's out_proj 40 programs for 132 SMs at batch 32, where
+#     W4A16 decoded slower than FP16 (6.43 vs 5.15 ms a token, H100, 2026-11-23). 0 turns it off.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -92,7 +96,7 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
-           SPLIT_IN_KERNEL=True, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
+           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=64, BN_MID=64, warps_mid=4, stages_mid=3, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
            WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
 
@@ -767,29 +771,44 @@ def _quantize_rows(x_ptr, s_ptr, q_ptr, xs_ptr, K, s_xm, QMAX: tl.constexpr, EPS
 @triton.jit
 def _dequant(w_ptr, ws_ptr, wz_ptr, out_ptr, N, K, n_groups, s_wn,
              W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr, HAS_ZERO: tl.constexpr,
-             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # (BLOCK_N, BLOCK_K) tile of the dequantized weight, written in out's dtype (the cuBLAS prefill path)
+             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUP: tl.constexpr):
+    # (BLOCK_N, BLOCK_K) tile of the dequantized weight, written in out's dtype (the cuBLAS prefill path).
+    # int4: the tile's packed bytes are loaded once, as one contiguous (BLOCK_N, BLOCK_K / 2) run per row, and
+    # their nibbles interleaved in registers (low nibble = even k); TILE_GROUP (BLOCK_K divides GROUP): the tile
+    # lies in one scale group, so its scales are one (BLOCK_N,) load, not a gather per element. (The first
+    # version gathered each byte twice and each scale per element: 105 us a Mamba2-2.7B layer on the H100,
+    # 2026-11-23, against ~20 us of bytes.)
+    pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    m = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mn = (offs_n < N)[:, None]
+    m = mn & (offs_k < K)[None, :]
     cols = offs_n.to(tl.int64)[:, None]
     if W4:
-        b = tl.load(w_ptr + cols * s_wn + offs_k[None, :] // 2, mask=m, other=0).to(tl.int8, bitcast=True)
-        q = tl.where((offs_k % 2 == 0)[None, :], (b << 4) >> 4, b >> 4).to(tl.float32)
+        offs_b = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        b = tl.load(w_ptr + cols * s_wn + offs_b[None, :], mask=mn & (offs_b < (K + 1) // 2)[None, :],
+                    other=0).to(tl.int8, bitcast=True)
+        q = tl.reshape(tl.join((b << 4) >> 4, b >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
     else:
         q = tl.load(w_ptr + cols * s_wn + offs_k[None, :], mask=m, other=0)
         if W_FP8:
             q = q.to(tl.float8e4nv, bitcast=True)
         q = q.to(tl.float32)
-    if WS_MODE == 2:
+    if WS_MODE == 2 and TILE_GROUP:
+        p_off = cols * n_groups + (pid_k * BLOCK_K) // GROUP
+        pm = mn
+    elif WS_MODE == 2:
         p_off = cols * n_groups + (offs_k // GROUP)[None, :]
+        pm = m
     elif WS_MODE == 1:
-        p_off = cols + offs_k[None, :] * 0
+        p_off = cols
+        pm = mn
     else:
-        p_off = cols * 0 + offs_k[None, :] * 0
+        p_off = cols * 0
+        pm = mn
     if HAS_ZERO:
-        q -= tl.load(wz_ptr + p_off, mask=m, other=0).to(tl.float32)
-    w = q * tl.load(ws_ptr + p_off, mask=m, other=0.0)
+        q -= tl.load(wz_ptr + p_off, mask=pm, other=0).to(tl.float32)
+    w = q * tl.load(ws_ptr + p_off, mask=pm, other=0.0)
     tl.store(out_ptr + cols * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -809,6 +828,7 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     g = f["group_size"]
     fma = M <= cfg["FMA_MAX_ROWS"]
     decode = M <= DECODE_ROWS
+    mid = not decode and M <= cfg["MID_MAX_ROWS"] and a_mode == 0  # weight-only batches of 17 .. MID_MAX_ROWS
     if fma:
         BM = pow2(M)
         BK = g if g is not None else min(max(32, cfg["BK_FMA"] // BM), pow2(K, 32))
@@ -816,6 +836,8 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
         nw, ns = cfg["warps_fma"], cfg["stages_fma"]
     elif decode:
         BM, BN, BK, nw, ns = 16, cfg["BN_DEC"], cfg["BK_DEC"], cfg["warps_dec"], cfg["stages_dec"]
+    elif mid:
+        BM, BN, BK, nw, ns = pow2(M, 16), cfg["BN_MID"], cfg["BK_PRE"], cfg["warps_mid"], cfg["stages_mid"]
     else:
         BM, BN, BK, nw, ns = cfg["BM_PRE"], cfg["BN_PRE"], cfg["BK_PRE"], cfg["warps_pre"], cfg["stages_pre"]
         if g is not None:
@@ -827,7 +849,7 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     split = 1
     # split K over programs (float32 partial sums) only where the result is not bit-exact anyway
-    if decode and (a_mode == 0 or (a_mode == 2 and fma)):
+    if (decode or mid) and (a_mode == 0 or (a_mode == 2 and fma)):
         want = triton.cdiv(cfg["WAVES"] * sms, n_blocks * m_blocks)
         split = max(1, min(cfg["MAX_SPLIT"], want, K // cfg["MIN_SPLIT_K"]))
     k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
@@ -963,13 +985,14 @@ def dequantize_weight(w_q, w_scale, w_zero=None, dtype=torch.float16) -> torch.T
     f = weight_format(w_q, w_scale, w_zero)
     N, K = f["n"], f["k"]
     out = torch.empty((N, K), device=w_q.device, dtype=dtype)
-    BN, BK = 32, 128
+    g = f["group_size"]
+    BN, BK = 32, min(128, g) if g and g & (g - 1) == 0 else 128
     _dequant[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
         w_q.view(torch.int8) if f["fp8"] else w_q, w_scale,
         w_zero if w_zero is not None else w_scale, out, N, K,
         w_scale.shape[1] if w_scale.dim() == 2 else 1, w_q.stride(0),
         W4=f["bits"] == 4, W_FP8=f["fp8"], WS_MODE=_ws_mode(w_scale), HAS_ZERO=w_zero is not None,
-        GROUP=f["group_size"] or 1, BLOCK_N=BN, BLOCK_K=BK, num_warps=4)
+        GROUP=g or 1, BLOCK_N=BN, BLOCK_K=BK, TILE_GROUP=g is not None and g % BK == 0, num_warps=4)
     return out
 
 
@@ -1013,16 +1036,17 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
                 WS_COLS=w_scale.dim() == 1, HAS_BIAS=bias is not None, BLOCK_M=BM, BLOCK_N=BN, num_warps=4,
                 enable_fp_fusion=False)
             return out
+        # the cuBLAS paths return cuBLAS's own (M, N) output (no copy into ``out``: 128 copies of 7.6 us in a
+        # Mamba2-2.7B prefill of 1024 tokens on the H100, 2026-11-23) unless the dtype differs
         if a_mode == 2 and K % 16 == 0 and N % 16 == 0 and _SCALED_MM_OK.get(out_dtype, True):
             try:
-                return _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out)
+                return _as_out(_scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype), out)
             except RuntimeError:  # this torch's cuBLASLt path refuses the scale layout / output dtype
                 _SCALED_MM_OK[out_dtype] = False
         cublas = cfg["PREFILL_A16"] == "cublas" or (cfg["PREFILL_A16"] == "auto" and M >= cfg["CUBLAS_ROWS"])
         if a_mode == 0 and cublas and x.dtype != torch.float32:
             w = dequantize_weight(w_q, w_scale, w_zero, x.dtype)
-            out2.copy_(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)))
-            return out
+            return _as_out(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)), out)
     _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out2, f, a_mode, cfg)
     return out
 
@@ -1057,16 +1081,23 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
     return out
 
 
-def _scaled_mm(x2, xs, w_q, w_scale, bias, out2, out):
-    """FP8 prefill on cuBLASLt: per-row x scales and per-channel (or per-tensor) weight scales."""
-    M, N = out2.shape
+def _as_out(y2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """y2 (M, N) as the caller's ``out`` shape: a view when it already has out's dtype, else copied into out."""
+    if y2.dtype == out.dtype and y2.is_contiguous():
+        return y2.view(out.shape)
+    out.view(y2.shape).copy_(y2)
+    return out
+
+
+def _scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype):
+    """FP8 prefill on cuBLASLt: per-row x scales and per-channel (or per-tensor) weight scales; (M, N)."""
+    M, N = x2.shape[0], w_q.shape[0]
     sa = (xs.reshape(-1, 1) if xs.dim() else xs.reshape(1, 1).expand(M, 1)).contiguous()
     sb = (w_scale.reshape(1, -1) if w_scale.dim() else w_scale.reshape(1, 1).expand(1, N)).contiguous()
-    y = torch._scaled_mm(x2, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=out2.dtype)
+    y = torch._scaled_mm(x2, w_q.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
-    out2.copy_(y)
-    return out
+    return y
 
 
 def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
