@@ -55,7 +55,10 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   BN_DEC / BK_DEC / warps_dec / stages_dec: decode tiles (BK is the group size for grouped weights)
 #   BM_PRE / BN_PRE / BK_PRE / warps_pre / stages_pre: prefill tiles
 #   WAVES, MAX_SPLIT, MIN_SPLIT_K: split K (weight-only decode) until WAVES programs per SM
-#   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue) or "triton" for per-channel/tensor W8A8
+#   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue) or "triton" (_qmm, epilogue fused) for per-channel /
+#     tensor W8A8. H100, 2026-11-23, 1024 rows: in_proj 121.6 (int_mm: an sm80 cutlass kernel, + epilogue) vs
+#     92.2 us, out_proj 66.1 vs 54.8; dynamic-w8a8 Mamba2-2.7B TTFT 1024 19.9 -> 16.7 ms (cuBLAS FP16: 78.7 /
+#     38.5 us, TTFT 15.4 ms: int8 is not yet faster than fp16 at prefill)
 #   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
 #     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes, 2026-11-23: the Triton GEMM won at
 #     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
@@ -78,10 +81,13 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
 #   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
 #     the _sum_splits kernel after it (2.2 us a call on the H100, see below). Not yet measured on a GPU.
-#   MID_MAX_ROWS / BN_MID / warps_mid / stages_mid: weight-only batches of DECODE_ROWS + 1 .. MID_MAX_ROWS rows take
-#     one row tile (BLOCK_M = rows padded to a power of two) and the decode path's K split: the prefill tiles
-#     (128-wide column tiles, no split) gave Mamba2-2.7B's out_proj 40 programs for 132 SMs at batch 32, where
-#     W4A16 decoded slower than FP16 (6.43 vs 5.15 ms a token, H100, 2026-11-23). 0 turns it off.
+#   MID_MAX_ROWS / MID_FILL / BN_MID / warps_mid / stages_mid: weight-only batches of DECODE_ROWS + 1 ..
+#     MID_MAX_ROWS rows whose prefill tiling has fewer than MID_FILL x SMs column tiles take one row tile
+#     (BLOCK_M = rows padded to a power of two) and the decode path's K split. H100, 2026-11-23, 32 rows
+#     (`bench_quant.py --micro --micro-rows 32,64`, us, old tiles -> this path for every shape): out_proj
+#     2560 x 5120 (40 / 20 prefill tiles) W4A16 33.7 -> 27.8, W8A16 42.7 -> 25.0; in_proj 10576 x 2560 (166 /
+#     83 tiles) W4A16 30.4 -> 58.5, W8A16 24.9 -> 57.3, hence the fill rule. (cuBLAS FP16: 14.0 / 24.0: the
+#     weight-only GEMM at 32+ rows stays slower than FP16.) 0 turns it off.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -94,9 +100,9 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=3,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
-           WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="int_mm", PREFILL_A16="auto",
+           WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="triton", PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
-           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=64, BN_MID=64, warps_mid=4, stages_mid=3, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
+           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=32, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
            WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
 
@@ -828,7 +834,9 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     g = f["group_size"]
     fma = M <= cfg["FMA_MAX_ROWS"]
     decode = M <= DECODE_ROWS
-    mid = not decode and M <= cfg["MID_MAX_ROWS"] and a_mode == 0  # weight-only batches of 17 .. MID_MAX_ROWS
+    # weight-only batches of 17 .. MID_MAX_ROWS rows whose prefill tiling would leave most SMs idle
+    mid = (not decode and M <= cfg["MID_MAX_ROWS"] and a_mode == 0
+           and triton.cdiv(N, cfg["BN_PRE_GROUP"] if g is not None else cfg["BN_PRE"]) < cfg["MID_FILL"] * sms)
     if fma:
         BM = pow2(M)
         BK = g if g is not None else min(max(32, cfg["BK_FMA"] // BM), pow2(K, 32))
