@@ -55,10 +55,12 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   BN_DEC / BK_DEC / warps_dec / stages_dec: decode tiles (BK is the group size for grouped weights)
 #   BM_PRE / BN_PRE / BK_PRE / warps_pre / stages_pre: prefill tiles
 #   WAVES, MAX_SPLIT, MIN_SPLIT_K: split K (weight-only decode) until WAVES programs per SM
-#   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue) or "triton" (_qmm, epilogue fused) for per-channel /
-#     tensor W8A8. H100, 2026-11-23, 1024 rows: in_proj 121.6 (int_mm: an sm80 cutlass kernel, + epilogue) vs
-#     92.2 us, out_proj 66.1 vs 54.8; dynamic-w8a8 Mamba2-2.7B TTFT 1024 19.9 -> 16.7 ms (cuBLAS FP16: 78.7 /
-#     38.5 us, TTFT 15.4 ms: int8 is not yet faster than fp16 at prefill)
+#   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue), "triton" (_qmm, epilogue fused) or "auto" (int_mm
+#     below A8_TRITON_ROWS rows, triton from there) for per-channel / tensor W8A8 above DECODE_ROWS rows.
+#     H100, 2026-11-23 (`bench_quant.py --micro`, us): 1024 rows in_proj 121.6 (int_mm: an sm80 cutlass kernel,
+#     + epilogue) vs 92.2 (triton, BK 64) vs 71.4 (BK_PRE_A8 = 128; BN 256: 78.3; 4 stages: 89.3), out_proj 66.1
+#     vs 54.8 vs 45.2 (cuBLAS FP16 78.7 / 38.5); but at 32 / 128 rows int_mm won (out_proj 20.1 vs 39.7 us): the
+#     all-triton setting took dynamic-w8a8 batch-32 decode from 5.04 to 6.97 ms a token.
 #   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
 #     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes, 2026-11-23: the Triton GEMM won at
 #     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
@@ -99,8 +101,8 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     one by its serial K loop (about 0.8 us an iteration, 20 iterations at K = 2560 without a K split).
 CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=3,
-           BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, warps_pre=8, stages_pre=3,
-           WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="triton", PREFILL_A16="auto",
+           BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, BK_PRE_A8=128, warps_pre=8, stages_pre=3,
+           WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="auto", A8_TRITON_ROWS=512, PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
            SPLIT_IN_KERNEL=True, MID_MAX_ROWS=32, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
            WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
@@ -847,7 +849,8 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     elif mid:
         BM, BN, BK, nw, ns = pow2(M, 16), cfg["BN_MID"], cfg["BK_PRE"], cfg["warps_mid"], cfg["stages_mid"]
     else:
-        BM, BN, BK, nw, ns = cfg["BM_PRE"], cfg["BN_PRE"], cfg["BK_PRE"], cfg["warps_pre"], cfg["stages_pre"]
+        BM, BN, BK, nw, ns = cfg["BM_PRE"], cfg["BN_PRE"], cfg["BK_PRE_A8" if a_mode == 1 else "BK_PRE"], \
+            cfg["warps_pre"], cfg["stages_pre"]
         if g is not None:
             BN = min(BN, cfg["BN_PRE_GROUP"])
         BM = min(BM, pow2(M, 16))
@@ -1034,7 +1037,8 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
         return out
     out2 = out.view(M, N)
     if M > DECODE_ROWS:
-        if a_mode == 1 and f["bits"] == 8 and f["group_size"] is None and cfg["PREFILL_A8"] == "int_mm" \
+        int_mm = cfg["PREFILL_A8"] == "int_mm" or (cfg["PREFILL_A8"] == "auto" and M < cfg["A8_TRITON_ROWS"])
+        if a_mode == 1 and f["bits"] == 8 and f["group_size"] is None and int_mm \
                 and K % 8 == 0 and N % 8 == 0:
             # cuBLASLt's int8 GEMM (TN layout: w_q.t() is the stored rows), then the reference's epilogue
             acc = torch._int_mm(x2, w_q.t())
