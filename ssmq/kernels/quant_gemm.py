@@ -81,6 +81,8 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     vs 4.3 us of weight bytes at 3.35 TB/s, so bandwidth-bound if loads stay in flight (about 4-5 programs of
 #     16 KB tiles an SM at 100 registers); the old paths measured 18.2 us + 2.2 us split sum (W4A16), 13.8 us
 #     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
+#   MAX_GROUP_PARTS: int8 x with per-group scales (W4A8) splits K in the word GEMV only up to this many groups
+#     (their products are stored one by one and added in order by the last program: int_matmul_ref's order).
 #   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
 #     the _sum_splits kernel after it (2.2 us a call on the H100, see below). Not yet measured on a GPU.
 #   MID_MAX_ROWS / MID_FILL / BN_MID / warps_mid / stages_mid: weight-only batches of DECODE_ROWS + 1 ..
@@ -104,7 +106,8 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, BK_PRE_A8=128, warps_pre=8, stages_pre=3,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="auto", A8_TRITON_ROWS=512, PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
-           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=32, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3, WORD_MAX_ROWS=4, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
+           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=32, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3,
+           WORD_MAX_ROWS=4, MAX_GROUP_PARTS=64, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
            WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
 
@@ -595,6 +598,22 @@ def _split_gather(part_ptr, cnt_ptr, tile, n_split, MN, p_off, mo, offs_m, NSP: 
 
 
 @triton.jit
+def _group_gather(part_ptr, cnt_ptr, tile, n_split, n_groups, MN, p_off, mo, offs_m, NSP: tl.constexpr):
+    """As _split_gather for GROUP_PARTS: the last program adds the n_groups (<= NSP) stored group products in group
+    order, starting from 0 (int_matmul_ref's out = 0; out += ... order; the loads are independent and issued
+    together, the adds run in order)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    last = (offs_m * 0 + done) == n_split - 1
+    ml = mo & last[:, None]
+    tot = tl.zeros(p_off.shape, dtype=tl.float32)
+    for t in tl.static_range(NSP):
+        tot += tl.load(part_ptr + t * MN + p_off, mask=ml & (t < n_groups), other=0.0, cache_modifier=".cg")
+    tl.store(cnt_ptr + tile + offs_m * 0, offs_m * 0, mask=last)
+    return tot, last
+
+
+@triton.jit
 def _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om,
                   A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr):
     # zero points are already applied (per split): the scale epilogue of the other kernels, into out
@@ -610,7 +629,7 @@ def _qgemv_words(
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
-    NSP: tl.constexpr = 1, USE_GDC: tl.constexpr = False,
+    NSP: tl.constexpr = 1, USE_GDC: tl.constexpr = False, GROUP_PARTS: tl.constexpr = False,
 ):
     # Up to 4 decode rows (BLOCK_M) x a (BLOCK_N, BLOCK_K) weight tile a step, the codes loaded as int32 words
     # (w_ptr: the stored rows viewed as int32, s_wn in words), 16 bytes a load. Float x (A_MODE 0): each code
@@ -623,7 +642,10 @@ def _qgemv_words(
     # are per group.
     # SPLIT: program (tile, pid_k) sums k in [pid_k * kw_split * WPW, +kw_split * WPW) and stores its partial
     # (float32, or exact int32 for int8 x per channel / tensor) to part_ptr; the last of the tile's n_split programs
-    # adds them up (_split_gather), applies the scales and the bias.
+    # adds them up (_split_gather), applies the scales and the bias. GROUP_PARTS (int8 x, per-group scales, split):
+    # each program stores every group's scaled product float(acc_t) * s_t at part_ptr[t] instead, and the last one
+    # adds all n_groups of them in group order from 0 (_group_gather): int_matmul_ref's sum, bit for bit, with
+    # the K split that a single program per tile lacked (W4A8 at batch 1: 20 dependent K steps, no split).
     gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
     WPW: tl.constexpr = 8 if W4 else 4
     KW: tl.constexpr = BLOCK_K // WPW
@@ -705,12 +727,24 @@ def _qgemv_words(
                 z = tl.load(wz_ptr + cols * n_groups + t, mask=mn, other=0).to(tl.float32)
             else:
                 z = s
-            a0 = _row_group(a0, q0, y0, s, z, xs0, A_MODE, W4, HAS_ZERO)
-            if BLOCK_M > 1:
-                a1 = _row_group(a1, q1, y1, s, z, xs1, A_MODE, W4, HAS_ZERO)
-            if BLOCK_M > 2:
-                a2 = _row_group(a2, q2, y2, s, z, xs2, A_MODE, W4, HAS_ZERO)
-                a3 = _row_group(a3, q3, y3, s, z, xs3, A_MODE, W4, HAS_ZERO)
+            if GROUP_PARTS:  # this group's products alone (0 + x = x), stored at part_ptr[t]
+                zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                g0 = _row_group(zero, q0, y0, s, z, xs0, A_MODE, W4, HAS_ZERO)
+                g1, g2, g3 = g0, g0, g0
+                if BLOCK_M > 1:
+                    g1 = _row_group(zero, q1, y1, s, z, xs1, A_MODE, W4, HAS_ZERO)
+                if BLOCK_M > 2:
+                    g2 = _row_group(zero, q2, y2, s, z, xs2, A_MODE, W4, HAS_ZERO)
+                    g3 = _row_group(zero, q3, y3, s, z, xs3, A_MODE, W4, HAS_ZERO)
+                tl.store(part_ptr + t * M * N + rows[:, None] * N + offs_n[None, :],
+                         _rows_tile(g0, g1, g2, g3, offs_m), mask=mm[:, None] & mn[None, :])
+            else:
+                a0 = _row_group(a0, q0, y0, s, z, xs0, A_MODE, W4, HAS_ZERO)
+                if BLOCK_M > 1:
+                    a1 = _row_group(a1, q1, y1, s, z, xs1, A_MODE, W4, HAS_ZERO)
+                if BLOCK_M > 2:
+                    a2 = _row_group(a2, q2, y2, s, z, xs2, A_MODE, W4, HAS_ZERO)
+                    a3 = _row_group(a3, q3, y3, s, z, xs3, A_MODE, W4, HAS_ZERO)
         else:
             p0, p1, p2, p3, x0, x1, x2, x3 = q0, q1, q2, q3, y0, y1, y2, y3
         w_ptrs += KW
@@ -725,7 +759,12 @@ def _qgemv_words(
         tot = _rows_tile(_row_total(p0, x0, z, A_MODE, W4, HAS_ZERO), _row_total(p1, x1, z, A_MODE, W4, HAS_ZERO),
                          _row_total(p2, x2, z, A_MODE, W4, HAS_ZERO), _row_total(p3, x3, z, A_MODE, W4, HAS_ZERO),
                          offs_m)
-    if SPLIT:
+    if GROUP_PARTS:
+        p_off = rows[:, None] * N + offs_n[None, :]
+        tot, last = _group_gather(part_ptr, cnt_ptr, tile, n_split, n_groups, M * N, p_off,
+                                  mm[:, None] & mn[None, :], offs_m, NSP)
+        mm = mm & last
+    elif SPLIT:
         p_off = rows[:, None] * N + offs_n[None, :]
         mo = mm[:, None] & mn[None, :]
         tl.store(part_ptr + pid_k * M * N + p_off, tot, mask=mo)
@@ -904,8 +943,9 @@ def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dic
     BN = min(max(64, cfg["TILE_W"] // BM), pow2(N))  # 64+: each thread's x serves 2+ weight rows
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     split = 1
-    # int8 x per group: int_matmul_ref sums the groups' scaled products in order, so one program does all of k
-    if not (a_mode == 1 and g is not None):
+    # int8 x per group: int_matmul_ref sums the groups' scaled products in order: a split stores them per group
+    # (GROUP_PARTS) for the last program to add in that order, up to MAX_GROUP_PARTS groups (its unrolled loads)
+    if not (a_mode == 1 and g is not None and K // g > cfg["MAX_GROUP_PARTS"]):
         # enough programs for WAVES_W an SM, and at most ITERS_W K steps a program: each step is a dependent
         # round trip to memory, so a long K loop is latency-bound (first H100 run, 2026-11-23: 4 rows unsplit,
         # 20 steps, 46 us at in_proj; W8A8 10 steps 24 us)
@@ -923,8 +963,10 @@ def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
     N = f["n"]
     c = _plan_words(M, N, K, f, a_mode, sm_count(x2.device), cfg)
     split = c["split"]
+    n_groups = w_scale.shape[1] if w_scale.dim() == 2 else 1
+    group_parts = split > 1 and a_mode == 1 and f["group_size"] is not None
     if split > 1:
-        part = torch.empty((split, M, N), device=x2.device,
+        part = torch.empty((n_groups if group_parts else split, M, N), device=x2.device,
                            dtype=torch.int32 if a_mode == 1 and f["group_size"] is None else torch.float32)
         cnt = _counts(x2.device, c["tiles"])
     else:
@@ -935,12 +977,12 @@ def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
     _qgemv_words[c["grid"]](
         xw, xs if xs is not None else dummy, w_q.view(torch.int32), w_scale, w_zero if w_zero is not None else dummy,
         bias if bias is not None else dummy, out, part, cnt,
-        M, N, K, c["k_split"] // (8 if f["bits"] == 4 else 4), split, w_scale.shape[1] if w_scale.dim() == 2 else 1,
+        M, N, K, c["k_split"] // (8 if f["bits"] == 4 else 4), split, n_groups,
         xw.stride(0),
         w_q.stride(0) // 4, N,
         A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, WS_MODE=_ws_mode(w_scale),
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, GROUP=f["group_size"] or 1, EVEN_K=c["EVEN_K"],
-        SPLIT=split > 1, NSP=pow2(split), X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda,
+        SPLIT=split > 1, NSP=pow2(n_groups if group_parts else split), GROUP_PARTS=group_parts, X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda,
         PREFETCH=cfg["PREFETCH_W"] and c["EVEN_K"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         num_warps=cfg["warps_w"], num_stages=cfg["stages_w"], **pdl_args(x2),
         # the integer paths reproduce int_matmul_ref's separately rounded products and sums
