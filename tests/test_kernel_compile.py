@@ -307,6 +307,7 @@ WORD_VARIANTS = {  # name: (x, A_MODE, W4, WS_MODE, HAS_ZERO, SPLIT, BLOCK_M, BL
     "w8a16-fp32-channel-zero": ("fp32", 0, False, 1, True, False, 1, 256, 64),
     "w8a8-channel-split": ("i32", 1, False, 1, False, True, 1, 256, 64),
     "w4a8-g128-rows4": ("i32", 1, True, 2, False, False, 4, 64, 128),
+    "w4a8-g128-split": ("i32", 1, True, 2, False, True, 1, 128, 128),  # GROUP_PARTS: groups added in order
     "w4a16-g128-prefetch": ("fp16", 0, True, 2, False, True, 1, 256, 128),
 }
 
@@ -324,7 +325,8 @@ def test_word_gemv_compiles_for_sm90(variant):
                 "cnt_ptr": "i32"}
     const = dict(A_MODE=a_mode, XS_ROWS=True, W4=w4, WS_MODE=ws_mode, HAS_ZERO=zero, HAS_BIAS=True, GROUP=bk,
                  EVEN_K=True, SPLIT=split, X16=x16, XBF16=x == "bf16", PTX=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                 PREFETCH=variant.endswith("prefetch"), NSP=16 if split else 1, USE_GDC=True)
+                 PREFETCH=variant.endswith("prefetch"), NSP=16 if split else 1, USE_GDC=True,
+                 GROUP_PARTS=split and a_mode == 1 and ws_mode == 2)
     ptx = _compile_sm90(qg._qgemv_words, pointers, const, num_warps=qg.CFG["warps_w"],
                         num_stages=qg.CFG["stages_w"]).asm["ptx"]
     if a_mode == 0:  # (zero points, one a column and group, are converted: far fewer than a step's codes)
