@@ -2,11 +2,14 @@
 
     python benchmarks/check_quant_accuracy.py --models mamba2 --out out/acc
 
-Each recipe quantizes the float32 reference model (no calibration: the recipes checked need none), saves
-and loads the checkpoint in float16 on the GPU (``ssmq.load_model(dir, device="cuda")``) and evaluates
-WikiText-2 test twice: once with ``QuantLinear`` on the Triton kernels, once with the same modules on the
-CPU references of ``ssmq.ops.quant_linear`` run on the GPU tensors (every other op identical). Writes
-accuracy.json; prints a table with the relative difference (target: within 0.05%).
+Each recipe quantizes the float32 reference model (recipes that need calibration get --calib-samples windows of
+the calibration text, seed 0), saves and loads the checkpoint in float16 on the GPU
+(``ssmq.load_model(dir, device="cuda")``) and evaluates WikiText-2 test twice: once on the Triton kernels, once on
+the references. The reference path is ``QuantLinear`` on the CPU references of ``ssmq.ops.quant_linear`` run on
+the GPU tensors (every other op identical) for recipes without SSM quantization, and every op on its reference
+(``SSMQ_REF_OPS``' switch: int8 conv / scan / state update, Hadamard, norms) for the Quamba / Quamba2 / SSDi8
+recipes, whose SSM side has kernels too. Writes accuracy.json; prints a table with the relative difference
+(target: within 0.05%).
 """
 
 from __future__ import annotations
@@ -25,12 +28,16 @@ from ssmq import kernels, ops
 from ssmq.eval.perplexity import perplexity_of_ids, wikitext2_path
 from ssmq.paths import shared_path
 from ssmq.quant import save_quantized
+from ssmq.quant.calibration import load_calibration
+from ssmq.quant.recipe import get_recipe
 
 RECIPES = "rtn-w8a16,rtn-w4a16-g128,dynamic-w8a8,fp8-w8a8"
 
 
-def reference_ops(on: bool) -> None:
-    """Route QuantLinear (``ssmq.kernels.quant_gemm`` / ``quantize_act``) to the references or the kernels."""
+def reference_ops(on: bool, everything: bool = False) -> None:
+    """Route QuantLinear (``ssmq.kernels.quant_gemm`` / ``quantize_act``) to the references or the kernels;
+    ``everything``: every dispatched op."""
+    kernels.dispatch._FORCE_REF = on and everything
     if on:
         kernels.quant_linear = ops.quant_linear_ref
         kernels.quantize_act = ops.quantize_act_ref
@@ -46,6 +53,8 @@ def main():
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--calib-samples", type=int, default=16, help="calibration windows (recipes that need them)")
+    ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--out", default=os.environ.get("OUT", "out/acc"))
     args = ap.parse_args()
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
@@ -57,17 +66,25 @@ def main():
         rows = results["models"].setdefault(name, {})
         for recipe in args.recipes.split(","):
             model = ssmq.load_model(folder, dtype=torch.float32, device=args.device)
-            ssmq.quantize(model, recipe, None, progress=False)
+            spec = get_recipe(recipe)
+            calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok) \
+                if spec.needs_calibration() else None
+            ssmq.quantize(model, spec, calib, progress=False)
+            # recipes with SSM quantization (transforms / taps / int8 state) run kernels beyond the linears
+            whole = bool(spec.transforms or spec.taps or spec.cache.state_bits != 16)
             with tempfile.TemporaryDirectory() as tmp:
                 save_quantized(model, Path(tmp) / "q")
                 del model
                 model = ssmq.load_model(Path(tmp) / "q", dtype=torch.float16, device=args.device)
             r = {}
             for path in ("kernels", "reference"):
-                reference_ops(path == "reference")
+                reference_ops(path == "reference", whole)
                 r[path] = perplexity_of_ids(model, ids, args.seqlen, limit=args.limit, progress=False)["ppl"]
             reference_ops(False)
             r["rel_diff_pct"] = 100 * (r["kernels"] - r["reference"]) / r["reference"]
+            r["reference_ops"] = "all" if whole else "linears"
+            if calib is not None:
+                r["calibration"] = [args.calib_samples, args.calib_seqlen]
             rows[recipe] = r
             print(name, recipe, json.dumps(r), flush=True)
             del model
