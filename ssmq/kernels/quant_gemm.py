@@ -81,6 +81,12 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     vs 4.3 us of weight bytes at 3.35 TB/s, so bandwidth-bound if loads stay in flight (about 4-5 programs of
 #     16 KB tiles an SM at 100 registers); the old paths measured 18.2 us + 2.2 us split sum (W4A16), 13.8 us
 #     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
+#   Weight-only, MID_MAX_ROWS + 1 .. CUBLAS_ROWS - 1 rows: an underfilled tiling (as for MID_FILL) goes to the
+#     dequantized weight on cuBLAS, int4 up to W4_WARPS_MAX_ROWS rows runs the Triton GEMM with warps_pre_w4
+#     warps. H100, 2026-11-23, `bench_quant.py --micro --micro-rows 64,128` (us at 64 / 128 rows): out_proj
+#     2560 x 5120 W4A16 66.4 / 50.4 (Triton, 8 warps) -> 23.5 / 24.3 (cuBLAS), W8A16 45.4 / 62.7 -> 23.3 / 24.1;
+#     in_proj 10576 x 2560 W4A16 51.2 / 49.4 -> 29.2 / 38.1 (4 warps; cuBLAS 51.5 / 52.8), W8A16 25.8 / 33.6 kept
+#     (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). Micro-benchmark only: not yet timed end to end.
 #   MAX_GROUP_PARTS: int8 x with per-group scales (W4A8) splits K in the word GEMV only up to this many groups
 #     (their products are stored one by one and added in order by the last program: int_matmul_ref's order).
 #   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
@@ -107,6 +113,7 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="auto", A8_TRITON_ROWS=512, PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
            SPLIT_IN_KERNEL=True, MID_MAX_ROWS=32, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3,
+           W4_WARPS_MAX_ROWS=128, warps_pre_w4=4,
            WORD_MAX_ROWS=4, MAX_GROUP_PARTS=64, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
            WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
@@ -859,6 +866,12 @@ def _dequant(w_ptr, ws_ptr, wz_ptr, out_ptr, N, K, n_groups, s_wn,
     tl.store(out_ptr + cols * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=m)
 
 
+def _underfilled(N: int, f: dict, device: torch.device, cfg: dict) -> bool:
+    """Whether the weight-only prefill tiling has fewer than MID_FILL x SMs column tiles (e.g. out_proj)."""
+    bn = cfg["BN_PRE_GROUP"] if f["group_size"] is not None else cfg["BN_PRE"]
+    return triton.cdiv(N, bn) < cfg["MID_FILL"] * sm_count(device)
+
+
 def _ws_mode(w_scale) -> int:
     return 2 if w_scale.dim() == 2 else int(w_scale.dim() == 1)
 
@@ -890,6 +903,8 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     else:
         BM, BN, BK, nw, ns = cfg["BM_PRE"], cfg["BN_PRE"], cfg["BK_PRE_A8" if a_mode == 1 else "BK_PRE"], \
             cfg["warps_pre"], cfg["stages_pre"]
+        if a_mode == 0 and f["bits"] == 4 and M <= cfg["W4_WARPS_MAX_ROWS"]:
+            nw = cfg["warps_pre_w4"]
         if g is not None:
             BN = min(BN, cfg["BN_PRE_GROUP"])
         BM = min(BM, pow2(M, 16))
@@ -1097,7 +1112,8 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
                 return _as_out(_scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype), out)
             except RuntimeError:  # this torch's cuBLASLt path refuses the scale layout / output dtype
                 _SCALED_MM_OK[out_dtype] = False
-        cublas = cfg["PREFILL_A16"] == "cublas" or (cfg["PREFILL_A16"] == "auto" and M >= cfg["CUBLAS_ROWS"])
+        cublas = cfg["PREFILL_A16"] == "cublas" or (cfg["PREFILL_A16"] == "auto" and (
+            M >= cfg["CUBLAS_ROWS"] or (M > cfg["MID_MAX_ROWS"] and _underfilled(N, f, x.device, cfg))))
         if a_mode == 0 and cublas and x.dtype != torch.float32:
             w = dequantize_weight(w_q, w_scale, w_zero, x.dtype)
             return _as_out(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)), out)
