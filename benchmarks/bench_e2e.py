@@ -244,15 +244,19 @@ def profile_step(model, bs: int = 1, top: int = 15, ssm_dtype=None) -> list[dict
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model.step(tokens, cache)
             torch.cuda.synchronize()
+    del cache
+    return kernel_rows(prof, f"decode step, batch {bs}", top)
+
+
+def kernel_rows(prof, what: str, top: int) -> list[dict]:
+    """Print (and return) a profile's CUDA kernels, costliest first: count, µs each."""
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    n = sum(e.count for e in events)
     total = sum(e.self_device_time_total for e in events)
-    print(f"decode step, batch {bs}: {n} kernel launches, {total / 1e3:.2f} ms GPU time")
+    print(f"{what}: {sum(e.count for e in events)} kernel launches, {total / 1e3:.2f} ms GPU time")
     rows = []
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
         print(f"  {e.count:5d} x {e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:90]}")
         rows.append({"kernel": e.key[:120], "count": e.count, "us_each": e.self_device_time_total / max(e.count, 1)})
-    del cache
     return rows
 
 
@@ -268,14 +272,7 @@ def profile_prefill(model, seqlen: int = 1024, top: int = 12) -> list[dict]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model(ids)
             torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    print(f"prefill of {seqlen} tokens: {sum(e.count for e in events)} kernel launches, {total / 1e3:.2f} ms GPU time")
-    rows = []
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"  {e.count:5d} x {e.self_device_time_total / max(e.count, 1):8.1f} us  {e.key[:90]}")
-        rows.append({"kernel": e.key[:120], "count": e.count, "us_each": e.self_device_time_total / max(e.count, 1)})
-    return rows
+    return kernel_rows(prof, f"prefill of {seqlen} tokens", top)
 
 
 def markdown_table(results, prompt_lens, batches) -> str:
