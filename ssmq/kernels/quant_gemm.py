@@ -1089,15 +1089,16 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     else:
         xs = None
         out_dtype = out_dtype or x.dtype
-    out = torch.empty((*lead, N), device=x.device, dtype=out_dtype)
+    out_shape = (*lead, N)
     if M == 0 or N == 0:
-        return out
-    out2 = out.view(M, N)
+        return torch.empty(out_shape, device=x.device, dtype=out_dtype)
     if M > DECODE_ROWS:
         int_mm = cfg["PREFILL_A8"] == "int_mm" or (cfg["PREFILL_A8"] == "auto" and M < cfg["A8_TRITON_ROWS"])
         if a_mode == 1 and f["bits"] == 8 and f["group_size"] is None and int_mm \
                 and K % 8 == 0 and N % 8 == 0:
             # cuBLASLt's int8 GEMM (TN layout: w_q.t() is the stored rows), then the reference's epilogue
+            out = torch.empty(out_shape, device=x.device, dtype=out_dtype)
+            out2 = out.view(M, N)
             acc = torch._int_mm(x2, w_q.t())
             BM, BN = 32, 128
             _int_epilogue[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
@@ -1109,15 +1110,17 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
         # Mamba2-2.7B prefill of 1024 tokens on the H100, 2026-11-23) unless the dtype differs
         if a_mode == 2 and K % 16 == 0 and N % 16 == 0 and _SCALED_MM_OK.get(out_dtype, True):
             try:
-                return _as_out(_scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype), out)
+                return _as_out(_scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype), out_shape, out_dtype)
             except RuntimeError:  # this torch's cuBLASLt path refuses the scale layout / output dtype
                 _SCALED_MM_OK[out_dtype] = False
         cublas = cfg["PREFILL_A16"] == "cublas" or (cfg["PREFILL_A16"] == "auto" and (
             M >= cfg["CUBLAS_ROWS"] or (M > cfg["MID_MAX_ROWS"] and _underfilled(N, f, x.device, cfg))))
         if a_mode == 0 and cublas and x.dtype != torch.float32:
             w = dequantize_weight(w_q, w_scale, w_zero, x.dtype)
-            return _as_out(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)), out)
-    _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out2, f, a_mode, cfg)
+            return _as_out(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)), out_shape,
+                           out_dtype)
+    out = torch.empty(out_shape, device=x.device, dtype=out_dtype)
+    _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out.view(M, N), f, a_mode, cfg)
     return out
 
 
@@ -1151,12 +1154,12 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
     return out
 
 
-def _as_out(y2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """y2 (M, N) as the caller's ``out`` shape: a view when it already has out's dtype, else copied into out."""
-    if y2.dtype == out.dtype and y2.is_contiguous():
-        return y2.view(out.shape)
-    out.view(y2.shape).copy_(y2)
-    return out
+def _as_out(y2: torch.Tensor, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """cuBLAS's (M, N) result y2 in the caller's ``shape`` and ``dtype``: a view when it already has the dtype (the
+    output is never allocated twice: at prefill it is the largest activation), else a converted copy."""
+    if y2.dtype == dtype and y2.is_contiguous():
+        return y2.view(shape)
+    return y2.to(dtype).reshape(shape)
 
 
 def _scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype):
