@@ -14,8 +14,10 @@ Decode at batch 1-4 (CFG's WORD_MAX_ROWS) runs ``_qgemv_words``: int8 / int4 cod
 bytes a load, for float x turned into exact float32 values by bit assembly (one LOP3 and one FADD a code, then one
 FFMA a code and row; no I2F), for int8 x multiplied by dp4a on whole words (int4 nibbles shifted into the high
 half of each byte); K split over many programs, the partial sums added by the last program of each output tile
-(an acq_rel counter that resets itself: no second kernel, CUDA-graph safe). It serves int8 and int4 codes whose
-rows are whole words (k a multiple of 8 for int4, 4 for int8), float or int8 x; fp8 and the rest go below.
+(an acq_rel counter that resets itself: no second kernel, CUDA-graph safe); int8 x with per-group scales (W4A8)
+splits too, each program storing its groups' scaled products for the last one to add in group order
+(``GROUP_PARTS``: ``int_matmul_ref``'s sum, bit for bit). It serves int8 and int4 codes whose rows are whole words
+(k a multiple of 8 for int4, 4 for int8), float or int8 x; fp8 and the rest go below.
 Two kernels do every other case, with the same arguments:
 ``_qgemv`` (1-2 rows, decode at batch 1-2, when FMA_MAX_ROWS asks for it): CUDA-core multiply-adds, products kept
   elementwise across the K loop and reduced once; small register tiles, so many programs per SM keep loads in
@@ -32,9 +34,19 @@ Two kernels do every other case, with the same arguments:
 fp8 codes travel as raw int8 bytes and are reinterpreted in the kernels (masked loads need an integer fill).
 Decode: when the output blocks alone give too few programs for the SMs, K is split (where the result is
 not bit-exact anyway; float32 partials summed by the last program of each output tile, ``_split_gather``, or
-by a second kernel with SPLIT_IN_KERNEL off). Prefill: ``torch._int_mm`` + one fused
-epilogue kernel for per-channel / per-tensor W8A8, ``torch._scaled_mm`` for fp8 (where this torch accepts
-the scales), the dequantized weight on cuBLAS from CUBLAS_ROWS rows for weight-only (see CFG), ``_qmm`` else.
+by a second kernel with SPLIT_IN_KERNEL off).
+
+Which path serves a call (M rows; every threshold is a CFG entry with the measurement behind it):
+
+    rows                 weight-only (float x)                    W8A8 per channel / tensor      fp8 x
+    1-4                  _qgemv_words                             _qgemv_words                   _qmm
+    5-16                 _qmm, K split                            _qmm                           _qmm
+    17-32                _qmm: underfilled tiling -> K split      torch._int_mm + _int_epilogue  torch._scaled_mm
+    33-511               underfilled -> dequantize + cuBLAS,      torch._int_mm + _int_epilogue  torch._scaled_mm
+                         else _qmm (int4 up to 128 rows: 4 warps)
+    512+                 dequantize + cuBLAS                      _qmm (int8 tensor cores, K 128) torch._scaled_mm
+
+("underfilled": fewer column tiles than MID_FILL x SMs, e.g. Mamba2-2.7B's out_proj.)
 """
 
 from __future__ import annotations
