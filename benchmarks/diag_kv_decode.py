@@ -1,0 +1,163 @@
+"""GPU diagnostic of the second-generation KVQuant decode kernel (issue 17; ``kv_decode_s13.py``, the reverted
+rewrite): isolates each stage in one run and prints max errors, so one short device call says which stage is wrong.
+
+  lookup   the codebook lookup alone (``_lut_words`` + ``_book``: packed codes -> (T, CP) float16) against a gather
+           from the codebook, 4 / 3 / 2 bits, PRMT inline asm (asm=1) and the pure-Triton lookup (asm=0), several
+           tile shapes and warp counts; on a mismatch prints the codes it returned for row 0 (the permutation).
+  decode   the whole decode against ``quant_kv_decode_ref``: no RoPE / RoPE "split" / "direct", 4 / 3 / 2 bits,
+           without and with outliers, asm on / off; and ``float_kv_decode`` (fp16 products, no lookup).
+
+Usage: python benchmarks/diag_kv_decode.py [lookup|decode|all]   (GPU; also runs under SSMQ_TRITON_INTERPRET=1
+with asm=0 only, as a check of the script itself)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kv_decode_s13 as m  # noqa: E402
+
+_lut_words, _book = m._lut_words, m._book
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 3e-3
+
+
+@triton.jit
+def _lookup_kernel(codes, lut, out, s_row, T: tl.constexpr, E: tl.constexpr, CP: tl.constexpr,
+                   LEVELS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    w0, w1, w2, w3, w4, w5, w6, w7 = _lut_words(lut, LEVELS, BITS)
+    t = tl.arange(0, T)
+    tmask = t < T
+    x = _book(codes + t[:, None] * s_row, 0, E, CP, tmask, lut, w0, w1, w2, w3, w4, w5, w6, w7, BITS, ASM)
+    c = tl.arange(0, CP)
+    tl.store(out + t[:, None] * CP + c[None, :], x)
+
+
+def _report(name, got, want, extra=""):
+    d = (got.float().cpu() - want.float().cpu()).abs()
+    off = int((d > TOL + TOL * want.float().cpu().abs()).sum())
+    print(f"{name:60s} max_abs={d.max().item():.3e} off={off}/{d.numel()} {extra}", flush=True)
+    return off
+
+
+def lookup(asms):
+    from ssmq.ops.kv_quant import pack_codes
+
+    gen = torch.Generator().manual_seed(0)
+    for bits, levels in ((4, 16), (3, 8), (2, 4)):
+        for T, E, warps in ((32, 64, 4), (16, 32, 1), (32, 128, 4), (64, 64, 8)):
+            idx = torch.randint(0, levels, (T, E), generator=gen, dtype=torch.uint8)
+            book = torch.sort(torch.rand(levels, generator=gen) * 2 - 1).values
+            codes = pack_codes(idx, bits).contiguous().to(DEV)
+            want = book[idx.long()].half()
+            for asm in asms:
+                out = torch.zeros(T, E, dtype=torch.float16, device=DEV)
+                name = f"lookup bits={bits} T={T} E={E} warps={warps} asm={int(asm)}"
+                try:
+                    _lookup_kernel[(1,)](codes, book.to(DEV), out, codes.stride(0), T=T, E=E, CP=E, LEVELS=levels,
+                                         BITS=bits, ASM=asm, num_warps=warps)
+                except Exception as e:  # a compile error is a result too
+                    print(f"{name:60s} ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                if _report(name, out, want):  # which codes came back where: the permutation, if one
+                    got_idx = (out.float().cpu()[..., None] - book.half().float()).abs().argmin(-1)
+                    for r in (0, 1):
+                        print(f"   row{r} want {idx[r, :24].tolist()}\n   row{r} got  {got_idx[r, :24].tolist()}")
+
+
+def _side(s, L, hkv, e, per_token, slots, gen, levels):
+    from ssmq.ops.kv_quant import KVSideView, code_bits, pack_codes
+
+    bits = code_bits(levels)
+    codes = pack_codes(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8), bits)
+    book = torch.sort(torch.rand(levels, generator=gen) * 2 - 1).values
+    if per_token:
+        mid = (torch.randn(s, L, hkv, generator=gen) * 0.1).half()
+        half = (torch.rand(s, L, hkv, generator=gen) + 0.5).half()
+    else:
+        mid, half = torch.randn(hkv, e, generator=gen) * 0.1, torch.rand(hkv, e, generator=gen) + 0.5
+    idx = torch.rand(s, L, hkv * e, generator=gen).argsort(-1)[..., :slots]
+    idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, -1, idx).to(torch.int16)
+    val = (torch.randn(s, L, slots, generator=gen) * 5).half()
+    sink = torch.randn(s, 1, hkv, e, generator=gen)
+    return KVSideView(codes, book, mid, half, per_token, idx, val, sink, bits)
+
+
+def _to(view, dev):
+    from dataclasses import fields, replace
+
+    return replace(view, **{f.name: getattr(view, f.name).to(dev) for f in fields(view)
+                            if isinstance(getattr(view, f.name), torch.Tensor)})
+
+
+def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0, k_per_token=False,
+                b=2, hq=4, hkv=2, e=64, L=100):
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    m.CFG.update(ROPE=rope, ASM=asm)
+    gen = torch.Generator().manual_seed(0)
+    s = b + 2
+    K = _side(s, L, hkv, e, k_per_token, kslots, gen, klev)
+    V = _side(s, L, hkv, e, True, vslots, gen, vlev)
+    q = torch.randn(b, hq, e, generator=gen)
+    slots = torch.randperm(s, generator=gen)[:b]
+    lens = torch.full((b,), L)
+    lens[1:] = L // 2 + 3
+    tag = f"decode {name} k{klev} v{vlev} r={r} rope={rope} asm={int(asm)} ko={kslots} vo={vslots}"
+    try:
+        got = m.quant_kv_decode(q.to(DEV), slots.to(DEV), lens.to(DEV), _to(K, DEV), _to(V, DEV), r, 10000.0,
+                                splits=1)
+    except Exception as ex:
+        print(f"{tag:60s} ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        return
+    want = quant_kv_decode_ref(q, slots, lens, K, V, r, 10000.0)
+    _report(tag, got, want)
+
+
+def decode(asms):
+    from ssmq.ops.attention import attention_ref
+
+    gen = torch.Generator().manual_seed(2)
+    s, L, hkv, e, b, hq = 5, 90, 2, 64, 3, 6
+    kc, vc = (torch.randn(s, L, hkv, e, generator=gen).half().to(DEV) for _ in range(2))
+    q = torch.randn(b, hq, e, generator=gen).half().to(DEV)
+    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
+    lens = torch.tensor([L, 1, 37], device=DEV)
+    try:
+        got = m.float_kv_decode(q, slots, lens, kc, vc, splits=1)
+        _report("decode float_kv_decode (fp16 products, no lookup, no RoPE)", got,
+                attention_ref(q.float()[:, None], kc[slots].float(), vc[slots].float(), lens)[:, 0])
+    except Exception as ex:
+        print(f"float_kv_decode ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+    for asm in asms:  # most informative first: plain 4-bit, no RoPE, no outliers
+        decode_case("plain", 16, 16, 0, asm=asm)
+    for asm in asms:
+        decode_case("rope", 16, 16, 32, "split", asm)
+    decode_case("rope", 16, 16, 32, "direct", asms[0])
+    for lev in (4, 8):
+        for asm in asms:
+            decode_case("plain", lev, lev, 0, asm=asm)
+    decode_case("mixed", 16, 4, 0, asm=asms[0])  # 4-bit keys, 2-bit values
+    decode_case("mixed", 4, 16, 0, asm=asms[0])  # 2-bit keys, 4-bit values
+    decode_case("ptok", 16, 16, 0, asm=asms[0], k_per_token=True)
+    for asm in asms:  # the failing test's case0 shape: 3-bit, partial RoPE, key + value outliers
+        decode_case("case0", 8, 8, 32, "split", asm, kslots=2, vslots=1, b=2, hq=6, hkv=2, e=64)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    asms = (True, False) if DEV == "cuda" else (False,)
+    t0 = time.time()
+    if DEV == "cuda":
+        print(torch.cuda.get_device_name(), "triton", triton.__version__, "torch", torch.__version__, flush=True)
+    if what in ("lookup", "all"):
+        lookup(asms)
+    if what in ("decode", "all"):
+        decode(asms)
+    print(f"done in {time.time() - t0:.1f} s", flush=True)
