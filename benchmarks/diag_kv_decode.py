@@ -97,10 +97,10 @@ def _to(view, dev):
 
 
 def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0, k_per_token=False,
-                b=2, hq=4, hkv=2, e=64, L=100):
+                b=2, hq=4, hkv=2, e=64, L=100, splits=1, stages=2):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
-    m.CFG.update(ROPE=rope, ASM=asm)
+    m.CFG.update(ROPE=rope, ASM=asm, num_stages=stages)
     gen = torch.Generator().manual_seed(0)
     s = b + 2
     K = _side(s, L, hkv, e, k_per_token, kslots, gen, klev)
@@ -109,10 +109,10 @@ def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0,
     slots = torch.randperm(s, generator=gen)[:b]
     lens = torch.full((b,), L)
     lens[1:] = L // 2 + 3
-    tag = f"decode {name} k{klev} v{vlev} r={r} rope={rope} asm={int(asm)} ko={kslots} vo={vslots}"
+    tag = f"decode {name} k{klev} v{vlev} r={r} rope={rope} asm={int(asm)} ko={kslots} vo={vslots} sp={splits} st={stages}"
     try:
         got = m.quant_kv_decode(q.to(DEV), slots.to(DEV), lens.to(DEV), _to(K, DEV), _to(V, DEV), r, 10000.0,
-                                splits=1)
+                                splits=splits)
     except Exception as ex:
         print(f"{tag:60s} ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
         return
@@ -137,6 +137,8 @@ def decode(asms):
         print(f"float_kv_decode ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
     for asm in asms:  # most informative first: plain 4-bit, no RoPE, no outliers
         decode_case("plain", 16, 16, 0, asm=asm)
+    decode_case("plain", 16, 16, 0, asm=asms[0], stages=1)  # the software pipeliner (cp.async) out
+    decode_case("plain", 16, 16, 0, asm=asms[0], splits=None)  # several splits + the combine kernel
     for asm in asms:
         decode_case("rope", 16, 16, 32, "split", asm)
     decode_case("rope", 16, 16, 32, "direct", asms[0])
