@@ -8,7 +8,12 @@ rewrite): isolates each stage in one run and prints max errors, so one short dev
            without and with outliers, asm on / off; and ``float_kv_decode`` (fp16 products, no lookup).
 
 Usage: python benchmarks/diag_kv_decode.py [lookup|decode|all]   (GPU; also runs under SSMQ_TRITON_INTERPRET=1
-with asm=0 only, as a check of the script itself)."""
+with asm=0 only, as a check of the script itself).
+
+The kernel under test is not part of the package (it would duplicate ``ssmq/kernels/kv_decode.py``): it is read
+from $SSMQ_KV_S13 (default ``.dev/kvdec/kv_decode_s13.py``), made by
+``git show fcb741e:benchmarks/kv_decode_s13.py > .dev/kvdec/kv_decode_s13.py`` (commit 9661ea9's kernel with an
+ASM switch)."""
 
 from __future__ import annotations
 
@@ -20,7 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_KERNEL = os.environ.get("SSMQ_KV_S13", ".dev/kvdec/kv_decode_s13.py")
+if not os.path.isfile(_KERNEL):
+    sys.exit(f"no kernel file {_KERNEL}: git show fcb741e:benchmarks/kv_decode_s13.py > {_KERNEL}")
+sys.path.insert(0, os.path.dirname(os.path.abspath(_KERNEL)))
 import kv_decode_s13 as m  # noqa: E402
 
 _lut_words, _book = m._lut_words, m._book
@@ -72,21 +80,11 @@ def lookup(asms):
 
 
 def _side(s, L, hkv, e, per_token, slots, gen, levels):
-    from ssmq.ops.kv_quant import KVSideView, code_bits, pack_codes
+    """The kernel tests' random quantized side (one sink token), on the device: tests/test_kvquant_kernels.side."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_kvquant_kernels import side
 
-    bits = code_bits(levels)
-    codes = pack_codes(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8), bits)
-    book = torch.sort(torch.rand(levels, generator=gen) * 2 - 1).values
-    if per_token:
-        mid = (torch.randn(s, L, hkv, generator=gen) * 0.1).half()
-        half = (torch.rand(s, L, hkv, generator=gen) + 0.5).half()
-    else:
-        mid, half = torch.randn(hkv, e, generator=gen) * 0.1, torch.rand(hkv, e, generator=gen) + 0.5
-    idx = torch.rand(s, L, hkv * e, generator=gen).argsort(-1)[..., :slots]
-    idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, -1, idx).to(torch.int16)
-    val = (torch.randn(s, L, slots, generator=gen) * 5).half()
-    sink = torch.randn(s, 1, hkv, e, generator=gen)
-    return KVSideView(codes, book, mid, half, per_token, idx, val, sink, bits)
+    return side(s, L, hkv, e, per_token, slots, 1, gen, levels)
 
 
 def _to(view, dev):
