@@ -111,7 +111,8 @@ def run_e2e(args, bw, results) -> None:
                 r["limit"] = {f"tpot_b{b}_ms": (r["model_bytes"] + 2 * b * r["state_bytes"]) / bw * 1e3
                               for b in batches}
                 if args.profile:
-                    r["profile_b1"] = profile_step(model, 1, top=8)
+                    for b in (int(x) for x in args.profile_batches.split(",")):
+                        r[f"profile_b{b}"] = profile_step(model, b, top=8)
                     r["profile_prefill"] = profile_prefill(model, args.prompt_len, top=10)
                 del model
             except Exception as e:  # one recipe that cannot run is reported, not fatal
@@ -244,47 +245,62 @@ SWEEP_WORDS = [dict(TILE_W=t, ITERS_W=it, PREFETCH_W=pf) for t in (128, 256) for
                if it > 1 or not pf]
 
 
+# weight-only batches of 17-128 rows (--micro-rows) on the Triton GEMM with one row tile and a K split in MID_SPLIT
+# parts (the "mid" path up to 128 rows), against today's settings ({}) and the dequantize + cuBLAS route; split
+# 1 / 2 / 4 bounds the float32 partials (M x N x split) that a K split writes
+SWEEP_MID = [{}, dict(PREFILL_A16="cublas")] + [
+    dict(MID_MAX_ROWS=128, BN_MID=bn, warps_mid=nw, stages_mid=ns, MID_SPLIT=sp)
+    for bn in (32, 64, 128) for nw in (4, 8) for ns in (3,) for sp in (1, 2, 4)]
+
+
 SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128"),
-                 "words": ("w4a16-g128", "w8a16", "w8a8")}
+                 "words": ("w4a16-g128", "w8a16", "w8a8"), "mid": ("w4a16-g128", "w8a16")}
 
 
 def run_sweep(args, bw, results) -> None:
-    """Batch-1 launch settings of the decode GEMV at in_proj and out_proj: the CUDA-core path (SWEEP_FMA) and the
-    tensor-core path with rows padded to 16 (SWEEP_DOT, FMA_MAX_ROWS=0), per format; the best overall is applied.
+    """Launch settings of the quantized GEMV / GEMM at in_proj and out_proj, per format: at batch 1 the CUDA-core
+    path (SWEEP_FMA), the tensor-core path with rows padded to 16 (SWEEP_DOT, FMA_MAX_ROWS=0) and the others; the
+    "mid" sweep at each of --micro-rows. The best overall is applied (to the end-to-end run that follows).
 
-    Best overall: the smallest sum over (shape, format) of time / the best time of that (shape, format).
+    Best overall: the smallest sum over (shape, format, rows) of time / the best time of that (shape, format, rows).
     """
     qk = kernels.dispatch._kernels("quant_gemm")
     cfg = PUBLISHED[args.models.split(",")[0]]
     variants = {"all": SWEEP_FMA + SWEEP_DOT, "split": SWEEP_SPLIT, "cvt": SWEEP_CVT, "w4": SWEEP_W4,
-                "words": SWEEP_WORDS}[args.sweep]
-    times: dict = {}
+                "words": SWEEP_WORDS, "mid": SWEEP_MID}[args.sweep]
+    rows_list = [int(r) for r in args.micro_rows.split(",")] if args.sweep == "mid" else [1]
+    times: dict = {}  # (shape, format, rows, variant) -> us
     for sname, (n, k) in list(shapes(cfg).items())[:2]:
+        if args.sweep == "mid":  # the FP16 GEMM at the same rows, for scale
+            make_w, op = make_op("fp16-cublas", n, k)
+            print("sweep", sname, "fp16-cublas", {r: round(time_op(make_w, op, r, k)[0], 2) for r in rows_list},
+                  flush=True)
         for fmt in SWEEP_FORMATS.get(args.sweep, ("w4a16-g128", "w8a16", "w8a8", "fp8")):
             make_w, _ = make_op(fmt, n, k)
-            for i, v in enumerate(tqdm(variants, desc=f"sweep {sname} {fmt}")):
-                def op(x, w, v=v, fmt=fmt):
-                    if fmt in ("w8a8", "w4a8-g128", "fp8"):
-                        act = torch.float8_e4m3fn if fmt == "fp8" else torch.int8
-                        return qk.quant_linear_act(x, w[0], w[1], None, True, act, None, x.dtype, cfg=v)
-                    return qk.quant_linear(x, *w, cfg=v)
-                try:
-                    us, wbytes = time_op(make_w, op, 1, k, min_bytes=200 << 20)
-                    times[(sname, fmt, i)] = us
-                except Exception as e:
-                    print("sweep", sname, fmt, v, "failed", str(e)[:200])
-                gc.collect()
-            mine = {i: t for (a, b, i), t in times.items() if (a, b) == (sname, fmt)}
-            if mine:
-                i = min(mine, key=mine.get)
-                print("sweep", sname, fmt, f"best {mine[i]:.2f} us with {variants[i]}, limit {wbytes / bw * 1e6:.2f} us",
-                      flush=True)
-            results["sweep"] = {"variants": variants,
-                                "times_us": {f"{a} {b} {i}": round(t, 2) for (a, b, i), t in times.items()}}
-            save(results, args)
-    keys = {(a, b) for a, b, _ in times}
-    best = {key: min(t for (a, b, _), t in times.items() if (a, b) == key) for key in keys}
-    score = {i: sum(times.get((a, b, i), 1e9) / best[(a, b)] for a, b in keys) for i in range(len(variants))}
+            for rows in rows_list:
+                for i, v in enumerate(tqdm(variants, desc=f"sweep {sname} {fmt} {rows} rows")):
+                    def op(x, w, v=v, fmt=fmt):
+                        if fmt in ("w8a8", "w4a8-g128", "fp8"):
+                            act = torch.float8_e4m3fn if fmt == "fp8" else torch.int8
+                            return qk.quant_linear_act(x, w[0], w[1], None, True, act, None, x.dtype, cfg=v)
+                        return qk.quant_linear(x, *w, cfg=v)
+                    try:
+                        us, wbytes = time_op(make_w, op, rows, k, min_bytes=200 << 20)
+                        times[(sname, fmt, rows, i)] = us
+                    except Exception as e:
+                        print("sweep", sname, fmt, rows, v, "failed", str(e)[:200])
+                    gc.collect()
+                mine = {i: t for (a, b, r, i), t in times.items() if (a, b, r) == (sname, fmt, rows)}
+                if mine:
+                    i = min(mine, key=mine.get)
+                    print("sweep", sname, fmt, rows, f"best {mine[i]:.2f} us with {variants[i]} (today's "
+                          f"{mine.get(0, float('nan')):.2f}), limit {wbytes / bw * 1e6:.2f} us", flush=True)
+                results["sweep"] = {"variants": variants, "times_us": {
+                    f"{a} {b} {r} {i}": round(t, 2) for (a, b, r, i), t in times.items()}}
+                save(results, args)
+    keys = {key[:3] for key in times}
+    best = {key: min(t for kk, t in times.items() if kk[:3] == key) for key in keys}
+    score = {i: sum(times.get((*key, i), 1e9) / best[key] for key in keys) for i in range(len(variants))}
     pick = min(score, key=score.get)
     qk.CFG.update(variants[pick])
     results["sweep"]["picked"] = variants[pick]
@@ -373,10 +389,12 @@ def main():
     ap.add_argument("--micro", action="store_true", help="GEMV / GEMM micro-benchmark at the first model's shapes")
     ap.add_argument("--micro-rows", default="1,2,8,16,32,1024")
     ap.add_argument("--formats", default=FORMATS)
-    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt", "w4", "words"],
+    ap.add_argument("--sweep", nargs="?", const="all", choices=["all", "split", "cvt", "w4", "words", "mid"],
                     help="decode launch-setting sweep at batch 1: all paths, or the tensor-core path's K split")
     ap.add_argument("--no-e2e", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="kernels of one eager decode step (batch 1) and one eager prefill per recipe")
+    ap.add_argument("--profile", action="store_true",
+                    help="kernels of one eager decode step (at each --profile-batches) and one eager prefill per recipe")
+    ap.add_argument("--profile-batches", default="1", help="batches of the profiled decode steps")
     ap.add_argument("--cfg", default="", help="JSON object of kernel launch settings (kernels.quant_gemm.CFG)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/quant"))
     args = ap.parse_args()

@@ -46,6 +46,29 @@ def reference_ops(on: bool, everything: bool = False) -> None:
         kernels.quantize_act = kernels.dispatch.quantize_act
 
 
+def quantized_model(folder, tok, spec, device: str, calib_samples: int, calib_seqlen: int):
+    """(the float32 model at ``folder`` quantized by ``spec``, saved and loaded back in float16 on ``device``,
+    its calibration data or None)."""
+    model = ssmq.load_model(folder, dtype=torch.float32, device=device)
+    calib = load_calibration(None, calib_samples, calib_seqlen, seed=0, tokenizer=tok) \
+        if spec.needs_calibration() else None
+    ssmq.quantize(model, spec, calib, progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_quantized(model, Path(tmp) / "q")
+        del model
+        return ssmq.load_model(Path(tmp) / "q", dtype=torch.float16, device=device), calib
+
+
+def paired(a: list[float], b: list[float], tokens: float) -> dict:
+    """Per-window NLL differences a - b (per token): their mean with its standard error (in % of perplexity, since
+    d ppl / ppl = d nll), and how many windows went each way. A mean within two standard errors of 0, with the
+    windows split both ways, is rounding noise (flipped codes) rather than a bias of the kernels."""
+    d = [(x - y) / tokens for x, y in zip(a, b)]
+    mean = sum(d) / len(d)
+    se = (sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)) ** 0.5 / len(d) ** 0.5
+    return {"mean_pct": 100 * mean, "stderr_pct": 100 * se, "up": sum(x > 0 for x in d), "down": sum(x < 0 for x in d)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mamba2")
@@ -65,23 +88,18 @@ def main():
         ids = tok.encode(wikitext2_path().read_text(encoding="utf-8"))
         rows = results["models"].setdefault(name, {})
         for recipe in args.recipes.split(","):
-            model = ssmq.load_model(folder, dtype=torch.float32, device=args.device)
             spec = get_recipe(recipe)
-            calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok) \
-                if spec.needs_calibration() else None
-            ssmq.quantize(model, spec, calib, progress=False)
+            model, calib = quantized_model(folder, tok, spec, args.device, args.calib_samples, args.calib_seqlen)
             # recipes with SSM quantization (transforms / taps / int8 state) run kernels beyond the linears
             whole = bool(spec.transforms or spec.taps or spec.cache.state_bits != 16)
-            with tempfile.TemporaryDirectory() as tmp:
-                save_quantized(model, Path(tmp) / "q")
-                del model
-                model = ssmq.load_model(Path(tmp) / "q", dtype=torch.float16, device=args.device)
-            r = {}
+            r, nll = {}, {}
             for path in ("kernels", "reference"):
                 reference_ops(path == "reference", whole)
-                r[path] = perplexity_of_ids(model, ids, args.seqlen, limit=args.limit, progress=False)["ppl"]
+                p = perplexity_of_ids(model, ids, args.seqlen, limit=args.limit, progress=False, per_window=True)
+                r[path], nll[path], r["windows"] = p["ppl"], p["window_nll"], p["n_windows"]
             reference_ops(False)
             r["rel_diff_pct"] = 100 * (r["kernels"] - r["reference"]) / r["reference"]
+            r["window_diff"] = paired(nll["kernels"], nll["reference"], p["n_tokens_predicted"] / p["n_windows"])
             r["reference_ops"] = "all" if whole else "linears"
             if calib is not None:
                 r["calibration"] = [args.calib_samples, args.calib_seqlen]
@@ -92,10 +110,13 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "accuracy.json").write_text(json.dumps(results, indent=1))
-    print("| model | recipe | ppl kernels | ppl reference path | diff |\n|---|---|---|---|---|")
+    print("| model | recipe | windows | ppl kernels | ppl reference path | diff | per-window mean ± s.e. | up / down |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
     for name, rows in results["models"].items():
         for recipe, r in rows.items():
-            print(f"| {name} | `{recipe}` | {r['kernels']:.3f} | {r['reference']:.3f} | {r['rel_diff_pct']:+.4f}% |")
+            w = r["window_diff"]
+            print(f"| {name} | `{recipe}` | {r['windows']} | {r['kernels']:.3f} | {r['reference']:.3f} | "
+                  f"{r['rel_diff_pct']:+.4f}% | {w['mean_pct']:+.4f} ± {w['stderr_pct']:.4f}% | {w['up']} / {w['down']} |")
 
 
 if __name__ == "__main__":

@@ -115,13 +115,13 @@ def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0,
     lens = torch.full((b,), L)
     lens[1:] = L // 2 + 3
     tag = f"decode {name} k{klev} v{vlev} r={r} rope={rope} asm={int(asm)} ko={kslots} vo={vslots} sp={splits} st={stages}"
+    args = (q.to(DEV), slots.to(DEV), lens.to(DEV), _to(K, DEV), _to(V, DEV), r, 10000.0)
     try:
-        got = m.quant_kv_decode(q.to(DEV), slots.to(DEV), lens.to(DEV), _to(K, DEV), _to(V, DEV), r, 10000.0,
-                                splits=splits)
+        got = m.quant_kv_decode(*args, splits=splits)
     except Exception as ex:
         print(f"{tag:60s} ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
         return
-    want = quant_kv_decode_ref(q, slots, lens, K, V, r, 10000.0)
+    want = quant_kv_decode_ref(*args)  # on the same device: the random side's tensors may live there
     _report(tag, got, want)
 
 

@@ -41,6 +41,11 @@ def test_perplexity_equals_exp_mean_nll():
         r = perplexity_of_ids(model, ids, seqlen=64, batch_size=bs, progress=False)
         assert r["ppl"] == pytest.approx(expected, rel=1e-5)
         assert (r["seqlen"], r["n_windows"], r["n_tokens_text"], r["n_tokens_predicted"]) == (64, 15, 1000, n)
+    per = perplexity_of_ids(model, ids, seqlen=64, batch_size=5, progress=False, per_window=True)["window_nll"]
+    assert len(per) == 15 and math.exp(sum(per) / n) == pytest.approx(expected, rel=1e-5)
+    # each window on its own: its NLL does not depend on the batch it ran in
+    alone = perplexity_of_ids(model, ids[64 * 3:64 * 4], seqlen=64, progress=False, per_window=True)
+    assert alone["window_nll"][0] == pytest.approx(per[3], rel=1e-5)
 
 
 def test_windows_limit_and_short_text():

@@ -68,6 +68,23 @@ def test_weight_only(QK, fmt, rows, n, k, dtype):
     assert rel(out, exact) <= rel(ref, exact) + eps
 
 
+@pytest.mark.skipif(INTERPRET, reason="the tiling is only filled at a GPU's SM count")
+@pytest.mark.parametrize("fmt", [(8, None, False), (4, 128, False), (4, 128, True)])
+@pytest.mark.parametrize("rows", [40, 64, 128, 300])
+def test_weight_only_mid_rows_filled_tiling(QK, fmt, rows):
+    # 17-64 rows: one row tile and a K split in two; 65-511 rows with enough column tiles for the SMs (N / 64 >=
+    # 132): the Triton GEMM (int4 up to 128 rows with 4 warps), not the dequantize + cuBLAS route that underfilled
+    # tilings take
+    torch.manual_seed(rows)
+    n, k = 8448, 512
+    w_q, w_s, w_z = _weight(n, k, fmt)
+    x = torch.randn(rows, k, device=DEV).half()
+    out = QK.quant_linear(x, w_q, w_s, w_z)
+    ref = ops.quant_linear_ref(x, w_q, w_s, w_z)
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s, w_z)
+    assert rel(out, exact) <= rel(ref, exact) + 2e-3
+
+
 @pytest.mark.parametrize("fmt", [(8, None, False), (8, "tensor", False), (4, 128, False), (4, 32, False)])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n,k", N_K + ([] if INTERPRET else [(64, 1000)]))  # odd k // 8: no int_mm

@@ -56,18 +56,22 @@ def perplexity_of_ids(
     limit: int | None = None,
     progress: bool = True,
     desc: str = "perplexity",
+    per_window: bool = False,
 ) -> dict:
-    """Perplexity of a token sequence; returns the number and the setting it was measured with."""
+    """Perplexity of a token sequence; returns the number and the setting it was measured with.
+    per_window: also each window's summed NLL (``window_nll``), for paired comparisons of two runs."""
     w = windows(ids, seqlen, limit)  # (n_windows, l)
     device = model_device(model)
-    nll_sum, n_pred = 0.0, 0
+    nll_sum, n_pred, window_nll = 0.0, 0, []
     for start in tqdm(range(0, len(w), batch_size), desc=desc, disable=not progress, unit="batch"):
         x = w[start:start + batch_size].to(device)  # (b, l)
         logits = model(x)  # (b, l, V)
         for row in range(x.shape[0]):  # one row at a time keeps the float32 copy of the logits small
-            nll_sum += F.cross_entropy(logits[row, :-1].float(), x[row, 1:], reduction="sum").item()
+            window_nll.append(F.cross_entropy(logits[row, :-1].float(), x[row, 1:], reduction="sum").item())
+            nll_sum += window_nll[-1]
         n_pred += x.shape[0] * (x.shape[1] - 1)
-    return {
+    extra = {"window_nll": window_nll} if per_window else {}
+    return {**extra,
         "ppl": math.exp(nll_sum / n_pred),
         "nll_mean": nll_sum / n_pred,
         "seqlen": int(w.shape[1]),

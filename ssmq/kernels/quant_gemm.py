@@ -41,8 +41,8 @@ Which path serves a call (M rows; every threshold is a CFG entry with the measur
     rows                 weight-only (float x)                    W8A8 per channel / tensor      fp8 x
     1-4                  _qgemv_words                             _qgemv_words                   _qmm
     5-16                 _qmm, K split                            _qmm                           _qmm
-    17-32                _qmm: underfilled tiling -> K split      torch._int_mm + _int_epilogue  torch._scaled_mm
-    33-511               underfilled -> dequantize + cuBLAS,      torch._int_mm + _int_epilogue  torch._scaled_mm
+    17-64                _qmm: one row tile, K split in 2         torch._int_mm + _int_epilogue  torch._scaled_mm
+    65-511               underfilled -> dequantize + cuBLAS,      torch._int_mm + _int_epilogue  torch._scaled_mm
                          else _qmm (int4 up to 128 rows: 4 warps)
     512+                 dequantize + cuBLAS                      _qmm (int8 tensor cores, K 128) torch._scaled_mm
 
@@ -93,23 +93,26 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     vs 4.3 us of weight bytes at 3.35 TB/s, so bandwidth-bound if loads stay in flight (about 4-5 programs of
 #     16 KB tiles an SM at 100 registers); the old paths measured 18.2 us + 2.2 us split sum (W4A16), 13.8 us
 #     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
-#   Weight-only, MID_MAX_ROWS + 1 .. CUBLAS_ROWS - 1 rows: an underfilled tiling (as for MID_FILL) goes to the
-#     dequantized weight on cuBLAS, int4 up to W4_WARPS_MAX_ROWS rows runs the Triton GEMM with warps_pre_w4
-#     warps. H100, 2026-11-23, `bench_quant.py --micro --micro-rows 64,128` (us at 64 / 128 rows): out_proj
-#     2560 x 5120 W4A16 66.4 / 50.4 (Triton, 8 warps) -> 23.5 / 24.3 (cuBLAS), W8A16 45.4 / 62.7 -> 23.3 / 24.1;
-#     in_proj 10576 x 2560 W4A16 51.2 / 49.4 -> 29.2 / 38.1 (4 warps; cuBLAS 51.5 / 52.8), W8A16 25.8 / 33.6 kept
-#     (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). Micro-benchmark only: not yet timed end to end.
+#   Weight-only, MID_MAX_ROWS + 1 .. CUBLAS_ROWS - 1 rows: an underfilled tiling (fewer than MID_FILL x SMs column
+#     tiles) goes to the dequantized weight on cuBLAS, int4 up to W4_WARPS_MAX_ROWS rows runs the Triton GEMM with
+#     warps_pre_w4 warps. H100, 2026-11-23, `bench_quant.py --micro --micro-rows 64,128` (us at 64 / 128 rows):
+#     out_proj 2560 x 5120 W4A16 66.4 / 50.4 (Triton, 8 warps) -> 23.5 / 24.3 (cuBLAS), W8A16 45.4 / 62.7 -> 23.3 /
+#     24.1; in_proj 10576 x 2560 W4A16 51.2 / 49.4 -> 29.2 / 38.1 (4 warps; cuBLAS 51.5 / 52.8), W8A16 25.8 / 33.6
+#     kept (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). End to end (2026-11-26, Mamba2-2.7B, against MID_FILL 0 and
+#     8 warps in the same session): W4A16 TPOT at batch 128 15.12 -> 13.35 ms, W8A16 15.77 -> 13.57.
 #   MAX_GROUP_PARTS: int8 x with per-group scales (W4A8) splits K in the word GEMV only up to this many groups
 #     (their products are stored one by one and added in order by the last program: int_matmul_ref's order).
 #   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
 #     the _sum_splits kernel after it (2.2 us a call on the H100, see below). Not yet measured on a GPU.
-#   MID_MAX_ROWS / MID_FILL / BN_MID / warps_mid / stages_mid: weight-only batches of DECODE_ROWS + 1 ..
-#     MID_MAX_ROWS rows whose prefill tiling has fewer than MID_FILL x SMs column tiles take one row tile
-#     (BLOCK_M = rows padded to a power of two) and the decode path's K split. H100, 2026-11-23, 32 rows
-#     (`bench_quant.py --micro --micro-rows 32,64`, us, old tiles -> this path for every shape): out_proj
-#     2560 x 5120 (40 / 20 prefill tiles) W4A16 33.7 -> 27.8, W8A16 42.7 -> 25.0; in_proj 10576 x 2560 (166 /
-#     83 tiles) W4A16 30.4 -> 58.5, W8A16 24.9 -> 57.3, hence the fill rule. (cuBLAS FP16: 14.0 / 24.0: the
-#     weight-only GEMM at 32+ rows stays slower than FP16.) 0 turns it off.
+#   MID_MAX_ROWS / BN_MID / warps_mid / stages_mid / MID_SPLIT: weight-only batches of DECODE_ROWS + 1 ..
+#     MID_MAX_ROWS rows take one row tile (BLOCK_M = rows padded to a power of two), BN_MID columns and a K split in
+#     MID_SPLIT parts (fewer parts than decode's: the float32 partials are M x N x split). H100, 2026-11-26,
+#     `bench_quant.py --sweep mid --micro-rows 32,64,128` (us at 32 / 64 rows, the previous rule -> this one; FP16
+#     cuBLAS in_proj 23.7 / 23.4, out_proj 13.7 / 12.8): in_proj 10576 x 2560 W4A16 27.0 / 29.4 -> 20.2 / 25.4,
+#     W8A16 25.4 / 26.1 -> 18.3 / 29.0; out_proj 2560 x 5120 W4A16 27.5 / 23.4 -> 16.6 / 21.0, W8A16 25.8 / 23.4
+#     -> 21.1 / 22.3. At 128 rows no setting of this path beat the rule above (e.g. in_proj W4A16 38.0 vs 40.4).
+#     End to end in the same run: W4A16 TPOT at batch 32 4.90 ms (FP16 5.19), batch 64 7.73 (FP16 7.19).
+#     The previous rule (2026-11-23): 17 .. 32 rows, underfilled tilings only, the decode path's split.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
 #     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
@@ -124,7 +127,7 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, BK_PRE_A8=128, warps_pre=8, stages_pre=3,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="auto", A8_TRITON_ROWS=512, PREFILL_A16="auto",
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
-           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=32, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3,
+           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=64, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3, MID_SPLIT=2,
            W4_WARPS_MAX_ROWS=128, warps_pre_w4=4,
            WORD_MAX_ROWS=4, MAX_GROUP_PARTS=64, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
            WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
@@ -900,9 +903,8 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     g = f["group_size"]
     fma = M <= cfg["FMA_MAX_ROWS"]
     decode = M <= DECODE_ROWS
-    # weight-only batches of 17 .. MID_MAX_ROWS rows whose prefill tiling would leave most SMs idle
-    mid = (not decode and M <= cfg["MID_MAX_ROWS"] and a_mode == 0
-           and triton.cdiv(N, cfg["BN_PRE_GROUP"] if g is not None else cfg["BN_PRE"]) < cfg["MID_FILL"] * sms)
+    # weight-only batches of 17 .. MID_MAX_ROWS rows: one row tile, a short K split
+    mid = not decode and M <= cfg["MID_MAX_ROWS"] and a_mode == 0
     if fma:
         BM = pow2(M)
         BK = g if g is not None else min(max(32, cfg["BK_FMA"] // BM), pow2(K, 32))
@@ -926,7 +928,9 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
     split = 1
     # split K over programs (float32 partial sums) only where the result is not bit-exact anyway
-    if (decode or mid) and (a_mode == 0 or (a_mode == 2 and fma)):
+    if mid:
+        split = max(1, min(cfg["MID_SPLIT"], K // cfg["MIN_SPLIT_K"]))
+    elif decode and (a_mode == 0 or (a_mode == 2 and fma)):
         want = triton.cdiv(cfg["WAVES"] * sms, n_blocks * m_blocks)
         split = max(1, min(cfg["MAX_SPLIT"], want, K // cfg["MIN_SPLIT_K"]))
     k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
