@@ -241,8 +241,8 @@ SWEEP_CVT = [dict(FMA_MAX_ROWS=0, FAST_CVT=fc, BN_DEC=bn, stages_dec=ns, WAVES=w
 # the word-load decode GEMV (_qgemv_words, CFG's WORD_MAX_ROWS): tile size and programs per SM before a K split
 # (the first H100 sweep of TILE_W 128-512 x WAVES_W 2 / 6 measured within 1.4x of each other: the K loop's serial
 # steps, not the tile, set the time; ITERS_W bounds them)
-SWEEP_WORDS = [dict(TILE_W=t, ITERS_W=it, PREFETCH_W=pf) for t in (128, 256) for it in (1, 2, 4) for pf in (True, False)
-               if it > 1 or not pf]
+SWEEP_WORDS = [dict(TILE_W=t, ITERS_W=it, PREFETCH_W=pf) for t in (128, 256) for it in (1, 2, 4, 8, 16)
+               for pf in (True, False) if (it > 1) == pf]
 
 
 # weight-only batches of 17-128 rows (--micro-rows) on the Triton GEMM with one row tile and a K split in MID_SPLIT
@@ -254,7 +254,7 @@ SWEEP_MID = [{}, dict(PREFILL_A16="cublas")] + [
 
 
 SWEEP_FORMATS = {"cvt": ("w4a16-g128", "w8a16"), "w4": ("w4a16-g128", "w4a8-g128"),
-                 "words": ("w4a16-g128", "w8a16", "w8a8"), "mid": ("w4a16-g128", "w8a16")}
+                 "words": ("w4a16-g128", "w8a16", "w8a8", "fp8"), "mid": ("w4a16-g128", "w8a16")}
 
 
 def run_sweep(args, bw, results) -> None:

@@ -24,20 +24,23 @@ def test_hadamard_quant_reference_is_the_unfused_pair():
 
 # --- the kernels compile for an H100 (sm_90) without a GPU: what the interpreter cannot check ---------------------
 
-@pytest.mark.parametrize("static,dtype", [(False, "fp16"), (True, "bf16")])
-def test_norm_quant_kernels_compile_for_sm90(static, dtype):
+@pytest.mark.parametrize("static,dtype,fp8", [(False, "fp16", False), (True, "bf16", False), (False, "fp16", True)])
+def test_norm_quant_kernels_compile_for_sm90(static, dtype, fp8):
     from test_kernel_compile import _compile_sm90
 
     from ssmq.kernels import norm
 
+    codes = "fp8e4nv" if fp8 else "i8"
     _compile_sm90(norm._rms_norm, {"x_ptr": dtype, "res_ptr": "fp32", "w_ptr": dtype, "out_ptr": dtype,
-                                   "res_out_ptr": "fp32", "q_ptr": "i8", "scale_ptr": "fp32"},
-                  dict(HAS_RES=True, QUANT=True, STATIC=static, BLOCK=4096, USE_GDC=static), floats=("eps",), num_warps=16)
+                                   "res_out_ptr": "fp32", "q_ptr": codes, "scale_ptr": "fp32"},
+                  dict(HAS_RES=True, QUANT=True, STATIC=static, BLOCK=4096, USE_GDC=static, FP8=fp8), floats=("eps",),
+                  num_warps=16)
     for one in (True, False):
         _compile_sm90(norm._rmsnorm_gated_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "out_ptr": dtype,
-                                                  "q_ptr": "i8", "scale_ptr": "fp32", "zs_ptr": "fp32"},
+                                                  "q_ptr": codes, "scale_ptr": "fp32", "zs_ptr": "fp32"},
                       dict(HAS_Z=True, NORM_BEFORE_GATE=False, STORE_OUT=True, STATIC=static, ONE_GROUP=one,
-                           BLOCK=8192 if one else 2048, Z_QUANT=static, USE_GDC=static), floats=("eps",), num_warps=16 if one else 8)
+                           BLOCK=8192 if one else 2048, Z_QUANT=static, USE_GDC=static, FP8=fp8), floats=("eps",),
+                      num_warps=16 if one else 8)
 
 
 @pytest.mark.parametrize("static,dtype,work,bt,br", [(False, "fp16", "fp16", 64, 128), (True, "bf16", "fp32", 64, 128),
@@ -57,10 +60,10 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
 # --- wiring: quantized models give the same logits with and without the fusion (CPU: bit for bit) ------------------
 
 CASES = [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"), ("mamba2", "quamba2-w8a8"), ("mamba1", "quamba-w8a8"),
-         ("mamba1", "dynamic-w8a8"), ("mamba2", "ssdi8-w8a8")]
+         ("mamba1", "dynamic-w8a8"), ("mamba2", "ssdi8-w8a8"), ("mamba2", "fp8-w8a8"), ("mamba1", "fp8-w8a8")]
 # A8 linears whose float input is still quantized by the linear itself when the fusion is on, per layer and pass:
 # Mamba-1's x_proj (its input is the conv's output) and, without an online Hadamard, out_proj (the scan's output)
-UNFUSED = {("mamba1", "quamba-w8a8"): 1, ("mamba1", "dynamic-w8a8"): 2}
+UNFUSED = {("mamba1", "quamba-w8a8"): 1, ("mamba1", "dynamic-w8a8"): 2, ("mamba1", "fp8-w8a8"): 2}
 
 
 def _run(model, ids, steps):

@@ -309,6 +309,8 @@ WORD_VARIANTS = {  # name: (x, A_MODE, W4, WS_MODE, HAS_ZERO, SPLIT, BLOCK_M, BL
     "w4a8-g128-rows4": ("i32", 1, True, 2, False, False, 4, 64, 128),
     "w4a8-g128-split": ("i32", 1, True, 2, False, True, 1, 128, 128),  # GROUP_PARTS: groups added in order
     "w4a16-g128-prefetch": ("fp16", 0, True, 2, False, True, 1, 256, 128),
+    "fp8-a16-channel-rows2": ("fp16", 0, False, 1, False, True, 2, 128, 64),  # fp8 weights: the e4m3 conversion
+    "fp8-a8-channel-split": ("i32", 2, False, 1, False, True, 1, 128, 64),
 }
 
 
@@ -326,10 +328,12 @@ def test_word_gemv_compiles_for_sm90(variant):
     const = dict(A_MODE=a_mode, XS_ROWS=True, W4=w4, WS_MODE=ws_mode, HAS_ZERO=zero, HAS_BIAS=True, GROUP=bk,
                  EVEN_K=True, SPLIT=split, X16=x16, XBF16=x == "bf16", PTX=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                  PREFETCH=variant.endswith("prefetch"), NSP=16 if split else 1, USE_GDC=True,
-                 GROUP_PARTS=split and a_mode == 1 and ws_mode == 2)
+                 GROUP_PARTS=split and a_mode == 1 and ws_mode == 2, W_FP8=variant.startswith("fp8"))
     ptx = _compile_sm90(qg._qgemv_words, pointers, const, num_warps=qg.CFG["warps_w"],
                         num_stages=qg.CFG["stages_w"]).asm["ptx"]
-    if a_mode == 0:  # (zero points, one a column and group, are converted: far fewer than a step's codes)
+    if variant.startswith("fp8"):  # e4m3 codes (and e4m3 x) widened by the hardware conversion, two at a time
+        assert "e4m3x2" in ptx and "cvt.rn.f32.s" not in ptx
+    elif a_mode == 0:  # (zero points, one a column and group, are converted: far fewer than a step's codes)
         assert ptx.count("cvt.rn.f32.s") < (bn * bk // (32 * qg.CFG["warps_w"]) if zero else 1)
     else:
         assert "dp4a.s32.s32" in ptx

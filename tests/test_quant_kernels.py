@@ -131,6 +131,23 @@ def test_fp8(QK, rows):
     assert rel(out16, ops.quant_linear_ref(x, w_q, w_s)) < 2e-3
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [512, 2564])  # 2564: the K split's last part is shorter than a tile
+def test_fp8_word_gemv(QK, rows, k):
+    # decode rows of fp8 weights in the word GEMV: e4m3 codes converted exactly in registers, float32 products;
+    # fp8 x (fp8-w8a8) and float x (fp8 weight-only)
+    torch.manual_seed(rows)
+    n = 200
+    w_q, w_s, _ = make_weight(n, k, 8, None, False, fp8=True)
+    x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
+    x_q, x_s = ops.quantize_act_ref(x, None, True, torch.float8_e4m3fn)
+    bias = torch.randn(n, device=DEV)
+    out = QK.quant_linear(x_q, w_q, w_s, None, x_s, bias, torch.float32)
+    assert rel(out, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, bias, torch.float32)) < 1e-5
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s)
+    assert rel(QK.quant_linear(x, w_q, w_s), exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
+
+
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("k", [40, 5120] if not INTERPRET else [40, 333])
 @pytest.mark.parametrize("mode", ["token", "tensor", "static"])
@@ -269,7 +286,8 @@ def test_word_gemv(QK, monkeypatch, fmt, rows, n, split):
     w_q, w_s, w_z = _weight(n, k, fmt)
     x = torch.randn(rows, k, device=DEV).half()
     bias = torch.randn(n, device=DEV).half()
-    cfg = SPLIT_CFG if split else {"MAX_SPLIT_W": 1}
+    # the kernel itself at every row count and shape it can serve (CFG routes fewer to it by default)
+    cfg = {**(SPLIT_CFG if split else {"MAX_SPLIT_W": 1}), "WORD_MAX_ROWS": 4, "WORD_8BIT_UNDERFILLED": False}
     calls = _spy_words(QK, monkeypatch)
     out = QK.quant_linear(x, w_q, w_s, w_z, None, bias, cfg=cfg)
     assert calls, "the word GEMV did not serve this call"

@@ -121,6 +121,17 @@ def quantize_rne(v, scale):
     return rne_int8(tl.math.div_rn(v, scale))
 
 
+@triton.jit
+def quantize_codes(v, scale, FP8: tl.constexpr):
+    """Activation codes of v / scale as ``quantize_act_ref`` makes them: int8 (``quantize_rne``), or e4m3 (FP8): the
+    IEEE quotient clamped to +-448 and rounded to nearest even by the conversion."""
+    if FP8:
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0).to(tl.float8e4nv)
+    else:
+        q = quantize_rne(v, scale)
+    return q
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ssmq import ops
+from ssmq.errors import SSMQError
 
 # SSMQ_REF_OPS=1 forces the references everywhere (debugging, accuracy baselines on GPU).
 _FORCE_REF = os.environ.get("SSMQ_REF_OPS", "0") == "1"
@@ -213,24 +214,28 @@ def hadamard_quant_fusion_enabled() -> bool:
     return ACT_QUANT_FUSION and HADAMARD_QUANT_FUSION
 
 
-def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_scale=None, per_token=True):
-    """``ops.norm.rms_norm_quant_ref``: residual add + RMSNorm with int8 codes out -> (codes, scale, new_residual)."""
+def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_scale=None, per_token=True,
+                   dtype=torch.int8):
+    """``ops.norm.rms_norm_quant_ref``: residual add + RMSNorm with int8 / e4m3 codes out -> (codes, scale,
+    new_residual)."""
     impl = _kernels("norm").rms_norm_quant if _use_triton(x) else ops.rms_norm_quant_ref
-    return impl(x, weight, eps, residual, residual_in_fp32, x_scale, per_token)
+    return impl(x, weight, eps, residual, residual_in_fp32, x_scale, per_token, dtype)
 
 
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False, rotate=False, z_scale=None):
+                        per_token=True, with_out=False, rotate=False, z_scale=None, dtype=torch.int8):
     """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm (``rotate``: and its online Hadamard; ``z_scale``: on z
-    fake-quantized in registers) with int8 codes out -> (codes, scale, out or None)."""
+    fake-quantized in registers) with int8 (or, unrotated, e4m3) codes out -> (codes, scale, out or None)."""
     if not _use_triton(x):
         return ops.rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
-                                           with_out, rotate, z_scale)
+                                           with_out, rotate, z_scale, dtype)
+    if rotate and dtype != torch.int8:
+        raise SSMQError("the rotated gated norm emits int8 codes only")
     if rotate:  # norm, Hadamard and codes in one kernel
         return _kernels("hadamard").rmsnorm_gated_hadamard_quant(x, weight, z, eps, group_size, norm_before_gate,
                                                                  x_scale, per_token, with_out, z_scale)
     return _kernels("norm").rmsnorm_gated_quant(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
-                                                with_out, z_scale)
+                                                with_out, z_scale, dtype)
 
 
 def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):

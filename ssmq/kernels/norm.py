@@ -1,10 +1,10 @@
 """Triton RMSNorms: fused residual add + RMSNorm (block norm) and Mamba-2's gated RMSNorm, each also with its output
-quantized to int8 in the epilogue (``*_quant``: the input of an A8 linear, no quantize kernel of its own).
+quantized to int8 or fp8 e4m3 in the epilogue (``*_quant``: the input of an A8 linear, no quantize kernel of its own).
 
 Same signatures as ``ssmq.ops.norm``. One program normalises one row (or one group of a row); rows are flattened
 over the leading dims. The quantized epilogue rounds the output to its float dtype first, then takes the
-reference's codes (``quantize_act_ref``): IEEE division, round half to even (``_common.quantize_rne``); the
-dynamic per-token scale max(|out|) / 127 is computed in the program that owns the row, so nothing syncs with the
+reference's codes (``quantize_act_ref``): IEEE division, round half to even (``_common.quantize_codes``); the
+dynamic per-token scale max(|out|) / 127 (e4m3: / 448) is computed in the program that owns the row, so nothing syncs with the
 host (CUDA-graph capturable).
 """
 
@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import gdc_enter, pdl_args, pow2, quantize_rne, silu
+from ssmq.kernels._common import gdc_enter, pdl_args, pow2, quantize_codes, quantize_rne, silu, sm_count
 from ssmq.ops.norm import rms_norm_quant_ref, rmsnorm_gated_quant_ref
 from ssmq.ops.quant_linear import EPS
 
@@ -24,11 +24,11 @@ QUANT_EPS = tl.constexpr(EPS)  # smallest dynamic scale, as quantize_act_ref
 
 
 @triton.jit
-def _row_scale(y, scale_ptr, row, STATIC: tl.constexpr):
-    """The row's quantization scale: the static one, or max(|y|) / 127 (at least EPS), stored at scale_ptr[row]."""
+def _row_scale(y, scale_ptr, row, STATIC: tl.constexpr, FP8: tl.constexpr = False):
+    """The row's quantization scale: the static one, or max(|y|) / qmax (at least EPS), stored at scale_ptr[row]."""
     if STATIC:
         return tl.load(scale_ptr)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 127.0), QUANT_EPS)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0 if FP8 else 127.0), QUANT_EPS)
     tl.store(scale_ptr + row, scale)
     return scale
 
@@ -38,7 +38,7 @@ def _rms_norm(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, d, eps,
     s_x, s_r, s_o, s_ro,
     HAS_RES: tl.constexpr, QUANT: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, FP8: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
@@ -54,7 +54,7 @@ def _rms_norm(
     y = (r * rstd * w).to(out_ptr.dtype.element_ty)
     if QUANT:  # the codes of the output rounded to its dtype (out_ptr names that dtype; nothing is stored there)
         yf = y.to(tl.float32)
-        tl.store(q_ptr + row * d + offs, quantize_rne(yf, _row_scale(yf, scale_ptr, row, STATIC)), mask=m)
+        tl.store(q_ptr + row * d + offs, quantize_codes(yf, _row_scale(yf, scale_ptr, row, STATIC, FP8), FP8), mask=m)
     else:
         tl.store(out_ptr + row * s_o + offs, y, mask=m)
 
@@ -69,9 +69,12 @@ def _warps(block: int) -> int:
     return min(16, max(1, block // 256))
 
 
-def _quant_out(x, x_scale, per_token):
-    """(codes like x, int8; scale: the static one as (), or a per-token (...) buffer the kernel fills)."""
-    q = torch.empty(x.shape, device=x.device, dtype=torch.int8)
+def _quant_out(x, x_scale, per_token, dtype=torch.int8):
+    """(codes like x, of ``dtype`` (int8 or float8_e4m3fn); scale: the static one as (), or a per-token (...) buffer
+    the kernel fills)."""
+    if dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise SSMQError(f"activation codes are int8 or float8_e4m3fn, not {dtype}")
+    q = torch.empty(x.shape, device=x.device, dtype=dtype)
     if x_scale is not None:
         if x_scale.numel() != 1:
             raise SSMQError(f"a static activation scale is per-tensor (), got shape {tuple(x_scale.shape)}")
@@ -95,7 +98,7 @@ def _norm(x, weight, eps, residual, residual_in_fp32, quant):
         _rms_norm[(M,)](
             x2, r2, weight, out, res_out, q, scale, d, eps, x2.stride(0), r2.stride(0), d, d,
             HAS_RES=residual is not None, QUANT=quant is not None, STATIC=quant is not None and quant[0] is not None,
-            BLOCK=BLOCK, num_warps=_warps(BLOCK), **pdl_args(x2),
+            FP8=q.dtype == torch.float8_e4m3fn, BLOCK=BLOCK, num_warps=_warps(BLOCK), **pdl_args(x2),
         )
     return (out, res_out) if quant is None else (q, scale, res_out)
 
@@ -109,15 +112,16 @@ def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):
     return _norm(x, weight, eps, residual, residual_in_fp32, None)
 
 
-def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_scale=None, per_token=True):
-    """``rms_norm`` with int8 codes out, as ``rms_norm_quant_ref``: (codes (..., d), scale, new_residual).
+def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_scale=None, per_token=True,
+                   dtype=torch.int8):
+    """``rms_norm`` with int8 / e4m3 codes out, as ``rms_norm_quant_ref``: (codes (..., d), scale, new_residual).
 
     x_scale: a static () scale, or None for dynamic per-token scales (...); dynamic per-tensor scales need the whole
     tensor first and run the reference (not a hot path of any recipe).
     """
     if x_scale is None and not per_token:
-        return rms_norm_quant_ref(x, weight, eps, residual, residual_in_fp32, x_scale, per_token)
-    return _norm(x, weight, eps, residual, residual_in_fp32, (x_scale, per_token))
+        return rms_norm_quant_ref(x, weight, eps, residual, residual_in_fp32, x_scale, per_token, dtype)
+    return _norm(x, weight, eps, residual, residual_in_fp32, (x_scale, per_token, dtype))
 
 
 @triton.jit
@@ -170,6 +174,7 @@ def _rmsnorm_gated_quant(
     s_x, s_z, s_o, s_q, s_zs,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, STORE_OUT: tl.constexpr, STATIC: tl.constexpr,
     ONE_GROUP: tl.constexpr, BLOCK: tl.constexpr, Z_QUANT: tl.constexpr = False, USE_GDC: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):
     """One program per row (a per-token scale spans all norm groups of the row). One group: normalised, scaled and
     quantized in registers. Several with a dynamic scale: a first pass over the groups finds max |out|, a second
@@ -183,7 +188,8 @@ def _rmsnorm_gated_quant(
         if STORE_OUT:
             tl.store(out_ptr + row * s_o + col, y, mask=m)
         yf = y.to(tl.float32)
-        tl.store(q_ptr + row * s_q + col, quantize_rne(yf, _row_scale(yf, scale_ptr, row, STATIC)), mask=m)
+        tl.store(q_ptr + row * s_q + col, quantize_codes(yf, _row_scale(yf, scale_ptr, row, STATIC, FP8), FP8),
+                 mask=m)
     else:
         if STATIC:
             scale = tl.load(scale_ptr)
@@ -193,7 +199,7 @@ def _rmsnorm_gated_quant(
                 y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z, zs_ptr, s_zs,
                                          HAS_Z, NORM_BEFORE_GATE, BLOCK, Z_QUANT)
                 amax = tl.maximum(amax, tl.max(tl.abs(y.to(out_ptr.dtype.element_ty).to(tl.float32)), axis=0))
-            scale = tl.maximum(tl.math.div_rn(amax, 127.0), QUANT_EPS)
+            scale = tl.maximum(tl.math.div_rn(amax, 448.0 if FP8 else 127.0), QUANT_EPS)
             tl.store(scale_ptr + row, scale)
         for g in range(n_groups):
             y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z, zs_ptr, s_zs,
@@ -201,7 +207,7 @@ def _rmsnorm_gated_quant(
             y = y.to(out_ptr.dtype.element_ty)
             if STORE_OUT:
                 tl.store(out_ptr + row * s_o + col, y, mask=m)
-            tl.store(q_ptr + row * s_q + col, quantize_rne(y.to(tl.float32), scale), mask=m)
+            tl.store(q_ptr + row * s_q + col, quantize_codes(y.to(tl.float32), scale, FP8), mask=m)
 
 
 def _gated_args(x, z, group_size):
@@ -242,8 +248,9 @@ def z_scale_arg(z_scale, d: int, like):
 
 
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False, z_scale=None):
-    """``rmsnorm_gated`` with int8 codes out, as ``rmsnorm_gated_quant_ref``: (codes (..., d), scale, out or None).
+                        per_token=True, with_out=False, z_scale=None, dtype=torch.int8):
+    """``rmsnorm_gated`` with int8 / e4m3 codes out, as ``rmsnorm_gated_quant_ref``: (codes (..., d), scale, out or
+    None).
 
     x_scale: a static () scale, or None for dynamic per-token scales (...) (dynamic per tensor: the reference).
     z_scale: z is fake-quantized first with it (() or (d,): an ``ActQuantizer`` on z, in registers).
@@ -251,17 +258,27 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
     """
     if x_scale is None and not per_token:
         return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out,
-                                       False, z_scale)
+                                       False, z_scale, dtype)
     d, gs, x2, z2 = _gated_args(x, z, group_size)
+    M = x2.shape[0]
+    if x_scale is None and gs != d and z_scale is None and M < sm_count(x.device):
+        # a dynamic scale over several norm groups: one program a row walks the row's groups twice, serially, and
+        # too few rows leave the SMs idle (Mamba2-8B, 8 groups of 1024, batch 1: 16.2 us against the float norm's
+        # program a group, 2.1 us, + the quantize kernel, 4.2; H100 2026-11-26). Same arithmetic, same codes.
+        from ssmq.kernels.quant_gemm import quantize_act
+
+        out = rmsnorm_gated(x, weight, z, eps, group_size, norm_before_gate)
+        q, scale = quantize_act(out, None, True, dtype)
+        return q, scale, out if with_out else None
     zs, s_zs, z_quant = z_scale_arg(z_scale if z is not None else None, d, x2)
     out = torch.empty(x.shape if with_out else 0, device=x.device, dtype=x.dtype)
-    q, scale = _quant_out(x, x_scale, per_token)
-    M = x2.shape[0]
+    q, scale = _quant_out(x, x_scale, per_token, dtype)
     BLOCK = pow2(gs, 16)
     if M:
         _rmsnorm_gated_quant[(M,)](
             x2, z2, weight, out, q, scale, zs, d // gs, gs, eps, x2.stride(0), z2.stride(0), d, d, s_zs,
             HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, STORE_OUT=with_out, STATIC=x_scale is not None,
-            ONE_GROUP=gs == d, BLOCK=BLOCK, Z_QUANT=z_quant, num_warps=_warps(BLOCK), **pdl_args(x2),
+            ONE_GROUP=gs == d, BLOCK=BLOCK, Z_QUANT=z_quant, FP8=dtype == torch.float8_e4m3fn, num_warps=_warps(BLOCK),
+            **pdl_args(x2),
         )
     return q, scale, out if with_out else None

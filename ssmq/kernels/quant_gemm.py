@@ -10,14 +10,15 @@ sign-extended in registers by two shifts (low nibble ``(b << 4) >> 4``, high ``b
 matching x columns are taken apart the same way (even / odd), so that each half is one tensor-core
 product: x_even @ lo.T + x_odd @ hi.T.
 
-Decode at batch 1-4 (CFG's WORD_MAX_ROWS) runs ``_qgemv_words``: int8 / int4 codes loaded as 32-bit words, 16
+Decode at batch 1-2 (CFG's WORD_MAX_ROWS; 8-bit codes on underfilled tilings only) runs ``_qgemv_words``: int8 / int4 codes loaded as 32-bit words, 16
 bytes a load, for float x turned into exact float32 values by bit assembly (one LOP3 and one FADD a code, then one
 FFMA a code and row; no I2F), for int8 x multiplied by dp4a on whole words (int4 nibbles shifted into the high
 half of each byte); K split over many programs, the partial sums added by the last program of each output tile
 (an acq_rel counter that resets itself: no second kernel, CUDA-graph safe); int8 x with per-group scales (W4A8)
 splits too, each program storing its groups' scaled products for the last one to add in group order
 (``GROUP_PARTS``: ``int_matmul_ref``'s sum, bit for bit). It serves int8 and int4 codes whose rows are whole words
-(k a multiple of 8 for int4, 4 for int8), float or int8 x; fp8 and the rest go below.
+(k a multiple of 8 for int4, 4 for int8), float or int8 x, and fp8 e4m3 codes (per channel / tensor) with float
+or fp8 x, each code converted exactly by the hardware e4m3 -> f16 conversion; the rest goes below.
 Two kernels do every other case, with the same arguments:
 ``_qgemv`` (1-2 rows, decode at batch 1-2, when FMA_MAX_ROWS asks for it): CUDA-core multiply-adds, products kept
   elementwise across the K loop and reduced once; small register tiles, so many programs per SM keep loads in
@@ -39,8 +40,9 @@ by a second kernel with SPLIT_IN_KERNEL off).
 Which path serves a call (M rows; every threshold is a CFG entry with the measurement behind it):
 
     rows                 weight-only (float x)                    W8A8 per channel / tensor      fp8 x
-    1-4                  _qgemv_words                             _qgemv_words                   _qmm
-    5-16                 _qmm, K split                            _qmm                           _qmm
+    1-2                  _qgemv_words (8-bit codes: underfilled   _qgemv_words (underfilled      _qgemv_words
+                         tilings only, else _qmm)                 tilings only, else _qmm)       (underfilled only)
+    3-16                 _qmm, K split                            _qmm                           _qmm
     17-64                _qmm: one row tile, K split in 2         torch._int_mm + _int_epilogue  torch._scaled_mm
     65-511               underfilled -> dequantize + cuBLAS,      torch._int_mm + _int_epilogue  torch._scaled_mm
                          else _qmm (int4 up to 128 rows: 4 warps)
@@ -100,6 +102,15 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     24.1; in_proj 10576 x 2560 W4A16 51.2 / 49.4 -> 29.2 / 38.1 (4 warps; cuBLAS 51.5 / 52.8), W8A16 25.8 / 33.6
 #     kept (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). End to end (2026-11-26, Mamba2-2.7B, against MID_FILL 0 and
 #     8 warps in the same session): W4A16 TPOT at batch 128 15.12 -> 13.35 ms, W8A16 15.77 -> 13.57.
+#   WORD_FP8: fp8 weights (fp8-w8a8, fp8 weight-only) in the word GEMV rather than _qmm with rows padded to 16
+#     (2026-11-23: _qmm 16.1 us + quantize 4.2 us a linear, FP8 TPOT 3.27 ms vs FP16 2.63 at batch 1).
+#   WORD_MAX_ROWS 2, WORD_8BIT_UNDERFILLED, ITERS_W 8: H100, 2026-11-26, `bench_quant.py --sweep words` (TILE_W x
+#     ITERS_W at batch 1, Mamba2-2.7B and 8B shapes) and `--micro --formats w8a16,w8a16:qmm,... --micro-rows 1,2,4`
+#     (us, word GEMV vs _qmm, 2.7B / 8B): ITERS_W 2 -> 8 took in_proj W4A16 14.1 -> 10.7 / 33.6 -> 25.9, out_proj
+#     W4A16 9.8 -> 7.8; with it the word GEMV still loses to _qmm on in_proj-like (filled) tilings for 8-bit codes
+#     (W8A16 15.7 vs 15.0 / 48.9 vs 36.4, W8A8 19.0 vs 17.8 / 45.3 vs 32.4, fp8 18.6 vs 18.0 / 44.7 vs 32.9) and
+#     wins on out_proj-like ones (W8A16 10.6 vs 13.5 / 18.5 vs 20.0, W8A8 14.1 vs 20.7, fp8 14.5 vs 21.4 / 21.2 vs
+#     30.3); at 4 rows _qmm wins everywhere (W4A16 in_proj 22.8 vs 17.6 / 52.2 vs 39.0), at 2 rows int4 words win.
 #   MAX_GROUP_PARTS: int8 x with per-group scales (W4A8) splits K in the word GEMV only up to this many groups
 #     (their products are stored one by one and added in order by the last program: int_matmul_ref's order).
 #   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
@@ -129,8 +140,8 @@ CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
            SPLIT_IN_KERNEL=True, MID_MAX_ROWS=64, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3, MID_SPLIT=2,
            W4_WARPS_MAX_ROWS=128, warps_pre_w4=4,
-           WORD_MAX_ROWS=4, MAX_GROUP_PARTS=64, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
-           WAVES_W=2, ITERS_W=2, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
+           WORD_MAX_ROWS=2, WORD_FP8=True, WORD_8BIT_UNDERFILLED=True, MAX_GROUP_PARTS=64, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
+           WAVES_W=2, ITERS_W=8, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
 
 
 @triton.jit
@@ -482,6 +493,13 @@ def _code_f32(lo, hi, J: tl.constexpr, W4: tl.constexpr):
 
 
 @triton.jit
+def _fp8_f32(w, J: tl.constexpr):
+    """Byte J of each 32-bit word of e4m3 codes as its exact float32 value (the hardware e4m3 -> f16 conversion,
+    two codes an instruction; no scale: the epilogue applies it)."""
+    return ((w >> (8 * J)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _x_f32(xv, HI: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr):
     """float32 x from a load: 16-bit x travels as int32 pairs (HI: the odd column), one load for two columns."""
     if X16:
@@ -530,12 +548,17 @@ def _pick_bytes(a, b, ODD: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _row_step(p, xk, w, lo, hi, x_row, mx, A_MODE: tl.constexpr, W4: tl.constexpr, HAS_ZERO: tl.constexpr,
-              X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr):
+              X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr, W_FP8: tl.constexpr = False):
     """One decode row times a (BLOCK_N, KW) tile of code words w (lo, hi: _code_halves(w)), added elementwise into
     p; x_row (KW,) points at the row's x for each word: float x at its first code's column (16-bit x: as int32
-    pairs), int8 x at its first int32 word of codes; xk (KW,) gathers the row's x for zero points. The codes are
-    converted once for all rows (the compiler shares _code_f32's values between the rows' calls)."""
-    if A_MODE == 0:
+    pairs), int8 / fp8 x at its first int32 word of codes; xk (KW,) gathers the row's x for zero points. The codes
+    are converted once for all rows (the compiler shares _code_f32's values between the rows' calls).
+    W_FP8: e4m3 weight codes, with float x (A_MODE 0) or e4m3 x codes (A_MODE 2), float32 products."""
+    if A_MODE == 2:  # e4m3 x codes (one word: 4) times e4m3 weight codes
+        xv = tl.load(x_row, mask=mx, other=0)
+        for j in tl.static_range(4):
+            p += _fp8_f32(xv, j)[None, :] * _fp8_f32(w, j)
+    elif A_MODE == 0:
         BITS: tl.constexpr = 4 if W4 else 8
         H: tl.constexpr = 16 // BITS
         for i in tl.static_range(4 if W4 else 2):  # code pairs 2i, 2i + 1
@@ -546,8 +569,11 @@ def _row_step(p, xk, w, lo, hi, x_row, mx, A_MODE: tl.constexpr, W4: tl.constexp
             else:
                 xa = tl.load(x_row + 2 * i, mask=mx, other=0.0).to(tl.float32)
                 xb = tl.load(x_row + 2 * i + 1, mask=mx, other=0.0).to(tl.float32)
-            p += (xa * (1.0 / (1 << (BITS * ((2 * i) % H)))))[None, :] * _code_f32(lo, hi, 2 * i, W4)
-            p += (xb * (1.0 / (1 << (BITS * ((2 * i + 1) % H)))))[None, :] * _code_f32(lo, hi, 2 * i + 1, W4)
+            if W_FP8:
+                p += xa[None, :] * _fp8_f32(w, 2 * i) + xb[None, :] * _fp8_f32(w, 2 * i + 1)
+            else:
+                p += (xa * (1.0 / (1 << (BITS * ((2 * i) % H)))))[None, :] * _code_f32(lo, hi, 2 * i, W4)
+                p += (xb * (1.0 / (1 << (BITS * ((2 * i + 1) % H)))))[None, :] * _code_f32(lo, hi, 2 * i + 1, W4)
             if HAS_ZERO:
                 xk += xa + xb
     else:
@@ -652,6 +678,7 @@ def _qgemv_words(
     SPLIT: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr = False,
     NSP: tl.constexpr = 1, USE_GDC: tl.constexpr = False, GROUP_PARTS: tl.constexpr = False,
+    W_FP8: tl.constexpr = False,
 ):
     # Up to 4 decode rows (BLOCK_M) x a (BLOCK_N, BLOCK_K) weight tile a step, the codes loaded as int32 words
     # (w_ptr: the stored rows viewed as int32, s_wn in words), 16 bytes a load. Float x (A_MODE 0): each code
@@ -686,11 +713,11 @@ def _qgemv_words(
     w_ptrs = w_ptr + cols[:, None] * s_wn + pid_k * kw_split + offs_c[None, :]
     r0 = pid_m * BLOCK_M
     # x's pointer unit: XE columns (int8 x: int32 words of 4 codes; 16-bit float x: int32 pairs)
-    XE: tl.constexpr = 4 if A_MODE == 1 else 2 if X16 else 1
+    XE: tl.constexpr = 4 if A_MODE != 0 else 2 if X16 else 1
     x_ptrs = x_ptr + r0.to(tl.int64) * s_xm + pid_k * kw_split * (WPW // XE) + offs_c * (WPW // XE)
     XSTEP: tl.constexpr = BLOCK_K // XE
     ACC = tl.int32 if A_MODE == 1 else tl.float32
-    if A_MODE == 1:
+    if A_MODE != 0:
         if XS_ROWS:
             xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
             xs0 = tl.load(xs_ptr + r0)
@@ -725,7 +752,7 @@ def _qgemv_words(
             w_next = tl.load(w_ptrs + KW, mask=mn[:, None] & (offs_c * 0 + k + BLOCK_K < k_len)[None, :], other=0)
         else:
             w = tl.load(w_ptrs, mask=mw, other=0)
-        lo, hi = _code_halves(w, W4)
+        lo, hi = _code_halves(w, W4)  # unused (dead code) for fp8 weights and int8 x
         if WS_MODE == 2:
             q0 = tl.zeros((BLOCK_N, KW), dtype=ACC)
             q1, q2, q3 = q0, q0, q0
@@ -733,15 +760,16 @@ def _qgemv_words(
             y1, y2, y3 = y0, y0, y0
         else:
             q0, q1, q2, q3, y0, y1, y2, y3 = p0, p1, p2, p3, x0, x1, x2, x3
-        q0, y0 = _row_step(q0, y0, w, lo, hi, x_ptrs, mc & (r0 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX)
+        q0, y0 = _row_step(q0, y0, w, lo, hi, x_ptrs, mc & (r0 < M), A_MODE, W4, HAS_ZERO, X16, XBF16, PTX,
+                           W_FP8)
         if BLOCK_M > 1:
             q1, y1 = _row_step(q1, y1, w, lo, hi, x_ptrs + s_xm, mc & (r0 + 1 < M), A_MODE, W4,
-                               HAS_ZERO, X16, XBF16, PTX)
+                               HAS_ZERO, X16, XBF16, PTX, W_FP8)
         if BLOCK_M > 2:
             q2, y2 = _row_step(q2, y2, w, lo, hi, x_ptrs + 2 * s_xm, mc & (r0 + 2 < M), A_MODE, W4,
-                               HAS_ZERO, X16, XBF16, PTX)
+                               HAS_ZERO, X16, XBF16, PTX, W_FP8)
             q3, y3 = _row_step(q3, y3, w, lo, hi, x_ptrs + 3 * s_xm, mc & (r0 + 3 < M), A_MODE, W4,
-                               HAS_ZERO, X16, XBF16, PTX)
+                               HAS_ZERO, X16, XBF16, PTX, W_FP8)
         if WS_MODE == 2:
             t = (k0 + k) // GROUP
             s = tl.load(ws_ptr + cols * n_groups + t, mask=mn, other=0.0)
@@ -955,12 +983,18 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def _words_ok(x2, w_q, f: dict, a_mode: int, cfg: dict) -> bool:
-    """Whether _qgemv_words serves this call: int8 / int4 codes with float or int8 x, up to WORD_MAX_ROWS rows,
-    rows of whole 32-bit words (k a multiple of 8 for int4, 4 for int8; int8 x rows too)."""
+    """Whether _qgemv_words serves this call: int8 / int4 codes with float or int8 x, or fp8 codes (per channel /
+    tensor) with float or fp8 x, up to WORD_MAX_ROWS rows, rows of whole 32-bit words (k a multiple of 8 for int4,
+    4 for 8-bit codes; 8-bit x rows too)."""
     M, K = x2.shape
     wpw = 8 if f["bits"] == 4 else 4
     g = f["group_size"]
-    return (0 < M <= min(cfg["WORD_MAX_ROWS"], 4) and a_mode in (0, 1) and not f["fp8"] and K % wpw == 0
+    fmt_ok = (a_mode in (0, 2) and g is None and cfg["WORD_FP8"]) if f["fp8"] else a_mode in (0, 1)
+    # 8-bit codes: only where the tensor-core _qmm's tiling would leave SMs idle (out_proj-like shapes; see
+    # WORD_8BIT_UNDERFILLED)
+    if f["bits"] == 8 and cfg["WORD_8BIT_UNDERFILLED"] and not _underfilled(f["n"], f, x2.device, cfg):
+        return False
+    return (0 < M <= min(cfg["WORD_MAX_ROWS"], 4) and fmt_ok and K % wpw == 0
             and w_q.stride(0) % 4 == 0 and w_q.data_ptr() % 4 == 0 and (g is None or g % wpw == 0)
             and (x2.dtype == torch.float32
                  or (x2.stride(0) % (4 // x2.element_size()) == 0 and x2.data_ptr() % 4 == 0)))
@@ -1003,10 +1037,10 @@ def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
     else:
         part = cnt = out
     x16 = a_mode == 0 and x2.dtype != torch.float32
-    xw = x2.view(torch.int32) if a_mode == 1 or x16 else x2
+    xw = (x2.view(torch.int8) if a_mode == 2 else x2).view(torch.int32) if a_mode != 0 or x16 else x2
     dummy = w_scale
     _qgemv_words[c["grid"]](
-        xw, xs if xs is not None else dummy, w_q.view(torch.int32), w_scale, w_zero if w_zero is not None else dummy,
+        xw, xs if xs is not None else dummy, (w_q.view(torch.int8) if f["fp8"] else w_q).view(torch.int32), w_scale, w_zero if w_zero is not None else dummy,
         bias if bias is not None else dummy, out, part, cnt,
         M, N, K, c["k_split"] // (8 if f["bits"] == 4 else 4), split, n_groups,
         xw.stride(0),
@@ -1015,9 +1049,9 @@ def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, GROUP=f["group_size"] or 1, EVEN_K=c["EVEN_K"],
         SPLIT=split > 1, NSP=pow2(n_groups if group_parts else split), GROUP_PARTS=group_parts, X16=x16, XBF16=x2.dtype == torch.bfloat16, PTX=x2.is_cuda,
         PREFETCH=cfg["PREFETCH_W"] and c["EVEN_K"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        num_warps=cfg["warps_w"], num_stages=cfg["stages_w"], **pdl_args(x2),
+        W_FP8=f["fp8"], num_warps=cfg["warps_w"], num_stages=cfg["stages_w"], **pdl_args(x2),
         # the integer paths reproduce int_matmul_ref's separately rounded products and sums
-        enable_fp_fusion=a_mode == 0)
+        enable_fp_fusion=a_mode != 1)
     return out
 
 

@@ -20,17 +20,19 @@ from ssmq import kernels
 
 @dataclass(frozen=True)
 class CodeInput:
-    """How a linear takes its input as int8 codes: a static per-tensor scale (), or None for dynamic per-token scales
-    (absmax / 127 of each row), both as ``ssmq.ops.quant_linear.quantize_act_ref`` makes them; ``rotate``: the codes
-    of the input's online Hadamard (``hadamard_transform``), which the linear's weight was rotated for."""
+    """How a linear takes its input as codes: a static per-tensor scale (), or None for dynamic per-token scales
+    (absmax / qmax of each row), both as ``ssmq.ops.quant_linear.quantize_act_ref`` makes them; ``rotate``: the codes
+    of the input's online Hadamard (``hadamard_transform``), which the linear's weight was rotated for; ``dtype``:
+    int8 or float8_e4m3fn codes (rotated: int8 only)."""
 
     scale: torch.Tensor | None
     rotate: bool = False
+    dtype: torch.dtype = torch.int8
 
 
 @dataclass(frozen=True)
 class ActCodes:
-    """An activation as int8 codes q (..., k), its scale (() static or (...) per token, float32) and the float dtype
+    """An activation as int8 / e4m3 codes q (..., k), its scale (() static or (...) per token, float32) and the float dtype
     it stands for (the linear's output dtype)."""
 
     q: torch.Tensor

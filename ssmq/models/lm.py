@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
         if codes is None:
             return kernels.rms_norm(x, self.weight, self.eps, residual, self.residual_in_fp32)
         q, scale, residual = kernels.rms_norm_quant(x, self.weight, self.eps, residual, self.residual_in_fp32,
-                                                    codes.scale)
+                                                    codes.scale, dtype=codes.dtype)
         return ActCodes(q, scale, self.weight.dtype), residual
 
 

@@ -34,7 +34,7 @@ class GatedRMSNorm(nn.Module):
         if codes is None:
             return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
         q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale,
-                                                  rotate=codes.rotate, z_scale=z_scale)
+                                                  rotate=codes.rotate, z_scale=z_scale, dtype=codes.dtype)
         return ActCodes(q, scale, y.dtype)
 
 
@@ -153,8 +153,9 @@ class Mamba2Mixer(SSMMixer):
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         codes = self._out_codes()
         # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step), with out_proj's int8 codes from
-        # the norm's epilogue; a rotated out_proj takes the stages one by one, the last one emitting the rotated codes
-        if self._fusable(state) and (codes is None or not codes.rotate):
+        # the norm's epilogue; a rotated out_proj (or one taking e4m3 codes) takes the stages one by one, the last one
+        # emitting its codes
+        if self._fusable(state) and (codes is None or (not codes.rotate and codes.dtype == torch.int8)):
             y = kernels.mamba2_decode_step(
                 xbc, z, dt, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
                 state.ssm, self._f32.get(self, "A_log"), self._f32.get(self, "D"),

@@ -68,14 +68,16 @@ def rms_norm_quant_ref(
     residual_in_fp32: bool = True,
     x_scale: torch.Tensor | None = None,
     per_token: bool = True,
+    dtype: torch.dtype = torch.int8,
 ):
-    """``rms_norm_ref`` with its output quantized: (codes (..., d) int8, scale, new_residual).
+    """``rms_norm_ref`` with its output quantized: (codes (..., d) ``dtype``, scale, new_residual).
 
-    The output is rounded to weight's dtype, then quantized as ``quantize_act_ref(out, x_scale, per_token)`` (a static
-    () scale, or dynamic per token (...) / per tensor ()): the codes of the unfused pair, bit for bit.
+    The output is rounded to weight's dtype, then quantized as ``quantize_act_ref(out, x_scale, per_token, dtype)`` (a
+    static () scale, or dynamic per token (...) / per tensor ()): the codes of the unfused pair, bit for bit; dtype
+    int8 or float8_e4m3fn.
     """
     out, new_residual = rms_norm_ref(x, weight, eps, residual, residual_in_fp32)
-    q, scale = quantize_act_ref(out, x_scale, per_token)
+    q, scale = quantize_act_ref(out, x_scale, per_token, dtype)
     return q, scale, new_residual
 
 
@@ -91,21 +93,24 @@ def rmsnorm_gated_quant_ref(
     with_out: bool = False,
     rotate: bool = False,
     z_scale: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.int8,
 ):
-    """``rmsnorm_gated_ref`` with its output (x's dtype) quantized as ``quantize_act_ref(out, x_scale, per_token)``;
+    """``rmsnorm_gated_ref`` with its output (x's dtype) quantized as ``quantize_act_ref(out, x_scale, per_token,
+    dtype)`` (int8 or float8_e4m3fn codes);
     with ``rotate``, the output's online Hadamard (``hadamard_transform``, x's dtype) is what is quantized (the input
     of a rotated A8 out_proj).
 
     z_scale (() or (d,)): z is fake-quantized with it first (``fake_quantize_ref``: an ``ActQuantizer`` on z).
 
-    Returns (codes (..., d) int8, scale, the quantized float output (..., d) in x's dtype when ``with_out``, else None).
+    Returns (codes (..., d) ``dtype``, scale, the quantized float output (..., d) in x's dtype when ``with_out``, else
+    None).
     """
     if z is not None and z_scale is not None:
         z = fake_quantize_ref(z, z_scale)
     out = rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate)
     if rotate:
         out = hadamard_transform(out)
-    q, scale = quantize_act_ref(out, x_scale, per_token)
+    q, scale = quantize_act_ref(out, x_scale, per_token, dtype)
     return q, scale, out if with_out else None
 
 

@@ -148,16 +148,17 @@ class QuantLinear(_QuantWeight):
         return m
 
     def code_input(self) -> CodeInput | None:
-        """How the producer of x may hand it over as int8 codes (``ssmq.models.act_codes``), or None: int8
+        """How the producer of x may hand it over as codes (``ssmq.models.act_codes``), or None: int8 or fp8
         activations with a static or a dynamic per-token scale, no tensor-parallel hook on a dynamic scale; with an
-        online rotation, the codes of the rotated x (``rotate``)."""
+        online rotation, the codes of the rotated x (``rotate``, int8 only)."""
         a = self.act
-        if a is None or a.dtype != "int8":
+        if a is None or a.dtype not in ("int8", "fp8") or (a.dtype == "fp8" and self.rotate_input):
             return None
+        dtype = torch.int8 if a.dtype == "int8" else torch.float8_e4m3fn
         if self.act_scale is not None:
-            return CodeInput(self.act_scale, self.rotate_input)
+            return CodeInput(self.act_scale, self.rotate_input, dtype)
         if isinstance(a.granularity, PerToken) and self.scale_hook is None:
-            return CodeInput(None, self.rotate_input)
+            return CodeInput(None, self.rotate_input, dtype)
         return None
 
     def forward(self, x: torch.Tensor | ActCodes) -> torch.Tensor:
