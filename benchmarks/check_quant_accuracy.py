@@ -9,7 +9,9 @@ the references. The reference path is ``QuantLinear`` on the CPU references of `
 the GPU tensors (every other op identical) for recipes without SSM quantization, and every op on its reference
 (``SSMQ_REF_OPS``' switch: int8 conv / scan / state update, Hadamard, norms) for the Quamba / Quamba2 / SSDi8
 recipes, whose SSM side has kernels too. Writes accuracy.json; prints a table with the relative difference
-(target: within 0.05%).
+(target: within 0.05%) and the per-window paired difference. ``--decode-tokens N`` scores through the decode path
+instead (``decode_perplexity_of_ids``: N-token windows fed one a step to ``model.step``, so a recipe's int8 SSM state
+cache and the decode kernels are what is compared).
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch
 
 import ssmq
 from ssmq import kernels, ops
-from ssmq.eval.perplexity import perplexity_of_ids, wikitext2_path
+from ssmq.eval.perplexity import decode_perplexity_of_ids, perplexity_of_ids, wikitext2_path
+from ssmq.models.cache import calibrated_ssm_dtype
 from ssmq.paths import shared_path
 from ssmq.quant import save_quantized
 from ssmq.quant.calibration import load_calibration
-from ssmq.quant.recipe import get_recipe
+from ssmq.quant.recipe import Cache, get_recipe
 
 RECIPES = "rtn-w8a16,rtn-w4a16-g128,dynamic-w8a8,fp8-w8a8"
 
@@ -78,6 +81,12 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--calib-samples", type=int, default=16, help="calibration windows (recipes that need them)")
     ap.add_argument("--calib-seqlen", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=0,
+                    help="score through the decode path instead: windows of this many tokens fed one a step to "
+                         "model.step over the recipe's cache (its int8 state, if any); --limit windows (default 8)")
+    ap.add_argument("--decode-prefill", type=int, default=0, help="with --decode-tokens: tokens prefilled first")
+    ap.add_argument("--state-bits", type=int, default=16, choices=[8, 16],
+                    help="8: each recipe with the int8 SSM state cache (calibrated state scales)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/acc"))
     args = ap.parse_args()
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
@@ -89,22 +98,31 @@ def main():
         rows = results["models"].setdefault(name, {})
         for recipe in args.recipes.split(","):
             spec = get_recipe(recipe)
+            if args.state_bits == 8 and spec.cache.state_bits != 8:  # the recipe plus the int8 SSM state cache
+                spec = spec.with_changes(name=f"{recipe}+int8-state", cache=Cache(state_bits=8, kv=spec.cache.kv))
             model, calib = quantized_model(folder, tok, spec, args.device, args.calib_samples, args.calib_seqlen)
             # recipes with SSM quantization (transforms / taps / int8 state) run kernels beyond the linears
             whole = bool(spec.transforms or spec.taps or spec.cache.state_bits != 16)
             r, nll = {}, {}
             for path in ("kernels", "reference"):
                 reference_ops(path == "reference", whole)
-                p = perplexity_of_ids(model, ids, args.seqlen, limit=args.limit, progress=False, per_window=True)
+                if args.decode_tokens:  # the decode path: step kernels, the cache's state format
+                    p = decode_perplexity_of_ids(model, ids, args.decode_tokens, args.limit or 8, args.decode_prefill,
+                                                 calibrated_ssm_dtype(model), progress=False)
+                else:
+                    p = perplexity_of_ids(model, ids, args.seqlen, limit=args.limit, progress=False, per_window=True)
                 r[path], nll[path], r["windows"] = p["ppl"], p["window_nll"], p["n_windows"]
+            if args.decode_tokens:
+                r["decode"] = {"tokens": args.decode_tokens, "prefill": args.decode_prefill,
+                               "state_bits": spec.cache.state_bits}
             reference_ops(False)
             r["rel_diff_pct"] = 100 * (r["kernels"] - r["reference"]) / r["reference"]
             r["window_diff"] = paired(nll["kernels"], nll["reference"], p["n_tokens_predicted"] / p["n_windows"])
             r["reference_ops"] = "all" if whole else "linears"
             if calib is not None:
                 r["calibration"] = [args.calib_samples, args.calib_seqlen]
-            rows[recipe] = r
-            print(name, recipe, json.dumps(r), flush=True)
+            rows[spec.name] = r
+            print(name, spec.name, json.dumps(r), flush=True)
             del model
             torch.cuda.empty_cache()
     out = Path(args.out)

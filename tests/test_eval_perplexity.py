@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.eval.perplexity import perplexity_of_file, perplexity_of_ids, windows, wikitext2_path
+from ssmq.eval.perplexity import (decode_perplexity_of_ids, perplexity_of_file, perplexity_of_ids, windows,
+                                  wikitext2_path)
 from toy_lm import ToyLM
 from ssmq.paths import shared_path
 
@@ -46,6 +47,27 @@ def test_perplexity_equals_exp_mean_nll():
     # each window on its own: its NLL does not depend on the batch it ran in
     alone = perplexity_of_ids(model, ids[64 * 3:64 * 4], seqlen=64, progress=False, per_window=True)
     assert alone["window_nll"][0] == pytest.approx(per[3], rel=1e-5)
+
+
+def test_decode_perplexity_equals_the_forward_one():
+    # through model.step over a cache, teacher-forced (and after a prefill through the cache): the same NLL as one
+    # forward over each window, on a tiny Mamba-2 in float32
+    from tiny_ssm import tiny_model
+
+    model = tiny_model("mamba2")
+    ids = torch.randint(0, model.config.vocab_size, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    full = perplexity_of_ids(model, ids, seqlen=40, limit=3, progress=False, per_window=True)
+    dec = decode_perplexity_of_ids(model, ids, seqlen=40, limit=3, progress=False)
+    assert dec["n_tokens_predicted"] == full["n_tokens_predicted"] == 3 * 39
+    assert dec["window_nll"] == pytest.approx(full["window_nll"], rel=1e-5)
+    pre = decode_perplexity_of_ids(model, ids, seqlen=40, limit=3, prefill=16, progress=False)
+    w = windows(ids, 40, 3)
+    with torch.no_grad():  # the forward's NLL of tokens 16..39 (predicted from positions 15..38)
+        want = torch.nn.functional.cross_entropy(model(w)[:, 15:-1].transpose(1, 2), w[:, 16:], reduction="none")
+    assert pre["n_tokens_predicted"] == 3 * 24
+    assert pre["window_nll"] == pytest.approx(want.sum(1).tolist(), rel=1e-5)
+    with pytest.raises(SSMQError):
+        decode_perplexity_of_ids(model, ids, seqlen=40, limit=3, prefill=39, progress=False)
 
 
 def test_windows_limit_and_short_text():

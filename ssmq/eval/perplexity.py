@@ -81,6 +81,41 @@ def perplexity_of_ids(
     }
 
 
+@torch.no_grad()
+def decode_perplexity_of_ids(
+    model: torch.nn.Module,
+    ids: list[int],
+    seqlen: int = 512,
+    limit: int | None = 8,
+    prefill: int = 0,
+    ssm_dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> dict:
+    """Perplexity through the decode path: the windows (as ``perplexity_of_ids`` cuts them, ``limit`` of them, one
+    batch) are fed one token a step to ``model.step`` over a cache (``ssm_dtype``: its SSM state format, e.g.
+    torch.int8), teacher-forced, after an optional prefill of their first ``prefill`` tokens through the cache. So
+    the cache's state formats and the decode kernels are what is scored; a full-window forward never runs. Same
+    keys as ``perplexity_of_ids`` (with ``window_nll``), predicted tokens counted from the end of the prefill."""
+    w = windows(ids, seqlen, limit)  # (b, l)
+    b, length = w.shape
+    if not 0 <= prefill < length - 1:
+        raise SSMQError(f"prefill must leave tokens to decode: 0 <= prefill < {length - 1}, got {prefill}")
+    device = model_device(model)
+    w = w.to(device)
+    cache = model.allocate_cache(b, length, ssm_dtype=ssm_dtype)
+    window_nll = torch.zeros(b, dtype=torch.float64, device=device)
+    if prefill:  # its last logits predict token `prefill`
+        logits = model(w[:, :prefill], cache, num_last_tokens=1)[:, -1]
+        window_nll += F.cross_entropy(logits.float(), w[:, prefill], reduction="none").double()
+    for t in tqdm(range(prefill, length - 1), desc="decode perplexity", disable=not progress, unit="step"):
+        logits = model.step(w[:, t], cache)  # token t in, token t + 1 predicted
+        window_nll += F.cross_entropy(logits.float(), w[:, t + 1], reduction="none").double()
+    n_pred = b * (length - max(prefill, 1))
+    return {"ppl": math.exp(window_nll.sum().item() / n_pred), "nll_mean": window_nll.sum().item() / n_pred,
+            "seqlen": int(length), "n_windows": int(b), "n_tokens_text": len(ids), "n_tokens_predicted": n_pred,
+            "prefill": prefill, "window_nll": window_nll.tolist()}
+
+
 def perplexity_of_file(model, tokenizer, path: str | Path, seqlen: int = 2048, batch_size: int = 1,
                        limit: int | None = None, progress: bool = True) -> dict:
     """Perplexity of a UTF-8 text file (WikiText-2 test: ``wikitext2_path()``)."""
