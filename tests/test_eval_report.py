@@ -55,6 +55,23 @@ def test_ssmq_eval_end_to_end_agrees_with_transformers(tmp_path):
     assert out.with_suffix(".md").exists()
 
 
+@pytest.mark.skipif(shared_path("models", "mamba2") is None or shared_path("data", "eval") is None,
+                    reason="../shared/models/mamba2 or ../shared/data/eval absent")
+def test_ssmq_eval_decode_path_perplexity(tmp_path):
+    """`--tasks wikitext2-decode`: the same windows through model.step over a cache, teacher-forced: on CPU in
+    float32 the same perplexity as the full-window forward."""
+    from ssmq.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["eval", "--model", str(shared_path("models", "mamba2")), "--tasks", "wikitext2,wikitext2-decode",
+                 "--limit", "2", "--seqlen", "96", "--device", "cpu", "--dtype", "float32", "--out", str(out),
+                 "--no-progress"]) == 0
+    res = json.loads(out.read_text())["runs"]["mamba2"]["results"]
+    fwd, dec = res["wikitext2"], res["wikitext2-decode"]
+    assert dec["n_windows"] == 2 and dec["seqlen"] == 96 and dec["n_tokens_predicted"] == fwd["n_tokens_predicted"]
+    assert dec["metrics"]["ppl"] == pytest.approx(fwd["metrics"]["ppl"], rel=1e-4)
+
+
 def test_headline_metrics():
     res = {"results": {"wikitext2": {"metrics": {"ppl": 3.0}},
                        "arc_challenge": {"metrics": {"acc": 0.1, "acc_norm": 0.2}}}}

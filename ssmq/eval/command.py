@@ -14,8 +14,9 @@ import sys
 
 from ssmq.errors import SSMQError
 
-HELP_TASKS = ("comma-separated: wikitext2, lambada_openai (lambada), hellaswag, piqa, arc_easy, arc_challenge, "
-              "winogrande, mmlu, ppl:PATH (perplexity of a text file), or all (default)")
+HELP_TASKS = ("comma-separated: wikitext2, wikitext2-decode (through the decode path and the cache), lambada_openai "
+              "(lambada), hellaswag, piqa, arc_easy, arc_challenge, winogrande, mmlu, ppl:PATH (perplexity of a text "
+              "file), or all (default)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
 """Run a list of tasks (perplexity and zero-shot) on one model and collect the numbers with their setting.
 
-Task names: ``wikitext2`` (perplexity, WikiText-2 test), ``ppl:PATH`` (perplexity of any text file), and the
-zero-shot tasks of :mod:`ssmq.eval.tasks` (``all`` = wikitext2 + every zero-shot task).
+Task names: ``wikitext2`` (perplexity, WikiText-2 test), ``wikitext2-decode`` (the same windows scored through the
+decode path: ``model.step`` over the model's cache, its state formats and decode kernels; --limit windows, default
+8), ``ppl:PATH`` (perplexity of any text file), and the zero-shot tasks of :mod:`ssmq.eval.tasks` (``all`` =
+wikitext2 + every zero-shot task).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.eval import tasks as T
 from ssmq.eval.loading import max_model_length
-from ssmq.eval.perplexity import perplexity_of_file, wikitext2_path
+from ssmq.eval.perplexity import decode_perplexity_of_ids, perplexity_of_file, wikitext2_path
 from ssmq.paths import shared_path
 
 ALL = ["wikitext2", *T.TASKS]
@@ -34,6 +36,8 @@ def parse_tasks(spec: str | list[str] | None) -> list[str]:
             out += ALL
         elif raw.lower() in ("wikitext2", "wikitext", "wikitext-2"):
             out.append("wikitext2")
+        elif raw.lower() in ("wikitext2-decode", "wikitext2_decode"):
+            out.append("wikitext2-decode")
         elif raw.startswith("ppl:"):
             out.append(raw)
         else:
@@ -96,6 +100,13 @@ def evaluate(model, tokenizer, task_names: list[str], limit: int | None = None, 
                 if max_batch_tokens is not None:
                     rows = max(1, min(rows, max_batch_tokens // seqlen))
                 r = perplexity_of_file(model, tokenizer, path, seqlen, rows, limit, progress)
+                res = {"metrics": {"ppl": r.pop("ppl"), "nll_mean": r.pop("nll_mean")}, **r}
+            elif name == "wikitext2-decode":
+                from ssmq.models.cache import calibrated_ssm_dtype
+
+                ids = tokenizer.encode(wikitext2_path().read_text(encoding="utf-8"))
+                r = decode_perplexity_of_ids(model, ids, seqlen, limit or 8, 0, calibrated_ssm_dtype(model), progress)
+                r.pop("window_nll")
                 res = {"metrics": {"ppl": r.pop("ppl"), "nll_mean": r.pop("nll_mean")}, **r}
             else:
                 res = T.run_task(T.TASKS[name], model, tokenizer, data_dir(), limit, batch_size, max_length, progress,
