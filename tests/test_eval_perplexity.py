@@ -60,6 +60,8 @@ def test_decode_perplexity_equals_the_forward_one():
     dec = decode_perplexity_of_ids(model, ids, seqlen=40, limit=3, progress=False)
     assert dec["n_tokens_predicted"] == full["n_tokens_predicted"] == 3 * 39
     assert dec["window_nll"] == pytest.approx(full["window_nll"], rel=1e-5)
+    ckpt = decode_perplexity_of_ids(model, ids, seqlen=40, limit=3, progress=False, state_checkpoint=4)
+    assert ckpt["window_nll"] == pytest.approx(full["window_nll"], rel=1e-5)  # ReplaySSM: the same states
     pre = decode_perplexity_of_ids(model, ids, seqlen=40, limit=3, prefill=16, progress=False)
     w = windows(ids, 40, 3)
     with torch.no_grad():  # the forward's NLL of tokens 16..39 (predicted from positions 15..38)

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="zero-shot requests are left-truncated to this many tokens (lm-eval's default 2048)")
     p.add_argument("--dtype", default="auto", help="float16 | bfloat16 | float32 (auto: float16 on CUDA, else float32)")
     p.add_argument("--device", default="auto", help="cuda | cuda:N | cpu (auto: cuda if available)")
+    p.add_argument("--state-checkpoint", type=int, metavar="K",
+                   help="wikitext2-decode: SSM states checkpointed every K decode steps (ReplaySSM) instead of written "
+                        "every step")
     p.add_argument("--out", help="results JSON path (a Markdown table and a PNG chart are written beside it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     from ssmq.runtime.tp_launch import add_tp_args
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise SSMQError("--quantized goes with --model; in --compare give each quantized checkpoint folder itself")
     suite.check_limit(args.limit)
     for name, v in (("--batch-size", args.batch_size), ("--seqlen", args.seqlen), ("--max-length", args.max_length),
-                    ("--max-batch-tokens", args.max_batch_tokens), ("--ppl-batch-size", args.ppl_batch_size)):
+                    ("--max-batch-tokens", args.max_batch_tokens), ("--ppl-batch-size", args.ppl_batch_size),
+                    ("--state-checkpoint", args.state_checkpoint)):
         if v is not None and v < 1:
             raise SSMQError(f"{name} must be positive, got {v}")
     task_names = suite.parse_tasks(args.tasks)
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(limit=args.limit, batch_size=args.batch_size, seqlen=args.seqlen, max_length=args.max_length,
                   ppl_batch_size=args.ppl_batch_size, max_batch_tokens=args.max_batch_tokens,
                   progress=not args.no_progress, dtype=args.dtype,
-                  device=args.device)
+                  device=args.device, state_checkpoint=args.state_checkpoint)
     if args.tp > 1:  # every rank runs the same evaluation on its shard; rank 0 prints and writes
         from ssmq.runtime.tp_launch import start_tp
 

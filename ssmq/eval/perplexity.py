@@ -90,10 +90,12 @@ def decode_perplexity_of_ids(
     prefill: int = 0,
     ssm_dtype: torch.dtype | None = None,
     progress: bool = True,
+    state_checkpoint: int | None = None,
 ) -> dict:
     """Perplexity through the decode path: the windows (as ``perplexity_of_ids`` cuts them, ``limit`` of them, one
     batch) are fed one token a step to ``model.step`` over a cache (``ssm_dtype``: its SSM state format, e.g.
-    torch.int8), teacher-forced, after an optional prefill of their first ``prefill`` tokens through the cache. So
+    torch.int8; ``state_checkpoint`` K: states checkpointed every K steps, ReplaySSM), teacher-forced, after an
+    optional prefill of their first ``prefill`` tokens through the cache. So
     the cache's state formats and the decode kernels are what is scored; a full-window forward never runs. Same
     keys as ``perplexity_of_ids`` (with ``window_nll``), predicted tokens counted from the end of the prefill."""
     w = windows(ids, seqlen, limit)  # (b, l)
@@ -102,7 +104,7 @@ def decode_perplexity_of_ids(
         raise SSMQError(f"prefill must leave tokens to decode: 0 <= prefill < {length - 1}, got {prefill}")
     device = model_device(model)
     w = w.to(device)
-    cache = model.allocate_cache(b, length, ssm_dtype=ssm_dtype)
+    cache = model.allocate_cache(b, length, ssm_dtype=ssm_dtype, state_checkpoint=state_checkpoint)
     window_nll = torch.zeros(b, dtype=torch.float64, device=device)
     if prefill:  # its last logits predict token `prefill`
         logits = model(w[:, :prefill], cache, num_last_tokens=1)[:, -1]

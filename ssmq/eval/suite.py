@@ -77,13 +77,14 @@ def _oom_types() -> tuple[type[BaseException], ...]:
 
 def evaluate(model, tokenizer, task_names: list[str], limit: int | None = None, batch_size: int = 16,
              seqlen: int = 2048, max_length: int = 2048, progress: bool = True, ppl_batch_size: int | None = None,
-             max_batch_tokens: int | None = 32768) -> dict:
+             max_batch_tokens: int | None = 32768, state_checkpoint: int | None = None) -> dict:
     """``{"setting": {...}, "results": {task: {"metrics": ..., ...}}}`` for one model.
 
     ``seqlen`` is the perplexity window; ``max_length`` the left-truncation length of zero-shot requests (lm-eval's
     default 2048). Both are checked against the model's supported length; out-of-memory raises SSMQError.
     A batch holds at most ``batch_size`` sequences (perplexity: ``ppl_batch_size`` windows, default ``batch_size``)
-    and at most ``max_batch_tokens`` tokens (None: no token cap), whichever is smaller.
+    and at most ``max_batch_tokens`` tokens (None: no token cap), whichever is smaller. ``state_checkpoint``: the
+    decode-path task's cache checkpoints its SSM states every K steps (ReplaySSM).
     """
     check_limit(limit)
     supported = max_model_length(model)
@@ -105,7 +106,8 @@ def evaluate(model, tokenizer, task_names: list[str], limit: int | None = None, 
                 from ssmq.models.cache import calibrated_ssm_dtype
 
                 ids = tokenizer.encode(wikitext2_path().read_text(encoding="utf-8"))
-                r = decode_perplexity_of_ids(model, ids, seqlen, limit or 8, 0, calibrated_ssm_dtype(model), progress)
+                r = decode_perplexity_of_ids(model, ids, seqlen, limit or 8, 0, calibrated_ssm_dtype(model), progress,
+                                             state_checkpoint)
                 r.pop("window_nll")
                 res = {"metrics": {"ppl": r.pop("ppl"), "nll_mean": r.pop("nll_mean")}, **r}
             else:
@@ -117,6 +119,7 @@ def evaluate(model, tokenizer, task_names: list[str], limit: int | None = None, 
         res["seconds"] = round(time.perf_counter() - t0, 2)
         results[name] = res
     setting = {"limit": limit, "batch_size": batch_size, "max_batch_tokens": max_batch_tokens, "seqlen": seqlen,
+               **({"state_checkpoint": state_checkpoint} if state_checkpoint else {}),
                "max_length": max_length,
                "target_delimiter": T.DELIM, "mmlu_num_fewshot": 5}
     return {"setting": setting, "results": results}
