@@ -39,6 +39,11 @@ def cmd_generate(args) -> None:
 
     run = {"state_checkpoint": state_checkpoint(args)}  # checked before the model loads
     model, tok, _ = load_from_args(args)
+    from ssmq.models.cache import int8_state_note
+
+    note = int8_state_note(model, run["state_checkpoint"])
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     prompts = args.prompt or ["The history of"]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, eos_id=tok.eos_id, vocab_limit=len(tok), seed=args.seed,

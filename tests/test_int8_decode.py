@@ -132,3 +132,14 @@ def test_generate_decodes_an_int8_state_model_on_its_int8_state(monkeypatch):
                         lambda self, *a, **kw: (seen.append(self.ssm.dtype), step(self, *a, **kw))[1])
     generate(quantized("mamba2", "quamba2-w8a8", 8), [[1, 2, 3]], SamplingParams(max_new_tokens=3, stop_at_eos=False))
     assert seen and set(seen) == {torch.int8}
+
+
+def test_int8_state_note():
+    # decoding on an int8 state written every step drifts (README: 8-bit SSM state cache): the CLI and the engine say
+    # so in one line, unless the state is checkpointed; float-state models get no note
+    from ssmq.models.cache import int8_state_note
+
+    model = quantized("mamba2", "quamba2-w8a8", 8)
+    assert "--state-checkpoint" in int8_state_note(model, None)
+    assert int8_state_note(model, 16) is None
+    assert int8_state_note(quantized("mamba2", "quamba2-w8a8", 16), None) is None

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.cache import calibrated_ssm_dtype
+from ssmq.models.cache import calibrated_ssm_dtype, int8_state_note
 from ssmq.runtime.kv_blocks import BlockAllocator
 from ssmq.runtime.sampling import SamplingParams, sample_rows, top_logprobs
 
@@ -113,6 +113,9 @@ class LocalRunner:
         self.model, self.device = model, model.device
         # int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)
         ssm_dtype = calibrated_ssm_dtype(model)
+        note = int8_state_note(model, cfg.state_checkpoint)
+        if note:
+            log.warning(note)
         graphs = self.device.type == "cuda" and cfg.cuda_graphs
         kw = {"ssm_dtype": ssm_dtype, "state_checkpoint": cfg.state_checkpoint}
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
