@@ -143,3 +143,30 @@ def test_int8_state_note():
     assert "--state-checkpoint" in int8_state_note(model, None)
     assert int8_state_note(model, 16) is None
     assert int8_state_note(quantized("mamba2", "quamba2-w8a8", 16), None) is None
+
+
+def test_per_channel_state_scales_round_trip(tmp_path):
+    # cache.state_scales "per_channel": a (d, n) scale table (every channel its own group), saved and loaded back,
+    # decoding on the int8 state as the x-group one does
+    from ssmq.quant import save_quantized
+    import ssmq
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    model = tiny_model("mamba2")
+    recipe = get_recipe("quamba2-w8a8").with_changes(calibration=Calibration(state_chunk=8),
+                                                      cache=Cache(state_bits=8, state_scales="per_channel"))
+    model = quantize(model, recipe, synthetic_calibration(model.config.vocab_size, n=4, seqlen=16), progress=False)
+    mixer = model.layers[0].mixer
+    d, n = model.config.d_inner, model.config.d_state
+    assert mixer.state_scale.shape == (d, n) and torch.equal(mixer.state_index.cpu(), torch.arange(d))
+    save_quantized(model, tmp_path / "q")
+    back = ssmq.load_model(tmp_path / "q")
+    assert torch.equal(back.layers[0].mixer.state_scale, mixer.state_scale)
+    from ssmq.models.cache import int8_state_note
+
+    assert int8_state_note(back, None) is None  # per-channel scales: no drift note
+    params = SamplingParams(max_new_tokens=4, stop_at_eos=False)
+    assert generate(back, [[1, 2, 3]], params) == generate(model, [[1, 2, 3]], params)
+    with pytest.raises(Exception, match="state_scales"):
+        Cache(state_bits=8, state_scales="per_head").validate()

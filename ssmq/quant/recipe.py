@@ -7,9 +7,9 @@
                      "act": {"dtype": "int8", "granularity": "per_tensor", "static": true}}],   # null = 16-bit
      "taps":       [{"taps": ["act_x"], "layout": "cluster", "observer": "percentile"}],        # SSM inputs
      "embedding":  {"dtype": "int8"},                            # head-to-toe: embedding rows, or null
-     "cache":      {"state_bits": 16, "kv": null},               # SSM state (8: int8, scales per x group
-                                                                 # and state index); KV format: a KVSpec
-                                                                 # object or a KV preset's name
+     "cache":      {"state_bits": 16, "kv": null,                # SSM state (8: int8, scales per x group
+                    "state_scales": "x_groups"},                 # and state index, or per_channel); KV
+                                                                 # format: a KVSpec object or a preset's name
      "calibration": {"state_windows": 64, "state_chunk": 128},   # what the int8 state scales observe
      "search":     null}                                         # or per-layer A8/A16 search (W4AX)
 
@@ -135,10 +135,13 @@ class TapRule:
 
 @dataclass
 class Cache:
-    """Cache formats: SSM state bits (8: int8, scales per (x scale group, state index)); KV format (None: float),
-    given as a KVSpec, its JSON object or a KV preset's name (kept as the KVSpec it names)."""
+    """Cache formats: SSM state bits (8: int8) and its scales, per (x scale group, state index) ("x_groups",
+    Quamba2's) or per (channel, state index) ("per_channel": the int8 state re-quantized at every decode step drifts
+    far less, see README "8-bit SSM state cache"); KV format (None: float), given as a KVSpec, its JSON object or a
+    KV preset's name (kept as the KVSpec it names)."""
     state_bits: int = 16
     kv: KVSpec | None = None
+    state_scales: str = "x_groups"
 
     def __post_init__(self):
         if isinstance(self.kv, str):
@@ -152,6 +155,8 @@ class Cache:
     def validate(self) -> "Cache":
         if self.state_bits not in (8, 16):
             raise SSMQError(f"state cache bits must be 8 or 16, not {self.state_bits}")
+        if self.state_scales not in ("x_groups", "per_channel"):
+            raise SSMQError(f"cache.state_scales is x_groups or per_channel, not {self.state_scales!r}")
         if self.kv is not None and not isinstance(self.kv, KVSpec):
             raise SSMQError(f"cache.kv is a KV spec object or a KV preset name, not {type(self.kv).__name__}")
         if self.kv is not None:
@@ -159,7 +164,8 @@ class Cache:
         return self
 
     def to_dict(self) -> dict:
-        return {"state_bits": self.state_bits, "kv": None if self.kv is None else self.kv.to_dict()}
+        return {"state_bits": self.state_bits, "kv": None if self.kv is None else self.kv.to_dict(),
+                "state_scales": self.state_scales}
 
 
 @dataclass

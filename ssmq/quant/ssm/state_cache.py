@@ -87,12 +87,13 @@ def allocate_cache(model: nn.Module, max_batch: int, max_seqlen: int, ssm_dtype=
 
 @torch.no_grad()
 def enable_int8_state(model: nn.Module, clusters: dict[int, torch.Tensor], windows: torch.Tensor, chunk: int = 128,
-                      batch_size: int = 8, progress: bool = False) -> None:
-    """Calibrate (G, n) state scales per Mamba layer and give its mixer the int8 state format."""
+                      batch_size: int = 8, progress: bool = False, per_channel: bool = False) -> None:
+    """Calibrate (G, n) state scales per Mamba layer and give its mixer the int8 state format: G = x's scale groups
+    (``clusters``, Quamba2), or every channel its own group (``per_channel``: G = d)."""
     amax = calibrate_state_scales(model, windows, chunk, batch_size, progress)
     cfg = model.config
     for i, a in amax.items():
-        index = clusters.get(i)
+        index = torch.arange(a.shape[0], device=a.device) if per_channel else clusters.get(i)
         groups = 1 if index is None else int(index.max()) + 1
         mixer = to_int8_state(model.layers[i].mixer, cfg, index, groups)
         mixer.state_scale.copy_((group_state_absmax(a, index, groups) / 127.0).clamp(min=1e-8))
