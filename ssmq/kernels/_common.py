@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.ops.quant_linear import FP8_MAX
+
 
 @triton.jit
 def log1p(x):
@@ -121,12 +123,15 @@ def quantize_rne(v, scale):
     return rne_int8(tl.math.div_rn(v, scale))
 
 
+FP8_QMAX = tl.constexpr(FP8_MAX)  # the largest e4m3 code a quantized activation takes (quantize_act_ref's)
+
+
 @triton.jit
 def quantize_codes(v, scale, FP8: tl.constexpr):
     """Activation codes of v / scale as ``quantize_act_ref`` makes them: int8 (``quantize_rne``), or e4m3 (FP8): the
-    IEEE quotient clamped to +-448 and rounded to nearest even by the conversion."""
+    IEEE quotient clamped to +-FP8_QMAX and rounded to nearest even by the conversion."""
     if FP8:
-        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -448.0), 448.0).to(tl.float8e4nv)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_QMAX), FP8_QMAX).to(tl.float8e4nv)
     else:
         q = quantize_rne(v, scale)
     return q

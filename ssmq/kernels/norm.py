@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import gdc_enter, pdl_args, pow2, quantize_codes, quantize_rne, silu, sm_count
+from ssmq.kernels._common import FP8_QMAX, gdc_enter, pdl_args, pow2, quantize_codes, quantize_rne, silu, sm_count
+from ssmq.kernels.quant_gemm import quantize_act
 from ssmq.ops.norm import rms_norm_quant_ref, rmsnorm_gated_quant_ref
 from ssmq.ops.quant_linear import EPS
 
@@ -28,7 +29,7 @@ def _row_scale(y, scale_ptr, row, STATIC: tl.constexpr, FP8: tl.constexpr = Fals
     """The row's quantization scale: the static one, or max(|y|) / qmax (at least EPS), stored at scale_ptr[row]."""
     if STATIC:
         return tl.load(scale_ptr)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0 if FP8 else 127.0), QUANT_EPS)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), FP8_QMAX if FP8 else 127.0), QUANT_EPS)
     tl.store(scale_ptr + row, scale)
     return scale
 
@@ -199,7 +200,7 @@ def _rmsnorm_gated_quant(
                 y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z, zs_ptr, s_zs,
                                          HAS_Z, NORM_BEFORE_GATE, BLOCK, Z_QUANT)
                 amax = tl.maximum(amax, tl.max(tl.abs(y.to(out_ptr.dtype.element_ty).to(tl.float32)), axis=0))
-            scale = tl.maximum(tl.math.div_rn(amax, 448.0 if FP8 else 127.0), QUANT_EPS)
+            scale = tl.maximum(tl.math.div_rn(amax, FP8_QMAX if FP8 else 127.0), QUANT_EPS)
             tl.store(scale_ptr + row, scale)
         for g in range(n_groups):
             y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, g * gsize, gsize, eps, s_x, s_z, zs_ptr, s_zs,
@@ -265,8 +266,6 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
         # a dynamic scale over several norm groups: one program a row walks the row's groups twice, serially, and
         # too few rows leave the SMs idle (Mamba2-8B, 8 groups of 1024, batch 1: 16.2 us against the float norm's
         # program a group, 2.1 us, + the quantize kernel, 4.2; H100 2026-11-26). Same arithmetic, same codes.
-        from ssmq.kernels.quant_gemm import quantize_act
-
         out = rmsnorm_gated(x, weight, z, eps, group_size, norm_before_gate)
         q, scale = quantize_act(out, None, True, dtype)
         return q, scale, out if with_out else None

@@ -990,14 +990,13 @@ def _words_ok(x2, w_q, f: dict, a_mode: int, cfg: dict) -> bool:
     wpw = 8 if f["bits"] == 4 else 4
     g = f["group_size"]
     fmt_ok = (a_mode in (0, 2) and g is None and cfg["WORD_FP8"]) if f["fp8"] else a_mode in (0, 1)
-    # 8-bit codes: only where the tensor-core _qmm's tiling would leave SMs idle (out_proj-like shapes; see
-    # WORD_8BIT_UNDERFILLED)
-    if f["bits"] == 8 and cfg["WORD_8BIT_UNDERFILLED"] and not _underfilled(f["n"], f, x2.device, cfg):
-        return False
     return (0 < M <= min(cfg["WORD_MAX_ROWS"], 4) and fmt_ok and K % wpw == 0
             and w_q.stride(0) % 4 == 0 and w_q.data_ptr() % 4 == 0 and (g is None or g % wpw == 0)
             and (x2.dtype == torch.float32
-                 or (x2.stride(0) % (4 // x2.element_size()) == 0 and x2.data_ptr() % 4 == 0)))
+                 or (x2.stride(0) % (4 // x2.element_size()) == 0 and x2.data_ptr() % 4 == 0))
+            # 8-bit codes: only where the tensor-core _qmm's tiling would leave SMs idle (out_proj-like shapes;
+            # see WORD_8BIT_UNDERFILLED); checked last, after the cheap conditions
+            and not (f["bits"] == 8 and cfg["WORD_8BIT_UNDERFILLED"] and not _underfilled(f["n"], f, x2.device, cfg)))
 
 
 def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> dict:
