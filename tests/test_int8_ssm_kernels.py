@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.ops.quant_ssm import quant_state_update_ref, quantize_ref
+from ssmq.ops.quant_ssm import RowScales, quant_state_update_ref, quantize_ref
 from test_kernels import DEV, INTERPRET, kernel_module, rel
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +44,7 @@ LAYOUTS = {
 
 def _case(layout, state_fmt, input_fmt, seed=0):
     """Arguments of ``quant_state_update_ref`` (CPU) for a layout, a state format (int8 with a cluster index,
-    int8 with one group, float) and an input format (codes with per-channel / per-tensor scales, float)."""
+    int8 with one group, int8 with dynamic row scales, float) and an input format (codes with per-channel / per-tensor scales, float)."""
     s, b, h, p, g_, n = LAYOUTS[layout]
     g = gen(seed)
     lead = (h, p) if h else (p,)  # a state row is (*lead, n)
@@ -52,6 +52,9 @@ def _case(layout, state_fmt, input_fmt, seed=0):
     bc = (b, g_, n) if h else (b, n)
     if state_fmt == "float":
         state, table, index = rand(s, *lead, n, g=g), None, None
+    elif state_fmt == "int8_rows":
+        state, index = codes(s, *lead, n, g=g), None
+        table = RowScales(torch.rand(s, *lead, generator=g) * 0.05 + 0.01)
     else:
         state = codes(s, *lead, n, g=g)
         G = 4 if state_fmt == "int8_index" else 1
@@ -78,9 +81,16 @@ def _case(layout, state_fmt, input_fmt, seed=0):
     return [state, table, index, x, xs, dt, A, B, Bs, C, Cs, D, z, dt_bias, True, slots]
 
 
+def _clone(args):
+    return [a.clone() if torch.is_tensor(a) else RowScales(a.scale.clone()) if isinstance(a, RowScales) else a
+            for a in args]
+
+
 def _to_dev(a):
     """``a`` on DEV, a stride-0 (expanded) view kept so: ``.to`` would materialize it, and the kernels tell Mamba-2's
     per-head A / Δ from per-channel ones by that stride."""
+    if isinstance(a, RowScales):
+        return RowScales(a.scale.clone().to(DEV))
     if not torch.is_tensor(a) or 0 not in a.stride():
         return a.to(DEV) if torch.is_tensor(a) else a
     base = a[tuple(slice(0, 1) if st == 0 else slice(None) for st in a.stride())]
@@ -102,11 +112,11 @@ def _assert_state_close(got, want, state_fmt):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("state_fmt", ["int8_index", "int8_one_group", "float"])
+@pytest.mark.parametrize("state_fmt", ["int8_index", "int8_one_group", "int8_rows", "float"])
 @pytest.mark.parametrize("input_fmt", ["codes_per_channel", "codes_per_tensor", "float"])
 def test_quant_state_update_equals_reference(SU, layout, state_fmt, input_fmt):
     args = _case(layout, state_fmt, input_fmt)
-    ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]
+    ref_args = _clone(args)
     y_ref = quant_state_update_ref(*ref_args)
     dev_args = _dev(args)
     before = dev_args[0].clone()
@@ -118,6 +128,10 @@ def test_quant_state_update_equals_reference(SU, layout, state_fmt, input_fmt):
     others = torch.ones(before.shape[0], dtype=torch.bool, device=DEV)
     others[served] = False
     assert torch.equal(dev_args[0][others], before[others])  # rows not served are not touched
+    if state_fmt == "int8_rows":  # the row scales rewritten for the served rows only, as the reference's
+        got, want = dev_args[1].scale.cpu(), ref_args[1].scale
+        assert rel(got, want) < 1e-5 and torch.equal(got[others.cpu()], args[1].scale[others.cpu()])
+        assert not torch.equal(want, args[1].scale)  # (the step did rescale them)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

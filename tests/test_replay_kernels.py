@@ -14,6 +14,7 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.ops.replay_ssm import StateRing, replay_state_update_ref
 from test_int8_ssm_kernels import LAYOUTS, _assert_state_close, _case, _dev
+from test_int8_ssm_kernels import _clone as _clone_args
 from test_kernels import DEV, kernel_module, rel
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +65,7 @@ def _assert_ring_equal(got, want):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("state_fmt", ["int8_index", "float"])
+@pytest.mark.parametrize("state_fmt", ["int8_index", "int8_rows", "float"])
 @pytest.mark.parametrize("input_fmt", ["codes_per_channel", "float"])
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt, chunk, monkeypatch):
@@ -73,7 +74,7 @@ def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt, 
         monkeypatch.setitem(SU.CFG["replay"], "BNC", chunk)
     args = _case_tied(layout, state_fmt, input_fmt)
     ring = _ring(layout, args[-1])
-    ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]
+    ref_args = _clone_args(args)
     ref_ring, counts, state0 = _clone(ring), ring.count.clone(), args[0].clone()
     y_ref = replay_state_update_ref(ref_args[0], *ref_args[1:3], ref_ring, *ref_args[3:])
     dev_args, dev_ring = _dev(args), _on(ring, DEV)
@@ -88,18 +89,22 @@ def test_replay_state_update_equals_reference(SU, layout, state_fmt, input_fmt, 
     assert full.any() and (~full).any()  # both branches ran
     assert torch.equal(dev_args[0].cpu()[~full], state0[~full])  # only full rings wrote their checkpoint
     assert not torch.equal(dev_args[0].cpu()[full], state0[full])
+    if state_fmt == "int8_rows":  # row scales rewritten where the checkpoint was, as the reference's
+        assert rel(dev_args[1].scale.cpu(), ref_args[1].scale) < 1e-5
+        assert torch.equal(dev_args[1].scale.cpu()[~full], args[1].scale[~full])
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("rcp_table", [False, True])
-def test_replay_kernel_over_k_steps(SU, layout, rcp_table, monkeypatch):
+@pytest.mark.parametrize("state_fmt,rcp_table", [("int8_index", False), ("int8_index", True), ("int8_rows", False)])
+def test_replay_kernel_over_k_steps(SU, layout, state_fmt, rcp_table, monkeypatch):
     """2·K + 1 steps in a row on an int8 checkpoint with int8 inputs: every ring empties twice. y within 1e-4: a
     checkpoint code one step from the reference's (a float32 state within an ulp of a rounding boundary, rare) is
-    carried by the steps after it. ``rcp_table``: the checkpoints re-quantized with the reciprocals' table."""
+    carried by the steps after it. ``rcp_table``: the checkpoints re-quantized with the reciprocals' table;
+    int8_rows: with dynamic row scales."""
     monkeypatch.setitem(SU.CFG, "rcp_table", rcp_table)
-    args = _case_tied(layout, "int8_index", "codes_per_channel")
+    args = _case_tied(layout, state_fmt, "codes_per_channel")
     ring = _ring(layout, args[-1])
-    ref_args = [a.clone() if torch.is_tensor(a) else a for a in args]
+    ref_args = _clone_args(args)
     ref_ring, dev_args, dev_ring = _clone(ring), _dev(args), _on(ring, DEV)
     for _ in range(2 * K + 1):
         y_ref = replay_state_update_ref(ref_args[0], *ref_args[1:3], ref_ring, *ref_args[3:])

@@ -2,7 +2,8 @@
 
 ``selective_state_update`` has the signature of ``ssmq.ops.state_update.selective_state_update_ref``,
 ``quant_state_update`` that of ``ssmq.ops.quant_ssm.quant_state_update_ref`` (Quamba / Quamba2: x, B, C as
-int8 codes + scales, the state as int8 codes + (G, n) scales and a channel -> group index). Both launch the
+int8 codes + scales, the state as int8 codes + (G, n) scales and a channel -> group index, or + dynamic row
+scales, ``RowScales``: one per (slot, channel), rewritten with the codes from the new row's absmax). Both launch the
 same kernel: Mamba-1 is run as Mamba-2 with one head (h = 1, p = d). One program owns a (BP, n) tile of
 one row's state: read once (int8 codes dequantized in registers), advanced in float32, written back in
 place (re-quantized for an int8 state), so a decode step touches only the served rows, in one launch.
@@ -22,6 +23,7 @@ from ssmq.errors import SSMQError
 from ssmq.kernels._common import (gdc_enter, int8_to_float, pdl_args, pow2, rne_int8, rne_int8_of_product,
                                    rne_int8_sat, silu, sm_count, softplus)
 from ssmq.ops.layout import heads_per_group
+from ssmq.ops.quant_ssm import RowScales
 
 
 # Launch settings. tile: state values a program holds in registers at once, BP rows x BNC columns (BP None: from the
@@ -108,6 +110,17 @@ def _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2):
 
 
 @triton.jit
+def _write_rows(s_ptrs, rs_rows, hs, mp, m2, PTX_CODES: tl.constexpr):
+    """Store a float32 state tile (whole rows: BNC = BN) as int8 codes with dynamic row scales, as
+    ``quantize_state_rows_ref``: scale = amax / 127 a row, codes rne(hs · (127 / amax)). Two exact divisions a row;
+    a value costs one fused multiply-add rounding (rne_int8_of_product) — no table to gather, no reciprocal a value."""
+    amax = tl.max(tl.abs(tl.where(m2, hs, 0.0)), axis=1)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
+    tl.store(rs_rows, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), mask=mp)
+    tl.store(s_ptrs, rne_int8_of_product(hs, inv[:, None], PTX_CODES), mask=m2)
+
+
+@triton.jit
 def _rcp_approx(x):
     """1 / x by one MUFU.RCP (rcp.approx.ftz: <= 1 ulp; the scales are normal floats, never denormal)."""
     return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
@@ -150,19 +163,19 @@ def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constex
 @triton.jit
 def _state_update(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
-    ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr,
+    ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr, rs_ptr,
     p, n,
     s_sb, s_sh, s_sp, s_sn,
     s_xb, s_xh, s_xp, s_dtb, s_dth, s_dtp, s_Ah, s_Ap, s_An,
     s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_dbp,
     s_ob, s_oh, s_op,
-    s_ssg, s_ssn, s_sidx,
+    s_ssg, s_ssn, s_sidx, s_rsb, s_rsh, s_rsp,
     s_xsb, s_xsh, s_xsp, s_Bsb, s_Bsg, s_Bsn, s_Csb, s_Csg, s_Csn,
     rx_ptr, rdt_ptr, rB_ptr, cnt_ptr, done_ptr, ring_cap, progs_per_slot,
     s_rxs, s_rxr, s_rxh, s_rxp, s_rdts, s_rdtr, s_rdth, s_rdtp, s_rBs, s_rBr, s_rBg, s_rBn,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, TIE_HDIM: tl.constexpr,
-    Q_STATE: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
+    Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr,
     REPLAY: tl.constexpr, RING_STAGES: tl.constexpr, RP: tl.constexpr, BNC: tl.constexpr,
     FOLD_STAGES: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, RCP_TABLE: tl.constexpr,
     EVEN: tl.constexpr,
@@ -183,7 +196,11 @@ def _state_update(
     grp = pid_h // HPG  # a constexpr divisor: a multiply and a shift, not a ~20-instruction integer division
 
     s_rows = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp  # (BP, 1): the tile's rows
-    if Q_STATE:
+    row, rsc = offs_p, 1.0
+    if Q_STATE and ROWS:  # dynamic row scales: one per channel row of the tile, (BP, 1) against its values
+        rs_rows = rs_ptr + slot * s_rsb + pid_h * s_rsh + offs_p * s_rsp
+        rsc = tl.load(rs_rows, mask=mp, other=0.0)[:, None]
+    elif Q_STATE:
         # the (G, n) table row of each channel: index[channel] (sort-and-cluster groups), or the channel itself
         # (s_ssg = 0 when G = 1)
         chan = pid_h * p + offs_p
@@ -235,7 +252,9 @@ def _state_update(
             mc = mn if BNC == BN else offs_c < n
             mc2 = mp[:, None] & mc[None, :]
             Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
-            if Q_STATE:
+            if Q_STATE and ROWS:
+                ck = _load_state(s_rows + offs_c[None, :] * s_sn, rsc, mc2, Q_STATE, PTX_CODES)
+            elif Q_STATE:
                 ck = _load_state(s_rows + offs_c[None, :] * s_sn, _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2),
                                  mc2, Q_STATE, PTX_CODES)
             else:
@@ -267,7 +286,9 @@ def _state_update(
             mc = mn if BNC == BN else offs_c < n
             mc2 = mp[:, None] & mc[None, :]
             s_ptrs = s_rows + offs_c[None, :] * s_sn
-            if Q_STATE:
+            if Q_STATE and ROWS:
+                sc = rsc
+            elif Q_STATE:
                 sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
             else:
                 sc = 1.0
@@ -287,9 +308,14 @@ def _state_update(
             hs = _advance(hs, x, dt, _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B), Ac, TIE_HDIM)
             if REPLAY:
                 if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
-                    if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
-                        sc = _state_scales(ssi_ptr if RCP_TABLE else ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
-                    _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES, RCP_TABLE)
+                    if Q_STATE and ROWS:
+                        _write_rows(s_ptrs, rs_rows, hs, mp, mc2, PTX_CODES)
+                    else:
+                        if Q_STATE:  # the scales read again, not kept live through the replay (registers: occupancy)
+                            sc = _state_scales(ssi_ptr if RCP_TABLE else ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
+                        _write_state(s_ptrs, hs, sc, mc2, Q_STATE, FAST_RCP, PTX_CODES, RCP_TABLE)
+            elif Q_STATE and ROWS:
+                _write_rows(s_ptrs, rs_rows, hs, mp, mc2, PTX_CODES)
             else:
                 if Q_STATE and RCP_TABLE:
                     sc = _state_scales(ssi_ptr, row, offs_c, s_ssg, s_ssn, mc2)
@@ -349,7 +375,8 @@ def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B
     """One decode step on int8 codes, as ``quant_state_update_ref``; updates ``state_q`` in place.
 
     state_q: (s, d, n) | (s, h, p, n) int8 with state_scale (G, n) and state_index (d,) (None: G = 1 or G = d),
-    or a float state with state_scale None. x_q: (b, d) | (b, h, p), B_q, C_q: (b, n) | (b, g, n), int8 codes
+    or with state_scale ``RowScales`` (s, d) | (s, h, p) (rewritten in place with the codes), or a float state with
+    state_scale None. x_q: (b, d) | (b, h, p), B_q, C_q: (b, n) | (b, g, n), int8 codes
     with scales broadcastable against them, or float with scale None. dt, z, A, D, dt_bias as
     ``selective_state_update``. Returns y (b, d) | (b, h, p): ``out_dtype``, else float32 for int8 x, else x's dtype
     (written so by the kernel: no cast after).
@@ -401,6 +428,8 @@ def _input_scale(name, t, scale):
 
 def _state_table(state, scale, index, channels):
     """Check an int8 state's (G, n) table and index (d,); returns (table, index, row stride of the table)."""
+    if isinstance(scale, RowScales):
+        return None, None, 0
     if state.dtype != torch.int8:
         if scale is not None:
             raise SSMQError(f"state scales given for a {state.dtype} state (int8 codes expected)")
@@ -415,6 +444,20 @@ def _state_table(state, scale, index, channels):
         raise SSMQError(f"{G} state scale groups need a state_index (channel -> group)")
     scale = scale.float()  # a model cast with .half() casts the table too; the kernel reads float32
     return scale, index, scale.stride(0) if G > 1 else 0
+
+
+def _row_scales(state, scale, index):
+    """An int8 state's dynamic row scales (s, d) | (s, h, p) float32 (checked), or None for a table / float state."""
+    if not isinstance(scale, RowScales):
+        return None
+    rs = scale.scale
+    if state.dtype != torch.int8 or index is not None:
+        raise SSMQError(f"row scales are for an int8 state without a state_index, got a {state.dtype} state"
+                        + (" and an index" if index is not None else ""))
+    if tuple(rs.shape) != tuple(state.shape[:-1]) or rs.dtype != torch.float32 or rs.device != state.device:
+        raise SSMQError(f"row scales must be float32 {tuple(state.shape[:-1])} on {state.device} (one per row of "
+                        f"the state {tuple(state.shape)}), got {rs.dtype} {tuple(rs.shape)} on {rs.device}")
+    return rs
 
 
 _RECIPROCALS = {}  # id of a scale table -> (a weak reference to it, its version, 1 / it in float32)
@@ -438,13 +481,14 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
             state_scale=None, state_index=None, x_scale=None, B_scale=None, C_scale=None, out_dtype=None, ring=None):
     multihead = state.dim() == 4
     channels = state.shape[-2] * (state.shape[1] if multihead else 1)
+    rs = _row_scales(state, state_scale, state_index)
     ss, sidx, s_ssg = _state_table(state, state_scale, state_index, channels)
     ssi = _reciprocal_table(state_scale, ss) if ss is not None and CFG["rcp_table"] else None
     xs, Bs, Cs = _input_scale("x", x, x_scale), _input_scale("B", B, B_scale), _input_scale("C", C, C_scale)
     out_dtype = out_dtype or (torch.float32 if x.dtype == torch.int8 else x.dtype)
     if not multihead:  # views with h = 1: no copies, the kernel writes the caller's state
         state = state.unsqueeze(1)
-        x, dt, z, xs = (t.unsqueeze(1) if t is not None else None for t in (x, dt, z, xs))
+        x, dt, z, xs, rs = (t.unsqueeze(1) if t is not None else None for t in (x, dt, z, xs, rs))
         A, D, dt_bias = (t.unsqueeze(0) if t is not None else None for t in (A, D, dt_bias))
         B, C, Bs, Cs = (t.unsqueeze(1) if t is not None else None for t in (B, C, Bs, Cs))
     b, h, p = x.shape
@@ -457,7 +501,7 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     cfg = CFG["replay"] if ring is not None else CFG
     if state.dtype == torch.int8:
         cfg = {**cfg, **CFG["replay_int8" if ring is not None else "int8"]}
-    BNC = min(BN, cfg["BNC"] or BN)
+    BNC = BN if rs is not None else min(BN, cfg["BNC"] or BN)  # row scales: a row's absmax needs all of it
     BP = max(4, min(pow2(p), cfg["tile"] // BNC))  # ~4K state values in registers: enough loads in flight
     # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
@@ -474,15 +518,16 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         state_batch_indices if state_batch_indices is not None else x, out,
         ss if ss is not None else dummy, ssi if ssi is not None else dummy, sidx if sidx is not None else dummy,
         xs if xs is not None else dummy, Bs if Bs is not None else dummy, Cs if Cs is not None else dummy,
+        rs if rs is not None else dummy,
         p, n,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(),
         *_strides(D, 2), *_strides(z, 3), *_strides(dt_bias, 2), *out.stride(),
-        s_ssg, ss.stride(1) if ss is not None else 0, sidx.stride(0) if sidx is not None else 0,
+        s_ssg, ss.stride(1) if ss is not None else 0, sidx.stride(0) if sidx is not None else 0, *_strides(rs, 3),
         *_strides(xs, 3), *_strides(Bs, 3), *_strides(Cs, 3),
         *(t if t is not None else dummy for t in (rx, rdt, rB, cnt, done)), *ring_rest,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
         HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus, TIE_HDIM=tie,
-        Q_STATE=ss is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
+        Q_STATE=ss is not None or rs is not None, ROWS=rs is not None, HAS_SIDX=sidx is not None, Q_X=xs is not None, Q_B=Bs is not None,
         Q_C=Cs is not None, REPLAY=ring is not None, RING_STAGES=cfg.get("ring_stages", 1), RP=RP,
         BNC=BNC, FOLD_STAGES=cfg.get("fold_stages", 1), FAST_RCP=CFG["fast_rcp"] and state.is_cuda,
         PTX_CODES=CFG["ptx_codes"] and state.is_cuda, RCP_TABLE=ssi is not None, EVEN=p % BP == 0 and n == BN,

@@ -23,7 +23,8 @@ def int8_state_note(model, state_checkpoint: int | None) -> str | None:
     if state_checkpoint is not None or calibrated_ssm_dtype(model) != torch.int8:
         return None
     mixers = [m for m in model.modules() if hasattr(m, "state_scale")]
-    # per-channel scales (G = d: cache.state_scales "per_channel", or SSDi8's) keep the drift small
+    # per-channel scales (G = d: cache.state_scales "per_channel", or SSDi8's) and dynamic row scales keep the drift
+    # small
     if all(m.state_index is not None and m.state_scale.shape[0] == m.state_index.numel() for m in mixers):
         return None
     return ("this model decodes on an int8 SSM state written every step, which drifts on long outputs (+2.7% "
@@ -34,7 +35,8 @@ def int8_state_note(model, state_checkpoint: int | None) -> str | None:
 def calibrated_ssm_dtype(model) -> torch.dtype | None:
     """torch.int8 when the model's mixers carry calibrated int8-state scales (an int8-state recipe), else None (the
     activation dtype): the SSM state format a runner allocates for the model unless told otherwise."""
-    return torch.int8 if any(hasattr(m, "state_scale") for m in model.modules()) else None
+    return torch.int8 if any(hasattr(m, "state_scale") or getattr(m, "state_rows", False)
+                             for m in model.modules()) else None
 
 
 class InferenceCache:

@@ -2,8 +2,9 @@
 
 Glossary: s cache slots, d d_inner, n d_state, G scale groups of the int8 state.
 
-A mixer's SSM state is float unless ``enable_int8_state`` gave it calibrated scales (Quamba2's 8-bit
-cache): buffers ``state_scale`` (G, n) and, for G > 1, ``state_index`` (d,) (channel -> scale group).
+A mixer's SSM state is float unless ``enable_int8_state`` gave it an int8 format: calibrated scales (Quamba2's
+8-bit cache), buffers ``state_scale`` (G, n) and, for G > 1, ``state_index`` (d,) (channel -> scale group); or
+dynamic row scales (``state_rows``: no buffers, each cache slot keeps a scale per channel row).
 The class does not change with the state format: one mixer per family, its state spec a parameter.
 """
 
@@ -22,14 +23,19 @@ SPEC_KIND = "SSMMixer"
 class SSMMixer(nn.Module):
     """Base of ``Mamba1Mixer`` and ``Mamba2Mixer``; subclasses set ``cfg``, ``layer_idx`` and ``state_shape``."""
 
-    state_groups = 0  # 0: float state; G >= 1: int8 state with G scale groups
+    state_groups = 0  # 0: float state (unless state_rows); G >= 1: int8 state with G static scale groups
+    state_rows = False  # int8 state with dynamic row scales (its absmax / 127 over n, at every write)
 
     def state_shape(self) -> tuple[int, ...]:
         """One slot's SSM state: (d, n) Mamba-1 | (h, p, n) Mamba-2, from this mixer's own (maybe sharded) sizes."""
         raise NotImplementedError
 
-    def enable_int8_state(self, n_groups: int, index: torch.Tensor | None = None) -> None:
-        """Give the state an int8 format with ``n_groups`` scale groups (scales 1 until calibrated)."""
+    def enable_int8_state(self, n_groups: int, index: torch.Tensor | None = None, rows: bool = False) -> None:
+        """Give the state an int8 format with ``n_groups`` scale groups (scales 1 until calibrated), or with dynamic
+        row scales (``rows``: nothing to calibrate, ``n_groups`` ignored)."""
+        if rows:
+            self.state_groups, self.state_rows = 0, True
+            return
         *lead, n = self.state_shape()
         d, device = int(torch.Size(lead).numel()), self.A_log.device
         self.state_groups = n_groups
@@ -42,6 +48,8 @@ class SSMMixer(nn.Module):
 
     def state_scales(self) -> Int8StateScales | None:
         """The int8 state's scales (the buffers themselves: allocate the cache after moving the model)."""
+        if self.state_rows:
+            return Int8StateScales(None, rows=True)
         return Int8StateScales(self.state_scale, self.state_index) if self.state_groups else None
 
     def _int8_decode(self, state: MambaState, code_taps: tuple[str, ...]) -> bool:
@@ -70,7 +78,7 @@ class SSMMixer(nn.Module):
 
     def spec(self) -> dict | None:
         """The checkpoint's record of this mixer (None for a float state: the float skeleton rebuilds it)."""
-        if not self.state_groups:
+        if not (self.state_groups or self.state_rows):
             return None
-        return {"kind": SPEC_KIND, "config": self.cfg.to_dict(), "layer_idx": self.layer_idx,
-                "state": {"bits": 8, "groups": self.state_groups}}
+        state = {"bits": 8, "groups": self.state_groups} | ({"scales": "rows"} if self.state_rows else {})
+        return {"kind": SPEC_KIND, "config": self.cfg.to_dict(), "layer_idx": self.layer_idx, "state": state}

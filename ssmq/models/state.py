@@ -16,7 +16,8 @@ their stored format (int8 codes dequantized and re-quantized in registers); ``up
 dequantizes them into a (b, …) float32 work copy, never all s slots.
 
 Storage formats (``StateFormat``): float (the buffer's dtype), int8 (SSM state codes with their
-calibrated scales, Quamba2). Either SSM format may be checkpointed (``checkpoint_every`` K, ReplaySSM,
+calibrated scales, Quamba2, or with a dynamic scale per row, ``row_scale`` (s, d) | (s, h, p), rewritten at every
+write). Either SSM format may be checkpointed (``checkpoint_every`` K, ReplaySSM,
 ``ssmq.ops.replay_ssm``): ``ssm`` then holds each slot's state at its last checkpoint and ``ring`` the inputs of
 the steps since; the ops above see the current state (replayed) and write the big buffer once every K steps.
 The seams for later formats: a paged KV format replaces KVState's
@@ -51,11 +52,13 @@ class StateFormat(str, Enum):
 
 @dataclass
 class Int8StateScales:
-    """Static scales of an int8 SSM state: ``scale`` (G, n) float32 and the channel -> group map ``index`` (d,)
-    (None: G = 1). Quamba2's d_state × G scales; see ``ssmq.ops.quant_ssm``."""
+    """Scales of an int8 SSM state: static, ``scale`` (G, n) float32 and the channel -> group map ``index`` (d,)
+    (None: G = 1 or G = d), Quamba2's d_state × G scales; or ``rows``: dynamic, one scale per (slot, channel) row
+    that the state keeps beside its codes and rewrites at every write (``scale`` None). See ``ssmq.ops.quant_ssm``."""
 
-    scale: torch.Tensor
+    scale: torch.Tensor | None
     index: torch.Tensor | None = None
+    rows: bool = False
 
 
 def _rows(slots) -> torch.Tensor | slice:
@@ -80,11 +83,13 @@ class MambaState:
     """
 
     def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, scales: Int8StateScales | None = None,
-                 ring: StateRing | None = None):
+                 ring: StateRing | None = None, row_scale: torch.Tensor | None = None):
         if ssm.dtype == torch.int8 and scales is None:
             raise SSMQError("an int8 SSM state needs calibrated scales: quantize the model with an int8-state "
                             "recipe (state_bits 8), or allocate a float state")
-        self.conv, self.ssm, self.scales, self.ring = conv, ssm, scales, ring
+        if scales is not None and scales.rows and (row_scale is None or row_scale.shape != ssm.shape[:-1]):
+            raise SSMQError(f"an int8 state with row scales needs a {tuple(ssm.shape[:-1])} scale buffer")
+        self.conv, self.ssm, self.scales, self.ring, self.row_scale = conv, ssm, scales, ring, row_scale
 
     @classmethod
     def allocate(cls, max_batch: int, conv_channels: int, d_conv: int, state_shape: tuple[int, ...], dtype, device,
@@ -107,7 +112,11 @@ class MambaState:
             h, p = (1, lead[0]) if len(lead) == 1 else lead  # Mamba-1 lifted to one head of d channels
             ring = StateRing.allocate(max_batch, int(checkpoint_every), h, p, bc_groups, n, len(lead) == 2, device,
                                       ring_dtype)
-        return cls(conv, ssm, scales if ssm_dtype == torch.int8 else None, ring)
+        scales = scales if ssm_dtype == torch.int8 else None
+        row_scale = None
+        if scales is not None and scales.rows:  # (s, d) | (s, h, p): 4 bytes a row of n codes
+            row_scale = torch.zeros(max_batch, *state_shape[:-1], dtype=torch.float32, device=device)
+        return cls(conv, ssm, scales, ring, row_scale)
 
     @property
     def format(self) -> StateFormat:
@@ -128,7 +137,15 @@ class MambaState:
         return None if self.ring is None else self.ring.every
 
     def _table(self):
-        return (self.scales.scale, self.scales.index) if self.format is StateFormat.INT8 else (None, None)
+        """(state_scale, state_index) as the state ops take them: None for a float state, the (G, n) table and its
+        index, or ``RowScales`` of this state's row-scale buffer."""
+        if self.format is not StateFormat.INT8:
+            return None, None
+        if self.scales.rows:
+            from ssmq.ops.quant_ssm import RowScales
+
+            return RowScales(self.row_scale), None
+        return self.scales.scale, self.scales.index
 
     def read_ssm(self, slots, A: torch.Tensor | None = None) -> torch.Tensor:
         """The rows ``slots`` as a prefill's initial state: (b, d, n) | (b, h, p, n), float (int8 dequantized).
@@ -141,12 +158,11 @@ class MambaState:
             idx = torch.arange(self.ssm.shape[0], device=self.ssm.device) if slots is None else \
                 torch.as_tensor(slots, device=self.ssm.device)
             return replay_state_ref(self.ssm, *self._table(), self.ring, A, idx)
-        rows = self.ssm[_rows(slots)]
         if self.format is StateFormat.INT8:
-            from ssmq.ops.quant_ssm import dequantize_state_ref
+            from ssmq.ops.quant_ssm import read_state_ref
 
-            return dequantize_state_ref(rows, self.scales.scale, self.scales.index)
-        return rows
+            return read_state_ref(self.ssm, *self._table(), _rows(slots))
+        return self.ssm[_rows(slots)]
 
     def write_ssm(self, slots, values: torch.Tensor) -> None:
         """Store a prefill's final state (b, …) in the rows ``slots``, in this state's format (checkpointed: as the
@@ -154,10 +170,11 @@ class MambaState:
         if self.ring is not None:
             _zero_rows(self.ring.count, slots)
         if self.format is StateFormat.INT8:
-            from ssmq.ops.quant_ssm import quantize_state_ref
+            from ssmq.ops.quant_ssm import write_state_ref
 
-            values = quantize_state_ref(values, self.scales.scale, self.scales.index)
-        self.ssm[_rows(slots)] = values.to(self.ssm.dtype)
+            write_state_ref(self.ssm, *self._table(), _rows(slots), values)
+        else:
+            self.ssm[_rows(slots)] = values.to(self.ssm.dtype)
 
     def update_ssm(self, slots: torch.Tensor, step: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
                    A: torch.Tensor | None = None):
@@ -198,6 +215,8 @@ class MambaState:
     def reset(self, slots=None) -> None:
         self.conv[_rows(slots)] = 0
         self.ssm[_rows(slots)] = 0
+        if self.row_scale is not None:
+            self.row_scale[_rows(slots)] = 0
         if self.ring is not None:
             self.ring.count[_rows(slots)] = 0  # stale entries past the count are never read
             self.ring.done[_rows(slots)] = 0  # the kernel's tally (a CUDA graph's scratch slot may leave one)
@@ -211,7 +230,8 @@ class MambaState:
     def ssm_nbytes(self) -> int:
         """The SSM state's bytes, its checkpoint ring included."""
         ring = 0 if self.ring is None else self.ring.nbytes()
-        return self.ssm.numel() * self.ssm.element_size() + ring
+        rows = 0 if self.row_scale is None else self.row_scale.numel() * self.row_scale.element_size()
+        return self.ssm.numel() * self.ssm.element_size() + ring + rows
 
 
 @dataclass(frozen=True)

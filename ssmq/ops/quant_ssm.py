@@ -9,13 +9,16 @@ G scale groups of x (1 per-tensor; m·n with sort-and-cluster).
 Scale convention: every code tensor ``*_q`` (int8) comes with a float32 ``*_scale`` that broadcasts
 against its non-batch dims, e.g. u_q (b, d, l) with u_scale (d, 1) or (); the value is q · scale.
 Quantization is symmetric int8 as ``ssmq.quant.primitives.quantize`` does it (round half to even, clamp
-[-128, 127]; ops sit below quant, so it is written out here). The SSM state (…, d, n) is quantized per (x group of its channel, state index):
-scale table (G, n), channel → group map ``index`` (d,) — d_state × m × n scales (Quamba2).
+[-128, 127]; ops sit below quant, so it is written out here). The SSM state (…, d, n) is quantized either with a
+static table, per (x group of its channel, state index): scale table (G, n), channel → group map ``index`` (d,) —
+d_state × m × n scales (Quamba2), or with dynamic row scales (``RowScales``): one float32 per (slot, channel) row,
+the row's absmax / 127 over n, recomputed at every write (no calibration, no clipping).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -190,11 +193,57 @@ def dequantize_state_ref(q: torch.Tensor, scale: torch.Tensor, index: torch.Tens
     return dequantize_ref(q, _state_scale(scale, index, q.shape))
 
 
+@dataclass(frozen=True)
+class RowScales:
+    """Dynamic scales of an int8 state: ``scale`` (s, d) | (s, h, p) float32, one per (slot, channel) row of the
+    state (s, d, n) | (s, h, p, n), the row's absmax / 127 over n, rewritten with the codes at every write. Given
+    where a static (G, n) table goes (``state_scale``, ``state_index`` None)."""
+
+    scale: torch.Tensor
+
+
+def quantize_state_rows_ref(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """state (..., n) float -> int8 codes (..., n) and row scales (...,) float32: scale = amax / 127, codes =
+    rne(state · (127 / amax)) (|codes| <= 127; a zero row: scale 0, codes 0). A kernel computes the same: the
+    reciprocal once a row, a multiply and a rounding a value."""
+    state = state.float()
+    amax = state.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(state * inv[..., None]).clamp(-127, 127).to(torch.int8), amax / 127.0
+
+
+def dequantize_state_rows_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes (..., n) and row scales (...,) -> float32 (..., n)."""
+    return q.float() * scale.float()[..., None]
+
+
+def read_state_ref(state, state_scale, state_index, idx) -> torch.Tensor:
+    """The rows ``idx`` of a stored SSM state as float32: float as is, int8 codes dequantized with the (G, n) table
+    (+ index) or with their ``RowScales``."""
+    rows = state[idx]
+    if state_scale is None:
+        return rows.float()
+    if isinstance(state_scale, RowScales):
+        return dequantize_state_rows_ref(rows, state_scale.scale[idx])
+    return dequantize_state_ref(rows, state_scale, state_index).float()
+
+
+def write_state_ref(state, state_scale, state_index, idx, values) -> None:
+    """Store float ``values`` in the rows ``idx`` of a stored SSM state, in its format (row scales rewritten)."""
+    if state_scale is None:
+        state[idx] = values.to(state.dtype)
+    elif isinstance(state_scale, RowScales):
+        state[idx], state_scale.scale[idx] = quantize_state_rows_ref(values)
+    else:
+        state[idx] = quantize_state_ref(values, state_scale, state_index)
+
+
 def quant_state_update_ref(state_q, state_scale, state_index, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale,
                            D=None, z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """One decode step that reads and writes an int8 state (Quamba2's 8-bit cache).
 
-    state_q: (s, d, n) | (s, h, p, n) int8, updated in place; state_scale (G, n); state_index (d,).
+    state_q: (s, d, n) | (s, h, p, n) int8, updated in place; state_scale (G, n) with state_index (d,), or
+    ``RowScales`` (updated in place too).
     x_q: (b, d) | (b, h, p) int8, x_scale broadcastable; B_q, C_q: (b, n) | (b, g, n) int8 with
     scales; dt, z float, other arguments as ``selective_state_update_ref``. Returns y float32.
     The state is dequantized, advanced in float32, and re-quantized before it is written.
@@ -204,12 +253,10 @@ def quant_state_update_ref(state_q, state_scale, state_index, x_q, x_scale, dt, 
     ``out_dtype`` (e.g. the model's fp16) casts y, as a kernel writes it.
     """
     idx = torch.arange(x_q.shape[0]) if state_batch_indices is None else state_batch_indices.long()
-    rows = state_q[idx]
-    work = rows.float() if state_scale is None else dequantize_state_ref(rows, state_scale, state_index)
+    work = read_state_ref(state_q, state_scale, state_index, idx)
     y = selective_state_update_ref(work, _maybe_dequantize(x_q, x_scale), dt, A, _maybe_dequantize(B_q, B_scale),
                                    _maybe_dequantize(C_q, C_scale), D, z, dt_bias, dt_softplus)
-    state_q[idx] = work.to(state_q.dtype) if state_scale is None else quantize_state_ref(work, state_scale,
-                                                                                           state_index)
+    write_state_ref(state_q, state_scale, state_index, idx, work)
     return y if out_dtype is None else y.to(out_dtype)
 
 

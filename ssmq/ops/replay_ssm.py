@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ssmq.ops.layout import discretize_dt
-from ssmq.ops.quant_ssm import dequantize_ref, dequantize_state_ref, quantize_state_ref
+from ssmq.ops.quant_ssm import RowScales, dequantize_ref, read_state_ref, write_state_ref
 from ssmq.ops.state_update import selective_state_update_ref
 
 
@@ -80,10 +80,10 @@ def _lift(t, dim):
     return None if t is None else t.unsqueeze(dim)
 
 
-def _checkpoint_rows(ckpt, scale, index, idx):
-    """(b, h, p, n) float32 work copy of the checkpoints of rows ``idx`` (int8 codes dequantized)."""
-    rows = ckpt[idx]
-    return rows.float() if scale is None else dequantize_state_ref(rows, scale, index).float()
+def _lift_scale(scale):
+    """Mamba-1's state scales as h = 1: row scales (s, d) -> (s, 1, d), a view (writes reach the caller's); a table
+    as it is."""
+    return RowScales(scale.scale.unsqueeze(1)) if isinstance(scale, RowScales) else scale
 
 
 def _replay_ring(work, ring: StateRing, idx, A):
@@ -106,8 +106,8 @@ def replay_state_ref(ckpt, state_scale, state_index, ring: StateRing, A, state_b
     multihead = ckpt.dim() == 4
     idx = torch.arange(ckpt.shape[0], device=ckpt.device) if state_batch_indices is None else state_batch_indices.long()
     if not multihead:
-        ckpt, A = ckpt.unsqueeze(1), A.unsqueeze(0)
-    work = _replay_ring(_checkpoint_rows(ckpt, state_scale, state_index, idx), ring, idx, A)
+        ckpt, A, state_scale = ckpt.unsqueeze(1), A.unsqueeze(0), _lift_scale(state_scale)
+    work = _replay_ring(read_state_ref(ckpt, state_scale, state_index, idx), ring, idx, A)
     return work if multihead else work.squeeze(1)
 
 
@@ -116,7 +116,8 @@ def replay_state_update_ref(ckpt, state_scale, state_index, ring: StateRing, x_q
                             out_dtype=None):
     """One decode step on a checkpointed state; arguments as ``quant_state_update_ref`` plus the ring.
 
-    ckpt: (s, h, p, n) | (s, d, n), float or int8 codes (``state_scale`` (G, n), ``state_index`` (d,)), written in
+    ckpt: (s, h, p, n) | (s, d, n), float or int8 codes (``state_scale`` (G, n) with ``state_index`` (d,), or
+    ``RowScales``), written in
     place only for rows whose ring is full; ring: ``StateRing`` of the same slots, appended in place (its count
     too). x_q: (b, h, p) | (b, d), int8 with x_scale or float (scale None); dt (b, h, p) | (b, d) (Mamba-2: one
     value per head, e.g. expanded over p); B_q, C_q (b, g, n) | (b, n); D, z, dt_bias as there.
@@ -128,19 +129,17 @@ def replay_state_update_ref(ckpt, state_scale, state_index, ring: StateRing, x_q
     B = B_q if B_scale is None else dequantize_ref(B_q, B_scale)
     C = C_q if C_scale is None else dequantize_ref(C_q, C_scale)
     if not multihead:  # lift Mamba-1 to h = 1
-        ckpt, A = ckpt.unsqueeze(1), A.unsqueeze(0)
+        ckpt, A, state_scale = ckpt.unsqueeze(1), A.unsqueeze(0), _lift_scale(state_scale)
         x, dt, z, B, C = (_lift(t, 1) for t in (x, dt, z, B, C))
         D, dt_bias = _lift(D, 0), _lift(dt_bias, 0)
-    work = _replay_ring(_checkpoint_rows(ckpt, state_scale, state_index, idx), ring, idx, A)
+    work = _replay_ring(read_state_ref(ckpt, state_scale, state_index, idx), ring, idx, A)
     dtf = discretize_dt(dt, dt_bias, dt_softplus)  # (b, h, p): what the ring keeps of Δ
     y = selective_state_update_ref(work, x, dtf, A, B, C, D, z)  # the new token, as a plain step
 
     count = ring.count[idx].long()
     full = count == ring.capacity
     if full.any():  # the new state becomes the checkpoint, the ring empties
-        rows = work[full]
-        ckpt[idx[full]] = rows.to(ckpt.dtype) if state_scale is None else quantize_state_ref(rows, state_scale,
-                                                                                             state_index)
+        write_state_ref(ckpt, state_scale, state_index, idx[full], work[full])
     keep = ~full
     src, pos = idx[keep], count[keep]
     ring.x[src, pos] = x[keep].to(ring.x.dtype)

@@ -285,8 +285,9 @@ def _quantize(model, recipe: Recipe, calib, kw, hessian_budget_bytes) -> dict:
         from ssmq.quant.ssm.state_cache import enable_int8_state
 
         c = recipe.calibration
-        enable_int8_state(model, clusters, calib.input_ids[:c.state_windows], c.state_chunk, kw["batch_size"],
-                          kw["progress"], per_channel=recipe.cache.state_scales == "per_channel")
+        windows = None if calib is None else calib.input_ids[:c.state_windows]  # (dynamic scales: none needed)
+        enable_int8_state(model, clusters, windows, c.state_chunk, kw["batch_size"], kw["progress"],
+                          layout=recipe.cache.state_scales)
     if not (clusters or recipe.taps or recipe.cache.state_bits == 8):
         return {}
     return {"ssm": {"clusters": {i: int(c.max()) + 1 for i, c in clusters.items()}, "ssm_layers": ssm_layers(model)}}

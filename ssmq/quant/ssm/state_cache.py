@@ -20,12 +20,13 @@ from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
 
 
-def empty_int8_state_mixer(cfg: ModelConfig, layer_idx: int, n_groups: int) -> nn.Module:
-    """The family's mixer for layer ``layer_idx`` with an int8 state of ``n_groups`` scale groups (scales 1)."""
+def empty_int8_state_mixer(cfg: ModelConfig, layer_idx: int, n_groups: int, rows: bool = False) -> nn.Module:
+    """The family's mixer for layer ``layer_idx`` with an int8 state of ``n_groups`` scale groups (scales 1), or
+    with dynamic row scales (``rows``)."""
     from ssmq.models.lm import MIXERS
 
     m = MIXERS[cfg.layer_kind(layer_idx)](cfg, layer_idx)
-    m.enable_int8_state(n_groups)
+    m.enable_int8_state(n_groups, rows=rows)
     return m
 
 
@@ -34,9 +35,12 @@ def from_spec(spec: dict, dtype=None, device=None) -> nn.Module:
     ``SSMInt8StateMixer`` (``{"config", "layer_idx", "state_groups"}``): the same mixer, the same tensors."""
     cfg = ModelConfig.from_dict(spec["config"])
     groups = spec["state_groups"] if spec["kind"] == "SSMInt8StateMixer" else spec["state"]["groups"]
-    if spec["kind"] == "SSMMixer" and spec["state"].get("bits", 8) != 8:
-        raise SSMQError(f"SSM state of {spec['state']['bits']} bits: this ssmq has int8 states only")
-    return empty_int8_state_mixer(cfg, spec["layer_idx"], groups)
+    state = spec.get("state", {})
+    if spec["kind"] == "SSMMixer" and state.get("bits", 8) != 8:
+        raise SSMQError(f"SSM state of {state['bits']} bits: this ssmq has int8 states only")
+    if state.get("scales", "table") not in ("table", "rows"):
+        raise SSMQError(f"SSM state scales {state['scales']!r}: this ssmq knows static tables and dynamic rows")
+    return empty_int8_state_mixer(cfg, spec["layer_idx"], groups, rows=state.get("scales") == "rows")
 
 
 def to_int8_state(mixer: nn.Module, cfg: ModelConfig, index: torch.Tensor | None, n_groups: int) -> nn.Module:
@@ -87,9 +91,17 @@ def allocate_cache(model: nn.Module, max_batch: int, max_seqlen: int, ssm_dtype=
 
 @torch.no_grad()
 def enable_int8_state(model: nn.Module, clusters: dict[int, torch.Tensor], windows: torch.Tensor, chunk: int = 128,
-                      batch_size: int = 8, progress: bool = False, per_channel: bool = False) -> None:
-    """Calibrate (G, n) state scales per Mamba layer and give its mixer the int8 state format: G = x's scale groups
-    (``clusters``, Quamba2), or every channel its own group (``per_channel``: G = d)."""
+                      batch_size: int = 8, progress: bool = False, layout: str = "x_groups") -> None:
+    """Give every Mamba layer's mixer the int8 state format with the scales of ``layout`` (recipe
+    ``cache.state_scales``): "x_groups", (G, n) calibrated per x scale group (``clusters``, Quamba2); "per_channel",
+    every channel its own group (G = d); "dynamic", a scale per row computed when the state is written (nothing to
+    calibrate)."""
+    if layout == "dynamic":
+        for layer in model.layers:
+            if hasattr(layer.mixer, "enable_int8_state"):
+                layer.mixer.enable_int8_state(0, rows=True)
+        return
+    per_channel = layout == "per_channel"
     amax = calibrate_state_scales(model, windows, chunk, batch_size, progress)
     cfg = model.config
     for i, a in amax.items():
@@ -100,5 +112,5 @@ def enable_int8_state(model: nn.Module, clusters: dict[int, torch.Tensor], windo
 
 
 def state_bytes(cache) -> int:
-    """Bytes of the SSM states of a cache (conv states and KV excluded)."""
-    return sum(s.numel() * s.element_size() for s in cache.ssm_states if s is not None)
+    """Bytes of the SSM states of a cache, their row scales included (conv states and KV excluded)."""
+    return sum(st.ssm_nbytes() for st in cache.states if hasattr(st, "ssm_nbytes"))
