@@ -57,6 +57,10 @@ def test_int8_state_bytes_equal_the_allocated_int8_cache():
     assert cache.nbytes() == cache_bytes(model.config, fmt, 2, 16)
     assert state_bytes(model.config, fmt)["ssm"] * 2 == state_bytes(model.config, CacheFormat(
         "bfloat16", "bfloat16", kv_format("fp16")))["ssm"]
+    # dynamic row scales: the codes plus a float32 scale a row, exactly as allocated
+    rows = quantize(tiny_model("mamba2"), get_recipe("int8-state"), None, progress=False)
+    cache = rows.allocate_cache(2, 16, dtype=torch.bfloat16, ssm_dtype=torch.int8)
+    assert cache.nbytes() == cache_bytes(rows.config, CacheFormat("bfloat16", "int8-rows", kv_format("fp16")), 2, 16)
 
 
 def test_mamba_models_have_no_kv_and_llama_no_state():

@@ -8,7 +8,7 @@
      "taps":       [{"taps": ["act_x"], "layout": "cluster", "observer": "percentile"}],        # SSM inputs
      "embedding":  {"dtype": "int8"},                            # head-to-toe: embedding rows, or null
      "cache":      {"state_bits": 16, "kv": null,                # SSM state (8: int8, scales per x group
-                    "state_scales": "x_groups"},                 # and state index, or per_channel); KV
+                    "state_scales": "x_groups"},                 # and state index, per_channel or dynamic); KV
                                                                  # format: a KVSpec object or a preset's name
      "calibration": {"state_windows": 64, "state_chunk": 128},   # what the int8 state scales observe
      "search":     null}                                         # or per-layer A8/A16 search (W4AX)
@@ -133,11 +133,17 @@ class TapRule:
         return self
 
 
+# int8 SSM state scales: static (G, n) tables calibrated per x group (Quamba2) or per channel, or one scale per row
+# computed at every write ("dynamic": nothing calibrated, nothing clipped)
+STATE_SCALES = ("x_groups", "per_channel", "dynamic")
+
+
 @dataclass
 class Cache:
     """Cache formats: SSM state bits (8: int8) and its scales, per (x scale group, state index) ("x_groups",
-    Quamba2's) or per (channel, state index) ("per_channel": the int8 state re-quantized at every decode step drifts
-    far less, see README "8-bit SSM state cache"); KV format (None: float), given as a KVSpec, its JSON object or a
+    Quamba2's), per (channel, state index) ("per_channel": the int8 state re-quantized at every decode step drifts
+    far less, see README "8-bit SSM state cache") or per (sequence, channel) row, computed at every write
+    ("dynamic"); KV format (None: float), given as a KVSpec, its JSON object or a
     KV preset's name (kept as the KVSpec it names)."""
     state_bits: int = 16
     kv: KVSpec | None = None
@@ -155,8 +161,8 @@ class Cache:
     def validate(self) -> "Cache":
         if self.state_bits not in (8, 16):
             raise SSMQError(f"state cache bits must be 8 or 16, not {self.state_bits}")
-        if self.state_scales not in ("x_groups", "per_channel"):
-            raise SSMQError(f"cache.state_scales is x_groups or per_channel, not {self.state_scales!r}")
+        if self.state_scales not in STATE_SCALES:
+            raise SSMQError(f"cache.state_scales is one of {', '.join(STATE_SCALES)}, not {self.state_scales!r}")
         if self.kv is not None and not isinstance(self.kv, KVSpec):
             raise SSMQError(f"cache.kv is a KV spec object or a KV preset name, not {type(self.kv).__name__}")
         if self.kv is not None:
@@ -215,11 +221,13 @@ class Recipe:
         bad = sorted(set(self.supported_archs) - set(ARCHS))
         if bad:
             raise SSMQError(f"recipe {self.name!r}: unknown architecture(s) {bad}; known: {', '.join(ARCHS)}")
-        # SSDi8 recipes touch only the Mamba-2 layers, so they apply to hybrids too ("SSD-only"); the other SSM
-        # parts (taps, sort_cluster, hadamard_y, the search, the Quamba2 int8 state) are for pure SSM models
+        # SSDi8 recipes touch only the Mamba-2 layers, so they apply to hybrids too ("SSD-only"), as does an int8
+        # state with dynamic row scales (nothing calibrated); the other SSM parts (taps, sort_cluster, hadamard_y,
+        # the search, the calibrated Quamba2 int8 state) are for pure SSM models
         other = sorted(set(self.supported_archs) - set(SSM_ARCHS))
         ssm_parts = self.taps or self.has("sort_cluster") or self.has("hadamard_y") or self.search or (
-            self.cache.state_bits != 16 and not any(self.has(t) for t in SSD_TRANSFORMS))
+            self.cache.state_bits != 16 and self.cache.state_scales != "dynamic"
+            and not any(self.has(t) for t in SSD_TRANSFORMS))
         if ssm_parts and other:
             raise SSMQError(f"recipe {self.name!r}: SSM taps, transforms and caches are for "
                             f"{', '.join(SSM_ARCHS)}, not {', '.join(other)}")
@@ -239,7 +247,8 @@ class Recipe:
         return next((t.get(key) for t in self.transforms if t.name == transform), None)
 
     def needs_calibration(self) -> bool:
-        return bool(self.taps or self.search or self.cache.state_bits != 16 or self.cache.kv) or any(
+        state_calibrated = self.cache.state_bits != 16 and self.cache.state_scales != "dynamic"
+        return bool(self.taps or self.search or state_calibrated or self.cache.kv) or any(
             t.name in ("smoothquant", "sort_cluster", "ssdi8", "mean_correction") for t in self.transforms) or any(
             r.weight.method == "gptq" or (r.act is not None and r.act.static) for r in self.linears)
 
@@ -458,6 +467,13 @@ def _ssdi8(wbits: int, eta: float = 0.15) -> Recipe:
 
 register_recipe(_ssdi8(8))
 register_recipe(_ssdi8(4))
+# the SSM state cache alone in int8 (weights and activations 16-bit): the state's bytes are what a large decode batch
+# moves, so this is the speed and capacity half of Quamba2's 8-bit cache, with dynamic row scales (nothing to
+# calibrate; on the decode path they drift less than the x-group table, README "8-bit SSM state cache")
+register_recipe(Recipe("int8-state", cache=Cache(state_bits=8, state_scales="dynamic"),
+                       supported_archs=["mamba1", "mamba2", "hybrid"],
+                       description="int8 SSM state cache with a dynamic scale per (sequence, channel) row; weights "
+                                   "and activations stay 16-bit"))
 register_recipe(RECIPES["quamba2-w4a8"].with_changes(
     name="quamba2-mixed", search=Search(),
     description="Quamba2 W4AX: per-layer A8/A16 (3:1) by evolutionary search on held-out calibration perplexity"))

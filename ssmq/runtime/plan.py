@@ -40,9 +40,14 @@ class CacheFormat:
 
 
 def state_bytes(cfg: ModelConfig, fmt: CacheFormat) -> dict[str, int]:
-    """Per sequence: {"conv", "ssm"} bytes (conv in the activation dtype, SSM state in the state dtype)."""
+    """Per sequence: {"conv", "ssm"} bytes (conv in the activation dtype, SSM state in the state dtype; "int8-rows":
+    int8 codes + a float32 scale per row of d_state codes, the dynamic row scales)."""
     n = state_elements(cfg)
-    return {"conv": n["conv"] * DTYPE_BYTES[fmt.act_dtype], "ssm": n["ssm"] * DTYPE_BYTES[fmt.state_dtype]}
+    if fmt.state_dtype == "int8-rows":
+        ssm = n["ssm"] + 4 * (n["ssm"] // cfg.d_state if n["ssm"] else 0)
+    else:
+        ssm = n["ssm"] * DTYPE_BYTES[fmt.state_dtype]
+    return {"conv": n["conv"] * DTYPE_BYTES[fmt.act_dtype], "ssm": ssm}
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv: KVFormat) -> float:

@@ -22,7 +22,7 @@ from ssmq.runtime.plan import (CacheFormat, Plan, cache_bytes, fit, human, kv_by
 
 # the formats every plan compares (KV rows only for models with attention, int8 state only with SSM layers)
 COMPARE_KV = ("fp8", "int8", "int4", "nuq4", "nuq4-1%", "nuq3-1%", "nuq2-1%")  # beside the 16-bit baseline
-STATE_DTYPES = ("float32", "float16", "bfloat16", "int8")
+STATE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int8-rows")  # int8-rows: + a float32 scale a state row
 FLOAT_KV = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # the KVState of a model in that dtype
 
 
@@ -100,7 +100,8 @@ def quantized_info(folder_arg: str) -> dict:
         manifest = read_manifest(folder)
         recipe = Recipe.from_dict(manifest["recipe"])
         cfg = ModelConfig.from_dict(manifest["model_config"])
-        state, kv, what = ("int8" if recipe.cache.state_bits == 8 else None), recipe.cache.kv, f"recipe {recipe.name}"
+        state = None if recipe.cache.state_bits != 8 else "int8-rows" if recipe.cache.state_scales == "dynamic" else "int8"
+        kv, what = recipe.cache.kv, f"recipe {recipe.name}"
     elif is_compressed_tensors(folder):
         cfg, state, kv, what = load_config(folder)[0], None, None, "compressed-tensors"
     else:
