@@ -81,6 +81,36 @@ def shares(fn) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in out.items()} if total else {}
 
 
+# --sweep: launch settings of the two kernels that take 90%+ of the int8 SSD (the fused scan, the chunk state), each
+# varied with the others at their defaults; the int8 SSD timed alone at each (batch, L)
+SWEEP = [("scan", dict(BM=128)), ("scan", dict(BP=32)), ("scan", dict(num_warps=8)), ("scan", dict(num_stages=3)),
+         ("scan", dict(num_stages=1)), ("scan", dict(FACTORED=False)), ("scan", dict(BM=128, num_warps=8)),
+         ("scan", dict(BK=64)), ("state", dict(BT=64)), ("state", dict(BT=256)), ("state", dict(BP=32)),
+         ("state", dict(num_warps=8)), ("state", dict(num_stages=3)), ("state", dict(BN=64))]
+
+
+def run_sweep(shapes, errors: dict) -> list[dict]:
+    rows = []
+    default = {k: dict(v) for k, v in ssdi8.CFG.items()}
+    for kernel, over in [(None, {})] + SWEEP:
+        if kernel:
+            ssdi8.CFG[kernel].update(over)
+        for b, l in shapes:
+            x, dt, A, B, C, kw = inputs(b, l)
+            sc = {k: v / 127 for k, v in ssd_int8_ranges(x, dt, A, B, C, T, kw["dt_bias"], True).items()}
+            Bq, Cq = quantize_ref(B.float(), sc["B"][:, None]), quantize_ref(C.float(), sc["C"][:, None])
+            ms = timeit(lambda: ssdi8.ssd_int8(x, dt, A, Bq, sc["B"], Cq, sc["C"], sc["xs"], sc["state"], T, **kw),
+                        f"{kernel}:{over}:{b}x{l}", errors)
+            rows.append({"kernel": kernel or "defaults", **{f"{kernel}.{k}": v for k, v in over.items()}, "batch": b,
+                         "L": l, "int8_ssd_ms": ms if math.isfinite(ms) else None})
+            print(f"{kernel or 'defaults':>8} {json.dumps(over):<36} b{b:<3} L{l:<5} {ms:8.3f}", flush=True)
+            del x, dt, B, C, Bq, Cq
+        for k, v in default.items():
+            ssdi8.CFG[k].clear()
+            ssdi8.CFG[k].update(v)
+    return rows
+
+
 def plot(rows: list[dict], device: str, path: str) -> None:
     """ms per call vs L, one panel a batch: our FP16 SSD, the int8 SSD and mamba_ssm."""
     plt = pyplot()
@@ -108,6 +138,7 @@ def main() -> None:
     ap.add_argument("--plot-from", default=None, help="only draw the PNG of an earlier --json (no GPU needed)")
     ap.add_argument("--cfg", default=None,
                     help='JSON merged into ssmq.kernels.ssdi8.CFG, e.g. \'{"scan": {"FACTORED": false, "BM": 128}}\'')
+    ap.add_argument("--sweep", action="store_true", help="time the int8 SSD alone at each SWEEP launch setting")
     args = ap.parse_args()
     if args.plot_from:
         doc = json.loads(open(args.plot_from).read())
@@ -115,6 +146,15 @@ def main() -> None:
         return
     for kernel, over in json.loads(args.cfg or "{}").items():
         ssdi8.CFG[kernel].update(over)
+    if args.sweep:
+        errors: dict[str, str] = {}
+        shapes = [(b, l) for b in map(int, args.batches.split(",")) for l in map(int, args.lengths.split(","))]
+        rows = run_sweep(shapes, errors)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "default_cfg": ssdi8.CFG, "sweep": rows,
+                           "errors": errors}, f, indent=2)
+        return
     pk = peer()
     rows = []
     print(f"{'batch':>5} {'L':>5} {'fp16 ssd ms':>11} {'int8 ssd ms':>11} {'mamba_ssm ms':>12} {'fp16/int8':>9}  shares")

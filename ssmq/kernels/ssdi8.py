@@ -224,11 +224,14 @@ def _blk(x: int, cap: int, lo: int = 16) -> int:
 
 
 # Launch configurations, tuned for Mamba2 shapes (chunk 256, head dim 64, d_state 128); module-level so that the
-# benchmark can sweep them.
+# benchmark can sweep them. The scan's: `bench_ssdi8.py --sweep` (H100, 2026-11-26; Mamba2-2.7B SSD at batch 1 / 32,
+# L 2048 / 8192, each setting varied alone): num_stages 1 took 8-23% off the whole int8 SSD (0.670 -> 0.555 ms at
+# b1 L8192, 19.54 -> 15.92 at b32 L8192; 3 stages 15% slower), the unfactored decay 2-4% (0.652, 18.86); BM 128,
+# BP 32, BK 64 and 8 warps 1.1-5x slower. The chunk state's settings moved it by <= 1% (its defaults kept).
 CFG = dict(
     state=dict(BT=128, BP=64, BN=128, num_warps=4, num_stages=2),
     bmm=dict(BM=64, BK=128, num_warps=4, num_stages=2),
-    scan=dict(BM=64, BP=64, BK=128, FACTORED=True, num_warps=4, num_stages=2),  # ChunkScan2's s tile = BM
+    scan=dict(BM=64, BP=64, BK=128, FACTORED=False, num_warps=4, num_stages=1),  # ChunkScan2's s tile = BM
 )
 
 
