@@ -33,7 +33,8 @@ from random_model import random_model  # noqa: E402
 from ssmq.kernels import dispatch, state_update  # noqa: E402
 from ssmq.kernels.state_update import quant_state_update, selective_state_update  # noqa: E402
 from ssmq.quant import CalibrationData, quantize  # noqa: E402
-from ssmq.quant.recipe import Cache, get_recipe  # noqa: E402
+from ssmq.ops.quant_ssm import RowScales  # noqa: E402
+from ssmq.quant.recipe import STATE_SCALES, Cache, get_recipe  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
 from peers import mamba_ssm_op  # noqa: E402
 from plotting import pyplot  # noqa: E402
@@ -85,8 +86,12 @@ def micro_row(b: int, pk, only_int8: bool = False) -> dict:
     codes = lambda *shape: torch.randint(-128, 128, shape, device=DEV, dtype=torch.int8, generator=gen)  # noqa: E731
     state16 = torch.randn(s, H, P, N, device=DEV, dtype=torch.float16, generator=gen) * 0.1
     state8 = codes(s, H, P, N)
-    table = torch.rand(STATE_GROUPS, N, device=DEV, generator=gen) * 0.01 + 1e-3
-    index = torch.randint(0, STATE_GROUPS, (H * P,), device=DEV, generator=gen)
+    if STATE_GROUPS < 0:  # dynamic row scales: one per (slot, channel), rewritten with the codes
+        table, index = RowScales(torch.rand(s, H, P, device=DEV, generator=gen) * 0.01 + 1e-3), None
+    else:
+        groups = STATE_GROUPS or H * P  # 0: per-channel, a (d, n) table read row by row (no index)
+        table = torch.rand(groups, N, device=DEV, generator=gen) * 0.01 + 1e-3
+        index = torch.randint(0, groups, (H * P,), device=DEV, generator=gen) if STATE_GROUPS > 1 else None
     x_q, B_q, C_q = codes(b, H, P), codes(b, G, N), codes(b, G, N)
     xs = torch.rand(H, P, device=DEV, generator=gen) * 0.01 + 1e-3
     Bs, Cs = torch.full((G, N), 0.01, device=DEV), torch.full((G, N), 0.01, device=DEV)
@@ -112,6 +117,8 @@ def micro_row(b: int, pk, only_int8: bool = False) -> dict:
             print(f"  mamba_ssm failed: {type(e).__name__}: {str(e)[:200]}")
     io16 = b * (H * P * 2 * 2 + 2 * G * N * 2 + H * 2)  # x, y fp16; B, C fp16; Δ
     io8 = b * (H * P * (1 + 4) + 2 * G * N + H * 2)  # x int8, y float32; B, C int8; Δ
+    if STATE_GROUPS < 0:
+        io8 += b * H * P * 4 * 2  # the row scales, read and written
     bytes16 = b * H * P * N * 2 * 2 + io16
     bytes8 = b * H * P * N * 1 * 2 + io8
     row = {"batch": b, "fp16_ms": ms16, "int8_ms": ms8, "mamba_ssm_ms": mspk,
@@ -193,7 +200,8 @@ def tpot(model, b: int, steps: int, ssm_dtype, state_checkpoint: int | None = No
     return r
 
 
-def run_e2e(batches, steps: int, out: dict, save, skip_fake_quant: bool = False) -> None:
+def run_e2e(batches, steps: int, out: dict, save, skip_fake_quant: bool = False,
+            state_scales: str = "x_groups") -> None:
     cfg = PUBLISHED["mamba2-2.7b"]
     model = random_model(cfg, dtype=torch.float16)
     weight_bytes = lambda m: sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])  # noqa: E731
@@ -203,7 +211,9 @@ def run_e2e(batches, steps: int, out: dict, save, skip_fake_quant: bool = False)
         e2e["fp16"][f"b{b}"] = tpot(model, b, steps, None)
         print("fp16", b, e2e["fp16"][f"b{b}"], flush=True)
         save()  # after every number: a timeout must not lose the ones measured
-    recipe = get_recipe("quamba2-w8a8").with_changes(name="quamba2-w8a8-int8state", cache=Cache(state_bits=8))
+    recipe = get_recipe("quamba2-w8a8").with_changes(name="quamba2-w8a8-int8state",
+                                                     cache=Cache(state_bits=8, state_scales=state_scales))
+    e2e["state_scales"] = state_scales
     t0 = time.time()
     quantize(model, recipe, CalibrationData(torch.randint(0, 50000, (4, 256)), source="random tokens", seed=0),
              progress=False)
@@ -265,7 +275,10 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="batches (comma list) of an int8 launch-setting sweep, e.g. 128,256")
     ap.add_argument("--state-groups", type=int, default=STATE_GROUPS,
                     help="scale groups of the micro's state table (1: every row reads one table row, which isolates "
-                         "the cost of the per-value scale gather)")
+                         "the cost of the per-value scale gather; 0: per-channel, a (d, n) table without index; "
+                         "-1: dynamic row scales, RowScales (s, h, p))")
+    ap.add_argument("--state-scales", choices=STATE_SCALES, default="x_groups",
+                    help="--e2e: the int8 state's calibrated scale table (recipe cache.state_scales)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/int8_ssm"))
     args = ap.parse_args()
     globals()["STATE_GROUPS"] = args.state_groups
@@ -285,7 +298,8 @@ def main() -> None:
         run_sweep([int(b) for b in args.sweep.split(",")], out)
         save()
     if args.e2e:
-        run_e2e([int(b) for b in args.e2e_batches.split(",")], args.steps, out, save, args.skip_fake_quant)
+        run_e2e([int(b) for b in args.e2e_batches.split(",")], args.steps, out, save, args.skip_fake_quant,
+                args.state_scales)
 
 
 if __name__ == "__main__":

@@ -175,12 +175,15 @@ def run_e2e(batches, k: int, out: dict, save, states=("fp16", "int8")) -> None:
             for layer in model.layers:
                 layer.mixer.enable_int8_state(1)
                 layer.mixer.state_scale.fill_(0.01)
+        if state == "int8rows":  # the int8 state with dynamic row scales (recipe cache.state_scales "dynamic")
+            for layer in model.layers:
+                layer.mixer.enable_int8_state(0, rows=True)
         for label, kk in (("plain", None), (f"checkpoint K={k}", k)):
             key = f"{state} state, {label}"
             out["e2e"][key] = {}
             for b in batches:
                 try:
-                    out["e2e"][key][f"b{b}"] = tpot(model, b, steps, torch.int8 if state == "int8" else None, kk)
+                    out["e2e"][key][f"b{b}"] = tpot(model, b, steps, None if state == "fp16" else torch.int8, kk)
                 except Exception as e:  # noqa: BLE001 - report, go on
                     out["e2e"][key][f"b{b}"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(key, b, out["e2e"][key][f"b{b}"], flush=True)
@@ -223,7 +226,8 @@ def main() -> None:
     ap.add_argument("--sweep-states", default="fp16,int8", help="state dtypes of --sweep (comma list)")
     ap.add_argument("--e2e", action="store_true", help="Mamba2-2.7B TPOT, plain vs checkpointed, fp16 / int8 state")
     ap.add_argument("--e2e-batches", default="1,128,256")
-    ap.add_argument("--e2e-states", default="fp16,int8", help="state dtypes of --e2e (comma list)")
+    ap.add_argument("--e2e-states", default="fp16,int8",
+                    help="state formats of --e2e (comma list: fp16, int8 = a static table, int8rows = row scales)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/replay"))
     args = ap.parse_args()
     outdir = Path(args.out)

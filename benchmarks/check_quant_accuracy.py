@@ -32,7 +32,7 @@ from ssmq.models.cache import calibrated_ssm_dtype
 from ssmq.paths import shared_path
 from ssmq.quant import save_quantized
 from ssmq.quant.calibration import load_calibration
-from ssmq.quant.recipe import Cache, get_recipe
+from ssmq.quant.recipe import STATE_SCALES, Cache, get_recipe
 
 RECIPES = "rtn-w8a16,rtn-w4a16-g128,dynamic-w8a8,fp8-w8a8"
 
@@ -87,6 +87,8 @@ def main():
     ap.add_argument("--decode-prefill", type=int, default=0, help="with --decode-tokens: tokens prefilled first")
     ap.add_argument("--state-bits", type=int, default=16, choices=[8, 16],
                     help="8: each recipe with the int8 SSM state cache (calibrated state scales)")
+    ap.add_argument("--state-scales", choices=STATE_SCALES, default="x_groups",
+                    help="with --state-bits 8: the int8 state's scale table (recipe cache.state_scales)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/acc"))
     args = ap.parse_args()
     results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
@@ -99,7 +101,9 @@ def main():
         for recipe in args.recipes.split(","):
             spec = get_recipe(recipe)
             if args.state_bits == 8 and spec.cache.state_bits != 8:  # the recipe plus the int8 SSM state cache
-                spec = spec.with_changes(name=f"{recipe}+int8-state", cache=Cache(state_bits=8, kv=spec.cache.kv))
+                suffix = "" if args.state_scales == "x_groups" else f"-{args.state_scales}"
+                spec = spec.with_changes(name=f"{recipe}+int8-state{suffix}",
+                                         cache=Cache(state_bits=8, kv=spec.cache.kv, state_scales=args.state_scales))
             model, calib = quantized_model(folder, tok, spec, args.device, args.calib_samples, args.calib_seqlen)
             # recipes with SSM quantization (transforms / taps / int8 state) run kernels beyond the linears
             whole = bool(spec.transforms or spec.taps or spec.cache.state_bits != 16)
