@@ -11,13 +11,16 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-# (state, inputs, int8 state, int8 inputs, checkpointed, per-head Δ)
+# (state, inputs, int8 state, int8 inputs, checkpointed, per-head Δ, dynamic row scales)
 VARIANTS = {
-    "fp16-plain": ("fp16", "fp16", False, False, False, True),
-    "fp16-replay": ("fp16", "fp16", False, False, True, True),
-    "int8-plain": ("i8", "i8", True, True, False, True),
-    "int8-replay": ("i8", "i8", True, True, True, True),
-    "int8-replay-mamba1": ("i8", "i8", True, True, True, False),
+    "fp16-plain": ("fp16", "fp16", False, False, False, True, False),
+    "fp16-replay": ("fp16", "fp16", False, False, True, True, False),
+    "int8-plain": ("i8", "i8", True, True, False, True, False),
+    "int8-replay": ("i8", "i8", True, True, True, True, False),
+    "int8-replay-mamba1": ("i8", "i8", True, True, True, False, False),
+    "int8rows-plain": ("i8", "i8", True, True, False, True, True),
+    "int8rows-replay": ("i8", "i8", True, True, True, True, True),
+    "int8rows-plain-mamba1": ("i8", "i8", True, True, False, False, True),
 }
 
 
@@ -26,15 +29,15 @@ VARIANTS = {
 def test_state_update_compiles_for_sm90(variant, ring_stages):
     from ssmq.kernels.state_update import _state_update as kernel
 
-    state, inputs, q_state, q_in, replay, tie = VARIANTS[variant]
+    state, inputs, q_state, q_in, replay, tie, rows = VARIANTS[variant]
     pointers = {"state_ptr": state, "x_ptr": inputs, "dt_ptr": "fp16", "A_ptr": "fp32", "B_ptr": inputs,
                 "C_ptr": inputs, "D_ptr": "fp32", "z_ptr": "fp16", "dtb_ptr": "fp32", "idx_ptr": "i32",
                 "out_ptr": "fp16", "ss_ptr": "fp32", "ssi_ptr": "fp32", "sidx_ptr": "i64", "xs_ptr": "fp32", "Bs_ptr": "fp32",
-                "Cs_ptr": "fp32", "rx_ptr": "fp32", "rdt_ptr": "fp32", "rB_ptr": "fp32", "cnt_ptr": "i32",
+                "Cs_ptr": "fp32", "rs_ptr": "fp32", "rx_ptr": "fp32", "rdt_ptr": "fp32", "rB_ptr": "fp32", "cnt_ptr": "i32",
                 "done_ptr": "i32"}
     const = dict(HAS_D=True, HAS_Z=not tie, HAS_DTB=True, HAS_IDX=True, SOFTPLUS=True, TIE_HDIM=tie, Q_STATE=q_state,
-                 HAS_SIDX=q_state, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages, RP=16,
-                 BNC=32, FOLD_STAGES=ring_stages + 1, FAST_RCP=q_state, PTX_CODES=q_state,
+                 ROWS=rows, HAS_SIDX=q_state and not rows, Q_X=q_in, Q_B=q_in, Q_C=q_in, REPLAY=replay, RING_STAGES=ring_stages, RP=16,
+                 BNC=128 if rows else 32, FOLD_STAGES=ring_stages + 1, FAST_RCP=q_state, PTX_CODES=q_state,
                  RCP_TABLE=q_state and ring_stages != 1, EVEN=ring_stages == 2, HPG=3, BP=32, BN=128)
     _compile_sm90(kernel, pointers, const)
 
@@ -55,7 +58,7 @@ def _launch_args(su, call):
     return got["args"], got["kwargs"]
 
 
-@pytest.mark.parametrize("state", ["fp16", "int8"])
+@pytest.mark.parametrize("state", ["fp16", "int8", "int8rows"])
 @pytest.mark.parametrize("replay", [False, True])
 def test_state_update_compiles_as_launched(state, replay):
     """Mamba2-2.7B's layer (h 80, p 64, n 128) with the launch settings of ``CFG`` and the JIT's specialization (unit
@@ -73,7 +76,7 @@ def test_state_update_compiles_as_launched(state, replay):
     if not hasattr(su._state_update, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
     b, h, p, n = 4, 80, 64, 128  # 4 rows: enough programs that the tile heuristic keeps its large-batch tiles
-    int8 = state == "int8"
+    int8 = state != "fp16"
     x, B, C = torch.randn(b, h, p), torch.randn(b, 1, n), torch.randn(b, 1, n)
     dt = torch.randn(b, h)[:, :, None].expand(b, h, p)
     A = (-torch.rand(h))[:, None, None].expand(h, p, n)
@@ -82,7 +85,11 @@ def test_state_update_compiles_as_launched(state, replay):
         st, table, index = torch.zeros(b, h, p, n, dtype=torch.int8), torch.rand(16, n), torch.randint(0, 16, (h * p,))
         inputs = [x.to(torch.int8), torch.rand(h, p), dt, A, B.to(torch.int8), torch.rand(1, n), C.to(torch.int8),
                   torch.rand(1, n)]
-    else:
+    if state == "int8rows":
+        from ssmq.ops.quant_ssm import RowScales
+
+        table, index = RowScales(torch.rand(b, h, p)), None
+    if not int8:
         st, table, index = torch.zeros(b, h, p, n, dtype=torch.float16), None, None
         inputs = [x.half(), None, dt[:, :, :1].half().expand(b, h, p), A, B.half(), None, C.half(), None]
     kw = dict(D=per_head, dt_bias=per_head, dt_softplus=True, state_batch_indices=torch.arange(b, dtype=torch.int32))

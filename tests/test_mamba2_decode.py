@@ -46,7 +46,10 @@ def test_quantized_tap_or_int8_state_keeps_the_unfused_path():
     mixer = model.layers[0].mixer
     state = model.allocate_cache(max_batch=2, max_seqlen=8).states[0]
     assert mixer._fusable(state)
-    state_int8 = type(state)(state.conv, state.ssm.to(torch.int8), scales=object())  # any int8 state
+    from ssmq.models.state import Int8StateScales
+
+    scales = Int8StateScales(torch.ones(1, state.ssm.shape[-1]))
+    state_int8 = type(state)(state.conv, state.ssm.to(torch.int8), scales=scales)  # any int8 state
     assert not mixer._fusable(state_int8)
     mixer.act_x = torch.nn.ReLU()  # any quantizer on a tap between in_proj and the norm
     assert not mixer._fusable(state)
