@@ -140,7 +140,13 @@ SWEEP = [dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=False),
          dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=True),
          dict(BP=32, num_warps=4, ptx_codes=True, rcp_table=False),
          dict(BP=32, num_warps=4, ptx_codes=True, rcp_table=True),
-         dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=False, maxnreg=96)]
+         dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=False, maxnreg=96),
+         # more or fewer bytes in flight a program / an SM: 16 KB tiles on 8 warps, 2 KB on 1-2 warps, a 64-register
+         # cap (more programs an SM)
+         dict(BP=128, num_warps=8, ptx_codes=True, rcp_table=False),
+         dict(BP=32, num_warps=2, ptx_codes=True, rcp_table=False),
+         dict(BP=16, num_warps=1, ptx_codes=True, rcp_table=False),
+         dict(BP=64, num_warps=4, ptx_codes=True, rcp_table=False, maxnreg=64)]
 
 
 def run_sweep(batches, out: dict) -> None:

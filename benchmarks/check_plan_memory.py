@@ -2,9 +2,12 @@
 cache (``make_plan`` / ``cache_bytes``) vs what the GPU allocates for them, and the activation peak of one chunked
 prefill (512 tokens into one slot) plus one decode step of every slot vs the plan's reserve (10% of the GPU).
 
-    python benchmarks/check_plan_memory.py [--json out.json]
+    python benchmarks/check_plan_memory.py [--json out.json] [--largest-batch mamba2-2.7b:2048]
 
-Target (issue 17): weights + cache within 5% of the plan.
+Target (issue 17): weights + cache within 5% of the plan. ``--largest-batch MODEL:CONTEXT`` (issue 13's capacity
+target): for each SSM state format (fp16, int8, int8 with row scales) the largest batch the plan fits at that context
+on this GPU (10% reserve) is allocated for real, a 512-token prompt prefilled into one slot and one decode step run
+over every slot; the step's time (eager, after one warm-up step) and the peak are recorded.
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ def measure(name: str, batch: int, context: int, state_dtype: str) -> dict:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     model = random_model(cfg, dtype=torch.float16)
-    int8 = state_dtype == "int8"
-    if int8:  # the int8 state format with placeholder scales: bytes, not accuracy
+    int8 = state_dtype.startswith("int8")
+    if int8:  # the int8 state format with placeholder scales (or row scales): bytes, not accuracy
         for layer in model.layers:
             if hasattr(layer.mixer, "enable_int8_state"):
-                layer.mixer.enable_int8_state(1)
+                layer.mixer.enable_int8_state(1, rows=state_dtype == "int8-rows")
     cache = model.allocate_cache(batch, context, ssm_dtype=torch.int8 if int8 else None)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated() - base
@@ -47,8 +50,13 @@ def measure(name: str, batch: int, context: int, state_dtype: str) -> dict:
     with torch.inference_mode():
         ids = torch.randint(0, cfg.vocab_size, (1, 512), device="cuda")
         model(ids, cache, torch.zeros(1, dtype=torch.long, device="cuda"), num_last_tokens=1)
-        model.step(torch.zeros(batch, dtype=torch.long, device="cuda"), cache,
-                   torch.arange(batch, device="cuda"))
+        tokens, slots = torch.zeros(batch, dtype=torch.long, device="cuda"), torch.arange(batch, device="cuda")
+        model.step(tokens, cache, slots)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model.step(tokens, cache, slots)
+        end.record()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     gpu = torch.cuda.get_device_properties(0).total_memory
@@ -58,7 +66,8 @@ def measure(name: str, batch: int, context: int, state_dtype: str) -> dict:
     row = {"model": name, "batch": batch, "context": context, "state": state_dtype,
            "predicted_weights_cache_GB": predicted / 1e9, "allocated_weights_cache_GB": allocated / 1e9,
            "ratio": allocated / predicted, "activation_peak_GB": (peak - allocated) / 1e9,
-           "reserve_GB": plan.reserve / 1e9, "peak_GB": peak / 1e9, "plan_memory_GB": plan.memory(batch, context, cfg) / 1e9}
+           "reserve_GB": plan.reserve / 1e9, "peak_GB": peak / 1e9, "plan_memory_GB": plan.memory(batch, context, cfg) / 1e9,
+           "gpu_GB": gpu / 1e9, "eager_step_ms": start.elapsed_time(end)}
     del model, cache
     return row
 
@@ -66,11 +75,19 @@ def measure(name: str, batch: int, context: int, state_dtype: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
+    ap.add_argument("--largest-batch", default=None, help="MODEL:CONTEXT, e.g. mamba2-2.7b:2048")
     args = ap.parse_args()
     rows = []
+    cases = CASES
+    if args.largest_batch:
+        name, context = args.largest_batch.split(":")
+        gpu = torch.cuda.get_device_properties(0).total_memory
+        cases = [(name, make_plan(PUBLISHED[name], name, CacheFormat("float16", st, kv_format("fp16")), gpu, gpu // 10,
+                                  1, int(context)).max_batch, int(context), st)
+                 for st in ("float16", "int8", "int8-rows")]
     print(f"{'model':<12} {'b':>3} {'ctx':>5} {'state':>7} {'plan GB':>8} {'alloc GB':>8} {'ratio':>6} "
           f"{'act. peak GB':>12} {'reserve GB':>10}")
-    for case in CASES:
+    for case in cases:
         try:
             r = measure(*case)
         except Exception as e:  # noqa: BLE001 - report, go on
@@ -81,7 +98,7 @@ def main() -> None:
         rows.append(r)
         print(f"{r['model']:<12} {r['batch']:>3} {r['context']:>5} {r['state']:>7} "
               f"{r['predicted_weights_cache_GB']:>8.3f} {r['allocated_weights_cache_GB']:>8.3f} {r['ratio']:>6.3f} "
-              f"{r['activation_peak_GB']:>12.3f} {r['reserve_GB']:>10.2f}", flush=True)
+              f"{r['activation_peak_GB']:>12.3f} {r['reserve_GB']:>10.2f}  step {r['eager_step_ms']:.1f} ms", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
