@@ -80,14 +80,16 @@ def int8_to_float(q, PTX: tl.constexpr):
 
 
 @triton.jit
-def rne_int8_of_product(v, r, PTX: tl.constexpr):
+def rne_int8_of_product(v, r, PTX: tl.constexpr, CLAMP: tl.constexpr = True):
     """int8 codes of v * r rounded half to even and clamped to [-128, 127] (v, r float32). PTX: one fused
     multiply-add of the magic number (the exact product rounded once, to an integer), two clamps in that integer
     range of floats, and 3 prmt a 4 codes to pack the low bytes (two's complement codes): no integer subtract, no
-    conversion. Else rne_int8(v * r). The two differ only where v * r is within an ulp of a half-integer."""
+    conversion. Else rne_int8(v * r). The two differ only where v * r is within an ulp of a half-integer.
+    CLAMP False: the caller guarantees |v * r| <= 127 (a row scaled by 127 / its absmax), so the clamps go."""
     if PTX:
         t = tl.fma(v, r, _MAGIC_RNE)
-        t = tl.minimum(tl.maximum(t, _MAGIC_RNE - 128.0), _MAGIC_RNE + 127.0)
+        if CLAMP:
+            t = tl.minimum(tl.maximum(t, _MAGIC_RNE - 128.0), _MAGIC_RNE + 127.0)
         return tl.inline_asm_elementwise(_PACK_PTX, "=r,r,r,r,r", [t], dtype=tl.int8, is_pure=True, pack=4)
     else:
         return rne_int8(v * r)

@@ -113,11 +113,12 @@ def _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2):
 def _write_rows(s_ptrs, rs_rows, hs, mp, m2, PTX_CODES: tl.constexpr):
     """Store a float32 state tile (whole rows: BNC = BN) as int8 codes with dynamic row scales, as
     ``quantize_state_rows_ref``: scale = amax / 127 a row, codes rne(hs · (127 / amax)). Two exact divisions a row;
-    a value costs one fused multiply-add rounding (rne_int8_of_product) — no table to gather, no reciprocal a value."""
+    a value costs one fused multiply-add rounding (rne_int8_of_product) — no table to gather, no reciprocal a value,
+    and no clamps: |hs · 127 / amax| <= 127 (the product rounded once lands on 127 at most)."""
     amax = tl.max(tl.abs(tl.where(m2, hs, 0.0)), axis=1)
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
     tl.store(rs_rows, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), mask=mp)
-    tl.store(s_ptrs, rne_int8_of_product(hs, inv[:, None], PTX_CODES), mask=m2)
+    tl.store(s_ptrs, rne_int8_of_product(hs, inv[:, None], PTX_CODES, CLAMP=False), mask=m2)
 
 
 @triton.jit
@@ -292,7 +293,13 @@ def _state_update(
                 sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
             else:
                 sc = 1.0
-            hs = _load_state(s_ptrs, sc, mc2, Q_STATE, PTX_CODES)
+            if Q_STATE and ROWS and TIE_HDIM and not REPLAY:
+                # the row's scale folded into the head's decay, one multiply a row: the codes' values go straight
+                # into the step (code · (scale · exp(Δ·A)) + (Δ·x) B, as _advance with the scale applied first, one
+                # multiply a value fewer; ncu: this kernel is issue-bound)
+                hs = int8_to_float(tl.load(s_ptrs, mask=mc2, other=0), PTX_CODES) * (sc * tl.exp(dt * A))
+            else:
+                hs = _load_state(s_ptrs, sc, mc2, Q_STATE, PTX_CODES)
             if not REPLAY or TIE_HDIM:  # C read with the state (its load overlaps; int8 plain: 96 registers, not 126)
                 Cc = _vec(C_row, Cs_row, offs_c, s_Cn, s_Csn, mc, Q_C)
             if REPLAY and TIE_HDIM:  # y's checkpoint term, from the chunk before its replay
@@ -305,7 +312,10 @@ def _state_update(
             if REPLAY:  # the entries replayed one by one, in registers (Mamba-2: only when the ring is full, 1 in K)
                 hs = _replay(hs, Ac, rx, rdt, rB_row + offs_c * s_rBn, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp,
                              mc, TIE_HDIM, RING_STAGES)
-            hs = _advance(hs, x, dt, _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B), Ac, TIE_HDIM)
+            if Q_STATE and ROWS and TIE_HDIM and not REPLAY:  # (decayed above)
+                hs += (x * dt)[:, None] * _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B)[None, :]
+            else:
+                hs = _advance(hs, x, dt, _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B), Ac, TIE_HDIM)
             if REPLAY:
                 if cnt == ring_cap:  # the ring full: the state becomes the checkpoint
                     if Q_STATE and ROWS:
