@@ -61,9 +61,12 @@ def copy_bandwidth() -> float:
 
 
 def model_bytes(model) -> tuple[int, int]:
-    """(weight bytes: parameters and buffers (quantized codes, scales), recurrent state bytes per sequence)."""
+    """(weight bytes: parameters and buffers (quantized codes, scales), recurrent state bytes per sequence, in the
+    state format the model decodes on: int8 codes and their row scales for an int8-state recipe)."""
+    from ssmq.models.cache import calibrated_ssm_dtype
+
     w = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
-    cache = model.allocate_cache(1, 1)
+    cache = model.allocate_cache(1, 1, ssm_dtype=calibrated_ssm_dtype(model))
     s = cache.nbytes()
     del cache
     return w, s
@@ -74,11 +77,15 @@ def bench_ssmq(cfg, prompt_lens, batches, dtype, steps) -> dict:
 
 
 def bench_model(model, prompt_lens, batches, steps) -> dict:
-    """TTFT (eager and graphs), TPOT from graph replays and their peak memory of one model (then freed)."""
+    """TTFT (eager and graphs), TPOT from graph replays and their peak memory of one model (then freed), on the SSM
+    state format the model was calibrated for (an int8-state recipe: the int8 state, as ``ssmq generate`` runs it)."""
+    from ssmq.models.cache import calibrated_ssm_dtype
+
     out = {}
+    ssm_dtype = calibrated_ssm_dtype(model)
     for L in prompt_lens:
         ids = torch.randint(0, 50000, (1, L), device="cuda")
-        cache = model.allocate_cache(2, L + 1)  # slot 1 is the graphs' scratch slot
+        cache = model.allocate_cache(2, L + 1, ssm_dtype=ssm_dtype)  # slot 1 is the graphs' scratch slot
         torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():
             out[f"ttft_{L}_eager_ms"] = time_ms(lambda: model(ids, cache, [0], num_last_tokens=1).argmax(-1),
@@ -89,7 +96,7 @@ def bench_model(model, prompt_lens, batches, steps) -> dict:
         del cache, prefill
     for bs in batches:
         torch.cuda.reset_peak_memory_stats()
-        dec = CudaGraphDecoder(model, max_batch=bs, max_seqlen=steps + 64, buckets=(bs,))
+        dec = CudaGraphDecoder(model, max_batch=bs, max_seqlen=steps + 64, buckets=(bs,), ssm_dtype=ssm_dtype)
         tokens = torch.randint(0, 50000, (bs,), device="cuda")
         slots = torch.arange(bs, device="cuda")
         dec(tokens, slots)

@@ -216,3 +216,24 @@ def test_dynamic_row_state_scales(tmp_path):
     assert back.layers[0].mixer.state_rows
     params = SamplingParams(max_new_tokens=4, stop_at_eos=False)
     assert generate(back, [[1, 2, 3]], params) == generate(model, [[1, 2, 3]], params)
+
+
+def test_int8_state_composes_with_weight_and_kv_recipes():
+    # "A+int8-state": any recipe with the int8 state (row scales) on its Mamba layers; with a KV preset too
+    from ssmq.errors import SSMQError
+    from ssmq.runtime.generate import generate
+    from ssmq.runtime.sampling import SamplingParams
+
+    r = get_recipe("rtn-w8a16+int8-state")
+    assert (r.cache.state_bits, r.cache.state_scales) == (8, "dynamic") and "llama" not in r.supported_archs
+    assert get_recipe("rtn-w8a16+int8-state+kvquant-nuq4").cache.kv is not None
+    with pytest.raises(SSMQError, match="already has an int8 SSM state"):
+        get_recipe("ssdi8-w8a8+int8-state")
+    with pytest.raises(SSMQError, match="cache-only"):
+        get_recipe("int8-state+rtn-w8a16")
+    params = SamplingParams(max_new_tokens=3, stop_at_eos=False)
+    for arch, name in [("mamba2", "rtn-w8a16+int8-state"), ("hybrid", "rtn-w8a16+int8-state+kvquant-nuq4")]:
+        model = quantize(tiny_model(arch), name, CALIB, progress=False)
+        cache = allocate_cache(model, 2, 32, ssm_dtype=torch.int8)
+        assert any(getattr(st, "row_scale", None) is not None for st in cache.states)
+        assert len(generate(model, [[1, 2, 3]], params)[0]) == 3

@@ -300,7 +300,7 @@ def test_bad_kv_spec_is_a_clear_error(kv, msg):
 
 
 def test_kv_recipe_errors():
-    with pytest.raises(SSMQError, match="must be a KV-only recipe"):
+    with pytest.raises(SSMQError, match="must be a cache-only recipe"):
         get_recipe("kvquant-nuq3+rtn-w8a16")
     with pytest.raises(SSMQError, match="already has a KV format"):
         get_recipe("kvquant-nuq3+kvquant-nuq4")

@@ -22,7 +22,8 @@ listed in ``docs/architecture.md``). Search: the model is quantized twice (the r
 
 KV cache: ``cache.kv`` is a ``ssmq.models.kv_format.KVSpec`` (JSON object), or the name of a KV preset
 (``ssmq.quant.kv_presets``, each also registered as a KV-only recipe). ``get_recipe("A+B")`` combines a recipe
-A with a KV-only recipe B: A's rules on the SSM layers, B's KV format on the attention layers, one recipe.
+A with a cache-only recipe B (a KV preset, ``int8-state``): A's rules, B's KV format on the attention layers and its
+SSM state format on the Mamba layers, one recipe.
 
 A new family is data: new fields of a spec, a transform name here and its function in ``api.TRANSFORMS``.
 Format 1 (the two kinds of ssmq 0.1: ``{"rules": ...}`` and ``{"kind": "ssm", "linears": ..., "state_bits":
@@ -338,7 +339,8 @@ def register_recipe(recipe: Recipe) -> Recipe:
 
 
 def get_recipe(name_or_path) -> Recipe:
-    """A registered name, a path to a JSON file (format 1 or 2), ``A+B`` (``with_kv``), or a Recipe (validated)."""
+    """A registered name, a path to a JSON file (format 1 or 2), ``A+B`` (``with_cache``: B a KV preset or
+    ``int8-state``), or a Recipe (validated)."""
     if isinstance(name_or_path, Recipe):
         return name_or_path.validate()
     key = str(name_or_path)
@@ -351,32 +353,43 @@ def get_recipe(name_or_path) -> Recipe:
         except SSMQError as e:
             raise SSMQError(f"{p}: {e}") from None
     if "+" in key:
-        base, *kvs = key.split("+")
+        base, *extras = key.split("+")
         recipe = get_recipe(base)
-        for kv in kvs:
-            recipe = with_kv(recipe, get_recipe(kv))
+        for extra in extras:
+            recipe = with_cache(recipe, get_recipe(extra))
         return recipe
     raise SSMQError(f"unknown recipe {key!r}: not a file, and not one of {', '.join(sorted(RECIPES))}")
 
 
-def is_kv_only(recipe: Recipe) -> bool:
-    return recipe.cache.kv is not None and not (recipe.linears or recipe.transforms or recipe.taps or recipe.embedding
-                                                or recipe.search or recipe.cache.state_bits != 16)
+def is_cache_only(recipe: Recipe) -> bool:
+    """A recipe that only sets cache formats (a KV preset, ``int8-state``): what may follow '+' in ``A+B``."""
+    return (recipe.cache.kv is not None or recipe.cache.state_bits != 16) and not (
+        recipe.linears or recipe.transforms or recipe.taps or recipe.embedding or recipe.search)
 
 
-def with_kv(recipe: Recipe, kv: Recipe) -> Recipe:
-    """``recipe`` with the KV format of the KV-only recipe ``kv`` (named ``recipe.name+kv.name``)."""
-    if not is_kv_only(kv):
-        raise SSMQError(f"{recipe.name}+{kv.name}: the part after '+' must be a KV-only recipe (a KV preset such as "
-                        "kvquant-nuq3-1%)")
-    if recipe.cache.kv is not None:
-        raise SSMQError(f"{recipe.name}+{kv.name}: {recipe.name} already has a KV format")
-    archs = [a for a in recipe.supported_archs if a in kv.supported_archs]
+def with_cache(recipe: Recipe, extra: Recipe) -> Recipe:
+    """``recipe`` with the cache formats of the cache-only recipe ``extra`` (named ``recipe.name+extra.name``): its KV
+    format on the attention layers, its int8 SSM state on the Mamba layers."""
+    name = f"{recipe.name}+{extra.name}"
+    if not is_cache_only(extra):
+        raise SSMQError(f"{name}: the part after '+' must be a cache-only recipe (a KV preset such as "
+                        "kvquant-nuq3-1%, or int8-state)")
+    cache = recipe.cache
+    if extra.cache.kv is not None:
+        if cache.kv is not None:
+            raise SSMQError(f"{name}: {recipe.name} already has a KV format")
+        cache = replace(cache, kv=extra.cache.kv)
+    if extra.cache.state_bits != 16:
+        if cache.state_bits != 16:
+            raise SSMQError(f"{name}: {recipe.name} already has an int8 SSM state")
+        cache = replace(cache, state_bits=extra.cache.state_bits, state_scales=extra.cache.state_scales)
+    archs = [a for a in recipe.supported_archs if a in extra.supported_archs]
     if not archs:
-        raise SSMQError(f"{recipe.name}+{kv.name}: {recipe.name} is for {', '.join(recipe.supported_archs)}, a KV "
-                        f"format for models with attention ({', '.join(kv.supported_archs)})")
-    return replace(recipe, name=f"{recipe.name}+{kv.name}", cache=replace(recipe.cache, kv=kv.cache.kv),
-                   supported_archs=archs, description=f"{recipe.description}; KV cache: {kv.description}").validate()
+        what = "a KV format for models with attention" if extra.cache.kv is not None else "an SSM state format"
+        raise SSMQError(f"{name}: {recipe.name} is for {', '.join(recipe.supported_archs)}, {extra.name} is {what} "
+                        f"({', '.join(extra.supported_archs)})")
+    return replace(recipe, name=name, cache=cache, supported_archs=archs,
+                   description=f"{recipe.description}; cache: {extra.description}").validate()
 
 
 # ---------------------------------------------------------------------------------------------
