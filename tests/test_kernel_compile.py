@@ -361,3 +361,15 @@ def test_qmm_split_in_kernel_compiles_for_sm90(w4):
     ptx = _compile_sm90(qg._qmm, pointers, const, num_warps=qg.CFG["warps_dec"],
                         num_stages=qg.CFG["stages_dec"]).asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("read", [False, True])
+def test_state_io_compiles_for_sm90(rows, read):
+    """The prefill's int8 state read / write (``ssmq.kernels.state_io``), row scales or a table with an index."""
+    from ssmq.kernels import state_io
+
+    kernel = state_io._read_state if read else state_io._write_state
+    data = "out_ptr" if read else "v_ptr"
+    pointers = {data: "fp32", "q_ptr": "i8", "rs_ptr": "fp32", "ss_ptr": "fp32", "sidx_ptr": "i64", "idx_ptr": "i32"}
+    _compile_sm90(kernel, pointers, dict(ROWS=rows, HAS_SIDX=not rows, BR=32, BN=128))

@@ -26,6 +26,7 @@ from ssmq.kernels.dispatch import (
     quant_ssd,
     quant_state_update,
     quantize_act,
+    read_state,
     replay_state_update,
     rms_norm,
     rms_norm_quant,
@@ -38,6 +39,7 @@ from ssmq.kernels.dispatch import (
     selective_state_update,
     ssd_chunk_scan,
     ssd_int8,
+    write_state,
 )
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "quant_selective_scan",
     "quant_ssd",
     "quant_state_update",
+    "read_state",
     "replay_state_update",
     "quantize_act",
     "rms_norm",
@@ -73,4 +76,5 @@ __all__ = [
     "selective_state_update",
     "ssd_chunk_scan",
     "ssd_int8",
+    "write_state",
 ]

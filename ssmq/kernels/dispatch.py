@@ -151,6 +151,25 @@ def quant_state_update(state_q, state_scale, state_index, x_q, x_scale, dt, A, B
                 dt_softplus, state_batch_indices, out_dtype)
 
 
+def read_state(state, state_scale, state_index, idx):
+    """``ops.quant_ssm.read_state_ref``: rows of a stored SSM state as float32; one kernel on CUDA for an int8 state."""
+    from ssmq.ops.quant_ssm import read_state_ref
+
+    int8 = state.dtype == torch.int8 and state_scale is not None
+    impl = _kernels("state_io").read_state if int8 and _use_triton(state) else read_state_ref
+    return impl(state, state_scale, state_index, idx)
+
+
+def write_state(state, state_scale, state_index, idx, values) -> None:
+    """``ops.quant_ssm.write_state_ref``: float values into rows of a stored SSM state, in its format; one kernel on
+    CUDA for an int8 state (codes, and row scales where it has them)."""
+    from ssmq.ops.quant_ssm import write_state_ref
+
+    int8 = state.dtype == torch.int8 and state_scale is not None
+    impl = _kernels("state_io").write_state if int8 and _use_triton(state) else write_state_ref
+    impl(state, state_scale, state_index, idx, values)
+
+
 def replay_state_update(ckpt, state_scale, state_index, ring, x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, D=None,
                         z=None, dt_bias=None, dt_softplus=True, state_batch_indices=None, out_dtype=None):
     """``ops.replay_ssm.replay_state_update_ref``: a checkpointed (ReplaySSM) decode step; one kernel on CUDA."""

@@ -159,9 +159,7 @@ class MambaState:
                 torch.as_tensor(slots, device=self.ssm.device)
             return replay_state_ref(self.ssm, *self._table(), self.ring, A, idx)
         if self.format is StateFormat.INT8:
-            from ssmq.ops.quant_ssm import read_state_ref
-
-            return read_state_ref(self.ssm, *self._table(), _rows(slots))
+            return kernels.read_state(self.ssm, *self._table(), _rows(slots))
         return self.ssm[_rows(slots)]
 
     def write_ssm(self, slots, values: torch.Tensor) -> None:
@@ -170,9 +168,7 @@ class MambaState:
         if self.ring is not None:
             _zero_rows(self.ring.count, slots)
         if self.format is StateFormat.INT8:
-            from ssmq.ops.quant_ssm import write_state_ref
-
-            write_state_ref(self.ssm, *self._table(), _rows(slots), values)
+            kernels.write_state(self.ssm, *self._table(), _rows(slots), values)
         else:
             self.ssm[_rows(slots)] = values.to(self.ssm.dtype)
 
