@@ -369,7 +369,5 @@ def test_state_io_compiles_for_sm90(rows, read):
     """The prefill's int8 state read / write (``ssmq.kernels.state_io``), row scales or a table with an index."""
     from ssmq.kernels import state_io
 
-    kernel = state_io._read_state if read else state_io._write_state
-    data = "out_ptr" if read else "v_ptr"
-    pointers = {data: "fp32", "q_ptr": "i8", "rs_ptr": "fp32", "ss_ptr": "fp32", "sidx_ptr": "i64", "idx_ptr": "i32"}
-    _compile_sm90(kernel, pointers, dict(ROWS=rows, HAS_SIDX=not rows, BR=32, BN=128))
+    pointers = {"f_ptr": "fp32", "q_ptr": "i8", "rs_ptr": "fp32", "ss_ptr": "fp32", "sidx_ptr": "i64", "idx_ptr": "i32"}
+    _compile_sm90(state_io._state_io, pointers, dict(READ=read, ROWS=rows, HAS_SIDX=not rows, BR=32, BN=128))

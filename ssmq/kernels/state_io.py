@@ -20,16 +20,6 @@ from ssmq.ops.quant_ssm import RowScales
 
 
 @triton.jit
-def _tile(idx_ptr, R, n, BR: tl.constexpr, BN: tl.constexpr):
-    pid_b, pid_r = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(idx_ptr + pid_b).to(tl.int64)
-    offs_r = pid_r * BR + tl.arange(0, BR)
-    offs_n = tl.arange(0, BN)
-    mr = offs_r < R
-    return pid_b, slot, offs_r, offs_n, mr, mr[:, None] & (offs_n < n)[None, :]
-
-
-@triton.jit
 def _table(ss_ptr, sidx_ptr, offs_r, offs_n, mr, m2, s_ssg, s_ssn, s_sidx, HAS_SIDX: tl.constexpr):
     """The (BR, BN) table scales of the rows: index[row] (sort-and-cluster groups) or the row itself (s_ssg 0: G = 1)."""
     if HAS_SIDX:
@@ -40,34 +30,36 @@ def _table(ss_ptr, sidx_ptr, offs_r, offs_n, mr, m2, s_ssg, s_ssn, s_sidx, HAS_S
 
 
 @triton.jit
-def _write_state(v_ptr, q_ptr, rs_ptr, ss_ptr, sidx_ptr, idx_ptr, R, n,
-                 s_vb, s_vr, s_vn, s_qs, s_qr, s_qn, s_rss, s_rsr, s_ssg, s_ssn, s_sidx,
-                 ROWS: tl.constexpr, HAS_SIDX: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    pid_b, slot, offs_r, offs_n, mr, m2 = _tile(idx_ptr, R, n, BR, BN)
-    v = tl.load(v_ptr + pid_b * s_vb + offs_r[:, None] * s_vr + offs_n[None, :] * s_vn, mask=m2, other=0.0)
-    v = v.to(tl.float32)
-    if ROWS:
-        amax = tl.max(tl.abs(v), axis=1)
-        inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)), 0.0)
-        q = rne_int8(v * inv[:, None])
-        tl.store(rs_ptr + slot * s_rss + offs_r * s_rsr, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)),
-                 mask=mr)
+def _state_io(f_ptr, q_ptr, rs_ptr, ss_ptr, sidx_ptr, idx_ptr, R, n,
+              s_fb, s_fr, s_fn, s_qs, s_qr, s_qn, s_rss, s_rsr, s_ssg, s_ssn, s_sidx,
+              READ: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+    """READ: the slot's int8 rows -> float32 f (b, R, n); else f quantized into them (and their row scales)."""
+    pid_b, pid_r = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(idx_ptr + pid_b).to(tl.int64)
+    offs_r = pid_r * BR + tl.arange(0, BR)
+    offs_n = tl.arange(0, BN)
+    mr = offs_r < R
+    m2 = mr[:, None] & (offs_n < n)[None, :]
+    f_ptrs = f_ptr + pid_b * s_fb + offs_r[:, None] * s_fr + offs_n[None, :] * s_fn
+    q_ptrs = q_ptr + slot * s_qs + offs_r[:, None] * s_qr + offs_n[None, :] * s_qn
+    rs_ptrs = rs_ptr + slot * s_rss + offs_r * s_rsr
+    if READ:
+        if ROWS:
+            sc = tl.load(rs_ptrs, mask=mr, other=0.0)[:, None]
+        else:
+            sc = _table(ss_ptr, sidx_ptr, offs_r, offs_n, mr, m2, s_ssg, s_ssn, s_sidx, HAS_SIDX)
+        tl.store(f_ptrs, tl.load(q_ptrs, mask=m2, other=0).to(tl.float32) * sc, mask=m2)
     else:
-        q = quantize_rne(v, _table(ss_ptr, sidx_ptr, offs_r, offs_n, mr, m2, s_ssg, s_ssn, s_sidx, HAS_SIDX))
-    tl.store(q_ptr + slot * s_qs + offs_r[:, None] * s_qr + offs_n[None, :] * s_qn, q, mask=m2)
-
-
-@triton.jit
-def _read_state(out_ptr, q_ptr, rs_ptr, ss_ptr, sidx_ptr, idx_ptr, R, n,
-                s_ob, s_or, s_on, s_qs, s_qr, s_qn, s_rss, s_rsr, s_ssg, s_ssn, s_sidx,
-                ROWS: tl.constexpr, HAS_SIDX: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
-    pid_b, slot, offs_r, offs_n, mr, m2 = _tile(idx_ptr, R, n, BR, BN)
-    q = tl.load(q_ptr + slot * s_qs + offs_r[:, None] * s_qr + offs_n[None, :] * s_qn, mask=m2, other=0)
-    if ROWS:
-        sc = tl.load(rs_ptr + slot * s_rss + offs_r * s_rsr, mask=mr, other=0.0)[:, None]
-    else:
-        sc = _table(ss_ptr, sidx_ptr, offs_r, offs_n, mr, m2, s_ssg, s_ssn, s_sidx, HAS_SIDX)
-    tl.store(out_ptr + pid_b * s_ob + offs_r[:, None] * s_or + offs_n[None, :] * s_on, q.to(tl.float32) * sc, mask=m2)
+        v = tl.load(f_ptrs, mask=m2, other=0.0).to(tl.float32)
+        if ROWS:
+            amax = tl.max(tl.abs(v), axis=1)
+            c127 = tl.full(amax.shape, 127.0, tl.float32)
+            inv = tl.where(amax > 0, tl.math.div_rn(c127, tl.maximum(amax, 1e-30)), 0.0)
+            q = rne_int8(v * inv[:, None])
+            tl.store(rs_ptrs, tl.math.div_rn(amax, c127), mask=mr)
+        else:
+            q = quantize_rne(v, _table(ss_ptr, sidx_ptr, offs_r, offs_n, mr, m2, s_ssg, s_ssn, s_sidx, HAS_SIDX))
+        tl.store(q_ptrs, q, mask=m2)
 
 
 def _slots(idx, count: int, device) -> torch.Tensor:
@@ -96,28 +88,28 @@ def _args(state, state_scale, state_index):
     return None, table, state_index, table.stride(0) if table.shape[0] > 1 else 0, q
 
 
-def _launch(kernel, data, state, state_scale, state_index, slots) -> None:
+def _launch(read: bool, data, state, state_scale, state_index, slots) -> None:
     """One program a (row of the call, BR state rows); data (b, R, n) is what is written (write) or read into."""
     rs, table, index, s_ssg, q = _args(state, state_scale, state_index)
     b, R, n = data.shape
     BN = pow2(n, 16)
     BR = max(1, min(pow2(R), 4096 // BN))  # ~4K values a program
-    kernel[(b, triton.cdiv(R, BR))](
+    _state_io[(b, triton.cdiv(R, BR))](
         data, q, rs if rs is not None else q, table if table is not None else q, index if index is not None else q,
         slots, R, n, *data.stride(), *q.stride(), *(rs.stride() if rs is not None else (0, 0)), s_ssg,
         table.stride(1) if table is not None else 0, index.stride(0) if index is not None else 0,
-        ROWS=rs is not None, HAS_SIDX=index is not None, BR=BR, BN=BN, num_warps=4)
+        READ=read, ROWS=rs is not None, HAS_SIDX=index is not None, BR=BR, BN=BN, num_warps=4)
 
 
 def write_state(state, state_scale, state_index, idx, values) -> None:
     """As ``write_state_ref`` for an int8 state: ``values`` (b, …, n) float quantized into the rows ``idx``."""
     slots = _slots(idx, values.shape[0], state.device)
-    _launch(_write_state, values.reshape(values.shape[0], -1, state.shape[-1]), state, state_scale, state_index, slots)
+    _launch(False, values.reshape(values.shape[0], -1, state.shape[-1]), state, state_scale, state_index, slots)
 
 
 def read_state(state, state_scale, state_index, idx) -> torch.Tensor:
     """As ``read_state_ref`` for an int8 state: the rows ``idx`` as float32 (b, …, n)."""
     slots = _slots(idx, state.shape[0], state.device)
     out = torch.empty((slots.shape[0], *state.shape[1:]), device=state.device, dtype=torch.float32)
-    _launch(_read_state, out.view(out.shape[0], -1, state.shape[-1]), state, state_scale, state_index, slots)
+    _launch(True, out.view(out.shape[0], -1, state.shape[-1]), state, state_scale, state_index, slots)
     return out
