@@ -16,18 +16,18 @@ from ssmq.models.state import KVState, MambaState
 
 
 def int8_state_note(model, state_checkpoint: int | None) -> str | None:
-    """A one-line caution for decoding ``model`` on its int8 SSM state written every step with grouped scales, else
-    None: re-quantized at every token such a state drifts (Quamba2 W8A8 on the trained mamba2, CPU reference path,
-    2026-11-26: +0.5% perplexity at 512 tokens, +2.7% at 2048), where a checkpoint re-quantized once per K steps, or
-    per-channel scales, do not."""
+    """A one-line caution for decoding ``model`` on its int8 SSM state written every step, else None: re-quantized at
+    every token the state drifts (trained mamba2, CPU reference path, 2026-11-26, perplexity at 2048 tokens: Quamba2's
+    x-group table +2.7%, dynamic row scales +1.5%), where a checkpoint re-quantized once per K steps (+0.08%), or a
+    per-channel table (+0.10%), do not."""
     if state_checkpoint is not None or calibrated_ssm_dtype(model) != torch.int8:
         return None
-    mixers = [m for m in model.modules() if hasattr(m, "state_scale")]
-    # per-channel scales (G = d: cache.state_scales "per_channel", or SSDi8's) and dynamic row scales keep the drift
-    # small
-    if all(m.state_index is not None and m.state_scale.shape[0] == m.state_index.numel() for m in mixers):
+    tables = [m for m in model.modules() if hasattr(m, "state_scale")]
+    rows = any(getattr(m, "state_rows", False) for m in model.modules())
+    # per-channel tables (G = d: cache.state_scales "per_channel", or SSDi8's) keep the drift small
+    if not rows and all(m.state_index is not None and m.state_scale.shape[0] == m.state_index.numel() for m in tables):
         return None
-    return ("this model decodes on an int8 SSM state written every step, which drifts on long outputs (+2.7% "
+    return ("this model decodes on an int8 SSM state written every step, which drifts on long outputs (+1.5-2.7% "
             "perplexity at 2048 tokens on the reference mamba2); --state-checkpoint 16 or a recipe with per-channel "
             "state scales keeps it accurate (README: 8-bit SSM state cache)")
 
