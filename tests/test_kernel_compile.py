@@ -371,3 +371,21 @@ def test_state_io_compiles_for_sm90(rows, read):
 
     pointers = {"f_ptr": "fp32", "q_ptr": "i8", "rs_ptr": "fp32", "ss_ptr": "fp32", "sidx_ptr": "i64", "idx_ptr": "i32"}
     _compile_sm90(state_io._state_io, pointers, dict(READ=read, ROWS=rows, HAS_SIDX=not rows, BR=32, BN=128))
+
+
+@pytest.mark.parametrize("e,r,bits", [(128, 128, 4), (128, 64, 3), (64, 64, 2), (64, 0, 4)])
+def test_fast_kv_decode_compiles_for_sm90(e, r, bits):
+    """kv_decode_fast (PRMT codebook lookups, fp16 tensor-core products) for the formats it serves: no outliers,
+    rotary halves >= 32 channels or no RoPE; its constexprs as the launcher builds them."""
+    from ssmq.kernels import kv_decode_fast as kf
+
+    pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
+                "kc": "u8", "kmid": "fp32", "khalf": "fp32", "klut": "fp32", "koi": "i16", "kov": "fp16",
+                "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
+                "vov": "fp16", "vsink": "fp16"}
+    flags = dict(FLOAT=False, K_PER_TOKEN=False, V_PER_TOKEN=True, KSLOTS=0, VSLOTS=0, KBITS=bits, VBITS=bits,
+                 KLEVELS=2 ** bits, VLEVELS=2 ** bits)
+    const = kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T"], False)
+    compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=kf.CFG["num_warps"],
+                             num_stages=kf.CFG["num_stages"])
+    assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"

@@ -14,6 +14,11 @@ def k():
     return kernel_module("kv_decode")
 
 
+@pytest.fixture(scope="module")
+def kf():
+    return kernel_module("kv_decode_fast")
+
+
 def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
     """A random quantized side: codes < levels packed as the cache packs them (2 / 3 / 4 bits for <= 4 / 8 / 16
     levels), sorted codebook, scales, some outliers (distinct channels within a token, as quantization picks them;
@@ -66,7 +71,34 @@ def test_decode_splits_equal_reference(k, case, splits):
     _check(k, case, False, splits)
 
 
-def _check(k, case, k_per_token, splits=None):
+FAST_CASES = [  # b, hq, hkv, e, L, rotary dim, (no key outliers), sink, levels: what kv_decode_fast serves
+    (2, 8, 2, 64, 100, 64, 0, 1, 16),        # SmolLM2-style heads (e 64, full RoPE: 32-channel halves), 4 bits
+    (1, 6, 2, 128, 300, 128, 0, 0, 8),       # Llama / Bamba-9B-style heads (e 128, full RoPE), 3 bits
+    (2, 4, 2, 128, 120, 64, 0, 2, (4, 16)),  # partial RoPE with 32-channel halves, 2-bit keys, 4-bit values
+    (3, 4, 4, 64, 80, 0, 0, 0, 4),           # no RoPE, 2 bits
+]
+
+
+@pytest.mark.parametrize("case", FAST_CASES)
+@pytest.mark.parametrize("k_per_token", [False, True])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_fast_kernel_equals_reference(kf, case, k_per_token, splits):
+    """kv_decode_fast's fp16 tensor-core products: within 3e-3 (its docstring's accuracy note)."""
+    _check(kf, case, k_per_token, splits, v_outliers=0, tol=3e-3)
+
+
+def test_fast_kernel_refuses_what_it_does_not_serve(kf):
+    gen = torch.Generator().manual_seed(0)
+    K, V = side(3, 20, 2, 64, False, 1, 0, gen), side(3, 20, 2, 64, True, 0, 0, gen)
+    q, slots, lens = torch.randn(1, 4, 64).to(DEV), torch.tensor([0]).to(DEV), torch.tensor([20]).to(DEV)
+    assert not kf.eligible(K, V, 64) and not kf.eligible(V, V, 32) and kf.eligible(V, V, 64)
+    from ssmq.errors import SSMQError
+
+    with pytest.raises(SSMQError, match="fast KV decode kernel serves"):
+        kf.quant_kv_decode(q, slots, lens, K, V, 64)
+
+
+def _check(k, case, k_per_token, splits=None, v_outliers=1, tol=1e-4):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
     b, hq, hkv, e, L, r, ko, sink, levels = case
@@ -74,7 +106,7 @@ def _check(k, case, k_per_token, splits=None):
     s = b + 2
     k_levels, v_levels = levels if isinstance(levels, tuple) else (levels, levels)
     K = side(s, L, hkv, e, k_per_token, ko, sink, gen, k_levels)
-    V = side(s, L, hkv, e, True, 1, sink, gen, v_levels)
+    V = side(s, L, hkv, e, True, v_outliers, sink, gen, v_levels)
     q = torch.randn(b, hq, e, generator=gen).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
     lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).to(DEV)
@@ -83,7 +115,7 @@ def _check(k, case, k_per_token, splits=None):
         lens[-1] = 1  # a new row: shorter than the sink when there are several sink tokens
     got = k.quant_kv_decode(q, slots, lens, K, V, r, 10000.0, splits=splits)
     want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), *(_cpu(x) for x in (K, V)), r, 10000.0)
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 4])

@@ -329,9 +329,18 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     return impl(x, x_scale, per_token, dtype)
 
 
+# SSMQ_KV_FAST=0 keeps every quantized KV format on the first-generation decode kernel (A/B timing); by default the
+# formats the fast kernel serves exactly (no outliers, no RoPE or rotary halves >= 32 channels) take it on CUDA.
+_KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
+
+
 def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None):
-    """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA)."""
+    """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA:
+    ``kv_decode_fast`` for the formats it is ``eligible`` for, else the first-generation ``kv_decode``)."""
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
-    impl = _kernels("kv_decode").quant_kv_decode if _use_triton(q) else quant_kv_decode_ref
-    return impl(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)
+    if not _use_triton(q):
+        return quant_kv_decode_ref(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)
+    fast = _kernels("kv_decode_fast")
+    impl = fast if _KV_FAST and fast.eligible(k, v, rotary_dim) else _kernels("kv_decode")
+    return impl.quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)

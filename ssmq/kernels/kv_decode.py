@@ -295,11 +295,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def default_splits(b: int, hkv: int, capacity: int, device: torch.device, block_t: int) -> int:
+def default_splits(b: int, hkv: int, capacity: int, device: torch.device, block_t: int, cfg: dict | None = None) -> int:
     """Splits a row's tokens get: WAVES programs an SM over b·hkv·P, at most one per MIN_TILES tiles of the
-    cache's capacity (the rows' lengths stay on the GPU: they divide into the splits there)."""
-    fill = triton.cdiv(CFG["WAVES"] * _sm_count(device), b * hkv)
-    return max(1, min(fill, triton.cdiv(capacity, block_t * CFG["MIN_TILES"])))
+    cache's capacity (the rows' lengths stay on the GPU: they divide into the splits there); ``cfg``: the launch
+    settings holding WAVES and MIN_TILES (default this kernel's)."""
+    cfg = cfg or CFG
+    fill = triton.cdiv(cfg["WAVES"] * _sm_count(device), b * hkv)
+    return max(1, min(fill, triton.cdiv(capacity, block_t * cfg["MIN_TILES"])))
 
 
 def _side(v: KVSideView):

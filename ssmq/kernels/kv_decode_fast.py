@@ -1,0 +1,439 @@
+"""The fast KVQuant decode kernel: the second-generation rewrite of session 13 (commits 9ea0562 … 9661ea9),
+dispatched by ``ssmq.kernels.dispatch.quant_kv_decode`` only where it was shown exact on an H100: no sparse outliers
+on either side and no RoPE or rotary halves of at least 32 channels (``eligible``). Its GPU tests failed in
+session 13 for the hybrid's 16-channel rotary halves (a byte lookup reads 4 packed bytes a thread, more than such a
+half holds under the tile's layout) and for every outlier format (``benchmarks/diag_kv_decode.py``, logs
+``benchmarks/results/kvquant_h100/diag_kv_decode_s15*.log``); those formats keep the first-generation kernel
+(``ssmq.kernels.kv_decode``), whose host helpers this one shares.
+
+Triton flash-decoding attention over a quantized KV cache (KVQuant: LUT low-bit K and V), or a float one.
+
+Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv query heads a kv head serves, e head dim, T tokens,
+r rotary dim, S sink tokens, k outlier slots, n a row's length, P splits of a row's tokens, B codebook values
+c[code] of a tile (float16), GS codes a packed group (2 for 4 bits: a byte; 4 for 2 bits: a byte; 8 for 3 bits:
+3 bytes).
+Same contract as ``ssmq.ops.kv_quant.quant_kv_decode_ref`` (its docstring has the storage layout).
+
+One program per (row, kv head, split): the split's tokens in (BLOCK_T, e) tiles, each tile read once for the
+kv head's g query heads (the M rows of float16 tensor-core products, padded to 16), with an online softmax
+(running max m, sum l, unnormalized output acc):
+    codes    a tile's packed bytes, loaded as bytes (vectorized), turned into float16 codebook values B with
+             byte-permute lookups (``_LUT4`` / ``_LUT3`` / ``_LUT2``: the 16 / 8 / 4 fp16 entries live in 8 / 4 /
+             2 registers, PRMT selects bytes by the codes; ~2.6 / 2.5 / 1.5 instructions a code, no memory
+             gather), on the GPU; the interpreter takes ``_codes`` + a gathered LUT
+    keys     x = mid + half · B in float32 (per-channel or per-token scales), rotated by their position (RoPE on
+             the fly: keys are cached before it; a rotation per token cannot move to the query, as R_t differs per
+             token), then float16; scores (g, BLOCK_T) = q · kᵀ, q pre-scaled and float16, three products (the
+             rotary halves and the pass-through channels). The rotation splits exactly: q · R((t0 + j) θ) k =
+             (R(t0 θ)ᵀ q) · (R(j θ) k), so the keys turn by the within-tile angles (a per-program table of cos /
+             sin of j θ, no trig a tile) and the query, (g, r/2) entries, by the tile's t0 θ
+             the sparse outliers then add (val - x̂) · (their channel's coefficient in q · R_t k), gathered
+    values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
+             so the tile is B itself (no arithmetic a value); per-channel scales scale the tile; sparse
+             outliers: B zeroed at their entries and p · (val - m_t) added there (one more product); a tile's
+             slots are loaded as one (BLOCK_T, slots) tile, the kv head's own ranked within their token, and the
+             tile takes as many compare-and-select passes as its busiest token has (~3 of 1%'s 10 slots)
+    sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
+Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
+The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
+divided among the P splits in the kernel, so there is no host sync, and no torch op between the kernels.
+``float_kv_decode`` is the same kernel over a float cache (FLOAT: keys post-RoPE, no LUT, outliers or sink).
+Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a side's constexpr) and unrotated;
+other formats take the reference.
+
+Accuracy (float16 products; the reference is float32): q (rotated a tile), the rotated keys, B, p ⊙ h and the sink are rounded to
+float16 (relative error u = 2^-11 at most each), products accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the
+reference rounds fl(t θ) (about an ulp of t θ apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the
+reference's own rounding is from t θ). A score then moves by
+about u·scale·sqrt(Σ_c (q_c k_c)²) (random rounding), the output by that times the spread of v: ~1e-3 of |v| for
+unit-variance data; tests compare at rtol = atol = 3e-3 (the former 3xTF32 kernel: 1e-4), far below what 2-4 bit
+codes change (KVQuant nuq4: ~1e-1 relative error a value).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ssmq.errors import SSMQError
+from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _combine_kernel, _cos_sin, _inv_freq, _outlier_scores, _side,
+                                    default_splits)
+from ssmq.ops.kv_quant import KVSideView
+
+# Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
+# BLOCK_T 32 / 4 warps 0.335 ms against 64 / 8 warps 0.407 (252 registers: one 8-warp program an SM; 32 / 4: two);
+# with outliers 16-token tiles keep 4 warps without spills (sm_90 ptxas). BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers:
+# their per-slot work holds more registers); WAVES programs an SM over the grid; MIN_TILES: a split covers at least
+# this many tiles of the cache's capacity (fewer splits for short caches). ROPE "split": R(t0 + j) = R(t0) R(j),
+# keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
+# t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
+CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=16, num_warps=4, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="split", GP_MIN=16)
+# GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two); Triton >= 3.2 pads the tensor-core
+# products' M itself, so 1 shrinks the softmax's work and registers for small groups (kept at 16 until timed)
+# FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
+# PTX: numpy's trig and a gathered LUT there
+
+# 4-bit lookup, 4 packed bytes (8 codes; pack=4) → the float16 values of their low nibbles ($0, $1) and high
+# nibbles ($2, $3). Tables: $5, $9, $13, $17 the low bytes of entries 0-3, 4-7, 8-11, 12-15; $21 .. $33 their
+# high bytes (each table argument comes 4 times a pack). PRMT picks byte (s & 7) of 8 for each of 4 selector
+# nibbles (bit 3 would replicate a sign: masked off); the codes' bit 3 then picks the 0-7 or the 8-15 lookup
+# (selector i | 4·bit3 per byte, as llama.cpp's IQ4_NL lookup), and the last PRMTs interleave low and high bytes.
+_LUT4 = tl.constexpr(
+    "{\n.reg .b32 s, h, s2, h2, a, b, l0, l1, g0, g1;\nand.b32 s, $4, 0x77777777;\nshr.u32 h, $4, 1;\n"
+    "lop3.b32 h, h, 0x44444444, 0x32103210, 0xEA;\nshr.u32 s2, s, 16;\nshr.u32 h2, h, 16;\n"
+    + "".join(f"prmt.b32 a, ${t0}, ${t0 + 4}, {sel};\nprmt.b32 b, ${t0 + 8}, ${t0 + 12}, {sel};\n"
+              f"prmt.b32 {dst}, a, b, {hs};\n"
+              for sel, hs, half in (("s", "h", "0"), ("s2", "h2", "1"))
+              for t0, dst in ((5, "l" + half), (21, "g" + half)))
+    + "prmt.b32 $0, l0, g0, 0x6240;\nprmt.b32 $1, l1, g1, 0x6240;\nprmt.b32 $2, l0, g0, 0x7351;\n"
+    "prmt.b32 $3, l1, g1, 0x7351;\n}")
+_LUT4_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r" + ",r" * 32)
+# 2-bit lookup, 4 packed bytes (16 codes) → the float16 values of bits 0-1, 2-3, 4-5, 6-7 of each byte
+# ($0 .. $7, two registers an output). Tables $9, $13: entries (0, 1), (2, 3) as float16 pairs; a byte's code c
+# becomes the selector nibbles (2c, 2c + 1) by one multiply-add (c·0x22 + 0x10: no carry between bytes).
+_LUT2 = tl.constexpr("{\n.reg .b32 t, u;\n" + "".join(
+    f"shr.u32 t, $8, {2 * i};\nand.b32 t, t, 0x03030303;\nmad.lo.u32 u, t, 0x22, 0x10101010;\n"
+    f"prmt.b32 ${2 * i}, $9, $13, u;\nshr.u32 u, u, 16;\nprmt.b32 ${2 * i + 1}, $9, $13, u;\n" for i in range(4))
+    + "}")
+_LUT2_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 32)
+
+# 3-bit lookup, one 24-bit group of 8 codes (pack=1; the group's 3 bytes as one int32, $8) → the float16 values of
+# its 8 codes ($0 .. $7). The codes are spread to nibbles first (shifts and masks: 8 codes in 9 instructions), then
+# as 4.bit: PRMT selects the low bytes of entries 0-7 ($9, $10) and their high bytes ($11, $12), two more
+# interleave them into float16 pairs.
+_LUT3 = tl.constexpr(
+    "{\n.reg .b32 x, u, s, l, g, r;\nshl.b32 u, $8, 4;\nand.b32 u, u, 0x0FFF0000;\n"
+    "lop3.b32 x, $8, 0xFFF, u, 0xEA;\nshl.b32 u, x, 2;\nand.b32 u, u, 0x3F003F00;\n"
+    "lop3.b32 x, x, 0x003F003F, u, 0xEA;\nshl.b32 u, x, 1;\nand.b32 u, u, 0x70707070;\n"
+    "lop3.b32 s, x, 0x07070707, u, 0xEA;\n"
+    + "".join(f"prmt.b32 l, $9, $10, s;\nprmt.b32 g, $11, $12, s;\nprmt.b32 r, l, g, 0x5140;\n"
+              f"mov.b32 {{${4 * k}, ${4 * k + 1}}}, r;\nprmt.b32 r, l, g, 0x7362;\n"
+              f"mov.b32 {{${4 * k + 2}, ${4 * k + 3}}}, r;\n" + ("shr.u32 s, s, 16;\n" if k == 0 else "")
+              for k in range(2))
+    + "}")
+_LUT3_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r")
+
+
+@triton.jit
+def _word(x, grp, k):
+    """The bits of x's entries of group k, or-ed into one int32 (they do not overlap)."""
+    return tl.sum(tl.where(grp == k, x, 0), 0)
+
+
+@triton.jit
+def _lut_words(lut, LEVELS: tl.constexpr, BITS: tl.constexpr):
+    """The codebook's float16 entries as the PRMT tables of ``_LUT4`` (8 words: low bytes of entries 4k .. 4k + 3,
+    then their high bytes) or ``_LUT2`` (entries (0, 1), (2, 3) as float16 pairs; the other words 0)."""
+    i = tl.arange(0, 16)
+    e = tl.load(lut + i, mask=i < LEVELS, other=0.0).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    if BITS >= 3:
+        grp = i // 4
+        lo = (e & 0xFF) << ((i % 4) * 8)
+        hi = (e >> 8) << ((i % 4) * 8)
+    else:
+        grp = i // 2
+        lo = e << ((i % 2) * 16)
+        hi = lo * 0
+    w0, w1, w2, w3 = _word(lo, grp, 0), _word(lo, grp, 1), _word(lo, grp, 2), _word(lo, grp, 3)
+    w4, w5, w6, w7 = _word(hi, grp, 0), _word(hi, grp, 1), _word(hi, grp, 2), _word(hi, grp, 3)
+    return w0, w1, w2, w3, w4, w5, w6, w7
+
+
+@triton.jit
+def _interleave4(b0, b1, b2, b3):
+    """(T, G) pieces → (T, 4G), column 4g + i from piece i. join adds its axis last, so the outer join picks the
+    lowest bit of i: join(join(b0, b2), join(b1, b3))[.., y, x] = b_(2y + x)."""
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (b0.shape[0], 4 * b0.shape[1]))
+
+
+@triton.jit
+def _interleave8(b0, b1, b2, b3, b4, b5, b6, b7):
+    """(T, G) pieces → (T, 8G), column 8g + i from piece i (as ``_interleave4``: [.., z, y, x] = b_(4z + 2y + x))."""
+    return tl.reshape(tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7))),
+                      (b0.shape[0], 8 * b0.shape[1]))
+
+
+@triton.jit
+def _book(rows, c0, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, w3, w4, w5, w6, w7,
+          BITS: tl.constexpr, ASM: tl.constexpr):
+    """(len(tmask), CP) float16 codebook values B of channels [c0, c0 + CP) of the packed rows ``rows`` (T, 1
+    pointers); channels from c0 + NC on are masked (code 0: a finite value, multiplied by a zero query / weight).
+    c0 and NC are multiples of the codes a byte (GS)."""
+    T: tl.constexpr = tmask.shape[0]
+    if ASM and BITS == 4:
+        g = tl.arange(0, CP // 2)
+        w = tl.load(rows + c0 // 2 + g[None, :], mask=tmask[:, None] & (g < NC // 2)[None, :], other=0)
+        lo, hi = tl.inline_asm_elementwise(_LUT4, _LUT4_CONSTRAINTS, [w, w0, w1, w2, w3, w4, w5, w6, w7],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        x = tl.reshape(tl.join(lo, hi), (T, CP))
+    elif ASM and BITS == 2:
+        g = tl.arange(0, CP // 4)
+        w = tl.load(rows + c0 // 4 + g[None, :], mask=tmask[:, None] & (g < NC // 4)[None, :], other=0)
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(_LUT2, _LUT2_CONSTRAINTS, [w, w0, w1, w2, w3, w4, w5, w6, w7],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
+        x = _interleave4(b0, b1, b2, b3)
+    elif ASM and BITS == 3:
+        g = tl.arange(0, CP // 8)
+        gm = tmask[:, None] & (g < NC // 8)[None, :]
+        p = rows + (c0 // 8 + g[None, :]) * 3
+        w = (tl.load(p, mask=gm, other=0).to(tl.int32) | (tl.load(p + 1, mask=gm, other=0).to(tl.int32) << 8)
+             | (tl.load(p + 2, mask=gm, other=0).to(tl.int32) << 16))
+        b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS, [w, w0, w1, w4, w5],
+                                                                   dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        x = _interleave8(b0, b1, b2, b3, b4, b5, b6, b7)
+    else:
+        c = tl.arange(0, CP)
+        x = tl.load(lut + _codes(rows, c0 + c[None, :], tmask[:, None] & (c < NC)[None, :], BITS)).to(tl.float16)
+    return x
+
+
+@triton.jit
+def _scaled(x, mid, half, slot, hk, t, tmask, c, cmask, s_ms, s_mt, E: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """mid + half · x in float32: per-token scales (s, L, hkv) at tokens t, or per-channel ones (hkv, e) at c."""
+    if PER_TOKEN:
+        m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+        h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+        return m[:, None] + h[:, None] * x.to(tl.float32)
+    else:
+        m = tl.load(mid + hk * E + c, mask=cmask, other=0.0)
+        h = tl.load(half + hk * E + c, mask=cmask, other=0.0)
+        return m[None, :] + h[None, :] * x.to(tl.float32)
+
+
+@triton.jit
+def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos,
+                sin, s_ms, s_mt, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr,
+                FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """(GP, len(t)) scores of the (pre-scaled, float16) query rows qa, qb, qp (the rotary halves, the pass-through
+    channels) against the keys at ``rows`` (T, 1 pointers) rotated by their positions: R_t k = (ka cos - kb sin,
+    kb cos + ka sin, kp); without the sparse outliers (``_outlier_scores`` adds them). FLOAT: a float tile."""
+    ch = tl.arange(0, HP)
+    cp = tl.arange(0, PP)
+    s = tl.zeros((qa.shape[0], t.shape[0]), tl.float32)
+    if R > 0:
+        hm = ch < R // 2
+        if FLOAT:
+            ka = tl.load(rows + ch[None, :], mask=tmask[:, None] & hm[None, :], other=0.0).to(tl.float32)
+            kb = tl.load(rows + R // 2 + ch[None, :], mask=tmask[:, None] & hm[None, :], other=0.0).to(tl.float32)
+        else:
+            ka = _scaled(_book(rows, 0, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM),
+                         mid, half, slot, hk, t, tmask, ch, hm, s_ms, s_mt, E, PER_TOKEN)
+            kb = _scaled(_book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
+                               ASM), mid, half, slot, hk, t, tmask, R // 2 + ch, hm, s_ms, s_mt, E, PER_TOKEN)
+        s = tl.dot(qa, tl.trans((ka * cos - kb * sin).to(tl.float16)), s)
+        s = tl.dot(qb, tl.trans((kb * cos + ka * sin).to(tl.float16)), s)
+    if R < E:
+        pm = cp < E - R
+        if FLOAT:
+            kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0).to(tl.float16)
+        else:
+            kp = _scaled(_book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM),
+                         mid, half, slot, hk, t, tmask, R + cp, pm, s_ms, s_mt, E, PER_TOKEN).to(tl.float16)
+        s = tl.dot(qp, tl.trans(kp), s)
+    return s
+
+
+@triton.jit
+def _softmax_step(m, l, s):
+    """Online softmax: fold scores s (GP, n) (log2 units, -inf masked) into the running (m, l); returns m, l, the
+    probabilities p (GP, n) and alpha, the factor the running output takes."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all masked so far: no NaN from -inf - -inf
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m - m_ref)
+    return m_new, l * alpha + tl.sum(p, 1), p, alpha
+
+
+@triton.jit
+def _decode_kernel(q, slots, lens, inv_freq, out, ws,
+                   kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
+                   s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
+                   ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
+                   GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
+                   PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
+                   K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
+                   VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
+                   KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
+    i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots + i).to(tl.int64)
+    n = tl.load(lens + i).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T  # this row's tokens a split, whole tiles
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, n)
+    KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
+    VASM: tl.constexpr = ASM and FAST and VBITS <= 4
+
+    rows = tl.arange(0, GP)  # the kv head's query heads, padded to GP (CFG["GP_MIN"])
+    rmask = rows < GROUP
+    qg = q + i * s_qb + hk * GROUP * s_qh  # the group's first query head
+    qscale = scale * 1.4426950408889634  # scores in log2 units: exp2 in the softmax
+    qrow = qg + rows[:, None] * s_qh
+    ch = tl.arange(0, HP)
+    cp = tl.arange(0, PP)
+    hm = rmask[:, None] & (ch < R // 2)[None, :]
+    qa32 = tl.load(qrow + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
+    qb32 = tl.load(qrow + R // 2 + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
+    qa = qa32.to(tl.float16)
+    qb = qb32.to(tl.float16)
+    qp = (tl.load(qrow + R + cp[None, :], mask=rmask[:, None] & (cp < E - R)[None, :], other=0.0).to(tl.float32)
+          * qscale).to(tl.float16)
+    freq = tl.load(inv_freq + ch, mask=ch < R // 2, other=0.0)
+    j = tl.arange(0, BLOCK_T)
+    if ROPE_SPLIT:  # R(t0 θ + j θ) = R(t0 θ) R(j θ): keys turn by j θ (this table, the same every tile), the
+        cj, sj = _cos_sin(j.to(tl.float32)[:, None] * freq[None, :], FAST)  # query back by t0 θ (a tile)
+    kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7 = _lut_words(klut, KLEVELS, KBITS)
+    vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7 = _lut_words(vlut, VLEVELS, VBITS)
+
+    m = tl.full((GP,), float("-inf"), tl.float32)
+    l = tl.zeros((GP,), tl.float32)
+    lm = tl.zeros((GP,), tl.float32)  # Σ p · mid of per-token values: added to every channel at the end
+    acc = tl.zeros((GP, E), tl.float32)
+    e = tl.arange(0, E)
+    if S > 0:
+        if sp == 0:  # the sink tokens' keys and values are kept in float: positions [0, S)
+            t = tl.arange(0, SP)
+            tmask = t < tl.minimum(n, S)
+            cs, sn = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
+            s = _key_scores(qa, qb, qp, ksink + slot * ks_s + t[:, None] * ks_t + hk * ks_h, kmid, khalf, klut,
+                            kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cs, sn, 0, 0, E, R, HP,
+                            PP, True, K_PER_TOKEN, KBITS, KASM)
+            m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
+            v = tl.load(vsink + slot * vs_s + t[:, None] * vs_t + hk * vs_h + e[None, :], mask=tmask[:, None],
+                        other=0.0).to(tl.float16)
+            acc = tl.dot(p.to(tl.float16), v, acc)
+    for start in range(lo, hi, BLOCK_T):
+        t = start + j
+        tmask = (t < hi) & (t >= S)
+        if ROPE_SPLIT:  # q · R(t0 + j) k = (R(t0)ᵀ q) · (R(j) k), exact; R(t0)ᵀ q: (g, r/2) work a tile
+            c0, s0 = _cos_sin((start * 1.0) * freq, FAST)
+            ua = (qa32 * c0[None, :] + qb32 * s0[None, :]).to(tl.float16)
+            ub = (qb32 * c0[None, :] - qa32 * s0[None, :]).to(tl.float16)
+            cos, sin = cj, sj
+        elif R > 0:
+            ua, ub = qa, qb
+            cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
+        else:
+            ua, ub = qa, qb
+            cos, sin = 1.0, 0.0
+        s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
+                        kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, E, R, HP,
+                        PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
+        if KSLOTS > 0:
+            s += _outlier_scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
+                                 k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN, KSLOTS, KP,
+                                 FAST, KBITS)
+        m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
+        acc = acc * alpha[:, None]
+        vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
+        if FLOAT:
+            acc = tl.dot(p.to(tl.float16), tl.load(vrows + e[None, :], mask=tmask[:, None], other=0.0)
+                         .to(tl.float16), acc)
+        else:
+            B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM)
+            if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
+                mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+                hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+                lm = lm * alpha + tl.sum(p * mv[None, :], 1)
+                if VSLOTS > 0:  # outliers: B zeroed there, and p · (val - mid) there, one more product
+                    d = tl.full((BLOCK_T, E), float("nan"), tl.float32)  # NaN: no outlier (a compare and a
+                    jj = tl.arange(0, VP)  # select a slot and entry)
+                    ob = slot * v_os + t[:, None] * v_ot + jj[None, :]
+                    om = tmask[:, None] & (jj < VSLOTS)[None, :]
+                    idx2 = tl.load(voi + ob, mask=om, other=-1).to(tl.int32) - hk * E
+                    val2 = tl.load(vov + ob, mask=om, other=0.0).to(tl.float32)
+                    hit = (idx2 >= 0) & (idx2 < E)  # this head's slots, ranked within their token: as many
+                    rank = tl.where(hit, tl.cumsum(hit.to(tl.int32), 1) - 1, VP)  # passes as the tile's busiest
+                    for js in range(tl.max(tl.sum(hit.to(tl.int32), 1), 0)):  # token has (~3 of 10 slots)
+                        idx = tl.sum(tl.where(rank == js, idx2 + 1, 0), 1) - 1  # -1: no more in this token
+                        val = tl.sum(tl.where(rank == js, val2, 0.0), 1)
+                        d = tl.where(idx[:, None] == e[None, :], val[:, None], d)
+                    hit = d == d
+                    B = tl.where(hit, 0.0, B)
+                    acc = tl.dot(p.to(tl.float16), tl.where(hit, d - mv[:, None], 0.0).to(tl.float16), acc)
+                acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
+            else:
+                lm = lm * alpha
+                x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
+                for js in range(VSLOTS):  # outliers written over the tile
+                    ob = slot * v_os + t * v_ot + js
+                    idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
+                    val = tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)
+                    x = tl.where(idx[:, None] == e[None, :], val[:, None], x)
+                acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
+
+    acc = acc + lm[:, None]
+    heads = hk * GROUP + rows
+    if ONE_SPLIT:
+        tl.store(out + i * s_ob + heads[:, None] * s_oh + e[None, :], acc / l[:, None], mask=rmask[:, None])
+    else:  # (m, l, acc) of this split: ws (b, hq, P, e + 2), m and l after acc
+        dst = ws + i * w_b + heads * w_h + sp * w_p
+        tl.store(dst[:, None] + e[None, :], acc, mask=rmask[:, None])
+        tl.store(dst + E, m, mask=rmask)
+        tl.store(dst + E + 1, l, mask=rmask)
+
+
+def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
+    """_decode_kernel's constexprs for a launch (the compile tests build the same)."""
+    return dict(GROUP=group, GP=max(CFG["GP_MIN"], triton.next_power_of_2(group)), E=e, R=rotary_dim,
+                HP=max(16, triton.next_power_of_2(rotary_dim // 2)),
+                PP=max(16, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
+                KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
+                BLOCK_T=block_t, ONE_SPLIT=one_split,
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
+
+
+def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits):
+    """Runs _decode_kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32."""
+    b, hq, e = q.shape
+    codes = kt[0]
+    hkv, capacity = codes.shape[2], codes.shape[1]
+    assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
+    assert rotary_dim % 2 == 0 and rotary_dim <= e
+    for bits in (flags["KBITS"], flags["VBITS"]):  # the byte lookups read whole bytes of a rotary half
+        assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
+    block_t = CFG["BLOCK_T_OUTLIERS"] if flags["KSLOTS"] or flags["VSLOTS"] else CFG["BLOCK_T"]
+    splits = splits or default_splits(b, hkv, capacity, q.device, block_t, CFG)
+    scale = e ** -0.5 if softmax_scale is None else softmax_scale
+    inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
+    out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
+    ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+    ksink, vsink = sinks
+    _decode_kernel[(b, hkv, splits)](
+        q, slots, kv_lens, inv_freq, out, ws, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
+        ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
+        out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
+        num_warps=CFG["num_warps"], num_stages=CFG["num_stages"],
+        **constexprs(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
+    if splits > 1:
+        _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
+                                 out.stride(1), E=e, PS=triton.next_power_of_2(splits))
+    return out
+
+
+def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
+    """Formats this kernel serves (exact on the H100): no sparse outliers, 2-4 bit codes, no RoPE or rotary halves
+    of >= 32 channels."""
+    return (k.out_idx.shape[-1] == 0 and v.out_idx.shape[-1] == 0 and k.bits in (2, 3, 4) and v.bits in (2, 3, 4)
+            and (rotary_dim == 0 or rotary_dim // 2 >= 32))
+
+
+def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
+                    rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None,
+                    splits: int | None = None) -> torch.Tensor:
+    """``quant_kv_decode_ref`` on the GPU for ``eligible`` formats: q (b, hq, e) → (b, hq, e) float32. slots,
+    kv_lens (b,) stay on the GPU (no host sync); ``splits`` overrides ``default_splits``."""
+    if not eligible(k, v, rotary_dim):
+        raise SSMQError("the fast KV decode kernel serves formats without sparse outliers and with no RoPE or "
+                        f"rotary halves of >= 32 channels (rotary dim {rotary_dim}); use ssmq.kernels.kv_decode")
+    kt, ks = _side(k)
+    vt, vs = _side(v)
+    assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
+    assert k.bits in (2, 3, 4) and v.bits in (2, 3, 4), "codes of 2, 3 or 4 bits"
+    flags = dict(FLOAT=False, K_PER_TOKEN=k.per_token, V_PER_TOKEN=v.per_token, KSLOTS=k.out_idx.shape[-1],
+                 VSLOTS=v.out_idx.shape[-1], KBITS=k.bits, VBITS=v.bits, KLEVELS=k.codebook.numel(),
+                 VLEVELS=v.codebook.numel())
+    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (k.sink, v.sink), flags, rotary_dim, theta,
+                   softmax_scale, splits)
