@@ -21,7 +21,8 @@ from ssmq.ops.quant_ssm import RowScales
 
 @triton.jit
 def _table(ss_ptr, sidx_ptr, offs_r, offs_n, mr, m2, s_ssg, s_ssn, s_sidx, HAS_SIDX: tl.constexpr):
-    """The (BR, BN) table scales of the rows: index[row] (sort-and-cluster groups) or the row itself (s_ssg 0: G = 1)."""
+    """The (BR, BN) table scales of the rows: index[row] (sort-and-cluster groups) or the row itself (s_ssg 0:
+    G = 1)."""
     if HAS_SIDX:
         row = tl.load(sidx_ptr + offs_r * s_sidx, mask=mr, other=0).to(tl.int64)
     else:
