@@ -47,10 +47,11 @@ def server(mamba2):
         yield url
 
 
-def offline_text(model, prompt_ids: list[int], max_tokens: int) -> str:
-    """What the server should answer for a greedy request: offline generate, the final EOS hidden."""
+def offline_text(model, prompt_ids: list[int], max_tokens: int, **kwargs) -> str:
+    """What the server should answer for a greedy request: offline generate (``kwargs`` to it), the final EOS
+    hidden."""
     out = generate(model, [prompt_ids], SamplingParams(max_new_tokens=max_tokens, eos_id=TOK.eos_id,
-                                                       vocab_limit=len(TOK)))[0]
+                                                       vocab_limit=len(TOK)), **kwargs)[0]
     return TOK.decode(out[:-1] if out[-1] == TOK.eos_id else out)
 
 
@@ -230,6 +231,23 @@ def test_state_checkpoint_engine_equals_offline(mamba2):
         texts = run_concurrently(url, bodies, [False] * len(bodies))
     for i, (p, text) in enumerate(zip(prompts, texts)):
         assert text == offline_text(mamba2, p, 5 + 3 * i), f"request {i}"
+
+
+def test_int8_state_engine_equals_offline():
+    """A model quantized with ``int8-state`` (the SSM state cache in int8, row scales) serves on its int8 state: the
+    engine's slots hold int8 codes and row scales, and the greedy text equals offline generate's (which decodes on the
+    same format); prompts prefilled whole, so both quantize the state at the same points."""
+    from ssmq.quant import quantize
+
+    model = quantize(tiny_model("mamba2", seed=5), "int8-state", None, progress=False)
+    prompts = random_prompts(8, seed=6)
+    engine = Engine(model, EngineConfig(max_batch=3, max_model_len=96, prefill_tokens=64))
+    assert all(st.ssm.dtype == torch.int8 and st.row_scale is not None for st in engine.runner.cache.states)
+    with BackgroundServer(engine, TOK, ServerConfig((NAME,))) as url:
+        bodies = [{"prompt": p, "max_tokens": 4 + 2 * i, "temperature": 0} for i, p in enumerate(prompts)]
+        texts = run_concurrently(url, bodies, [False] * len(bodies))
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        assert text == offline_text(model, p, 4 + 2 * i), f"request {i}"
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(server, mamba2):
@@ -466,11 +484,13 @@ def test_serve_refuses_a_bad_tp():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_checkpoint", [None, 16])
-@pytest.mark.parametrize("arch", ["mamba2", "hybrid", "hybrid+kvquant"])
+@pytest.mark.parametrize("arch", ["mamba2", "hybrid", "hybrid+kvquant", "mamba2+int8-state"])
 def test_cuda_graph_engine_equals_offline_on_gpu(arch, state_checkpoint):
     """On CUDA the engine decodes from CUDA graphs (and prefills through graph pieces): the same greedy text as
     the offline eager ``generate``, hybrids through the block KV cache, a KVQuant hybrid through its contiguous
-    quantized KV cache."""
+    quantized KV cache, an ``int8-state`` model on its int8 state (prompts of power-of-two lengths: the graph
+    prefill takes a prompt in binary pieces and an int8 state is re-quantized between pieces, where eager offline
+    prefills it whole; such prompts are one piece, so both quantize the state at the same points)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (the interpreter does not capture graphs)")
     model = tiny_model(arch.split("+")[0], seed=4)
@@ -479,13 +499,23 @@ def test_cuda_graph_engine_equals_offline_on_gpu(arch, state_checkpoint):
         from tiny_ssm import synthetic_calibration
 
         quantize(model, "kvquant-nuq4-1%", synthetic_calibration(64, 4, 32), progress=False)
+    int8_state = arch.endswith("+int8-state")
+    if int8_state:
+        from ssmq.quant import quantize
+
+        quantize(model, "int8-state", None, progress=False)
     model = model.cuda()
     prompts = random_prompts(12, seed=3)
-    engine = Engine(model, EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=16, kv_block_size=4,
-                                        state_checkpoint=state_checkpoint))
+    if int8_state:
+        prompts = [p[:1 << (len(p).bit_length() - 1)] for p in prompts]
+    engine = Engine(model, EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=64 if int8_state else 16,
+                                        kv_block_size=4, state_checkpoint=state_checkpoint))
     with BackgroundServer(engine, TOK, ServerConfig((NAME,))) as url:
         bodies = [{"model": NAME, "prompt": p, "max_tokens": 16, "temperature": 0, "stream": i % 2 == 0}
                   for i, p in enumerate(prompts)]  # the openai client requires the model name
         texts = run_concurrently(url, bodies, [i % 3 == 0 for i in range(len(bodies))])
+    # an int8 state is rounded where it is written: offline decodes with the same checkpointing (a float state
+    # replays exactly, so the plain offline text is the reference there)
+    offline = dict(state_checkpoint=state_checkpoint) if int8_state else {}
     for i, (p, text) in enumerate(zip(prompts, texts)):
-        assert text == offline_text(model, p, 16), f"request {i}"
+        assert text == offline_text(model, p, 16, **offline), f"request {i}"
