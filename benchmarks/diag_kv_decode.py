@@ -1,19 +1,18 @@
-"""GPU diagnostic of the second-generation KVQuant decode kernel (issue 17; ``kv_decode_s13.py``, the reverted
-rewrite): isolates each stage in one run and prints max errors, so one short device call says which stage is wrong.
+"""GPU diagnostic of the second-generation KVQuant decode kernel (issue 17; ``ssmq/kernels/kv_decode_fast.py``, shipped
+for the formats it gets right and kept apart from the rest): isolates each stage in one run and prints max errors,
+so one short device call says which stage is wrong.
 
   lookup   the codebook lookup alone (``_lut_words`` + ``_book``: packed codes -> (T, CP) float16) against a gather
            from the codebook, 4 / 3 / 2 bits, PRMT inline asm (asm=1) and the pure-Triton lookup (asm=0), several
            tile shapes and warp counts; on a mismatch prints the codes it returned for row 0 (the permutation).
-  decode   the whole decode against ``quant_kv_decode_ref``: no RoPE / RoPE "split" / "direct", 4 / 3 / 2 bits,
-           without and with outliers, asm on / off; and ``float_kv_decode`` (fp16 products, no lookup).
+  decode   the whole decode (``kv_decode_fast.decode_any``: every format, the ineligible ones too) against
+           ``quant_kv_decode_ref``: no RoPE / RoPE "split" / "direct", 4 / 3 / 2 bits, without and with outliers,
+           asm on / off.
 
 Usage: python benchmarks/diag_kv_decode.py [lookup|decode|all]   (GPU; also runs under SSMQ_TRITON_INTERPRET=1
-with asm=0 only, as a check of the script itself).
-
-The kernel under test is not part of the package (it would duplicate ``ssmq/kernels/kv_decode.py``): it is read
-from $SSMQ_KV_S13 (default ``.dev/kvdec/kv_decode_s13.py``), made by
-``git show fcb741e:benchmarks/kv_decode_s13.py > .dev/kvdec/kv_decode_s13.py`` (commit 9661ea9's kernel with an
-ASM switch)."""
+with asm=0 only, as a check of the script itself). H100, 2026-11-26 (logs ``benchmarks/results/kvquant_h100/
+diag_kv_decode_s15*.log``): exact without outliers and with rotary halves >= 32 channels (hence
+``kv_decode_fast.eligible``); wrong with sparse outliers and with 16-channel halves."""
 
 from __future__ import annotations
 
@@ -25,18 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-_KERNEL = os.environ.get("SSMQ_KV_S13", ".dev/kvdec/kv_decode_s13.py")
-m = _lut_words = _book = None  # set by _load() before any kernel here compiles
-
-
-def _load() -> None:
-    global m, _lut_words, _book
-    if not os.path.isfile(_KERNEL):
-        sys.exit(f"no kernel file {_KERNEL}: git show fcb741e:benchmarks/kv_decode_s13.py > {_KERNEL}")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(_KERNEL)))
-    import kv_decode_s13
-
-    m, _lut_words, _book = kv_decode_s13, kv_decode_s13._lut_words, kv_decode_s13._book
+from ssmq.kernels import kv_decode_fast as m
+from ssmq.kernels.kv_decode_fast import _book, _lut_words
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,7 +106,7 @@ def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0,
     tag = f"decode {name} k{klev} v{vlev} r={r} rope={rope} asm={int(asm)} ko={kslots} vo={vslots} sp={splits} st={stages}"
     args = (q.to(DEV), slots.to(DEV), lens.to(DEV), _to(K, DEV), _to(V, DEV), r, 10000.0)
     try:
-        got = m.quant_kv_decode(*args, splits=splits)
+        got = m.decode_any(*args, splits=splits)
     except Exception as ex:
         print(f"{tag:60s} ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
         return
@@ -126,20 +115,6 @@ def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0,
 
 
 def decode(asms):
-    from ssmq.ops.attention import attention_ref
-
-    gen = torch.Generator().manual_seed(2)
-    s, L, hkv, e, b, hq = 5, 90, 2, 64, 3, 6
-    kc, vc = (torch.randn(s, L, hkv, e, generator=gen).half().to(DEV) for _ in range(2))
-    q = torch.randn(b, hq, e, generator=gen).half().to(DEV)
-    slots = torch.randperm(s, generator=gen)[:b].to(DEV)
-    lens = torch.tensor([L, 1, 37], device=DEV)
-    try:
-        got = m.float_kv_decode(q, slots, lens, kc, vc, splits=1)
-        _report("decode float_kv_decode (fp16 products, no lookup, no RoPE)", got,
-                attention_ref(q.float()[:, None], kc[slots].float(), vc[slots].float(), lens)[:, 0])
-    except Exception as ex:
-        print(f"float_kv_decode ERROR {type(ex).__name__}: {str(ex)[:300]}", flush=True)
     for asm in asms:  # most informative first: plain 4-bit, no RoPE, no outliers
         decode_case("plain", 16, 16, 0, asm=asm)
     decode_case("plain", 16, 16, 0, asm=asms[0], stages=1)  # the software pipeliner (cp.async) out
@@ -158,7 +133,6 @@ def decode(asms):
 
 
 if __name__ == "__main__":
-    _load()
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     asms = (True, False) if DEV == "cuda" else (False,)
     t0 = time.time()

@@ -428,6 +428,13 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     if not eligible(k, v, rotary_dim):
         raise SSMQError("the fast KV decode kernel serves formats without sparse outliers and with no RoPE or "
                         f"rotary halves of >= 32 channels (rotary dim {rotary_dim}); use ssmq.kernels.kv_decode")
+    return decode_any(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, splits)
+
+
+def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int = 0, theta: float = 10000.0,
+               softmax_scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+    """The kernel on any format, the ones it gets wrong included (outliers, 16-channel rotary halves): the entry of
+    ``benchmarks/diag_kv_decode.py``, which isolates those failures on a GPU; the package calls ``quant_kv_decode``."""
     kt, ks = _side(k)
     vt, vs = _side(v)
     assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
