@@ -102,14 +102,16 @@ def test_replay_ring_nbytes_and_errors():
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_replay_int8_state_drifts_less_than_write_every_step(layout):
+@pytest.mark.parametrize("rows", [False, True])
+def test_replay_int8_state_drifts_less_than_write_every_step(layout, rows):
     """An int8 checkpoint is rounded once every K steps; the plain int8 state once a step. Against the float32
     state: replay's error <= (checkpoints written) · scale / 2 (the decay |exp(Δ·A)| <= 1 never grows a rounding
-    error, and Δ·B·x is exact), while plain int8 accumulates one rounding a step and ends further off."""
+    error, and Δ·B·x is exact), while plain int8 accumulates one rounding a step and ends further off. ``rows``:
+    dynamic row scales (each write its own scale, so the per-step bound is checked for the static table only)."""
     s, gen = 3, torch.Generator().manual_seed(2)
     params = _params(layout)
     n = LAYOUTS[layout]["n"]
-    scales = Int8StateScales(torch.full((1, n), 0.05))
+    scales = Int8StateScales(None, rows=True) if rows else Int8StateScales(torch.full((1, n), 0.05))
     ref, _ = _states(layout, s)
     plain, replay = _states(layout, s, torch.int8, scales)
     slots = torch.tensor([2, 0, 1])
@@ -123,9 +125,11 @@ def test_replay_int8_state_drifts_less_than_write_every_step(layout):
         err_plain.append((y_plain - y_ref).abs().max().item())
         err_replay.append((y_replay - y_ref).abs().max().item())
         st_err = (replay.read_ssm(None, params[0]) - ref.read_ssm(None)).abs().max().item()
-        assert st_err <= ((t + 1) // K) * 0.05 / 2 + 1e-5
+        assert rows or st_err <= ((t + 1) // K) * 0.05 / 2 + 1e-5
     assert replay.ssm.dtype == torch.int8
-    assert sum(err_replay) < 0.5 * sum(err_plain)
+    # row scales: each write's rounding error is a fraction of the row's own range, independent across writes, so
+    # K times fewer writes cut the accumulated error by about sqrt(K) (0.52x measured here), not K
+    assert sum(err_replay) < (0.75 if rows else 0.5) * sum(err_plain)
     assert err_replay[K - 2] < 1e-5  # before the first checkpoint write the replay is the float state
 
 
