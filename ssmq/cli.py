@@ -109,7 +109,7 @@ def cmd_quantize(args) -> None:
             tok.backend.save(str(extra[-1]))
         save_quantized(model, out, extra_files=extra, overwrite=args.overwrite)
     n = len([m for m in model.modules() if hasattr(m, "wspec")])
-    states = len([m for m in model.modules() if getattr(m, "state_groups", 0) or getattr(m, "state_rows", False)])
+    states = len([m for m in model.modules() if getattr(m, "int8_state", False)])
     print(f"quantized {n} modules with {recipe.name}" + (f" (int8 SSM state in {states} layers)" if states else "")
           + f" -> {out}")
 

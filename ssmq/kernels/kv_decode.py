@@ -215,6 +215,33 @@ def _softmax_step(m, l, acc, s, v, DOT: tl.constexpr):
 
 
 @triton.jit
+def _split_range(slots, lens, splits, BLOCK_T: tl.constexpr):
+    """This program's (row i, kv head hk, split sp), the row's slot and length n, and the split's tokens [lo, hi):
+    the row's tokens divided among the splits in whole tiles, on the GPU (no host read of the lengths)."""
+    i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots + i).to(tl.int64)
+    n = tl.load(lens + i).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T  # this row's tokens a split, whole tiles
+    lo = sp * chunk
+    return i, hk, sp, slot, n, lo, tl.minimum(lo + chunk, n)
+
+
+@triton.jit
+def _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b, w_h, w_p,
+                 GROUP: tl.constexpr, E: tl.constexpr, ONE_SPLIT: tl.constexpr):
+    """The output of the kv head's query heads: acc / l (one split), or this split's (m, l, acc) for
+    ``_combine_kernel`` in ws (b, hq, P, e + 2), m and l after acc."""
+    heads = hk * GROUP + rows
+    if ONE_SPLIT:
+        tl.store(out + i * s_ob + heads[:, None] * s_oh + e[None, :], acc / l[:, None], mask=rmask[:, None])
+    else:
+        dst = ws + i * w_b + heads * w_h + sp * w_p
+        tl.store(dst[:, None] + e[None, :], acc, mask=rmask[:, None])
+        tl.store(dst + E, m, mask=rmask)
+        tl.store(dst + E + 1, l, mask=rmask)
+
+
+@triton.jit
 def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
@@ -224,12 +251,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    DOT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
-    i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots + i).to(tl.int64)
-    n = tl.load(lens + i).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T  # this row's tokens a split, whole tiles
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, n)
+    i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
 
     rows = tl.arange(0, GP)  # the kv head's query heads, padded (the values' product needs >= 16 rows)
     rmask = rows < GROUP
@@ -259,15 +281,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
         v = _tile(vc, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
                   v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS, VBITS)
         m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
-
-    heads = hk * GROUP + rows
-    if ONE_SPLIT:
-        tl.store(out + i * s_ob + heads[:, None] * s_oh + e[None, :], acc / l[:, None], mask=rmask[:, None])
-    else:  # (m, l, acc) of this split: ws (b, hq, P, e + 2), m and l after acc
-        dst = ws + i * w_b + heads * w_h + sp * w_p
-        tl.store(dst[:, None] + e[None, :], acc, mask=rmask[:, None])
-        tl.store(dst + E, m, mask=rmask)
-        tl.store(dst + E + 1, l, mask=rmask)
+    _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b, w_h, w_p, GROUP, E, ONE_SPLIT)
 
 
 @triton.jit
@@ -313,35 +327,54 @@ def _side(v: KVSideView):
                                                           o.stride(0), o.stride(1))
 
 
-def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits):
-    """Runs _decode_kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32."""
+def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
+    """_decode_kernel's constexprs for a launch."""
+    return dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), E=e, R=rotary_dim,
+                HP=max(16, triton.next_power_of_2(rotary_dim // 2)), PP=max(16, triton.next_power_of_2(e - rotary_dim)),
+                S=sink, SP=max(16, triton.next_power_of_2(sink)), KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)),
+                BLOCK_T=block_t, ONE_SPLIT=one_split, FAST=FAST_TRIG, DOT=CFG["dot"], **flags)
+
+
+def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
+            kernel=None, cfg=None, const=None):
+    """Runs a decode kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32.
+    ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
+    ``kv_decode_fast``'s (the same arguments, the same split / combine scheme)."""
+    kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     b, hq, e = q.shape
     codes = kt[0]
     hkv, capacity = codes.shape[2], codes.shape[1]
     assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
     assert rotary_dim % 2 == 0 and rotary_dim <= e
-    block_t = CFG["BLOCK_T_OUTLIERS"] if flags["KSLOTS"] or flags["VSLOTS"] else CFG["BLOCK_T"]
-    splits = splits or default_splits(b, hkv, capacity, q.device, block_t)
+    block_t = cfg["BLOCK_T_OUTLIERS"] if flags["KSLOTS"] or flags["VSLOTS"] else cfg["BLOCK_T"]
+    splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
     out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
     ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     ksink, vsink = sinks
-    S = ksink.shape[1]
-    group = hq // hkv
-    _decode_kernel[(b, hkv, splits)](
+    kernel[(b, hkv, splits)](
         q, slots, kv_lens, inv_freq, out, ws, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
-        GROUP=group, GP=max(16, triton.next_power_of_2(group)), E=e, R=rotary_dim,
-        HP=max(16, triton.next_power_of_2(rotary_dim // 2)), PP=max(16, triton.next_power_of_2(e - rotary_dim)),
-        S=S, SP=max(16, triton.next_power_of_2(S)), KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)),
-        BLOCK_T=block_t, ONE_SPLIT=splits == 1, FAST=FAST_TRIG, DOT=CFG["dot"],
-        num_warps=CFG["num_warps"], num_stages=CFG["num_stages"], **flags)
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
     if splits > 1:
         _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
                                  out.stride(1), E=e, PS=triton.next_power_of_2(splits))
     return out
+
+
+def quant_args(k: KVSideView, v: KVSideView):
+    """(kt, ks, vt, vs, sinks, flags): the pointers, strides, sinks and flags of a quantized cache's two sides, as
+    ``_launch`` takes them (checked)."""
+    kt, ks = _side(k)
+    vt, vs = _side(v)
+    assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
+    assert k.bits in (2, 3, 4) and v.bits in (2, 3, 4), "codes of 2, 3 or 4 bits"
+    flags = dict(FLOAT=False, K_PER_TOKEN=k.per_token, V_PER_TOKEN=v.per_token, KSLOTS=k.out_idx.shape[-1],
+                 VSLOTS=v.out_idx.shape[-1], KBITS=k.bits, VBITS=v.bits)
+    return kt, ks, vt, vs, (k.sink, v.sink), flags
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
@@ -349,14 +382,7 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
                     splits: int | None = None) -> torch.Tensor:
     """``quant_kv_decode_ref`` on the GPU: q (b, hq, e) → (b, hq, e) float32. slots, kv_lens (b,) stay on the
     GPU (no host sync); ``splits`` overrides ``default_splits``."""
-    kt, ks = _side(k)
-    vt, vs = _side(v)
-    assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
-    assert k.bits in (2, 3, 4) and v.bits in (2, 3, 4), "codes of 2, 3 or 4 bits"
-    flags = dict(FLOAT=False, K_PER_TOKEN=k.per_token, V_PER_TOKEN=v.per_token, KSLOTS=k.out_idx.shape[-1],
-                 VSLOTS=v.out_idx.shape[-1], KBITS=k.bits, VBITS=v.bits)
-    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (k.sink, v.sink), flags, rotary_dim, theta,
-                   softmax_scale, splits)
+    return _launch(q, slots, kv_lens, *quant_args(k, v), rotary_dim, theta, softmax_scale, splits)
 
 
 def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k_cache: torch.Tensor,

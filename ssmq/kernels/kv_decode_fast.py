@@ -57,8 +57,8 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _combine_kernel, _cos_sin, _inv_freq, _outlier_scores, _side,
-                                    default_splits)
+from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _launch, _outlier_scores, _split_range,
+                                    _store_split, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -257,12 +257,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
                    ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
-    i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots + i).to(tl.int64)
-    n = tl.load(lens + i).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T  # this row's tokens a split, whole tiles
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, n)
+    i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
 
@@ -364,15 +359,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                     x = tl.where(idx[:, None] == e[None, :], val[:, None], x)
                 acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
 
-    acc = acc + lm[:, None]
-    heads = hk * GROUP + rows
-    if ONE_SPLIT:
-        tl.store(out + i * s_ob + heads[:, None] * s_oh + e[None, :], acc / l[:, None], mask=rmask[:, None])
-    else:  # (m, l, acc) of this split: ws (b, hq, P, e + 2), m and l after acc
-        dst = ws + i * w_b + heads * w_h + sp * w_p
-        tl.store(dst[:, None] + e[None, :], acc, mask=rmask[:, None])
-        tl.store(dst + E, m, mask=rmask)
-        tl.store(dst + E + 1, l, mask=rmask)
+    _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, GROUP, E,
+                 ONE_SPLIT)
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
@@ -383,34 +371,6 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
                 FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
-
-
-def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits):
-    """Runs _decode_kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32."""
-    b, hq, e = q.shape
-    codes = kt[0]
-    hkv, capacity = codes.shape[2], codes.shape[1]
-    assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
-    assert rotary_dim % 2 == 0 and rotary_dim <= e
-    for bits in (flags["KBITS"], flags["VBITS"]):  # the byte lookups read whole bytes of a rotary half
-        assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
-    block_t = CFG["BLOCK_T_OUTLIERS"] if flags["KSLOTS"] or flags["VSLOTS"] else CFG["BLOCK_T"]
-    splits = splits or default_splits(b, hkv, capacity, q.device, block_t, CFG)
-    scale = e ** -0.5 if softmax_scale is None else softmax_scale
-    inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
-    out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
-    ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
-    ksink, vsink = sinks
-    _decode_kernel[(b, hkv, splits)](
-        q, slots, kv_lens, inv_freq, out, ws, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
-        ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
-        out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
-        num_warps=CFG["num_warps"], num_stages=CFG["num_stages"],
-        **constexprs(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
-    if splits > 1:
-        _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
-                                 out.stride(1), E=e, PS=triton.next_power_of_2(splits))
-    return out
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
@@ -435,12 +395,9 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
                softmax_scale: float | None = None, splits: int | None = None) -> torch.Tensor:
     """The kernel on any format, the ones it gets wrong included (outliers, 16-channel rotary halves): the entry of
     ``benchmarks/diag_kv_decode.py``, which isolates those failures on a GPU; the package calls ``quant_kv_decode``."""
-    kt, ks = _side(k)
-    vt, vs = _side(v)
-    assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
-    assert k.bits in (2, 3, 4) and v.bits in (2, 3, 4), "codes of 2, 3 or 4 bits"
-    flags = dict(FLOAT=False, K_PER_TOKEN=k.per_token, V_PER_TOKEN=v.per_token, KSLOTS=k.out_idx.shape[-1],
-                 VSLOTS=v.out_idx.shape[-1], KBITS=k.bits, VBITS=v.bits, KLEVELS=k.codebook.numel(),
-                 VLEVELS=v.codebook.numel())
-    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (k.sink, v.sink), flags, rotary_dim, theta,
-                   softmax_scale, splits)
+    kt, ks, vt, vs, sinks, flags = quant_args(k, v)
+    flags.update(KLEVELS=k.codebook.numel(), VLEVELS=v.codebook.numel())
+    for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
+        assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
+    return _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
+                   _decode_kernel, CFG, constexprs)

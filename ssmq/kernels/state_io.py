@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import pow2, quantize_rne, rne_int8
-from ssmq.ops.quant_ssm import RowScales
+from ssmq.kernels.state_update import _row_scales, _state_table
 
 
 @triton.jit
@@ -73,20 +73,15 @@ def _slots(idx, count: int, device) -> torch.Tensor:
 
 
 def _args(state, state_scale, state_index):
-    """(row-scale tensor (s, R) or None, table, index, table row stride, the rows-per-slot view of the state)."""
-    s, n = state.shape[0], state.shape[-1]
-    q = state.view(s, -1, n)
+    """(row-scale tensor (s, R) or None, table, index, table row stride, the rows-per-slot view of the state), checked
+    as the state-update kernel checks them."""
     if state.dtype != torch.int8 or state_scale is None:
         raise SSMQError(f"state_io handles int8 states with their scales, got a {state.dtype} state")
-    if isinstance(state_scale, RowScales):
-        rs = state_scale.scale
-        if tuple(rs.shape) != tuple(state.shape[:-1]) or rs.dtype != torch.float32:
-            raise SSMQError(f"row scales must be float32 {tuple(state.shape[:-1])}, got {rs.dtype} {tuple(rs.shape)}")
-        return rs.view(s, -1), None, None, 0, q
-    table = state_scale.float()
-    if table.dim() != 2 or table.shape[1] != n:
-        raise SSMQError(f"an int8 state needs a (G, n = {n}) scale table, got {tuple(table.shape)}")
-    return None, table, state_index, table.stride(0) if table.shape[0] > 1 else 0, q
+    s, n = state.shape[0], state.shape[-1]
+    q = state.view(s, -1, n)
+    rs = _row_scales(state, state_scale, state_index)
+    table, index, s_ssg = _state_table(state, state_scale, state_index, q.shape[1])
+    return None if rs is None else rs.view(s, -1), table, index, s_ssg, q
 
 
 def _launch(read: bool, data, state, state_scale, state_index, slots) -> None:

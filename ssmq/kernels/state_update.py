@@ -198,6 +198,10 @@ def _state_update(
     grp = pid_h // HPG  # a constexpr divisor: a multiply and a shift, not a ~20-instruction integer division
 
     s_rows = state_ptr + slot * s_sb + pid_h * s_sh + offs_p[:, None] * s_sp  # (BP, 1): the tile's rows
+    # row scales on Mamba-2's plain step: each row's scale folded into the head's decay, one multiply a row, so the
+    # codes' values go straight into the step (code · (scale · exp(Δ·A)) + (Δ·x) B: _advance with the scale applied
+    # first, one multiply a value fewer; ncu: this kernel is issue-bound)
+    FOLD: tl.constexpr = Q_STATE and ROWS and TIE_HDIM and not REPLAY
     row, rsc = offs_p, 1.0
     if Q_STATE and ROWS:  # dynamic row scales: one per channel row of the tile, (BP, 1) against its values
         rs_rows = rs_ptr + slot * s_rsb + pid_h * s_rsh + offs_p * s_rsp
@@ -294,10 +298,7 @@ def _state_update(
                 sc = _state_scales(ss_ptr, row, offs_c, s_ssg, s_ssn, mc2)
             else:
                 sc = 1.0
-            if Q_STATE and ROWS and TIE_HDIM and not REPLAY:
-                # the row's scale folded into the head's decay, one multiply a row: the codes' values go straight
-                # into the step (code · (scale · exp(Δ·A)) + (Δ·x) B, as _advance with the scale applied first, one
-                # multiply a value fewer; ncu: this kernel is issue-bound)
+            if FOLD:
                 hs = int8_to_float(tl.load(s_ptrs, mask=mc2, other=0), PTX_CODES) * (sc * tl.exp(dt * A))
             else:
                 hs = _load_state(s_ptrs, sc, mc2, Q_STATE, PTX_CODES)
@@ -313,7 +314,7 @@ def _state_update(
             if REPLAY:  # the entries replayed one by one, in registers (Mamba-2: only when the ring is full, 1 in K)
                 hs = _replay(hs, Ac, rx, rdt, rB_row + offs_c * s_rBn, cnt, s_rxr, s_rdtr, s_rdtp, s_rBr, offs_p, mp,
                              mc, TIE_HDIM, RING_STAGES)
-            if Q_STATE and ROWS and TIE_HDIM and not REPLAY:  # (decayed above)
+            if FOLD:  # (decayed above)
                 hs += (x * dt)[:, None] * _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B)[None, :]
             else:
                 hs = _advance(hs, x, dt, _vec(B_row, Bs_row, offs_c, s_Bn, s_Bsn, mc, Q_B), Ac, TIE_HDIM)

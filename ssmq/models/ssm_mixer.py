@@ -46,6 +46,11 @@ class SSMMixer(nn.Module):
         else:
             self.state_index = None
 
+    @property
+    def int8_state(self) -> bool:
+        """Whether the state is stored int8 (static scale groups or dynamic row scales)."""
+        return bool(self.state_groups) or self.state_rows
+
     def state_scales(self) -> Int8StateScales | None:
         """The int8 state's scales (the buffers themselves: allocate the cache after moving the model)."""
         if self.state_rows:
@@ -78,7 +83,7 @@ class SSMMixer(nn.Module):
 
     def spec(self) -> dict | None:
         """The checkpoint's record of this mixer (None for a float state: the float skeleton rebuilds it)."""
-        if not (self.state_groups or self.state_rows):
+        if not self.int8_state:
             return None
         state = {"bits": 8, "groups": self.state_groups} | ({"scales": "rows"} if self.state_rows else {})
         return {"kind": SPEC_KIND, "config": self.cfg.to_dict(), "layer_idx": self.layer_idx, "state": state}
