@@ -6,11 +6,11 @@ full RoPE on keys cached before it), batch 1 (and --batch), one new token per ro
                      fp16 cache (keys post-RoPE), so that the comparison is kernel against kernel
     fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
     fp16 ref         ``ops.attention_ref`` (float32 copies, GQA by repeat_interleave): "fp16 ours" until issue 17
-    kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_fast`` for the formats it serves, i.e. the
-                     rows without outliers here, else ``kv_decode``): codes packed at 4, 3, 2 bits, per-channel keys
+    kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_fast`` for the formats it serves, every
+                     row here since 2026-11-26, else ``kv_decode``): codes packed at 4, 3, 2 bits, per-channel keys
                      (pre-RoPE, RoPE on the fly), per-token values, sink 1; without outliers, and with 1% (20 key /
                      10 value outlier slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels);
-                     the rows without outliers also timed on the first-generation kernel ("... first gen")
+                     every row also timed on the first-generation kernel ("... first gen")
 Times are medians of CUDA-graph replays with the L2 flushed before each (``timeit``; ms); "KV MB" the cache bytes read, "limit ms" the time those
 bytes take at HBM_TBPS (H100 SXM: 3.35 TB/s). The first length's rows also record the kernels' max |error|
 against ``quant_kv_decode_ref`` / ``attention_ref``. JSON and PNG to --out. --cfg overrides
@@ -146,8 +146,7 @@ def run(lengths: list[int], batch: int) -> list[dict]:
             r[f"{label} KV MB"] = nbytes(K, V) / 1e6
             r[f"{label} limit ms"] = r[f"{label} KV MB"] / HBM_TBPS / 1e3
             r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
-            if not (ko or vo):
-                r[f"{label} first gen ms"] = timeit(lambda: kv_decode.quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+            r[f"{label} first gen ms"] = timeit(lambda: kv_decode.quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
             if L == lengths[0]:
                 want = quant_kv_decode_ref(q.float(), slots, lens, K, V, E, 10000.0)
                 r[f"{label} max err"] = float((quant_kv_decode(q, slots, lens, K, V, E, 10000.0) - want).abs().max())

@@ -81,12 +81,13 @@ def shares(fn) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in out.items()} if total else {}
 
 
-# --sweep: launch settings of the two kernels that take 90%+ of the int8 SSD (the fused scan, the chunk state), each
-# varied with the others at their defaults; the int8 SSD timed alone at each (batch, L)
-SWEEP = [("scan", dict(BM=128)), ("scan", dict(BP=32)), ("scan", dict(num_warps=8)), ("scan", dict(num_stages=3)),
-         ("scan", dict(num_stages=1)), ("scan", dict(FACTORED=False)), ("scan", dict(BM=128, num_warps=8)),
-         ("scan", dict(BK=64)), ("state", dict(BT=64)), ("state", dict(BT=256)), ("state", dict(BP=32)),
-         ("state", dict(num_warps=8)), ("state", dict(num_stages=3)), ("state", dict(BN=64))]
+# --sweep: launch settings of the kernels that take 90%+ of the int8 SSD (the fused scan, the chunk state), each varied
+# with the others at their defaults; the int8 SSD timed alone at each (batch, L). The first sweep (2026-11-26, before
+# the float16 products; benchmarks/results/ssdi8_h100/sweep_s16.json) also tried scan BM 128 / BP 32 / 8 warps /
+# 3 stages and state BT 64 / 256 / BP 32 / 8 warps / 3 stages / BN 64: all slower or within 1%; the second (same
+# day, float16 products in; sweep_s17.json) BN 64, BT 64 + BN 64, 8 warps, scan BK 64, BM 128 + 8 warps, BP 32.
+SWEEP = [("scan", dict(F16MMA=True)), ("scan", dict(FACTORED=True)), ("scan", dict(num_stages=2)),
+         ("state", dict(F16MMA=False)), ("state", dict(BT=64)), ("state", dict(BP=32)), ("state", dict(num_stages=3))]
 
 
 def run_sweep(shapes, errors: dict) -> list[dict]:

@@ -91,10 +91,11 @@ def _to(view, dev):
 
 
 def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0, k_per_token=False,
-                b=2, hq=4, hkv=2, e=64, L=100, splits=1, stages=2):
+                b=2, hq=4, hkv=2, e=64, L=100, splits=1, stages=2, block_t=None, vranked=True):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
-    m.CFG.update(ROPE=rope, ASM=asm, num_stages=stages)
+    m.CFG.update(ROPE=rope, ASM=asm, num_stages=stages, BLOCK_T=block_t or 32, BLOCK_T_OUTLIERS=block_t or 16,
+                 VRANKED=vranked)
     gen = torch.Generator().manual_seed(0)
     s = b + 2
     K = _side(s, L, hkv, e, k_per_token, kslots, gen, klev)
@@ -103,7 +104,8 @@ def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0,
     slots = torch.randperm(s, generator=gen)[:b]
     lens = torch.full((b,), L)
     lens[1:] = L // 2 + 3
-    tag = f"decode {name} k{klev} v{vlev} r={r} rope={rope} asm={int(asm)} ko={kslots} vo={vslots} sp={splits} st={stages}"
+    tag = (f"decode {name} k{klev} v{vlev} r={r} rope={rope} asm={int(asm)} ko={kslots} vo={vslots} sp={splits} "
+           f"st={stages} bt={block_t} ranked={int(vranked)}")
     args = (q.to(DEV), slots.to(DEV), lens.to(DEV), _to(K, DEV), _to(V, DEV), r, 10000.0)
     try:
         got = m.decode_any(*args, splits=splits)
@@ -128,8 +130,20 @@ def decode(asms):
     decode_case("mixed", 16, 4, 0, asm=asms[0])  # 4-bit keys, 2-bit values
     decode_case("mixed", 4, 16, 0, asm=asms[0])  # 2-bit keys, 4-bit values
     decode_case("ptok", 16, 16, 0, asm=asms[0], k_per_token=True)
-    for asm in asms:  # the failing test's case0 shape: 3-bit, partial RoPE, key + value outliers
-        decode_case("case0", 8, 8, 32, "split", asm, kslots=2, vslots=1, b=2, hq=6, hkv=2, e=64)
+    decode_case("rope e32", 16, 16, 32, "split", asms[0], e=32)  # full RoPE, 16-channel halves
+    decode_case("rope3", 8, 8, 32, "split", asms[0])
+    # the outliers, one thing at a time (asm only: the gathered lookup with outliers does not compile, s15):
+    # 16-token tiles alone, then key outliers alone and value outliers alone, no RoPE, 4 bits
+    decode_case("bt16", 16, 16, 0, asm=asms[0], block_t=16)
+    decode_case("kout", 16, 16, 0, asm=asms[0], kslots=2)
+    decode_case("vout", 16, 16, 0, asm=asms[0], vslots=1)
+    decode_case("kout ptok", 16, 16, 0, asm=asms[0], kslots=2, k_per_token=True)
+    decode_case("vout bt32", 16, 16, 0, asm=asms[0], vslots=1, block_t=32)
+    decode_case("vout loop", 16, 16, 0, asm=asms[0], vslots=1, vranked=False)
+    decode_case("vout3 loop", 8, 8, 0, asm=asms[0], vslots=2, vranked=False)
+    # the failing test's case0 shape: 3-bit, partial RoPE, key + value outliers
+    for vranked in (True, False):
+        decode_case("case0", 8, 8, 32, "split", asms[0], kslots=2, vslots=1, b=2, hq=6, hkv=2, e=64, vranked=vranked)
 
 
 if __name__ == "__main__":

@@ -154,22 +154,26 @@ def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4, n
 
 # SSDi8 (ssmq.kernels.ssdi8): each kernel with its constexpr variants, the tiles at the smallest and the tuned sizes
 # (int8 tl.dot needs K >= 32 and M, N >= 16 on sm_90: the first H100 run refused a K = 16 tile)
-_SCAN = dict(LUT_IN=False, DIAG=True, FACTORED=True, HAS_D=True, HAS_Z=True, DOT_PREC="tf32", BM=64, BP=64, BK=128,
-             BS=64)
+_SCAN = dict(LUT_IN=False, DIAG=True, FACTORED=True, HAS_D=True, HAS_Z=True, DOT_PREC="tf32", F16MMA=True, BM=64,
+             BP=64, BK=128, BS=64)
 _SMALL = dict(BM=16, BP=16, BK=32, BS=16)
 SSDI8 = {
-    "chunk_state-quant_x": ("_chunk_state_q", {"x_ptr": "fp16"}, dict(QUANT_X=True, BT=128, BP=64, BN=128)),
-    "chunk_state-quant_x-fp32-small": ("_chunk_state_q", {"x_ptr": "fp32"}, dict(QUANT_X=True, BT=32, BP=16, BN=16)),
-    "chunk_state-codes-small": ("_chunk_state_q", {}, dict(QUANT_X=False, BT=32, BP=16, BN=16)),
+    "chunk_state-quant_x": ("_chunk_state_q", {"x_ptr": "fp16"}, dict(QUANT_X=True, F16MMA=True, BT=128, BP=64, BN=128)),
+    "chunk_state-quant_x-fp32-small": ("_chunk_state_q", {"x_ptr": "fp32"}, dict(QUANT_X=True, F16MMA=False, BT=32, BP=16, BN=16)),
+    "chunk_state-codes-small": ("_chunk_state_q", {}, dict(QUANT_X=False, F16MMA=True, BT=32, BP=16, BN=16)),
     "state_passing-cs": ("_state_passing_q", {"decay_ptr": "fp32"},
                          dict(HAS_INIT=True, DECAY_CS=True, BLOCK=1024, SHIFT=7)),
     "state_passing-codes": ("_state_passing_q", {}, dict(HAS_INIT=False, DECAY_CS=False, BLOCK=256, SHIFT=7)),
-    "chunk_bmm-causal": ("_chunk_bmm_q", {"out_ptr": "i32"}, dict(CAUSAL=True, BM=64, BS=64, BK=128)),
-    "chunk_bmm-small": ("_chunk_bmm_q", {"out_ptr": "i32"}, dict(CAUSAL=False, BM=16, BS=16, BK=32)),
+    "chunk_bmm-causal": ("_chunk_bmm_q", {"out_ptr": "fp32"}, dict(CAUSAL=True, F16MMA=True, BM=64, BS=64, BK=128)),
+    "chunk_bmm-causal-i8mma": ("_chunk_bmm_q", {"out_ptr": "i32"},
+                               dict(CAUSAL=True, F16MMA=False, BM=64, BS=64, BK=128)),
+    "chunk_bmm-small": ("_chunk_bmm_q", {"out_ptr": "i32"}, dict(CAUSAL=False, F16MMA=True, BM=16, BS=16, BK=32)),
     "chunk_scan-fp16-Dz": ("_chunk_scan_q", {"x_ptr": "fp16", "z_ptr": "fp16", "y_ptr": "fp16"}, _SCAN),
     "chunk_scan-bf16-n64-direct": ("_chunk_scan_q", {"x_ptr": "bf16", "z_ptr": "bf16", "y_ptr": "bf16"},
                                    {**_SCAN, "FACTORED": False, "BK": 64}),
     "chunk_scan-fp32": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"}, {**_SCAN, "DOT_PREC": "ieee"}),
+    "chunk_scan-fp16-i8mma": ("_chunk_scan_q", {"x_ptr": "fp16", "z_ptr": "fp16", "y_ptr": "fp16", "cb_ptr": "i32"},
+                              {**_SCAN, "F16MMA": False}),
     "chunk_scan-fp32-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
                               {**_SCAN, **_SMALL, "HAS_D": False, "HAS_Z": False, "DOT_PREC": "ieee"}),
     "chunk_scan-off-small": ("_chunk_scan_q", {"x_ptr": "fp32", "z_ptr": "fp32"},
@@ -179,7 +183,7 @@ SSDI8 = {
 SSDI8_POINTERS = {"x_ptr": "i8", "B_ptr": "i8", "C_ptr": "i8", "S_ptr": "i8", "dt_ptr": "fp32", "cs_ptr": "fp32",
                   "xsc_ptr": "fp32", "mult_ptr": "fp32", "out_ptr": "i8", "chunk_ptr": "i8", "decay_ptr": "i32",
                   "init_ptr": "i8", "enter_ptr": "i8", "final_ptr": "i8", "lut_ptr": "fp32", "Cs_ptr": "fp32",
-                  "Bs_ptr": "fp32", "ss_ptr": "fp32", "cb_ptr": "i32", "D_ptr": "fp32", "z_ptr": "fp16",
+                  "Bs_ptr": "fp32", "ss_ptr": "fp32", "cb_ptr": "fp32", "D_ptr": "fp32", "z_ptr": "fp16",
                   "y_ptr": "fp32"}
 
 
@@ -373,19 +377,20 @@ def test_state_io_compiles_for_sm90(rows, read):
     _compile_sm90(state_io._state_io, pointers, dict(READ=read, ROWS=rows, HAS_SIDX=not rows, BR=32, BN=128))
 
 
-@pytest.mark.parametrize("e,r,bits", [(128, 128, 4), (128, 64, 3), (64, 64, 2), (64, 0, 4)])
-def test_fast_kv_decode_compiles_for_sm90(e, r, bits):
-    """kv_decode_fast (PRMT codebook lookups, fp16 tensor-core products) for the formats it serves: no outliers,
-    rotary halves >= 32 channels or no RoPE; its constexprs as the launcher builds them."""
+@pytest.mark.parametrize("e,r,bits,slots", [(128, 128, 4, 0), (128, 64, 3, 0), (64, 64, 2, 0), (64, 0, 4, 0),
+                                            (64, 32, 3, 0), (32, 16, 2, 0), (64, 32, 3, 2), (128, 128, 4, 10)])
+def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
+    """kv_decode_fast (PRMT codebook lookups, fp16 tensor-core products), its constexprs as the launcher builds them:
+    the formats it serves (no outliers) and the outlier ones it is being fixed for (slots: key and value slots)."""
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
                 "kc": "u8", "kmid": "fp32", "khalf": "fp32", "klut": "fp32", "koi": "i16", "kov": "fp16",
                 "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
                 "vov": "fp16", "vsink": "fp16"}
-    flags = dict(FLOAT=False, K_PER_TOKEN=False, V_PER_TOKEN=True, KSLOTS=0, VSLOTS=0, KBITS=bits, VBITS=bits,
-                 KLEVELS=2 ** bits, VLEVELS=2 ** bits)
-    const = kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T"], False)
+    flags = dict(FLOAT=False, K_PER_TOKEN=False, V_PER_TOKEN=True, KSLOTS=slots, VSLOTS=slots, KBITS=bits,
+                 VBITS=bits, KLEVELS=2 ** bits, VLEVELS=2 ** bits)
+    const = kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T_OUTLIERS" if slots else "BLOCK_T"], False)
     compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=kf.CFG["num_warps"],
                              num_stages=kf.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"

@@ -76,6 +76,9 @@ FAST_CASES = [  # b, hq, hkv, e, L, rotary dim, (no key outliers), sink, levels:
     (1, 6, 2, 128, 300, 128, 0, 0, 8),       # Llama / Bamba-9B-style heads (e 128, full RoPE), 3 bits
     (2, 4, 2, 128, 120, 64, 0, 2, (4, 16)),  # partial RoPE with 32-channel halves, 2-bit keys, 4-bit values
     (3, 4, 4, 64, 80, 0, 0, 0, 4),           # no RoPE, 2 bits
+    (2, 6, 2, 64, 100, 32, 0, 1, 8),         # the hybrid's heads: partial RoPE with 16-channel halves, 3 bits
+    (1, 4, 4, 32, 70, 32, 0, 0, 16),         # full RoPE with 16-channel halves, 4 bits
+    (2, 4, 2, 32, 60, 16, 0, 1, (4, 16)),    # 8-channel halves (the gathered lookup there), 2-bit keys
 ]
 
 
@@ -87,15 +90,27 @@ def test_fast_kernel_equals_reference(kf, case, k_per_token, splits):
     _check(kf, case, k_per_token, splits, v_outliers=0, tol=3e-3)
 
 
+OUTLIER_CASES = [c for c in CASES + SPLIT_CASES if c[3] % 32 == 0]  # head dims the fast kernel serves
+
+
+@pytest.mark.parametrize("case", OUTLIER_CASES)
+@pytest.mark.parametrize("k_per_token", [False, True])
+def test_fast_kernel_with_outliers_equals_reference(kf, case, k_per_token):
+    """Key and value sparse outliers (1 value slot), sinks, ragged rows, 16-channel rotary halves."""
+    _check(kf, case, k_per_token, None, v_outliers=1, tol=3e-3)
+
+
 def test_fast_kernel_refuses_what_it_does_not_serve(kf):
     gen = torch.Generator().manual_seed(0)
     K, V = side(3, 20, 2, 64, False, 1, 0, gen), side(3, 20, 2, 64, True, 0, 0, gen)
-    q, slots, lens = torch.randn(1, 4, 64).to(DEV), torch.tensor([0]).to(DEV), torch.tensor([20]).to(DEV)
-    assert not kf.eligible(K, V, 64) and not kf.eligible(V, V, 32) and kf.eligible(V, V, 64)
+    K16 = side(3, 20, 2, 16, False, 0, 0, gen)
+    q, slots, lens = torch.randn(1, 4, 16).to(DEV), torch.tensor([0]).to(DEV), torch.tensor([20]).to(DEV)
+    assert kf.eligible(K, V, 64) and kf.eligible(V, V, 32) and not kf.eligible(V, V, 24)
+    assert not kf.eligible(K16, K16, 16)  # head dim 16: 16-wide tensor-core products
     from ssmq.errors import SSMQError
 
     with pytest.raises(SSMQError, match="fast KV decode kernel serves"):
-        kf.quant_kv_decode(q, slots, lens, K, V, 64)
+        kf.quant_kv_decode(q, slots, lens, K16, K16, 16)
 
 
 def _check(k, case, k_per_token, splits=None, v_outliers=1, tol=1e-4):

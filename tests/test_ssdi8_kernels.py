@@ -20,10 +20,18 @@ def codes(*shape, gen):
     return torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen).to(DEV)
 
 
+def products(k, monkeypatch, f16):
+    """int8 codes multiplied on float16 tensor cores (f16) or int8 ones, in every kernel."""
+    for cfg in k.CFG.values():
+        monkeypatch.setitem(cfg, "F16MMA", f16)
+
+
+@pytest.mark.parametrize("f16", [True, False], ids=["f16mma", "i8mma"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_integer_stages_bit_exact(k, shape):
+def test_integer_stages_bit_exact(k, shape, f16, monkeypatch):
     from ssmq.ops import ssd_int8 as ref
 
+    products(k, monkeypatch, f16)
     b, c, T, h, p, g, n = shape
     gen = torch.Generator().manual_seed(0)
     xs, B, C = codes(b, c, T, h, p, gen=gen), codes(b, c, T, g, n, gen=gen), codes(b, c, T, g, n, gen=gen)
@@ -40,6 +48,23 @@ def test_integer_stages_bit_exact(k, shape):
     lut, ss = torch.rand(b, c, T, h, generator=gen).to(DEV), torch.rand(h, p, generator=gen).to(DEV)
     want = ref.chunk_scan_off_int8(C.cpu(), chunk.cpu(), lut.cpu(), ss.cpu())
     assert torch.equal(k.chunk_scan_off_q(C, chunk, lut, ss), want.to(DEV))
+
+
+@pytest.mark.parametrize("f16", [True, False], ids=["f16mma", "i8mma"])
+def test_products_exact_at_the_float16_limit(k, f16, monkeypatch):
+    """The largest contraction the float16 products take (F16MMA_MAX_K terms of -128 · -128: 2^24, where float32 still
+    holds every integer) and one term past it (int8 products then): ChunkBMM's int32 equals the reference's."""
+    from ssmq.ops import ssd_int8 as ref
+
+    products(k, monkeypatch, f16)
+    gen = torch.Generator().manual_seed(3)
+    for n in (k.F16MMA_MAX_K, k.F16MMA_MAX_K + 32):
+        C = torch.full((1, 1, 16, 1, n), -128, dtype=torch.int8)
+        B = C.clone()
+        B[0, 0, 1:] = torch.randint(-128, 128, (15, 1, n), dtype=torch.int8, generator=gen)  # rows 1-15: mixed signs
+        want = ref.chunk_bmm_int8(C, B)
+        assert want[0, 0, 0, 0, 0] == n * 2 ** 14
+        assert torch.equal(k.chunk_bmm_q(C.to(DEV), B.to(DEV)).cpu(), want)
 
 
 def test_state_passing_codes_the_decay_from_dA_cumsum(k):

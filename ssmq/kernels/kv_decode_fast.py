@@ -62,13 +62,18 @@ from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _launch, _outli
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
-# BLOCK_T 32 / 4 warps 0.335 ms against 64 / 8 warps 0.407 (252 registers: one 8-warp program an SM; 32 / 4: two);
-# with outliers 16-token tiles keep 4 warps without spills (sm_90 ptxas). BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers:
-# their per-slot work holds more registers); WAVES programs an SM over the grid; MIN_TILES: a split covers at least
+# BLOCK_T 32 / 4 warps 0.335 ms against 64 / 8 warps 0.407 (252 registers: one 8-warp program an SM; 32 / 4: two).
+# BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers: 16 would keep their per-slot work free of spills, but
+# 16-token tiles, like 16-channel rotary halves, made a 16-wide tensor-core product of PRMT-lookup values, which came
+# out wrong on the H100 (Triton 3.6; the gathered lookup was right: diag_kv_decode.py, 2026-11-26), hence 32 and
+# MIN_DIM, the narrowest rotary half / pass-through tile, padded with zero query channels); WAVES programs an SM over the grid; MIN_TILES: a split covers at least
 # this many tiles of the cache's capacity (fewer splits for short caches). ROPE "split": R(t0 + j) = R(t0) R(j),
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
-CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=16, num_warps=4, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="split", GP_MIN=16)
+CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="split",
+           GP_MIN=16, VRANKED=True)
+MIN_DIM = 32
+# VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two); Triton >= 3.2 pads the tensor-core
 # products' M itself, so 1 shrinks the softmax's work and registers for small groups (kept at 16 until timed)
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
@@ -256,7 +261,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, VRANKED: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
@@ -333,19 +338,29 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
                 if VSLOTS > 0:  # outliers: B zeroed there, and p · (val - mid) there, one more product
-                    d = tl.full((BLOCK_T, E), float("nan"), tl.float32)  # NaN: no outlier (a compare and a
-                    jj = tl.arange(0, VP)  # select a slot and entry)
-                    ob = slot * v_os + t[:, None] * v_ot + jj[None, :]
-                    om = tmask[:, None] & (jj < VSLOTS)[None, :]
-                    idx2 = tl.load(voi + ob, mask=om, other=-1).to(tl.int32) - hk * E
-                    val2 = tl.load(vov + ob, mask=om, other=0.0).to(tl.float32)
-                    hit = (idx2 >= 0) & (idx2 < E)  # this head's slots, ranked within their token: as many
-                    rank = tl.where(hit, tl.cumsum(hit.to(tl.int32), 1) - 1, VP)  # passes as the tile's busiest
-                    for js in range(tl.max(tl.sum(hit.to(tl.int32), 1), 0)):  # token has (~3 of 10 slots)
-                        idx = tl.sum(tl.where(rank == js, idx2 + 1, 0), 1) - 1  # -1: no more in this token
-                        val = tl.sum(tl.where(rank == js, val2, 0.0), 1)
-                        d = tl.where(idx[:, None] == e[None, :], val[:, None], d)
-                    hit = d == d
+                    d = tl.zeros((BLOCK_T, E), tl.float32)
+                    hit = d != d  # all False: the outlier entries, a compare and a select a pass
+                    if VRANKED:  # this head's slots ranked within their token: as many passes as the tile's
+                        jj = tl.arange(0, VP)  # busiest token has (~3 of 1%'s 10 slots)
+                        ob = slot * v_os + t[:, None] * v_ot + jj[None, :]
+                        om = tmask[:, None] & (jj < VSLOTS)[None, :]
+                        idx2 = tl.load(voi + ob, mask=om, other=-1).to(tl.int32) - hk * E
+                        val2 = tl.load(vov + ob, mask=om, other=0.0).to(tl.float32)
+                        mine = (idx2 >= 0) & (idx2 < E)
+                        rank = tl.where(mine, tl.cumsum(mine.to(tl.int32), 1) - 1, VP)
+                        for js in range(tl.max(tl.sum(mine.to(tl.int32), 1), 0)):
+                            idx = tl.sum(tl.where(rank == js, idx2 + 1, 0), 1) - 1  # -1: no more in this token
+                            val = tl.sum(tl.where(rank == js, val2, 0.0), 1)
+                            at = idx[:, None] == e[None, :]
+                            d = tl.where(at, val[:, None], d)
+                            hit = hit | at
+                    else:  # every slot a pass, as the first kernel
+                        for js in range(VSLOTS):
+                            ob = slot * v_os + t * v_ot + js
+                            idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
+                            at = idx[:, None] == e[None, :]
+                            d = tl.where(at, tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)[:, None], d)
+                            hit = hit | at
                     B = tl.where(hit, 0.0, B)
                     acc = tl.dot(p.to(tl.float16), tl.where(hit, d - mv[:, None], 0.0).to(tl.float16), acc)
                 acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
@@ -366,18 +381,20 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
     """_decode_kernel's constexprs for a launch (the compile tests build the same)."""
     return dict(GROUP=group, GP=max(CFG["GP_MIN"], triton.next_power_of_2(group)), E=e, R=rotary_dim,
-                HP=max(16, triton.next_power_of_2(rotary_dim // 2)),
-                PP=max(16, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
+                HP=max(MIN_DIM, triton.next_power_of_2(rotary_dim // 2)),
+                PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
+                VRANKED=CFG["VRANKED"], **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
-    """Formats this kernel serves (exact on the H100): no sparse outliers, 2-4 bit codes, no RoPE or rotary halves
-    of >= 32 channels."""
-    return (k.out_idx.shape[-1] == 0 and v.out_idx.shape[-1] == 0 and k.bits in (2, 3, 4) and v.bits in (2, 3, 4)
-            and (rotary_dim == 0 or rotary_dim // 2 >= 32))
+    """Formats this kernel serves (exact on the H100): 2-4 bit codes, head dims that are multiples of 32 and rotary
+    dims that are multiples of 16 (0 included: the byte and 3-byte lookups read whole groups of codes), sparse
+    outliers or none."""
+    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and k.sink.shape[-1] % 32 == 0
+            and rotary_dim % 16 == 0)
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
@@ -386,8 +403,8 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     """``quant_kv_decode_ref`` on the GPU for ``eligible`` formats: q (b, hq, e) → (b, hq, e) float32. slots,
     kv_lens (b,) stay on the GPU (no host sync); ``splits`` overrides ``default_splits``."""
     if not eligible(k, v, rotary_dim):
-        raise SSMQError("the fast KV decode kernel serves formats without sparse outliers and with no RoPE or "
-                        f"rotary halves of >= 32 channels (rotary dim {rotary_dim}); use ssmq.kernels.kv_decode")
+        raise SSMQError("the fast KV decode kernel serves 2-4 bit codes, head dims that are multiples of 32 and rotary "
+                        f"dims that are multiples of 16 (rotary dim {rotary_dim}); use ssmq.kernels.kv_decode")
     return decode_any(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, splits)
 
 

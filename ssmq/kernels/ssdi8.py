@@ -44,10 +44,25 @@ def _round_half_even(v):
 
 
 @triton.jit
+def _int_dot(a, b, acc, F16MMA: tl.constexpr):
+    """acc + a·b for int8 codes a, b: on int8 tensor cores into int32, or (F16MMA) on float16 ones into float32.
+    Both give the same integers: a code is exact in float16, a product has magnitude <= 2^14, and a sum of up to
+    1024 of them stays within 2^24, where float32 holds every integer (the launchers keep F16MMA to contractions of
+    <= 1024 terms). Why float16: sm_90's int8 products need both operands K-major, and every int8 operand of the SSD
+    (X and B over tokens, C over states) is strided along K, so Triton transposes them through shared memory; the
+    float16 products take either order, which moves these kernels from the L1 bound to the DRAM one."""
+    if F16MMA:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+    else:
+        return tl.dot(a, b, acc, out_dtype=tl.int32)
+
+
+@triton.jit
 def _chunk_state_q(x_ptr, B_ptr, dt_ptr, cs_ptr, xsc_ptr, Bs_ptr, ss_ptr, mult_ptr, out_ptr,
                    l, h, p, n, T, nc, rep,
                    s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
-                   QUANT_X: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+                   QUANT_X: tl.constexpr, F16MMA: tl.constexpr, BT: tl.constexpr, BP: tl.constexpr,
+                   BN: tl.constexpr):
     # x (b, l, h, p): float X (QUANT_X) or int8 X_scaled codes; B (b, l, g, n) int8; dt, cs (b, h, c, T) float32;
     # xsc = xs_scale, ss = state_scale (h, p), Bs = B_scale (g,): with QUANT_X the requantization multiplier is
     # xsc·Bs / ss (the reference's order, IEEE division), else it is given as mult (h, p)
@@ -60,7 +75,7 @@ def _chunk_state_q(x_ptr, B_ptr, dt_ptr, cs_ptr, xsc_ptr, Bs_ptr, ss_ptr, mult_p
     if QUANT_X:
         cs_last = tl.load(cs_ptr + row + T - 1)
         xsc = tl.load(xsc_ptr + hh * p + offs_p, mask=mp, other=1.0)
-    acc = tl.zeros((BP, BN), dtype=tl.int32)
+    acc = tl.zeros((BP, BN), dtype=tl.float32 if F16MMA else tl.int32)
     for t0 in range(0, chunk_len, BT):
         tt = t0 + tl.arange(0, BT)
         mt = tt < chunk_len
@@ -74,7 +89,7 @@ def _chunk_state_q(x_ptr, B_ptr, dt_ptr, cs_ptr, xsc_ptr, Bs_ptr, ss_ptr, mult_p
         else:
             xq = xv
         bq = tl.load(Bp + pos[:, None] * s_Bl, mask=mt[:, None] & mn[None, :], other=0)
-        acc = tl.dot(xq, bq, acc, out_dtype=tl.int32)
+        acc = _int_dot(xq, bq, acc, F16MMA)
     if QUANT_X:
         mult = tl.math.div_rn(xsc * tl.load(Bs_ptr + hh // rep), tl.load(ss_ptr + hh * p + offs_p, mask=mp, other=1.0))
     else:
@@ -113,8 +128,10 @@ def _state_passing_q(chunk_ptr, decay_ptr, init_ptr, enter_ptr, final_ptr, nc, h
 @triton.jit
 def _chunk_bmm_q(C_ptr, B_ptr, out_ptr, l, T, nc, g, n,
                  s_Cb, s_Cl, s_Cg, s_Cn, s_Bb, s_Bl, s_Bg, s_Bn,
-                 CAUSAL: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
-    # C, B (b, l, g, n) int8 -> out (b, c, t, s, g) int32 (rows / columns past l are 0, as the zero-padded reference)
+                 CAUSAL: tl.constexpr, F16MMA: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr):
+    # C, B (b, l, g, n) int8 -> out (b, c, g, t, s) int32 or float32 (the same integers: the scan reads float32;
+    # rows / columns past l are 0, as the zero-padded reference). s innermost: the scan's loads of a row of CB are
+    # contiguous (with the reference's (t, s, g) order they were strided by the runtime g, unvectorized)
     pid_bc, pid_g, pid_ts = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid_b, pid_c = pid_bc // nc, pid_bc % nc
     s_blocks = tl.cdiv(T, BS)
@@ -130,15 +147,15 @@ def _chunk_bmm_q(C_ptr, B_ptr, out_ptr, l, T, nc, g, n,
         mt, ms = offs_t < chunk_len, offs_s < chunk_len
         Cp = C_ptr + pid_b * s_Cb + pid_g * s_Cg + (pid_c * T + offs_t[:, None]) * s_Cl
         Bp = B_ptr + pid_b * s_Bb + pid_g * s_Bg + (pid_c * T + offs_s[None, :]) * s_Bl
-        acc = tl.zeros((BM, BS), dtype=tl.int32)
+        acc = tl.zeros((BM, BS), dtype=tl.float32 if F16MMA else tl.int32)
         for k0 in range(0, n, BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < n
             cq = tl.load(Cp + offs_k[None, :] * s_Cn, mask=mt[:, None] & mk[None, :], other=0)
             bq = tl.load(Bp + offs_k[:, None] * s_Bn, mask=ms[None, :] & mk[:, None], other=0)
-            acc = tl.dot(cq, bq, acc, out_dtype=tl.int32)
-        out = out_ptr + pid_bc.to(tl.int64) * T * T * g + (offs_t[:, None] * T + offs_s[None, :]) * g + pid_g
-        tl.store(out, acc, mask=(offs_t[:, None] < T) & (offs_s[None, :] < T))
+            acc = _int_dot(cq, bq, acc, F16MMA)
+        out = out_ptr + (pid_bc * g + pid_g).to(tl.int64) * T * T + offs_t[:, None] * T + offs_s[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_t[:, None] < T) & (offs_s[None, :] < T))
 
 
 @triton.jit
@@ -147,16 +164,16 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
                   s_Cb, s_Cl, s_Cg, s_Cn, s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp,
                   s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp,
                   LUT_IN: tl.constexpr, DIAG: tl.constexpr, FACTORED: tl.constexpr, HAS_D: tl.constexpr,
-                  HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr,
+                  HAS_Z: tl.constexpr, DOT_PREC: tl.constexpr, F16MMA: tl.constexpr,
                   BM: tl.constexpr, BP: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr):
     # C (b, l, g, n) int8; S = entering state (b, c, h, p, n) int8; LUT_off (b, c, T, h) given (LUT_IN) or
-    # exp(cs_t)·C_scale from cs (b, h, c, T); Cs, Bs (g,); ss = state_scale (h, p); cb (b, c, t, s, g) int32;
-    # x, z (b, l, h, p); D (h, p) strides -> y (b, l, h, p) float32
+    # exp(cs_t)·C_scale from cs (b, h, c, T); Cs, Bs (g,); ss = state_scale (h, p); cb (b, c, t, s, g) integers
+    # (int32, or float32 from the whole scan) in (b, c, g, t, s); x, z (b, l, h, p); D (h, p) strides -> y (b, l, h, p) float32
     pid_bch, pid_m, hh, pid_c, pid_b, grp, chunk_len, offs_m, offs_p, pos_m, row = _scan_tile(l, h, T, nc, rep, BM, BP)
     mm, mp = offs_m < chunk_len, offs_p < p
 
     # ChunkScan1: int32 C_q · state_q, then float32(acc)·LUT_off[t]·state_scale[p] (the reference's order)
-    acc = tl.zeros((BM, BP), dtype=tl.int32)
+    acc = tl.zeros((BM, BP), dtype=tl.float32 if F16MMA else tl.int32)
     Cp = C_ptr + pid_b * s_Cb + grp * s_Cg + pos_m[:, None] * s_Cl
     Sp = S_ptr + pid_bch.to(tl.int64) * p * n + offs_p[None, :] * n
     for k0 in range(0, n, BK):
@@ -164,7 +181,7 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
         mk = offs_k < n
         cq = tl.load(Cp + offs_k[None, :] * s_Cn, mask=mm[:, None] & mk[None, :], other=0)
         sq = tl.load(Sp + offs_k[:, None], mask=mp[None, :] & mk[:, None], other=0)
-        acc = tl.dot(cq, sq, acc, out_dtype=tl.int32)
+        acc = _int_dot(cq, sq, acc, F16MMA)
     if LUT_IN:
         lut = tl.load(lut_ptr + ((pid_b * nc + pid_c) * T + offs_m) * h + hh, mask=mm, other=0.0)
     else:
@@ -181,10 +198,10 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
         m0 = pid_m * BM
         cs_m = tl.load(cs_ptr + row + offs_m, mask=mm, other=0.0)
         csbs = tl.load(Cs_ptr + grp) * tl.load(Bs_ptr + grp)
-        cbp = cb_ptr + (pid_b * nc + pid_c).to(tl.int64) * T * T * g + offs_m[:, None] * T * g + grp
+        cbp = cb_ptr + ((pid_b * nc + pid_c) * g + grp).to(tl.int64) * T * T + offs_m[:, None] * T
         xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[None, :] * s_xp
         ty = x_ptr.dtype.element_ty
-        yd = tl.zeros((BM, BP), dtype=tl.float32)
+        yd = y  # the diagonal accumulates onto ChunkScan1's y: one (BM, BP) accumulator live, not two
         hi = tl.minimum(m0 + BM, chunk_len)
         lo = 0
         if FACTORED:  # BS divides BM (the launcher sets BS = BM), so these blocks end at or before m0
@@ -194,7 +211,7 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
             for k0 in range(0, lo, BS):
                 kk = k0 + tl.arange(0, BS)
                 mk = kk < chunk_len
-                cb = tl.load(cbp + kk[None, :] * g, mask=mm[:, None] & mk[None, :], other=0)
+                cb = tl.load(cbp + kk[None, :], mask=mm[:, None] & mk[None, :], other=0)
                 w_k = tl.exp(cs0 - tl.load(cs_ptr + row + kk, mask=mk, other=0.0)) \
                     * tl.load(dt_ptr + row + kk, mask=mk, other=0.0) * csbs
                 sc = cb.to(tl.float32) * (e_m[:, None] * w_k[None, :])
@@ -203,7 +220,7 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
         for k0 in range(lo, hi, BS):
             kk = k0 + tl.arange(0, BS)
             mk = kk < chunk_len
-            cb = tl.load(cbp + kk[None, :] * g, mask=mm[:, None] & mk[None, :], other=0)
+            cb = tl.load(cbp + kk[None, :], mask=mm[:, None] & mk[None, :], other=0)
             cs_k = tl.load(cs_ptr + row + kk, mask=mk, other=0.0)
             dt_k = tl.load(dt_ptr + row + kk, mask=mk, other=0.0)
             # mask before exp: above the diagonal exp(cs_t - cs_s) can overflow, and inf * 0 is NaN (the int32 CB there
@@ -212,7 +229,7 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
             sc = cb.to(tl.float32) * (decay * dt_k[None, :] * csbs)
             xk = tl.load(xp + (pid_c * T + kk)[:, None] * s_xl, mask=mk[:, None] & mp[None, :], other=0.0)
             yd = tl.dot(sc.to(ty), xk, yd, input_precision=DOT_PREC)
-        y = yd + y
+        y = yd
 
     _scan_epilogue(y, x_ptr, tl.full((BP,), 1.0, tl.float32), D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p, mm, mp,
                    s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp, HAS_D, HAS_Z)
@@ -229,10 +246,11 @@ def _blk(x: int, cap: int, lo: int = 16) -> int:
 # b1 L8192, 19.54 -> 15.92 at b32 L8192; 3 stages 15% slower), the unfactored decay 2-4% (0.652, 18.86); BM 128,
 # BP 32, BK 64 and 8 warps 1.1-5x slower. The chunk state's settings moved it by <= 1% (its defaults kept).
 CFG = dict(
-    state=dict(BT=128, BP=64, BN=128, num_warps=4, num_stages=2),
-    bmm=dict(BM=64, BK=128, num_warps=4, num_stages=2),
-    scan=dict(BM=64, BP=64, BK=128, FACTORED=False, num_warps=4, num_stages=1),  # ChunkScan2's s tile = BM
+    state=dict(BT=128, BP=64, BN=128, F16MMA=True, num_warps=4, num_stages=2),
+    bmm=dict(BM=64, BK=128, F16MMA=False, num_warps=4, num_stages=2),
+    scan=dict(BM=64, BP=64, BK=128, FACTORED=False, F16MMA=False, num_warps=4, num_stages=1),  # s tile = BM
 )
+F16MMA_MAX_K = 1024  # float16 products of int8 codes stay exact up to this many terms (``_int_dot``)
 
 
 def _launch_chunk_state(x, B_q, l, T, nc, mult=None, dt=None, cs=None, xs_scale=None, B_scale=None, state_scale=None):
@@ -246,7 +264,8 @@ def _launch_chunk_state(x, B_q, l, T, nc, mult=None, dt=None, cs=None, xs_scale=
     _chunk_state_q[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
         x, B_q, *((out,) * 5 if mult is not None else (dt, cs, xs_scale, B_scale, state_scale)),
         mult if mult is not None else out, out, l, h, p, n, T, nc, h // g,
-        *x.stride(), *B_q.stride(), QUANT_X=mult is None, BT=BT, BP=BP, BN=BN, num_warps=c["num_warps"],
+        *x.stride(), *B_q.stride(), QUANT_X=mult is None, F16MMA=c["F16MMA"] and T <= F16MMA_MAX_K, BT=BT, BP=BP,
+        BN=BN, num_warps=c["num_warps"],
         num_stages=c["num_stages"])
     return out
 
@@ -263,14 +282,15 @@ def _launch_state_passing(chunk_q, decay, initial_q, T, decay_cs):
     return enter, final
 
 
-def _launch_chunk_bmm(C_q, B_q, l, T, nc, causal):
-    """C_q, B_q (b, l, g, n) int8 -> int32 (b, c, t, s, g)."""
+def _launch_chunk_bmm(C_q, B_q, l, T, nc, causal, dtype=torch.int32):
+    """C_q, B_q (b, l, g, n) int8 -> (b, c, g, t, s) integers in dtype (int32, or float32: exact below 2^24)."""
     b, _, g, n = C_q.shape
-    out = torch.empty(b, nc, T, T, g, dtype=torch.int32, device=C_q.device)
+    out = torch.empty(b, nc, g, T, T, dtype=dtype, device=C_q.device)
     c = CFG["bmm"]
     BM, BK = _blk(T, c["BM"]), _blk(n, c["BK"], 32)
     _chunk_bmm_q[(b * nc, g, triton.cdiv(T, BM) ** 2)](
-        C_q, B_q, out, l, T, nc, g, n, *C_q.stride(), *B_q.stride(), CAUSAL=causal, BM=BM, BS=BM, BK=BK,
+        C_q, B_q, out, l, T, nc, g, n, *C_q.stride(), *B_q.stride(), CAUSAL=causal,
+        F16MMA=c["F16MMA"] and n <= F16MMA_MAX_K, BM=BM, BS=BM, BK=BK,
         num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
@@ -292,7 +312,8 @@ def _launch_chunk_scan(C_q, enter, ss, y, l, T, nc, lut=None, cs=None, dt=None, 
         l, h, p, n, T, nc, g, h // g, *C_q.stride(), *xx.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         LUT_IN=lut is not None, DIAG=diag, FACTORED=c["FACTORED"], HAS_D=D is not None, HAS_Z=z is not None,
-        DOT_PREC=dot_precision(xx.dtype), BM=BM, BP=BP, BK=BK, BS=BM, num_warps=c["num_warps"],
+        DOT_PREC=dot_precision(xx.dtype), F16MMA=c["F16MMA"] and n <= F16MMA_MAX_K, BM=BM, BP=BP, BK=BK, BS=BM,
+        num_warps=c["num_warps"],
         num_stages=c["num_stages"])
     return y
 
@@ -315,9 +336,10 @@ def state_passing_q(chunk_q, decay_q, initial_q=None):
 
 
 def chunk_bmm_q(C_q, B_q):
-    """C_q, B_q (b, c, T, g, n) int8 -> int32 (b, c, t, s, g), the full square (the reference's)."""
+    """C_q, B_q (b, c, T, g, n) int8 -> int32 (b, c, t, s, g), the full square (the reference's; a view of the
+    kernel's (b, c, g, t, s))."""
     b, c, T = C_q.shape[:3]
-    return _launch_chunk_bmm(_flat(C_q), _flat(B_q), c * T, T, c, causal=False)
+    return _launch_chunk_bmm(_flat(C_q), _flat(B_q), c * T, T, c, causal=False).permute(0, 1, 3, 4, 2)
 
 
 def chunk_scan_off_q(C_q, entering_q, lut, state_scale):
@@ -366,7 +388,7 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
     chunk_q = _launch_chunk_state(x, B_q, l, T, nc, dt=dt_out, cs=cs, xs_scale=f32(xs_scale), B_scale=B_scale,
                                   state_scale=s_state)
     enter, final = _launch_state_passing(chunk_q, cs, initial_states, T, True)
-    cb = _launch_chunk_bmm(C_q, B_q, l, T, nc, causal=True)
+    cb = _launch_chunk_bmm(C_q, B_q, l, T, nc, causal=True, dtype=torch.float32)  # the scan's operand type
     y = torch.empty((b, l, h, p), device=dev, dtype=x.dtype)
     _launch_chunk_scan(C_q, enter, s_state, y, l, T, nc, cs=cs, dt=dt_out, C_scale=f32(C_scale), B_scale=B_scale,
                        cb=cb, x=x, D=D, z=z)
