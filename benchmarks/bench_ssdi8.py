@@ -86,8 +86,8 @@ def shares(fn) -> dict[str, float]:
 # the float16 products; benchmarks/results/ssdi8_h100/sweep_s16.json) also tried scan BM 128 / BP 32 / 8 warps /
 # 3 stages and state BT 64 / 256 / BP 32 / 8 warps / 3 stages / BN 64: all slower or within 1%; the second (same
 # day, float16 products in; sweep_s17.json) BN 64, BT 64 + BN 64, 8 warps, scan BK 64, BM 128 + 8 warps, BP 32.
-SWEEP = [("scan", dict(F16MMA=True)), ("scan", dict(FACTORED=True)), ("scan", dict(num_stages=2)),
-         ("state", dict(F16MMA=False)), ("state", dict(BT=64)), ("state", dict(BP=32)), ("state", dict(num_stages=3))]
+SWEEP = [("scan", dict(maxnreg=168)), ("scan", dict(FACTORED=True)), ("scan", dict(FACTORED=True, maxnreg=168)),
+         ("state", dict(BT=64)), ("state", dict(BP=32)), ("state", dict(maxnreg=128)), ("state", dict(BP=32, BT=64))]
 
 
 def run_sweep(shapes, errors: dict) -> list[dict]:

@@ -11,8 +11,9 @@ so one short device call says which stage is wrong.
 
 Usage: python benchmarks/diag_kv_decode.py [lookup|decode|all]   (GPU; also runs under SSMQ_TRITON_INTERPRET=1
 with asm=0 only, as a check of the script itself). H100, 2026-11-26 (logs ``benchmarks/results/kvquant_h100/
-diag_kv_decode_s15*.log``): exact without outliers and with rotary halves >= 32 channels (hence
-``kv_decode_fast.eligible``); wrong with sparse outliers and with 16-channel halves."""
+diag_kv_decode_s15*.log``, ``..._s17.log``): exact except where a tensor-core product was 16 wide (16-channel rotary
+halves, 16-token tiles: the outlier formats' tiles then), hence the kernel's 32-wide minimum; the "bt16" case below
+still forces 16-token tiles, to show whether a newer Triton fixes it."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def decode_case(name, klev, vlev, r, rope="split", asm=True, kslots=0, vslots=0,
                 b=2, hq=4, hkv=2, e=64, L=100, splits=1, stages=2, block_t=None, vranked=True):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
-    m.CFG.update(ROPE=rope, ASM=asm, num_stages=stages, BLOCK_T=block_t or 32, BLOCK_T_OUTLIERS=block_t or 16,
+    m.CFG.update(ROPE=rope, ASM=asm, num_stages=stages, BLOCK_T=block_t or 32, BLOCK_T_OUTLIERS=block_t or 32,
                  VRANKED=vranked)
     gen = torch.Generator().manual_seed(0)
     s = b + 2

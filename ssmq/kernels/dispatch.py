@@ -330,7 +330,7 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
 
 
 # SSMQ_KV_FAST=0 keeps every quantized KV format on the first-generation decode kernel (A/B timing); by default the
-# formats the fast kernel serves exactly (no outliers, no RoPE or rotary halves >= 32 channels) take it on CUDA.
+# formats the fast kernel serves exactly (2-4 bit codes, head dims % 32, rotary dims % 16) take it on CUDA.
 _KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
 
 

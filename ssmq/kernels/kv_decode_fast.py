@@ -1,10 +1,11 @@
 """The fast KVQuant decode kernel: the second-generation rewrite of session 13 (commits 9ea0562 … 9661ea9),
-dispatched by ``ssmq.kernels.dispatch.quant_kv_decode`` only where it was shown exact on an H100: no sparse outliers
-on either side and no RoPE or rotary halves of at least 32 channels (``eligible``). Its GPU tests failed in
-session 13 for the hybrid's 16-channel rotary halves (a byte lookup reads 4 packed bytes a thread, more than such a
-half holds under the tile's layout) and for every outlier format (``benchmarks/diag_kv_decode.py``, logs
-``benchmarks/results/kvquant_h100/diag_kv_decode_s15*.log``); those formats keep the first-generation kernel
-(``ssmq.kernels.kv_decode``), whose host helpers this one shares.
+dispatched by ``ssmq.kernels.dispatch.quant_kv_decode`` for every format it is ``eligible`` for: 2-4 bit codes,
+head dims that are multiples of 32, rotary dims that are multiples of 16, with or without sparse outliers. Its
+products are never narrower than 32 (32-token tiles, ``MIN_DIM``-padded rotary halves and pass-through tiles):
+16-wide tensor-core products fed by the PRMT lookups came out wrong on the H100 with Triton 3.6 (16-channel
+rotary halves, 16-token tiles; ``benchmarks/diag_kv_decode.py``, logs ``benchmarks/results/kvquant_h100/
+diag_kv_decode_s1[57]*.log``). Other formats keep the first-generation kernel (``ssmq.kernels.kv_decode``), whose
+host helpers this one shares.
 
 Triton flash-decoding attention over a quantized KV cache (KVQuant: LUT low-bit K and V), or a float one.
 

@@ -446,6 +446,6 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, QUANT=quant, TY=TY, DOT_PREC=prec,
         BM=BM, BP=BPs, BK=min(c["BK"], pow2(T, 16)), BN=min(128, pow2(n, 16)), num_warps=c["num_warps"],
-        num_stages=c["num_stages"],
+        num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}),
     )
     return (y, final) if return_final_states else y

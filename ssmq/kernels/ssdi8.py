@@ -1,20 +1,22 @@
-"""Triton SSDi8 (``ssmq.ops.ssd_int8``): the int8 SSD scan in five launches, no float intermediates beyond (b, h, c, T).
+"""Triton SSDi8 (``ssmq.ops.ssd_int8``): the int8 SSD scan in five launches; intermediates: (b, h, c, T) floats, int8
+chunk states, and CB's integers.
 
 Glossary as ``ssmq.ops.ssd_int8``. The launches of ``ssd_int8`` (names as the benchmark's shares):
     _chunk_cumsum     Δ and dA_cumsum, the float SSD's own kernel (``ssmq.kernels.ssd``): dt, cs (b, h, c, T) float32
     _chunk_state_q    prologue: X_scaled = X · exp(cs_end - cs_s)·Δ_s quantized to int8 in registers (QUANT_X);
-                      int8 X_scaled (T, p) x int8 B (T, n) -> int32 on tensor cores; epilogue: the requantization
-                      (one float32 multiply, round half to even, clamp) -> int8 chunk state
+                      int8 X_scaled (T, p) x int8 B (T, n), exact integers on float16 tensor cores (``_int_dot``);
+                      epilogue: the requantization (one float32 multiply, round half to even, clamp) -> int8 state
     _state_passing_q  decay_q = round(exp(cs_end)·2^7) from cs (DECAY_CS);
                       s <- clamp(((decay_q·s + 2^6) >> 7) + chunk_q) in int32 registers, int8 in and out
-    _chunk_bmm_q      C_q · B_qᵀ per (chunk, group), int32 out; blocks above the diagonal skipped (CAUSAL)
-    _chunk_scan_q     ChunkScan1: C_q (T, n) x int8 state (n, p) -> int32, times exp(cs_t)·C_scale·state_scale;
-                      ChunkScan2 (DIAG): float32(CB)·C_scale·B_scale·exp(cs_t - cs_s)·Δ_s times float X on tensor
-                      cores (X's dtype, as the float SSD), the decay factored below the diagonal (FACTORED); D skip
-                      and z gate fused; y straight to (b, l, h, p) in X's dtype
-Integer arithmetic is exact; each float step follows the reference's order of operations, so the kernels differ from
-the reference only where their exp / cumsum round differently, which flips an int8 code only on a near-tie (see
-tests/test_ssdi8_kernels.py for the bound). The stage wrappers (``chunk_state_q`` ...) run the same kernels on given
+    _chunk_bmm_q      C_q · B_qᵀ per (chunk, group), int32 products, stored (b, c, g, t, s) as float32 for the scan
+                      (the same integers); blocks above the diagonal skipped (CAUSAL)
+    _chunk_scan_q     ChunkScan1: C_q (T, n) x int8 state (n, p) -> int32, times exp(cs_t)·C_scale·state_scale,
+                      the float32 accumulator ChunkScan2 (DIAG) then adds to: float32(CB)·C_scale·B_scale·
+                      exp(cs_t - cs_s)·Δ_s times float X on tensor cores (X's dtype, as the float SSD), the decay
+                      factored below the diagonal (FACTORED); D skip and z gate fused; y straight to (b, l, h, p)
+Integer arithmetic is exact; the float steps that feed an int8 code follow the reference's order of operations, so
+the codes differ from the reference only where exp / cumsum round differently, which flips a code only on a near-tie
+(the scan's float sums take their own order; tests/test_ssdi8_kernels.py has the bound). The stage wrappers (``chunk_state_q`` ...) run the same kernels on given
 codes and equal the reference stages bit for bit; ``TRITON_STAGES`` plugs them into ``run_ssd_int8`` for the
 ablation options.
 """
@@ -226,7 +228,7 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
             # mask before exp: above the diagonal exp(cs_t - cs_s) can overflow, and inf * 0 is NaN (the int32 CB there
             # is never written by the causal ChunkBMM: finite garbage, times the 0 decay)
             decay = tl.exp(tl.where(offs_m[:, None] >= kk[None, :], cs_m[:, None] - cs_k[None, :], float("-inf")))
-            sc = cb.to(tl.float32) * (decay * dt_k[None, :] * csbs)
+            sc = cb.to(tl.float32) * (decay * (dt_k * csbs)[None, :])  # one (BM, BS) product fewer
             xk = tl.load(xp + (pid_c * T + kk)[:, None] * s_xl, mask=mk[:, None] & mp[None, :], other=0.0)
             yd = tl.dot(sc.to(ty), xk, yd, input_precision=DOT_PREC)
         y = yd
@@ -241,16 +243,26 @@ def _blk(x: int, cap: int, lo: int = 16) -> int:
 
 
 # Launch configurations, tuned for Mamba2 shapes (chunk 256, head dim 64, d_state 128); module-level so that the
-# benchmark can sweep them. The scan's: `bench_ssdi8.py --sweep` (H100, 2026-11-26; Mamba2-2.7B SSD at batch 1 / 32,
-# L 2048 / 8192, each setting varied alone): num_stages 1 took 8-23% off the whole int8 SSD (0.670 -> 0.555 ms at
-# b1 L8192, 19.54 -> 15.92 at b32 L8192; 3 stages 15% slower), the unfactored decay 2-4% (0.652, 18.86); BM 128,
-# BP 32, BK 64 and 8 warps 1.1-5x slower. The chunk state's settings moved it by <= 1% (its defaults kept).
+# benchmark can sweep them. `bench_ssdi8.py --sweep` (H100, 2026-11-26; Mamba2-2.7B SSD at batch 1 / 32, L 2048 /
+# 8192): first (sweep_s16.json) num_stages 1 took 8-23% off the whole int8 SSD, the unfactored decay 2-4%; BM 128,
+# BP 32, BK 64 and 8 warps 1.1-5x slower. Then the float16 products of the codes (F16MMA) took the chunk state from
+# 1.42 to 1.06 ms (batch 32, L 2048; on the scan and ChunkBMM they were slower: kept int8 there), CB in (g, t, s)
+# order made its loads contiguous, and one accumulator instead of two cut the scan's registers (233 -> 183); with
+# that, a register cap of 168 (3 programs an SM instead of 2) plus the factored decay took batch 32 from 14.6 to
+# 11.5 ms at L 8192, and the chunk state's BT 64 to 10.8 (sweep_s17b.json, sweep2_s17.json; the same caps made the
+# FP16 SSD slower, 128: +9%, 144: +3%).
 CFG = dict(
-    state=dict(BT=128, BP=64, BN=128, F16MMA=True, num_warps=4, num_stages=2),
+    state=dict(BT=64, BP=64, BN=128, F16MMA=True, num_warps=4, num_stages=2),
     bmm=dict(BM=64, BK=128, F16MMA=False, num_warps=4, num_stages=2),
-    scan=dict(BM=64, BP=64, BK=128, FACTORED=False, F16MMA=False, num_warps=4, num_stages=1),  # s tile = BM
+    scan=dict(BM=64, BP=64, BK=128, FACTORED=True, F16MMA=False, num_warps=4, num_stages=1, maxnreg=168),  # s = BM
 )
 F16MMA_MAX_K = 1024  # float16 products of int8 codes stay exact up to this many terms (``_int_dot``)
+
+
+def _opts(c: dict) -> dict:
+    """A CFG entry's launch options: warps, stages and, if set, a register cap (maxnreg, for the sweep)."""
+    return dict(num_warps=c["num_warps"], num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if c.get("maxnreg")
+                                                                           else {}))
 
 
 def _launch_chunk_state(x, B_q, l, T, nc, mult=None, dt=None, cs=None, xs_scale=None, B_scale=None, state_scale=None):
@@ -265,8 +277,7 @@ def _launch_chunk_state(x, B_q, l, T, nc, mult=None, dt=None, cs=None, xs_scale=
         x, B_q, *((out,) * 5 if mult is not None else (dt, cs, xs_scale, B_scale, state_scale)),
         mult if mult is not None else out, out, l, h, p, n, T, nc, h // g,
         *x.stride(), *B_q.stride(), QUANT_X=mult is None, F16MMA=c["F16MMA"] and T <= F16MMA_MAX_K, BT=BT, BP=BP,
-        BN=BN, num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+        BN=BN, **_opts(c))
     return out
 
 
@@ -291,7 +302,7 @@ def _launch_chunk_bmm(C_q, B_q, l, T, nc, causal, dtype=torch.int32):
     _chunk_bmm_q[(b * nc, g, triton.cdiv(T, BM) ** 2)](
         C_q, B_q, out, l, T, nc, g, n, *C_q.stride(), *B_q.stride(), CAUSAL=causal,
         F16MMA=c["F16MMA"] and n <= F16MMA_MAX_K, BM=BM, BS=BM, BK=BK,
-        num_warps=c["num_warps"], num_stages=c["num_stages"])
+        **_opts(c))
     return out
 
 
@@ -313,8 +324,7 @@ def _launch_chunk_scan(C_q, enter, ss, y, l, T, nc, lut=None, cs=None, dt=None, 
         *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         LUT_IN=lut is not None, DIAG=diag, FACTORED=c["FACTORED"], HAS_D=D is not None, HAS_Z=z is not None,
         DOT_PREC=dot_precision(xx.dtype), F16MMA=c["F16MMA"] and n <= F16MMA_MAX_K, BM=BM, BP=BP, BK=BK, BS=BM,
-        num_warps=c["num_warps"],
-        num_stages=c["num_stages"])
+        **_opts(c))
     return y
 
 
