@@ -14,7 +14,7 @@ full RoPE on keys cached before it), batch 1 (and --batch), one new token per ro
 Times are medians of CUDA-graph replays with the L2 flushed before each (``timeit``; ms); "KV MB" the cache bytes read, "limit ms" the time those
 bytes take at HBM_TBPS (H100 SXM: 3.35 TB/s). The first length's rows also record the kernels' max |error|
 against ``quant_kv_decode_ref`` / ``attention_ref``. JSON and PNG to --out. --cfg overrides
-``kernels.kv_decode.CFG`` (launch settings) for a sweep.
+``kernels.kv_decode_fast.CFG`` (launch settings; --sweep times several).
 
     python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1] [--cfg num_warps=4,...]
 """
@@ -175,18 +175,18 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def set_cfg(text: str) -> None:
-    """Apply "KEY=VALUE,..." overrides to ``kernels.kv_decode.CFG``."""
-    from ssmq.kernels import kv_decode
+    """Apply "KEY=VALUE,..." overrides to ``kernels.kv_decode_fast.CFG`` (the kernel every row here takes)."""
+    from ssmq.kernels import kv_decode_fast
 
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
-        kv_decode.CFG[key] = int(value) if value.isdigit() else value
+        kv_decode_fast.CFG[key] = int(value) if value.isdigit() else value
 
 
 def sweep(cfgs: list[str], lengths: list[int], batch: int) -> list[dict]:
     """The 4-bit kvquant rows' times under each launch setting of ``cfgs`` (each "KEY=VALUE,..." over the CFG found)."""
-    from ssmq.kernels import kv_decode
-    from ssmq.kernels.kv_decode import quant_kv_decode
+    from ssmq.kernels import kv_decode_fast as kv_decode
+    from ssmq.kernels import quant_kv_decode
 
     base, out = dict(kv_decode.CFG), []
     gen = torch.Generator(device=DEV).manual_seed(1)
@@ -218,14 +218,14 @@ def main():
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--cfg", default="", help="kv_decode.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,ROPE=direct")
+    ap.add_argument("--cfg", default="", help="kv_decode_fast.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,ROPE=direct")
     ap.add_argument("--sweep", default="", help="launch settings to time the kvquant rows under, ';'-separated "
                     "--cfg strings (e.g. 'num_warps=4;BLOCK_T=32'), at --sweep-lengths; to JSON 'sweep'")
     ap.add_argument("--sweep-lengths", default="131072")
     args = ap.parse_args()
     global DEV
     DEV = args.device
-    from ssmq.kernels import kv_decode
+    from ssmq.kernels import kv_decode, kv_decode_fast
 
     set_cfg(args.cfg)
     out = Path(args.out)
@@ -234,7 +234,8 @@ def main():
     swept = sweep(["", *filter(None, args.sweep.split(";"))], [int(x) for x in args.sweep_lengths.split(",")],
                   args.batch) if args.sweep else []
     meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
-            "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}, "cfg": kv_decode.CFG}
+            "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}, "cfg": kv_decode.CFG,
+            "fast_cfg": kv_decode_fast.CFG}
     (out / f"kvquant_kernels_b{args.batch}.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "sweep": swept}, indent=2))
     plot(rows, out / f"kvquant_kernels_b{args.batch}.png")

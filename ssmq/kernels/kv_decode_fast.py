@@ -71,10 +71,13 @@ from ssmq.ops.kv_quant import KVSideView
 # this many tiles of the cache's capacity (fewer splits for short caches). ROPE "split": R(t0 + j) = R(t0) R(j),
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
-CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=2, WAVES=4, MIN_TILES=2, ROPE="split",
+CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
            GP_MIN=16, VRANKED=True)
 MIN_DIM = 32
-# VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot
+# VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot.
+# `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
+# from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers no setting beat these (8 warps +37%,
+# 64-token tiles + 8 warps +7%, one pass a value slot 2.7x slower, WAVES 2 / 8 and 1 / 3 stages within 4%).
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two); Triton >= 3.2 pads the tensor-core
 # products' M itself, so 1 shrinks the softmax's work and registers for small groups (kept at 16 until timed)
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
