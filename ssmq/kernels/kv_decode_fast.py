@@ -74,7 +74,8 @@ from ssmq.ops.kv_quant import KVSideView
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
            GP_MIN=16, VRANKED=True)
 MIN_DIM = 32
-# VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot.
+# VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot;
+# WARPS_OUTLIERS (unset: num_warps), the outlier formats' warps, read by kv_decode._launch for the sweep.
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers no setting beat these (8 warps +37%,
 # 64-token tiles + 8 warps +7%, one pass a value slot 2.7x slower, WAVES 2 / 8 and 1 / 3 stages within 4%).
