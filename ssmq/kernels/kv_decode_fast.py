@@ -31,9 +31,10 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to 1
              the sparse outliers then add (val - x̂) · (their channel's coefficient in q · R_t k), gathered
     values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
              so the tile is B itself (no arithmetic a value); per-channel scales scale the tile; sparse
-             outliers: B zeroed at their entries and p · (val - m_t) added there (one more product); a tile's
-             slots are loaded as one (BLOCK_T, slots) tile, the kv head's own ranked within their token, and the
-             tile takes as many compare-and-select passes as its busiest token has (~3 of 1%'s 10 slots)
+             outliers: their correction val - x̂ (x̂ from a gathered code) written into a zero tile and added with
+             one more product; a tile's slots are loaded as one (BLOCK_T, slots) tile, the kv head's own ranked
+             within their token, and the tile takes as many compare-and-select passes as its busiest token has
+             (~3 of 1%'s 10 slots); the keys' outlier terms take the same ranked passes (KRANKED)
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -72,9 +73,12 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=16, VRANKED=True)
+           GP_MIN=16, VRANKED=True, KRANKED=True)
 MIN_DIM = 32
 # VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot;
+# KRANKED: key outliers' score terms the same way (``kv_decode._outlier_scores``), else gathers for every slot (H100,
+# 128K tokens, 1% outliers, kernels_b1_s17_kranked.json: 4-bit 1.63 -> 1.29 ms, 2-bit 1.35 -> 1.05, but 3-bit codes
+# 2.09 -> 2.58, so not for them);
 # WARPS_OUTLIERS (unset: num_warps), the outlier formats' warps, read by kv_decode._launch for the sweep.
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers no setting beat these (8 warps +37%,
@@ -246,6 +250,15 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
 
 
 @triton.jit
+def _value_fix(d, idx, val, row, lut, mv, hv, tmask, e, E: tl.constexpr, BITS: tl.constexpr):
+    """d (len(t), E) with val - x̂ written at (t, idx[t]) where idx[t] lies in [0, E): the value outlier's correction
+    of what the tile's codes give there, x̂ = mv + hv · codebook[code] (per-token scales; packed rows ``row``)."""
+    mine = tmask & (idx >= 0) & (idx < E)
+    x = mv + hv * tl.load(lut + _codes(row, tl.where(mine, idx, 0), mine, BITS))
+    return tl.where(idx[:, None] == e[None, :], (val - x)[:, None], d)
+
+
+@triton.jit
 def _softmax_step(m, l, s):
     """Online softmax: fold scores s (GP, n) (log2 units, -inf masked) into the running (m, l); returns m, l, the
     probabilities p (GP, n) and alpha, the factor the running output takes."""
@@ -266,7 +279,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, VRANKED: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, VRANKED: tl.constexpr,
+                   KRANKED: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
@@ -329,7 +343,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
         if KSLOTS > 0:
             s += _outlier_scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
                                  k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN, KSLOTS, KP,
-                                 FAST, KBITS)
+                                 FAST, KBITS, KRANKED)
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
@@ -342,9 +356,9 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                 mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
-                if VSLOTS > 0:  # outliers: B zeroed there, and p · (val - mid) there, one more product
-                    d = tl.zeros((BLOCK_T, E), tl.float32)
-                    hit = d != d  # all False: the outlier entries, a compare and a select a pass
+                if VSLOTS > 0:  # outliers: val - x̂ there (x̂ = mid + half · codebook[code], gathered a slot), one
+                    d = tl.zeros((BLOCK_T, E), tl.float32)  # more product; the tile B stays as it is
+                    vrow = vc + slot * v_s + t * v_t + hk * v_h
                     if VRANKED:  # this head's slots ranked within their token: as many passes as the tile's
                         jj = tl.arange(0, VP)  # busiest token has (~3 of 1%'s 10 slots)
                         ob = slot * v_os + t[:, None] * v_ot + jj[None, :]
@@ -356,18 +370,14 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                         for js in range(tl.max(tl.sum(mine.to(tl.int32), 1), 0)):
                             idx = tl.sum(tl.where(rank == js, idx2 + 1, 0), 1) - 1  # -1: no more in this token
                             val = tl.sum(tl.where(rank == js, val2, 0.0), 1)
-                            at = idx[:, None] == e[None, :]
-                            d = tl.where(at, val[:, None], d)
-                            hit = hit | at
+                            d = _value_fix(d, idx, val, vrow, vlut, mv, hv, tmask, e, E, VBITS)
                     else:  # every slot a pass, as the first kernel
                         for js in range(VSLOTS):
                             ob = slot * v_os + t * v_ot + js
-                            idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
-                            at = idx[:, None] == e[None, :]
-                            d = tl.where(at, tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)[:, None], d)
-                            hit = hit | at
-                    B = tl.where(hit, 0.0, B)
-                    acc = tl.dot(p.to(tl.float16), tl.where(hit, d - mv[:, None], 0.0).to(tl.float16), acc)
+                            d = _value_fix(d, tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E,
+                                           tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32), vrow, vlut, mv,
+                                           hv, tmask, e, E, VBITS)
+                    acc = tl.dot(p.to(tl.float16), d.to(tl.float16), acc)
                 acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
             else:
                 lm = lm * alpha
@@ -391,7 +401,7 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
                 FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
-                VRANKED=CFG["VRANKED"], **flags)
+                VRANKED=CFG["VRANKED"], KRANKED=CFG["KRANKED"] and flags["KBITS"] != 3, **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
