@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--long", default="2048,4096,8192")
     ap.add_argument("--long-windows", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the models then run on the Triton kernels)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/ssdi8_cpu.json"))
     args = ap.parse_args()
     if args.threads:
@@ -101,12 +102,13 @@ def main() -> None:
 
     out_path = Path(args.out)
     out = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
-           "torch": torch.__version__, "args": vars(args), "models": {}}
+           "torch": torch.__version__, "args": vars(args), "models": {},
+           "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
     save = lambda: out_path.write_text(json.dumps(out, indent=2))  # noqa: E731
     sections = args.sections.split(",")
     for path in args.models.split(","):
         tok = ssmq.load_tokenizer(path)
-        fm = ssmq.load_model(path, dtype=torch.float32).eval()
+        fm = ssmq.load_model(path, dtype=torch.float32, device=args.device).eval()
         arch = fm.config.arch
         win = eval_windows(tok, args.seqlen, args.limit)
         calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok)
@@ -116,10 +118,17 @@ def main() -> None:
 
         def measure(section, label, recipe=None):
             t0 = time.perf_counter()
-            m = fm if recipe is None else quantize_ssm(copy.deepcopy(fm), recipe, calib, batch_size=4, progress=False)
-            qs = time.perf_counter() - t0
-            row = {"label": label, "recipe": None if recipe is None else recipe.name, "ppl": ppl(m, win),
-                   "quantize_s": round(qs, 1)}
+            try:
+                m = fm if recipe is None else quantize_ssm(copy.deepcopy(fm), recipe, calib, batch_size=4,
+                                                           progress=False)
+                qs = time.perf_counter() - t0
+                row = {"label": label, "recipe": None if recipe is None else recipe.name, "ppl": ppl(m, win),
+                       "quantize_s": round(qs, 1)}
+            except Exception as e:  # noqa: BLE001 - a failing row is recorded, the table goes on
+                res[section].append({"label": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                save()
+                print(f"{path} {section:<9} {label:<60} FAILED {type(e).__name__}: {e}", flush=True)
+                return None
             res[section].append(row)
             save()
             print(f"{path} {section:<9} {label:<60} ppl {row['ppl']:.3f}", flush=True)
@@ -127,11 +136,11 @@ def main() -> None:
 
         with torch.no_grad():
             if "main" in sections or "ablation" in sections:
-                measure("main", "float32 (CPU)")
+                measure("main", f"float32 ({args.device})")
             if "main" in sections:
                 for label, recipe in main_rows(arch):
                     m = measure("main", label, recipe)
-                    if label.endswith("W8A8") and "long" in sections:
+                    if m is not None and label.endswith("W8A8") and "long" in sections:
                         models[label] = m
             if "ablation" in sections:
                 for label, recipe in ablation_rows():

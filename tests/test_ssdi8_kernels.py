@@ -174,3 +174,29 @@ def test_whole_scan_within_bound_of_reference(k, case, dtype, factored, monkeypa
     assert yk.dtype == dtype
     assert (err <= float_tol + code * gate + 1e-6).all()
     assert (err > float_tol + 1e-6).float().mean() <= 2e-2
+
+
+ABLATIONS = [dict(reformulate=False), dict(int8_state=False, int8_passing=False), dict(int8_passing=False)]
+
+
+@pytest.mark.parametrize("opts", ABLATIONS, ids=["no-reform", "float-state", "float-passing"])
+def test_ablation_options_run_on_the_device(k, opts):
+    """The ablation options (reference glue on the Triton stages) keep every tensor on the inputs' device (the first
+    GPU run of the float-passing row failed on a CPU zeros) and agree with the reference: y within 2% (L2) of it."""
+    from ssmq.ops.quant_ssm import quantize_ref
+    from ssmq.ops.ssd_int8 import SSDi8Options, ssd_int8_ranges, ssd_int8_ref
+
+    b, l, h, p, g, n, T = (1, 100, 4, 16, 2, 16, 48) if INTERPRET else (2, 600, 8, 64, 1, 128, 256)
+    gen = torch.Generator().manual_seed(4)
+    x, dt = torch.randn(b, l, h, p, generator=gen), torch.randn(b, l, h, generator=gen) - 1
+    A = -torch.rand(h, generator=gen)
+    B, C = torch.randn(b, l, g, n, generator=gen), torch.randn(b, l, g, n, generator=gen)
+    sc = {kk: v / 127 for kk, v in ssd_int8_ranges(x, dt, A, B, C, T, None, True).items()}
+    Bq, Cq = quantize_ref(B, sc["B"][:, None]), quantize_ref(C, sc["C"][:, None])
+    args = (x, dt, A, Bq, sc["B"], Cq, sc["C"], sc["xs"], sc["state"], T)
+    o = SSDi8Options(**opts)
+    want = ssd_int8_ref(*args, dt_softplus=True, x_scale=sc["xs"], options=o)
+    got = k.ssd_int8(*(a.to(DEV) if torch.is_tensor(a) else a for a in args), dt_softplus=True,
+                     x_scale=sc["xs"].to(DEV), options=o)
+    assert got.device.type == torch.device(DEV).type
+    assert (got.cpu().float() - want).norm() <= 2e-2 * want.norm()

@@ -106,7 +106,8 @@ def state_passing_int8(chunk_q: torch.Tensor, decay_q: torch.Tensor, initial_q: 
     s <- clamp(((decay_q·s + 2^6) >> 7) + chunk_q): integer only (round half up by the added 2^6).
     """
     b, nc, h, p, n = chunk_q.shape
-    state = torch.zeros(b, h, p, n, dtype=torch.int32) if initial_q is None else initial_q.to(torch.int32)
+    state = (torch.zeros(b, h, p, n, dtype=torch.int32, device=chunk_q.device) if initial_q is None
+             else initial_q.to(torch.int32))
     half = 1 << (DECAY_BITS - 1)
     entering = []
     for c in range(nc):
@@ -232,7 +233,7 @@ def _state_passing_requantized(chunk_q, Acs, state_scale, initial_q=None):
     s = state_scale[..., None]
     state = None if initial_q is None else dequantize_ref(initial_q, s)
     b, nc, h, p, n = chunk_q.shape
-    state = torch.zeros(b, h, p, n) if state is None else state
+    state = torch.zeros(b, h, p, n, device=chunk_q.device) if state is None else state
     decay = torch.exp(Acs[:, :, -1])
     entering = []
     for c in range(nc):
