@@ -3,6 +3,7 @@
     python benchmarks/run_ssdi8_table.py --sections main,long --models ../shared/models/mamba2,../shared/models/hybrid
     python benchmarks/run_ssdi8_table.py --sections ablation --models ../shared/models/mamba2 --out R.json
     python benchmarks/run_ssdi8_table.py --calib-samples 512 --limit 144 --seqlen 2048   # the full size (GPU)
+    python benchmarks/run_ssdi8_table.py --models M --save-inputs in.pt ...; ... --models M --inputs in.pt --device cuda
 
 Sections:
   main      float, Quamba2 W8A8 / W4A8, SSDi8 W8A8 / W4A8 (hybrid: Quamba2 restricted to the Mamba layers'
@@ -93,12 +94,16 @@ def main() -> None:
     ap.add_argument("--long-windows", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the models then run on the Triton kernels)")
+    ap.add_argument("--save-inputs", default=None, help="write the token windows (evaluation, calibration, long) of "
+                    "the one model in --models to this file and stop")
+    ap.add_argument("--inputs", default=None, help="read the token windows from a --save-inputs file instead of "
+                    "tokenizing (a device run then needs no tokenizer or text beside the weights)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/ssdi8_cpu.json"))
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     import ssmq
-    from ssmq.quant.calibration import load_calibration
+    from ssmq.quant.calibration import CalibrationData, load_calibration
 
     out_path = Path(args.out)
     out = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
@@ -107,11 +112,27 @@ def main() -> None:
     save = lambda: out_path.write_text(json.dumps(out, indent=2))  # noqa: E731
     sections = args.sections.split(",")
     for path in args.models.split(","):
-        tok = ssmq.load_tokenizer(path)
+        if args.inputs:
+            saved = torch.load(args.inputs)
+            ids = lambda t: t.long() + 32768  # noqa: E731  (stored as int16, shifted)
+            win, long_windows = ids(saved["eval"]), {L: ids(w) for L, w in saved["long"].items()}
+            calib = CalibrationData(ids(saved["calib"]), **saved["calib_record"])
+        else:
+            tok = ssmq.load_tokenizer(path)
+            win = eval_windows(tok, args.seqlen, args.limit)
+            long_windows = {L: eval_windows(tok, L, args.long_windows) for L in map(int, args.long.split(","))}
+            calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok)
+        if args.save_inputs:  # int16 after a shift (ids < 2^16): a quarter of the bytes to carry
+            rec = calib.record()
+            i16 = lambda t: (t - 32768).to(torch.int16)  # noqa: E731
+            torch.save({"eval": i16(win), "long": {L: i16(w) for L, w in long_windows.items()},
+                        "calib": i16(calib.input_ids),
+                        "calib_record": {"source": rec["source"], "seed": rec["seed"], "sha256": rec["sha256"]}},
+                       args.save_inputs)
+            print(f"wrote {args.save_inputs}")
+            return
         fm = ssmq.load_model(path, dtype=torch.float32, device=args.device).eval()
         arch = fm.config.arch
-        win = eval_windows(tok, args.seqlen, args.limit)
-        calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=0, tokenizer=tok)
         res = out["models"][path] = {"arch": arch, "eval_windows": list(win.shape), "calibration": calib.record(),
                                      "main": [], "ablation": [], "long": []}
         models = {"float32": fm}
@@ -146,8 +167,7 @@ def main() -> None:
                 for label, recipe in ablation_rows():
                     measure("ablation", label, recipe)
             if "long" in sections:
-                for L in (int(x) for x in args.long.split(",")):
-                    w = eval_windows(tok, L, args.long_windows)
+                for L, w in long_windows.items():
                     for label, m in models.items():
                         res["long"].append({"label": label, "seqlen": L, "windows": int(w.shape[0]), "ppl": ppl(m, w)})
                         save()
