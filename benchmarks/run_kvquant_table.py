@@ -4,6 +4,7 @@
     python benchmarks/run_kvquant_table.py --models smollm2 --limit 8 --seqlen 512 --out results/kvquant_smollm2
     python benchmarks/run_kvquant_table.py --limit 2 --calib-samples 2 --out /tmp/kv   # smoke run
     python benchmarks/run_kvquant_table.py --models smollm2 --tables long --out results/kvquant_long  # long context
+    python benchmarks/run_kvquant_table.py --tables spread --calib-seeds 0 1 2 --out results/kvquant_spread
 
 Tables (per model):
   1. formats   float KV vs KVQuant int4 / int3 / int2 and nuq4 / nuq3 / nuq2, each without and with 1% outliers
@@ -14,6 +15,9 @@ Tables (per model):
   4. long      (not in the default set) float KV, nuq4-1%, nuq3-1%, int4, int4 and fp8 engine formats at long
                context: ONE window of each --contexts length (the first N tokens of the test text, so the shorter
                windows are prefixes of the longest); writes kvquant_long.{md,png} beside the json
+  5. spread    (not in the default set) nuq4-1%, nuq3-1% and int3-1% calibrated on other draws of the calibration
+               windows (--calib-seeds; seed 0 is the other tables' draw): how far a row moves with the calibration
+               sample alone, the noise floor under the tables' small differences; in kvquant_table.md
 Each row calibrates the format on the same calibration windows (one gradient pass, reused) and runs the model
 without a cache, through the attention layers' quantize-dequantize of K and V (what the quantized cache hands
 back: ``tests/test_kvquant_state.py``). Only the KV cache is quantized; weights and SSM layers stay float32.
@@ -34,6 +38,7 @@ import torch
 
 from ssmq.eval.perplexity import perplexity_of_ids
 from ssmq.models.kv_format import KVSpec
+from ssmq.quant.calibration import load_calibration
 from ssmq.quant.kv_presets import KV_PRESETS
 from ssmq.quant.kvquant.calibrate import attention_layers, calibrate_kv_, capture_kv
 
@@ -77,22 +82,26 @@ def long_rows() -> list[tuple[str, str | None]]:
             ("fp8 e4m3 (per-tensor scale)", "kv-fp8-e4m3")]
 
 
+def spread_rows() -> list[tuple[str, str | None]]:
+    return [("float KV (16-bit)", None), ("KVQuant nuq4-1%", "kvquant-nuq4-1%"), ("KVQuant nuq3-1%", "kvquant-nuq3-1%"),
+            ("KVQuant int3-1%", "kvquant-int3-1%")]
+
+
 def spec_of(x) -> KVSpec | None:
     return KV_PRESETS[x][0] if isinstance(x, str) else x
 
 
-def load_calibrated(name: str, calib_samples: int, calib_seqlen: int):
+def load_calibrated(name: str, calib_samples: int, calib_seqlen: int, seed: int = 0):
     """(model float32, tokenizer, calibration windows (n, l) long, KVFormats over them) for a name of MODELS."""
     from ssmq.models import load_model
     from ssmq.models.loading import resolve_model_path
     from ssmq.paths import shared_path
-    from ssmq.quant.calibration import load_calibration
     from ssmq.tokenizer import load_tokenizer
 
     where = MODELS[name] or shared_path("models", name)
     model = load_model(where, dtype=torch.float32).eval()
     tok = load_tokenizer(resolve_model_path(where))
-    calib = load_calibration(None, calib_samples, calib_seqlen, seed=0, tokenizer=tok).input_ids
+    calib = load_calibration(None, calib_samples, calib_seqlen, seed=seed, tokenizer=tok).input_ids
     return model, tok, calib, KVFormats(model, calib, name=name)
 
 
@@ -147,7 +156,9 @@ def main():
     ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--tables", nargs="+", default=["formats", "ablation", "engines"],
-                    choices=["formats", "ablation", "engines", "long"])
+                    choices=["formats", "ablation", "engines", "long", "spread"])
+    ap.add_argument("--calib-seeds", nargs="+", type=int, default=[0, 1, 2],
+                    help="spread table: one calibration draw each (seed 0 = the other tables' windows)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192],
                     help="long table: one window of each of these lengths")
     args = ap.parse_args()
@@ -164,30 +175,44 @@ def main():
     if "long" in args.tables:
         result["long"] = (f"WikiText-2 test (v1 tokenised), one window each of {args.contexts} tokens: the first N "
                           "tokens of the text (batch 1)")
-    tables = {"formats": formats_rows, "ablation": ablation_rows, "engines": engine_rows, "long": long_rows}
+    tables = {"formats": formats_rows, "ablation": ablation_rows, "engines": engine_rows, "long": long_rows,
+              "spread": spread_rows}
     for name in args.models:
         model, tok, _, formats = load_calibrated(name, args.calib_samples, args.calib_seqlen)
+        by_seed = {0: formats}
         eval_ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
         res, cache = {}, {}
         result["models"][name] = res
         for table in args.tables:
             res[table] = []
             # the long table is the same rows at several window lengths, one window each
-            settings = ([(c, 1, 1) for c in args.contexts] if table == "long"
-                        else [(args.seqlen, args.limit, args.batch_size)])
-            for seqlen, limit, batch in settings:
+            # the long table is the same rows at several window lengths, one window each; the spread table the
+            # same rows calibrated on several draws of the calibration windows
+            settings = ([(c, 1, 1, 0) for c in args.contexts] if table == "long"
+                        else [(args.seqlen, args.limit, args.batch_size, s) for s in args.calib_seeds]
+                        if table == "spread" else [(args.seqlen, args.limit, args.batch_size, 0)])
+            for seqlen, limit, batch, seed in settings:
+                if seed not in by_seed:
+                    calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=seed, tokenizer=tok)
+                    by_seed[seed] = KVFormats(model, calib.input_ids, name=f"{name} seed {seed}")
                 for label, x in tables[table]():
-                    key = json.dumps([seqlen, limit, None if x is None else spec_of(x).to_dict()], sort_keys=True)
+                    spec = spec_of(x)
+                    key = json.dumps([seqlen, limit, None if spec is None else seed,
+                                      None if spec is None else spec.to_dict()], sort_keys=True)
                     if key not in cache:
-                        cache[key] = evaluate(formats, spec_of(x), eval_ids, seqlen, limit, batch)
-                    row = {"row": label, "preset": x if isinstance(x, str) else None, **cache[key]}
+                        cache[key] = evaluate(by_seed[seed], spec, eval_ids, seqlen, limit, batch)
+                    row = {"row": label, "preset": x if isinstance(x, str) else None, "calib_seed": seed,
+                           **cache[key]}
                     res[table].append(row)
-                    print(f"[{name}] {table:8s} {seqlen:6d} {label:40s} ppl {row['ppl']:.4f} "
+                    print(f"[{name}] {table:8s} {seqlen:6d} seed {seed} {label:40s} ppl {row['ppl']:.4f} "
                           f"({row['seconds']:.0f} s)", flush=True)
                     (out / "kvquant_table.json").write_text(json.dumps(result, indent=2))
     if set(args.tables) - {"long"}:
         (out / "kvquant_table.md").write_text(markdown(result))
-        plot(result, out / "kvquant_table.png")
+        if set(args.tables) - {"long", "spread"}:
+            plot(result, out / "kvquant_table.png")
+        if "spread" in args.tables:
+            plot_spread(result, out / "kvquant_spread.png")
         print((out / "kvquant_table.md").read_text())
     if "long" in args.tables:
         (out / "kvquant_long.md").write_text(markdown_long(result))
@@ -201,6 +226,9 @@ def markdown(result: dict) -> str:
         for table, rows in res.items():
             if table == "long":  # its own pivot: markdown_long
                 continue
+            if table == "spread":
+                lines += markdown_spread(name, rows)
+                continue
             base = rows[0]["ppl"]  # every table starts with the float KV row
             lines += [f"**{name} — {table}**", "", "| KV format | bits / entry | ppl | Δ vs float KV |",
                       "|---|---|---|---|"]
@@ -211,6 +239,24 @@ def markdown(result: dict) -> str:
                              f"{r['ppl']:.4f} | {delta} |")
             lines.append("")
     return "\n".join(lines)
+
+
+def markdown_spread(name: str, rows: list[dict]) -> list[str]:
+    """Δ vs float KV of each row at each calibration seed, with their mean and range (max - min)."""
+    base = rows[0]["ppl"]
+    seeds = sorted({r["calib_seed"] for r in rows if r["preset"]})
+    grid: dict[str, dict[int, float]] = {}
+    for r in rows:
+        if r["preset"]:
+            grid.setdefault(r["row"], {})[r["calib_seed"]] = r["ppl"] - base
+    lines = [f"**{name} — spread over calibration draws** (Δ vs float KV {base:.4f})", "",
+             "| KV format | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | range |",
+             "|---|" + "---|" * (len(seeds) + 2)]
+    for label, by in grid.items():
+        d = [by[s] for s in seeds if s in by]
+        lines.append(f"| {label} | " + " | ".join(f"{by[s]:+.4f}" if s in by else "—" for s in seeds)
+                     + f" | {sum(d) / len(d):+.4f} | {max(d) - min(d):.4f} |")
+    return lines + [""]
 
 
 def _by_context(rows: list[dict]) -> tuple[list[int], dict[str, dict[int, dict]]]:
@@ -268,6 +314,32 @@ def plot_long(result: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     ax.set_title("WikiText-2 perplexity vs context with a quantized KV cache")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_spread(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels: list[str] = []
+    for j, (name, res) in enumerate(result["models"].items()):
+        rows = res.get("spread", [])
+        if not rows:
+            continue
+        base = rows[0]["ppl"]
+        for r in (r for r in rows if r["preset"]):
+            tag = f"{name}\n{r['row'].replace('KVQuant ', '')}"
+            if tag not in labels:
+                labels.append(tag)
+            ax.plot(labels.index(tag), r["ppl"] - base, "o", color=f"C{j}", alpha=0.7)
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("perplexity − float KV")
+    ax.grid(alpha=0.3)
+    ax.set_title("KV formats: spread over draws of the calibration windows")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -34,6 +34,24 @@ def test_weighted_kmeans_lowers_fisher_weighted_error_vs_uniform():
         assert weighted_error(u, w, nuq) < weighted_error(u, w, weighted_kmeans(u, torch.ones_like(w), uniform))
 
 
+def test_pinned_kmeans_keeps_the_ends_and_serves_min_max_vectors_better():
+    # per-token min-max normalization puts every vector's min and max at exactly -1 and 1
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4000, 64, generator=g)
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    u = ((x - (hi + lo) / 2) / ((hi - lo) / 2)).flatten()
+    w = torch.ones_like(u)
+    w[(u.abs() == 1)] = 50.0  # the extremes are the entries the loss is most sensitive to
+    for bits in (2, 3, 4):
+        init = kq.uniform_codebook(bits)
+        free, pinned = weighted_kmeans(u, w, init), weighted_kmeans(u, w, init, pin_ends=True)
+        assert pinned[0] == -1 and pinned[-1] == 1 and (pinned.diff() > 0).all()
+        assert free[0] > -1 and free[-1] < 1  # Lloyd alone pulls the end levels inward
+        assert weighted_error(u, w, pinned) <= weighted_error(u, w, init)  # still a descent from the grid
+        ends = u.abs() == 1
+        assert weighted_error(u[ends], w[ends], pinned) == 0 < weighted_error(u[ends], w[ends], free)
+
+
 def test_sparse_outliers_round_trip_exactly():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(50, 2, 16, generator=g).half().float()
@@ -324,6 +342,8 @@ def test_calibration_fisher_and_codebooks():
     quantize(m, "kvquant-nuq3", tiny_calib(4, 32), progress=False)
     kvq = m.layers[1].mixer.kv_quant
     assert not torch.equal(kvq.k_codebook, kq.uniform_codebook(3))  # k-means moved the levels
+    assert not torch.equal(kvq.v_codebook, kq.uniform_codebook(3))
+    assert kvq.v_codebook[0] == -1 and kvq.v_codebook[-1] == 1  # per-token values: levels kept at the extremes
     assert (kvq.k_lo < kvq.k_hi).all()
     # per-channel range = min / max of the calibration keys (no outliers), the sink token (position 0) left out
     torch.testing.assert_close(kvq.k_hi, data["k"][:, 1:].flatten(0, 1).amax(0))

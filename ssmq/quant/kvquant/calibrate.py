@@ -8,7 +8,8 @@ them (one backward pass per batch; the weights stay frozen). Then, per side:
     per_channel / per_tensor range   min / max over the tokens, or the f/2 and 1 - f/2 quantiles per channel
                                      when the side has outliers (the thresholds beyond which entries go sparse)
     nuq codebook                     Fisher-weighted k-means of the normalized non-outlier values, from the
-                                     uniform grid (``kmeans.weighted_kmeans``)
+                                     uniform grid (``kmeans.weighted_kmeans``); per-token sides keep levels
+                                     at ±1, where every vector's min and max land
     Q-Norm                           the codebook's mean / std matched to the data's (``kmeans.q_norm``)
 The first ``sink`` tokens of every window are left out of all of it (they are never quantized). The layer gets a
 ``KVQuantizer`` with these tensors (``Attention.kv_quant``).
@@ -115,7 +116,8 @@ def fit_side(kvq: KVQuantizer, which: str, x: torch.Tensor, fisher: torch.Tensor
         keep = torch.randperm(u.numel(), generator=torch.Generator().manual_seed(0))[:MAX_KMEANS_SAMPLES]
         u, w = u[keep], w[keep]
     book = getattr(kvq, f"{tag}_codebook")
-    c = weighted_kmeans(u, w, book) if side.dtype == "nuq" else book.clone()
+    # per-token min-max scales put each (token, head)'s extremes at exactly ±1: the codebook keeps levels there
+    c = weighted_kmeans(u, w, book, pin_ends=side.granularity == "per_token") if side.dtype == "nuq" else book.clone()
     book.copy_(q_norm(u, c) if side.qnorm else c)
 
 
