@@ -161,6 +161,11 @@ def main():
                     help="spread table: one calibration draw each (seed 0 = the other tables' windows)")
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192],
                     help="long table: one window of each of these lengths")
+    ap.add_argument("--rows", nargs="+", metavar="TEXT",
+                    help="measure only the rows whose label contains one of these (e.g. nuq)")
+    ap.add_argument("--update", action="store_true",
+                    help="start from --out's kvquant_table.json: a measured row replaces the row of the same label, "
+                         "context and seed there, the others stay (re-measuring a few rows of a long table)")
     args = ap.parse_args()
     from ssmq.eval.perplexity import wikitext2_path
 
@@ -172,6 +177,11 @@ def main():
               "eval": f"WikiText-2 test (v1 tokenised), first {args.limit} windows of {args.seqlen} tokens",
               "calibration": f"{args.calib_samples} windows x {args.calib_seqlen} tokens of WikiText-2 train, seed 0",
               "models": {}}
+    old = out / "kvquant_table.json"
+    if args.update and old.exists():
+        stamp = {"date": result["date"], "machine": result["machine"], "rows": args.rows}
+        result = json.loads(old.read_text())
+        result.setdefault("updates", []).append(stamp)
     if "long" in args.tables:
         result["long"] = (f"WikiText-2 test (v1 tokenised), one window each of {args.contexts} tokens: the first N "
                           "tokens of the text (batch 1)")
@@ -181,11 +191,9 @@ def main():
         model, tok, _, formats = load_calibrated(name, args.calib_samples, args.calib_seqlen)
         by_seed = {0: formats}
         eval_ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
-        res, cache = {}, {}
-        result["models"][name] = res
+        res, cache = result["models"].setdefault(name, {}), {}
         for table in args.tables:
-            res[table] = []
-            # the long table is the same rows at several window lengths, one window each
+            res[table] = res.get(table, []) if args.update else []
             # the long table is the same rows at several window lengths, one window each; the spread table the
             # same rows calibrated on several draws of the calibration windows
             settings = ([(c, 1, 1, 0) for c in args.contexts] if table == "long"
@@ -196,6 +204,8 @@ def main():
                     calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=seed, tokenizer=tok)
                     by_seed[seed] = KVFormats(model, calib.input_ids, name=f"{name} seed {seed}")
                 for label, x in tables[table]():
+                    if args.rows and not any(t in label for t in args.rows):
+                        continue
                     spec = spec_of(x)
                     key = json.dumps([seqlen, limit, None if spec is None else seed,
                                       None if spec is None else spec.to_dict()], sort_keys=True)
@@ -203,7 +213,12 @@ def main():
                         cache[key] = evaluate(by_seed[seed], spec, eval_ids, seqlen, limit, batch)
                     row = {"row": label, "preset": x if isinstance(x, str) else None, "calib_seed": seed,
                            **cache[key]}
-                    res[table].append(row)
+                    same = [i for i, r in enumerate(res[table]) if (r["row"], r["seqlen"], r.get("calib_seed", 0))
+                            == (label, row["seqlen"], seed)]
+                    if same:
+                        res[table][same[0]] = row
+                    else:
+                        res[table].append(row)
                     print(f"[{name}] {table:8s} {seqlen:6d} seed {seed} {label:40s} ppl {row['ppl']:.4f} "
                           f"({row['seconds']:.0f} s)", flush=True)
                     (out / "kvquant_table.json").write_text(json.dumps(result, indent=2))
