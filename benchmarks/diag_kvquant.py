@@ -1,0 +1,96 @@
+"""Where a KVQuant format loses perplexity, one experiment at a time (CPU; the tables' calibration and windows).
+
+    python benchmarks/diag_kvquant.py --model smollm2 split      # keys only / values only (other side int8)
+    python benchmarks/diag_kvquant.py --model smollm2 dtypes     # nuq on one side, uniform on the other
+    python benchmarks/diag_kvquant.py --model smollm2 slots      # unlimited key-outlier slots (no clipping)
+    python benchmarks/diag_kvquant.py --model smollm2 fisher     # k-means weights Fisher^a, a = 0, 0.5, 1
+    python benchmarks/diag_kvquant.py --model smollm2 calib --calib-seqlen 2048   # longer calibration windows
+
+Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
+``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on 16 windows of
+--calib-seqlen tokens (seed 0). The variants that change code (slots, fisher) patch one function for their row
+and restore it. Prints one line a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+from run_kvquant_table import evaluate, load_calibrated, spec_of
+
+import ssmq.models.kv_format as kv_format
+import ssmq.quant.kvquant.calibrate as calibrate
+from ssmq.eval.perplexity import wikitext2_path
+from ssmq.models.kv_format import KVSideSpec, KVSpec
+
+WINDOWS = {"smollm2": (8, 512), "hybrid": (16, 1024)}
+
+
+@contextlib.contextmanager
+def patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+def unlimited_slots(self, n):
+    """Every entry beyond the per-channel thresholds kept (the paper's variable-length sparse rows)."""
+    return n if self.outliers and self.granularity == "per_channel" else ORIG_SLOTS(self, n)
+
+
+def fisher_power(a):
+    def fit(kvq, which, x, fisher):
+        return ORIG_FIT(kvq, which, x, fisher ** a)
+    return fit
+
+
+ORIG_SLOTS, ORIG_FIT = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side
+
+
+def variants(experiment: str, full: KVSpec):
+    """(label, spec, patch context) rows of one experiment."""
+    none = contextlib.nullcontext
+    i8 = KVSideSpec(8, "int", "per_token", symmetric=True)
+    if experiment == "split":
+        return [("float KV", None, none()), ("all", full, none()),
+                ("keys only (values int8 per token-head)", KVSpec(full.keys, i8, full.sink), none()),
+                ("values only (keys int8 per token-head)", KVSpec(i8, full.values, full.sink), none())]
+    if experiment == "dtypes":
+        return [("nuq keys, uniform values", full.with_changes(values={"dtype": "int"}), none()),
+                ("uniform keys, nuq values", full.with_changes(keys={"dtype": "int"}), none())]
+    if experiment == "slots":
+        return [("fixed slots (2 x 1% a token)", full, none()),
+                ("unlimited key-outlier slots", full, patched(kv_format.KVSideSpec, "outlier_slots",
+                                                              unlimited_slots))]
+    if experiment == "fisher":
+        return [(f"k-means weights Fisher^{a}", full, patched(calibrate, "fit_side", fisher_power(a)))
+                for a in (0.0, 0.5, 1.0)]
+    if experiment == "calib":
+        return [("float KV", None, none()), ("all", full, none())]
+    raise SystemExit(f"diag_kvquant: unknown experiment {experiment!r}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib"])
+    ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
+    ap.add_argument("--preset", default="kvquant-nuq3-1%")
+    ap.add_argument("--calib-seqlen", type=int, default=512)
+    args = ap.parse_args()
+    limit, seqlen = WINDOWS[args.model]
+    model, tok, _, formats = load_calibrated(args.model, 16, args.calib_seqlen)
+    ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
+    for label, spec, patch in variants(args.experiment, spec_of(args.preset)):
+        with patch:
+            formats._fitted.clear()  # every row calibrates under its own patch
+            r = evaluate(formats, spec, ids, seqlen, limit, 2)
+        bits = "16" if r["bits_per_entry"] is None else f"{r['bits_per_entry']:.2f}"
+        print(f"{args.model} {args.preset} {label:42s} ppl {r['ppl']:.4f}  bits/entry {bits}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
