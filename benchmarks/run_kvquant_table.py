@@ -185,7 +185,7 @@ def main():
         stamp = {"date": result["date"], "machine": result["machine"], "rows": args.rows}
         result = json.loads(old.read_text())
         result.setdefault("updates", []).append(stamp)
-    if "long" in args.tables:
+    if "long" in args.tables and not (args.update and "long" in result):  # an update keeps the run's description
         result["long"] = (f"WikiText-2 test (v1 tokenised), one window each of {args.contexts} tokens: the first N "
                           "tokens of the text (batch 1)")
     tables = {"formats": formats_rows, "ablation": ablation_rows, "engines": engine_rows, "long": long_rows,
