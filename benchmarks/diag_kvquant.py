@@ -25,6 +25,7 @@ from ssmq.eval.perplexity import wikitext2_path
 from ssmq.models.kv_format import KVSideSpec, KVSpec
 
 WINDOWS = {"smollm2": (8, 512), "hybrid": (16, 1024)}
+ORIG_SLOTS, ORIG_FIT = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side
 
 
 @contextlib.contextmanager
@@ -46,9 +47,6 @@ def fisher_power(a):
     def fit(kvq, which, x, fisher):
         return ORIG_FIT(kvq, which, x, fisher ** a)
     return fit
-
-
-ORIG_SLOTS, ORIG_FIT = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side
 
 
 def variants(experiment: str, full: KVSpec):

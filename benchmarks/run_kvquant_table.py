@@ -91,7 +91,13 @@ def spec_of(x) -> KVSpec | None:
     return KV_PRESETS[x][0] if isinstance(x, str) else x
 
 
-def load_calibrated(name: str, calib_samples: int, calib_seqlen: int, seed: int = 0):
+def calibrated_formats(model, tok, name: str, calib_samples: int, calib_seqlen: int, seed: int = 0) -> "KVFormats":
+    """KVFormats over one seeded draw of calibration windows (WikiText-2 train, tokenized by ``tok``)."""
+    calib = load_calibration(None, calib_samples, calib_seqlen, seed=seed, tokenizer=tok).input_ids
+    return KVFormats(model, calib, name=name if seed == 0 else f"{name} seed {seed}")
+
+
+def load_calibrated(name: str, calib_samples: int, calib_seqlen: int):
     """(model float32, tokenizer, calibration windows (n, l) long, KVFormats over them) for a name of MODELS."""
     from ssmq.models import load_model
     from ssmq.models.loading import resolve_model_path
@@ -101,8 +107,8 @@ def load_calibrated(name: str, calib_samples: int, calib_seqlen: int, seed: int 
     where = MODELS[name] or shared_path("models", name)
     model = load_model(where, dtype=torch.float32).eval()
     tok = load_tokenizer(resolve_model_path(where))
-    calib = load_calibration(None, calib_samples, calib_seqlen, seed=seed, tokenizer=tok).input_ids
-    return model, tok, calib, KVFormats(model, calib, name=name)
+    formats = calibrated_formats(model, tok, name, calib_samples, calib_seqlen)
+    return model, tok, formats.calib, formats
 
 
 class KVFormats:
@@ -204,8 +210,7 @@ def main():
                         if table == "spread" else [(args.seqlen, args.limit, args.batch_size, 0)])
             for seqlen, limit, batch, seed in settings:
                 if seed not in by_seed:
-                    calib = load_calibration(None, args.calib_samples, args.calib_seqlen, seed=seed, tokenizer=tok)
-                    by_seed[seed] = KVFormats(model, calib.input_ids, name=f"{name} seed {seed}")
+                    by_seed[seed] = calibrated_formats(model, tok, name, args.calib_samples, args.calib_seqlen, seed)
                 for label, x in tables[table]():
                     if args.rows and not any(t in label for t in args.rows):
                         continue
