@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plotting import log_axes, pyplot  # noqa: E402
 
 from ssmq.ops.attention import attention_ref  # noqa: E402
-from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref  # noqa: E402
+from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref, sort_outliers  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
 ONE_PCT = (2 * round(0.01 * HKV * E), round(0.01 * HKV * E))  # key / value outlier slots of 1% (KVQuantizer's)
@@ -62,7 +62,7 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) 
         # distinct within a token, as quantization picks them (the reference's scatter of duplicates is racy)
         first = torch.randint(0, HKV * E, (b, L, 1), generator=gen, device=DEV)
         idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
-        val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
+        idx, val = sort_outliers(idx, torch.randn(b, L, slots, generator=gen, device=DEV).half())  # stored order
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
         return KVSideView(codes, book, mid, half, per_token, idx, val, sink, bits)
     return side(False, k_slots), side(True, v_slots)
@@ -183,8 +183,9 @@ def set_cfg(text: str) -> None:
         kv_decode_fast.CFG[key] = int(value) if value.isdigit() else value
 
 
-def sweep(cfgs: list[str], lengths: list[int], batch: int) -> list[dict]:
-    """The 4-bit kvquant rows' times under each launch setting of ``cfgs`` (each "KEY=VALUE,..." over the CFG found)."""
+def sweep(cfgs: list[str], lengths: list[int], batch: int, bits: tuple[int, ...] = (4,)) -> list[dict]:
+    """The kvquant rows' times (codes of ``bits``, without and with outliers) under each launch setting of ``cfgs``
+    (each "KEY=VALUE,..." over the CFG found)."""
     from ssmq.kernels import kv_decode_fast as kv_decode
     from ssmq.kernels import quant_kv_decode
 
@@ -193,8 +194,8 @@ def sweep(cfgs: list[str], lengths: list[int], batch: int) -> list[dict]:
     for L in lengths:
         q = torch.randn(batch, HQ, E, generator=gen, device=DEV, dtype=torch.float16)
         slots, lens = torch.arange(batch, device=DEV), torch.full((batch,), L, device=DEV)
-        for label, bits, (ko, vo) in QUANT_ROWS[:2]:  # 4-bit, without and with outliers (few compiles)
-            K, V = quant_cache(batch, L, ko, vo, gen, bits)
+        for label, b, (ko, vo) in (r for r in QUANT_ROWS if r[1] in bits):
+            K, V = quant_cache(batch, L, ko, vo, gen, b)
             for cfg in cfgs:
                 kv_decode.CFG.clear()
                 kv_decode.CFG.update(base)
@@ -222,6 +223,7 @@ def main():
     ap.add_argument("--sweep", default="", help="launch settings to time the kvquant rows under, ';'-separated "
                     "--cfg strings (e.g. 'num_warps=4;BLOCK_T=32'), at --sweep-lengths; to JSON 'sweep'")
     ap.add_argument("--sweep-lengths", default="131072")
+    ap.add_argument("--sweep-bits", default="4", help="code widths of the swept rows (each without and with outliers)")
     args = ap.parse_args()
     global DEV
     DEV = args.device
@@ -232,7 +234,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows = run([int(x) for x in args.lengths.split(",")], args.batch)
     swept = sweep(["", *filter(None, args.sweep.split(";"))], [int(x) for x in args.sweep_lengths.split(",")],
-                  args.batch) if args.sweep else []
+                  args.batch, tuple(int(x) for x in args.sweep_bits.split(","))) if args.sweep else []
     meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
             "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}, "cfg": kv_decode.CFG,
             "fast_cfg": kv_decode_fast.CFG}

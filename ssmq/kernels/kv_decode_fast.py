@@ -73,7 +73,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=16, VRANKED=True, KRANKED=True)
+           GP_MIN=16, VRANKED=True, KRANKED=True, SORTED=True)
 MIN_DIM = 32
 # VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot;
 # KRANKED: key outliers' score terms the same way (``kv_decode._outlier_scores``), else gathers for every slot (H100,
@@ -255,7 +255,65 @@ def _value_fix(d, idx, val, row, lut, mv, hv, tmask, e, E: tl.constexpr, BITS: t
     of what the tile's codes give there, x̂ = mv + hv · codebook[code] (per-token scales; packed rows ``row``)."""
     mine = tmask & (idx >= 0) & (idx < E)
     x = mv + hv * tl.load(lut + _codes(row, tl.where(mine, idx, 0), mine, BITS))
-    return tl.where(idx[:, None] == e[None, :], (val - x)[:, None], d)
+    return tl.where(idx[:, None] == e[None, :], (val - x).to(tl.float16)[:, None], d)
+
+
+@triton.jit
+def _head_span(oidx, slot, hk, t, tmask, s_os, s_ot, E: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr):
+    """Where kv head hk's slots lie among each token's sorted slots (``sort_outliers``): start, count (len(t),)."""
+    jj = tl.arange(0, P)
+    f = tl.load(oidx + slot * s_os + t[:, None] * s_ot + jj[None, :], mask=tmask[:, None] & (jj < SLOTS)[None, :],
+                other=-1).to(tl.int32)
+    start = tl.sum(((f >= 0) & (f < hk * E)).to(tl.int32), 1)
+    return start, tl.sum(((f >= hk * E) & (f < hk * E + E)).to(tl.int32), 1)
+
+
+@triton.jit
+def _span_slot(oidx, oval, slot, hk, t, tmask, start, cnt, js, s_os, s_ot, E: tl.constexpr):
+    """The js-th slot of kv head hk's span in each token: channel in the head (-1: none left), value (float32)."""
+    sel = tmask & (js < cnt)
+    o = slot * s_os + t * s_ot + start + js
+    c = tl.load(oidx + o, mask=sel, other=-1).to(tl.int32)
+    return tl.where(sel, c - hk * E, -1), tl.load(oval + o, mask=sel, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sorted_key_outliers(qg, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
+                         s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP: tl.constexpr, GP: tl.constexpr,
+                         E: tl.constexpr, R: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
+                         KP: tl.constexpr, FAST: tl.constexpr, BITS: tl.constexpr):
+    """``kv_decode._outlier_scores`` over sorted slots: one pass a rank of kv head hk's span, each (len(t),) loads
+    at span start + rank (no search of the token's other slots), the query heads' coefficients of a pass as one
+    (GP, len(t)) gather."""
+    start, cnt = _head_span(oidx, slot, hk, t, tmask, s_os, s_ot, E, KSLOTS, KP)
+    rows = tl.arange(0, GP)
+    qrows = qg + rows[:, None] * s_qh
+    out = tl.zeros((GP, t.shape[0]), tl.float32)
+    for js in range(tl.max(cnt, 0)):
+        c, val = _span_slot(oidx, oval, slot, hk, t, tmask, start, cnt, js, s_os, s_ot, E)
+        hit = c >= 0
+        c = tl.where(hit, c, 0)
+        x = tl.load(lut + _codes(codes + slot * s_s + t * s_t + hk * s_h, c, hit, BITS))
+        if PER_TOKEN:
+            m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+            h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+        else:
+            m = tl.load(mid + hk * E + c)
+            h = tl.load(half + hk * E + c)
+        d = tl.where(hit, val - (m + h * x), 0.0)
+        qm = (rows < GROUP)[:, None] & hit[None, :]
+        qc = tl.load(qrows + c[None, :], mask=qm, other=0.0).to(tl.float32)
+        if R > 0:  # coefficient of key channel c in q · R_t k: q[c] cos ± q[partner] sin (kv_decode._slot_scores)
+            rot = c < R
+            low = c < R // 2
+            partner = tl.where(low, c + R // 2, c - R // 2)
+            freq = tl.load(inv_freq + tl.where(low, c, c - R // 2), mask=rot, other=0.0)
+            cos, sin = _cos_sin(t.to(tl.float32) * freq, FAST)
+            qq = tl.load(qrows + partner[None, :], mask=qm & rot[None, :], other=0.0).to(tl.float32)
+            out += qc * (d * tl.where(rot, cos, 1.0))[None, :] + qq * (d * tl.where(low, sin, -sin))[None, :]
+        else:
+            out += qc * d[None, :]
+    return out * qscale
 
 
 @triton.jit
@@ -280,7 +338,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
                    ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, VRANKED: tl.constexpr,
-                   KRANKED: tl.constexpr):
+                   KRANKED: tl.constexpr, SORTED: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
@@ -340,7 +398,11 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
         s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
                         kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, E, R, HP,
                         PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
-        if KSLOTS > 0:
+        if KSLOTS > 0 and SORTED:
+            s += _sorted_key_outliers(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask,
+                                      inv_freq, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN,
+                                      KSLOTS, KP, FAST, KBITS)
+        elif KSLOTS > 0:
             s += _outlier_scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
                                  k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN, KSLOTS, KP,
                                  FAST, KBITS, KRANKED)
@@ -357,9 +419,14 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
                 if VSLOTS > 0:  # outliers: val - x̂ there (x̂ = mid + half · codebook[code], gathered a slot), one
-                    d = tl.zeros((BLOCK_T, E), tl.float32)  # more product; the tile B stays as it is
+                    d = tl.zeros((BLOCK_T, E), tl.float16)  # more product; the tile B stays as it is
                     vrow = vc + slot * v_s + t * v_t + hk * v_h
-                    if VRANKED:  # this head's slots ranked within their token: as many passes as the tile's
+                    if SORTED:  # this head's slots are one span of each token's sorted slots: a pass a rank
+                        vstart, vcnt = _head_span(voi, slot, hk, t, tmask, v_os, v_ot, E, VSLOTS, VP)
+                        for js in range(tl.max(vcnt, 0)):
+                            idx, val = _span_slot(voi, vov, slot, hk, t, tmask, vstart, vcnt, js, v_os, v_ot, E)
+                            d = _value_fix(d, idx, val, vrow, vlut, mv, hv, tmask, e, E, VBITS)
+                    elif VRANKED:  # this head's slots ranked within their token: as many passes as the tile's
                         jj = tl.arange(0, VP)  # busiest token has (~3 of 1%'s 10 slots)
                         ob = slot * v_os + t[:, None] * v_ot + jj[None, :]
                         om = tmask[:, None] & (jj < VSLOTS)[None, :]
@@ -377,7 +444,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                             d = _value_fix(d, tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E,
                                            tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32), vrow, vlut, mv,
                                            hv, tmask, e, E, VBITS)
-                    acc = tl.dot(p.to(tl.float16), d.to(tl.float16), acc)
+                    acc = tl.dot(p.to(tl.float16), d, acc)
                 acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
             else:
                 lm = lm * alpha
@@ -401,7 +468,8 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
                 FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
-                VRANKED=CFG["VRANKED"], KRANKED=CFG["KRANKED"] and flags["KBITS"] != 3, **flags)
+                VRANKED=CFG["VRANKED"], KRANKED=CFG["KRANKED"] and flags["KBITS"] != 3, SORTED=CFG["SORTED"],
+                **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
