@@ -375,17 +375,22 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     outliers = flags["KSLOTS"] or flags["VSLOTS"]
     block_t = cfg["BLOCK_T_OUTLIERS"] if outliers else cfg["BLOCK_T"]
     warps = cfg.get("WARPS_OUTLIERS", cfg["num_warps"]) if outliers else cfg["num_warps"]
+    stages = cfg.get("STAGES_OUTLIERS", cfg["num_stages"]) if outliers else cfg["num_stages"]
     splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
     out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
     ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     ksink, vsink = sinks
+    scratch = ()  # kv_decode_fast's outlier scatter: 4 (BLOCK_T, e) int16 tiles a program (it fills them itself)
+    if "SCATTER" in cfg:
+        n = b * hkv * splits * 4 * block_t * e if cfg["SCATTER"] and outliers else 1
+        scratch = (torch.empty(n, dtype=torch.int16, device=q.device),)
     kernel[(b, hkv, splits)](
-        q, slots, kv_lens, inv_freq, out, ws, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
+        q, slots, kv_lens, inv_freq, out, ws, *scratch, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
-        num_warps=warps, num_stages=cfg["num_stages"],
+        num_warps=warps, num_stages=stages,
         **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
     if splits > 1:
         _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),

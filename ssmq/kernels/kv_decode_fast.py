@@ -73,7 +73,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=16, VRANKED=True, KRANKED=True, SORTED=True)
+           GP_MIN=16, VRANKED=True, KRANKED=True, SORTED=True, SCATTER=True, STAGES_OUTLIERS=1)
 MIN_DIM = 32
 # VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot;
 # KRANKED: key outliers' score terms the same way (``kv_decode._outlier_scores``), else gathers for every slot (H100,
@@ -218,11 +218,13 @@ def _scaled(x, mid, half, slot, hk, t, tmask, c, cmask, s_ms, s_mt, E: tl.conste
 
 @triton.jit
 def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos,
-                sin, s_ms, s_mt, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr,
-                FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+                sin, s_ms, s_mt, buf, j, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr,
+                FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
+                PATCH: tl.constexpr):
     """(GP, len(t)) scores of the (pre-scaled, float16) query rows qa, qb, qp (the rotary halves, the pass-through
     channels) against the keys at ``rows`` (T, 1 pointers) rotated by their positions: R_t k = (ka cos - kb sin,
-    kb cos + ka sin, kp); without the sparse outliers (``_outlier_scores`` adds them). FLOAT: a float tile."""
+    kb cos + ka sin, kp); PATCH: the sparse outliers of the scratch tile ``buf`` (rows j) written over the
+    dequantized keys before the rotation, else without them (``_outlier_scores`` adds them). FLOAT: a float tile."""
     ch = tl.arange(0, HP)
     cp = tl.arange(0, PP)
     s = tl.zeros((qa.shape[0], t.shape[0]), tl.float32)
@@ -236,6 +238,9 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
                          mid, half, slot, hk, t, tmask, ch, hm, s_ms, s_mt, E, PER_TOKEN)
             kb = _scaled(_book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
                                ASM), mid, half, slot, hk, t, tmask, R // 2 + ch, hm, s_ms, s_mt, E, PER_TOKEN)
+            if PATCH:
+                ka = _patched(ka, buf, j, ch, hm, E)
+                kb = _patched(kb, buf, j, R // 2 + ch, hm, E)
         s = tl.dot(qa, tl.trans((ka * cos - kb * sin).to(tl.float16)), s)
         s = tl.dot(qb, tl.trans((kb * cos + ka * sin).to(tl.float16)), s)
     if R < E:
@@ -244,7 +249,10 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
             kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0).to(tl.float16)
         else:
             kp = _scaled(_book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM),
-                         mid, half, slot, hk, t, tmask, R + cp, pm, s_ms, s_mt, E, PER_TOKEN).to(tl.float16)
+                         mid, half, slot, hk, t, tmask, R + cp, pm, s_ms, s_mt, E, PER_TOKEN)
+            if PATCH:
+                kp = _patched(kp, buf, j, R + cp, pm, E)
+            kp = kp.to(tl.float16)
         s = tl.dot(qp, tl.trans(kp), s)
     return s
 
@@ -256,6 +264,38 @@ def _value_fix(d, idx, val, row, lut, mv, hv, tmask, e, E: tl.constexpr, BITS: t
     mine = tmask & (idx >= 0) & (idx < E)
     x = mv + hv * tl.load(lut + _codes(row, tl.where(mine, idx, 0), mine, BITS))
     return tl.where(idx[:, None] == e[None, :], (val - x).to(tl.float16)[:, None], d)
+
+
+@triton.jit
+def _scatter(buf, oidx, oval, slot, hk, t, tmask, j, s_os, s_ot, mv, hv, E: tl.constexpr, SLOTS: tl.constexpr,
+             P: tl.constexpr, NORMALIZE: tl.constexpr):
+    """Writes kv head hk's outliers of tokens t into the scratch tile ``buf`` (BLOCK_T, E) int16 (float16 bits; -1,
+    a NaN pattern no outlier has, marks "none") at (j, channel): their value, or (val - mv) / hv (NORMALIZE: a
+    codebook-scale value of per-token values). Returns the addresses and mask, for ``_unscatter``."""
+    jj = tl.arange(0, P)
+    ob = slot * s_os + t[:, None] * s_ot + jj[None, :]
+    om = tmask[:, None] & (jj < SLOTS)[None, :]
+    c = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32) - hk * E
+    hit = om & (c >= 0) & (c < E)
+    val = tl.load(oval + ob, mask=hit, other=0.0)
+    if NORMALIZE:
+        val = ((val.to(tl.float32) - mv[:, None]) / hv[:, None]).to(tl.float16)
+    addr = buf + j[:, None] * E + tl.where(hit, c, 0)
+    tl.store(addr, val.to(tl.float16).to(tl.int16, bitcast=True), mask=hit)
+    return addr, hit
+
+
+@triton.jit
+def _unscatter(addr, hit):
+    """Marks the entries ``_scatter`` wrote as empty again (after a barrier: every thread has read the tile)."""
+    tl.store(addr, tl.full(addr.shape, -1, tl.int16), mask=hit)
+
+
+@triton.jit
+def _patched(x, buf, j, c, cmask, E: tl.constexpr):
+    """x (len(j), len(c)) with the outliers of the scratch tile ``buf`` at rows j, channels c written over it."""
+    w = tl.load(buf + j[:, None] * E + c[None, :], mask=cmask[None, :], other=-1)
+    return tl.where(w != -1, w.to(tl.float16, bitcast=True).to(x.dtype), x)
 
 
 @triton.jit
@@ -328,7 +368,7 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
@@ -338,7 +378,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
                    ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, VRANKED: tl.constexpr,
-                   KRANKED: tl.constexpr, SORTED: tl.constexpr):
+                   KRANKED: tl.constexpr, SORTED: tl.constexpr, SCATTER: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
@@ -369,14 +409,20 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
     lm = tl.zeros((GP,), tl.float32)  # Σ p · mid of per-token values: added to every channel at the end
     acc = tl.zeros((GP, E), tl.float32)
     e = tl.arange(0, E)
+    if SCATTER:  # this program's 2 x (keys, values) scratch tiles (BLOCK_T, E), all empty (-1) to start
+        pid = (i * tl.num_programs(1) + hk) * tl.num_programs(2) + sp
+        sbase = scr + pid.to(tl.int64) * (4 * BLOCK_T * E)
+        for u in tl.static_range(4):
+            tl.store(sbase + u * BLOCK_T * E + j[:, None] * E + e[None, :], tl.full((BLOCK_T, E), -1, tl.int16))
+        tl.debug_barrier()
     if S > 0:
         if sp == 0:  # the sink tokens' keys and values are kept in float: positions [0, S)
             t = tl.arange(0, SP)
             tmask = t < tl.minimum(n, S)
             cs, sn = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
             s = _key_scores(qa, qb, qp, ksink + slot * ks_s + t[:, None] * ks_t + hk * ks_h, kmid, khalf, klut,
-                            kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cs, sn, 0, 0, E, R, HP,
-                            PP, True, K_PER_TOKEN, KBITS, KASM)
+                            kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cs, sn, 0, 0, scr, t, E, R,
+                            HP, PP, True, K_PER_TOKEN, KBITS, KASM, False)
             m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
             v = tl.load(vsink + slot * vs_s + t[:, None] * vs_t + hk * vs_h + e[None, :], mask=tmask[:, None],
                         other=0.0).to(tl.float16)
@@ -395,10 +441,28 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
         else:
             ua, ub = qa, qb
             cos, sin = 1.0, 0.0
+        if SCATTER:  # the tile's outliers into this program's scratch tiles (double-buffered: the stores of the
+            kbuf = sbase + ((start - lo) // BLOCK_T % 2) * (2 * BLOCK_T * E)  # next tile go to the other pair)
+            vbuf = kbuf + BLOCK_T * E
+            if V_PER_TOKEN:
+                mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+                hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=1.0).to(tl.float32)
+            else:
+                mv = tl.zeros((BLOCK_T,), tl.float32)
+                hv = mv + 1.0
+            kaddr, khit = _scatter(kbuf, koi, kov, slot, hk, t, tmask, j, k_os, k_ot, mv, hv, E, KSLOTS, KP, False)
+            vaddr, vhit = _scatter(vbuf, voi, vov, slot, hk, t, tmask, j, v_os, v_ot, mv, hv, E, VSLOTS, VP,
+                                   V_PER_TOKEN)
+            tl.debug_barrier()  # every thread's outliers stored before any thread reads the tiles
+        else:
+            kbuf = scr
+            vbuf = scr
         s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
-                        kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, E, R, HP,
-                        PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
-        if KSLOTS > 0 and SORTED:
+                        kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, kbuf, j, E,
+                        R, HP, PP, FLOAT, K_PER_TOKEN, KBITS, KASM, SCATTER and KSLOTS > 0)
+        if SCATTER:
+            pass
+        elif KSLOTS > 0 and SORTED:
             s += _sorted_key_outliers(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask,
                                       inv_freq, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN,
                                       KSLOTS, KP, FAST, KBITS)
@@ -414,11 +478,13 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                          .to(tl.float16), acc)
         else:
             B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM)
+            if SCATTER and VSLOTS > 0 and V_PER_TOKEN:  # outliers as codebook-scale values written over B
+                B = _patched(B, vbuf, j, e, e < E, E)
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
                 mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
-                if VSLOTS > 0:  # outliers: val - x̂ there (x̂ = mid + half · codebook[code], gathered a slot), one
+                if VSLOTS > 0 and not SCATTER:  # outliers: val - x̂ there (x̂ = mid + half · codebook[code], gathered a slot), one
                     d = tl.zeros((BLOCK_T, E), tl.float16)  # more product; the tile B stays as it is
                     vrow = vc + slot * v_s + t * v_t + hk * v_h
                     if SORTED:  # this head's slots are one span of each token's sorted slots: a pass a rank
@@ -449,12 +515,19 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
             else:
                 lm = lm * alpha
                 x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
-                for js in range(VSLOTS):  # outliers written over the tile
-                    ob = slot * v_os + t * v_ot + js
-                    idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
-                    val = tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)
-                    x = tl.where(idx[:, None] == e[None, :], val[:, None], x)
+                if SCATTER and VSLOTS > 0:
+                    x = _patched(x, vbuf, j, e, e < E, E)
+                elif VSLOTS > 0:
+                    for js in range(VSLOTS):  # outliers written over the tile
+                        ob = slot * v_os + t * v_ot + js
+                        idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
+                        val = tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)
+                        x = tl.where(idx[:, None] == e[None, :], val[:, None], x)
                 acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
+        if SCATTER:  # every thread has read the tiles: their outliers marked empty again
+            tl.debug_barrier()
+            _unscatter(kaddr, khit)
+            _unscatter(vaddr, vhit)
 
     _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, GROUP, E,
                  ONE_SPLIT)
@@ -469,7 +542,7 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
                 FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
                 VRANKED=CFG["VRANKED"], KRANKED=CFG["KRANKED"] and flags["KBITS"] != 3, SORTED=CFG["SORTED"],
-                **flags)
+                SCATTER=bool(CFG["SCATTER"]) and bool(flags["KSLOTS"] or flags["VSLOTS"]), **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
