@@ -1,8 +1,9 @@
 """Where the KVQuant decode kernel's outlier time goes (one GPU): the dispatch (``kernels.quant_kv_decode``) timed on
 ``bench_kvquant``'s 4-bit cache and layer shape without outliers, with 1% key and value outliers, with key
-outliers only and with value outliers only (CUDA-graph replays, L2 flushed: ``bench_kvquant.timeit``).
+outliers only and with value outliers only (CUDA-graph replays, L2 flushed: ``bench_kvquant.timeit``), each with the
+registers a thread and the bytes spilled of the kernel it compiled (a spilling kernel pays for every live value).
 
-    python benchmarks/time_kv_outlier_parts.py [--length 131072]
+    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--cfg GP_MIN=4,SCATTER=0;...]
 """
 
 from __future__ import annotations
@@ -12,22 +13,42 @@ import argparse
 import torch
 
 import bench_kvquant as b
-from ssmq.kernels import quant_kv_decode
+from ssmq.kernels import kv_decode_fast, quant_kv_decode
+
+
+def _compiled() -> dict:
+    """The fast decode kernel's compiled variants so far, by id (Triton keeps them per device)."""
+    found = {}
+    for cache in getattr(kv_decode_fast._decode_kernel, "device_caches", {}).values():
+        for k in (cache[0] if isinstance(cache, tuple) else cache).values():
+            found[id(k)] = k
+    return found
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=131072)
-    L = ap.parse_args().length
+    ap.add_argument("--cfg", default="", help="';'-separated kv_decode_fast.CFG overrides to run the parts under")
+    args = ap.parse_args()
+    L = args.length
     ko, vo = b.ONE_PCT
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, b.HQ, b.E, generator=gen, device="cuda", dtype=torch.float16)
     slots, lens = torch.arange(1, device="cuda"), torch.full((1,), L, device="cuda")
-    for name, slots_kv in (("no outliers", (0, 0)), ("1% keys + values", (ko, vo)), ("1% keys only", (ko, 0)),
-                           ("1% values only", (0, vo))):
-        K, V = b.quant_cache(1, L, *slots_kv, gen, 4)
-        ms = b.timeit(lambda: quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0))  # noqa: B023
-        print(f"{L} tokens, 4-bit, {name:18s} {ms:.3f} ms", flush=True)
+    base = dict(kv_decode_fast.CFG)
+    for cfg in ["", *filter(None, args.cfg.split(";"))]:
+        kv_decode_fast.CFG.clear()
+        kv_decode_fast.CFG.update(base)
+        b.set_cfg(cfg)
+        for name, slots_kv in (("no outliers", (0, 0)), ("1% keys + values", (ko, vo)), ("1% keys only", (ko, 0)),
+                               ("1% values only", (0, vo))):
+            K, V = b.quant_cache(1, L, *slots_kv, gen, 4)
+            before = _compiled()
+            ms = b.timeit(lambda: quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0))  # noqa: B023
+            new = [k for i, k in _compiled().items() if i not in before]
+            regs = ", ".join(f"{getattr(k, 'n_regs', '?')} regs / {getattr(k, 'n_spills', '?')} B spilled"
+                             for k in new) or "cached"
+            print(f"{cfg or 'CFG':28s} {L} tokens, 4-bit, {name:18s} {ms:.3f} ms  ({regs})", flush=True)
 
 
 if __name__ == "__main__":

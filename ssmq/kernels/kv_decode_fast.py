@@ -268,27 +268,24 @@ def _value_fix(d, idx, val, row, lut, mv, hv, tmask, e, E: tl.constexpr, BITS: t
 
 @triton.jit
 def _scatter(buf, oidx, oval, slot, hk, t, tmask, j, s_os, s_ot, mv, hv, E: tl.constexpr, SLOTS: tl.constexpr,
-             P: tl.constexpr, NORMALIZE: tl.constexpr):
+             P: tl.constexpr, NORMALIZE: tl.constexpr, CLEAR: tl.constexpr):
     """Writes kv head hk's outliers of tokens t into the scratch tile ``buf`` (BLOCK_T, E) int16 (float16 bits; -1,
     a NaN pattern no outlier has, marks "none") at (j, channel): their value, or (val - mv) / hv (NORMALIZE: a
-    codebook-scale value of per-token values). Returns the addresses and mask, for ``_unscatter``."""
+    codebook-scale value of per-token values). CLEAR: marks those entries empty again instead (after a barrier:
+    every thread has read the tile), the slots re-read (cached) rather than their addresses held across the tile."""
     jj = tl.arange(0, P)
     ob = slot * s_os + t[:, None] * s_ot + jj[None, :]
     om = tmask[:, None] & (jj < SLOTS)[None, :]
     c = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32) - hk * E
     hit = om & (c >= 0) & (c < E)
-    val = tl.load(oval + ob, mask=hit, other=0.0)
-    if NORMALIZE:
-        val = ((val.to(tl.float32) - mv[:, None]) / hv[:, None]).to(tl.float16)
     addr = buf + j[:, None] * E + tl.where(hit, c, 0)
-    tl.store(addr, val.to(tl.float16).to(tl.int16, bitcast=True), mask=hit)
-    return addr, hit
-
-
-@triton.jit
-def _unscatter(addr, hit):
-    """Marks the entries ``_scatter`` wrote as empty again (after a barrier: every thread has read the tile)."""
-    tl.store(addr, tl.full(addr.shape, -1, tl.int16), mask=hit)
+    if CLEAR:
+        tl.store(addr, tl.full(addr.shape, -1, tl.int16), mask=hit)
+    else:
+        val = tl.load(oval + ob, mask=hit, other=0.0)
+        if NORMALIZE:
+            val = ((val.to(tl.float32) - mv[:, None]) / hv[:, None]).to(tl.float16)
+        tl.store(addr, val.to(tl.float16).to(tl.int16, bitcast=True), mask=hit)
 
 
 @triton.jit
@@ -450,9 +447,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
             else:
                 mv = tl.zeros((BLOCK_T,), tl.float32)
                 hv = mv + 1.0
-            kaddr, khit = _scatter(kbuf, koi, kov, slot, hk, t, tmask, j, k_os, k_ot, mv, hv, E, KSLOTS, KP, False)
-            vaddr, vhit = _scatter(vbuf, voi, vov, slot, hk, t, tmask, j, v_os, v_ot, mv, hv, E, VSLOTS, VP,
-                                   V_PER_TOKEN)
+            _scatter(kbuf, koi, kov, slot, hk, t, tmask, j, k_os, k_ot, mv, hv, E, KSLOTS, KP, False, False)
+            _scatter(vbuf, voi, vov, slot, hk, t, tmask, j, v_os, v_ot, mv, hv, E, VSLOTS, VP, V_PER_TOKEN, False)
             tl.debug_barrier()  # every thread's outliers stored before any thread reads the tiles
         else:
             kbuf = scr
@@ -526,8 +522,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
                 acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
         if SCATTER:  # every thread has read the tiles: their outliers marked empty again
             tl.debug_barrier()
-            _unscatter(kaddr, khit)
-            _unscatter(vaddr, vhit)
+            _scatter(kbuf, koi, kov, slot, hk, t, tmask, j, k_os, k_ot, 0.0, 1.0, E, KSLOTS, KP, False, True)
+            _scatter(vbuf, voi, vov, slot, hk, t, tmask, j, v_os, v_ot, 0.0, 1.0, E, VSLOTS, VP, False, True)
 
     _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, GROUP, E,
                  ONE_SPLIT)
