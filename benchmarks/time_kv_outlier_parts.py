@@ -4,6 +4,8 @@ outliers only and with value outliers only (CUDA-graph replays, L2 flushed: ``be
 registers a thread and the bytes spilled of the kernel it compiled (a spilling kernel pays for every live value).
 
     python benchmarks/time_kv_outlier_parts.py [--length 131072] [--cfg GP_MIN=4,SCATTER=0;...]
+    ncu --section WarpStateStats --section SourceCounters -k regex:_decode_kernel -s 2 -c 1 \
+        python benchmarks/time_kv_outlier_parts.py --profile     (3 plain calls of the keys + values case, for ncu)
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--cfg", default="", help="';'-separated kv_decode_fast.CFG overrides to run the parts under")
+    ap.add_argument("--profile", action="store_true", help="3 untimed calls of the 1%% keys + values case (--cfg: its "
+                    "first setting), for a profiler")
     args = ap.parse_args()
     L = args.length
     ko, vo = b.ONE_PCT
@@ -36,6 +40,13 @@ def main() -> None:
     q = torch.randn(1, b.HQ, b.E, generator=gen, device="cuda", dtype=torch.float16)
     slots, lens = torch.arange(1, device="cuda"), torch.full((1,), L, device="cuda")
     base = dict(kv_decode_fast.CFG)
+    if args.profile:
+        b.set_cfg(args.cfg.split(";")[0])
+        K, V = b.quant_cache(1, L, ko, vo, gen, 4)
+        for _ in range(3):
+            quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0)
+        torch.cuda.synchronize()
+        return
     for cfg in ["", *filter(None, args.cfg.split(";"))]:
         kv_decode_fast.CFG.clear()
         kv_decode_fast.CFG.update(base)

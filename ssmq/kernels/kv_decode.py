@@ -376,6 +376,8 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     block_t = cfg["BLOCK_T_OUTLIERS"] if outliers else cfg["BLOCK_T"]
     warps = cfg.get("WARPS_OUTLIERS", cfg["num_warps"]) if outliers else cfg["num_warps"]
     stages = cfg.get("STAGES_OUTLIERS", cfg["num_stages"]) if outliers else cfg["num_stages"]
+    regs = cfg.get("MAXNREG_OUTLIERS", cfg.get("MAXNREG")) if outliers else cfg.get("MAXNREG")
+    cap = {"maxnreg": regs} if regs else {}  # a register cap: more programs an SM, perhaps spills
     splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
@@ -390,7 +392,7 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         q, slots, kv_lens, inv_freq, out, ws, *scratch, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **cap,
         **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
     if splits > 1:
         _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
