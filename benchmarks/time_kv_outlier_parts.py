@@ -31,8 +31,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--cfg", default="", help="';'-separated kv_decode_fast.CFG overrides to run the parts under")
-    ap.add_argument("--profile", action="store_true", help="3 untimed calls of the 1%% keys + values case (--cfg: its "
-                    "first setting), for a profiler")
+    ap.add_argument("--profile", action="store_true", help="3 untimed calls of one case (--case; --cfg: its first "
+                    "setting), for a profiler")
+    ap.add_argument("--case", type=int, default=1, help="--profile's case: 0 no outliers, 1 keys + values, 2 keys, "
+                    "3 values")
     args = ap.parse_args()
     L = args.length
     ko, vo = b.ONE_PCT
@@ -40,9 +42,11 @@ def main() -> None:
     q = torch.randn(1, b.HQ, b.E, generator=gen, device="cuda", dtype=torch.float16)
     slots, lens = torch.arange(1, device="cuda"), torch.full((1,), L, device="cuda")
     base = dict(kv_decode_fast.CFG)
+    cases = (("no outliers", (0, 0)), ("1% keys + values", (ko, vo)), ("1% keys only", (ko, 0)),
+             ("1% values only", (0, vo)))
     if args.profile:
         b.set_cfg(args.cfg.split(";")[0])
-        K, V = b.quant_cache(1, L, ko, vo, gen, 4)
+        K, V = b.quant_cache(1, L, *cases[args.case][1], gen, 4)
         for _ in range(3):
             quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0)
         torch.cuda.synchronize()
@@ -51,8 +55,7 @@ def main() -> None:
         kv_decode_fast.CFG.clear()
         kv_decode_fast.CFG.update(base)
         b.set_cfg(cfg)
-        for name, slots_kv in (("no outliers", (0, 0)), ("1% keys + values", (ko, vo)), ("1% keys only", (ko, 0)),
-                               ("1% values only", (0, vo))):
+        for name, slots_kv in cases:
             K, V = b.quant_cache(1, L, *slots_kv, gen, 4)
             before = _compiled()
             ms = b.timeit(lambda: quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0))  # noqa: B023
