@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plotting import log_axes, pyplot  # noqa: E402
 
 from ssmq.ops.attention import attention_ref  # noqa: E402
-from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref, sort_outliers  # noqa: E402
+from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
 ONE_PCT = (2 * round(0.01 * HKV * E), round(0.01 * HKV * E))  # key / value outlier slots of 1% (KVQuantizer's)
@@ -62,7 +62,7 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) 
         # distinct within a token, as quantization picks them (the reference's scatter of duplicates is racy)
         first = torch.randint(0, HKV * E, (b, L, 1), generator=gen, device=DEV)
         idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
-        idx, val = sort_outliers(idx, torch.randn(b, L, slots, generator=gen, device=DEV).half())  # stored order
+        val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
         return KVSideView(codes, book, mid, half, per_token, idx, val, sink, bits)
     return side(False, k_slots), side(True, v_slots)

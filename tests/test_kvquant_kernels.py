@@ -22,8 +22,8 @@ def kf():
 def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
     """A random quantized side: codes < levels packed as the cache packs them (2 / 3 / 4 bits for <= 4 / 8 / 16
     levels), sorted codebook, scales, some outliers (distinct channels within a token, as quantization picks them;
-    -1 = empty; in the stored order), sink."""
-    from ssmq.ops.kv_quant import KVSideView, code_bits, pack_codes, sort_outliers
+    -1 = empty), sink."""
+    from ssmq.ops.kv_quant import KVSideView, code_bits, pack_codes
 
     bits = code_bits(levels)
     codes = pack_codes(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8), bits)
@@ -35,7 +35,7 @@ def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
         mid, half = torch.randn(hkv, e, generator=gen) * 0.1, torch.rand(hkv, e, generator=gen) + 0.5
     idx = torch.rand(s, L, hkv * e, generator=gen).argsort(-1)[..., :slots_k]  # distinct within a token
     idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, -1, idx).to(torch.int16)
-    idx, val = sort_outliers(idx, (torch.randn(s, L, slots_k, generator=gen) * 5).half())  # the stored order
+    val = (torch.randn(s, L, slots_k, generator=gen) * 5).half()
     sinks = torch.randn(s, sink, hkv, e, generator=gen)
     to = lambda t: t.to(DEV)  # noqa: E731
     return KVSideView(to(codes), to(book), to(mid), to(half), per_token, to(idx), to(val), to(sinks), bits)
@@ -102,7 +102,7 @@ def test_fast_kernel_with_outliers_equals_reference(kf, case, k_per_token):
 
 @pytest.mark.parametrize("case", OUTLIER_CASES[:2])
 def test_fast_kernel_with_several_value_outliers_a_head(kf, case):
-    """Five value slots a token over 1-2 kv heads: several passes over a head's span of the sorted slots."""
+    """Five value slots a token over 1-2 kv heads: several of a head's outliers in one token."""
     _check(kf, case, False, None, v_outliers=5, tol=3e-3)
 
 

@@ -129,33 +129,19 @@ def _outlier_scores(q, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk
                     s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
                     GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr,
                     PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr,
-                    BITS: tl.constexpr, RANKED: tl.constexpr):
+                    BITS: tl.constexpr):
     """(GP, len(t)) what the keys' sparse outliers add to the scores: Σ_j (val_j - x̂[t, c_j]) · w(c_j), w(c) the
     coefficient of key channel c in q · R_t k, over the slots j whose channel c_j lies in kv head hk. A few gathers
     a slot, where writing the outliers into the tile costs a compare and a select on every entry a slot. Assumes
-    distinct indices within a token (as quantization picks them; duplicates would count twice). RANKED: the head's
-    slots ranked within their token and taken one rank at a time (as many passes as the tile's busiest token has:
-    with 1% of 8 heads x 128 channels, ~2.5 of the 20 slots a token are this head's), each pass (len(t),) gathers,
-    instead of gathers for all KP slots of every token."""
+    distinct indices within a token (as quantization picks them; duplicates would count twice)."""
     j = tl.arange(0, KP)
     om = tmask[:, None] & (j < KSLOTS)[None, :]
     ob = slot * s_os + t[:, None] * s_ot + j[None, :]
     c = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32) - hk * E  # (len(t), KP) channel in the head
     hit = om & (c >= 0) & (c < E)
     val = tl.load(oval + ob, mask=om, other=0.0).to(tl.float32)
-    if RANKED:
-        rank = tl.where(hit, tl.cumsum(hit.to(tl.int32), 1) - 1, KP)
-        out = tl.zeros((GP, t.shape[0]), tl.float32)
-        for js in range(tl.max(tl.sum(hit.to(tl.int32), 1), 0)):
-            sel = rank == js
-            cj = tl.sum(tl.where(sel, c + 1, 0), 1) - 1  # -1: no more slots in this token
-            vj = tl.sum(tl.where(sel, val, 0.0), 1)
-            out += _slot_scores(q, s_qh, codes, mid, half, lut, cj[:, None], (cj >= 0)[:, None], vj[:, None], slot,
-                                hk, t, tmask, inv_freq, s_s, s_t, s_h, s_ms, s_mt, GROUP, GP, E, R, PER_TOKEN, FAST,
-                                BITS)
-    else:
-        out = _slot_scores(q, s_qh, codes, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_freq, s_s, s_t, s_h,
-                           s_ms, s_mt, GROUP, GP, E, R, PER_TOKEN, FAST, BITS)
+    out = _slot_scores(q, s_qh, codes, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_freq, s_s, s_t, s_h,
+                       s_ms, s_mt, GROUP, GP, E, R, PER_TOKEN, FAST, BITS)
     return out * qscale
 
 
@@ -226,7 +212,7 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
     if KSLOTS > 0:
         s += _outlier_scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
                              s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP, GP, E, R, PER_TOKEN, KSLOTS, KP, FAST,
-                             BITS, False)
+                             BITS)
     return tl.where(tmask[None, :], s, float("-inf"))
 
 
@@ -362,10 +348,11 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 
 
 def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-            kernel=None, cfg=None, const=None):
+            kernel=None, cfg=None, const=None, scratch_tiles=None):
     """Runs a decode kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32.
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
-    ``kv_decode_fast``'s (the same arguments, the same split / combine scheme)."""
+    ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and ``scratch_tiles`` (BLOCK_T, e)
+    int16 tiles a program of scratch for the outlier formats, passed after ws)."""
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     b, hq, e = q.shape
     codes = kt[0]
@@ -384,9 +371,9 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
     ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     ksink, vsink = sinks
-    scratch = ()  # kv_decode_fast's outlier scatter: 4 (BLOCK_T, e) int16 tiles a program (it fills them itself)
-    if "SCATTER" in cfg:
-        n = b * hkv * splits * 4 * block_t * e if cfg["SCATTER"] and outliers else 1
+    scratch = ()  # the kernel initializes its own tiles
+    if scratch_tiles is not None:
+        n = b * hkv * splits * scratch_tiles * block_t * e if outliers else 1
         scratch = (torch.empty(n, dtype=torch.int16, device=q.device),)
     kernel[(b, hkv, splits)](
         q, slots, kv_lens, inv_freq, out, ws, *scratch, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,

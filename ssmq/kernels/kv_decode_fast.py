@@ -28,13 +28,15 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to 1
              rotary halves and the pass-through channels). The rotation splits exactly: q · R((t0 + j) θ) k =
              (R(t0 θ)ᵀ q) · (R(j θ) k), so the keys turn by the within-tile angles (a per-program table of cos /
              sin of j θ, no trig a tile) and the query, (g, r/2) entries, by the tile's t0 θ
-             the sparse outliers then add (val - x̂) · (their channel's coefficient in q · R_t k), gathered
     values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
-             so the tile is B itself (no arithmetic a value); per-channel scales scale the tile; sparse
-             outliers: their correction val - x̂ (x̂ from a gathered code) written into a zero tile and added with
-             one more product; a tile's slots are loaded as one (BLOCK_T, slots) tile, the kv head's own ranked
-             within their token, and the tile takes as many compare-and-select passes as its busiest token has
-             (~3 of 1%'s 10 slots); the keys' outlier terms take the same ranked passes (KRANKED)
+             so the tile is B itself (no arithmetic a value); per-channel scales scale the tile
+    outliers a tile's sparse slots, loaded as one (BLOCK_T, slots) tile a side, are scattered into the program's
+             scratch tiles (BLOCK_T, e) in global memory (L1-resident: 2 x 2 x 8 KB a program), the kv head's own
+             at (token, channel); after a barrier each side reads its tile back dense and writes it over the
+             dequantized keys (before the rotation: RoPE and the products take them as any key) and over the
+             values' B ((val - m_t) / h_t: B's scale); after a second barrier the entries are marked empty again.
+             Registers cannot be scattered into; a pass a slot costs a compare and a select on every entry of the
+             tile (the passes a tile takes: its busiest token's slots), this costs one store a slot
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -59,8 +61,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _launch, _outlier_scores, _split_range,
-                                    _store_split, quant_args)
+from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _launch, _split_range, _store_split, quant_args
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -73,18 +74,16 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=16, VRANKED=True, KRANKED=True, SORTED=True, SCATTER=True, STAGES_OUTLIERS=1)
+           GP_MIN=4, STAGES_OUTLIERS=1)
 MIN_DIM = 32
-# VRANKED: value outliers written into a tile in as many passes as its busiest token has (ranked), else one pass a slot;
-# KRANKED: key outliers' score terms the same way (``kv_decode._outlier_scores``), else gathers for every slot (H100,
-# 128K tokens, 1% outliers, kernels_b1_s17_kranked.json: 4-bit 1.63 -> 1.29 ms, 2-bit 1.35 -> 1.05, but 3-bit codes
-# 2.09 -> 2.58, so not for them);
-# WARPS_OUTLIERS (unset: num_warps), the outlier formats' warps, read by kv_decode._launch for the sweep.
+# WARPS_OUTLIERS (unset: num_warps), STAGES_OUTLIERS, the outlier formats' warps and pipeline stages, MAXNREG(_OUTLIERS)
+# a register cap, read by kv_decode._launch. One stage for the outlier formats: a pipelined load of the scratch tiles
+# could be issued before the barrier that orders it after the stores (one stage changed nothing measurable).
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
-# from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers no setting beat these (8 warps +37%,
-# 64-token tiles + 8 warps +7%, one pass a value slot 2.7x slower, WAVES 2 / 8 and 1 / 3 stages within 4%).
-# GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two); Triton >= 3.2 pads the tensor-core
-# products' M itself, so 1 shrinks the softmax's work and registers for small groups (kept at 16 until timed)
+# from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
+# GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
+# products' M itself). H200, 2026-11-27 (`time_kv_outlier_parts.py`, 128K tokens, 4-bit): 16 -> 4 took the
+# no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979.
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
 # PTX: numpy's trig and a gathered LUT there
 
@@ -224,7 +223,7 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
     """(GP, len(t)) scores of the (pre-scaled, float16) query rows qa, qb, qp (the rotary halves, the pass-through
     channels) against the keys at ``rows`` (T, 1 pointers) rotated by their positions: R_t k = (ka cos - kb sin,
     kb cos + ka sin, kp); PATCH: the sparse outliers of the scratch tile ``buf`` (rows j) written over the
-    dequantized keys before the rotation, else without them (``_outlier_scores`` adds them). FLOAT: a float tile."""
+    dequantized keys before the rotation. FLOAT: a float tile."""
     ch = tl.arange(0, HP)
     cp = tl.arange(0, PP)
     s = tl.zeros((qa.shape[0], t.shape[0]), tl.float32)
@@ -239,8 +238,8 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
             kb = _scaled(_book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
                                ASM), mid, half, slot, hk, t, tmask, R // 2 + ch, hm, s_ms, s_mt, E, PER_TOKEN)
             if PATCH:
-                ka = _patched(ka, buf, j, ch, hm, E)
-                kb = _patched(kb, buf, j, R // 2 + ch, hm, E)
+                ka = _patched(ka, buf, j, 0, R // 2, E)
+                kb = _patched(kb, buf, j, R // 2, R // 2, E)
         s = tl.dot(qa, tl.trans((ka * cos - kb * sin).to(tl.float16)), s)
         s = tl.dot(qb, tl.trans((kb * cos + ka * sin).to(tl.float16)), s)
     if R < E:
@@ -251,19 +250,10 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
             kp = _scaled(_book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM),
                          mid, half, slot, hk, t, tmask, R + cp, pm, s_ms, s_mt, E, PER_TOKEN)
             if PATCH:
-                kp = _patched(kp, buf, j, R + cp, pm, E)
+                kp = _patched(kp, buf, j, R, E - R, E)
             kp = kp.to(tl.float16)
         s = tl.dot(qp, tl.trans(kp), s)
     return s
-
-
-@triton.jit
-def _value_fix(d, idx, val, row, lut, mv, hv, tmask, e, E: tl.constexpr, BITS: tl.constexpr):
-    """d (len(t), E) with val - x̂ written at (t, idx[t]) where idx[t] lies in [0, E): the value outlier's correction
-    of what the tile's codes give there, x̂ = mv + hv · codebook[code] (per-token scales; packed rows ``row``)."""
-    mine = tmask & (idx >= 0) & (idx < E)
-    x = mv + hv * tl.load(lut + _codes(row, tl.where(mine, idx, 0), mine, BITS))
-    return tl.where(idx[:, None] == e[None, :], (val - x).to(tl.float16)[:, None], d)
 
 
 @triton.jit
@@ -289,68 +279,16 @@ def _scatter(buf, oidx, oval, slot, hk, t, tmask, j, s_os, s_ot, mv, hv, E: tl.c
 
 
 @triton.jit
-def _patched(x, buf, j, c, cmask, E: tl.constexpr):
-    """x (len(j), len(c)) with the outliers of the scratch tile ``buf`` at rows j, channels c written over it."""
-    w = tl.load(buf + j[:, None] * E + c[None, :], mask=cmask[None, :], other=-1)
+def _patched(x, buf, j, C0: tl.constexpr, NC: tl.constexpr, E: tl.constexpr):
+    """x (len(j), CP) holding channels [C0, C0 + CP) (valid below C0 + NC) with the outliers of the scratch tile
+    ``buf`` at rows j written over it (no mask where every column is valid: vectorized loads)."""
+    CP: tl.constexpr = x.shape[1]
+    c = C0 + tl.arange(0, CP)
+    if NC < CP:
+        w = tl.load(buf + j[:, None] * E + c[None, :], mask=(c < C0 + NC)[None, :], other=-1)
+    else:
+        w = tl.load(buf + j[:, None] * E + c[None, :])
     return tl.where(w != -1, w.to(tl.float16, bitcast=True).to(x.dtype), x)
-
-
-@triton.jit
-def _head_span(oidx, slot, hk, t, tmask, s_os, s_ot, E: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr):
-    """Where kv head hk's slots lie among each token's sorted slots (``sort_outliers``): start, count (len(t),)."""
-    jj = tl.arange(0, P)
-    f = tl.load(oidx + slot * s_os + t[:, None] * s_ot + jj[None, :], mask=tmask[:, None] & (jj < SLOTS)[None, :],
-                other=-1).to(tl.int32)
-    start = tl.sum(((f >= 0) & (f < hk * E)).to(tl.int32), 1)
-    return start, tl.sum(((f >= hk * E) & (f < hk * E + E)).to(tl.int32), 1)
-
-
-@triton.jit
-def _span_slot(oidx, oval, slot, hk, t, tmask, start, cnt, js, s_os, s_ot, E: tl.constexpr):
-    """The js-th slot of kv head hk's span in each token: channel in the head (-1: none left), value (float32)."""
-    sel = tmask & (js < cnt)
-    o = slot * s_os + t * s_ot + start + js
-    c = tl.load(oidx + o, mask=sel, other=-1).to(tl.int32)
-    return tl.where(sel, c - hk * E, -1), tl.load(oval + o, mask=sel, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _sorted_key_outliers(qg, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
-                         s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP: tl.constexpr, GP: tl.constexpr,
-                         E: tl.constexpr, R: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
-                         KP: tl.constexpr, FAST: tl.constexpr, BITS: tl.constexpr):
-    """``kv_decode._outlier_scores`` over sorted slots: one pass a rank of kv head hk's span, each (len(t),) loads
-    at span start + rank (no search of the token's other slots), the query heads' coefficients of a pass as one
-    (GP, len(t)) gather."""
-    start, cnt = _head_span(oidx, slot, hk, t, tmask, s_os, s_ot, E, KSLOTS, KP)
-    rows = tl.arange(0, GP)
-    qrows = qg + rows[:, None] * s_qh
-    out = tl.zeros((GP, t.shape[0]), tl.float32)
-    for js in range(tl.max(cnt, 0)):
-        c, val = _span_slot(oidx, oval, slot, hk, t, tmask, start, cnt, js, s_os, s_ot, E)
-        hit = c >= 0
-        c = tl.where(hit, c, 0)
-        x = tl.load(lut + _codes(codes + slot * s_s + t * s_t + hk * s_h, c, hit, BITS))
-        if PER_TOKEN:
-            m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-            h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-        else:
-            m = tl.load(mid + hk * E + c)
-            h = tl.load(half + hk * E + c)
-        d = tl.where(hit, val - (m + h * x), 0.0)
-        qm = (rows < GROUP)[:, None] & hit[None, :]
-        qc = tl.load(qrows + c[None, :], mask=qm, other=0.0).to(tl.float32)
-        if R > 0:  # coefficient of key channel c in q · R_t k: q[c] cos ± q[partner] sin (kv_decode._slot_scores)
-            rot = c < R
-            low = c < R // 2
-            partner = tl.where(low, c + R // 2, c - R // 2)
-            freq = tl.load(inv_freq + tl.where(low, c, c - R // 2), mask=rot, other=0.0)
-            cos, sin = _cos_sin(t.to(tl.float32) * freq, FAST)
-            qq = tl.load(qrows + partner[None, :], mask=qm & rot[None, :], other=0.0).to(tl.float32)
-            out += qc * (d * tl.where(rot, cos, 1.0))[None, :] + qq * (d * tl.where(low, sin, -sin))[None, :]
-        else:
-            out += qc * d[None, :]
-    return out * qscale
 
 
 @triton.jit
@@ -372,11 +310,12 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
-                   VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
+                   VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                   FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, VRANKED: tl.constexpr,
-                   KRANKED: tl.constexpr, SORTED: tl.constexpr, SCATTER: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
+    SCATTER: tl.constexpr = KSLOTS > 0 or VSLOTS > 0
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
 
@@ -406,7 +345,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
     lm = tl.zeros((GP,), tl.float32)  # Σ p · mid of per-token values: added to every channel at the end
     acc = tl.zeros((GP, E), tl.float32)
     e = tl.arange(0, E)
-    if SCATTER:  # this program's 2 x (keys, values) scratch tiles (BLOCK_T, E), all empty (-1) to start
+    if SCATTER:  # this program's two pairs of (keys, values) scratch tiles (BLOCK_T, E), all empty (-1) to start
         pid = (i * tl.num_programs(1) + hk) * tl.num_programs(2) + sp
         sbase = scr + pid.to(tl.int64) * (4 * BLOCK_T * E)
         for u in tl.static_range(4):
@@ -455,17 +394,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
             vbuf = scr
         s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
                         kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, kbuf, j, E,
-                        R, HP, PP, FLOAT, K_PER_TOKEN, KBITS, KASM, SCATTER and KSLOTS > 0)
-        if SCATTER:
-            pass
-        elif KSLOTS > 0 and SORTED:
-            s += _sorted_key_outliers(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask,
-                                      inv_freq, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN,
-                                      KSLOTS, KP, FAST, KBITS)
-        elif KSLOTS > 0:
-            s += _outlier_scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
-                                 k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, K_PER_TOKEN, KSLOTS, KP,
-                                 FAST, KBITS, KRANKED)
+                        R, HP, PP, FLOAT, K_PER_TOKEN, KBITS, KASM, KSLOTS > 0)
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
@@ -474,51 +403,18 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
                          .to(tl.float16), acc)
         else:
             B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM)
-            if SCATTER and VSLOTS > 0 and V_PER_TOKEN:  # outliers as codebook-scale values written over B
-                B = _patched(B, vbuf, j, e, e < E, E)
+            if VSLOTS > 0 and V_PER_TOKEN:  # outliers as codebook-scale values written over B
+                B = _patched(B, vbuf, j, 0, E, E)
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
                 mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
-                if VSLOTS > 0 and not SCATTER:  # outliers: val - x̂ there (x̂ = mid + half · codebook[code], gathered a slot), one
-                    d = tl.zeros((BLOCK_T, E), tl.float16)  # more product; the tile B stays as it is
-                    vrow = vc + slot * v_s + t * v_t + hk * v_h
-                    if SORTED:  # this head's slots are one span of each token's sorted slots: a pass a rank
-                        vstart, vcnt = _head_span(voi, slot, hk, t, tmask, v_os, v_ot, E, VSLOTS, VP)
-                        for js in range(tl.max(vcnt, 0)):
-                            idx, val = _span_slot(voi, vov, slot, hk, t, tmask, vstart, vcnt, js, v_os, v_ot, E)
-                            d = _value_fix(d, idx, val, vrow, vlut, mv, hv, tmask, e, E, VBITS)
-                    elif VRANKED:  # this head's slots ranked within their token: as many passes as the tile's
-                        jj = tl.arange(0, VP)  # busiest token has (~3 of 1%'s 10 slots)
-                        ob = slot * v_os + t[:, None] * v_ot + jj[None, :]
-                        om = tmask[:, None] & (jj < VSLOTS)[None, :]
-                        idx2 = tl.load(voi + ob, mask=om, other=-1).to(tl.int32) - hk * E
-                        val2 = tl.load(vov + ob, mask=om, other=0.0).to(tl.float32)
-                        mine = (idx2 >= 0) & (idx2 < E)
-                        rank = tl.where(mine, tl.cumsum(mine.to(tl.int32), 1) - 1, VP)
-                        for js in range(tl.max(tl.sum(mine.to(tl.int32), 1), 0)):
-                            idx = tl.sum(tl.where(rank == js, idx2 + 1, 0), 1) - 1  # -1: no more in this token
-                            val = tl.sum(tl.where(rank == js, val2, 0.0), 1)
-                            d = _value_fix(d, idx, val, vrow, vlut, mv, hv, tmask, e, E, VBITS)
-                    else:  # every slot a pass, as the first kernel
-                        for js in range(VSLOTS):
-                            ob = slot * v_os + t * v_ot + js
-                            d = _value_fix(d, tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E,
-                                           tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32), vrow, vlut, mv,
-                                           hv, tmask, e, E, VBITS)
-                    acc = tl.dot(p.to(tl.float16), d, acc)
                 acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
             else:
                 lm = lm * alpha
                 x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
-                if SCATTER and VSLOTS > 0:
-                    x = _patched(x, vbuf, j, e, e < E, E)
-                elif VSLOTS > 0:
-                    for js in range(VSLOTS):  # outliers written over the tile
-                        ob = slot * v_os + t * v_ot + js
-                        idx = tl.load(voi + ob, mask=tmask, other=-1).to(tl.int32) - hk * E
-                        val = tl.load(vov + ob, mask=tmask, other=0.0).to(tl.float32)
-                        x = tl.where(idx[:, None] == e[None, :], val[:, None], x)
+                if VSLOTS > 0:
+                    x = _patched(x, vbuf, j, 0, E, E)
                 acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
         if SCATTER:  # every thread has read the tiles: their outliers marked empty again
             tl.debug_barrier()
@@ -536,9 +432,7 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
-                VRANKED=CFG["VRANKED"], KRANKED=CFG["KRANKED"] and flags["KBITS"] != 3, SORTED=CFG["SORTED"],
-                SCATTER=bool(CFG["SCATTER"]) and bool(flags["KSLOTS"] or flags["VSLOTS"]), **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
@@ -569,4 +463,4 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
     return _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                   _decode_kernel, CFG, constexprs)
+                   _decode_kernel, CFG, constexprs, scratch_tiles=4)

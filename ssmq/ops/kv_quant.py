@@ -7,8 +7,7 @@ One side (keys or values) of t tokens, x (t, hkv, e), is stored as a ``Quantized
     codes     (t, hkv, e) uint8   index of the nearest entry of the sorted codebook c (C,) in [-1, 1]
     mid, half (t, hkv) float16 for per_token scales (computed here, online); per_channel (hkv, e) and
               per_tensor () scales are offline, float32, given as ``KVParams.lo / hi``
-    out_idx   (t, k) int16: flat index in N of each sparse outlier, -1 for an empty slot; ascending within a
-              token, the empty slots last (``sort_outliers``)
+    out_idx   (t, k) int16: flat index in N of each sparse outlier, -1 for an empty slot
     out_val   (t, k) float16: the outlier's value, stored exactly
 and read back as x̂ = mid + half · c[codes] (then un-rotated), with the outliers written over it.
 
@@ -126,16 +125,7 @@ def select_outliers(x: torch.Tensor, p: KVParams) -> tuple[torch.Tensor, torch.T
     val = torch.where(valid, flat.gather(1, where), torch.zeros_like(top)).half()
     mask = torch.zeros(t, flat.shape[1] + 1, dtype=torch.bool, device=x.device)
     mask.scatter_(1, torch.where(valid, where, flat.shape[1]), True)
-    idx, val = sort_outliers(idx.to(torch.int16), val)
-    return idx, val, mask[:, :-1].reshape(x.shape)
-
-
-def sort_outliers(idx: torch.Tensor, val: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots (..., k) ascending by flat index, the empty ones (-1) last: the stored order. A kv head's slots of a
-    token are then one span, which the fast decode kernel reads without searching the token's other slots."""
-    key = torch.where(idx < 0, torch.iinfo(torch.int32).max, idx.to(torch.int32))
-    order = key.argsort(-1)
-    return idx.gather(-1, order), val.gather(-1, order)
+    return idx.to(torch.int16), val, mask[:, :-1].reshape(x.shape)
 
 
 def _mid_half(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool):
@@ -259,8 +249,7 @@ class KVSideView:
     """One side of a quantized cache as the decode kernels read it (s slots, L positions, S sink tokens):
     codes (s, L, hkv, ceil(e·bits/8)) uint8, ``bits`` (2, 3 or 4) a code (``pack_codes``); codebook (C,) float32;
     mid, half: per-token (s, L, hkv) float16, or per-channel (hkv, e) float32 when ``per_token`` is False;
-    out_idx, out_val (s, L, k), ascending within a token, empty slots last (``sort_outliers``); sink (s, S, hkv, e)
-    (its last dim gives e)."""
+    out_idx, out_val (s, L, k); sink (s, S, hkv, e) (its last dim gives e)."""
 
     codes: torch.Tensor
     codebook: torch.Tensor
