@@ -74,7 +74,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, STAGES_OUTLIERS=1)
+           GP_MIN=4, STAGES_OUTLIERS=1, WARPS_OUTLIERS=8, MAXNREG_OUTLIERS=128)
 MIN_DIM = 32
 # WARPS_OUTLIERS (unset: num_warps), STAGES_OUTLIERS, the outlier formats' warps and pipeline stages, MAXNREG(_OUTLIERS)
 # a register cap, read by kv_decode._launch. One stage for the outlier formats: a pipelined load of the scratch tiles
@@ -83,7 +83,9 @@ MIN_DIM = 32
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
 # products' M itself). H200, 2026-11-27 (`time_kv_outlier_parts.py`, 128K tokens, 4-bit): 16 -> 4 took the
-# no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979.
+# no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979. The outlier
+# formats then: 8 warps capped at 128 registers (2 programs, 16 warps an SM; 42 B spilled) 0.969 -> 0.895 ms (3-bit
+# codes 1.605 -> 1.462, 2-bit 0.844 -> 0.788); caps alone (168 / 128 / 96 at 4 warps) did not help.
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
 # PTX: numpy's trig and a gathered LUT there
 
