@@ -5,6 +5,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 slots      # unlimited key-outlier slots (no clipping)
     python benchmarks/diag_kvquant.py --model smollm2 fisher     # k-means weights Fisher^a, a = 0, 0.5, 1
     python benchmarks/diag_kvquant.py --model smollm2 calib --calib-seqlen 2048   # longer calibration windows
+    python benchmarks/diag_kvquant.py --model smollm2 knobs      # Q-Norm on each side, 4 sink tokens
 
 Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on 16 windows of
@@ -67,6 +68,12 @@ def variants(experiment: str, full: KVSpec):
     if experiment == "fisher":
         return [(f"k-means weights Fisher^{a}", full, patched(calibrate, "fit_side", fisher_power(a)))
                 for a in (0.0, 0.5, 1.0)]
+    if experiment == "knobs":
+        from dataclasses import replace
+
+        return [("Q-Norm on keys", full.with_changes(keys={"qnorm": True}), none()),
+                ("Q-Norm on values", full.with_changes(values={"qnorm": True}), none()),
+                ("4 sink tokens", replace(full, sink=4), none())]
     if experiment == "calib":
         return [("float KV", None, none()), ("all", full, none())]
     raise SystemExit(f"diag_kvquant: unknown experiment {experiment!r}")
@@ -74,7 +81,7 @@ def variants(experiment: str, full: KVSpec):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib"])
+    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)

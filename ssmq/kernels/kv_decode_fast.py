@@ -16,7 +16,7 @@ c[code] of a tile (float16), GS codes a packed group (2 for 4 bits: a byte; 4 fo
 Same contract as ``ssmq.ops.kv_quant.quant_kv_decode_ref`` (its docstring has the storage layout).
 
 One program per (row, kv head, split): the split's tokens in (BLOCK_T, e) tiles, each tile read once for the
-kv head's g query heads (the M rows of float16 tensor-core products, padded to 16), with an online softmax
+kv head's g query heads (the M rows of float16 tensor-core products, padded to GP_MIN), with an online softmax
 (running max m, sum l, unnormalized output acc):
     codes    a tile's packed bytes, loaded as bytes (vectorized), turned into float16 codebook values B with
              byte-permute lookups (``_LUT4`` / ``_LUT3`` / ``_LUT2``: the 16 / 8 / 4 fp16 entries live in 8 / 4 /
@@ -45,7 +45,8 @@ divided among the P splits in the kernel, so there is no host sync, and no torch
 Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a side's constexpr) and unrotated;
 other formats take the reference.
 
-Accuracy (float16 products; the reference is float32): q (rotated a tile), the rotated keys, B, p ⊙ h and the sink are rounded to
+Accuracy (float16 products; the reference is float32): q (rotated a tile), the rotated keys, B (value outliers in it as
+(val - m_t) / h_t), p ⊙ h and the sink are rounded to
 float16 (relative error u = 2^-11 at most each), products accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the
 reference rounds fl(t θ) (about an ulp of t θ apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the
 reference's own rounding is from t θ). A score then moves by
