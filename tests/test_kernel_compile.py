@@ -291,7 +291,7 @@ def test_kv_decode_compiles_for_sm90(variant):
     compiled = _compile_sm90(kd._decode_kernel, pointers, const, floats=("scale",), num_warps=kd.CFG["num_warps"],
                              num_stages=kd.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
-    _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=32))
+    _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32", "stats": "fp32"}, dict(E=128, PS=32, STATS=True))
 
 
 @pytest.mark.parametrize("use_gdc", [False, True])
@@ -381,16 +381,17 @@ def test_state_io_compiles_for_sm90(rows, read):
                                             (64, 32, 3, 0), (32, 16, 2, 0), (64, 32, 3, 2), (128, 128, 4, 10)])
 def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     """kv_decode_fast (PRMT codebook lookups, fp16 tensor-core products), its constexprs as the launcher builds them:
-    the formats it serves (no outliers) and the outlier ones it is being fixed for (slots: key and value slots)."""
+    the formats without outliers and with them (slots: key and value slots), at the outlier formats' warps."""
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "kc": "u8", "kmid": "fp32", "khalf": "fp32", "klut": "fp32", "koi": "i16", "kov": "fp16",
+                "scr": "i16", "kc": "u8", "kmid": "fp32", "khalf": "fp32", "klut": "fp32", "koi": "i16", "kov": "fp16",
                 "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
                 "vov": "fp16", "vsink": "fp16"}
     flags = dict(FLOAT=False, K_PER_TOKEN=False, V_PER_TOKEN=True, KSLOTS=slots, VSLOTS=slots, KBITS=bits,
                  VBITS=bits, KLEVELS=2 ** bits, VLEVELS=2 ** bits)
     const = kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T_OUTLIERS" if slots else "BLOCK_T"], False)
-    compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=kf.CFG["num_warps"],
-                             num_stages=kf.CFG["num_stages"])
+    cfg = kf.CFG
+    warps, stages = ((cfg["WARPS_OUTLIERS"], cfg["STAGES_OUTLIERS"]) if slots else (cfg["num_warps"], cfg["num_stages"]))
+    compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=warps, num_stages=stages)
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"

@@ -297,8 +297,10 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
 
 
 @triton.jit
-def _combine_kernel(ws, out, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr, PS: tl.constexpr):
-    """out[i, h] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p over the P splits of (row i, query head h)."""
+def _combine_kernel(ws, out, stats, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr, PS: tl.constexpr,
+                    STATS: tl.constexpr):
+    """out[i, h] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p over the P splits of (row i, query head h);
+    STATS: (M, Σ_p 2^(m_p - M) l_p) also to stats[i, h] ((b, hq, 2) contiguous)."""
     i, h = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, PS)
     pm = p < splits
@@ -307,8 +309,13 @@ def _combine_kernel(ws, out, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr,
     m = tl.load(src + E, mask=pm, other=float("-inf"))
     l = tl.load(src + E + 1, mask=pm, other=0.0)
     acc = tl.load(src[:, None] + e[None, :], mask=pm[:, None], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))  # empty splits: m = -inf, weight 0
-    tl.store(out + i * s_ob + h * s_oh + e, tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0))
+    mx = tl.max(m, 0)
+    w = tl.exp2(m - mx)  # empty splits: m = -inf, weight 0
+    tot = tl.sum(w * l, 0)
+    tl.store(out + i * s_ob + h * s_oh + e, tl.sum(w[:, None] * acc, 0) / tot)
+    if STATS:
+        tl.store(stats + (i * tl.num_programs(1) + h) * 2, mx)
+        tl.store(stats + (i * tl.num_programs(1) + h) * 2 + 1, tot)
 
 
 @functools.lru_cache(maxsize=16)
@@ -348,11 +355,12 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 
 
 def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-            kernel=None, cfg=None, const=None, scratch_tiles=None):
+            kernel=None, cfg=None, const=None, scratch_tiles=None, extra=(), stats=None):
     """Runs a decode kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32.
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
-    ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and ``scratch_tiles`` (BLOCK_T, e)
-    int16 tiles a program of scratch for the outlier formats, passed after ws)."""
+    ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and after ws: ``scratch_tiles``
+    (BLOCK_T, e) int16 tiles a program of scratch for the outlier formats, then the ``extra`` arguments).
+    ``stats`` (b, hq, 2) float32: the combine kernel writes each head's softmax max and sum there (log2 units)."""
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     b, hq, e = q.shape
     codes = kt[0]
@@ -376,14 +384,15 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         n = b * hkv * splits * scratch_tiles * block_t * e if outliers else 1
         scratch = (torch.empty(n, dtype=torch.int16, device=q.device),)
     kernel[(b, hkv, splits)](
-        q, slots, kv_lens, inv_freq, out, ws, *scratch, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
+        q, slots, kv_lens, inv_freq, out, ws, *scratch, *extra, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
         num_warps=warps, num_stages=stages, **cap,
         **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
     if splits > 1:
-        _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
-                                 out.stride(1), E=e, PS=triton.next_power_of_2(splits))
+        _combine_kernel[(b, hq)](ws, out, out if stats is None else stats, splits, ws.stride(0), ws.stride(1),
+                                 ws.stride(2), out.stride(0), out.stride(1), E=e, PS=triton.next_power_of_2(splits),
+                                 STATS=stats is not None)
     return out
 
 
