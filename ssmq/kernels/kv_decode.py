@@ -381,7 +381,7 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     ksink, vsink = sinks
     scratch = ()  # the kernel initializes its own tiles
     if scratch_tiles is not None:
-        n = b * hkv * splits * scratch_tiles * block_t * e if outliers else 1
+        n = max(1, b * hkv * splits * scratch_tiles * block_t * e) if outliers else 1
         scratch = (torch.empty(n, dtype=torch.int16, device=q.device),)
     kernel[(b, hkv, splits)](
         q, slots, kv_lens, inv_freq, out, ws, *scratch, *extra, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,

@@ -62,7 +62,8 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _launch, _split_range, _store_split, quant_args
+from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _split_range, _store_split,
+                                    quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -75,7 +76,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, STAGES_OUTLIERS=1, WARPS_OUTLIERS=8, MAXNREG_OUTLIERS=128)
+           GP_MIN=4, STAGES_OUTLIERS=1, WARPS_OUTLIERS=8, MAXNREG_OUTLIERS=128, SPARSE=True, BT_SPARSE=64)
 MIN_DIM = 32
 # WARPS_OUTLIERS (unset: num_warps), STAGES_OUTLIERS, the outlier formats' warps and pipeline stages, MAXNREG(_OUTLIERS)
 # a register cap, read by kv_decode._launch. One stage for the outlier formats: a pipelined load of the scratch tiles
@@ -306,7 +307,7 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr, corr, sc, stats, s_cb, s_ch,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
@@ -316,9 +317,9 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
                    VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
                    FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, SPARSE: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
-    SCATTER: tl.constexpr = KSLOTS > 0 or VSLOTS > 0
+    SCATTER: tl.constexpr = (KSLOTS > 0 or VSLOTS > 0) and not SPARSE
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
 
@@ -397,7 +398,14 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
             vbuf = scr
         s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
                         kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, kbuf, j, E,
-                        R, HP, PP, FLOAT, K_PER_TOKEN, KBITS, KASM, KSLOTS > 0)
+                        R, HP, PP, FLOAT, K_PER_TOKEN, KBITS, KASM, SCATTER and KSLOTS > 0)
+        if SPARSE:  # the key outliers' score terms (``_key_outlier_kernel``); the scores for the value outliers'
+            cs = i * s_cb + (hk * GROUP + rows)[:, None] * s_ch + t[None, :]  # pass (``_value_outlier_kernel``)
+            cm = rmask[:, None] & tmask[None, :]
+            if KSLOTS > 0:
+                s += tl.load(corr + cs, mask=cm, other=0.0)
+            if VSLOTS > 0:
+                tl.store(sc + cs, s, mask=cm)
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
@@ -406,7 +414,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
                          .to(tl.float16), acc)
         else:
             B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM)
-            if VSLOTS > 0 and V_PER_TOKEN:  # outliers as codebook-scale values written over B
+            if SCATTER and VSLOTS > 0 and V_PER_TOKEN:  # outliers as codebook-scale values written over B
                 B = _patched(B, vbuf, j, 0, E, E)
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
                 mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
@@ -416,7 +424,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
             else:
                 lm = lm * alpha
                 x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
-                if VSLOTS > 0:
+                if SCATTER and VSLOTS > 0:
                     x = _patched(x, vbuf, j, 0, E, E)
                 acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
         if SCATTER:  # every thread has read the tiles: their outliers marked empty again
@@ -426,6 +434,97 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr,
 
     _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, GROUP, E,
                  ONE_SPLIT)
+    if SPARSE and VSLOTS > 0 and ONE_SPLIT:  # the softmax's max and sum, for the value outliers' pass (several
+        st = stats + (i * tl.num_programs(1) * GROUP + hk * GROUP + rows) * 2  # splits: the combine kernel's)
+        tl.store(st, m, mask=rmask)
+        tl.store(st + 1, l, mask=rmask)
+
+
+@triton.jit
+def _outlier_tile(oidx, oval, codes, mid, half, lut, slot, t, tmask, s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+                  E: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr):
+    """Tokens t's outlier slots (len(t), P): kv head h, channel c in it, their correction d = val - x̂ (x̂ what
+    the codes give there: mid + half · codebook[code]) and the mask of live slots."""
+    jj = tl.arange(0, P)
+    ob = slot * s_os + t[:, None] * s_ot + jj[None, :]
+    om = tmask[:, None] & (jj < SLOTS)[None, :]
+    f = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32)
+    hit = om & (f >= 0)
+    f = tl.where(hit, f, 0)
+    h = f // E
+    c = f - h * E
+    x = tl.load(lut + _codes(codes + slot * s_s + t[:, None] * s_t + h * s_h, c, hit, BITS))
+    if PER_TOKEN:
+        m = tl.load(mid + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
+        hf = tl.load(half + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
+    else:
+        m = tl.load(mid + h * E + c, mask=hit, other=0.0)
+        hf = tl.load(half + h * E + c, mask=hit, other=0.0)
+    val = tl.load(oval + ob, mask=hit, other=0.0).to(tl.float32)
+    return h, c, tl.where(hit, val - (m + hf * x), 0.0), hit
+
+
+@triton.jit
+def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_s, k_t, k_h,
+                        k_ms, k_mt, k_os, k_ot, s_cb, s_ch, scale, HQ, GROUP: tl.constexpr, HQP: tl.constexpr,
+                        E: tl.constexpr, R: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr,
+                        KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr,
+                        FAST: tl.constexpr):
+    """corr (b, hq, L) float32: what each token's key outliers add to each query head's score (log2 units, as the
+    decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of key channel c in q_h · R_t k.
+    One program per (row, BT tokens): it zeroes its block, then adds each slot's terms for the GROUP query heads of
+    the slot's kv head (atomics: a token's slots may share a head). Every slot once, not once per kv head."""
+    i, blk = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots + i).to(tl.int64)
+    n = tl.load(lens + i).to(tl.int32)
+    t = blk * BT + tl.arange(0, BT)
+    live = t < n
+    hh = tl.arange(0, HQP)
+    tl.store(corr + i * s_cb + hh[:, None] * s_ch + t[None, :], tl.zeros((HQP, BT), tl.float32),
+             mask=(hh < HQ)[:, None] & live[None, :])
+    tl.debug_barrier()  # the zeros stored before any thread's atomics
+    h, c, d, hit = _outlier_tile(koi, kov, kc, kmid, khalf, klut, slot, t, live & (t >= S), k_s, k_t, k_h, k_ms, k_mt,
+                                 k_os, k_ot, E, PER_TOKEN, KSLOTS, KP, BITS)
+    if R > 0:  # w = q[c] cos ± q[partner] sin (``kv_decode._slot_scores``)
+        rot = c < R
+        low = c < R // 2
+        partner = tl.where(low, c + R // 2, c - R // 2)
+        freq = tl.load(inv_freq + tl.where(low, c, c - R // 2), mask=hit & rot, other=0.0)
+        cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq, FAST)
+        a = d * tl.where(rot, cos, 1.0)
+        b = d * tl.where(rot, tl.where(low, sin, -sin), 0.0)
+    qscale = scale * 1.4426950408889634
+    for g in tl.static_range(GROUP):
+        head = h * GROUP + g
+        qrow = q + i * s_qb + head * s_qh
+        qc = tl.load(qrow + c, mask=hit, other=0.0).to(tl.float32)
+        if R > 0:
+            w = qc * a + tl.load(qrow + partner, mask=hit & rot, other=0.0).to(tl.float32) * b
+        else:
+            w = qc * d
+        tl.atomic_add(corr + i * s_cb + head * s_ch + t[:, None], w * qscale, mask=hit)
+
+
+@triton.jit
+def _value_outlier_kernel(out, stats, sc, slots, lens, vc, vmid, vhalf, vlut, voi, vov, s_ob, s_oh, v_s, v_t, v_h,
+                          v_ms, v_mt, v_os, v_ot, s_cb, s_ch, HQ, GROUP: tl.constexpr, E: tl.constexpr,
+                          S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr, VP: tl.constexpr,
+                          BT: tl.constexpr, BITS: tl.constexpr):
+    """out (b, hq, e) += Σ_t p_h(t) (val - x̂) at each value outlier's channel, p_h(t) = 2^(s - M) / Σ the final
+    softmax weight (scores sc (b, hq, L) and (M, Σ) in stats (b, hq, 2), from the decode and combine kernels): the
+    value outliers' correction of the attention output, after it, so that the decode loop carries none of it."""
+    i, blk = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots + i).to(tl.int64)
+    n = tl.load(lens + i).to(tl.int32)
+    t = blk * BT + tl.arange(0, BT)
+    h, c, d, hit = _outlier_tile(voi, vov, vc, vmid, vhalf, vlut, slot, t, (t < n) & (t >= S), v_s, v_t, v_h, v_ms,
+                                 v_mt, v_os, v_ot, E, PER_TOKEN, VSLOTS, VP, BITS)
+    for g in tl.static_range(GROUP):
+        head = h * GROUP + g
+        s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf"))
+        st = stats + (i * HQ + head) * 2
+        p = tl.exp2(s - tl.load(st, mask=hit, other=0.0)) / tl.load(st + 1, mask=hit, other=1.0)
+        tl.atomic_add(out + i * s_ob + head * s_oh + c, p * d, mask=hit)
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
@@ -435,7 +534,8 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
                 KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
+                SPARSE=bool(CFG["SPARSE"]) and bool(flags["KSLOTS"] or flags["VSLOTS"]), **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
@@ -465,5 +565,33 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     flags.update(KLEVELS=k.codebook.numel(), VLEVELS=v.codebook.numel())
     for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
-    return _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                   _decode_kernel, CFG, constexprs, scratch_tiles=4)
+    b, hq, e = q.shape
+    cap = k.codes.shape[1]
+    ko, vo = flags["KSLOTS"], flags["VSLOTS"]
+    if not (CFG["SPARSE"] and (ko or vo)):
+        return _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
+                       _decode_kernel, CFG, constexprs, scratch_tiles=4, extra=(q, q, q, 0, 0))
+    # sparse outliers in their own passes: key score terms before the decode, value terms after it
+    f32 = dict(dtype=torch.float32, device=q.device)
+    corr = torch.empty(b, hq, cap, **f32) if ko else q
+    sc = torch.empty(b, hq, cap, **f32) if vo else q
+    stats = torch.empty(b, hq, 2, **f32) if vo else None
+    scale = e ** -0.5 if softmax_scale is None else softmax_scale
+    bt = CFG["BT_SPARSE"]
+    grid = (b, triton.cdiv(cap, bt))
+    if ko:
+        inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
+        _key_outlier_kernel[grid](
+            q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, corr.stride(0), corr.stride(1),
+            scale, hq, GROUP=hq // k.codes.shape[2], HQP=triton.next_power_of_2(hq), E=e, R=rotary_dim,
+            S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
+            FAST=FAST_TRIG, num_warps=4)
+    out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
+                  _decode_kernel, CFG, constexprs, scratch_tiles=0, stats=stats,
+                  extra=(corr, sc, q if stats is None else stats, hq * cap, cap))
+    if vo:
+        _value_outlier_kernel[grid](
+            out, stats, sc, slots, kv_lens, *vt, out.stride(0), out.stride(1), *vs, hq * cap, cap, hq,
+            GROUP=hq // k.codes.shape[2], E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo,
+            VP=triton.next_power_of_2(vo), BT=bt, BITS=v.bits, num_warps=4)
+    return out
