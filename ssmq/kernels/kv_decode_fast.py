@@ -502,7 +502,7 @@ def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, k
             w = qc * a + tl.load(qrow + partner, mask=hit & rot, other=0.0).to(tl.float32) * b
         else:
             w = qc * d
-        tl.atomic_add(corr + i * s_cb + head * s_ch + t[:, None], w * qscale, mask=hit)
+        tl.atomic_add(corr + i * s_cb + head * s_ch + t[:, None], w * qscale, mask=hit, sem="relaxed")
 
 
 @triton.jit
@@ -524,7 +524,7 @@ def _value_outlier_kernel(out, stats, sc, slots, lens, vc, vmid, vhalf, vlut, vo
         s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf"))
         st = stats + (i * HQ + head) * 2
         p = tl.exp2(s - tl.load(st, mask=hit, other=0.0)) / tl.load(st + 1, mask=hit, other=1.0)
-        tl.atomic_add(out + i * s_ob + head * s_oh + c, p * d, mask=hit)
+        tl.atomic_add(out + i * s_ob + head * s_oh + c, p * d, mask=hit, sem="relaxed")
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
