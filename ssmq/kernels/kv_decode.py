@@ -355,11 +355,10 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 
 
 def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-            kernel=None, cfg=None, const=None, scratch_tiles=None, extra=(), stats=None):
+            kernel=None, cfg=None, const=None, extra=(), stats=None):
     """Runs a decode kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32.
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
-    ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and after ws: ``scratch_tiles``
-    (BLOCK_T, e) int16 tiles a program of scratch for the outlier formats, then the ``extra`` arguments).
+    ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and the ``extra`` ones after ws).
     ``stats`` (b, hq, 2) float32: the combine kernel writes each head's softmax max and sum there (log2 units)."""
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     b, hq, e = q.shape
@@ -379,12 +378,8 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
     ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
     ksink, vsink = sinks
-    scratch = ()  # the kernel initializes its own tiles
-    if scratch_tiles is not None:
-        n = max(1, b * hkv * splits * scratch_tiles * block_t * e) if outliers else 1
-        scratch = (torch.empty(n, dtype=torch.int16, device=q.device),)
     kernel[(b, hkv, splits)](
-        q, slots, kv_lens, inv_freq, out, ws, *scratch, *extra, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
+        q, slots, kv_lens, inv_freq, out, ws, *extra, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
         num_warps=warps, num_stages=stages, **cap,

@@ -30,13 +30,13 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
              sin of j θ, no trig a tile) and the query, (g, r/2) entries, by the tile's t0 θ
     values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
              so the tile is B itself (no arithmetic a value); per-channel scales scale the tile
-    outliers a tile's sparse slots, loaded as one (BLOCK_T, slots) tile a side, are scattered into the program's
-             scratch tiles (BLOCK_T, e) in global memory (L1-resident: 2 x 2 x 8 KB a program), the kv head's own
-             at (token, channel); after a barrier each side reads its tile back dense and writes it over the
-             dequantized keys (before the rotation: RoPE and the products take them as any key) and over the
-             values' B ((val - m_t) / h_t: B's scale); after a second barrier the entries are marked empty again.
-             Registers cannot be scattered into; a pass a slot costs a compare and a select on every entry of the
-             tile (the passes a tile takes: its busiest token's slots), this costs one store a slot
+    outliers the sparse slots take their own passes, so that the decode loop carries none of their work (in the
+             loop, a slot cost a pass over the tile or a scatter through memory, for each of the hkv programs that
+             read the token): ``_key_outlier_kernel`` first turns every key slot, once, into its score terms
+             (val - x̂) · w_h(c, t) for the query heads of its kv head (corr (b, hq, L), summed by relaxed
+             atomics); the decode adds corr's (g, BLOCK_T) tile to its scores and stores the scores (sc) when
+             there are value slots; after the combine (which also stores each head's softmax max and sum),
+             ``_value_outlier_kernel`` adds p_h(t) · (val - x̂) at each value slot's channel of the output
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -45,8 +45,8 @@ divided among the P splits in the kernel, so there is no host sync, and no torch
 Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a side's constexpr) and unrotated;
 other formats take the reference.
 
-Accuracy (float16 products; the reference is float32): q (rotated a tile), the rotated keys, B (value outliers in it as
-(val - m_t) / h_t), p ⊙ h and the sink are rounded to
+Accuracy (float16 products; the reference is float32; the outliers' passes are float32): q (rotated a tile), the
+rotated keys, B, p ⊙ h and the sink are rounded to
 float16 (relative error u = 2^-11 at most each), products accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the
 reference rounds fl(t θ) (about an ulp of t θ apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the
 reference's own rounding is from t θ). A score then moves by
@@ -76,18 +76,16 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, STAGES_OUTLIERS=1, WARPS_OUTLIERS=8, MAXNREG_OUTLIERS=128, SPARSE=True, BT_SPARSE=64)
+           GP_MIN=4, STAGES_OUTLIERS=1, WARPS_OUTLIERS=8, MAXNREG_OUTLIERS=128, BT_SPARSE=32)
 MIN_DIM = 32
-# WARPS_OUTLIERS (unset: num_warps), STAGES_OUTLIERS, the outlier formats' warps and pipeline stages, MAXNREG(_OUTLIERS)
-# a register cap, read by kv_decode._launch. One stage for the outlier formats: a pipelined load of the scratch tiles
-# could be issued before the barrier that orders it after the stores (one stage changed nothing measurable).
+# WARPS_OUTLIERS (unset: num_warps), STAGES_OUTLIERS, MAXNREG(_OUTLIERS): the outlier formats' warps, pipeline stages
+# and a register cap, read by kv_decode._launch (set while their slots were scattered inside the loop; kept since);
+# BT_SPARSE: tokens a program of the outliers' passes (H100, 2026-11-27, 128K tokens: 32 or 16 alike, 64 +6-15%).
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
 # products' M itself). H200, 2026-11-27 (`time_kv_outlier_parts.py`, 128K tokens, 4-bit): 16 -> 4 took the
-# no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979. The outlier
-# formats then: 8 warps capped at 128 registers (2 programs, 16 warps an SM; 42 B spilled) 0.969 -> 0.895 ms (3-bit
-# codes 1.605 -> 1.462, 2-bit 0.844 -> 0.788); caps alone (168 / 128 / 96 at 4 warps) did not help.
+# no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979.
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
 # PTX: numpy's trig and a gathered LUT there
 
@@ -221,13 +219,12 @@ def _scaled(x, mid, half, slot, hk, t, tmask, c, cmask, s_ms, s_mt, E: tl.conste
 
 @triton.jit
 def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos,
-                sin, s_ms, s_mt, buf, j, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr,
-                FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
-                PATCH: tl.constexpr):
+                sin, s_ms, s_mt, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr,
+                FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """(GP, len(t)) scores of the (pre-scaled, float16) query rows qa, qb, qp (the rotary halves, the pass-through
     channels) against the keys at ``rows`` (T, 1 pointers) rotated by their positions: R_t k = (ka cos - kb sin,
-    kb cos + ka sin, kp); PATCH: the sparse outliers of the scratch tile ``buf`` (rows j) written over the
-    dequantized keys before the rotation. FLOAT: a float tile."""
+    kb cos + ka sin, kp); without the sparse outliers (``_key_outlier_kernel`` adds their terms). FLOAT: a float
+    tile."""
     ch = tl.arange(0, HP)
     cp = tl.arange(0, PP)
     s = tl.zeros((qa.shape[0], t.shape[0]), tl.float32)
@@ -241,9 +238,6 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
                          mid, half, slot, hk, t, tmask, ch, hm, s_ms, s_mt, E, PER_TOKEN)
             kb = _scaled(_book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
                                ASM), mid, half, slot, hk, t, tmask, R // 2 + ch, hm, s_ms, s_mt, E, PER_TOKEN)
-            if PATCH:
-                ka = _patched(ka, buf, j, 0, R // 2, E)
-                kb = _patched(kb, buf, j, R // 2, R // 2, E)
         s = tl.dot(qa, tl.trans((ka * cos - kb * sin).to(tl.float16)), s)
         s = tl.dot(qb, tl.trans((kb * cos + ka * sin).to(tl.float16)), s)
     if R < E:
@@ -252,47 +246,9 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
             kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0).to(tl.float16)
         else:
             kp = _scaled(_book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM),
-                         mid, half, slot, hk, t, tmask, R + cp, pm, s_ms, s_mt, E, PER_TOKEN)
-            if PATCH:
-                kp = _patched(kp, buf, j, R, E - R, E)
-            kp = kp.to(tl.float16)
+                         mid, half, slot, hk, t, tmask, R + cp, pm, s_ms, s_mt, E, PER_TOKEN).to(tl.float16)
         s = tl.dot(qp, tl.trans(kp), s)
     return s
-
-
-@triton.jit
-def _scatter(buf, oidx, oval, slot, hk, t, tmask, j, s_os, s_ot, mv, hv, E: tl.constexpr, SLOTS: tl.constexpr,
-             P: tl.constexpr, NORMALIZE: tl.constexpr, CLEAR: tl.constexpr):
-    """Writes kv head hk's outliers of tokens t into the scratch tile ``buf`` (BLOCK_T, E) int16 (float16 bits; -1,
-    a NaN pattern no outlier has, marks "none") at (j, channel): their value, or (val - mv) / hv (NORMALIZE: a
-    codebook-scale value of per-token values). CLEAR: marks those entries empty again instead (after a barrier:
-    every thread has read the tile), the slots re-read (cached) rather than their addresses held across the tile."""
-    jj = tl.arange(0, P)
-    ob = slot * s_os + t[:, None] * s_ot + jj[None, :]
-    om = tmask[:, None] & (jj < SLOTS)[None, :]
-    c = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32) - hk * E
-    hit = om & (c >= 0) & (c < E)
-    addr = buf + j[:, None] * E + tl.where(hit, c, 0)
-    if CLEAR:
-        tl.store(addr, tl.full(addr.shape, -1, tl.int16), mask=hit)
-    else:
-        val = tl.load(oval + ob, mask=hit, other=0.0)
-        if NORMALIZE:
-            val = ((val.to(tl.float32) - mv[:, None]) / hv[:, None]).to(tl.float16)
-        tl.store(addr, val.to(tl.float16).to(tl.int16, bitcast=True), mask=hit)
-
-
-@triton.jit
-def _patched(x, buf, j, C0: tl.constexpr, NC: tl.constexpr, E: tl.constexpr):
-    """x (len(j), CP) holding channels [C0, C0 + CP) (valid below C0 + NC) with the outliers of the scratch tile
-    ``buf`` at rows j written over it (no mask where every column is valid: vectorized loads)."""
-    CP: tl.constexpr = x.shape[1]
-    c = C0 + tl.arange(0, CP)
-    if NC < CP:
-        w = tl.load(buf + j[:, None] * E + c[None, :], mask=(c < C0 + NC)[None, :], other=-1)
-    else:
-        w = tl.load(buf + j[:, None] * E + c[None, :])
-    return tl.where(w != -1, w.to(tl.float16, bitcast=True).to(x.dtype), x)
 
 
 @triton.jit
@@ -307,19 +263,18 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr, corr, sc, stats, s_cb, s_ch,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, stats, s_cb, s_ch,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
-                   K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
-                   VSLOTS: tl.constexpr, VP: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                   K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
+                   VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
                    FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, SPARSE: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
-    SCATTER: tl.constexpr = (KSLOTS > 0 or VSLOTS > 0) and not SPARSE
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
 
@@ -349,20 +304,14 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr, corr, sc, stats, s_cb
     lm = tl.zeros((GP,), tl.float32)  # Σ p · mid of per-token values: added to every channel at the end
     acc = tl.zeros((GP, E), tl.float32)
     e = tl.arange(0, E)
-    if SCATTER:  # this program's two pairs of (keys, values) scratch tiles (BLOCK_T, E), all empty (-1) to start
-        pid = (i * tl.num_programs(1) + hk) * tl.num_programs(2) + sp
-        sbase = scr + pid.to(tl.int64) * (4 * BLOCK_T * E)
-        for u in tl.static_range(4):
-            tl.store(sbase + u * BLOCK_T * E + j[:, None] * E + e[None, :], tl.full((BLOCK_T, E), -1, tl.int16))
-        tl.debug_barrier()
     if S > 0:
         if sp == 0:  # the sink tokens' keys and values are kept in float: positions [0, S)
             t = tl.arange(0, SP)
             tmask = t < tl.minimum(n, S)
             cs, sn = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
             s = _key_scores(qa, qb, qp, ksink + slot * ks_s + t[:, None] * ks_t + hk * ks_h, kmid, khalf, klut,
-                            kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cs, sn, 0, 0, scr, t, E, R,
-                            HP, PP, True, K_PER_TOKEN, KBITS, KASM, False)
+                            kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cs, sn, 0, 0, E, R, HP,
+                            PP, True, K_PER_TOKEN, KBITS, KASM)
             m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
             v = tl.load(vsink + slot * vs_s + t[:, None] * vs_t + hk * vs_h + e[None, :], mask=tmask[:, None],
                         other=0.0).to(tl.float16)
@@ -381,31 +330,14 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr, corr, sc, stats, s_cb
         else:
             ua, ub = qa, qb
             cos, sin = 1.0, 0.0
-        if SCATTER:  # the tile's outliers into this program's scratch tiles (double-buffered: the stores of the
-            kbuf = sbase + ((start - lo) // BLOCK_T % 2) * (2 * BLOCK_T * E)  # next tile go to the other pair)
-            vbuf = kbuf + BLOCK_T * E
-            if V_PER_TOKEN:
-                mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-                hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=1.0).to(tl.float32)
-            else:
-                mv = tl.zeros((BLOCK_T,), tl.float32)
-                hv = mv + 1.0
-            _scatter(kbuf, koi, kov, slot, hk, t, tmask, j, k_os, k_ot, mv, hv, E, KSLOTS, KP, False, False)
-            _scatter(vbuf, voi, vov, slot, hk, t, tmask, j, v_os, v_ot, mv, hv, E, VSLOTS, VP, V_PER_TOKEN, False)
-            tl.debug_barrier()  # every thread's outliers stored before any thread reads the tiles
-        else:
-            kbuf = scr
-            vbuf = scr
         s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
-                        kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, kbuf, j, E,
-                        R, HP, PP, FLOAT, K_PER_TOKEN, KBITS, KASM, SCATTER and KSLOTS > 0)
-        if SPARSE:  # the key outliers' score terms (``_key_outlier_kernel``); the scores for the value outliers'
-            cs = i * s_cb + (hk * GROUP + rows)[:, None] * s_ch + t[None, :]  # pass (``_value_outlier_kernel``)
-            cm = rmask[:, None] & tmask[None, :]
-            if KSLOTS > 0:
-                s += tl.load(corr + cs, mask=cm, other=0.0)
-            if VSLOTS > 0:
-                tl.store(sc + cs, s, mask=cm)
+                        kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, E, R, HP,
+                        PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
+        cs = i * s_cb + (hk * GROUP + rows)[:, None] * s_ch + t[None, :]
+        if KSLOTS > 0:  # the key outliers' score terms (``_key_outlier_kernel``)
+            s += tl.load(corr + cs, mask=rmask[:, None] & tmask[None, :], other=0.0)
+        if VSLOTS > 0:  # the scores, for the value outliers' pass (``_value_outlier_kernel``)
+            tl.store(sc + cs, s, mask=rmask[:, None] & tmask[None, :])
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
@@ -414,8 +346,6 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr, corr, sc, stats, s_cb
                          .to(tl.float16), acc)
         else:
             B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM)
-            if SCATTER and VSLOTS > 0 and V_PER_TOKEN:  # outliers as codebook-scale values written over B
-                B = _patched(B, vbuf, j, 0, E, E)
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
                 mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
@@ -424,17 +354,11 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, scr, corr, sc, stats, s_cb
             else:
                 lm = lm * alpha
                 x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
-                if SCATTER and VSLOTS > 0:
-                    x = _patched(x, vbuf, j, 0, E, E)
                 acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
-        if SCATTER:  # every thread has read the tiles: their outliers marked empty again
-            tl.debug_barrier()
-            _scatter(kbuf, koi, kov, slot, hk, t, tmask, j, k_os, k_ot, 0.0, 1.0, E, KSLOTS, KP, False, True)
-            _scatter(vbuf, voi, vov, slot, hk, t, tmask, j, v_os, v_ot, 0.0, 1.0, E, VSLOTS, VP, False, True)
 
     _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, GROUP, E,
                  ONE_SPLIT)
-    if SPARSE and VSLOTS > 0 and ONE_SPLIT:  # the softmax's max and sum, for the value outliers' pass (several
+    if VSLOTS > 0 and ONE_SPLIT:  # the softmax's max and sum, for the value outliers' pass (several
         st = stats + (i * tl.num_programs(1) * GROUP + hk * GROUP + rows) * 2  # splits: the combine kernel's)
         tl.store(st, m, mask=rmask)
         tl.store(st + 1, l, mask=rmask)
@@ -532,10 +456,8 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
     return dict(GROUP=group, GP=max(CFG["GP_MIN"], triton.next_power_of_2(group)), E=e, R=rotary_dim,
                 HP=max(MIN_DIM, triton.next_power_of_2(rotary_dim // 2)),
                 PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
-                KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)), VP=triton.next_power_of_2(max(flags["VSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
-                SPARSE=bool(CFG["SPARSE"]) and bool(flags["KSLOTS"] or flags["VSLOTS"]), **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
@@ -568,9 +490,6 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     b, hq, e = q.shape
     cap = k.codes.shape[1]
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
-    if not (CFG["SPARSE"] and (ko or vo)):
-        return _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                       _decode_kernel, CFG, constexprs, scratch_tiles=4, extra=(q, q, q, 0, 0))
     # sparse outliers in their own passes: key score terms before the decode, value terms after it
     f32 = dict(dtype=torch.float32, device=q.device)
     corr = torch.empty(b, hq, cap, **f32) if ko else q
@@ -587,7 +506,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
             S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
             FAST=FAST_TRIG, num_warps=4)
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, CFG, constexprs, scratch_tiles=0, stats=stats,
+                  _decode_kernel, CFG, constexprs, stats=stats,
                   extra=(corr, sc, q if stats is None else stats, hq * cap, cap))
     if vo:
         _value_outlier_kernel[grid](
