@@ -5,12 +5,13 @@
     python benchmarks/diag_kvquant.py --model smollm2 slots      # unlimited key-outlier slots (no clipping)
     python benchmarks/diag_kvquant.py --model smollm2 fisher     # k-means weights Fisher^a, a = 0, 0.5, 1
     python benchmarks/diag_kvquant.py --model smollm2 calib --calib-seqlen 2048   # longer calibration windows
+    python benchmarks/diag_kvquant.py --model smollm2 calib --calib-samples 64    # more calibration windows
     python benchmarks/diag_kvquant.py --model smollm2 knobs      # Q-Norm on each side, 4 sink tokens
 
 Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
-``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on 16 windows of
---calib-seqlen tokens (seed 0). The variants that change code (slots, fisher) patch one function for their row
-and restore it. Prints one line a row.
+``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
+(16) windows of --calib-seqlen tokens (seed 0). The variants that change code (slots, fisher) patch one function
+for their row and restore it. Prints one line a row.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def main():
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)
+    ap.add_argument("--calib-samples", type=int, default=16)
     args = ap.parse_args()
     limit, seqlen = WINDOWS[args.model]
-    model, tok, _, formats = load_calibrated(args.model, 16, args.calib_seqlen)
+    model, tok, _, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen)
     ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
     for label, spec, patch in variants(args.experiment, spec_of(args.preset)):
         with patch:
