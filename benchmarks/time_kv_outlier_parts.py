@@ -3,9 +3,9 @@
 outliers only and with value outliers only (CUDA-graph replays, L2 flushed: ``bench_kvquant.timeit``), each with the
 registers a thread and the bytes spilled of the kernel it compiled (a spilling kernel pays for every live value).
 
-    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--cfg GP_MIN=4,SCATTER=0;...]
+    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--cfg 'GP_MIN=16;BT_SPARSE=16,WARPS_OUTLIERS=4']
     ncu --section WarpStateStats --section SourceCounters -k regex:_decode_kernel -s 2 -c 1 \
-        python benchmarks/time_kv_outlier_parts.py --profile     (3 plain calls of the keys + values case, for ncu)
+        python benchmarks/time_kv_outlier_parts.py --profile [--case 0-3]   (3 plain calls of one case, for ncu)
 """
 
 from __future__ import annotations

@@ -488,7 +488,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
     b, hq, e = q.shape
-    cap = k.codes.shape[1]
+    cap, group = k.codes.shape[1], hq // k.codes.shape[2]
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
     # sparse outliers in their own passes: key score terms before the decode, value terms after it
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -502,7 +502,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
         _key_outlier_kernel[grid](
             q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, corr.stride(0), corr.stride(1),
-            scale, hq, GROUP=hq // k.codes.shape[2], HQP=triton.next_power_of_2(hq), E=e, R=rotary_dim,
+            scale, hq, GROUP=group, HQP=triton.next_power_of_2(hq), E=e, R=rotary_dim,
             S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
             FAST=FAST_TRIG, num_warps=4)
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
@@ -511,6 +511,6 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     if vo:
         _value_outlier_kernel[grid](
             out, stats, sc, slots, kv_lens, *vt, out.stride(0), out.stride(1), *vs, hq * cap, cap, hq,
-            GROUP=hq // k.codes.shape[2], E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo,
+            GROUP=group, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo,
             VP=triton.next_power_of_2(vo), BT=bt, BITS=v.bits, num_warps=4)
     return out
