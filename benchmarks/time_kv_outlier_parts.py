@@ -1,9 +1,10 @@
 """Where the KVQuant decode kernel's outlier time goes (one GPU): the dispatch (``kernels.quant_kv_decode``) timed on
 ``bench_kvquant``'s 4-bit cache and layer shape without outliers, with 1% key and value outliers, with key
 outliers only and with value outliers only (CUDA-graph replays, L2 flushed: ``bench_kvquant.timeit``), each with the
-registers a thread and the bytes spilled of the kernel it compiled (a spilling kernel pays for every live value).
+registers a thread and the bytes spilled of the kernel it compiled (a spilling kernel pays for every live value);
+``--kernels`` also splits each case's time among its kernels (torch.profiler, eager calls, L2 flushed before each).
 
-    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--cfg 'GP_MIN=16;BT_SPARSE=16,WARPS_OUTLIERS=4']
+    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--kernels] [--cfg 'GP_MIN=16;BT_SPARSE=16,WARPS_OUTLIERS=4']
     ncu --section WarpStateStats --section SourceCounters -k regex:_decode_kernel -s 2 -c 1 \
         python benchmarks/time_kv_outlier_parts.py --profile [--case 0-3]   (3 plain calls of one case, for ncu)
 """
@@ -27,6 +28,22 @@ def _compiled() -> dict:
     return found
 
 
+def kernel_times(fn, reps: int = 10) -> dict[str, float]:
+    """Mean device ms of each Triton kernel ``fn`` launches (names ending in ``_kernel``), over ``reps`` eager calls
+    with the L2 flushed before each (as ``bench_kvquant.timeit``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / reps / 1e3 for e in prof.key_averages() if e.key.endswith("_kernel")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=131072)
@@ -35,6 +52,7 @@ def main() -> None:
                     "setting), for a profiler")
     ap.add_argument("--case", type=int, default=1, help="--profile's case: 0 no outliers, 1 keys + values, 2 keys, "
                     "3 values")
+    ap.add_argument("--kernels", action="store_true", help="also each kernel's share (torch.profiler)")
     args = ap.parse_args()
     L = args.length
     ko, vo = b.ONE_PCT
@@ -63,6 +81,9 @@ def main() -> None:
             regs = ", ".join(f"{getattr(k, 'n_regs', '?')} regs / {getattr(k, 'n_spills', '?')} B spilled"
                              for k in new) or "cached"
             print(f"{cfg or 'CFG':28s} {L} tokens, 4-bit, {name:18s} {ms:.3f} ms  ({regs})", flush=True)
+            if args.kernels:
+                split = kernel_times(lambda: quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0))  # noqa: B023
+                print("    " + ", ".join(f"{k} {v:.3f}" for k, v in split.items()), flush=True)
 
 
 if __name__ == "__main__":

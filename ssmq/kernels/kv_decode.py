@@ -146,28 +146,44 @@ def _outlier_scores(q, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk
 
 
 @triton.jit
+def _slot_residual(codes, mid, half, lut, h, c, hit, val, slot, t, s_s, s_t, s_h, s_ms, s_mt, E: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, BITS: tl.constexpr):
+    """(len(t), K) float32 val - x̂ at sparse-outlier slots (kv head h, channel c: (len(t), K), or h one head) where
+    hit, else 0: x̂ = mid + half · codebook[code], what the codes give there; the correction a slot adds."""
+    c = tl.where(hit, c, 0)
+    x = tl.load(lut + _codes(codes + slot * s_s + t[:, None] * s_t + h * s_h, c, hit, BITS))
+    if PER_TOKEN:
+        m = tl.load(mid + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
+        hf = tl.load(half + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
+    else:
+        m = tl.load(mid + h * E + c, mask=hit, other=0.0)
+        hf = tl.load(half + h * E + c, mask=hit, other=0.0)
+    return tl.where(hit, val - (m + hf * x), 0.0)
+
+
+@triton.jit
+def _rope_terms(d, c, hit, t, inv_freq, R: tl.constexpr, FAST: tl.constexpr):
+    """A key slot's residual d (len(t), K) at channel c, split by the query channels it meets in q · R_t k:
+    w = q[c] · a + q[partner] · b, with (a, b) = d (cos, sin) in the first rotary half, d (cos, -sin) in the
+    second, (d, 0) on pass-through channels. Returns a, b, partner and the rotary mask."""
+    rot = hit & (c < R)
+    low = c < R // 2
+    partner = tl.where(low, c + R // 2, c - R // 2)
+    freq = tl.load(inv_freq + tl.where(low, c, c - R // 2), mask=rot, other=0.0)
+    cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq, FAST)
+    return d * tl.where(rot, cos, 1.0), d * tl.where(rot, tl.where(low, sin, -sin), 0.0), partner, rot
+
+
+@triton.jit
 def _slot_scores(q, s_qh, codes, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_freq, s_s, s_t, s_h, s_ms, s_mt,
                  GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, PER_TOKEN: tl.constexpr,
                  FAST: tl.constexpr, BITS: tl.constexpr):
     """(GP, len(t)) Σ over the columns k of (val - x̂[t, c]) · w(c) where hit, for channels c (len(t), K) of kv head
     hk (unscaled by qscale)."""
+    d = _slot_residual(codes, mid, half, lut, hk, c, hit, val, slot, t, s_s, s_t, s_h, s_ms, s_mt, E, PER_TOKEN, BITS)
     c = tl.where(hit, c, 0)
-    x = tl.load(lut + _codes(codes + slot * s_s + t[:, None] * s_t + hk * s_h, c, hit, BITS))
-    if PER_TOKEN:
-        m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-        h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-        x = m[:, None] + h[:, None] * x
-    else:
-        x = tl.load(mid + hk * E + c) + tl.load(half + hk * E + c) * x
-    d = tl.where(hit, val - x, 0.0)
-    if R > 0:  # w(c) = q[c] cos + q[c + r/2] sin in the first half, q[c] cos - q[c - r/2] sin in the second
-        rot = c < R
-        low = c < R // 2
-        partner = tl.where(low, c + R // 2, c - R // 2)
-        freq = tl.load(inv_freq + tl.where(low, c, c - R // 2), mask=rot, other=0.0)
-        cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq, FAST)
-        a = d * tl.where(rot, cos, 1.0)
-        b = d * tl.where(rot, tl.where(low, sin, -sin), 0.0)
+    if R > 0:
+        a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
     rows = tl.arange(0, GP)
     out = tl.zeros((GP, t.shape[0]), tl.float32)
     for g in tl.static_range(GROUP):

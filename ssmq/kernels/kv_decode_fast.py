@@ -62,8 +62,8 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _split_range, _store_split,
-                                    quant_args)
+from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _rope_terms, _slot_residual,
+                                    _split_range, _store_split, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -365,27 +365,27 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, stats, s_cb, s_c
 
 
 @triton.jit
-def _outlier_tile(oidx, oval, codes, mid, half, lut, slot, t, tmask, s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
-                  E: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr):
-    """Tokens t's outlier slots (len(t), P): kv head h, channel c in it, their correction d = val - x̂ (x̂ what
-    the codes give there: mid + half · codebook[code]) and the mask of live slots."""
+def _outlier_tile(slots, lens, oidx, oval, codes, mid, half, lut, s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+                  E: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr,
+                  BT: tl.constexpr, BITS: tl.constexpr):
+    """The outlier slots (BT, P) of the outlier passes' program (row i, tokens t = BT · block + [0, BT)): the row,
+    t, the tokens' liveness (t < the row's length), each slot's kv head h and channel c, its correction
+    d = val - x̂ (``kv_decode._slot_residual``) and the mask of slots that hold one (live, past the sink)."""
+    i = tl.program_id(0)
+    slot = tl.load(slots + i).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    live = t < tl.load(lens + i).to(tl.int32)
     jj = tl.arange(0, P)
     ob = slot * s_os + t[:, None] * s_ot + jj[None, :]
-    om = tmask[:, None] & (jj < SLOTS)[None, :]
+    om = (live & (t >= S))[:, None] & (jj < SLOTS)[None, :]
     f = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32)
     hit = om & (f >= 0)
     f = tl.where(hit, f, 0)
     h = f // E
     c = f - h * E
-    x = tl.load(lut + _codes(codes + slot * s_s + t[:, None] * s_t + h * s_h, c, hit, BITS))
-    if PER_TOKEN:
-        m = tl.load(mid + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
-        hf = tl.load(half + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
-    else:
-        m = tl.load(mid + h * E + c, mask=hit, other=0.0)
-        hf = tl.load(half + h * E + c, mask=hit, other=0.0)
     val = tl.load(oval + ob, mask=hit, other=0.0).to(tl.float32)
-    return h, c, tl.where(hit, val - (m + hf * x), 0.0), hit
+    d = _slot_residual(codes, mid, half, lut, h, c, hit, val, slot, t, s_s, s_t, s_h, s_ms, s_mt, E, PER_TOKEN, BITS)
+    return i, t, live, h, c, d, hit
 
 
 @triton.jit
@@ -398,32 +398,21 @@ def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, k
     decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of key channel c in q_h · R_t k.
     One program per (row, BT tokens): it zeroes its block, then adds each slot's terms for the GROUP query heads of
     the slot's kv head (atomics: a token's slots may share a head). Every slot once, not once per kv head."""
-    i, blk = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots + i).to(tl.int64)
-    n = tl.load(lens + i).to(tl.int32)
-    t = blk * BT + tl.arange(0, BT)
-    live = t < n
+    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, koi, kov, kc, kmid, khalf, klut, k_s, k_t, k_h, k_ms, k_mt,
+                                             k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, BITS)
     hh = tl.arange(0, HQP)
     tl.store(corr + i * s_cb + hh[:, None] * s_ch + t[None, :], tl.zeros((HQP, BT), tl.float32),
              mask=(hh < HQ)[:, None] & live[None, :])
     tl.debug_barrier()  # the zeros stored before any thread's atomics
-    h, c, d, hit = _outlier_tile(koi, kov, kc, kmid, khalf, klut, slot, t, live & (t >= S), k_s, k_t, k_h, k_ms, k_mt,
-                                 k_os, k_ot, E, PER_TOKEN, KSLOTS, KP, BITS)
-    if R > 0:  # w = q[c] cos ± q[partner] sin (``kv_decode._slot_scores``)
-        rot = c < R
-        low = c < R // 2
-        partner = tl.where(low, c + R // 2, c - R // 2)
-        freq = tl.load(inv_freq + tl.where(low, c, c - R // 2), mask=hit & rot, other=0.0)
-        cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq, FAST)
-        a = d * tl.where(rot, cos, 1.0)
-        b = d * tl.where(rot, tl.where(low, sin, -sin), 0.0)
+    if R > 0:
+        a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
     qscale = scale * 1.4426950408889634
     for g in tl.static_range(GROUP):
         head = h * GROUP + g
         qrow = q + i * s_qb + head * s_qh
         qc = tl.load(qrow + c, mask=hit, other=0.0).to(tl.float32)
         if R > 0:
-            w = qc * a + tl.load(qrow + partner, mask=hit & rot, other=0.0).to(tl.float32) * b
+            w = qc * a + tl.load(qrow + partner, mask=rot, other=0.0).to(tl.float32) * b
         else:
             w = qc * d
         tl.atomic_add(corr + i * s_cb + head * s_ch + t[:, None], w * qscale, mask=hit, sem="relaxed")
@@ -437,12 +426,8 @@ def _value_outlier_kernel(out, stats, sc, slots, lens, vc, vmid, vhalf, vlut, vo
     """out (b, hq, e) += Σ_t p_h(t) (val - x̂) at each value outlier's channel, p_h(t) = 2^(s - M) / Σ the final
     softmax weight (scores sc (b, hq, L) and (M, Σ) in stats (b, hq, 2), from the decode and combine kernels): the
     value outliers' correction of the attention output, after it, so that the decode loop carries none of it."""
-    i, blk = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots + i).to(tl.int64)
-    n = tl.load(lens + i).to(tl.int32)
-    t = blk * BT + tl.arange(0, BT)
-    h, c, d, hit = _outlier_tile(voi, vov, vc, vmid, vhalf, vlut, slot, t, (t < n) & (t >= S), v_s, v_t, v_h, v_ms,
-                                 v_mt, v_os, v_ot, E, PER_TOKEN, VSLOTS, VP, BITS)
+    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vc, vmid, vhalf, vlut, v_s, v_t, v_h, v_ms, v_mt,
+                                             v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, BITS)
     for g in tl.static_range(GROUP):
         head = h * GROUP + g
         s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf"))
