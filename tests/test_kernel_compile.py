@@ -381,7 +381,7 @@ def test_state_io_compiles_for_sm90(rows, read):
                                             (64, 32, 3, 0), (32, 16, 2, 0), (64, 32, 3, 2), (128, 128, 4, 10)])
 def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     """kv_decode_fast (PRMT codebook lookups, fp16 tensor-core products), its constexprs as the launcher builds them:
-    the formats without outliers and with them (slots: key and value slots), at the outlier formats' warps."""
+    the formats without outliers and with them (slots: key and value slots)."""
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
@@ -393,13 +393,14 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
                  VBITS=bits, KLEVELS=2 ** bits, VLEVELS=2 ** bits)
     const = kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T_OUTLIERS" if slots else "BLOCK_T"], False)
     cfg = kf.CFG
-    warps, stages = ((cfg["WARPS_OUTLIERS"], cfg["STAGES_OUTLIERS"]) if slots else (cfg["num_warps"], cfg["num_stages"]))
-    compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=warps, num_stages=stages)
+    compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=cfg["num_warps"],
+                             num_stages=cfg["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
     if slots:  # the outliers' own passes: key score terms before the decode, value terms after it
-        side = dict(E=e, S=1, BT=kf.CFG["BT_SPARSE"], GROUP=4)
-        for kernel, const in ((kf._key_outlier_kernel, dict(side, HQP=16, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
-                                                             BITS=bits, FAST=True)),
-                              (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16, BITS=bits))):
+        side = dict(E=e, S=1, GROUP=4)
+        for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=8, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
+                                                             BT=cfg["BT_SPARSE"], BITS=bits, FAST=True)),
+                              (kf._value_outlier_kernel, dict(side, HQP=32, PER_TOKEN=True, VSLOTS=slots, VP=16,
+                                                              BT=cfg["BT_VALUES"], BITS=bits))):
             own = {a: t for a, t in pointers.items() if a in kernel.arg_names}
             _compile_sm90(kernel, own, const, floats=("scale",) if "scale" in kernel.arg_names else ())

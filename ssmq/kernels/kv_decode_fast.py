@@ -63,7 +63,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _rope_terms, _slot_residual,
-                                    _split_range, _store_split, quant_args)
+                                    _sm_count, _split_range, _store_split, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -76,11 +76,13 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, STAGES_OUTLIERS=1, WARPS_OUTLIERS=8, MAXNREG_OUTLIERS=128, BT_SPARSE=32)
+           GP_MIN=4, BT_SPARSE=32, BT_VALUES=8, VALUE_WAVES=2, WARPS_VALUES=4)
 MIN_DIM = 32
-# WARPS_OUTLIERS (unset: num_warps), STAGES_OUTLIERS, MAXNREG(_OUTLIERS): the outlier formats' warps, pipeline stages
-# and a register cap, read by kv_decode._launch (set while their slots were scattered inside the loop; kept since);
-# BT_SPARSE: tokens a program of the outliers' passes (H100, 2026-11-27, 128K tokens: 32 or 16 alike, 64 +6-15%).
+# The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-28 (`time_kv_outlier_parts.py
+# --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
+# decode kernel 0.416 ms, 4 / 3 uncapped 0.345 (keys only: 0.381 -> 0.268; no outliers 0.254).
+# BT_SPARSE: tokens a program of the key outliers' pass (H100, 2026-11-27, 128K tokens: 32 or 16 alike, 64 +6-15%);
+# BT_VALUES tokens a tile, VALUE_WAVES programs an SM and WARPS_VALUES warps of the value outliers' pass.
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
@@ -367,17 +369,18 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, stats, s_cb, s_c
 @triton.jit
 def _outlier_tile(slots, lens, oidx, oval, codes, mid, half, lut, s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
                   E: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr,
-                  BT: tl.constexpr, BITS: tl.constexpr):
-    """The outlier slots (BT, P) of the outlier passes' program (row i, tokens t = BT · block + [0, BT)): the row,
-    t, the tokens' liveness (t < the row's length), each slot's kv head h and channel c, its correction
-    d = val - x̂ (``kv_decode._slot_residual``) and the mask of slots that hold one (live, past the sink)."""
+                  BT: tl.constexpr, BITS: tl.constexpr, start):
+    """The outlier slots (BT, P) of an outlier pass's program (row i, tokens t = start + [0, BT)): the row, t, the
+    tokens that hold slots (live: below the row's length, past the sink; the decode reads no others), each slot's
+    kv head h and channel c, its correction d = val - x̂ (``kv_decode._slot_residual``) and the mask of the slots
+    that hold one."""
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
-    t = tl.program_id(1) * BT + tl.arange(0, BT)
-    live = t < tl.load(lens + i).to(tl.int32)
+    t = start + tl.arange(0, BT)
+    live = (t < tl.load(lens + i).to(tl.int32)) & (t >= S)
     jj = tl.arange(0, P)
     ob = slot * s_os + t[:, None] * s_ot + jj[None, :]
-    om = (live & (t >= S))[:, None] & (jj < SLOTS)[None, :]
+    om = live[:, None] & (jj < SLOTS)[None, :]
     f = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32)
     hit = om & (f >= 0)
     f = tl.where(hit, f, 0)
@@ -390,50 +393,66 @@ def _outlier_tile(slots, lens, oidx, oval, codes, mid, half, lut, s_s, s_t, s_h,
 
 @triton.jit
 def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_s, k_t, k_h,
-                        k_ms, k_mt, k_os, k_ot, s_cb, s_ch, scale, HQ, GROUP: tl.constexpr, HQP: tl.constexpr,
+                        k_ms, k_mt, k_os, k_ot, s_cb, s_ch, scale, HKV, GROUP: tl.constexpr, HKVP: tl.constexpr,
                         E: tl.constexpr, R: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr,
                         KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr,
                         FAST: tl.constexpr):
     """corr (b, hq, L) float32: what each token's key outliers add to each query head's score (log2 units, as the
     decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of key channel c in q_h · R_t k.
-    One program per (row, BT tokens): it zeroes its block, then adds each slot's terms for the GROUP query heads of
-    the slot's kv head (atomics: a token's slots may share a head). Every slot once, not once per kv head."""
+    One program per (row, BT tokens), every slot once (not once per kv head). Its (hkv, BT) block of each query
+    head's terms is summed in registers (slot by kv head: a compare and a select per slot and kv head) and stored
+    whole, zeros included: no atomics (10M relaxed ones at 128K tokens, 20 slots a token, were L2-bound, 0.10 ms on
+    the H200) and no zeroing pass."""
     i, t, live, h, c, d, hit = _outlier_tile(slots, lens, koi, kov, kc, kmid, khalf, klut, k_s, k_t, k_h, k_ms, k_mt,
-                                             k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, BITS)
-    hh = tl.arange(0, HQP)
-    tl.store(corr + i * s_cb + hh[:, None] * s_ch + t[None, :], tl.zeros((HQP, BT), tl.float32),
-             mask=(hh < HQ)[:, None] & live[None, :])
-    tl.debug_barrier()  # the zeros stored before any thread's atomics
+                                             k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, BITS,
+                                             tl.program_id(1) * BT)
     if R > 0:
         a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
+    kv = tl.arange(0, HKVP)
+    mine = h[None, :, :] == kv[:, None, None]  # (HKVP, BT, KP): slot of kv head kv
     qscale = scale * 1.4426950408889634
     for g in tl.static_range(GROUP):
-        head = h * GROUP + g
-        qrow = q + i * s_qb + head * s_qh
+        qrow = q + i * s_qb + (h * GROUP + g) * s_qh
         qc = tl.load(qrow + c, mask=hit, other=0.0).to(tl.float32)
         if R > 0:
             w = qc * a + tl.load(qrow + partner, mask=rot, other=0.0).to(tl.float32) * b
         else:
             w = qc * d
-        tl.atomic_add(corr + i * s_cb + head * s_ch + t[:, None], w * qscale, mask=hit, sem="relaxed")
+        terms = tl.sum(tl.where(mine, w[None, :, :], 0.0), 2) * qscale  # (HKVP, BT)
+        tl.store(corr + i * s_cb + (kv * GROUP + g)[:, None] * s_ch + t[None, :], terms,
+                 mask=(kv < HKV)[:, None] & live[None, :])
 
 
 @triton.jit
 def _value_outlier_kernel(out, stats, sc, slots, lens, vc, vmid, vhalf, vlut, voi, vov, s_ob, s_oh, v_s, v_t, v_h,
-                          v_ms, v_mt, v_os, v_ot, s_cb, s_ch, HQ, GROUP: tl.constexpr, E: tl.constexpr,
-                          S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr, VP: tl.constexpr,
-                          BT: tl.constexpr, BITS: tl.constexpr):
+                          v_ms, v_mt, v_os, v_ot, s_cb, s_ch, HQ, chunk, GROUP: tl.constexpr, HQP: tl.constexpr,
+                          E: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr,
+                          VP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr):
     """out (b, hq, e) += Σ_t p_h(t) (val - x̂) at each value outlier's channel, p_h(t) = 2^(s - M) / Σ the final
     softmax weight (scores sc (b, hq, L) and (M, Σ) in stats (b, hq, 2), from the decode and combine kernels): the
-    value outliers' correction of the attention output, after it, so that the decode loop carries none of it."""
-    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vc, vmid, vhalf, vlut, v_s, v_t, v_h, v_ms, v_mt,
-                                             v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, BITS)
-    for g in tl.static_range(GROUP):
-        head = h * GROUP + g
-        s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf"))
-        st = stats + (i * HQ + head) * 2
-        p = tl.exp2(s - tl.load(st, mask=hit, other=0.0)) / tl.load(st + 1, mask=hit, other=1.0)
-        tl.atomic_add(out + i * s_ob + head * s_oh + c, p * d, mask=hit, sem="relaxed")
+    value outliers' correction of the attention output, after it, so that the decode loop carries none of it.
+    One program per (row, ``chunk`` tokens), all query heads, in BT-token tiles: the tile's n = BT · VP slots give
+    a float16 tensor-core product P (hq, n) @ O (n, e), P[h, n] = p_h(t_n) where slot n is in h's kv head, O[n, c] =
+    d_n at the slot's channel c, into a (hq, e) float32 sum added to out once, at the end (one relaxed atomic a
+    coalesced entry: a slot's atomic each, 5M on 4K addresses at 128K tokens, stalled on contention, 0.17 ms)."""
+    i = tl.program_id(0)
+    hh = tl.arange(0, HQP)
+    hm = hh < HQ
+    st = stats + (i * HQ + hh) * 2
+    top = tl.load(st, mask=hm, other=0.0)
+    inv = 1.0 / tl.load(st + 1, mask=hm, other=1.0)
+    e = tl.arange(0, E)
+    acc = tl.zeros((HQP, E), tl.float32)
+    for start in range(tl.program_id(1) * chunk, (tl.program_id(1) + 1) * chunk, BT):
+        _, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vc, vmid, vhalf, vlut, v_s, v_t, v_h, v_ms,
+                                                 v_mt, v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, BITS, start)
+        s = tl.load(sc + i * s_cb + hh[:, None] * s_ch + t[None, :], mask=hm[:, None] & live[None, :],
+                    other=float("-inf"))
+        p = tl.exp2(s - top[:, None]) * inv[:, None]  # (HQP, BT)
+        pw = tl.where(h[None, :, :] == (hh // GROUP)[:, None, None], p[:, :, None], 0.0)  # (HQP, BT, VP)
+        one = tl.where(tl.reshape(c, (BT * VP,))[:, None] == e[None, :], tl.reshape(d, (BT * VP,))[:, None], 0.0)
+        acc = tl.dot(tl.reshape(pw, (HQP, BT * VP)).to(tl.float16), one.to(tl.float16), acc)
+    tl.atomic_add(out + i * s_ob + hh[:, None] * s_oh + e[None, :], acc, mask=hm[:, None], sem="relaxed")
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
@@ -481,21 +500,24 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     sc = torch.empty(b, hq, cap, **f32) if vo else q
     stats = torch.empty(b, hq, 2, **f32) if vo else None
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
-    bt = CFG["BT_SPARSE"]
-    grid = (b, triton.cdiv(cap, bt))
     if ko:
+        bt = CFG["BT_SPARSE"]
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
-        _key_outlier_kernel[grid](
+        _key_outlier_kernel[(b, triton.cdiv(cap, bt))](
             q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, corr.stride(0), corr.stride(1),
-            scale, hq, GROUP=group, HQP=triton.next_power_of_2(hq), E=e, R=rotary_dim,
+            scale, hq // group, GROUP=group, HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
             S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
             FAST=FAST_TRIG, num_warps=4)
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
                   _decode_kernel, CFG, constexprs, stats=stats,
                   extra=(corr, sc, q if stats is None else stats, hq * cap, cap))
-    if vo:
-        _value_outlier_kernel[grid](
-            out, stats, sc, slots, kv_lens, *vt, out.stride(0), out.stride(1), *vs, hq * cap, cap, hq,
-            GROUP=group, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo,
-            VP=triton.next_power_of_2(vo), BT=bt, BITS=v.bits, num_warps=4)
+    if vo:  # VALUE_WAVES programs an SM, each a chunk of whole tiles; a tile's slots >= 16 (the product's K)
+        bt, vp = CFG["BT_VALUES"], triton.next_power_of_2(vo)
+        vp = max(vp, 16 // bt)
+        chunk = triton.cdiv(cap, max(1, min(triton.cdiv(cap, bt), CFG["VALUE_WAVES"] * _sm_count(q.device) // b)))
+        chunk = triton.cdiv(chunk, bt) * bt
+        _value_outlier_kernel[(b, triton.cdiv(cap, chunk))](
+            out, stats, sc, slots, kv_lens, *vt, out.stride(0), out.stride(1), *vs, hq * cap, cap, hq, chunk,
+            GROUP=group, HQP=max(16, triton.next_power_of_2(hq)), E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token,
+            VSLOTS=vo, VP=vp, BT=bt, BITS=v.bits, num_warps=CFG["WARPS_VALUES"])
     return out
