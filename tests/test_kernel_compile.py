@@ -291,7 +291,7 @@ def test_kv_decode_compiles_for_sm90(variant):
     compiled = _compile_sm90(kd._decode_kernel, pointers, const, floats=("scale",), num_warps=kd.CFG["num_warps"],
                              num_stages=kd.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
-    _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32", "stats": "fp32"}, dict(E=128, PS=32, STATS=True))
+    _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=32))
 
 
 @pytest.mark.parametrize("use_gdc", [False, True])
@@ -385,7 +385,7 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "corr": "fp32", "sc": "fp32", "stats": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
+                "corr": "fp32", "sc": "fp32", "ws": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
                 "klut": "fp32", "koi": "i16", "kov": "fp16",
                 "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
                 "vov": "fp16", "vsink": "fp16"}
@@ -397,10 +397,10 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
                              num_stages=cfg["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
     if slots:  # the outliers' own passes: key score terms before the decode, value terms after it
-        side = dict(E=e, S=1, GROUP=4)
-        for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=8, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
-                                                             BT=cfg["BT_SPARSE"], BITS=bits, FAST=True)),
-                              (kf._value_outlier_kernel, dict(side, HQP=32, PER_TOKEN=True, VSLOTS=slots, VP=16,
-                                                              BT=cfg["BT_VALUES"], BITS=bits))):
+        side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4)
+        for kernel, const in ((kf._key_outlier_kernel, dict(side, HQP=16, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
+                                                             BITS=bits, FAST=True)),
+                              (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16,
+                                                              BLOCK_T=cfg["BLOCK_T_OUTLIERS"], BITS=bits))):
             own = {a: t for a, t in pointers.items() if a in kernel.arg_names}
             _compile_sm90(kernel, own, const, floats=("scale",) if "scale" in kernel.arg_names else ())

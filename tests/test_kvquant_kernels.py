@@ -101,9 +101,11 @@ def test_fast_kernel_with_outliers_equals_reference(kf, case, k_per_token):
 
 
 @pytest.mark.parametrize("case", OUTLIER_CASES[:2])
-def test_fast_kernel_with_several_value_outliers_a_head(kf, case):
-    """Five value slots a token over 1-2 kv heads: several of a head's outliers in one token."""
-    _check(kf, case, False, None, v_outliers=5, tol=3e-3)
+@pytest.mark.parametrize("splits", [None, 1, 8])  # 1: taken as 2 (the value pass adds into the splits' outputs)
+def test_fast_kernel_with_several_value_outliers_a_head(kf, case, splits):
+    """Five value slots a token over 1-2 kv heads: several of a head's outliers in one token; in the splits'
+    frames, empty splits (8) included."""
+    _check(kf, case, False, splits, v_outliers=5, tol=3e-3)
 
 
 def test_fast_kernel_refuses_what_it_does_not_serve(kf):

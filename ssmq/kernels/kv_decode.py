@@ -243,13 +243,19 @@ def _softmax_step(m, l, acc, s, v, DOT: tl.constexpr):
 
 
 @triton.jit
+def _split_chunk(n, splits, BLOCK_T: tl.constexpr):
+    """Tokens a split of a row of length n covers (whole tiles; the last split fewer): token t is in split t // it."""
+    return tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T
+
+
+@triton.jit
 def _split_range(slots, lens, splits, BLOCK_T: tl.constexpr):
     """This program's (row i, kv head hk, split sp), the row's slot and length n, and the split's tokens [lo, hi):
     the row's tokens divided among the splits in whole tiles, on the GPU (no host read of the lengths)."""
     i, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i).to(tl.int64)
     n = tl.load(lens + i).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(n, splits), BLOCK_T) * BLOCK_T  # this row's tokens a split, whole tiles
+    chunk = _split_chunk(n, splits, BLOCK_T)
     lo = sp * chunk
     return i, hk, sp, slot, n, lo, tl.minimum(lo + chunk, n)
 
@@ -313,10 +319,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
 
 
 @triton.jit
-def _combine_kernel(ws, out, stats, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr, PS: tl.constexpr,
-                    STATS: tl.constexpr):
-    """out[i, h] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p over the P splits of (row i, query head h);
-    STATS: (M, Σ_p 2^(m_p - M) l_p) also to stats[i, h] ((b, hq, 2) contiguous)."""
+def _combine_kernel(ws, out, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr, PS: tl.constexpr):
+    """out[i, h] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p over the P splits of (row i, query head h)."""
     i, h = tl.program_id(0), tl.program_id(1)
     p = tl.arange(0, PS)
     pm = p < splits
@@ -329,9 +333,6 @@ def _combine_kernel(ws, out, stats, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.con
     w = tl.exp2(m - mx)  # empty splits: m = -inf, weight 0
     tot = tl.sum(w * l, 0)
     tl.store(out + i * s_ob + h * s_oh + e, tl.sum(w[:, None] * acc, 0) / tot)
-    if STATS:
-        tl.store(stats + (i * tl.num_programs(1) + h) * 2, mx)
-        tl.store(stats + (i * tl.num_programs(1) + h) * 2 + 1, tot)
 
 
 @functools.lru_cache(maxsize=16)
@@ -371,11 +372,12 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 
 
 def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-            kernel=None, cfg=None, const=None, extra=(), stats=None):
+            kernel=None, cfg=None, const=None, extra=(), before_combine=None):
     """Runs a decode kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32.
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
     ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and the ``extra`` ones after ws).
-    ``stats`` (b, hq, 2) float32: the combine kernel writes each head's softmax max and sum there (log2 units)."""
+    ``before_combine(ws, splits)``: run between the two (it may add to the splits' outputs in ws); it takes at least
+    two splits."""
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     b, hq, e = q.shape
     codes = kt[0]
@@ -389,6 +391,7 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     regs = cfg.get("MAXNREG_OUTLIERS", cfg.get("MAXNREG")) if outliers else cfg.get("MAXNREG")
     cap = {"maxnreg": regs} if regs else {}  # a register cap: more programs an SM, perhaps spills
     splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg)
+    splits = max(splits, 2) if before_combine else splits
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
     out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
@@ -400,10 +403,11 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
         num_warps=warps, num_stages=stages, **cap,
         **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
+    if before_combine:
+        before_combine(ws, splits)
     if splits > 1:
-        _combine_kernel[(b, hq)](ws, out, out if stats is None else stats, splits, ws.stride(0), ws.stride(1),
-                                 ws.stride(2), out.stride(0), out.stride(1), E=e, PS=triton.next_power_of_2(splits),
-                                 STATS=stats is not None)
+        _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
+                                 out.stride(1), E=e, PS=triton.next_power_of_2(splits))
     return out
 
 

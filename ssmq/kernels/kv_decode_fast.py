@@ -35,8 +35,9 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
              read the token): ``_key_outlier_kernel`` first turns every key slot, once, into its score terms
              (val - x̂) · w_h(c, t) for the query heads of its kv head (corr (b, hq, L), summed by relaxed
              atomics); the decode adds corr's (g, BLOCK_T) tile to its scores and stores the scores (sc) when
-             there are value slots; after the combine (which also stores each head's softmax max and sum),
-             ``_value_outlier_kernel`` adds p_h(t) · (val - x̂) at each value slot's channel of the output
+             there are value slots; before the combine, ``_value_outlier_kernel`` adds 2^(s_h(t) - m) (val - x̂)
+             at each value slot's channel of its split's unnormalized output (m: the split's max; two splits at
+             least), which the combine then normalizes with the rest
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -63,7 +64,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _rope_terms, _slot_residual,
-                                    _sm_count, _split_range, _store_split, quant_args)
+                                    _split_chunk, _split_range, _store_split, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -76,13 +77,12 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=32, BT_VALUES=8, VALUE_WAVES=2, WARPS_VALUES=4)
+           GP_MIN=4, BT_SPARSE=32)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-28 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
 # decode kernel 0.416 ms, 4 / 3 uncapped 0.345 (keys only: 0.381 -> 0.268; no outliers 0.254).
-# BT_SPARSE: tokens a program of the key outliers' pass (H100, 2026-11-27, 128K tokens: 32 or 16 alike, 64 +6-15%);
-# BT_VALUES tokens a tile, VALUE_WAVES programs an SM and WARPS_VALUES warps of the value outliers' pass.
+# BT_SPARSE: tokens a program of the outliers' passes (H100, 2026-11-27, 128K tokens: 32 or 16 alike, 64 +6-15%).
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
@@ -265,7 +265,7 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, stats, s_cb, s_ch,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, s_cb, s_ch,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
@@ -360,10 +360,6 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, stats, s_cb, s_c
 
     _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, GROUP, E,
                  ONE_SPLIT)
-    if VSLOTS > 0 and ONE_SPLIT:  # the softmax's max and sum, for the value outliers' pass (several
-        st = stats + (i * tl.num_programs(1) * GROUP + hk * GROUP + rows) * 2  # splits: the combine kernel's)
-        tl.store(st, m, mask=rmask)
-        tl.store(st + 1, l, mask=rmask)
 
 
 @triton.jit
@@ -393,66 +389,60 @@ def _outlier_tile(slots, lens, oidx, oval, codes, mid, half, lut, s_s, s_t, s_h,
 
 @triton.jit
 def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_s, k_t, k_h,
-                        k_ms, k_mt, k_os, k_ot, s_cb, s_ch, scale, HKV, GROUP: tl.constexpr, HKVP: tl.constexpr,
+                        k_ms, k_mt, k_os, k_ot, s_cb, s_ch, scale, HQ, GROUP: tl.constexpr, HQP: tl.constexpr,
                         E: tl.constexpr, R: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr,
                         KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr,
                         FAST: tl.constexpr):
     """corr (b, hq, L) float32: what each token's key outliers add to each query head's score (log2 units, as the
     decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of key channel c in q_h · R_t k.
-    One program per (row, BT tokens), every slot once (not once per kv head). Its (hkv, BT) block of each query
-    head's terms is summed in registers (slot by kv head: a compare and a select per slot and kv head) and stored
-    whole, zeros included: no atomics (10M relaxed ones at 128K tokens, 20 slots a token, were L2-bound, 0.10 ms on
-    the H200) and no zeroing pass."""
+    One program per (row, BT tokens): it zeroes its block, then adds each slot's terms for the GROUP query heads of
+    the slot's kv head (atomics: a token's slots may share a head). Every slot once, not once per kv head. Summing a
+    block's terms by kv head in registers and storing them whole, without atomics, took twice as long (H200,
+    2026-11-28: 0.196 against 0.102 ms at 128K tokens, 20 slots a token: a compare and select per slot and kv head,
+    and the 3-D tiles' layout changes)."""
     i, t, live, h, c, d, hit = _outlier_tile(slots, lens, koi, kov, kc, kmid, khalf, klut, k_s, k_t, k_h, k_ms, k_mt,
                                              k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, BITS,
                                              tl.program_id(1) * BT)
+    hh = tl.arange(0, HQP)
+    tl.store(corr + i * s_cb + hh[:, None] * s_ch + t[None, :], tl.zeros((HQP, BT), tl.float32),
+             mask=(hh < HQ)[:, None] & live[None, :])
+    tl.debug_barrier()  # the zeros stored before any thread's atomics
     if R > 0:
         a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
-    kv = tl.arange(0, HKVP)
-    mine = h[None, :, :] == kv[:, None, None]  # (HKVP, BT, KP): slot of kv head kv
     qscale = scale * 1.4426950408889634
     for g in tl.static_range(GROUP):
-        qrow = q + i * s_qb + (h * GROUP + g) * s_qh
+        head = h * GROUP + g
+        qrow = q + i * s_qb + head * s_qh
         qc = tl.load(qrow + c, mask=hit, other=0.0).to(tl.float32)
         if R > 0:
             w = qc * a + tl.load(qrow + partner, mask=rot, other=0.0).to(tl.float32) * b
         else:
             w = qc * d
-        terms = tl.sum(tl.where(mine, w[None, :, :], 0.0), 2) * qscale  # (HKVP, BT)
-        tl.store(corr + i * s_cb + (kv * GROUP + g)[:, None] * s_ch + t[None, :], terms,
-                 mask=(kv < HKV)[:, None] & live[None, :])
+        tl.atomic_add(corr + i * s_cb + head * s_ch + t[:, None], w * qscale, mask=hit, sem="relaxed")
 
 
 @triton.jit
-def _value_outlier_kernel(out, stats, sc, slots, lens, vc, vmid, vhalf, vlut, voi, vov, s_ob, s_oh, v_s, v_t, v_h,
-                          v_ms, v_mt, v_os, v_ot, s_cb, s_ch, HQ, chunk, GROUP: tl.constexpr, HQP: tl.constexpr,
-                          E: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr,
-                          VP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr):
-    """out (b, hq, e) += Σ_t p_h(t) (val - x̂) at each value outlier's channel, p_h(t) = 2^(s - M) / Σ the final
-    softmax weight (scores sc (b, hq, L) and (M, Σ) in stats (b, hq, 2), from the decode and combine kernels): the
-    value outliers' correction of the attention output, after it, so that the decode loop carries none of it.
-    One program per (row, ``chunk`` tokens), all query heads, in BT-token tiles: the tile's n = BT · VP slots give
-    a float16 tensor-core product P (hq, n) @ O (n, e), P[h, n] = p_h(t_n) where slot n is in h's kv head, O[n, c] =
-    d_n at the slot's channel c, into a (hq, e) float32 sum added to out once, at the end (one relaxed atomic a
-    coalesced entry: a slot's atomic each, 5M on 4K addresses at 128K tokens, stalled on contention, 0.17 ms)."""
-    i = tl.program_id(0)
-    hh = tl.arange(0, HQP)
-    hm = hh < HQ
-    st = stats + (i * HQ + hh) * 2
-    top = tl.load(st, mask=hm, other=0.0)
-    inv = 1.0 / tl.load(st + 1, mask=hm, other=1.0)
-    e = tl.arange(0, E)
-    acc = tl.zeros((HQP, E), tl.float32)
-    for start in range(tl.program_id(1) * chunk, (tl.program_id(1) + 1) * chunk, BT):
-        _, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vc, vmid, vhalf, vlut, v_s, v_t, v_h, v_ms,
-                                                 v_mt, v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, BITS, start)
-        s = tl.load(sc + i * s_cb + hh[:, None] * s_ch + t[None, :], mask=hm[:, None] & live[None, :],
-                    other=float("-inf"))
-        p = tl.exp2(s - top[:, None]) * inv[:, None]  # (HQP, BT)
-        pw = tl.where(h[None, :, :] == (hh // GROUP)[:, None, None], p[:, :, None], 0.0)  # (HQP, BT, VP)
-        one = tl.where(tl.reshape(c, (BT * VP,))[:, None] == e[None, :], tl.reshape(d, (BT * VP,))[:, None], 0.0)
-        acc = tl.dot(tl.reshape(pw, (HQP, BT * VP)).to(tl.float16), one.to(tl.float16), acc)
-    tl.atomic_add(out + i * s_ob + hh[:, None] * s_oh + e[None, :], acc, mask=hm[:, None], sem="relaxed")
+def _value_outlier_kernel(ws, sc, slots, lens, vc, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, v_s, v_t, v_h, v_ms,
+                          v_mt, v_os, v_ot, s_cb, s_ch, splits, GROUP: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
+                          PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BITS: tl.constexpr):
+    """The value outliers' correction of the attention output, between the decode and the combine: each value slot
+    adds 2^(s_h(t) - m) (val - x̂) at its channel of the split workspace ws (b, hq, P, e + 2), for the query heads
+    h of its kv head, m the running max that split p's unnormalized output is relative to (ws[.., p, e], stored by
+    the decode kernel; scores sc (b, hq, L), log2 units); the combine then normalizes it with the rest. One program
+    per (row, BT tokens), relaxed atomics: the splits spread them over hq · P · e addresses (added to the final
+    output, 4K addresses took 0.17 ms at 128K tokens on the H200, stalled on their contention; a tensor-core
+    product a tile, P (hq, slots) @ one-hot (slots, e), 0.44 ms)."""
+    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vc, vmid, vhalf, vlut, v_s, v_t, v_h, v_ms, v_mt,
+                                             v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, BITS,
+                                             tl.program_id(1) * BT)
+    sp = t // _split_chunk(tl.load(lens + i).to(tl.int32), splits, BLOCK_T)  # the token's split
+    for g in tl.static_range(GROUP):
+        head = h * GROUP + g
+        s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf"))
+        dst = ws + i * w_b + head * w_h + sp[:, None] * w_p
+        p = tl.exp2(s - tl.load(dst + E, mask=hit, other=0.0))
+        tl.atomic_add(dst + c, p * d, mask=hit, sem="relaxed")
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
@@ -494,30 +484,28 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     b, hq, e = q.shape
     cap, group = k.codes.shape[1], hq // k.codes.shape[2]
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
-    # sparse outliers in their own passes: key score terms before the decode, value terms after it
+    # sparse outliers in their own passes: key score terms before the decode, value terms before the combine
     f32 = dict(dtype=torch.float32, device=q.device)
     corr = torch.empty(b, hq, cap, **f32) if ko else q
     sc = torch.empty(b, hq, cap, **f32) if vo else q
-    stats = torch.empty(b, hq, 2, **f32) if vo else None
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
+    bt = CFG["BT_SPARSE"]
+    grid = (b, triton.cdiv(cap, bt))
     if ko:
-        bt = CFG["BT_SPARSE"]
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
-        _key_outlier_kernel[(b, triton.cdiv(cap, bt))](
+        _key_outlier_kernel[grid](
             q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, corr.stride(0), corr.stride(1),
-            scale, hq // group, GROUP=group, HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
+            scale, hq, GROUP=group, HQP=triton.next_power_of_2(hq), E=e, R=rotary_dim,
             S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
             FAST=FAST_TRIG, num_warps=4)
+
+    def value_outliers(ws, splits):
+        _value_outlier_kernel[grid](
+            ws, sc, slots, kv_lens, *vt, ws.stride(0), ws.stride(1), ws.stride(2), *vs, hq * cap, cap, splits,
+            GROUP=group, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo),
+            BT=bt, BLOCK_T=CFG["BLOCK_T_OUTLIERS"], BITS=v.bits, num_warps=4)
+
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, CFG, constexprs, stats=stats,
-                  extra=(corr, sc, q if stats is None else stats, hq * cap, cap))
-    if vo:  # VALUE_WAVES programs an SM, each a chunk of whole tiles; a tile's slots >= 16 (the product's K)
-        bt, vp = CFG["BT_VALUES"], triton.next_power_of_2(vo)
-        vp = max(vp, 16 // bt)
-        chunk = triton.cdiv(cap, max(1, min(triton.cdiv(cap, bt), CFG["VALUE_WAVES"] * _sm_count(q.device) // b)))
-        chunk = triton.cdiv(chunk, bt) * bt
-        _value_outlier_kernel[(b, triton.cdiv(cap, chunk))](
-            out, stats, sc, slots, kv_lens, *vt, out.stride(0), out.stride(1), *vs, hq * cap, cap, hq, chunk,
-            GROUP=group, HQP=max(16, triton.next_power_of_2(hq)), E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token,
-            VSLOTS=vo, VP=vp, BT=bt, BITS=v.bits, num_warps=CFG["WARPS_VALUES"])
+                  _decode_kernel, CFG, constexprs, extra=(corr, sc, hq * cap, cap),
+                  before_combine=value_outliers if vo else None)
     return out
