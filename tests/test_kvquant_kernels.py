@@ -115,6 +115,11 @@ def test_fast_kernel_refuses_what_it_does_not_serve(kf):
     q, slots, lens = torch.randn(1, 4, 16).to(DEV), torch.tensor([0]).to(DEV), torch.tensor([20]).to(DEV)
     assert kf.eligible(K, V, 64) and kf.eligible(V, V, 32) and not kf.eligible(V, V, 24)
     assert not kf.eligible(K16, K16, 16)  # head dim 16: 16-wide tensor-core products
+    from dataclasses import replace
+
+    K3 = side(3, 20, 2, 64, False, 0, 0, gen, levels=8)
+    odd = torch.empty(K3.codes.numel() + 1, dtype=torch.uint8, device=K3.codes.device)[1:].view(K3.codes.shape)
+    assert kf.eligible(K3, K3, 64) and not kf.eligible(replace(K3, codes=odd), K3, 64)  # 3-bit rows read as words
     from ssmq.errors import SSMQError
 
     with pytest.raises(SSMQError, match="fast KV decode kernel serves"):

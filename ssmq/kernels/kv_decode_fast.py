@@ -172,11 +172,11 @@ def _interleave8(b0, b1, b2, b3, b4, b5, b6, b7):
 
 
 @triton.jit
-def _book(rows, c0, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, w3, w4, w5, w6, w7,
+def _book(rows, c0: tl.constexpr, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, w3, w4, w5, w6, w7,
           BITS: tl.constexpr, ASM: tl.constexpr):
     """(len(tmask), CP) float16 codebook values B of channels [c0, c0 + CP) of the packed rows ``rows`` (T, 1
-    pointers); channels from c0 + NC on are masked (code 0: a finite value, multiplied by a zero query / weight).
-    c0 and NC are multiples of the codes a byte (GS)."""
+    pointers); channels from c0 + NC on are masked (code 0, or for 3 bits the codes up to the next 32 channels:
+    finite values, multiplied by a zero query / weight). c0 and NC are multiples of the codes a byte (GS)."""
     T: tl.constexpr = tmask.shape[0]
     if ASM and BITS == 4:
         g = tl.arange(0, CP // 2)
@@ -192,11 +192,21 @@ def _book(rows, c0, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, 
                                                    is_pure=True, pack=4)
         x = _interleave4(b0, b1, b2, b3)
     elif ASM and BITS == 3:
-        g = tl.arange(0, CP // 8)
-        gm = tmask[:, None] & (g < NC // 8)[None, :]
-        p = rows + (c0 // 8 + g[None, :]) * 3
-        w = (tl.load(p, mask=gm, other=0).to(tl.int32) | (tl.load(p + 1, mask=gm, other=0).to(tl.int32) << 8)
-             | (tl.load(p + 2, mask=gm, other=0).to(tl.int32) << 16))
+        if c0 % 32 == 0:  # whole words: 32 channels (4 groups, 12 bytes) from 3 int32 loads, not 12 byte loads
+            m = tl.arange(0, CP // 32)
+            mm = tmask[:, None] & (m < tl.cdiv(NC, 32))[None, :]
+            p = (rows + c0 // 8 * 3).to(tl.pointer_type(tl.int32)) + m[None, :] * 3  # rows 4-byte aligned (eligible)
+            x0 = tl.load(p, mask=mm, other=0)
+            x1 = tl.load(p + 1, mask=mm, other=0)
+            x2 = tl.load(p + 2, mask=mm, other=0)
+            w = _interleave4(x0 & 0xFFFFFF, ((x0 >> 24) & 0xFF) | ((x1 & 0xFFFF) << 8),
+                             ((x1 >> 16) & 0xFFFF) | ((x2 & 0xFF) << 16), (x2 >> 8) & 0xFFFFFF)
+        else:  # a rotary half of 16 · odd channels starts mid-word: 3 byte loads a group
+            g = tl.arange(0, CP // 8)
+            gm = tmask[:, None] & (g < NC // 8)[None, :]
+            p = rows + (c0 // 8 + g[None, :]) * 3
+            w = (tl.load(p, mask=gm, other=0).to(tl.int32) | (tl.load(p + 1, mask=gm, other=0).to(tl.int32) << 8)
+                 | (tl.load(p + 2, mask=gm, other=0).to(tl.int32) << 16))
         b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS, [w, w0, w1, w4, w5],
                                                                    dtype=(tl.float16,) * 8, is_pure=True, pack=1)
         x = _interleave8(b0, b1, b2, b3, b4, b5, b6, b7)
@@ -457,9 +467,15 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
     """Formats this kernel serves (exact on the H100): 2-4 bit codes, head dims that are multiples of 32 and rotary
     dims that are multiples of 16 (0 included: the byte and 3-byte lookups read whole groups of codes), sparse
-    outliers or none."""
+    outliers or none; 3-bit rows 4-byte aligned."""
     return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and k.sink.shape[-1] % 32 == 0
-            and rotary_dim % 16 == 0)
+            and rotary_dim % 16 == 0 and all(_words_aligned(x) for x in (k, v)))
+
+
+def _words_aligned(side: KVSideView) -> bool:
+    """3-bit rows are read as int32 words: 4-byte aligned (as allocated; a view could break it)."""
+    c = side.codes
+    return side.bits != 3 or (c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:-1]))
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
