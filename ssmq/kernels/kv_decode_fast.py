@@ -79,7 +79,7 @@ from ssmq.ops.kv_quant import KVSideView
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
            GP_MIN=4, BT_SPARSE=32)
 MIN_DIM = 32
-# The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-28 (`time_kv_outlier_parts.py
+# The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
 # decode kernel 0.416 ms, 4 / 3 uncapped 0.345 (keys only: 0.381 -> 0.268; no outliers 0.254).
 # BT_SPARSE: tokens a program of the outliers' passes (H100, 2026-11-27, 128K tokens: 32 or 16 alike, 64 +6-15%).
