@@ -4,7 +4,9 @@ prefill (512 tokens into one slot) plus one decode step of every slot vs the pla
 
     python benchmarks/check_plan_memory.py [--json out.json] [--largest-batch mamba2-2.7b:2048]
 
-Target (issue 17): weights + cache within 5% of the plan. ``--largest-batch MODEL:CONTEXT`` (issue 13's capacity
+Target (issue 17): weights + cache within 5% of the plan, for the float KV cache and for quantized KV formats (a
+``KVQuantizer`` of the format on every attention layer, uncalibrated: bytes, not accuracy; prefill and decode then
+run through the quantized cache). ``--largest-batch MODEL:CONTEXT`` (issue 13's capacity
 target): for each SSM state format (fp16, int8, int8 with row scales) the largest batch the plan fits at that context
 on this GPU (10% reserve) is allocated for real, a 512-token prompt prefilled into one slot and one decode step run
 over every slot; the step's time (eager, after one warm-up step) and the peak are recorded.
@@ -27,12 +29,24 @@ from random_model import random_model  # noqa: E402
 from ssmq.quant.kv_formats import kv_format  # noqa: E402
 from ssmq.runtime.plan import CacheFormat, cache_bytes, make_plan  # noqa: E402
 
-# (model, batch, context, state dtype)
+# (model, batch, context, state dtype[, KV format])
 CASES = [("mamba2-2.7b", 64, 2048, "float16"), ("mamba2-2.7b", 64, 2048, "int8"), ("bamba-9b", 8, 8192, "float16"),
-         ("bamba-9b", 8, 8192, "int8")]
+         ("bamba-9b", 8, 8192, "int8"), ("bamba-9b", 8, 32768, "float16", "nuq3-1%"),
+         ("bamba-9b", 8, 32768, "float16", "nuq4"), ("bamba-9b", 8, 32768, "int8", "nuq2-1%"),
+         ("bamba-9b", 8, 32768, "float16", "fp8")]
 
 
-def measure(name: str, batch: int, context: int, state_dtype: str) -> dict:
+def quantize_kv(model, kv) -> None:
+    """Every attention layer caches in KV format ``kv`` (placeholder codebooks and scales)."""
+    from ssmq.models.kv_quantizer import KVQuantizer
+
+    for i, layer in enumerate(model.layers):
+        if hasattr(layer.mixer, "kv_quant"):
+            m = layer.mixer
+            m.kv_quant = KVQuantizer(kv.spec, m.hkv, m.e, i).to(next(model.parameters()).device)
+
+
+def measure(name: str, batch: int, context: int, state_dtype: str, kv_name: str = "fp16") -> dict:
     cfg = PUBLISHED[name]
     gc.collect()
     torch.cuda.empty_cache()
@@ -43,6 +57,9 @@ def measure(name: str, batch: int, context: int, state_dtype: str) -> dict:
         for layer in model.layers:
             if hasattr(layer.mixer, "enable_int8_state"):
                 layer.mixer.enable_int8_state(1, rows=state_dtype == "int8-rows")
+    kv = kv_format(kv_name)
+    if not kv.is_float:
+        quantize_kv(model, kv)
     cache = model.allocate_cache(batch, context, ssm_dtype=torch.int8 if int8 else None)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated() - base
@@ -60,10 +77,10 @@ def measure(name: str, batch: int, context: int, state_dtype: str) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     gpu = torch.cuda.get_device_properties(0).total_memory
-    fmt = CacheFormat("float16", state_dtype, kv_format("fp16"))
+    fmt = CacheFormat("float16", state_dtype, kv)
     plan = make_plan(cfg, name, fmt, gpu, gpu // 10, batch, context)
     predicted = plan.weights + cache_bytes(cfg, fmt, batch, context)
-    row = {"model": name, "batch": batch, "context": context, "state": state_dtype,
+    row = {"model": name, "batch": batch, "context": context, "state": state_dtype, "kv": kv_name,
            "predicted_weights_cache_GB": predicted / 1e9, "allocated_weights_cache_GB": allocated / 1e9,
            "ratio": allocated / predicted, "activation_peak_GB": (peak - allocated) / 1e9,
            "reserve_GB": plan.reserve / 1e9, "peak_GB": peak / 1e9, "plan_memory_GB": plan.memory(batch, context, cfg) / 1e9,
@@ -85,7 +102,7 @@ def main() -> None:
         cases = [(name, make_plan(PUBLISHED[name], name, CacheFormat("float16", st, kv_format("fp16")), gpu, gpu // 10,
                                   1, int(context)).max_batch, int(context), st)
                  for st in ("float16", "int8", "int8-rows")]
-    print(f"{'model':<12} {'b':>3} {'ctx':>5} {'state':>7} {'plan GB':>8} {'alloc GB':>8} {'ratio':>6} "
+    print(f"{'model':<12} {'b':>3} {'ctx':>5} {'state':>7} {'KV':>8} {'plan GB':>8} {'alloc GB':>8} {'ratio':>6} "
           f"{'act. peak GB':>12} {'reserve GB':>10}")
     for case in cases:
         try:
@@ -96,7 +113,7 @@ def main() -> None:
             rows.append(r)
             continue
         rows.append(r)
-        print(f"{r['model']:<12} {r['batch']:>3} {r['context']:>5} {r['state']:>7} "
+        print(f"{r['model']:<12} {r['batch']:>3} {r['context']:>5} {r['state']:>7} {r['kv']:>8} "
               f"{r['predicted_weights_cache_GB']:>8.3f} {r['allocated_weights_cache_GB']:>8.3f} {r['ratio']:>6.3f} "
               f"{r['activation_peak_GB']:>12.3f} {r['reserve_GB']:>10.2f}  step {r['eager_step_ms']:.1f} ms", flush=True)
     if args.json:
