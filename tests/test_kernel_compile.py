@@ -385,7 +385,7 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "corr": "fp32", "sc": "fp16", "mt": "fp32", "ws": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
+                "corr": "fp32", "sc": "fp32", "ws": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
                 "klut": "fp32", "koi": "i16", "kov": "fp16",
                 "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
                 "vov": "fp16", "vsink": "fp16"}
@@ -401,7 +401,6 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
         for kernel, const in ((kf._key_outlier_kernel, dict(side, HQP=16, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
                                                              BITS=bits, FAST=True)),
                               (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16,
-                                                              BLOCK_T=cfg["BLOCK_T_OUTLIERS"], BITS=bits,
-                                                              SC_F16=True))):
+                                                              BLOCK_T=cfg["BLOCK_T_OUTLIERS"], BITS=bits))):
             own = {a: t for a, t in pointers.items() if a in kernel.arg_names}
             _compile_sm90(kernel, own, const, floats=("scale",) if "scale" in kernel.arg_names else ())

@@ -77,7 +77,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=32, SC_F16=1)
+           GP_MIN=4, BT_SPARSE=32)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
@@ -275,7 +275,7 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, mt, s_cb, s_ch, ntiles,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, s_cb, s_ch,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
@@ -285,7 +285,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, mt, s_cb, s_ch, 
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
                    FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, SC_F16: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
@@ -348,15 +348,9 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, mt, s_cb, s_ch, 
         cs = i * s_cb + (hk * GROUP + rows)[:, None] * s_ch + t[None, :]
         if KSLOTS > 0:  # the key outliers' score terms (``_key_outlier_kernel``)
             s += tl.load(corr + cs, mask=rmask[:, None] & tmask[None, :], other=0.0)
-        m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         if VSLOTS > 0:  # the scores, for the value outliers' pass (``_value_outlier_kernel``)
-            if SC_F16:  # float16 s - m (m: the running max after this tile, stored a tile): 2^-11 relative
-                mref = tl.where(m == float("-inf"), 0.0, m)
-                tl.store(sc + cs, (s - mref[:, None]).to(tl.float16), mask=rmask[:, None] & tmask[None, :])
-                tl.store(mt + (i * tl.num_programs(1) * GROUP + hk * GROUP + rows) * ntiles + start // BLOCK_T, mref,
-                         mask=rmask)
-            else:
-                tl.store(sc + cs, s, mask=rmask[:, None] & tmask[None, :])
+            tl.store(sc + cs, s, mask=rmask[:, None] & tmask[None, :])
+        m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
         if FLOAT:
@@ -438,10 +432,10 @@ def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, k
 
 
 @triton.jit
-def _value_outlier_kernel(ws, sc, mt, slots, lens, vc, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, v_s, v_t, v_h, v_ms,
-                          v_mt, v_os, v_ot, s_cb, s_ch, splits, HQ, ntiles, GROUP: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
+def _value_outlier_kernel(ws, sc, slots, lens, vc, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, v_s, v_t, v_h, v_ms,
+                          v_mt, v_os, v_ot, s_cb, s_ch, splits, GROUP: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
                           PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BITS: tl.constexpr, SC_F16: tl.constexpr):
+                          BLOCK_T: tl.constexpr, BITS: tl.constexpr):
     """The value outliers' correction of the attention output, between the decode and the combine: each value slot
     adds 2^(s_h(t) - m) (val - x̂) at its channel of the split workspace ws (b, hq, P, e + 2), for the query heads
     h of its kv head, m the running max that split p's unnormalized output is relative to (ws[.., p, e], stored by
@@ -455,9 +449,7 @@ def _value_outlier_kernel(ws, sc, mt, slots, lens, vc, vmid, vhalf, vlut, voi, v
     sp = t // _split_chunk(tl.load(lens + i).to(tl.int32), splits, BLOCK_T)  # the token's split
     for g in tl.static_range(GROUP):
         head = h * GROUP + g
-        s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf")).to(tl.float32)
-        if SC_F16:
-            s += tl.load(mt + (i * HQ + head) * ntiles + t[:, None] // BLOCK_T, mask=hit, other=0.0)
+        s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf"))
         dst = ws + i * w_b + head * w_h + sp[:, None] * w_p
         p = tl.exp2(s - tl.load(dst + E, mask=hit, other=0.0))
         tl.atomic_add(dst + c, p * d, mask=hit, sem="relaxed")
@@ -469,8 +461,7 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 HP=max(MIN_DIM, triton.next_power_of_2(rotary_dim // 2)),
                 PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
-                SC_F16=bool(CFG["SC_F16"]), **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
@@ -512,10 +503,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     # sparse outliers in their own passes: key score terms before the decode, value terms before the combine
     f32 = dict(dtype=torch.float32, device=q.device)
     corr = torch.empty(b, hq, cap, **f32) if ko else q
-    f16 = CFG["SC_F16"]
-    sc = torch.empty(b, hq, cap, dtype=torch.float16 if f16 else torch.float32, device=q.device) if vo else q
-    ntiles = triton.cdiv(cap, CFG["BLOCK_T_OUTLIERS"])
-    mt = torch.empty(b, hq, ntiles, **f32) if vo and f16 else q
+    sc = torch.empty(b, hq, cap, **f32) if vo else q
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     bt = CFG["BT_SPARSE"]
     grid = (b, triton.cdiv(cap, bt))
@@ -529,12 +517,11 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
 
     def value_outliers(ws, splits):
         _value_outlier_kernel[grid](
-            ws, sc, mt, slots, kv_lens, *vt, ws.stride(0), ws.stride(1), ws.stride(2), *vs, hq * cap, cap, splits, hq,
-            ntiles, SC_F16=bool(f16),
+            ws, sc, slots, kv_lens, *vt, ws.stride(0), ws.stride(1), ws.stride(2), *vs, hq * cap, cap, splits,
             GROUP=group, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo),
             BT=bt, BLOCK_T=CFG["BLOCK_T_OUTLIERS"], BITS=v.bits, num_warps=4)
 
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, CFG, constexprs, extra=(corr, sc, mt, hq * cap, cap, ntiles),
+                  _decode_kernel, CFG, constexprs, extra=(corr, sc, hq * cap, cap),
                   before_combine=value_outliers if vo else None)
     return out
