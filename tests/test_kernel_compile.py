@@ -398,8 +398,8 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
     if slots:  # the outliers' own passes: key score terms before the decode, value terms after it
         side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4)
-        for kernel, const in ((kf._key_outlier_kernel, dict(side, HQP=16, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
-                                                             BITS=bits, FAST=True)),
+        for kernel, const in ((kf._key_outlier_kernel, dict(side, GP2=4, HKVP=4, R=r, PER_TOKEN=False,
+                                                             KSLOTS=slots, KP=16, BITS=bits, FAST=True)),
                               (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16,
                                                               BLOCK_T=cfg["BLOCK_T_OUTLIERS"], BITS=bits))):
             own = {a: t for a, t in pointers.items() if a in kernel.arg_names}

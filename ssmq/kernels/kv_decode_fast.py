@@ -33,7 +33,7 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
     outliers the sparse slots take their own passes, so that the decode loop carries none of their work (in the
              loop, a slot cost a pass over the tile or a scatter through memory, for each of the hkv programs that
              read the token): ``_key_outlier_kernel`` first turns every key slot, once, into its score terms
-             (val - x̂) · w_h(c, t) for the query heads of its kv head (corr (b, hq, L), summed by relaxed
+             (val - x̂) · w_h(c, t) for the query heads of its kv head (corr (b, hkv, L, g), summed by relaxed
              atomics); the decode adds corr's (g, BLOCK_T) tile to its scores and stores the scores (sc) when
              there are value slots; before the combine, ``_value_outlier_kernel`` adds 2^(s_h(t) - m) (val - x̂)
              at each value slot's channel of its split's unnormalized output (m: the split's max; two splits at
@@ -275,7 +275,7 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, s_cb, s_ch,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, c_b, c_k, s_cb, s_ch,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
@@ -347,7 +347,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, s_cb, s_ch,
                         PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
         cs = i * s_cb + (hk * GROUP + rows)[:, None] * s_ch + t[None, :]
         if KSLOTS > 0:  # the key outliers' score terms (``_key_outlier_kernel``)
-            s += tl.load(corr + cs, mask=rmask[:, None] & tmask[None, :], other=0.0)
+            s += tl.load(corr + i * c_b + hk * c_k + t[None, :] * GROUP + rows[:, None],
+                         mask=rmask[:, None] & tmask[None, :], other=0.0)
         if VSLOTS > 0:  # the scores, for the value outliers' pass (``_value_outlier_kernel``)
             tl.store(sc + cs, s, mask=rmask[:, None] & tmask[None, :])
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
@@ -399,36 +400,41 @@ def _outlier_tile(slots, lens, oidx, oval, codes, mid, half, lut, s_s, s_t, s_h,
 
 @triton.jit
 def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_s, k_t, k_h,
-                        k_ms, k_mt, k_os, k_ot, s_cb, s_ch, scale, HQ, GROUP: tl.constexpr, HQP: tl.constexpr,
-                        E: tl.constexpr, R: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr,
-                        KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, BITS: tl.constexpr,
-                        FAST: tl.constexpr):
-    """corr (b, hq, L) float32: what each token's key outliers add to each query head's score (log2 units, as the
-    decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of key channel c in q_h · R_t k.
-    One program per (row, BT tokens): it zeroes its block, then adds each slot's terms for the GROUP query heads of
-    the slot's kv head (atomics: a token's slots may share a head). Every slot once, not once per kv head. Summing a
-    block's terms by kv head in registers and storing them whole, without atomics, took twice as long (H200,
-    2026-11-28: 0.196 against 0.102 ms at 128K tokens, 20 slots a token: a compare and select per slot and kv head,
-    and the 3-D tiles' layout changes); so did corr laid out (b, L, hq), a token's heads in one line (0.134 ms)."""
+                        k_ms, k_mt, k_os, k_ot, c_b, c_k, scale, HKV, GROUP: tl.constexpr, GP2: tl.constexpr,
+                        HKVP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+                        PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                        BITS: tl.constexpr, FAST: tl.constexpr):
+    """corr (b, hkv, L, GROUP) float32: what each token's key outliers add to the scores of each of its kv head's
+    query heads (log2 units, as the decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of
+    key channel c in q_h · R_t k. One program per (row, BT tokens): it zeroes its block, then adds each slot's terms
+    for the GROUP query heads of the slot's kv head (atomics: a token's slots may share a head), the GROUP terms of a
+    slot contiguous (one vector atomic on Hopper). Every slot once, not once per kv head. H200, 128K tokens, 20 slots
+    a token: with the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing a block's terms by kv head in
+    registers and storing them whole, without atomics, 0.196 ms (a compare and select per slot and kv head, and the
+    3-D tiles' layout changes); (b, L, hq) 0.134 ms."""
     i, t, live, h, c, d, hit = _outlier_tile(slots, lens, koi, kov, kc, kmid, khalf, klut, k_s, k_t, k_h, k_ms, k_mt,
                                              k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, BITS,
                                              tl.program_id(1) * BT)
-    hh = tl.arange(0, HQP)
-    tl.store(corr + i * s_cb + hh[:, None] * s_ch + t[None, :], tl.zeros((HQP, BT), tl.float32),
-             mask=(hh < HQ)[:, None] & live[None, :])
+    g = tl.arange(0, GP2)[None, None, :]  # (1, 1, GP2): the query heads of a kv head
+    kv = tl.arange(0, HKVP)[:, None, None]
+    tl.store(corr + i * c_b + kv * c_k + t[None, :, None] * GROUP + g, tl.zeros((HKVP, BT, GP2), tl.float32),
+             mask=(kv < HKV) & live[None, :, None] & (g < GROUP))
     tl.debug_barrier()  # the zeros stored before any thread's atomics
+    if GROUP == GP2:  # a mask constant along g: the atomics vectorize
+        m3 = tl.broadcast_to(hit[:, :, None], (BT, KP, GP2))
+    else:
+        m3 = hit[:, :, None] & (g < GROUP)
+    qrow = q + i * s_qb + (h[:, :, None] * GROUP + g) * s_qh  # (BT, KP, GP2)
+    qc = tl.load(qrow + c[:, :, None], mask=m3, other=0.0).to(tl.float32)
     if R > 0:
         a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
+        w = qc * a[:, :, None] + tl.load(qrow + partner[:, :, None], mask=rot[:, :, None] & (g < GROUP),
+                                         other=0.0).to(tl.float32) * b[:, :, None]
+    else:
+        w = qc * d[:, :, None]
     qscale = scale * 1.4426950408889634
-    for g in tl.static_range(GROUP):
-        head = h * GROUP + g
-        qrow = q + i * s_qb + head * s_qh
-        qc = tl.load(qrow + c, mask=hit, other=0.0).to(tl.float32)
-        if R > 0:
-            w = qc * a + tl.load(qrow + partner, mask=rot, other=0.0).to(tl.float32) * b
-        else:
-            w = qc * d
-        tl.atomic_add(corr + i * s_cb + head * s_ch + t[:, None], w * qscale, mask=hit, sem="relaxed")
+    tl.atomic_add(corr + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, w * qscale, mask=m3,
+                  sem="relaxed")
 
 
 @triton.jit
@@ -502,7 +508,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
     # sparse outliers in their own passes: key score terms before the decode, value terms before the combine
     f32 = dict(dtype=torch.float32, device=q.device)
-    corr = torch.empty(b, hq, cap, **f32) if ko else q
+    corr = torch.empty(b, hq // group, cap, group, **f32) if ko else q  # a kv head's query heads contiguous
     sc = torch.empty(b, hq, cap, **f32) if vo else q
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     bt = CFG["BT_SPARSE"]
@@ -511,7 +517,8 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
         _key_outlier_kernel[grid](
             q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, corr.stride(0), corr.stride(1),
-            scale, hq, GROUP=group, HQP=triton.next_power_of_2(hq), E=e, R=rotary_dim,
+            scale, hq // group, GROUP=group, GP2=triton.next_power_of_2(group),
+            HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
             S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
             FAST=FAST_TRIG, num_warps=4)
 
@@ -522,6 +529,6 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
             BT=bt, BLOCK_T=CFG["BLOCK_T_OUTLIERS"], BITS=v.bits, num_warps=4)
 
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, CFG, constexprs, extra=(corr, sc, hq * cap, cap),
+                  _decode_kernel, CFG, constexprs, extra=(corr, sc, hq * cap, cap * group, hq * cap, cap),
                   before_combine=value_outliers if vo else None)
     return out
