@@ -377,7 +377,8 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
     ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and the ``extra`` ones after ws).
     ``before_combine(ws, splits)``: run between the two (it may add to the splits' outputs in ws); it takes at least
-    two splits."""
+    two splits. ``cfg`` may also set WARPS_OUTLIERS, STAGES_OUTLIERS, MAXNREG and MAXNREG_OUTLIERS (a register cap),
+    for sweeps (``bench_kvquant.py --sweep``)."""
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     b, hq, e = q.shape
     codes = kt[0]
