@@ -385,7 +385,7 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "corr": "fp32", "sc": "fp32", "ws": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
+                "corr": "fp32", "sc": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
                 "klut": "fp32", "koi": "i16", "kov": "fp16",
                 "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
                 "vov": "fp16", "vsink": "fp16"}
@@ -396,7 +396,7 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=cfg["num_warps"],
                              num_stages=cfg["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
-    if slots:  # the outliers' own passes: key score terms before the decode, value terms after it
+    if slots:  # the outliers' own passes: key score terms before the decode, value terms before the combine
         side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4)
         for kernel, const in ((kf._key_outlier_kernel, dict(side, GP2=4, HKVP=4, R=r, PER_TOKEN=False,
                                                              KSLOTS=slots, KP=16, BITS=bits, FAST=True)),

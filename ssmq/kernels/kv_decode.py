@@ -329,10 +329,8 @@ def _combine_kernel(ws, out, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr,
     m = tl.load(src + E, mask=pm, other=float("-inf"))
     l = tl.load(src + E + 1, mask=pm, other=0.0)
     acc = tl.load(src[:, None] + e[None, :], mask=pm[:, None], other=0.0)
-    mx = tl.max(m, 0)
-    w = tl.exp2(m - mx)  # empty splits: m = -inf, weight 0
-    tot = tl.sum(w * l, 0)
-    tl.store(out + i * s_ob + h * s_oh + e, tl.sum(w[:, None] * acc, 0) / tot)
+    w = tl.exp2(m - tl.max(m, 0))  # empty splits: m = -inf, weight 0
+    tl.store(out + i * s_ob + h * s_oh + e, tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0))
 
 
 @functools.lru_cache(maxsize=16)

@@ -47,13 +47,12 @@ Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a s
 other formats take the reference.
 
 Accuracy (float16 products; the reference is float32; the outliers' passes are float32): q (rotated a tile), the
-rotated keys, B, p ⊙ h and the sink are rounded to
-float16 (relative error u = 2^-11 at most each), products accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the
-reference rounds fl(t θ) (about an ulp of t θ apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the
-reference's own rounding is from t θ). A score then moves by
-about u·scale·sqrt(Σ_c (q_c k_c)²) (random rounding), the output by that times the spread of v: ~1e-3 of |v| for
-unit-variance data; tests compare at rtol = atol = 3e-3 (the former 3xTF32 kernel: 1e-4), far below what 2-4 bit
-codes change (KVQuant nuq4: ~1e-1 relative error a value).
+rotated keys, B, p ⊙ h and the sink are rounded to float16 (relative error u = 2^-11 at most each), products
+accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the reference rounds fl(t θ) (about an ulp of t θ
+apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the reference's own rounding is from t θ). A score
+then moves by about u·scale·sqrt(Σ_c (q_c k_c)²) (random rounding), the output by that times the spread of v: ~1e-3
+of |v| for unit-variance data; tests compare at rtol = atol = 3e-3 (the former 3xTF32 kernel: 1e-4), far below what
+2-4 bit codes change (KVQuant nuq4: ~1e-1 relative error a value).
 """
 
 from __future__ import annotations
@@ -510,25 +509,26 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     f32 = dict(dtype=torch.float32, device=q.device)
     corr = torch.empty(b, hq // group, cap, group, **f32) if ko else q  # a kv head's query heads contiguous
     sc = torch.empty(b, hq, cap, **f32) if vo else q
+    c_strides, s_strides = (hq * cap, cap * group), (hq * cap, cap)  # corr's (row, kv head), sc's (row, head)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     bt = CFG["BT_SPARSE"]
     grid = (b, triton.cdiv(cap, bt))
     if ko:
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
         _key_outlier_kernel[grid](
-            q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, corr.stride(0), corr.stride(1),
-            scale, hq // group, GROUP=group, GP2=triton.next_power_of_2(group),
+            q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, *c_strides, scale,
+            hq // group, GROUP=group, GP2=triton.next_power_of_2(group),
             HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
             S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
             FAST=FAST_TRIG, num_warps=4)
 
     def value_outliers(ws, splits):
         _value_outlier_kernel[grid](
-            ws, sc, slots, kv_lens, *vt, ws.stride(0), ws.stride(1), ws.stride(2), *vs, hq * cap, cap, splits,
+            ws, sc, slots, kv_lens, *vt, ws.stride(0), ws.stride(1), ws.stride(2), *vs, *s_strides, splits,
             GROUP=group, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo),
             BT=bt, BLOCK_T=CFG["BLOCK_T_OUTLIERS"], BITS=v.bits, num_warps=4)
 
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, CFG, constexprs, extra=(corr, sc, hq * cap, cap * group, hq * cap, cap),
+                  _decode_kernel, CFG, constexprs, extra=(corr, sc, *c_strides, *s_strides),
                   before_combine=value_outliers if vo else None)
     return out
