@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plotting import log_axes, pyplot  # noqa: E402
 
 from ssmq.ops.attention import attention_ref  # noqa: E402
-from ssmq.ops.kv_quant import KVSideView, pack_codes, quant_kv_decode_ref  # noqa: E402
+from ssmq.ops.kv_quant import KVSideView, order_slots, outlier_codes, pack_codes, quant_kv_decode_ref  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
 ONE_PCT = (2 * round(0.01 * HKV * E), round(0.01 * HKV * E))  # key / value outlier slots of 1% (KVQuantizer's)
@@ -52,7 +52,6 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) 
 
     def side(per_token, slots):
         codes = torch.randint(0, levels, (b, L, HKV, E), generator=gen, device=DEV, dtype=torch.uint8)
-        codes = pack_codes(codes, bits)
         book = torch.sort(torch.rand(levels, generator=gen, device=DEV) * 2 - 1).values
         if per_token:
             mid = torch.randn(b, L, HKV, generator=gen, device=DEV).half() * 0.1
@@ -64,6 +63,10 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) 
         first = torch.randint(0, HKV * E, (b, L, 1), generator=gen, device=DEV)
         idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
         val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
+        idx, val = (t.reshape(b, L, -1) for t in order_slots(idx.reshape(b * L, -1), val.reshape(b * L, -1)))
+        codes = outlier_codes(codes.reshape(b * L, HKV, E), idx.reshape(b * L, -1), val.reshape(b * L, -1),
+                              mid.float().reshape(b * L, HKV, 1) if per_token else mid, levels)  # as quantization
+        codes = pack_codes(codes.reshape(b, L, HKV, E), bits)
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
         return KVSideView(codes, book, mid, half, per_token, idx, val, sink, bits)
     return side(False, k_slots), side(True, v_slots)

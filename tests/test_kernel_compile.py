@@ -128,9 +128,10 @@ def test_state_update_compiles_as_launched(state, replay):
     assert not int8 or ("0x80808080" in compiled.asm["ptx"] and "0x5410" in compiled.asm["ptx"])
 
 
-def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4, num_stages=3):
+def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4, num_stages=3, aligned=()):
     """Compile one Triton kernel for sm_90 (returned): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the
-    other arguments i32 (those named in floats fp32)."""
+    other arguments i32 (those named in floats fp32); ``aligned``: arguments given as multiples of 16 (addresses in
+    bytes), as the launcher's specialization marks them at run time (vector loads and atomics depend on it)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -140,7 +141,8 @@ def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4, n
     assert not missing, f"kernel arguments renamed: {missing}"
     signature = {a: "constexpr" if a in const else "*" + pointers[a] if a in pointers else "fp32" if a in floats
                  else "i32" for a in kernel.arg_names}
-    src = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()})
+    src = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()},
+                    attrs={(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     try:
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                   options={"num_warps": num_warps, "num_stages": num_stages})
@@ -287,11 +289,12 @@ def test_kv_decode_compiles_for_sm90(variant):
     block_t = kd.CFG["BLOCK_T_OUTLIERS"] if ko or vo else kd.CFG["BLOCK_T"]
     const = dict(GROUP=4, GP=16, E=128, R=r, HP=max(16, r // 2), PP=max(16, 128 - r), S=sink, SP=16, FLOAT=fl,
                  K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, KP=triton.next_power_of_2(max(ko, 1)), VSLOTS=vo,
-                 BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"], KBITS=bits, VBITS=bits)
+                 BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"], KBITS=bits, VBITS=bits,
+                 KLEVELS=2 ** min(bits, 4), VLEVELS=2 ** min(bits, 4))
     compiled = _compile_sm90(kd._decode_kernel, pointers, const, floats=("scale",), num_warps=kd.CFG["num_warps"],
                              num_stages=kd.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
-    _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=32))
+    _compile_sm90(kd._combine_kernel, {"ws": "fp32", "out": "fp32"}, dict(E=128, PS=128, HB=4, EB=16, PC=32))
 
 
 @pytest.mark.parametrize("use_gdc", [False, True])
@@ -385,7 +388,7 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "corr": "fp32", "sc": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
+                "sc": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
                 "klut": "fp32", "koi": "i16", "kov": "fp16",
                 "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
                 "vov": "fp16", "vsink": "fp16"}
@@ -397,10 +400,14 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
                              num_stages=cfg["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
     if slots:  # the outliers' own passes: key score terms before the decode, value terms before the combine
-        side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4)
-        for kernel, const in ((kf._key_outlier_kernel, dict(side, GP2=4, HKVP=4, R=r, PER_TOKEN=False,
-                                                             KSLOTS=slots, KP=16, BITS=bits, FAST=True)),
-                              (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16,
-                                                              BLOCK_T=cfg["BLOCK_T_OUTLIERS"], BITS=bits))):
+        side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4, GP2=4)
+        for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=4, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
+                                                             LEVELS=2 ** bits, FAST=True)),
+                              (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16, w_h=1,
+                                                              BLOCK_T=cfg["BLOCK_T_OUTLIERS"], LEVELS=2 ** bits))):
             own = {a: t for a, t in pointers.items() if a in kernel.arg_names}
-            _compile_sm90(kernel, own, const, floats=("scale",) if "scale" in kernel.arg_names else ())
+            aligned = [*own, *(a for a in ("c_b", "c_k", "w_b", "w_p", "w_e") if a in kernel.arg_names)]
+            ptx = _compile_sm90(kernel, own, const, floats=("scale",) if "scale" in kernel.arg_names else (),
+                                aligned=aligned).asm["ptx"]
+            # a slot's 4 query heads are contiguous in sc and ws (heads innermost): one vector atomic a slot
+            assert "red.global.gpu.relaxed.add.v4.f32" in ptx and "red.global.gpu.relaxed.add.f32" not in ptx

@@ -73,10 +73,44 @@ def test_sparse_outliers_round_trip_exactly():
     kept = q.out_idx >= 0
     assert torch.equal(got.reshape(50, -1).gather(1, q.out_idx.long().clamp(min=0))[kept], q.out_val.float()[kept])
     assert torch.equal(q.out_val.float()[kept], x.reshape(50, -1).gather(1, q.out_idx.long().clamp(min=0))[kept])
+    # a token's slots in increasing index order, the empty ones last (the fast kernel's key pass relies on it)
+    key = torch.where(kept, q.out_idx.long(), 10**6)
+    assert (key.diff(dim=1) > 0).all()
+    idx, val = kq.order_slots(torch.tensor([[5, -1, 2, 9]], dtype=torch.int16), torch.tensor([[1.0, 0.0, 2.0, 3.0]]))
+    assert idx.tolist() == [[2, 5, 9, -1]] and val.tolist() == [[2.0, 1.0, 3.0, 0.0]] and idx.dtype == torch.int16
     # empty slots (-1) write nothing, even where slot 0 points at index 0
     y = kq.scatter_outliers(torch.zeros(1, 1, 4), torch.tensor([[0, -1]], dtype=torch.int16),
                             torch.tensor([[5.0, 9.0]]).half())
     assert torch.equal(y, torch.tensor([[[5.0, 0, 0, 0]]]))
+
+
+def test_codes_under_outliers_are_the_codebook_end_on_their_side():
+    """The decode kernels take x̂ under a slot from its value's side of mid (``outlier_codes``), not from a gather of
+    the code: quantization must leave that code there, and on real-looking data it is the nearest code anyway."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 3, 64, generator=g) * (torch.rand(1, 3, 64, generator=g) * 3)
+    x += torch.distributions.StudentT(2.0).sample((400, 3, 64)) * 0.3  # heavy tails: outliers in every token
+    lo, hi = x.reshape(-1, 192).quantile(0.005, 0).reshape(3, 64), x.reshape(-1, 192).quantile(0.995, 0).reshape(3, 64)
+    nuq = torch.sort(torch.rand(8, generator=g) * 1.8 - 0.9).values  # ends inside (-1, 1), as Lloyd leaves them
+    for p in (kq.KVParams(kq.uniform_codebook(3), "per_channel", lo=lo, hi=hi, k=4),
+              kq.KVParams(nuq, "per_channel", lo=lo, hi=hi, k=4), kq.KVParams(kq.uniform_codebook(2), "per_token", k=5)):
+        q = kq.quantize_kv_ref(x, p)
+        mid, half = kq.scales_of(q, p, x.device)
+        kept = q.out_idx >= 0
+        at = q.out_idx.long().clamp(min=0)
+        under = q.codes.reshape(400, -1).gather(1, at)[kept].long()
+        side = q.out_val.float() >= mid.expand(x.shape).reshape(400, -1).gather(1, at)
+        assert kept.sum() > 500 and torch.equal(under, torch.where(side[kept], len(p.codebook) - 1, 0))
+        assert torch.equal(q.codes, kq.nearest_code(((x - mid) / half).clamp(-1, 1), p.codebook))  # nothing moved
+    # a degenerate range (a token of zeros: its outliers sit at mid) moves the code; the slot still overwrites it
+    x[7] = 0
+    p = kq.KVParams(kq.uniform_codebook(3), "per_token", k=5)
+    q = kq.quantize_kv_ref(x, p)
+    mid, half = kq.scales_of(q, p, x.device)
+    plain = copy.copy(q)
+    plain.codes = kq.nearest_code(((x - mid) / half).clamp(-1, 1), p.codebook)
+    assert not torch.equal(q.codes[7], plain.codes[7])
+    assert torch.equal(kq.dequantize_kv_ref(q, p), kq.dequantize_kv_ref(plain, p))
 
 
 @pytest.mark.parametrize("bits,symmetric", [(2, False), (3, False), (4, True), (8, True)])

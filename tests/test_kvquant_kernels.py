@@ -22,11 +22,12 @@ def kf():
 def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
     """A random quantized side: codes < levels packed as the cache packs them (2 / 3 / 4 bits for <= 4 / 8 / 16
     levels), sorted codebook, scales, some outliers (distinct channels within a token, as quantization picks them;
-    -1 = empty), sink."""
-    from ssmq.ops.kv_quant import KVSideView, code_bits, pack_codes
+    -1 = empty; ordered and the codes under them as quantization leaves them: ``order_slots``, ``outlier_codes``),
+    sink."""
+    from ssmq.ops.kv_quant import KVSideView, code_bits, order_slots, outlier_codes, pack_codes
 
     bits = code_bits(levels)
-    codes = pack_codes(torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8), bits)
+    codes = torch.randint(0, levels, (s, L, hkv, e), generator=gen, dtype=torch.uint8)
     book = torch.sort(torch.rand(levels, generator=gen) * 2 - 1).values
     if per_token:
         mid = (torch.randn(s, L, hkv, generator=gen) * 0.1).half()
@@ -36,6 +37,10 @@ def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
     idx = torch.rand(s, L, hkv * e, generator=gen).argsort(-1)[..., :slots_k]  # distinct within a token
     idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, -1, idx).to(torch.int16)
     val = (torch.randn(s, L, slots_k, generator=gen) * 5).half()
+    idx, val = (t.reshape(s, L, -1) for t in order_slots(idx.reshape(s * L, -1), val.reshape(s * L, -1)))
+    codes = outlier_codes(codes.reshape(s * L, hkv, e), idx.reshape(s * L, -1), val.reshape(s * L, -1),
+                          mid.float().reshape(s * L, hkv, 1) if per_token else mid, levels)
+    codes = pack_codes(codes.reshape(s, L, hkv, e), bits)
     sinks = torch.randn(s, sink, hkv, e, generator=gen)
     to = lambda t: t.to(DEV)  # noqa: E731
     return KVSideView(to(codes), to(book), to(mid), to(half), per_token, to(idx), to(val), to(sinks), bits)

@@ -125,11 +125,10 @@ def _group_scores(q, s_qh, qscale, ka, kb, kp, ch, cp, GROUP: tl.constexpr, GP: 
 
 
 @triton.jit
-def _outlier_scores(q, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
-                    s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+def _outlier_scores(q, s_qh, qscale, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq, s_ms, s_mt, s_os, s_ot,
                     GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr,
                     PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, FAST: tl.constexpr,
-                    BITS: tl.constexpr):
+                    LEVELS: tl.constexpr):
     """(GP, len(t)) what the keys' sparse outliers add to the scores: Σ_j (val_j - x̂[t, c_j]) · w(c_j), w(c) the
     coefficient of key channel c in q · R_t k, over the slots j whose channel c_j lies in kv head hk. A few gathers
     a slot, where writing the outliers into the tile costs a compare and a select on every entry a slot. Assumes
@@ -140,24 +139,26 @@ def _outlier_scores(q, s_qh, qscale, codes, mid, half, lut, oidx, oval, slot, hk
     c = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32) - hk * E  # (len(t), KP) channel in the head
     hit = om & (c >= 0) & (c < E)
     val = tl.load(oval + ob, mask=om, other=0.0).to(tl.float32)
-    out = _slot_scores(q, s_qh, codes, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_freq, s_s, s_t, s_h,
-                       s_ms, s_mt, GROUP, GP, E, R, PER_TOKEN, FAST, BITS)
+    out = _slot_scores(q, s_qh, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_freq, s_ms, s_mt, GROUP, GP,
+                       E, R, PER_TOKEN, FAST, LEVELS)
     return out * qscale
 
 
 @triton.jit
-def _slot_residual(codes, mid, half, lut, h, c, hit, val, slot, t, s_s, s_t, s_h, s_ms, s_mt, E: tl.constexpr,
-                   PER_TOKEN: tl.constexpr, BITS: tl.constexpr):
+def _slot_residual(mid, half, lut, h, c, hit, val, slot, t, s_ms, s_mt, E: tl.constexpr, PER_TOKEN: tl.constexpr,
+                   LEVELS: tl.constexpr):
     """(len(t), K) float32 val - x̂ at sparse-outlier slots (kv head h, channel c: (len(t), K), or h one head) where
-    hit, else 0: x̂ = mid + half · codebook[code], what the codes give there; the correction a slot adds."""
+    hit, else 0: x̂ = mid + half · codebook[code], what the codes give there; the correction a slot adds. The code
+    under an outlier is the codebook's end on val's side (``ssmq.ops.kv_quant.outlier_codes``), so it comes from
+    val >= mid, not from a gather of the packed code (a random byte load a slot, most of them DRAM sectors)."""
     c = tl.where(hit, c, 0)
-    x = tl.load(lut + _codes(codes + slot * s_s + t[:, None] * s_t + h * s_h, c, hit, BITS))
     if PER_TOKEN:
         m = tl.load(mid + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
         hf = tl.load(half + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
     else:
         m = tl.load(mid + h * E + c, mask=hit, other=0.0)
         hf = tl.load(half + h * E + c, mask=hit, other=0.0)
+    x = tl.where(val >= m, tl.load(lut + LEVELS - 1), tl.load(lut))
     return tl.where(hit, val - (m + hf * x), 0.0)
 
 
@@ -175,12 +176,12 @@ def _rope_terms(d, c, hit, t, inv_freq, R: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _slot_scores(q, s_qh, codes, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_freq, s_s, s_t, s_h, s_ms, s_mt,
+def _slot_scores(q, s_qh, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_freq, s_ms, s_mt,
                  GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, PER_TOKEN: tl.constexpr,
-                 FAST: tl.constexpr, BITS: tl.constexpr):
+                 FAST: tl.constexpr, LEVELS: tl.constexpr):
     """(GP, len(t)) Σ over the columns k of (val - x̂[t, c]) · w(c) where hit, for channels c (len(t), K) of kv head
     hk (unscaled by qscale)."""
-    d = _slot_residual(codes, mid, half, lut, hk, c, hit, val, slot, t, s_s, s_t, s_h, s_ms, s_mt, E, PER_TOKEN, BITS)
+    d = _slot_residual(mid, half, lut, hk, c, hit, val, slot, t, s_ms, s_mt, E, PER_TOKEN, LEVELS)
     c = tl.where(hit, c, 0)
     if R > 0:
         a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
@@ -202,7 +203,7 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
             GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
             PP: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
-            KP: tl.constexpr, FAST: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr):
+            KP: tl.constexpr, FAST: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr, LEVELS: tl.constexpr):
     """(GP, len(t)) scores (log2 units; -inf where masked) of the query group against the keys t rotated by
     their positions: R_t k = (ka cos - kb sin, kb cos + ka sin, kp) over channels [0, r/2), [r/2, r), [r, e);
     the tiles without the outliers, which ``_outlier_scores`` adds."""
@@ -226,9 +227,8 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
     else:
         s = _group_scores(q, s_qh, qscale, kp, kp, kp, ch, cp, GROUP, GP, E, R, DOT)
     if KSLOTS > 0:
-        s += _outlier_scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
-                             s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot, GROUP, GP, E, R, PER_TOKEN, KSLOTS, KP, FAST,
-                             BITS)
+        s += _outlier_scores(q, s_qh, qscale, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq, s_ms, s_mt,
+                             s_os, s_ot, GROUP, GP, E, R, PER_TOKEN, KSLOTS, KP, FAST, LEVELS)
     return tl.where(tmask[None, :], s, float("-inf"))
 
 
@@ -261,30 +261,32 @@ def _split_range(slots, lens, splits, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b, w_h, w_p,
+def _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b, w_h, w_p, w_e,
                  GROUP: tl.constexpr, E: tl.constexpr, ONE_SPLIT: tl.constexpr):
     """The output of the kv head's query heads: acc / l (one split), or this split's (m, l, acc) for
-    ``_combine_kernel`` in ws (b, hq, P, e + 2), m and l after acc."""
+    ``_combine_kernel`` in ws (b, hq, P, e + 2) (strides w_*; ``_launch`` lays the heads innermost), m and l after
+    acc."""
     heads = hk * GROUP + rows
     if ONE_SPLIT:
         tl.store(out + i * s_ob + heads[:, None] * s_oh + e[None, :], acc / l[:, None], mask=rmask[:, None])
     else:
         dst = ws + i * w_b + heads * w_h + sp * w_p
-        tl.store(dst[:, None] + e[None, :], acc, mask=rmask[:, None])
-        tl.store(dst + E, m, mask=rmask)
-        tl.store(dst + E + 1, l, mask=rmask)
+        tl.store(dst[:, None] + e[None, :] * w_e, acc, mask=rmask[:, None])
+        tl.store(dst + E * w_e, m, mask=rmask)
+        tl.store(dst + (E + 1) * w_e, l, mask=rmask)
 
 
 @triton.jit
 def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
-                   ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
+                   ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
-                   DOT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr):
+                   DOT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr,
+                   VLEVELS: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
 
     rows = tl.arange(0, GP)  # the kv head's query heads, padded (the values' product needs >= 16 rows)
@@ -302,7 +304,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
             tmask = t < tl.minimum(n, S)
             s = _scores(qg, s_qh, qscale, ksink, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
                         ks_s, ks_t, ks_h, 0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST, DOT,
-                        KBITS)
+                        KBITS, KLEVELS)
             v = _tile(vsink, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
                       vs_s, vs_t, vs_h, 0, 0, 0, 0, E, True, V_PER_TOKEN, 0, VBITS)
             m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
@@ -311,26 +313,40 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
         tmask = (t < hi) & (t >= S)
         s = _scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
                     k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, KP,
-                    FAST, DOT, KBITS)
+                    FAST, DOT, KBITS, KLEVELS)
         v = _tile(vc, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
                   v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS, VBITS)
         m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
-    _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b, w_h, w_p, GROUP, E, ONE_SPLIT)
+    _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b, w_h, w_p, w_e, GROUP, E, ONE_SPLIT)
 
 
 @triton.jit
-def _combine_kernel(ws, out, splits, w_b, w_h, w_p, s_ob, s_oh, E: tl.constexpr, PS: tl.constexpr):
-    """out[i, h] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p over the P splits of (row i, query head h)."""
-    i, h = tl.program_id(0), tl.program_id(1)
-    p = tl.arange(0, PS)
-    pm = p < splits
-    e = tl.arange(0, E)
-    src = ws + i * w_b + h * w_h + p * w_p
-    m = tl.load(src + E, mask=pm, other=float("-inf"))
-    l = tl.load(src + E + 1, mask=pm, other=0.0)
-    acc = tl.load(src[:, None] + e[None, :], mask=pm[:, None], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))  # empty splits: m = -inf, weight 0
-    tl.store(out + i * s_ob + h * s_oh + e, tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0))
+def _combine_kernel(ws, out, splits, hq, w_b, w_h, w_p, w_e, s_ob, s_oh, E: tl.constexpr, PS: tl.constexpr,
+                    HB: tl.constexpr, EB: tl.constexpr, PC: tl.constexpr):
+    """out[i, h] = Σ_p 2^(m_p - M) acc_p / Σ_p 2^(m_p - M) l_p over the P splits of (row i, query head h). A program
+    per (row, HB heads, EB channels): ws holds the heads innermost (``_launch``), so a program reads whole segments
+    of them; the splits' outputs PC at a time. H100, 66 splits, 32 heads: a program per (row, head) reading channels
+    hq apart 0.010 ms (0.003 with the heads outermost); a (P, e, HB) tile a program 0.24 (spilled); a program per
+    (row, HB heads) looping over the splits 0.03 (8 programs)."""
+    i = tl.program_id(0)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)[None, :]  # (1, HB)
+    p = tl.arange(0, PS)[:, None]  # (PS, 1)
+    pm = (p < splits) & (h < hq)
+    src = ws + i * w_b + h * w_h
+    m = tl.load(src + p * w_p + E * w_e, mask=pm, other=float("-inf"))
+    l = tl.load(src + p * w_p + (E + 1) * w_e, mask=pm, other=0.0)
+    top = tl.max(m, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)[None, :]  # heads past hq: no NaN from -inf - -inf
+    den = tl.sum(tl.exp2(m - top) * l, 0)  # empty splits: m = -inf, weight 0
+    e = tl.program_id(2) * EB + tl.arange(0, EB)
+    acc = tl.zeros((EB, HB), tl.float32)
+    for p0 in range(0, splits, PC):
+        pc = p0 + tl.arange(0, PC)[:, None]  # (PC, 1)
+        cm = (pc < splits) & (h < hq)
+        w = tl.exp2(tl.load(src + pc * w_p + E * w_e, mask=cm, other=float("-inf")) - top)
+        part = tl.load((src + pc * w_p)[:, None, :] + e[None, :, None] * w_e, mask=cm[:, None, :], other=0.0)
+        acc += tl.sum(w[:, None, :] * part, 0)  # (EB, HB)
+    tl.store(out + i * s_ob + h * s_oh + e[:, None], acc / tl.where(h < hq, den, 1.0), mask=h < hq)
 
 
 @functools.lru_cache(maxsize=16)
@@ -394,19 +410,25 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
     out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
-    ws = torch.empty(b, hq, splits, e + 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+    # the splits' (acc, m, l) with the heads innermost: a value slot adds to its kv head's query heads at once
+    # (one vector atomic in kv_decode_fast's value pass)
+    ws = (torch.empty(b, splits, e + 2, hq, dtype=torch.float32, device=q.device).permute(0, 3, 1, 2) if splits > 1
+          else out[..., None])
     ksink, vsink = sinks
     kernel[(b, hkv, splits)](
         q, slots, kv_lens, inv_freq, out, ws, *extra, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
-        out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2) if splits > 1 else 0, splits, scale,
+        out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), splits, scale,
         num_warps=warps, num_stages=stages, **cap,
         **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
     if before_combine:
         before_combine(ws, splits)
     if splits > 1:
-        _combine_kernel[(b, hq)](ws, out, splits, ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
-                                 out.stride(1), E=e, PS=triton.next_power_of_2(splits))
+        hb = min(4, triton.next_power_of_2(hq))
+        eb = min(16, e)
+        _combine_kernel[(b, triton.cdiv(hq, hb), e // eb)](ws, out, splits, hq, *ws.stride(), out.stride(0),
+                                                           out.stride(1), E=e, PS=triton.next_power_of_2(splits),
+                                                           HB=hb, EB=eb, PC=32)
     return out
 
 
@@ -418,7 +440,8 @@ def quant_args(k: KVSideView, v: KVSideView):
     assert k.sink.shape[1] == v.sink.shape[1] and k.sink.stride(-1) == 1 and v.sink.stride(-1) == 1
     assert k.bits in (2, 3, 4) and v.bits in (2, 3, 4), "codes of 2, 3 or 4 bits"
     flags = dict(FLOAT=False, K_PER_TOKEN=k.per_token, V_PER_TOKEN=v.per_token, KSLOTS=k.out_idx.shape[-1],
-                 VSLOTS=v.out_idx.shape[-1], KBITS=k.bits, VBITS=v.bits)
+                 VSLOTS=v.out_idx.shape[-1], KBITS=k.bits, VBITS=v.bits, KLEVELS=k.codebook.numel(),
+                 VLEVELS=v.codebook.numel())
     return kt, ks, vt, vs, (k.sink, v.sink), flags
 
 
@@ -441,5 +464,6 @@ def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     vt = (v_cache, v_cache, v_cache, v_cache, v_cache, v_cache)
     ks = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0, 0, 0, 0)
     vs = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0, 0, 0)
-    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8)
+    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8, KLEVELS=1,
+                 VLEVELS=1)
     return _launch(q, slots, kv_lens, kt, ks, vt, vs, (none, none), flags, 0, 10000.0, softmax_scale, splits)

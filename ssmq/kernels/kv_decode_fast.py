@@ -76,12 +76,13 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=32)
+           GP_MIN=4, BT_SPARSE=16)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
 # decode kernel 0.416 ms, 4 / 3 uncapped 0.345 (keys only: 0.381 -> 0.268; no outliers 0.254).
-# BT_SPARSE: tokens a program of the outliers' passes (H100, 2026-11-27, 128K tokens: 32 or 16 alike, 64 +6-15%).
+# BT_SPARSE: tokens a program of the outliers' passes (H100, 2026-11-28, `time_kv_outlier_parts.py --kernels --cfg`,
+# 128K tokens: key pass 0.044 ms at 16, 0.047 at 32; value pass 0.024-0.025 either).
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
@@ -274,10 +275,10 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, c_b, c_k, s_cb, s_ch,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
-                   ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, splits, scale,
+                   ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
                    GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
                    PP: tl.constexpr, S: tl.constexpr, SP: tl.constexpr, FLOAT: tl.constexpr,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
@@ -344,12 +345,11 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, c_b, c_k, s_cb, 
         s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
                         kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, E, R, HP,
                         PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
-        cs = i * s_cb + (hk * GROUP + rows)[:, None] * s_ch + t[None, :]
+        cs = sc + i * c_b + hk * c_k + t[None, :] * GROUP + rows[:, None]  # (b, hkv, L, g): a token's g together
         if KSLOTS > 0:  # the key outliers' score terms (``_key_outlier_kernel``)
-            s += tl.load(corr + i * c_b + hk * c_k + t[None, :] * GROUP + rows[:, None],
-                         mask=rmask[:, None] & tmask[None, :], other=0.0)
-        if VSLOTS > 0:  # the scores, for the value outliers' pass (``_value_outlier_kernel``)
-            tl.store(sc + cs, s, mask=rmask[:, None] & tmask[None, :])
+            s += tl.load(cs, mask=rmask[:, None] & tmask[None, :], other=0.0)
+        if VSLOTS > 0:  # the scores, in place of those terms, for the value outliers' pass (``_value_outlier_kernel``)
+            tl.store(cs, s, mask=rmask[:, None] & tmask[None, :])
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
@@ -368,14 +368,14 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, corr, sc, c_b, c_k, s_cb, 
                 x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
                 acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
 
-    _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, GROUP, E,
-                 ONE_SPLIT)
+    _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, w_e, GROUP,
+                 E, ONE_SPLIT)
 
 
 @triton.jit
-def _outlier_tile(slots, lens, oidx, oval, codes, mid, half, lut, s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
-                  E: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr,
-                  BT: tl.constexpr, BITS: tl.constexpr, start):
+def _outlier_tile(slots, lens, oidx, oval, mid, half, lut, s_ms, s_mt, s_os, s_ot, E: tl.constexpr, S: tl.constexpr,
+                  PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                  LEVELS: tl.constexpr, start):
     """The outlier slots (BT, P) of an outlier pass's program (row i, tokens t = start + [0, BT)): the row, t, the
     tokens that hold slots (live: below the row's length, past the sink; the decode reads no others), each slot's
     kv head h and channel c, its correction d = val - x̂ (``kv_decode._slot_residual``) and the mask of the slots
@@ -393,36 +393,33 @@ def _outlier_tile(slots, lens, oidx, oval, codes, mid, half, lut, s_s, s_t, s_h,
     h = f // E
     c = f - h * E
     val = tl.load(oval + ob, mask=hit, other=0.0).to(tl.float32)
-    d = _slot_residual(codes, mid, half, lut, h, c, hit, val, slot, t, s_s, s_t, s_h, s_ms, s_mt, E, PER_TOKEN, BITS)
+    d = _slot_residual(mid, half, lut, h, c, hit, val, slot, t, s_ms, s_mt, E, PER_TOKEN, LEVELS)
     return i, t, live, h, c, d, hit
 
 
 @triton.jit
-def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_s, k_t, k_h,
-                        k_ms, k_mt, k_os, k_ot, c_b, c_k, scale, HKV, GROUP: tl.constexpr, GP2: tl.constexpr,
-                        HKVP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
-                        PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                        BITS: tl.constexpr, FAST: tl.constexpr):
-    """corr (b, hkv, L, GROUP) float32: what each token's key outliers add to the scores of each of its kv head's
+def _key_outlier_kernel(q, slots, lens, inv_freq, sc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_ms, k_mt, k_os, k_ot,
+                        c_b, c_k, scale, HKV, GROUP: tl.constexpr, GP2: tl.constexpr, HKVP: tl.constexpr,
+                        E: tl.constexpr, R: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr,
+                        KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, LEVELS: tl.constexpr,
+                        FAST: tl.constexpr):
+    """sc (b, hkv, L, GROUP) float32: what each token's key outliers add to the scores of each of its kv head's
     query heads (log2 units, as the decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of
     key channel c in q_h · R_t k. One program per (row, BT tokens): it zeroes its block, then adds each slot's terms
-    for the GROUP query heads of the slot's kv head (atomics: a token's slots may share a head), the GROUP terms of a
-    slot contiguous (one vector atomic on Hopper). Every slot once, not once per kv head. H200, 128K tokens, 20 slots
-    a token: with the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing a block's terms by kv head in
-    registers and storing them whole, without atomics, 0.196 ms (a compare and select per slot and kv head, and the
-    3-D tiles' layout changes); (b, L, hq) 0.134 ms."""
-    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, koi, kov, kc, kmid, khalf, klut, k_s, k_t, k_h, k_ms, k_mt,
-                                             k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, BITS,
-                                             tl.program_id(1) * BT)
+    for the GROUP query heads of the slot's kv head (atomics: a token's slots may share a head; they are ordered by
+    index, ``ssmq.ops.kv_quant.order_slots``, so a head's follow each other), the GROUP terms of a slot contiguous
+    (one vector atomic). Every slot once, not once per kv head. H100, 128K tokens, 20 slots a token: 0.044 ms
+    (BT 16; 0.047 at 32); summing each kv head's run of slots by a segmented scan and storing it once, without
+    atomics, 0.068. H200: the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing by kv head with a
+    compare and select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
+    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, koi, kov, kmid, khalf, klut, k_ms, k_mt, k_os, k_ot, E, S,
+                                             PER_TOKEN, KSLOTS, KP, BT, LEVELS, tl.program_id(1) * BT)
     g = tl.arange(0, GP2)[None, None, :]  # (1, 1, GP2): the query heads of a kv head
     kv = tl.arange(0, HKVP)[:, None, None]
-    tl.store(corr + i * c_b + kv * c_k + t[None, :, None] * GROUP + g, tl.zeros((HKVP, BT, GP2), tl.float32),
+    tl.store(sc + i * c_b + kv * c_k + t[None, :, None] * GROUP + g, tl.zeros((HKVP, BT, GP2), tl.float32),
              mask=(kv < HKV) & live[None, :, None] & (g < GROUP))
     tl.debug_barrier()  # the zeros stored before any thread's atomics
-    if GROUP == GP2:  # a mask constant along g: the atomics vectorize
-        m3 = tl.broadcast_to(hit[:, :, None], (BT, KP, GP2))
-    else:
-        m3 = hit[:, :, None] & (g < GROUP)
+    m3 = _group_mask(hit, g, GROUP, GP2)
     qrow = q + i * s_qb + (h[:, :, None] * GROUP + g) * s_qh  # (BT, KP, GP2)
     qc = tl.load(qrow + c[:, :, None], mask=m3, other=0.0).to(tl.float32)
     if R > 0:
@@ -431,33 +428,42 @@ def _key_outlier_kernel(q, slots, lens, inv_freq, corr, kc, kmid, khalf, klut, k
                                          other=0.0).to(tl.float32) * b[:, :, None]
     else:
         w = qc * d[:, :, None]
-    qscale = scale * 1.4426950408889634
-    tl.atomic_add(corr + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, w * qscale, mask=m3,
-                  sem="relaxed")
+    tl.atomic_add(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, w * (scale * 1.4426950408889634),
+                  mask=m3, sem="relaxed")
 
 
 @triton.jit
-def _value_outlier_kernel(ws, sc, slots, lens, vc, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, v_s, v_t, v_h, v_ms,
-                          v_mt, v_os, v_ot, s_cb, s_ch, splits, GROUP: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
-                          PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr, VP: tl.constexpr, BT: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BITS: tl.constexpr):
+def _group_mask(hit, g, GROUP: tl.constexpr, GP2: tl.constexpr):
+    """(BT, K, GP2) mask of the slots' query heads: constant along g when GROUP is a power of two, so that loads
+    and atomics over a kv head's GROUP contiguous heads vectorize."""
+    if GROUP == GP2:
+        return tl.broadcast_to(hit[:, :, None], (hit.shape[0], hit.shape[1], GP2))
+    else:
+        return hit[:, :, None] & (g < GROUP)
+
+
+@triton.jit
+def _value_outlier_kernel(ws, sc, slots, lens, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, w_e, v_ms, v_mt, v_os,
+                          v_ot, c_b, c_k, splits, GROUP: tl.constexpr, GP2: tl.constexpr, E: tl.constexpr,
+                          S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr, VP: tl.constexpr,
+                          BT: tl.constexpr, BLOCK_T: tl.constexpr, LEVELS: tl.constexpr):
     """The value outliers' correction of the attention output, between the decode and the combine: each value slot
-    adds 2^(s_h(t) - m) (val - x̂) at its channel of the split workspace ws (b, hq, P, e + 2), for the query heads
-    h of its kv head, m the running max that split p's unnormalized output is relative to (ws[.., p, e], stored by
-    the decode kernel; scores sc (b, hq, L), log2 units); the combine then normalizes it with the rest. One program
-    per (row, BT tokens), relaxed atomics: the splits spread them over hq · P · e addresses (added to the final
-    output, 4K addresses took 0.17 ms at 128K tokens on the H200, stalled on their contention; a tensor-core
-    product a tile, P (hq, slots) @ one-hot (slots, e), 0.44 ms)."""
-    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vc, vmid, vhalf, vlut, v_s, v_t, v_h, v_ms, v_mt,
-                                             v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, BITS,
-                                             tl.program_id(1) * BT)
+    adds 2^(s_h(t) - m) (val - x̂) at its channel of the split workspace ws (b, hq, P, e + 2; heads innermost), for
+    the query heads h of its kv head, m the running max that split p's unnormalized output is relative to
+    (ws[.., p, e], stored by the decode kernel; scores sc (b, hkv, L, GROUP), log2 units); the combine then
+    normalizes it with the rest. One program per (row, BT tokens), relaxed atomics: the splits spread them over
+    hq · P · e addresses, a slot's GROUP heads contiguous in sc and ws (one vector load and one vector atomic a slot;
+    added to the final output, 4K addresses took 0.17 ms at 128K tokens on the H200, stalled on their contention;
+    a tensor-core product a tile, P (hq, slots) @ one-hot (slots, e), 0.44 ms)."""
+    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vmid, vhalf, vlut, v_ms, v_mt, v_os, v_ot, E, S,
+                                             PER_TOKEN, VSLOTS, VP, BT, LEVELS, tl.program_id(1) * BT)
     sp = t // _split_chunk(tl.load(lens + i).to(tl.int32), splits, BLOCK_T)  # the token's split
-    for g in tl.static_range(GROUP):
-        head = h * GROUP + g
-        s = tl.load(sc + i * s_cb + head * s_ch + t[:, None], mask=hit, other=float("-inf"))
-        dst = ws + i * w_b + head * w_h + sp[:, None] * w_p
-        p = tl.exp2(s - tl.load(dst + E, mask=hit, other=0.0))
-        tl.atomic_add(dst + c, p * d, mask=hit, sem="relaxed")
+    g = tl.arange(0, GP2)[None, None, :]
+    m3 = _group_mask(hit, g, GROUP, GP2)
+    s = tl.load(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, mask=m3, other=float("-inf"))
+    dst = ws + i * w_b + (h[:, :, None] * GROUP + g) * w_h + sp[:, None, None] * w_p  # (BT, VP, GP2)
+    p = tl.exp2(s - tl.load(dst + E * w_e, mask=m3, other=0.0))
+    tl.atomic_add(dst + c[:, :, None] * w_e, p * d[:, :, None], mask=m3, sem="relaxed")
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
@@ -499,36 +505,35 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     """The kernel on any format, the ones it gets wrong included (outliers, 16-channel rotary halves): the entry of
     ``benchmarks/diag_kv_decode.py``, which isolates those failures on a GPU; the package calls ``quant_kv_decode``."""
     kt, ks, vt, vs, sinks, flags = quant_args(k, v)
-    flags.update(KLEVELS=k.codebook.numel(), VLEVELS=v.codebook.numel())
     for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
     b, hq, e = q.shape
     cap, group = k.codes.shape[1], hq // k.codes.shape[2]
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
-    # sparse outliers in their own passes: key score terms before the decode, value terms before the combine
-    f32 = dict(dtype=torch.float32, device=q.device)
-    corr = torch.empty(b, hq // group, cap, group, **f32) if ko else q  # a kv head's query heads contiguous
-    sc = torch.empty(b, hq, cap, **f32) if vo else q
-    c_strides, s_strides = (hq * cap, cap * group), (hq * cap, cap)  # corr's (row, kv head), sc's (row, head)
+    # sparse outliers in their own passes: key score terms before the decode, value terms before the combine. One
+    # buffer sc (b, hkv, L, g), a kv head's query heads contiguous: the key pass's terms, which the decode adds and
+    # overwrites with the whole scores, which the value pass reads
+    sc = torch.empty(b, hq // group, cap, group, dtype=torch.float32, device=q.device) if ko or vo else q
+    c_strides = (hq * cap, cap * group)  # sc's (row, kv head)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     bt = CFG["BT_SPARSE"]
     grid = (b, triton.cdiv(cap, bt))
+    gp2 = triton.next_power_of_2(group)
     if ko:
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
         _key_outlier_kernel[grid](
-            q, slots, kv_lens, inv_freq, corr, *kt, q.stride(0), q.stride(1), *ks, *c_strides, scale,
-            hq // group, GROUP=group, GP2=triton.next_power_of_2(group),
-            HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
-            S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt, BITS=k.bits,
-            FAST=FAST_TRIG, num_warps=4)
+            q, slots, kv_lens, inv_freq, sc, *kt[1:], q.stride(0), q.stride(1), *ks[3:], *c_strides, scale,
+            hq // group, GROUP=group, GP2=gp2, HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
+            S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt,
+            LEVELS=flags["KLEVELS"], FAST=FAST_TRIG, num_warps=4)
 
     def value_outliers(ws, splits):
         _value_outlier_kernel[grid](
-            ws, sc, slots, kv_lens, *vt, ws.stride(0), ws.stride(1), ws.stride(2), *vs, *s_strides, splits,
-            GROUP=group, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo),
-            BT=bt, BLOCK_T=CFG["BLOCK_T_OUTLIERS"], BITS=v.bits, num_warps=4)
+            ws, sc, slots, kv_lens, *vt[1:], *ws.stride(), *vs[3:], *c_strides, splits, GROUP=group, GP2=gp2,
+            E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo), BT=bt,
+            BLOCK_T=CFG["BLOCK_T_OUTLIERS"], LEVELS=flags["VLEVELS"], num_warps=4)
 
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, CFG, constexprs, extra=(corr, sc, *c_strides, *s_strides),
+                  _decode_kernel, CFG, constexprs, extra=(sc, *c_strides),
                   before_combine=value_outliers if vo else None)
     return out

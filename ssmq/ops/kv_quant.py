@@ -7,9 +7,11 @@ One side (keys or values) of t tokens, x (t, hkv, e), is stored as a ``Quantized
     codes     (t, hkv, e) uint8   index of the nearest entry of the sorted codebook c (C,) in [-1, 1]
     mid, half (t, hkv) float16 for per_token scales (computed here, online); per_channel (hkv, e) and
               per_tensor () scales are offline, float32, given as ``KVParams.lo / hi``
-    out_idx   (t, k) int16: flat index in N of each sparse outlier, -1 for an empty slot
+    out_idx   (t, k) int16: flat index in N of each sparse outlier, increasing, then -1 for the empty slots
     out_val   (t, k) float16: the outlier's value, stored exactly
-and read back as x̂ = mid + half · c[codes] (then un-rotated), with the outliers written over it.
+and read back as x̂ = mid + half · c[codes] (then un-rotated), with the outliers written over it. The code under an
+outlier is the codebook's end on its value's side (``outlier_codes``): the decode kernels get x̂ there from the value
+instead of gathering the code.
 
 Outliers (dense-and-sparse): per_channel scales clip at offline thresholds lo / hi, and the entries beyond them
 (largest excess first, at most k per token) are kept sparse; per_token scales take the k largest |x| of each
@@ -120,12 +122,23 @@ def select_outliers(x: torch.Tensor, p: KVParams) -> tuple[torch.Tensor, torch.T
     else:  # per_token: the largest magnitudes of each token
         score = flat.abs() + 1.0  # > 0: every slot is used
     top, where = score.topk(p.k, dim=1)
-    valid = top > 0
-    idx = torch.where(valid, where, torch.full_like(where, -1))
-    val = torch.where(valid, flat.gather(1, where), torch.zeros_like(top)).half()
+    idx = order_slots(torch.where(top > 0, where, -1))
+    valid = idx >= 0
+    val = torch.where(valid, flat.gather(1, idx.clamp(min=0)), 0.0).half()
     mask = torch.zeros(t, flat.shape[1] + 1, dtype=torch.bool, device=x.device)
-    mask.scatter_(1, torch.where(valid, where, flat.shape[1]), True)
+    mask.scatter_(1, torch.where(valid, idx, flat.shape[1]), True)
     return idx.to(torch.int16), val, mask[:, :-1].reshape(x.shape)
+
+
+def order_slots(idx: torch.Tensor, val: torch.Tensor | None = None):
+    """A token's slots (t, k) in increasing index order, the empty ones (-1) last (with val (t, k) permuted alike, if
+    given). The storage keeps them so: a kv head's slots follow each other (its channels are consecutive indices), so
+    the fast decode kernel's key pass adds them to one score segment in turn (H100, 128K tokens: 0.060 -> 0.047 ms).
+    Dequantization does not depend on the order."""
+    n = torch.iinfo(torch.int32).max
+    key, order = torch.where(idx >= 0, idx.long(), n).sort(dim=1)
+    idx = torch.where(key < n, key, -1).to(idx.dtype)
+    return idx if val is None else (idx, val.gather(1, order))
 
 
 def _mid_half(lo: torch.Tensor, hi: torch.Tensor, symmetric: bool):
@@ -163,8 +176,27 @@ def quantize_kv_ref(x: torch.Tensor, p: KVParams) -> QuantizedKV:
     if p.granularity == "per_token":
         q.mid, q.half = token_scales(x, mask, p.symmetric)
     mid, half = scales_of(q, p, x.device)
-    q.codes = nearest_code(((x - mid) / half).clamp(-1.0, 1.0), p.codebook)
+    q.codes = outlier_codes(nearest_code(((x - mid) / half).clamp(-1.0, 1.0), p.codebook), out_idx, out_val, mid,
+                            p.codebook.numel())
     return q
+
+
+def outlier_codes(codes: torch.Tensor, out_idx: torch.Tensor, out_val: torch.Tensor, mid: torch.Tensor,
+                  levels: int) -> torch.Tensor:
+    """codes (t, hkv, e) with the entry under each outlier slot set to the codebook's end on the value's side:
+    levels - 1 where val >= mid (mid broadcastable to (t, hkv, e), float32), else 0. Dequantization never reads these
+    entries (the slot overwrites them); the decode kernels' outlier passes need x̂ = mid + half · c[code] there, and
+    with this rule take it from the value's sign rather than a random byte gather of the code a slot. Outliers lie
+    beyond the clip range (per-channel thresholds; a token's largest |x| for per-token scales), so the rule only
+    restates the nearest code of the clipped value, except where a range is degenerate (tested)."""
+    if out_idx.shape[-1] == 0:
+        return codes
+    t, _, e = codes.shape
+    at = out_idx.long().clamp(min=0)
+    rows = torch.arange(t, device=codes.device)[:, None]
+    m = mid.expand(codes.shape)[rows, at // e, at % e]  # indexing the broadcast view: no (t, hkv, e) copy of mid
+    end = torch.where(out_val.float() >= m, levels - 1, 0).to(codes.dtype)
+    return scatter_outliers(codes, out_idx, end)
 
 
 def dequantize_kv_ref(q: QuantizedKV, p: KVParams) -> torch.Tensor:
@@ -177,14 +209,15 @@ def dequantize_kv_ref(q: QuantizedKV, p: KVParams) -> torch.Tensor:
 
 
 def scatter_outliers(x: torch.Tensor, out_idx: torch.Tensor, out_val: torch.Tensor) -> torch.Tensor:
-    """Write the sparse outliers over x (t, hkv, e): empty slots (-1) go to a scratch column that is dropped."""
+    """Write the sparse outliers over x (t, hkv, e) (in x's dtype): empty slots (-1) go to a scratch column that is
+    dropped."""
     if out_idx.shape[-1] == 0:
         return x
     t = x.shape[0]
     flat = torch.cat([x.reshape(t, -1), x.new_zeros(t, 1)], 1)
     n = flat.shape[1] - 1
     idx = out_idx.long()
-    flat.scatter_(1, torch.where(idx >= 0, idx, n), out_val.float())
+    flat.scatter_(1, torch.where(idx >= 0, idx, n), out_val.to(x.dtype))
     return flat[:, :n].reshape(x.shape)
 
 
