@@ -33,11 +33,13 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
     outliers the sparse slots take their own passes, so that the decode loop carries none of their work (in the
              loop, a slot cost a pass over the tile or a scatter through memory, for each of the hkv programs that
              read the token): ``_key_outlier_kernel`` first turns every key slot, once, into its score terms
-             (val - x̂) · w_h(c, t) for the query heads of its kv head (corr (b, hkv, L, g), summed by relaxed
-             atomics); the decode adds corr's (g, BLOCK_T) tile to its scores and stores the scores (sc) when
-             there are value slots; before the combine, ``_value_outlier_kernel`` adds 2^(s_h(t) - m) (val - x̂)
-             at each value slot's channel of its split's unnormalized output (m: the split's max; two splits at
-             least), which the combine then normalizes with the rest
+             (val - x̂) · w_h(c, t) for the query heads of its kv head (sc (b, hkv, L, g), summed by relaxed
+             vector atomics); the decode adds sc's (g, BLOCK_T) tile to its scores and, when there are value slots,
+             stores the scores there in its place; before the combine, ``_value_outlier_kernel`` adds
+             2^(s_h(t) - m) (val - x̂) at each value slot's channel of its split's unnormalized output (m: the
+             split's max; two splits at least), which the combine then normalizes with the rest. x̂, the value the
+             codes give under a slot, is the codebook's end on val's side (``ssmq.ops.kv_quant.outlier_codes``):
+             no gather of the code
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -71,8 +73,9 @@ from ssmq.ops.kv_quant import KVSideView
 # BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers: 16 would keep their per-slot work free of spills, but
 # 16-token tiles, like 16-channel rotary halves, made a 16-wide tensor-core product of PRMT-lookup values, which came
 # out wrong on the H100 (Triton 3.6; the gathered lookup was right: diag_kv_decode.py, 2026-11-26), hence 32 and
-# MIN_DIM, the narrowest rotary half / pass-through tile, padded with zero query channels); WAVES programs an SM over the grid; MIN_TILES: a split covers at least
-# this many tiles of the cache's capacity (fewer splits for short caches). ROPE "split": R(t0 + j) = R(t0) R(j),
+# MIN_DIM, the narrowest rotary half / pass-through tile, padded with zero query channels); WAVES programs an SM over
+# the grid; MIN_TILES: a split covers at least this many tiles of the cache's capacity (fewer splits for short
+# caches). ROPE "split": R(t0 + j) = R(t0) R(j),
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
@@ -470,7 +473,8 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
     """_decode_kernel's constexprs for a launch (the compile tests build the same)."""
     return dict(GROUP=group, GP=max(CFG["GP_MIN"], triton.next_power_of_2(group)), E=e, R=rotary_dim,
                 HP=max(MIN_DIM, triton.next_power_of_2(rotary_dim // 2)),
-                PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink, SP=max(16, triton.next_power_of_2(sink)),
+                PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink,
+                SP=max(16, triton.next_power_of_2(sink)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
                 FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
 
