@@ -282,7 +282,9 @@ class KVSideView:
     """One side of a quantized cache as the decode kernels read it (s slots, L positions, S sink tokens):
     codes (s, L, hkv, ceil(e·bits/8)) uint8, ``bits`` (2, 3 or 4) a code (``pack_codes``); codebook (C,) float32;
     mid, half: per-token (s, L, hkv) float16, or per-channel (hkv, e) float32 when ``per_token`` is False;
-    out_idx, out_val (s, L, k); sink (s, S, hkv, e) (its last dim gives e)."""
+    out_idx, out_val (s, L, k), a token's slots ordered (``order_slots``; the kernels' speed assumes it); sink
+    (s, S, hkv, e) (its last dim gives e). The codes under the outliers must be as ``outlier_codes`` leaves them:
+    the kernels take x̂ there from that rule, while the reference never reads them."""
 
     codes: torch.Tensor
     codebook: torch.Tensor
