@@ -93,7 +93,8 @@ def test_codes_under_outliers_are_the_codebook_end_on_their_side():
     lo, hi = x.reshape(-1, 192).quantile(0.005, 0).reshape(3, 64), x.reshape(-1, 192).quantile(0.995, 0).reshape(3, 64)
     nuq = torch.sort(torch.rand(8, generator=g) * 1.8 - 0.9).values  # ends inside (-1, 1), as Lloyd leaves them
     for p in (kq.KVParams(kq.uniform_codebook(3), "per_channel", lo=lo, hi=hi, k=4),
-              kq.KVParams(nuq, "per_channel", lo=lo, hi=hi, k=4), kq.KVParams(kq.uniform_codebook(2), "per_token", k=5)):
+              kq.KVParams(nuq, "per_channel", lo=lo, hi=hi, k=4),
+              kq.KVParams(kq.uniform_codebook(2), "per_token", k=5)):
         q = kq.quantize_kv_ref(x, p)
         mid, half = kq.scales_of(q, p, x.device)
         kept = q.out_idx >= 0

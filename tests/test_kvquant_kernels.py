@@ -113,6 +113,24 @@ def test_fast_kernel_with_several_value_outliers_a_head(kf, case, splits):
     _check(kf, case, False, splits, v_outliers=5, tol=3e-3)
 
 
+def test_fast_kernel_takes_slots_in_any_order(kf):
+    """Quantization stores a token's slots in index order (``order_slots``) for the key pass's speed; the kernel's
+    result does not depend on it: the slots reversed give the reference's output too."""
+    from dataclasses import replace
+
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    gen = torch.Generator().manual_seed(3)
+    K, V = side(3, 40, 2, 32, False, 4, 1, gen, 16), side(3, 40, 2, 32, True, 3, 1, gen, 16)
+    K, V = (replace(x, out_idx=x.out_idx.flip(-1).contiguous(), out_val=x.out_val.flip(-1).contiguous())
+            for x in (K, V))
+    q = torch.randn(2, 4, 32, generator=gen).to(DEV)
+    slots, lens = torch.tensor([2, 0]).to(DEV), torch.tensor([40, 23]).to(DEV)
+    got = kf.quant_kv_decode(q, slots, lens, K, V, 32, 10000.0)
+    want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), _cpu(K), _cpu(V), 32, 10000.0)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+
+
 def test_fast_kernel_refuses_what_it_does_not_serve(kf):
     gen = torch.Generator().manual_seed(0)
     K, V = side(3, 20, 2, 64, False, 1, 0, gen), side(3, 20, 2, 64, True, 0, 0, gen)
