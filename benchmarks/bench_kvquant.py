@@ -63,10 +63,8 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) 
         first = torch.randint(0, HKV * E, (b, L, 1), generator=gen, device=DEV)
         idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
         val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
-        idx, val = (t.reshape(b, L, -1) for t in order_slots(idx.reshape(b * L, -1), val.reshape(b * L, -1)))
-        codes = outlier_codes(codes.reshape(b * L, HKV, E), idx.reshape(b * L, -1), val.reshape(b * L, -1),
-                              mid.float().reshape(b * L, HKV, 1) if per_token else mid, levels)  # as quantization
-        codes = pack_codes(codes.reshape(b, L, HKV, E), bits)
+        idx, val = order_slots(idx, val)  # slots and the codes under them as quantization stores them
+        codes = pack_codes(outlier_codes(codes, idx, val, mid.float()[..., None] if per_token else mid, levels), bits)
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)
         return KVSideView(codes, book, mid, half, per_token, idx, val, sink, bits)
     return side(False, k_slots), side(True, v_slots)

@@ -37,10 +37,8 @@ def side(s, L, hkv, e, per_token, slots_k, sink, gen, levels=8):
     idx = torch.rand(s, L, hkv * e, generator=gen).argsort(-1)[..., :slots_k]  # distinct within a token
     idx = torch.where(torch.rand(idx.shape, generator=gen) < 0.2, -1, idx).to(torch.int16)
     val = (torch.randn(s, L, slots_k, generator=gen) * 5).half()
-    idx, val = (t.reshape(s, L, -1) for t in order_slots(idx.reshape(s * L, -1), val.reshape(s * L, -1)))
-    codes = outlier_codes(codes.reshape(s * L, hkv, e), idx.reshape(s * L, -1), val.reshape(s * L, -1),
-                          mid.float().reshape(s * L, hkv, 1) if per_token else mid, levels)
-    codes = pack_codes(codes.reshape(s, L, hkv, e), bits)
+    idx, val = order_slots(idx, val)
+    codes = pack_codes(outlier_codes(codes, idx, val, mid.float()[..., None] if per_token else mid, levels), bits)
     sinks = torch.randn(s, sink, hkv, e, generator=gen)
     to = lambda t: t.to(DEV)  # noqa: E731
     return KVSideView(to(codes), to(book), to(mid), to(half), per_token, to(idx), to(val), to(sinks), bits)

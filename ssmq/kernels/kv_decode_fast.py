@@ -523,6 +523,8 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     bt = CFG["BT_SPARSE"]
     grid = (b, triton.cdiv(cap, bt))
     gp2 = triton.next_power_of_2(group)
+    # the passes take a side's pointers and strides without the codes' (``kv_decode._side``'s first 1 and 3): they
+    # read only scales, codebook ends and slots
     if ko:
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
         _key_outlier_kernel[grid](
