@@ -19,22 +19,22 @@ pytestmark = pytest.mark.gpu
 RECIPE_NAMES = ["rtn-w8a16", "rtn-w4a16-g128", "dynamic-w8a8", "fp8-w8a8"]
 
 
-def _recipe(name: str) -> Recipe:
+def _recipe(name: str, group: int = 32) -> Recipe:
     d = RECIPES[name].to_dict()
-    for r in d["linears"]:  # the tiny models are 32 / 64 wide: groups of 32
+    for r in d["linears"]:  # the tiny models are 32 / 64 wide (the hybrid's and Llama's MLPs 48): smaller groups
         if r["weight"]["granularity"].startswith("per_group"):
-            r["weight"]["granularity"] = "per_group:32"
+            r["weight"]["granularity"] = f"per_group:{group}"
     return Recipe.from_dict(d)
 
 
-@pytest.fixture(scope="module", params=[(a, r) for a in ("mamba1", "mamba2") for r in RECIPE_NAMES],
+@pytest.fixture(scope="module", params=[(a, r) for a in ("mamba1", "mamba2", "hybrid", "llama") for r in RECIPE_NAMES],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def quantized_folder(request, tmp_path_factory):
     arch, recipe = request.param
     src, out = tmp_path_factory.mktemp(arch), tmp_path_factory.mktemp("q")
     save_tiny(arch, src)
     model = ssmq.load_model(src)
-    quantize(model, _recipe(recipe), None, progress=False)
+    quantize(model, _recipe(recipe, 32 if arch.startswith("mamba") else 16), None, progress=False)
     save_quantized(model, out / "q")
     return out / "q"
 

@@ -399,6 +399,8 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=cfg["num_warps"],
                              num_stages=cfg["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
+    # the scores' store for the value outliers' pass: from the registers the products left them in (``_store_as_is``)
+    assert ("@p st.global.b32" in compiled.asm["ptx"]) == bool(slots)
     if slots:  # the outliers' own passes: key score terms before the decode, value terms before the combine
         side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4, GP2=4)
         for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=4, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,

@@ -135,6 +135,24 @@ _LUT3 = tl.constexpr(
 _LUT3_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r")
 
 
+# A predicated 32-bit store from each thread's own registers ($1 address, $2 value, $3 mask; $0 a dummy output).
+_ST32 = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b32 [$1], $2;\nmov.b32 $0, 0;\n}")
+
+
+@triton.jit
+def _store_as_is(ptrs, x, mask, ASM: tl.constexpr):
+    """tl.store(ptrs, x, mask) of float32 x in x's own layout. tl.store first converts a tensor-core accumulator to a
+    coalesced layout, through shared memory and barriers in the decode loop (the scores' store: 1% formats' decode
+    0.292 ms with it, 0.263 with this, at 128K tokens, H100, 2026-11-28, ``time_kv_outlier_parts.py --kernels``);
+    this asm store leaves each thread's entries where they are: 4-byte stores, uncoalesced (merged in L2), an
+    entry that several threads hold (a 4-row tile in a 16-row layout) stored by each, the same value."""
+    if ASM:
+        tl.inline_asm_elementwise(_ST32, "=r,l,r,r", [ptrs, x.to(tl.int32, bitcast=True), mask.to(tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
 @triton.jit
 def _word(x, grp, k):
     """The bits of x's entries of group k, or-ed into one int32 (they do not overlap)."""
@@ -220,26 +238,28 @@ def _book(rows, c0: tl.constexpr, NC: tl.constexpr, CP: tl.constexpr, tmask, lut
 
 
 @triton.jit
-def _scaled(x, mid, half, slot, hk, t, tmask, c, cmask, s_ms, s_mt, E: tl.constexpr, PER_TOKEN: tl.constexpr):
-    """mid + half · x in float32: per-token scales (s, L, hkv) at tokens t, or per-channel ones (hkv, e) at c."""
+def _scales(mid, half, slot, hk, t, tmask, c, cmask, s_ms, s_mt, E: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """float32 (mid, half) broadcastable to a (T, C) tile: per-token scales (s, L, hkv) at tokens t as (T, 1), or
+    per-channel ones (hkv, e) at channels c as (1, C). Per-channel scales are the same every tile: the decode loads
+    them before its loop (a store in the loop, the scores' for the value outliers, keeps the compiler from hoisting
+    loads; in the loop they cost the 1% formats ~0.06 ms at 128K tokens, H100, 2026-11-28)."""
     if PER_TOKEN:
-        m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-        h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-        return m[:, None] + h[:, None] * x.to(tl.float32)
+        m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)[:, None]
+        h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)[:, None]
     else:
-        m = tl.load(mid + hk * E + c, mask=cmask, other=0.0)
-        h = tl.load(half + hk * E + c, mask=cmask, other=0.0)
-        return m[None, :] + h[None, :] * x.to(tl.float32)
+        m = tl.load(mid + hk * E + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        h = tl.load(half + hk * E + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return m, h
 
 
 @triton.jit
-def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos,
-                sin, s_ms, s_mt, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr,
-                FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, t, tmask, cos,
+                sin, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr, FLOAT: tl.constexpr,
+                BITS: tl.constexpr, ASM: tl.constexpr):
     """(GP, len(t)) scores of the (pre-scaled, float16) query rows qa, qb, qp (the rotary halves, the pass-through
     channels) against the keys at ``rows`` (T, 1 pointers) rotated by their positions: R_t k = (ka cos - kb sin,
-    kb cos + ka sin, kp); without the sparse outliers (``_key_outlier_kernel`` adds their terms). FLOAT: a float
-    tile."""
+    kb cos + ka sin, kp); without the sparse outliers (``_key_outlier_kernel`` adds their terms). (ma, ha), (mb,
+    hb), (mp, hp): the three tiles' scales (``_scales``). FLOAT: a float tile (the scales unused)."""
     ch = tl.arange(0, HP)
     cp = tl.arange(0, PP)
     s = tl.zeros((qa.shape[0], t.shape[0]), tl.float32)
@@ -249,10 +269,10 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
             ka = tl.load(rows + ch[None, :], mask=tmask[:, None] & hm[None, :], other=0.0).to(tl.float32)
             kb = tl.load(rows + R // 2 + ch[None, :], mask=tmask[:, None] & hm[None, :], other=0.0).to(tl.float32)
         else:
-            ka = _scaled(_book(rows, 0, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM),
-                         mid, half, slot, hk, t, tmask, ch, hm, s_ms, s_mt, E, PER_TOKEN)
-            kb = _scaled(_book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                               ASM), mid, half, slot, hk, t, tmask, R // 2 + ch, hm, s_ms, s_mt, E, PER_TOKEN)
+            ka = ma + ha * _book(rows, 0, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
+                                 ASM).to(tl.float32)
+            kb = mb + hb * _book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
+                                 ASM).to(tl.float32)
         s = tl.dot(qa, tl.trans((ka * cos - kb * sin).to(tl.float16)), s)
         s = tl.dot(qb, tl.trans((kb * cos + ka * sin).to(tl.float16)), s)
     if R < E:
@@ -260,8 +280,8 @@ def _key_scores(qa, qb, qp, rows, mid, half, lut, kw0, kw1, kw2, kw3, kw4, kw5, 
         if FLOAT:
             kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0).to(tl.float16)
         else:
-            kp = _scaled(_book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM),
-                         mid, half, slot, hk, t, tmask, R + cp, pm, s_ms, s_mt, E, PER_TOKEN).to(tl.float16)
+            kp = (mp + hp * _book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
+                                  ASM).to(tl.float32)).to(tl.float16)
         s = tl.dot(qp, tl.trans(kp), s)
     return s
 
@@ -291,6 +311,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
                    ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
+    STORE_ASM: tl.constexpr = ASM and FAST  # PTX stores on the GPU (``_store_as_is``), tl.store in the interpreter
     VASM: tl.constexpr = ASM and FAST and VBITS <= 4
 
     rows = tl.arange(0, GP)  # the kv head's query heads, padded to GP (CFG["GP_MIN"])
@@ -324,13 +345,21 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
             t = tl.arange(0, SP)
             tmask = t < tl.minimum(n, S)
             cs, sn = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
-            s = _key_scores(qa, qb, qp, ksink + slot * ks_s + t[:, None] * ks_t + hk * ks_h, kmid, khalf, klut,
-                            kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cs, sn, 0, 0, E, R, HP,
-                            PP, True, K_PER_TOKEN, KBITS, KASM)
+            s = _key_scores(qa, qb, qp, ksink + slot * ks_s + t[:, None] * ks_t + hk * ks_h, 0.0, 1.0, 0.0, 1.0,
+                            0.0, 1.0, klut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, t, tmask, cs, sn, E, R, HP, PP,
+                            True, KBITS, KASM)
             m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
             v = tl.load(vsink + slot * vs_s + t[:, None] * vs_t + hk * vs_h + e[None, :], mask=tmask[:, None],
                         other=0.0).to(tl.float16)
             acc = tl.dot(p.to(tl.float16), v, acc)
+    # per-channel scales, the same every tile (``_scales``); per-token ones are loaded a tile
+    kma, kha, kmb, khb, kmp, khp, vm, vh = 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0
+    if not FLOAT and not K_PER_TOKEN:
+        kma, kha = _scales(kmid, khalf, slot, hk, 0, True, ch, ch < R // 2, 0, 0, E, False)
+        kmb, khb = _scales(kmid, khalf, slot, hk, 0, True, R // 2 + ch, ch < R // 2, 0, 0, E, False)
+        kmp, khp = _scales(kmid, khalf, slot, hk, 0, True, R + cp, cp < E - R, 0, 0, E, False)
+    if not FLOAT and not V_PER_TOKEN:
+        vm, vh = _scales(vmid, vhalf, slot, hk, 0, True, e, e < E, 0, 0, E, False)
     for start in range(lo, hi, BLOCK_T):
         t = start + j
         tmask = (t < hi) & (t >= S)
@@ -345,14 +374,19 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
         else:
             ua, ub = qa, qb
             cos, sin = 1.0, 0.0
-        s = _key_scores(ua, ub, qp, kc + slot * k_s + t[:, None] * k_t + hk * k_h, kmid, khalf, klut,
-                        kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, slot, hk, t, tmask, cos, sin, k_ms, k_mt, E, R, HP,
-                        PP, FLOAT, K_PER_TOKEN, KBITS, KASM)
         cs = sc + i * c_b + hk * c_k + t[None, :] * GROUP + rows[:, None]  # (b, hkv, L, g): a token's g together
+        krows = kc + slot * k_s + t[:, None] * k_t + hk * k_h
+        if K_PER_TOKEN and not FLOAT:
+            tm, th = _scales(kmid, khalf, slot, hk, t, tmask, 0, True, k_ms, k_mt, E, True)
+            s = _key_scores(ua, ub, qp, krows, tm, th, tm, th, tm, th, klut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7,
+                            t, tmask, cos, sin, E, R, HP, PP, FLOAT, KBITS, KASM)
+        else:
+            s = _key_scores(ua, ub, qp, krows, kma, kha, kmb, khb, kmp, khp, klut, kw0, kw1, kw2, kw3, kw4, kw5, kw6,
+                            kw7, t, tmask, cos, sin, E, R, HP, PP, FLOAT, KBITS, KASM)
         if KSLOTS > 0:  # the key outliers' score terms (``_key_outlier_kernel``)
             s += tl.load(cs, mask=rmask[:, None] & tmask[None, :], other=0.0)
         if VSLOTS > 0:  # the scores, in place of those terms, for the value outliers' pass (``_value_outlier_kernel``)
-            tl.store(cs, s, mask=rmask[:, None] & tmask[None, :])
+            _store_as_is(cs, s, rmask[:, None] & tmask[None, :], STORE_ASM)
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
         vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
@@ -368,8 +402,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
                 acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
             else:
                 lm = lm * alpha
-                x = _scaled(B, vmid, vhalf, slot, hk, t, tmask, e, e < E, v_ms, v_mt, E, False)
-                acc = tl.dot(p.to(tl.float16), x.to(tl.float16), acc)
+                acc = tl.dot(p.to(tl.float16), (vm + vh * B.to(tl.float32)).to(tl.float16), acc)
 
     _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc + lm[:, None], s_ob, s_oh, w_b, w_h, w_p, w_e, GROUP,
                  E, ONE_SPLIT)
