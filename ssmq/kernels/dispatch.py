@@ -334,6 +334,16 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
 _KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
 
 
+def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None):
+    """Decode attention of one query per row, q (b, hq, e), over a float KV cache k_cache, v_cache (s, L, hkv, e)
+    (keys post-RoPE), rows ``slots`` valid up to ``kv_lens`` (b,): (b, hq, e) float32. The flash-decoding kernel of
+    ``kv_decode`` on CUDA (it reads the lengths on the device: no host sync); ``attention_ref`` elsewhere."""
+    if not _use_triton(q):
+        return ops.attention_ref(q[:, None].float(), k_cache[slots].float(), v_cache[slots].float(), kv_lens,
+                                 softmax_scale)[:, 0]
+    return _kernels("kv_decode").float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale)
+
+
 def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None):
     """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA:
     ``kv_decode_fast`` for the formats it is ``eligible`` for, else the first-generation ``kv_decode``)."""

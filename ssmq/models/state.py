@@ -10,7 +10,8 @@ graphs capture its address). Mixers and kernels use only these ops:
     MambaState   conv (s, c, w-1) buffer for the conv kernels, read_ssm / write_ssm around a prefill,
                  step_ssm (one kernel, any format) or update_ssm (a float step function) for a decode step,
                  reset, nbytes
-    KVState      append after the projections, read for attention, reset, nbytes
+    KVState      append after the projections, read for attention (decode: the flash-decoding kernel on CUDA),
+                 reset, nbytes
 Each op touches the rows ``slots`` it serves and nothing else: ``step_ssm`` reads and writes them in place in
 their stored format (int8 codes dequantized and re-quantized in registers); ``update_ssm`` on an int8 state
 dequantizes them into a (b, …) float32 work copy, never all s slots.
@@ -288,6 +289,18 @@ class KVState:
             cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
             keys = apply_rotary_ref(keys, cos, sin)
         return keys, values
+
+    def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' cache up to ``kv_lens`` (b,):
+        (b, hq, e) float32 from the flash-decoding kernel (``kernels.float_kv_decode``: the lengths read on the
+        device, so a CUDA graph captures the step, and each row reads its own length, not the longest) on CUDA for
+        float16 caches of post-RoPE keys; None otherwise (the caller reads the prefix and runs ``attention_ref``:
+        on CPU, for keys rotated at read, and for bfloat16 / float32 caches, which the kernel's float16 products
+        would round)."""
+        e = self.k.shape[-1]
+        if self.rope is not None or self.k.dtype != torch.float16 or not self.k.is_cuda or e < 16 or e & (e - 1):
+            return None  # (the kernel's tiles take head dims that are powers of two, 16 or more)
+        return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v)
 
     def reset(self, slots=None) -> None:
         self.k[_rows(slots)] = 0
