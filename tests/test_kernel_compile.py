@@ -413,3 +413,16 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
                                 aligned=aligned).asm["ptx"]
             # a slot's 4 query heads are contiguous in sc and ws (heads innermost): one vector atomic a slot
             assert "red.global.gpu.relaxed.add.v4.f32" in ptx and "red.global.gpu.relaxed.add.f32" not in ptx
+
+
+@pytest.mark.parametrize("bits,per_token,k,e", [(4, False, 20, 128), (4, True, 10, 128), (3, False, 20, 128),
+                                                 (2, True, 10, 64), (3, True, 0, 64)])
+def test_kv_append_compiles_for_sm90(bits, per_token, k, e):
+    """The fused quantize-and-append (one program a token) as launched for a 8 x e cache side."""
+    from ssmq.kernels import kv_append
+
+    pointers = {"x": "fp16", "slots": "i64", "positions": "i64", "codes": "u8", "mid": "fp16", "half": "fp16",
+                "oidx": "i16", "oval": "fp16", "sink": "fp16", "book": "fp32", "lo": "fp32", "hi": "fp32"}
+    const = dict(HKV=8, E=e, HP=8, EP=e, NB=e * bits // 8, LEVELS=2 ** bits, BITS=bits, K=k,
+                 KP=max(2, triton.next_power_of_2(k)), PER_TOKEN=per_token, SYMMETRIC=False, S=1)
+    _compile_sm90(kv_append._append_kernel, pointers, const)

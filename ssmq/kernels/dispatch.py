@@ -344,6 +344,25 @@ def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None):
     return _kernels("kv_decode").float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale)
 
 
+# SSMQ_KV_FUSED_APPEND=1 writes a quantized KV cache's new tokens with the fused quantize-and-append kernel
+# (``kv_append``): exact against the reference write under the interpreter and compiled for sm_90, not yet run on a
+# GPU (2026-11-28), hence off by default.
+_KV_FUSED_APPEND = os.environ.get("SSMQ_KV_FUSED_APPEND", "0") == "1"
+
+
+def quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink) -> bool:
+    """Quantize x (b, l, hkv, e) into a quantized KV side's buffers at ``positions`` of the rows ``slots`` with the
+    fused kernel (``kv_append.quant_kv_append``) when it is on and serves the format; False when the caller should
+    write with the reference ops instead."""
+    if not (_KV_FUSED_APPEND and _use_triton(x)):
+        return False
+    fused = _kernels("kv_append")
+    if not fused.eligible(p, bits):
+        return False
+    fused.quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink)
+    return True
+
+
 def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None):
     """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA:
     ``kv_decode_fast`` for the formats it is ``eligible`` for, else the first-generation ``kv_decode``)."""

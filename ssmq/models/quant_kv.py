@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ssmq import kernels
 from ssmq.models.state import RopeAtRead, StateFormat, _rows
 from ssmq.ops.attention import check_fits, read_extent
 from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, code_bits, dequantize_kv_ref, pack_codes, packed_bytes,
@@ -45,8 +46,13 @@ class QuantSide:
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
         """x (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (b,). Static shapes, no host read of a
-        device value (a CUDA graph captures it): every buffer is written by index, the sink by ``write_sink``."""
-        q = quantize_kv_ref(x.reshape(-1, *x.shape[-2:]), self.q.params(self.which))
+        device value (a CUDA graph captures it): every buffer is written by index, the sink by ``write_sink``; on
+        CUDA with SSMQ_KV_FUSED_APPEND=1, by one fused kernel (``kernels.quant_kv_append``, the same bytes)."""
+        p = self.q.params(self.which)
+        if kernels.quant_kv_append(x, slots, positions, p, self.bits, self.codes, self.mid, self.half, self.out_idx,
+                                   self.out_val, self.sink):
+            return
+        q = quantize_kv_ref(x.reshape(-1, *x.shape[-2:]), p)
         lead = x.shape[:2]
         rows = slots[:, None].expand_as(positions)
         codes = pack_codes(q.codes, self.bits)
@@ -152,8 +158,6 @@ class QuantKVState:
         k, v = self.k.view(), self.v.view()
         if k is None or v is None:
             return None
-        from ssmq import kernels
-
         r = self.rope
         return kernels.quant_kv_decode(q, slots, kv_lens, k, v, r.rotary_dim if r else 0, r.theta if r else 1e4)
 

@@ -1,0 +1,156 @@
+"""Quantize-and-append for a quantized KV cache: one Triton program a token writes its codes (packed), per-token
+scales, outlier slots and sink entry, exactly as ``QuantSide.write`` does with the reference ops
+(``ssmq.ops.kv_quant.quantize_kv_ref`` + ``pack_codes`` + the scatters), in one launch a side.
+
+Why: the reference write is dozens of small torch kernels a layer and a step (top-k, where, amax / amin, bucketize,
+packing, scatters); end to end on the H100 they cost more than the quantized cache saves in attention (Llama-3.1-8B
+config, batch 1, 32K tokens: ~6 ms a step for nuq4, ~11 ms for nuq4-1%, against 3.5 ms of float16 attention;
+``benchmarks/bench_kv_e2e.py --profile``, 2026-11-28).
+
+Glossary: n tokens written (b rows × l), hkv kv heads, e head dim (HP, EP padded to powers of two), k outlier slots
+a token (KP padded), C codebook entries (LEVELS), S sink positions, NB packed bytes of a head's row.
+Per token (x (hkv, e) float32):
+    outliers  per-channel sides: score = max(x - hi, lo - x) / max(hi - lo, 1e-8) (offline thresholds), per-token
+              sides: |x| + 1; the k largest scores, those > 0, taken one at a time (argmax, then masked; the first
+              index of a tie, where torch.topk leaves the choice open); stored in increasing index order, empties -1
+              last (``order_slots``): slot j holds the selected entry of rank j
+    scales    per-token: mid, half over each head's entries that are not outliers, rounded to float16 (what is
+              stored is what quantizes); per-channel: from the offline lo / hi
+    codes     the number of codebook midpoints below u = clamp((x - mid) / half, -1, 1) (``torch.bucketize``), IEEE
+              division as torch's; under an outlier the codebook's end on its value's side (``outlier_codes``)
+    packing   ``pack_codes``' layout: a head's row a little-endian bit string, 2 / 3 / 4 bits a code
+Formats served: 2-4 bit codebooks, per-token or per-channel sides, symmetric or not, no rotation; the rest (8-bit
+codes, rotated TurboQuant-style sides, per-tensor scales) keeps the reference write.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ssmq.ops.kv_quant import KVParams
+
+
+@triton.jit
+def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book, lo, hi,
+                   s_xt, s_xh, l, s_pb, c_s, c_t, c_h, m_s, m_t, o_s, o_t, k_s, k_t, k_h,
+                   HKV: tl.constexpr, E: tl.constexpr, HP: tl.constexpr, EP: tl.constexpr, NB: tl.constexpr,
+                   LEVELS: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                   PER_TOKEN: tl.constexpr, SYMMETRIC: tl.constexpr, S: tl.constexpr):
+    pid = tl.program_id(0)
+    r = pid // l
+    slot = tl.load(slots + r)
+    pos = tl.load(positions + r * s_pb + pid % l)
+    h = tl.arange(0, HP)[:, None]
+    c = tl.arange(0, EP)[None, :]
+    m = (h < HKV) & (c < E)
+    flat = h * E + c  # the entry's index in the token (hkv · e), as the outlier slots store it
+    xv = tl.load(x + pid * s_xt + h * s_xh + c, mask=m, other=0.0).to(tl.float32)
+    if not PER_TOKEN:
+        lo_ = tl.load(lo + flat, mask=m, other=0.0)
+        hi_ = tl.load(hi + flat, mask=m, other=0.0)
+
+    sel = flat < 0  # all False
+    if K > 0:
+        if PER_TOKEN:
+            score = tl.abs(xv) + 1.0
+        else:
+            score = tl.math.div_rn(tl.maximum(xv - hi_, lo_ - xv), tl.maximum(hi_ - lo_, 1e-8))
+        score = tl.where(m, score, float("-inf"))
+        for _ in tl.static_range(K):
+            best = tl.max(tl.max(score, 1), 0)
+            at = tl.min(tl.min(tl.where(score == best, flat, HKV * E), 1), 0)
+            sel = sel | ((flat == at) & (score > 0))
+            score = tl.where(flat == at, float("-inf"), score)
+        # slot j: the selected entry of rank j in index order (padded entries are never selected)
+        sel1 = tl.reshape(sel, (HP * EP,))
+        rank = tl.cumsum(sel1.to(tl.int32), 0) - 1
+        j = tl.arange(0, KP)[:, None]
+        match = (rank[None, :] == j) & sel1[None, :]
+        idx = tl.sum(tl.where(match, tl.reshape(flat, (HP * EP,))[None, :], 0), 1)
+        val = tl.sum(tl.where(match, tl.reshape(xv, (HP * EP,))[None, :], 0.0), 1)
+        has = tl.sum(match.to(tl.int32), 1) > 0
+        jj = tl.arange(0, KP)
+        tl.store(oidx + slot * o_s + pos * o_t + jj, tl.where(has, idx, -1).to(tl.int16), mask=jj < K)
+        tl.store(oval + slot * o_s + pos * o_t + jj, tl.where(has, val, 0.0).to(tl.float16), mask=jj < K)
+
+    if PER_TOKEN:  # over each head's entries that are not outliers; stored float16, used as stored
+        hi_t = tl.max(tl.where(sel | ~m, float("-inf"), xv), 1)
+        lo_t = tl.min(tl.where(sel | ~m, float("inf"), xv), 1)
+        if SYMMETRIC:
+            mid_t = tl.zeros_like(hi_t)
+            half_t = tl.maximum(tl.abs(lo_t), tl.abs(hi_t))
+        else:
+            mid_t = (hi_t + lo_t) / 2
+            half_t = (hi_t - lo_t) / 2
+        mid16 = mid_t.to(tl.float16)
+        half16 = tl.maximum(half_t, 1e-4).to(tl.float16)
+        hh = tl.arange(0, HP)
+        tl.store(mid + slot * m_s + pos * m_t + hh, mid16, mask=hh < HKV)
+        tl.store(half + slot * m_s + pos * m_t + hh, half16, mask=hh < HKV)
+        midv = mid16.to(tl.float32)[:, None]
+        halfv = half16.to(tl.float32)[:, None]
+    else:
+        if SYMMETRIC:
+            midv = tl.zeros_like(lo_)
+            halfv = tl.maximum(tl.abs(lo_), tl.abs(hi_))
+        else:
+            midv = (hi_ + lo_) / 2
+            halfv = (hi_ - lo_) / 2
+        halfv = tl.maximum(halfv, 1e-8)
+
+    u = tl.minimum(tl.maximum(tl.math.div_rn(xv - midv, halfv), -1.0), 1.0)
+    code = tl.zeros((HP, EP), tl.int32)
+    for i in tl.static_range(LEVELS - 1):
+        code += ((tl.load(book + i + 1) + tl.load(book + i)) / 2 < u).to(tl.int32)
+    code = tl.where(sel, tl.where(xv.to(tl.float16).to(tl.float32) >= midv, LEVELS - 1, 0), code)
+
+    row = codes + slot * c_s + pos * c_t + h * c_h
+    if BITS == 3:  # 8 codes a 24-bit group, 3 bytes
+        g = tl.arange(0, EP // 8)[None, :]
+        w = tl.sum(tl.reshape(code, (HP, EP // 8, 8)) << (3 * tl.arange(0, 8))[None, None, :], 2)
+        gm = (h < HKV) & (g < NB // 3)
+        for b in tl.static_range(3):
+            tl.store(row + 3 * g + b, ((w >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+    else:  # 8 / BITS codes a byte
+        CB: tl.constexpr = 8 // BITS
+        g = tl.arange(0, EP // CB)[None, :]
+        w = tl.sum(tl.reshape(code, (HP, EP // CB, CB)) << (BITS * tl.arange(0, CB))[None, None, :], 2)
+        tl.store(row + g, w.to(tl.uint8), mask=(h < HKV) & (g < NB))
+    if S > 0:
+        tl.store(sink + slot * k_s + pos * k_t + h * k_h + c, xv.to(sink.dtype.element_ty),
+                 mask=m & (c * 0 + pos < S))  # (a tensor: the interpreter refuses a scalar mask operand)
+
+
+def eligible(p: KVParams, bits: int) -> bool:
+    """The formats the kernel writes exactly (module docstring)."""
+    return bits in (2, 3, 4) and p.signs is None and p.granularity in ("per_token", "per_channel")
+
+
+def quant_kv_append(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, p: KVParams, bits: int,
+                    codes: torch.Tensor, mid: torch.Tensor | None, half: torch.Tensor | None, out_idx: torch.Tensor,
+                    out_val: torch.Tensor, sink: torch.Tensor) -> None:
+    """Quantize x (b, l, hkv, e) and write it at ``positions`` (b, l) of the rows ``slots`` (b,) into a
+    ``QuantSide``'s buffers: codes (s, L, hkv, NB) uint8, mid / half (s, L, hkv) float16 (per-token sides, else
+    None), out_idx / out_val (s, L, k), sink (s, S, hkv, e). Same bytes as the reference write (tested)."""
+    assert eligible(p, bits), "format not served by the fused append"
+    b, l, hkv, e = x.shape
+    xf = x.reshape(b * l, hkv, e)
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    positions = positions.contiguous()
+    per_token = p.granularity == "per_token"
+    k = out_idx.shape[-1]
+    book = p.codebook.to(x.device, torch.float32).contiguous()
+    lo = book if per_token else p.lo.to(x.device, torch.float32).contiguous()
+    hi = book if per_token else p.hi.to(x.device, torch.float32).contiguous()
+    ms = mid if per_token else codes  # unused pointers when per-channel
+    hs = half if per_token else codes
+    _append_kernel[(b * l,)](
+        xf, slots, positions, codes, ms, hs, out_idx, out_val, sink, book, lo, hi,
+        xf.stride(0), xf.stride(1), l, positions.stride(0), codes.stride(0), codes.stride(1), codes.stride(2),
+        ms.stride(0), ms.stride(1), out_idx.stride(0), out_idx.stride(1), sink.stride(0), sink.stride(1),
+        sink.stride(2), HKV=hkv, E=e, HP=triton.next_power_of_2(hkv), EP=max(8, triton.next_power_of_2(e)),
+        NB=codes.shape[-1], LEVELS=book.numel(), BITS=bits, K=k, KP=max(2, triton.next_power_of_2(k)),
+        PER_TOKEN=per_token, SYMMETRIC=p.symmetric, S=sink.shape[1], num_warps=4)
