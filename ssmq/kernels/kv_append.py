@@ -33,6 +33,14 @@ from ssmq.ops.kv_quant import KVParams
 
 
 @triton.jit
+def _mid_half(lo, hi, SYMMETRIC: tl.constexpr):
+    """``ssmq.ops.kv_quant._mid_half``: the centre and half-width of [lo, hi] (symmetric: 0 and max |lo|, |hi|)."""
+    if SYMMETRIC:
+        return tl.zeros_like(hi), tl.maximum(tl.abs(lo), tl.abs(hi))
+    return (hi + lo) / 2, (hi - lo) / 2
+
+
+@triton.jit
 def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book, lo, hi,
                    s_xt, s_xh, l, s_pb, c_s, c_t, c_h, m_s, m_t, o_s, o_t, k_s, k_t, k_h,
                    HKV: tl.constexpr, E: tl.constexpr, HP: tl.constexpr, EP: tl.constexpr, NB: tl.constexpr,
@@ -76,14 +84,8 @@ def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book
         tl.store(oval + slot * o_s + pos * o_t + jj, tl.where(has, val, 0.0).to(tl.float16), mask=jj < K)
 
     if PER_TOKEN:  # over each head's entries that are not outliers; stored float16, used as stored
-        hi_t = tl.max(tl.where(sel | ~m, float("-inf"), xv), 1)
-        lo_t = tl.min(tl.where(sel | ~m, float("inf"), xv), 1)
-        if SYMMETRIC:
-            mid_t = tl.zeros_like(hi_t)
-            half_t = tl.maximum(tl.abs(lo_t), tl.abs(hi_t))
-        else:
-            mid_t = (hi_t + lo_t) / 2
-            half_t = (hi_t - lo_t) / 2
+        mid_t, half_t = _mid_half(tl.min(tl.where(sel | ~m, float("inf"), xv), 1),
+                                  tl.max(tl.where(sel | ~m, float("-inf"), xv), 1), SYMMETRIC)
         mid16 = mid_t.to(tl.float16)
         half16 = tl.maximum(half_t, 1e-4).to(tl.float16)
         hh = tl.arange(0, HP)
@@ -92,12 +94,7 @@ def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book
         midv = mid16.to(tl.float32)[:, None]
         halfv = half16.to(tl.float32)[:, None]
     else:
-        if SYMMETRIC:
-            midv = tl.zeros_like(lo_)
-            halfv = tl.maximum(tl.abs(lo_), tl.abs(hi_))
-        else:
-            midv = (hi_ + lo_) / 2
-            halfv = (hi_ - lo_) / 2
+        midv, halfv = _mid_half(lo_, hi_, SYMMETRIC)
         halfv = tl.maximum(halfv, 1e-8)
 
     u = tl.minimum(tl.maximum(tl.math.div_rn(xv - midv, halfv), -1.0), 1.0)
