@@ -17,9 +17,10 @@ pytestmark = pytest.mark.gpu  # on CPU with SSMQ_TRITON_INTERPRET=1 (conftest)
 HKV, E = 4, 64  # 256 entries a token: 1% is 3 value / 6 key slots
 
 
-def _quantizer(name: str, seed: int = 0) -> KVQuantizer:
+def _quantizer(name: str, seed: int = 0, spread: float = 1.0) -> KVQuantizer:
     """A quantizer of format ``name`` with calibrated-looking codebooks (sorted, in [-1, 1], ends kept) and
-    per-channel ranges (a spread per channel, so that some entries of heavy-tailed data fall outside)."""
+    per-channel ranges (a spread per channel, so that some entries of heavy-tailed data fall outside: at spread 1
+    ~60 of a token's 256, more than its 6 key slots; at 5, 1-9, so tokens with fewer candidates than slots too)."""
     g = torch.Generator().manual_seed(seed)
     q = KVQuantizer(kv_format(name).spec, HKV, E)
     for x in "kv":
@@ -28,7 +29,7 @@ def _quantizer(name: str, seed: int = 0) -> KVQuantizer:
             inner = torch.sort(torch.rand(book.numel() - 2, generator=g) * 2 - 1).values
             book.copy_(torch.cat([book[:1], inner, book[-1:]]))
         if hasattr(q, f"{x}_lo"):
-            width = torch.rand(HKV, E, generator=g) * 2 + 0.5
+            width = (torch.rand(HKV, E, generator=g) * 2 + 0.5) * spread
             centre = torch.randn(HKV, E, generator=g) * 0.3
             getattr(q, f"{x}_lo").copy_(centre - width)
             getattr(q, f"{x}_hi").copy_(centre + width)
@@ -42,14 +43,15 @@ def _data(b: int, l: int, seed: int) -> torch.Tensor:
     return x.half()
 
 
-@pytest.mark.parametrize("name", ["kvquant-nuq4-1%", "kvquant-nuq3-1%", "kvquant-nuq2-1%", "kvquant-int4",
-                                  "kvquant-int3-1%", "kv-int4-pth", "kvquant-nuq2"])
+@pytest.mark.parametrize("name,spread", [("kvquant-nuq4-1%", 1.0), ("kvquant-nuq3-1%", 1.0), ("kvquant-nuq2-1%", 1.0),
+                                         ("kvquant-int4", 1.0), ("kvquant-int3-1%", 1.0), ("kv-int4-pth", 1.0),
+                                         ("kvquant-nuq2", 1.0), ("kvquant-nuq4-1%", 5.0), ("kvquant-nuq3-1%", 5.0)])
 @pytest.mark.parametrize("l", [1, 5])
-def test_fused_append_writes_the_reference_bytes(name, l):
+def test_fused_append_writes_the_reference_bytes(name, spread, l):
     pytest.importorskip("triton")
     from ssmq.kernels.kv_append import eligible, quant_kv_append
 
-    q = _quantizer(name).to(DEV)
+    q = _quantizer(name, spread=spread).to(DEV)
     ref = QuantKVState(q, 4, 32, torch.float16, DEV)
     got = QuantKVState(q, 4, 32, torch.float16, DEV)
     slots = torch.tensor([2, 0, 3], device=DEV)

@@ -11,9 +11,10 @@ Glossary: n tokens written (b rows × l), hkv kv heads, e head dim (HP, EP padde
 a token (KP padded), C codebook entries (LEVELS), S sink positions, NB packed bytes of a head's row.
 Per token (x (hkv, e) float32):
     outliers  per-channel sides: score = max(x - hi, lo - x) / max(hi - lo, 1e-8) (offline thresholds), per-token
-              sides: |x| + 1; the k largest scores, those > 0, taken one at a time (argmax, then masked; the first
-              index of a tie, where torch.topk leaves the choice open); stored in increasing index order, empties -1
-              last (``order_slots``): slot j holds the selected entry of rank j
+              sides: |x| + 1; the k largest scores, those > 0: all of them when there are k or fewer (one pass),
+              else taken one at a time (a max over (score bits, inverted index) keys: the first index of a tie,
+              where torch.topk leaves the choice open); stored in increasing index order, empties -1 last
+              (``order_slots``): slot j holds the selected entry of rank j
     scales    per-token: mid, half over each head's entries that are not outliers, rounded to float16 (what is
               stored is what quantizes); per-channel: from the offline lo / hi
     codes     the number of codebook midpoints below u = clamp((x - mid) / half, -1, 1) (``torch.bucketize``), IEEE
@@ -65,12 +66,18 @@ def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book
             score = tl.abs(xv) + 1.0
         else:
             score = tl.math.div_rn(tl.maximum(xv - hi_, lo_ - xv), tl.maximum(hi_ - lo_, 1e-8))
-        score = tl.where(m, score, float("-inf"))
-        for _ in tl.static_range(K):
-            best = tl.max(tl.max(score, 1), 0)
-            at = tl.min(tl.min(tl.where(score == best, flat, HKV * E), 1), 0)
-            sel = sel | ((flat == at) & (score > 0))
-            score = tl.where(flat == at, float("-inf"), score)
+        # one int64 key an entry: a positive score's bits (ordered as the floats) above the inverted index, so that
+        # one max finds the best score and, among equal ones, the first index; 0 for scores <= 0 (never kept)
+        key = tl.where(m & (score > 0), (score.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                       | (HKV * E - 1 - flat).to(tl.int64), 0)
+        sel = key > 0
+        if tl.sum(tl.sum(sel.to(tl.int32), 1), 0) > K:  # more candidates than slots: the K largest, one at a time
+            sel = flat < 0  # (per-channel keys mostly have fewer: one pass; per-token values always more)
+            for _ in tl.static_range(K):
+                best = tl.max(tl.max(key, 1), 0)
+                hit = (key == best) & (key > 0)
+                sel = sel | hit
+                key = tl.where(hit, 0, key)
         # slot j: the selected entry of rank j in index order (padded entries are never selected)
         sel1 = tl.reshape(sel, (HP * EP,))
         rank = tl.cumsum(sel1.to(tl.int32), 0) - 1
