@@ -7,6 +7,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 calib --calib-seqlen 2048   # longer calibration windows
     python benchmarks/diag_kvquant.py --model smollm2 calib --calib-samples 64    # more calibration windows
     python benchmarks/diag_kvquant.py --model smollm2 knobs      # Q-Norm on each side, 4 sink tokens
+    python benchmarks/diag_kvquant.py --model smollm2 pin        # key codebook ends kept at -1 / 1 too
 
 Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
@@ -27,7 +28,7 @@ from ssmq.eval.perplexity import wikitext2_path
 from ssmq.models.kv_format import KVSideSpec, KVSpec
 
 WINDOWS = {"smollm2": (8, 512), "hybrid": (16, 1024)}
-ORIG_SLOTS, ORIG_FIT = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side
+ORIG_SLOTS, ORIG_FIT, ORIG_KMEANS = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side, calibrate.weighted_kmeans
 
 
 @contextlib.contextmanager
@@ -43,6 +44,11 @@ def patched(obj, name, value):
 def unlimited_slots(self, n):
     """Every entry beyond the per-channel thresholds kept (the paper's variable-length sparse rows)."""
     return n if self.outliers and self.granularity == "per_channel" else ORIG_SLOTS(self, n)
+
+
+def pinned_kmeans(u, w, init, iters=40, pin_ends=False):
+    """k-means with the end levels kept at -1 / 1 on every side (by default only on per-token ones)."""
+    return ORIG_KMEANS(u, w, init, iters, pin_ends=True)
 
 
 def fisher_power(a):
@@ -77,12 +83,15 @@ def variants(experiment: str, full: KVSpec):
                 ("4 sink tokens", replace(full, sink=4), none())]
     if experiment == "calib":
         return [("float KV", None, none()), ("all", full, none())]
+    if experiment == "pin":
+        return [("key ends free (the default)", full, none()),
+                ("key ends pinned at -1 / 1", full, patched(calibrate, "weighted_kmeans", pinned_kmeans))]
     raise SystemExit(f"diag_kvquant: unknown experiment {experiment!r}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs"])
+    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)
