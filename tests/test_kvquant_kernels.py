@@ -167,15 +167,19 @@ def _check(k, case, k_per_token, splits=None, v_outliers=1, tol=1e-4):
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_float_kv_decode_equals_attention_reference(k, splits):
-    """The kernel over an fp16 cache (the FP16 baseline of bench_kvquant) is ``attention_ref`` on its rows."""
+def test_float_kv_decode_equals_attention_reference(k, splits, dtype):
+    """The kernel over a float cache (fp16: the FP16 baseline of bench_kvquant and the models' decode; bf16 / fp32:
+    loaded to float32 as well) is ``attention_ref`` on its rows."""
     from ssmq.ops.attention import attention_ref
 
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("the interpreter computes through numpy, which has no bfloat16")
     gen = torch.Generator().manual_seed(2)
     s, L, hkv, e, b, hq = 5, 90, 2, 32, 3, 6
-    kc, vc = (torch.randn(s, L, hkv, e, generator=gen).half().to(DEV) for _ in range(2))
-    q = torch.randn(b, hq, e, generator=gen).half().to(DEV)
+    kc, vc = (torch.randn(s, L, hkv, e, generator=gen).to(dtype).to(DEV) for _ in range(2))
+    q = torch.randn(b, hq, e, generator=gen).to(dtype).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
     lens = torch.tensor([L, 1, 37], device=DEV)
     got = k.float_kv_decode(q, slots, lens, kc, vc, splits=splits)
