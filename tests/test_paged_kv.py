@@ -60,3 +60,55 @@ def test_block_allocator_reserves_at_admission_and_frees_on_release():
     alloc.release(0)
     assert alloc.used == 0 and alloc.can_admit(40)
     assert 0 not in alloc._free  # the null block is never handed out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True])
+def test_float16_cache_decode_through_the_kernel_equals_the_reference(paged, monkeypatch):
+    """A float16 KV cache, dense or paged (blocks out of order), decodes through the flash-decoding kernel
+    (``KVState.decode`` / ``PagedKVState.decode``) to the logits of the reference decode (prefix read +
+    attention_ref). On CPU under the interpreter the model runs in float32 over a float16 cache, the kernel taking
+    it as on CUDA."""
+    from test_kernels import DEV
+
+    import ssmq.models.paged_kv as paged_kv
+    import ssmq.models.state as state
+    from ssmq.kernels import kv_decode
+
+    model = tiny_model("llama", seed=3).to(DEV)
+    if DEV == "cpu":  # the kernel itself, not the dispatch's CPU reference; the eligibility as on CUDA
+        monkeypatch.setattr(state.kernels, "float_kv_decode", kv_decode.float_kv_decode)
+        eligible = lambda k, rope: rope is None and k.dtype == torch.float16  # noqa: E731
+        monkeypatch.setattr(state, "kernel_decodes", eligible)
+        monkeypatch.setattr(paged_kv, "kernel_decodes", eligible)
+    g = torch.Generator().manual_seed(1)
+    prompts = {0: torch.randint(0, 64, (1, 11), generator=g), 2: torch.randint(0, 64, (1, 6), generator=g)}
+    ran = []
+    kind = paged_kv.PagedKVState if paged else state.KVState
+    real = kind.decode
+
+    def run(use_kernel: bool):
+        monkeypatch.setattr(kind, "decode", (lambda self, *a: ran.append(real(self, *a)) or ran[-1]) if use_kernel
+                            else (lambda self, *a: None))
+        kw = dict(kv_blocks=40, kv_block_size=4) if paged else {}
+        cache = model.allocate_cache(3, 64, dtype=torch.float16, **kw)
+        if paged:
+            alloc = BlockAllocator(40, 4)
+            alloc._free.reverse()
+            for s in prompts:
+                alloc.admit(s, 40)
+                cache.block_table.assign(s, *alloc.grow(s, 30))
+        out = []
+        with torch.inference_mode():
+            for s, ids in prompts.items():
+                model(ids.to(DEV), cache, slots=[s])
+            tokens, slots = torch.tensor([3, 5], device=DEV), torch.tensor(list(prompts), device=DEV)
+            for _ in range(6):
+                out.append(model.step(tokens, cache, slots).float())
+                tokens = out[-1].argmax(-1)
+        return torch.stack(out)
+
+    ref = run(False)
+    got = run(True)
+    assert ran and all(o is not None for o in ran), "the decode did not go through the kernel"
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-3

@@ -11,15 +11,16 @@ Blocks are handed out as sequences grow (``ssmq.runtime.kv_blocks.BlockAllocator
 with ``BlockTable.assign``), so a slot holds KV for the tokens it has, not for max_seqlen. Block 0 is the null
 block: entries not assigned point there, so the padding rows of a CUDA graph and positions past a row's end
 read and write it, never another sequence's block (attention masks what they read by ``kv_lens``).
-Same ops as ``KVState`` (append, read, reset, nbytes): the attention layer does not know which it has.
+Same ops as ``KVState`` (append, read, decode, reset, nbytes): the attention layer does not know which it has.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ssmq import kernels
 from ssmq.errors import SSMQError
-from ssmq.models.state import RopeAtRead, StateFormat
+from ssmq.models.state import RopeAtRead, StateFormat, kernel_decodes
 from ssmq.ops.attention import check_fits, read_extent
 
 
@@ -89,6 +90,17 @@ class PagedKVState:
             cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
             keys = apply_rotary_ref(keys, cos, sin)
         return keys, values
+
+    def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """``KVState.decode`` over blocks: the rows' blocks gathered (``read``: a float16 copy of their prefix, the
+        capacity while a CUDA graph is captured) and the flash-decoding kernel run over the copy, for the caches
+        ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over ``read``). The copy costs
+        about what the kernel does; ``attention_ref`` copies to float32 and repeats the kv heads (10× the kernel
+        at 128K tokens, H100)."""
+        if not kernel_decodes(self.k, self.rope):
+            return None
+        keys, values = self.read(slots, kv_lens)
+        return kernels.float_kv_decode(q, torch.arange(len(slots), device=q.device), kv_lens, keys, values)
 
     def reset(self, slots=None) -> None:
         """Forget the rows ``slots``: their table entries go back to the null block (the allocator frees blocks)."""

@@ -239,6 +239,13 @@ class RopeAtRead:
     theta: float
 
 
+def kernel_decodes(k: torch.Tensor, rope) -> bool:
+    """Whether a float KV cache k (…, hkv, e) decodes through ``kernels.float_kv_decode``: float16 keys stored after
+    RoPE, on CUDA, head dims that are powers of two, 16 or more (the kernel's tiles); the GPU tests cover these."""
+    e = k.shape[-1]
+    return rope is None and k.dtype == torch.float16 and k.is_cuda and e >= 16 and not e & (e - 1)
+
+
 class KVState:
     """Keys and values of one attention layer: k, v (s, L, hkv, e) in the activation dtype.
 
@@ -297,9 +304,8 @@ class KVState:
         float16 caches of post-RoPE keys; None otherwise (the caller reads the prefix and runs ``attention_ref``:
         on CPU, for keys rotated at read, and for bfloat16 / float32 caches, which the kernel's float16 products
         would round)."""
-        e = self.k.shape[-1]
-        if self.rope is not None or self.k.dtype != torch.float16 or not self.k.is_cuda or e < 16 or e & (e - 1):
-            return None  # (the kernel's tiles take head dims that are powers of two, 16 or more)
+        if not kernel_decodes(self.k, self.rope):
+            return None
         return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v)
 
     def reset(self, slots=None) -> None:
