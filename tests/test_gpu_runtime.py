@@ -92,31 +92,3 @@ def test_fp16_decode_on_cuda_matches_the_float32_reference(tiny_folder):
     out = torch.stack(steps, 1)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
-
-@pytest.mark.parametrize("arch", ["hybrid", "llama"])
-def test_fp16_kv_cache_decodes_through_the_kernel(arch, monkeypatch):
-    """A float16 KV cache decodes through the flash-decoding kernel (``KVState.decode``): ragged rows (prefilled to
-    17, 9 and 3 tokens) give the logits of the same steps with the kernel off (the prefix read + attention_ref)."""
-    from tiny_ssm import tiny_model
-
-    from ssmq.models.state import KVState
-
-    model = tiny_model(arch).to(device="cuda", dtype=torch.float16)
-    ids = torch.randint(0, 64, (3, 25), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    slots = torch.arange(3, device="cuda")
-    ran = []
-    kernel = KVState.decode
-
-    def steps():
-        cache = model.allocate_cache(3, 32, dtype=torch.float16)
-        with torch.inference_mode():
-            for r, n in enumerate((17, 9, 3)):
-                model(ids[r:r + 1, :n], cache, slots[r:r + 1], num_last_tokens=1)
-            return torch.stack([model.step(ids[:, 17 + i], cache, slots).float() for i in range(6)])
-
-    monkeypatch.setattr(KVState, "decode", lambda self, *a: ran.append(kernel(self, *a)) or ran[-1])
-    fast = steps()
-    assert ran and all(o is not None for o in ran), "the float16 cache did not decode through the kernel"
-    monkeypatch.setattr(KVState, "decode", lambda self, *a: None)
-    ref = steps()
-    assert ((fast - ref).norm() / ref.norm()).item() < 5e-3

@@ -63,19 +63,20 @@ def test_block_allocator_reserves_at_admission_and_frees_on_release():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["hybrid", "llama"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_float16_cache_decode_through_the_kernel_equals_the_reference(paged, monkeypatch):
+def test_float16_cache_decode_through_the_kernel_equals_the_reference(paged, arch, monkeypatch):
     """A float16 KV cache, dense or paged (blocks out of order), decodes through the flash-decoding kernel
-    (``KVState.decode`` / ``PagedKVState.decode``) to the logits of the reference decode (prefix read +
-    attention_ref). On CPU under the interpreter the model runs in float32 over a float16 cache, the kernel taking
-    it as on CUDA."""
+    (``KVState.decode`` / ``PagedKVState.decode``): ragged rows (prefilled to 11 and 6 tokens), teacher-forced, give
+    the logits of the reference decode (prefix read + attention_ref). On CUDA the model runs in float16; on CPU under
+    the interpreter in float32 over the float16 cache, the kernel taking it as on CUDA."""
     from test_kernels import DEV
 
     import ssmq.models.paged_kv as paged_kv
     import ssmq.models.state as state
     from ssmq.kernels import kv_decode
 
-    model = tiny_model("llama", seed=3).to(DEV)
+    model = tiny_model(arch, seed=3).to(DEV, torch.float16 if DEV == "cuda" else torch.float32)
     if DEV == "cpu":  # the kernel itself, not the dispatch's CPU reference; the eligibility as on CUDA
         monkeypatch.setattr(state.kernels, "float_kv_decode", kv_decode.float_kv_decode)
         eligible = lambda k, rope: rope is None and k.dtype == torch.float16  # noqa: E731
@@ -83,6 +84,7 @@ def test_float16_cache_decode_through_the_kernel_equals_the_reference(paged, mon
         monkeypatch.setattr(paged_kv, "kernel_decodes", eligible)
     g = torch.Generator().manual_seed(1)
     prompts = {0: torch.randint(0, 64, (1, 11), generator=g), 2: torch.randint(0, 64, (1, 6), generator=g)}
+    steps = torch.randint(0, 64, (6, 2), generator=g).to(DEV)
     ran = []
     kind = paged_kv.PagedKVState if paged else state.KVState
     real = kind.decode
@@ -98,17 +100,14 @@ def test_float16_cache_decode_through_the_kernel_equals_the_reference(paged, mon
             for s in prompts:
                 alloc.admit(s, 40)
                 cache.block_table.assign(s, *alloc.grow(s, 30))
-        out = []
         with torch.inference_mode():
             for s, ids in prompts.items():
                 model(ids.to(DEV), cache, slots=[s])
-            tokens, slots = torch.tensor([3, 5], device=DEV), torch.tensor(list(prompts), device=DEV)
-            for _ in range(6):
-                out.append(model.step(tokens, cache, slots).float())
-                tokens = out[-1].argmax(-1)
-        return torch.stack(out)
+            slots = torch.tensor(list(prompts), device=DEV)
+            return torch.stack([model.step(tokens, cache, slots).float() for tokens in steps])
 
     ref = run(False)
     got = run(True)
     assert ran and all(o is not None for o in ran), "the decode did not go through the kernel"
-    assert ((got - ref).norm() / ref.norm()).item() < 2e-3
+    # float16 products and a float16 model on CUDA (5e-3, as the H100 run of 2026-11-28); float32 on CPU
+    assert ((got - ref).norm() / ref.norm()).item() < (5e-3 if DEV == "cuda" else 2e-3)

@@ -300,10 +300,10 @@ class KVState:
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' cache up to ``kv_lens`` (b,):
         (b, hq, e) float32 from the flash-decoding kernel (``kernels.float_kv_decode``: the lengths read on the
-        device, so a CUDA graph captures the step, and each row reads its own length, not the longest) on CUDA for
-        float16 caches of post-RoPE keys; None otherwise (the caller reads the prefix and runs ``attention_ref``:
-        on CPU, for keys rotated at read, and for bfloat16 / float32 caches, which the kernel's float16 products
-        would round)."""
+        device, so a CUDA graph captures the step, and each row reads its own length, not the longest) for the
+        caches ``kernel_decodes`` takes; None otherwise (the caller reads the prefix and runs ``attention_ref``: on
+        CPU, for keys rotated at read, and for bfloat16 / float32 caches, which the kernel loads to float32 too but
+        whose GPU test has not run yet)."""
         if not kernel_decodes(self.k, self.rope):
             return None
         return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v)
