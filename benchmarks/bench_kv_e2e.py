@@ -2,14 +2,15 @@
 with the float16 KV cache against quantized KV formats, at a published config with random weights.
 
     python benchmarks/bench_kv_e2e.py --model llama-3.1-8b --cases 1:131072,8:32768 \
-        --kv fp16,fp16-ref,nuq4,nuq4-1%,nuq3-1%,nuq2-1%,nuq4-1%+fused --out DIR
+        --kv fp16,fp16-ref,nuq4,nuq4-1%,nuq3-1%,nuq2-1%,nuq4-1%+ref --out DIR
 
 Rows (``--kv``): ``fp16`` the float16 cache, decoded by our flash-decoding kernel (``KVState.decode``);
 ``fp16-ref`` the same cache through the prefix read + ``attention_ref`` (the model's float16 decode before
 2026-11-28); any KV preset name (``ssmq.quant.kv_formats``): every attention layer gets a ``KVQuantizer`` of the
-format with placeholder codebooks and scales (speed, not accuracy) and decodes through the LUT kernels; a name
-ending in ``+fused`` (``nuq4-1%+fused``) also writes the new tokens with the fused quantize-and-append kernel
-(``kernels.kv_append``, as SSMQ_KV_FUSED_APPEND=1). A case
+format with placeholder codebooks and scales (speed, not accuracy), writes the new tokens with the fused
+quantize-and-append kernel (``kernels.kv_append``) and decodes through the LUT kernels; a name ending in ``+ref``
+(``nuq4-1%+ref``) writes them with the reference ops instead (as SSMQ_KV_FUSED_APPEND=0, the write before
+2026-11-28). A case
 B:C fills B rows of the cache to C tokens with random contents (the kernels' speed does not depend on the values;
 every outlier slot filled, distinct and in index order, as ``bench_kvquant.py`` does: an upper bound on their
 work) and times ``--steps`` graph replays (median ms a step, CUDA events); ``--profile`` prints the kernels of one
@@ -115,12 +116,12 @@ def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, pro
     cfg = PUBLISHED[name]
     model = random_model(cfg, dtype=torch.float16)
     rows = []
-    kernel = KVState.decode
+    kernel, fused = KVState.decode, dispatch._KV_FUSED_APPEND
     for rows_, context in cases:
         for kv in tqdm(kvs, desc=f"{name} b{rows_} ctx {context}"):
-            fmt, fused = kv.removesuffix("+fused"), kv.endswith("+fused")
+            fmt = kv.removesuffix("+ref")
             set_kv(model, fmt)
-            dispatch._KV_FUSED_APPEND = fused
+            dispatch._KV_FUSED_APPEND = not kv.endswith("+ref")
             KVState.decode = kernel if kv != "fp16-ref" else (lambda self, *a: None)
             r = {"model": name, "batch": rows_, "context": context, "kv": kv}
             try:
@@ -135,7 +136,7 @@ def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, pro
                 r["error"] = f"OutOfMemoryError: {str(e)[:200]}"
             finally:
                 KVState.decode = kernel
-                dispatch._KV_FUSED_APPEND = False
+                dispatch._KV_FUSED_APPEND = fused
                 dec = None
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -425,4 +425,4 @@ def test_kv_append_compiles_for_sm90(bits, per_token, k, e):
                 "oidx": "i16", "oval": "fp16", "sink": "fp16", "book": "fp32", "lo": "fp32", "hi": "fp32"}
     const = dict(HKV=8, E=e, HP=8, EP=e, NB=e * bits // 8, LEVELS=2 ** bits, BITS=bits, K=k,
                  KP=max(2, triton.next_power_of_2(k)), PER_TOKEN=per_token, SYMMETRIC=False, S=1)
-    _compile_sm90(kv_append._append_kernel, pointers, const)
+    _compile_sm90(kv_append._append_kernel, pointers, const, num_warps=kv_append.NUM_WARPS)

@@ -344,16 +344,15 @@ def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None):
     return _kernels("kv_decode").float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale)
 
 
-# SSMQ_KV_FUSED_APPEND=1 writes a quantized KV cache's new tokens with the fused quantize-and-append kernel
-# (``kv_append``): exact against the reference write under the interpreter and compiled for sm_90, not yet run on a
-# GPU (2026-11-28), hence off by default.
-_KV_FUSED_APPEND = os.environ.get("SSMQ_KV_FUSED_APPEND", "0") == "1"
+# A quantized KV cache's new tokens are written by the fused quantize-and-append kernel (``kv_append``, the reference
+# write's bytes, tested on the H100) on CUDA; SSMQ_KV_FUSED_APPEND=0 writes with the reference ops instead.
+_KV_FUSED_APPEND = os.environ.get("SSMQ_KV_FUSED_APPEND", "1") != "0"
 
 
 def quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink) -> bool:
     """Quantize x (b, l, hkv, e) into a quantized KV side's buffers at ``positions`` of the rows ``slots`` with the
-    fused kernel (``kv_append.quant_kv_append``) when it is on and serves the format; False when the caller should
-    write with the reference ops instead."""
+    fused kernel (``kv_append.quant_kv_append``) on CUDA when it serves the format (and is not turned off); False
+    when the caller should write with the reference ops instead."""
     if not (_KV_FUSED_APPEND and _use_triton(x)):
         return False
     fused = _kernels("kv_append")
