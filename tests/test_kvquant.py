@@ -239,19 +239,20 @@ def test_pack_codes_round_trip(bits, e):
     codes = torch.randint(0, 2 ** bits, (3, 2, e), generator=torch.Generator().manual_seed(e), dtype=torch.uint8)
     packed = kq.pack_codes(codes, bits)
     assert packed.shape == (3, 2, kq.packed_bytes(e, bits)) and packed.dtype == torch.uint8
-    assert kq.packed_bytes(e, bits) == -(-e * bits // 8)  # rows padded to whole bytes
+    # rows padded to whole bytes (3 bits: each of its two planes)
+    assert kq.packed_bytes(e, bits) == (-(-e // 4) - (-e // 8) if bits == 3 else -(-e * bits // 8))
     assert torch.equal(kq.unpack_codes(packed, bits, e), codes)
 
 
 def test_pack_codes_layout():
-    """Channel c's code at bit offset bits·c of the row, little-endian: nibbles as before (even channel low), four
-    2-bit codes a byte, eight 3-bit codes in a 24-bit field (codes 2 and 5 span two bytes)."""
+    """Nibbles (even channel low), four 2-bit codes a byte (channel 4j + i at bits 2i of byte j), 3-bit codes as a
+    2-bit plane of their low bits, then a 1-bit plane of their bit 2 (channel 8j + i at bit i)."""
     c = torch.tensor([1, 2, 3, 15], dtype=torch.uint8)
     assert kq.pack_codes(c, 4).tolist() == [1 | 2 << 4, 3 | 15 << 4]
     assert kq.pack_codes(torch.tensor([0, 1, 2, 3, 3], dtype=torch.uint8), 2).tolist() == [0b11100100, 3]
-    word = sum(i << 3 * i for i in range(8))
-    assert kq.pack_codes(torch.arange(8, dtype=torch.uint8), 3).tolist() == [word & 255, word >> 8 & 255, word >> 16]
-    assert kq.pack_codes(torch.tensor([7, 7, 7], dtype=torch.uint8), 3).tolist() == [255, 1]  # 9 bits: 2 bytes
+    low = [sum((c & 3) << 2 * i for i, c in enumerate(range(4 * j, 4 * j + 4))) for j in range(2)]
+    assert kq.pack_codes(torch.arange(8, dtype=torch.uint8), 3).tolist() == low + [0b11110000]
+    assert kq.pack_codes(torch.tensor([7, 0, 5], dtype=torch.uint8), 3).tolist() == [0b010011, 0b101]  # 1 + 1 bytes
     assert [kq.code_bits(n) for n in (3, 4, 7, 8, 15, 16, 17, 253)] == [2, 2, 3, 3, 4, 4, 8, 8]
 
 

@@ -19,7 +19,7 @@ Per token (x (hkv, e) float32):
               stored is what quantizes); per-channel: from the offline lo / hi
     codes     the number of codebook midpoints below u = clamp((x - mid) / half, -1, 1) (``torch.bucketize``), IEEE
               division as torch's; under an outlier the codebook's end on its value's side (``outlier_codes``)
-    packing   ``pack_codes``' layout: a head's row a little-endian bit string, 2 / 3 / 4 bits a code
+    packing   ``pack_codes``' layout: 4 / 2 bits a little-endian bit string, 3 bits a 2-bit and a 1-bit plane
 Formats served: 2-4 bit codebooks, per-token or per-channel sides, symmetric or not, no rotation; the rest (8-bit
 codes, rotated TurboQuant-style sides, per-tensor scales) keeps the reference write.
 """
@@ -116,13 +116,15 @@ def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book
         code += ((tl.load(book + i + 1) + tl.load(book + i)) / 2 < u).to(tl.int32)
     code = tl.where(sel, tl.where(xv.to(tl.float16).to(tl.float32) >= midv, LEVELS - 1, 0), code)
 
+    code = tl.where(m, code, 0)  # the padding of a row's last byte: zero bits, as pack_codes
     row = codes + slot * c_s + pos * c_t + h * c_h
-    if BITS == 3:  # 8 codes a 24-bit group, 3 bytes
-        g = tl.arange(0, EP // 8)[None, :]
-        w = tl.sum(tl.reshape(code, (HP, EP // 8, 8)) << (3 * tl.arange(0, 8))[None, None, :], 2)
-        gm = (h < HKV) & (g < NB // 3)
-        for b in tl.static_range(3):
-            tl.store(row + 3 * g + b, ((w >> (8 * b)) & 0xFF).to(tl.uint8), mask=gm)
+    if BITS == 3:  # two planes: the low 2 bits four a byte, then bit 2 eight a byte
+        g = tl.arange(0, EP // 4)[None, :]
+        w = tl.sum(tl.reshape(code & 3, (HP, EP // 4, 4)) << (2 * tl.arange(0, 4))[None, None, :], 2)
+        tl.store(row + g, w.to(tl.uint8), mask=(h < HKV) & (g < (E + 3) // 4))
+        g8 = tl.arange(0, EP // 8)[None, :]
+        w8 = tl.sum(tl.reshape(code >> 2, (HP, EP // 8, 8)) << tl.arange(0, 8)[None, None, :], 2)
+        tl.store(row + (E + 3) // 4 + g8, w8.to(tl.uint8), mask=(h < HKV) & (g8 < (E + 7) // 8))
     else:  # 8 / BITS codes a byte
         CB: tl.constexpr = 8 // BITS
         g = tl.arange(0, EP // CB)[None, :]

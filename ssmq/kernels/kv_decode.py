@@ -63,16 +63,16 @@ def _cos_sin(a, FAST: tl.constexpr):
 
 
 @triton.jit
-def _codes(row, c, mask, BITS: tl.constexpr):
-    """The BITS-bit codes of channels c in the packed rows at ``row`` (broadcast with c; ``pack_codes``' layout:
-    channel c at bit offset BITS·c). 2 and 4 bits: one byte load, a shift and a mask. 3 bits: a code at bit offset 6
-    or 7 of its byte (channels 8j + 2, 8j + 5) also takes the next byte, loaded only for those (so nothing past the
-    row's ceil(3e/8) bytes is read), as the high byte of a 16-bit word."""
+def _codes(row, c, mask, BITS: tl.constexpr, E: tl.constexpr):
+    """The BITS-bit codes of channels c in the packed rows of E codes at ``row`` (broadcast with c; ``pack_codes``'
+    layout). 2 and 4 bits: channel c at bit offset BITS·c, one byte load, a shift and a mask. 3 bits: its low 2 bits
+    from the 2-bit plane, bit 2 from the 1-bit plane after it (ceil(E/4) bytes in)."""
+    if BITS == 3:
+        lo = tl.load(row + (c >> 2), mask=mask, other=0).to(tl.int32)
+        hi = tl.load(row + (E + 3) // 4 + (c >> 3), mask=mask, other=0).to(tl.int32)
+        return ((lo >> ((c & 3) * 2)) & 3) | (((hi >> (c & 7)) & 1) << 2)
     off = c * BITS
     word = tl.load(row + (off >> 3), mask=mask, other=0).to(tl.int32)
-    if BITS == 3:
-        spans = mask & ((off & 7) > 5)
-        word = word | (tl.load(row + (off >> 3) + 1, mask=spans, other=0).to(tl.int32) << 8)
     return (word >> (off & 7)) & ((1 << BITS) - 1)
 
 
@@ -86,7 +86,7 @@ def _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cols, cmask,
     if FLOAT:
         x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        c = tl.load(lut + _codes(base, cols[None, :], mask, BITS))
+        c = tl.load(lut + _codes(base, cols[None, :], mask, BITS, E))
         if PER_TOKEN:
             m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)
             h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)

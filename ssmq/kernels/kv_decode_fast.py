@@ -11,8 +11,8 @@ Triton flash-decoding attention over a quantized KV cache (KVQuant: LUT low-bit 
 
 Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv query heads a kv head serves, e head dim, T tokens,
 r rotary dim, S sink tokens, k outlier slots, n a row's length, P splits of a row's tokens, B codebook values
-c[code] of a tile (float16), GS codes a packed group (2 for 4 bits: a byte; 4 for 2 bits: a byte; 8 for 3 bits:
-3 bytes).
+c[code] of a tile (float16), GS codes a packed byte (2 for 4 bits, 4 for 2 bits and for the 2-bit plane of 3
+bits, whose 1-bit plane holds 8 a byte).
 Same contract as ``ssmq.ops.kv_quant.quant_kv_decode_ref`` (its docstring has the storage layout).
 
 One program per (row, kv head, split): the split's tokens in (BLOCK_T, e) tiles, each tile read once for the
@@ -20,7 +20,7 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
 (running max m, sum l, unnormalized output acc):
     codes    a tile's packed bytes, loaded as bytes (vectorized), turned into float16 codebook values B with
              byte-permute lookups (``_LUT4`` / ``_LUT3`` / ``_LUT2``: the 16 / 8 / 4 fp16 entries live in 8 / 4 /
-             2 registers, PRMT selects bytes by the codes; ~2.6 / 2.5 / 1.5 instructions a code, no memory
+             2 registers, PRMT selects bytes by the codes; ~2.6 / 3 / 1.5 instructions a code, no memory
              gather), on the GPU; the interpreter takes ``_codes`` + a gathered LUT
     keys     x = mid + half · B in float32 (per-channel or per-token scales), rotated by their position (RoPE on
              the fly: keys are cached before it; a rotation per token cannot move to the query, as R_t differs per
@@ -118,21 +118,21 @@ _LUT2 = tl.constexpr("{\n.reg .b32 t, u;\n" + "".join(
     + "}")
 _LUT2_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 32)
 
-# 3-bit lookup, one 24-bit group of 8 codes (pack=1; the group's 3 bytes as one int32, $8) → the float16 values of
-# its 8 codes ($0 .. $7). The codes are spread to nibbles first (shifts and masks: 8 codes in 9 instructions), then
-# as 4.bit: PRMT selects the low bytes of entries 0-7 ($9, $10) and their high bytes ($11, $12), two more
-# interleave them into float16 pairs.
-_LUT3 = tl.constexpr(
-    "{\n.reg .b32 x, u, s, l, g, r;\nshl.b32 u, $8, 4;\nand.b32 u, u, 0x0FFF0000;\n"
-    "lop3.b32 x, $8, 0xFFF, u, 0xEA;\nshl.b32 u, x, 2;\nand.b32 u, u, 0x3F003F00;\n"
-    "lop3.b32 x, x, 0x003F003F, u, 0xEA;\nshl.b32 u, x, 1;\nand.b32 u, u, 0x70707070;\n"
-    "lop3.b32 s, x, 0x07070707, u, 0xEA;\n"
-    + "".join(f"prmt.b32 l, $9, $10, s;\nprmt.b32 g, $11, $12, s;\nprmt.b32 r, l, g, 0x5140;\n"
-              f"mov.b32 {{${4 * k}, ${4 * k + 1}}}, r;\nprmt.b32 r, l, g, 0x7362;\n"
-              f"mov.b32 {{${4 * k + 2}, ${4 * k + 3}}}, r;\n" + ("shr.u32 s, s, 16;\n" if k == 0 else "")
-              for k in range(2))
+# 3-bit lookup, 4 bytes of the 2-bit plane ($8: 16 codes' low bits, as ``_LUT2`` reads them) and 4 bytes of their
+# bit 2 ($9: bit i of byte k the high bit of code i of byte k, a nibble a byte) → the float16 values of codes
+# i = 0..3 of each byte ($0 .. $7, two registers an output). For code i: the 3-bit codes of the 4 bytes, one a
+# byte (t), packed into the 4 selector nibbles of s by one shift-or and one PRMT (bytes 0 and 2 of t | t >> 4);
+# then as ``_LUT4``: PRMT selects the low bytes of entries 0-7 ($10, $14) and their high bytes ($18, $22), two more
+# interleave them into float16 pairs. 12 instructions for 4 codes.
+_LUT3 = tl.constexpr("{\n.reg .b32 t, h, s, l, g;\n" + "".join(
+    f"shr.u32 t, $8, {2 * i};\nand.b32 t, t, 0x03030303;\n"
+    + (f"shl.b32 h, $9, {2 - i};\n" if i < 3 else "shr.u32 h, $9, 1;\n")
+    + 
+    "lop3.b32 t, t, h, 0x04040404, 0xF8;\nshr.u32 s, t, 4;\nor.b32 s, s, t;\nprmt.b32 s, s, s, 0x0020;\n"
+    f"prmt.b32 l, $10, $14, s;\nprmt.b32 g, $18, $22, s;\nprmt.b32 ${2 * i}, l, g, 0x5140;\n"
+    f"prmt.b32 ${2 * i + 1}, l, g, 0x7362;\n" for i in range(4))
     + "}")
-_LUT3_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r")
+_LUT3_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r" + ",r" * 16)
 
 
 # A predicated 32-bit store from each thread's own registers ($1 address, $2 value, $3 mask; $0 a dummy output).
@@ -186,18 +186,11 @@ def _interleave4(b0, b1, b2, b3):
 
 
 @triton.jit
-def _interleave8(b0, b1, b2, b3, b4, b5, b6, b7):
-    """(T, G) pieces → (T, 8G), column 8g + i from piece i (as ``_interleave4``: [.., z, y, x] = b_(4z + 2y + x))."""
-    return tl.reshape(tl.join(tl.join(tl.join(b0, b4), tl.join(b2, b6)), tl.join(tl.join(b1, b5), tl.join(b3, b7))),
-                      (b0.shape[0], 8 * b0.shape[1]))
-
-
-@triton.jit
 def _book(rows, c0: tl.constexpr, NC: tl.constexpr, CP: tl.constexpr, tmask, lut, w0, w1, w2, w3, w4, w5, w6, w7,
-          BITS: tl.constexpr, ASM: tl.constexpr):
-    """(len(tmask), CP) float16 codebook values B of channels [c0, c0 + CP) of the packed rows ``rows`` (T, 1
-    pointers); channels from c0 + NC on are masked (code 0, or for 3 bits the codes up to the next 32 channels:
-    finite values, multiplied by a zero query / weight). c0 and NC are multiples of the codes a byte (GS)."""
+          BITS: tl.constexpr, ASM: tl.constexpr, E: tl.constexpr):
+    """(len(tmask), CP) float16 codebook values B of channels [c0, c0 + CP) of the packed rows of E codes ``rows``
+    (T, 1 pointers); channels from c0 + NC on are masked (code 0: a finite value, multiplied by a zero query /
+    weight). c0 and NC are multiples of the codes a byte (GS; 3 bits: c0 a multiple of 8, the 1-bit plane's)."""
     T: tl.constexpr = tmask.shape[0]
     if ASM and BITS == 4:
         g = tl.arange(0, CP // 2)
@@ -212,28 +205,24 @@ def _book(rows, c0: tl.constexpr, NC: tl.constexpr, CP: tl.constexpr, tmask, lut
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=4)
         x = _interleave4(b0, b1, b2, b3)
-    elif ASM and BITS == 3:
-        if c0 % 32 == 0:  # whole words: 32 channels (4 groups, 12 bytes) from 3 int32 loads, not 12 byte loads
-            m = tl.arange(0, CP // 32)
-            mm = tmask[:, None] & (m < tl.cdiv(NC, 32))[None, :]
-            p = (rows + c0 // 8 * 3).to(tl.pointer_type(tl.int32)) + m[None, :] * 3  # rows 4-byte aligned (eligible)
-            x0 = tl.load(p, mask=mm, other=0)
-            x1 = tl.load(p + 1, mask=mm, other=0)
-            x2 = tl.load(p + 2, mask=mm, other=0)
-            w = _interleave4(x0 & 0xFFFFFF, ((x0 >> 24) & 0xFF) | ((x1 & 0xFFFF) << 8),
-                             ((x1 >> 16) & 0xFFFF) | ((x2 & 0xFF) << 16), (x2 >> 8) & 0xFFFFFF)
-        else:  # a rotary half of 16 · odd channels starts mid-word: 3 byte loads a group
-            g = tl.arange(0, CP // 8)
-            gm = tmask[:, None] & (g < NC // 8)[None, :]
-            p = rows + (c0 // 8 + g[None, :]) * 3
-            w = (tl.load(p, mask=gm, other=0).to(tl.int32) | (tl.load(p + 1, mask=gm, other=0).to(tl.int32) << 8)
-                 | (tl.load(p + 2, mask=gm, other=0).to(tl.int32) << 16))
-        b0, b1, b2, b3, b4, b5, b6, b7 = tl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS, [w, w0, w1, w4, w5],
-                                                                   dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-        x = _interleave8(b0, b1, b2, b3, b4, b5, b6, b7)
+    elif ASM and BITS == 3:  # the 2-bit plane's bytes as for 2 bits, and each byte's 4 high bits from the 1-bit plane
+        g = tl.arange(0, CP // 4)
+        gm = tmask[:, None] & (g < NC // 4)[None, :]
+        lo = tl.load(rows + c0 // 4 + g[None, :], mask=gm, other=0)
+        # byte g's 4 high bits: nibble g % 2 of byte g // 2, the 1-bit plane read contiguously and its nibbles
+        # joined (a byte gather hi[g // 2] instead made the 3-bit decode 1.46x slower than this, H100, 2026-11-28)
+        g8 = tl.arange(0, CP // 8)
+        hi = tl.load(rows + (E + 3) // 4 + c0 // 8 + g8[None, :], mask=tmask[:, None] & (g8 < NC // 8)[None, :],
+                     other=0)
+        hn = tl.reshape(tl.join(hi & 15, hi >> 4), (T, CP // 4))
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS, [lo, hn, w0, w1, w4, w5],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=4)
+        x = _interleave4(b0, b1, b2, b3)
     else:
         c = tl.arange(0, CP)
-        x = tl.load(lut + _codes(rows, c0 + c[None, :], tmask[:, None] & (c < NC)[None, :], BITS)).to(tl.float16)
+        x = tl.load(lut + _codes(rows, c0 + c[None, :], tmask[:, None] & (c < NC)[None, :], BITS, E)).to(
+            tl.float16)
     return x
 
 
@@ -270,9 +259,9 @@ def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw
             kb = tl.load(rows + R // 2 + ch[None, :], mask=tmask[:, None] & hm[None, :], other=0.0).to(tl.float32)
         else:
             ka = ma + ha * _book(rows, 0, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                                 ASM).to(tl.float32)
+                                 ASM, E).to(tl.float32)
             kb = mb + hb * _book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                                 ASM).to(tl.float32)
+                                 ASM, E).to(tl.float32)
         s = tl.dot(qa, tl.trans((ka * cos - kb * sin).to(tl.float16)), s)
         s = tl.dot(qb, tl.trans((kb * cos + ka * sin).to(tl.float16)), s)
     if R < E:
@@ -281,7 +270,7 @@ def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw
             kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0).to(tl.float16)
         else:
             kp = (mp + hp * _book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                                  ASM).to(tl.float32)).to(tl.float16)
+                                  ASM, E).to(tl.float32)).to(tl.float16)
         s = tl.dot(qp, tl.trans(kp), s)
     return s
 
@@ -394,7 +383,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
             acc = tl.dot(p.to(tl.float16), tl.load(vrows + e[None, :], mask=tmask[:, None], other=0.0)
                          .to(tl.float16), acc)
         else:
-            B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM)
+            B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM, E)
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
                 mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
@@ -514,16 +503,9 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
     """Formats this kernel serves (exact on the H100): 2-4 bit codes, head dims that are multiples of 32 and rotary
-    dims that are multiples of 16 (0 included: the byte and 3-byte lookups read whole groups of codes), sparse
-    outliers or none; 3-bit rows 4-byte aligned."""
+    dims that are multiples of 16 (0 included: the lookups read whole bytes of codes), sparse outliers or none."""
     return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and k.sink.shape[-1] % 32 == 0
-            and rotary_dim % 16 == 0 and all(_words_aligned(x) for x in (k, v)))
-
-
-def _words_aligned(side: KVSideView) -> bool:
-    """3-bit rows are read as int32 words: 4-byte aligned (as allocated; a view could break it)."""
-    c = side.codes
-    return side.bits != 3 or (c.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in c.stride()[:-1]))
+            and rotary_dim % 16 == 0)
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,

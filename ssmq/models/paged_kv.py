@@ -92,10 +92,10 @@ class PagedKVState:
         return keys, values
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
-        """``KVState.decode`` over blocks: the rows' blocks gathered (``read``: a float16 copy of their prefix, the
-        capacity while a CUDA graph is captured) and the flash-decoding kernel run over the copy, for the caches
-        ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over ``read``). The copy costs
-        about what the kernel does; ``attention_ref`` copies to float32 and repeats the kv heads (10× the kernel
+        """``KVState.decode`` over blocks: the rows' blocks gathered (``read``: a copy of their prefix in the cache's
+        dtype, the capacity while a CUDA graph is captured) and the flash-decoding kernel run over the copy, for the
+        caches ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over ``read``). The copy
+        costs about what the kernel does; ``attention_ref`` copies to float32 and repeats the kv heads (10× the kernel
         at 128K tokens, H100)."""
         if not kernel_decodes(self.k, self.rope):
             return None

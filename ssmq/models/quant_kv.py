@@ -1,7 +1,7 @@
 """Quantized KV state: an attention layer's keys and values as codes, scales and sparse outliers.
 
 Glossary: s cache slots, L max_seqlen, b rows served, l new tokens, T tokens read, hkv kv heads, e head dim,
-e' = ceil(e·bits/8) bytes of a packed row (``ssmq.ops.kv_quant.pack_codes``: bits 2, 3, 4 for codebooks of
+e' = ``packed_bytes(e, bits)`` bytes of a packed row (``ssmq.ops.kv_quant.pack_codes``: bits 2, 3, 4 for codebooks of
 <= 4 / 8 / 16 entries, else 8), k outlier slots, S sink tokens.
 
 Per side (keys, values), ``QuantSide`` holds

@@ -240,10 +240,12 @@ class RopeAtRead:
 
 
 def kernel_decodes(k: torch.Tensor, rope) -> bool:
-    """Whether a float KV cache k (…, hkv, e) decodes through ``kernels.float_kv_decode``: float16 keys stored after
-    RoPE, on CUDA, head dims that are powers of two, 16 or more (the kernel's tiles); the GPU tests cover these."""
+    """Whether a float KV cache k (…, hkv, e) decodes through ``kernels.float_kv_decode``: float16 / bfloat16 keys
+    stored after RoPE, on CUDA, head dims that are powers of two, 16 or more (the kernel's tiles); the GPU tests
+    cover these. (float32 caches keep the reference path: float32 end to end, as their users ask.)"""
     e = k.shape[-1]
-    return rope is None and k.dtype == torch.float16 and k.is_cuda and e >= 16 and not e & (e - 1)
+    return (rope is None and k.dtype in (torch.float16, torch.bfloat16) and k.is_cuda and e >= 16
+            and not e & (e - 1))
 
 
 class KVState:
@@ -302,8 +304,7 @@ class KVState:
         (b, hq, e) float32 from the flash-decoding kernel (``kernels.float_kv_decode``: the lengths read on the
         device, so a CUDA graph captures the step, and each row reads its own length, not the longest) for the
         caches ``kernel_decodes`` takes; None otherwise (the caller reads the prefix and runs ``attention_ref``: on
-        CPU, for keys rotated at read, and for bfloat16 / float32 caches, which the kernel loads to float32 too but
-        whose GPU test has not run yet)."""
+        CPU, for keys rotated at read, and for float32 caches)."""
         if not kernel_decodes(self.k, self.rope):
             return None
         return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v)

@@ -233,48 +233,52 @@ def fake_quant_kv_ref(x: torch.Tensor, p: KVParams) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # storage: codes packed at their bit width
 # ---------------------------------------------------------------------------------------------------------------
-# Layout (QuantKVState and the decode kernels): each (token, kv head) row of e codes is a little-endian bit
-# string, channel c's code at bit offset bits·c, padded with zero bits to whole bytes: ceil(e·bits/8) bytes a row.
-#     bits 4: two a byte, even channel in the low nibble;  bits 2: four a byte, channel 4j + i at bits 2i of byte j
-#     bits 3: every 8 channels a 24-bit field of 3 bytes (channel 8j + i at bits 3i of bytes 3j .. 3j + 2); a code
-#             at bit offset 6 or 7 of its byte spans two bytes (channels 8j + 2 and 8j + 5)
+# Layout (QuantKVState and the decode kernels), one (token, kv head) row of e codes a unit, padded to whole bytes:
+#     bits 4: two a byte, channel 2j in the low nibble of byte j, 2j + 1 in the high one: ceil(e/2) bytes
+#     bits 2: four a byte, channel 4j + i at bits 2i of byte j: ceil(e/4) bytes
+#     bits 3: two bit planes: the codes' low 2 bits as a 2-bit row (ceil(e/4) bytes), then their bit 2 as a 1-bit
+#             row (channel 8j + i at bit i of byte ceil(e/4) + j; ceil(e/8) bytes)
 #     bits 8: one a byte (codebooks of more than 16 entries)
-# Why a bit string rather than bit planes (the low bits of all channels, then the high bits): a code is one
-# contiguous field, so the kernel reads it with one byte load (bits 2, 4) or two adjacent ones (bits 3, the second
-# only for the two spanning channels of 8), then one shift and one mask; 3-bit planes (a 2-bit and a 1-bit one)
-# would cost two loads, two shifts, two masks and an or for every code. Rows are padded per head, not per token, so that a token's write replaces whole bytes
-# (no read-modify-write of a neighbour's bits) and the kernels address row hk at byte hk·ceil(e·bits/8).
+# Why planes for 3 bits (until 2026-11-28 a little-endian bit string, 8 codes a 24-bit field): the fast kernel reads
+# a tile's codes as contiguous byte vectors and looks them up by byte permutes; with planes a 3-bit tile is a 2-bit
+# tile and a 1-bit one, both whole bytes at the same channel offsets, where 24-bit fields had to be reassembled
+# from words and their 8 outputs interleaved through three levels of joins (layout conversions in shared memory:
+# 3-bit decoded no faster than float16 while 2-bit was 1.6x faster; with planes 1.46x at 128K tokens, H100).
+# Rows are padded per head, not per token, so that a token's write replaces whole bytes (no read-modify-write
+# of a neighbour's bits).
 def code_bits(levels: int) -> int:
     """Bits a code of a codebook of ``levels`` entries takes in the cache: 2, 3 or 4 (<= 4 / 8 / 16 entries), else 8."""
     return next(b for b in (2, 3, 4, 8) if levels <= 2 ** b)
 
 
 def packed_bytes(e: int, bits: int) -> int:
-    """Bytes of one packed row of e codes."""
+    """Bytes of one packed row of e codes (3 bits: the two planes)."""
+    if bits == 3:
+        return packed_bytes(e, 2) + packed_bytes(e, 1)
     return (e * bits + 7) // 8
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., e) uint8 codes < 2^bits → (..., ceil(e·bits/8)) uint8 (the layout above)."""
+    """(..., e) uint8 codes < 2^bits → (..., packed_bytes(e, bits)) uint8 (the layout above)."""
     if bits == 8:
         return codes
-    e = codes.shape[-1]
-    x = torch.nn.functional.pad(codes, (0, -e % 8)).long().unflatten(-1, (-1, 8))  # (..., groups, 8)
-    shifts = torch.arange(8, device=codes.device) * bits
-    word = (x << shifts).sum(-1, keepdim=True)  # (..., groups, 1): 8 codes in 8·bits <= 32 bits
-    out = (word >> torch.arange(bits, device=codes.device) * 8) & 255  # (..., groups, bits) bytes
-    return out.flatten(-2)[..., :packed_bytes(e, bits)].to(torch.uint8)
+    if bits == 3:
+        return torch.cat([pack_codes(codes & 3, 2), pack_codes(codes >> 2, 1)], -1)
+    per = 8 // bits  # codes a byte
+    x = torch.nn.functional.pad(codes, (0, -codes.shape[-1] % per)).long().unflatten(-1, (-1, per))
+    return (x << torch.arange(per, device=codes.device) * bits).sum(-1).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, e: int) -> torch.Tensor:
-    """(..., ceil(e·bits/8)) → (..., e) uint8: the inverse of ``pack_codes``."""
+    """(..., packed_bytes(e, bits)) → (..., e) uint8: the inverse of ``pack_codes``."""
     if bits == 8:
         return packed
-    n = packed.shape[-1]
-    x = torch.nn.functional.pad(packed, (0, -n % bits)).long().unflatten(-1, (-1, bits))  # (..., groups, bits)
-    word = (x << torch.arange(bits, device=packed.device) * 8).sum(-1, keepdim=True)
-    out = (word >> torch.arange(8, device=packed.device) * bits) & (2 ** bits - 1)  # (..., groups, 8)
-    return out.flatten(-2)[..., :e].to(torch.uint8)
+    if bits == 3:
+        n = packed_bytes(e, 2)
+        return unpack_codes(packed[..., :n], 2, e) | unpack_codes(packed[..., n:], 1, e) << 2
+    per = 8 // bits
+    x = (packed.long()[..., None] >> torch.arange(per, device=packed.device) * bits) & (2 ** bits - 1)
+    return x.flatten(-2)[..., :e].to(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
