@@ -271,6 +271,7 @@ KV_VARIANTS = {
     "kvq3-partial-rope-per-token": (False, 64, 2, 1, 0, True, 3),
     "kvq2-rope-1%": (False, 128, 20, 10, 1, False, 2),
     "fp16": (True, 0, 0, 0, 0, False, 8),
+    "fp16-paged": (True, 0, 0, 0, 0, False, 8),  # block pools read through a block table (BS = 16)
 }
 
 
@@ -283,14 +284,14 @@ def test_kv_decode_compiles_for_sm90(variant):
     fl, r, ko, vo, sink, k_tok, bits = KV_VARIANTS[variant]
     code, scale = ("fp16", "fp16") if fl else ("u8", "fp16")
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "kc": code, "kmid": scale if k_tok else "fp32", "khalf": scale if k_tok else "fp32", "klut": "fp32",
+                "table": "i64", "kc": code, "kmid": scale if k_tok else "fp32", "khalf": scale if k_tok else "fp32", "klut": "fp32",
                 "koi": "i16", "kov": "fp16", "ksink": "fp16", "vc": code, "vmid": scale, "vhalf": scale,
                 "vlut": "fp32", "voi": "i16", "vov": "fp16", "vsink": "fp16"}
     block_t = kd.CFG["BLOCK_T_OUTLIERS"] if ko or vo else kd.CFG["BLOCK_T"]
     const = dict(GROUP=4, GP=16, E=128, R=r, HP=max(16, r // 2), PP=max(16, 128 - r), S=sink, SP=16, FLOAT=fl,
                  K_PER_TOKEN=k_tok, V_PER_TOKEN=not fl, KSLOTS=ko, KP=triton.next_power_of_2(max(ko, 1)), VSLOTS=vo,
                  BLOCK_T=block_t, ONE_SPLIT=False, FAST=True, DOT=kd.CFG["dot"], KBITS=bits, VBITS=bits,
-                 KLEVELS=2 ** min(bits, 4), VLEVELS=2 ** min(bits, 4))
+                 KLEVELS=2 ** min(bits, 4), VLEVELS=2 ** min(bits, 4), BS=16 if variant.endswith("paged") else 0)
     compiled = _compile_sm90(kd._decode_kernel, pointers, const, floats=("scale",), num_warps=kd.CFG["num_warps"],
                              num_stages=kd.CFG["num_stages"])
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"

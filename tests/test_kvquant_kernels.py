@@ -187,6 +187,33 @@ def test_float_kv_decode_equals_attention_reference(k, splits, dtype):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_size", [4, 32, 64])
+def test_float_kv_decode_reads_a_paged_cache_in_place(k, block_size):
+    """Over block pools and a block table (the serve cache, ``ssmq.models.paged_kv``): the kernel reads token t of
+    slot s at block table[s, t // B], offset t % B (blocks shuffled, unassigned entries at the null block 0), equal
+    to ``attention_ref`` over the rows' blocks laid end to end, and to the dispatch's CPU reference."""
+    from ssmq.kernels import dispatch
+    from ssmq.ops.attention import attention_ref
+
+    gen = torch.Generator().manual_seed(3)
+    s, L, hkv, e, hq = 4, 130, 2, 32, 6
+    m = -(-L // block_size)
+    kp, vp = (torch.randn(1 + s * m, block_size, hkv, e, generator=gen).half().to(DEV) for _ in range(2))
+    table = (1 + torch.randperm(s * m, generator=gen)).view(s, m)
+    table[2, 2:] = 0  # slot 2 holds fewer blocks: the rest are the null block (past its length)
+    table = table.to(DEV)
+    slots = torch.tensor([3, 2, 0], device=DEV)
+    lens = torch.tensor([L, 2 * block_size - 1, 37], device=DEV)
+    q = torch.randn(3, hq, e, generator=gen).half().to(DEV)
+    got = k.float_kv_decode(q, slots, lens, kp, vp, splits=3, block_table=table)
+    rows = table[slots]  # (b, M): each row's blocks in order
+    want = attention_ref(q.float()[:, None], kp[rows].flatten(1, 2).float(), vp[rows].flatten(1, 2).float(),
+                         lens)[:, 0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ref = dispatch.float_kv_decode(q.cpu(), slots.cpu(), lens.cpu(), kp.cpu(), vp.cpu(), block_table=table.cpu())
+    torch.testing.assert_close(ref, want.cpu(), rtol=1e-4, atol=1e-4)
+
+
 def _cpu(view):
     from dataclasses import fields, replace
 

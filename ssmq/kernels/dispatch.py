@@ -334,14 +334,19 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
 _KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
 
 
-def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None):
+def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, block_table=None):
     """Decode attention of one query per row, q (b, hq, e), over a float KV cache k_cache, v_cache (s, L, hkv, e)
-    (keys post-RoPE), rows ``slots`` valid up to ``kv_lens`` (b,): (b, hq, e) float32. The flash-decoding kernel of
+    (keys post-RoPE), rows ``slots`` valid up to ``kv_lens`` (b,): (b, hq, e) float32; or over block pools
+    (N, B, hkv, e) with ``block_table`` (s, M) (``kv_decode.float_kv_decode``). The flash-decoding kernel of
     ``kv_decode`` on CUDA (it reads the lengths on the device: no host sync); ``attention_ref`` elsewhere."""
     if not _use_triton(q):
+        if block_table is not None:  # the rows' blocks in order: (b, M·B, hkv, e)
+            k_cache, v_cache = (c[block_table[slots]].flatten(1, 2) for c in (k_cache, v_cache))
+            slots = torch.arange(len(slots), device=q.device)
         return ops.attention_ref(q[:, None].float(), k_cache[slots].float(), v_cache[slots].float(), kv_lens,
                                  softmax_scale)[:, 0]
-    return _kernels("kv_decode").float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale)
+    return _kernels("kv_decode").float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale,
+                                                 block_table=block_table)
 
 
 # A quantized KV cache's new tokens are written by the fused quantize-and-append kernel (``kv_append``, the reference

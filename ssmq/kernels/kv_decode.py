@@ -77,12 +77,13 @@ def _codes(row, c, mask, BITS: tl.constexpr, E: tl.constexpr):
 
 
 @triton.jit
-def _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cols, cmask,
-          s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+def _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cols, cmask, rowoff,
+          s_h, s_ms, s_mt, s_os, s_ot,
           E: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, BITS: tl.constexpr):
-    """(len(t), len(cols)) float32 tile of kv head hk of slot ``slot``: tokens t, channels cols (masked: 0)."""
+    """(len(t), len(cols)) float32 tile of kv head hk of slot ``slot``: tokens t, channels cols (masked: 0); the
+    tokens' rows at ``rowoff`` (len(t),) elements from ptr (``_row_offsets``)."""
     mask = tmask[:, None] & cmask[None, :]
-    base = ptr + slot * s_s + t[:, None] * s_t + hk * s_h
+    base = ptr + rowoff[:, None] + hk * s_h
     if FLOAT:
         x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
@@ -200,7 +201,7 @@ def _slot_scores(q, s_qh, mid, half, lut, c, hit, val, slot, hk, t, tmask, inv_f
 
 @triton.jit
 def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, inv_freq,
-            s_s, s_t, s_h, s_ms, s_mt, s_os, s_ot,
+            rowoff, s_h, s_ms, s_mt, s_os, s_ot,
             GROUP: tl.constexpr, GP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr,
             PP: tl.constexpr, FLOAT: tl.constexpr, PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr,
             KP: tl.constexpr, FAST: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr, LEVELS: tl.constexpr):
@@ -210,13 +211,13 @@ def _scores(q, s_qh, qscale, ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask
     ch = tl.arange(0, HP)
     cp = R + tl.arange(0, PP)
     if R < E:
-        kp = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cp, cp < E, s_s, s_t, s_h, s_ms, s_mt,
+        kp = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, cp, cp < E, rowoff, s_h, s_ms, s_mt,
                    s_os, s_ot, E, FLOAT, PER_TOKEN, 0, BITS)
     if R > 0:
         hm = ch < R // 2
-        ka = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch, hm, s_s, s_t, s_h, s_ms, s_mt,
+        ka = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch, hm, rowoff, s_h, s_ms, s_mt,
                    s_os, s_ot, E, FLOAT, PER_TOKEN, 0, BITS)
-        kb = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch + R // 2, hm, s_s, s_t, s_h, s_ms,
+        kb = _tile(ptr, mid, half, lut, oidx, oval, slot, hk, t, tmask, ch + R // 2, hm, rowoff, s_h, s_ms,
                    s_mt, s_os, s_ot, E, FLOAT, PER_TOKEN, 0, BITS)
         freq = tl.load(inv_freq + ch, mask=hm, other=0.0)
         cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)  # the reference's float32 angles
@@ -277,7 +278,18 @@ def _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b,
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws,
+def _row_offsets(table, s_tab, slot, t, tmask, s_s, s_t, BS: tl.constexpr):
+    """(len(t),) int64 element offsets of tokens t of a row in cache slot ``slot``: slot·s_s + t·s_t, or in a paged
+    cache (BS > 0: a pool (blocks, BS, hkv, e) and a block table (slots, M)) block·s_s + (t mod BS)·s_t, block =
+    table[slot, t // BS]."""
+    if BS > 0:
+        block = tl.load(table + slot * s_tab + t // BS, mask=tmask, other=0).to(tl.int64)
+        return block * s_s + (t % BS).to(tl.int64) * s_t
+    return slot * s_s + t.to(tl.int64) * s_t
+
+
+@triton.jit
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
@@ -286,7 +298,9 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
                    K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr,
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr, FAST: tl.constexpr,
                    DOT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr,
-                   VLEVELS: tl.constexpr):
+                   VLEVELS: tl.constexpr, BS: tl.constexpr):
+    """BS > 0: a paged float cache, the slots' blocks in ``table`` (slots, M) (``_row_offsets``); else slots index
+    the cache's rows. The sinks are never paged."""
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
 
     rows = tl.arange(0, GP)  # the kv head's query heads, padded (the values' product needs >= 16 rows)
@@ -303,19 +317,21 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws,
             t = tl.arange(0, SP)
             tmask = t < tl.minimum(n, S)
             s = _scores(qg, s_qh, qscale, ksink, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
-                        ks_s, ks_t, ks_h, 0, 0, 0, 0, GROUP, GP, E, R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST, DOT,
-                        KBITS, KLEVELS)
+                        _row_offsets(table, s_tab, slot, t, tmask, ks_s, ks_t, 0), ks_h, 0, 0, 0, 0, GROUP, GP, E,
+                        R, HP, PP, True, K_PER_TOKEN, 0, KP, FAST, DOT, KBITS, KLEVELS)
             v = _tile(vsink, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
-                      vs_s, vs_t, vs_h, 0, 0, 0, 0, E, True, V_PER_TOKEN, 0, VBITS)
+                      _row_offsets(table, s_tab, slot, t, tmask, vs_s, vs_t, 0), vs_h, 0, 0, 0, 0, E, True,
+                      V_PER_TOKEN, 0, VBITS)
             m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
     for start in range(lo, hi, BLOCK_T):
         t = start + tl.arange(0, BLOCK_T)
         tmask = (t < hi) & (t >= S)
         s = _scores(qg, s_qh, qscale, kc, kmid, khalf, klut, koi, kov, slot, hk, t, tmask, inv_freq,
-                    k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, GROUP, GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, KP,
-                    FAST, DOT, KBITS, KLEVELS)
+                    _row_offsets(table, s_tab, slot, t, tmask, k_s, k_t, BS), k_h, k_ms, k_mt, k_os, k_ot, GROUP,
+                    GP, E, R, HP, PP, FLOAT, K_PER_TOKEN, KSLOTS, KP, FAST, DOT, KBITS, KLEVELS)
         v = _tile(vc, vmid, vhalf, vlut, voi, vov, slot, hk, t, tmask, e, e < E,
-                  v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT, V_PER_TOKEN, VSLOTS, VBITS)
+                  _row_offsets(table, s_tab, slot, t, tmask, v_s, v_t, BS), v_h, v_ms, v_mt, v_os, v_ot, E, FLOAT,
+                  V_PER_TOKEN, VSLOTS, VBITS)
         m, l, acc = _softmax_step(m, l, acc, s, v, DOT)
     _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b, w_h, w_p, w_e, GROUP, E, ONE_SPLIT)
 
@@ -386,17 +402,22 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 
 
 def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-            kernel=None, cfg=None, const=None, extra=(), before_combine=None):
+            kernel=None, cfg=None, const=None, extra=(), before_combine=None, paged=None):
     """Runs a decode kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32.
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
     ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and the ``extra`` ones after ws).
     ``before_combine(ws, splits)``: run between the two (it may add to the splits' outputs in ws); it takes at least
     two splits. ``cfg`` may also set WARPS_OUTLIERS, STAGES_OUTLIERS, MAXNREG and MAXNREG_OUTLIERS (a register cap),
-    for sweeps (``bench_kvquant.py --sweep``)."""
+    for sweeps (``bench_kvquant.py --sweep``). ``paged`` = (block table (slots, M), block size): kt / vt are block
+    pools (this module's kernel, float caches)."""
+    own = kernel is None
+    if own:  # this module's kernel takes a block table (a paged cache), or the rows' slots in its place
+        table, bs = paged if paged is not None else (slots, 0)
+        extra = (table, table.stride(0) if paged is not None else 0, *extra)
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     b, hq, e = q.shape
     codes = kt[0]
-    hkv, capacity = codes.shape[2], codes.shape[1]
+    hkv, capacity = codes.shape[2], (paged[0].shape[1] * paged[1] if paged is not None else codes.shape[1])
     assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
     assert rotary_dim % 2 == 0 and rotary_dim <= e
     outliers = flags["KSLOTS"] or flags["VSLOTS"]
@@ -420,7 +441,8 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), splits, scale,
         num_warps=warps, num_stages=stages, **cap,
-        **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1))
+        **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1),
+        **({"BS": bs} if own else {}))
     if before_combine:
         before_combine(ws, splits)
     if splits > 1:
@@ -455,9 +477,11 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
 
 def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, softmax_scale: float | None = None,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """The same kernel over a float cache: ``attention_ref(q[:, None], k_cache[slots], v_cache[slots], kv_lens)``
-    for k_cache, v_cache (s, L, hkv, e) (keys post-RoPE; channels contiguous), q (b, hq, e) → (b, hq, e) float32."""
+    for k_cache, v_cache (s, L, hkv, e) (keys post-RoPE; channels contiguous), q (b, hq, e) → (b, hq, e) float32.
+    With ``block_table`` (s, M) the caches are block pools (N, B, hkv, e) (``ssmq.models.paged_kv``): token t of
+    row i at block block_table[slots[i], t // B], offset t % B, read in place (no copy of the rows' prefix)."""
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     none = k_cache.new_empty(1, 0, 1, 1)  # no sink; the LUT / scale / outlier pointers are never read
     kt = (k_cache, k_cache, k_cache, k_cache, k_cache, k_cache)
@@ -466,4 +490,6 @@ def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     vs = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0, 0, 0)
     flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8, KLEVELS=1,
                  VLEVELS=1)
-    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (none, none), flags, 0, 10000.0, softmax_scale, splits)
+    paged = (block_table, k_cache.shape[1]) if block_table is not None else None
+    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (none, none), flags, 0, 10000.0, softmax_scale, splits,
+                   paged=paged)

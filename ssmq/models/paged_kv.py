@@ -92,15 +92,13 @@ class PagedKVState:
         return keys, values
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
-        """``KVState.decode`` over blocks: the rows' blocks gathered (``read``: a copy of their prefix in the cache's
-        dtype, the capacity while a CUDA graph is captured) and the flash-decoding kernel run over the copy, for the
-        caches ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over ``read``). The copy
-        costs about what the kernel does; ``attention_ref`` copies to float32 and repeats the kv heads (10× the kernel
-        at 128K tokens, H100)."""
+        """``KVState.decode`` over blocks: the flash-decoding kernel reads the rows' blocks in place through the
+        block table (before 2026-11-28 it ran over a gathered copy of their prefix, which cost about what the kernel
+        does), for the caches ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over
+        ``read``)."""
         if not kernel_decodes(self.k, self.rope):
             return None
-        keys, values = self.read(slots, kv_lens)
-        return kernels.float_kv_decode(q, torch.arange(len(slots), device=q.device), kv_lens, keys, values)
+        return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v, block_table=self.table.rows)
 
     def reset(self, slots=None) -> None:
         """Forget the rows ``slots``: their table entries go back to the null block (the allocator frees blocks)."""

@@ -1,0 +1,77 @@
+"""Decode attention over the paged float16 KV cache of ``ssmq serve`` (``ssmq.models.paged_kv``): the flash-decoding
+kernel reading the blocks in place through the block table, against the same kernel over a gathered copy of the
+rows' prefix (``PagedKVState.decode`` before 2026-11-28) and over a contiguous cache of the same contents.
+
+One attention layer of Llama-3.1-8B's shape (32 query / 8 KV heads x 128), blocks of --block-size tokens (the
+engine's default 16) shuffled in the pool, every row at --context tokens; ms per call as CUDA-graph replays with the
+L2 flushed (``bench_kvquant.timeit``). JSON to --out.
+
+    python benchmarks/bench_paged_decode.py --cases 1:32768,1:131072,8:32768 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kvquant import timeit  # noqa: E402
+
+from ssmq import kernels  # noqa: E402
+
+HQ, HKV, E = 32, 8, 128
+
+
+def case(rows: int, context: int, block: int) -> dict:
+    m = -(-context // block)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = [torch.randn(1 + rows * m, block, HKV, E, device="cuda", dtype=torch.float16, generator=gen)
+            for _ in range(2)]
+    table = (1 + torch.randperm(rows * m, device="cuda", generator=gen)).view(rows, m)
+    dense = [p[table].flatten(1, 2) for p in pool]  # the same contents, each row contiguous
+    q = torch.randn(rows, HQ, E, device="cuda", dtype=torch.float16)
+    slots = torch.arange(rows, device="cuda")
+    lens = torch.full((rows,), context, device="cuda")
+
+    def gathered():  # the former path: the rows' blocks copied out, then the kernel over the copy
+        k, v = (p[table[slots]].flatten(1, 2) for p in pool)
+        return kernels.float_kv_decode(q, slots, lens, k, v)
+
+    r = {"batch": rows, "context": context, "block": block,
+         "in place ms": timeit(lambda: kernels.float_kv_decode(q, slots, lens, *pool, block_table=table)),
+         "gathered copy ms": timeit(gathered),
+         "contiguous ms": timeit(lambda: kernels.float_kv_decode(q, slots, lens, *dense))}
+    got = kernels.float_kv_decode(q, slots, lens, *pool, block_table=table)
+    r["max |in place - contiguous|"] = (got - kernels.float_kv_decode(q, slots, lens, *dense)).abs().max().item()
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="1:32768,1:131072,8:32768", help="BATCH:CONTEXT,...")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/paged_decode"))
+    args = ap.parse_args()
+    rows = []
+    for c in args.cases.split(","):
+        b, n = (int(x) for x in c.split(":"))
+        rows.append(case(b, n, args.block_size))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "paged_decode.json").write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name()},
+                                                       "rows": rows}, indent=1))
+    print("| batch | context | in place | gathered copy | contiguous |\n|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['context']} | {r['in place ms']:.3f} | {r['gathered copy ms']:.3f} | "
+              f"{r['contiguous ms']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
