@@ -1,8 +1,8 @@
 """The fused quantize-and-append kernel (``ssmq.kernels.kv_append``) alone: microseconds a launch, one new token a
 row, for a Llama-3.1-8B attention layer's sides (8 KV heads x 128), as a decode step writes them.
 
-A CUDA graph of 32 layers x (keys, values) appends is replayed (median of --reps replays, divided by 64), so that
-launch gaps do not count. The per-channel key thresholds are drawn at two spreads: "tight" (most tokens have more
+A CUDA graph of 32 layers x (keys, values) appends is replayed (``bench_kvquant.timeit`` without its L2 flush:
+median of --reps replays, divided by 64), so that launch gaps do not count. The per-channel key thresholds are drawn at two spreads: "tight" (most tokens have more
 key-outlier candidates than slots: the kernel takes them one at a time) and "wide" (fewer: one pass); per-token
 values always take the slow path. --warps overrides ``kv_append.NUM_WARPS`` (several: a sweep).
 
@@ -14,15 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import sys
 from pathlib import Path
 
 import torch
 
-from ssmq.kernels import kv_append
-from ssmq.models.kv_quantizer import KVQuantizer
-from ssmq.models.quant_kv import QuantKVState
-from ssmq.quant.kv_formats import kv_format
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kvquant import timeit  # noqa: E402
+
+from ssmq.kernels import kv_append  # noqa: E402
+from ssmq.models.kv_quantizer import KVQuantizer  # noqa: E402
+from ssmq.models.quant_kv import QuantKVState  # noqa: E402
+from ssmq.quant.kv_formats import kv_format  # noqa: E402
 
 HKV, E, LAYERS = 8, 128, 32
 SPREADS = {"tight": 1.0, "wide": 5.0}
@@ -55,19 +58,7 @@ def time_append(name: str, spread: float, rows: int, reps: int) -> float:
                 kv_append.quant_kv_append(x, slots, pos, p, s.bits, s.codes, s.mid, s.half, s.out_idx, s.out_val,
                                           s.sink)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / (2 * LAYERS)
+    return timeit(step, reps, flush_l2=False) * 1e3 / (2 * LAYERS)
 
 
 def main() -> None:

@@ -76,10 +76,11 @@ def nbytes(*views) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def timeit(fn, reps: int = 40, graph: bool = True) -> float:
+def timeit(fn, reps: int = 40, graph: bool = True, flush_l2: bool = True) -> float:
     """Median GPU ms of ``fn`` replayed as a CUDA graph (as decode runs it: no host launch cost in the number; the
     first session's rows timed eager calls, ~0.05-0.1 ms of Python launch overhead included), the L2 flushed before
-    each replay (a 256 MB write outside the timed span) so that short caches are read from HBM; eager
+    each replay (a 256 MB write outside the timed span; unless ``flush_l2`` is False) so that short caches are read
+    from HBM; eager
     ``do_bench`` when ``graph`` is False (the reference: it reads lengths on the host) or capture fails."""
     import time
 
@@ -108,7 +109,8 @@ def timeit(fn, reps: int = 40, graph: bool = True) -> float:
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device=DEV)
         times = []
         for _ in range(reps):
-            flush.zero_()
+            if flush_l2:
+                flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graph.replay()
