@@ -123,12 +123,11 @@ _LUT2_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r" + ",r" * 32)
 # i = 0..3 of each byte ($0 .. $7, two registers an output). For code i: the 3-bit codes of the 4 bytes, one a
 # byte (t), packed into the 4 selector nibbles of s by one shift-or and one PRMT (bytes 0 and 2 of t | t >> 4);
 # then as ``_LUT4``: PRMT selects the low bytes of entries 0-7 ($10, $14) and their high bytes ($18, $22), two more
-# interleave them into float16 pairs. 12 instructions for 4 codes.
+# interleave them into float16 pairs. 12 instructions for 4 codes. (Each table operand comes 4 times a pack.)
 _LUT3 = tl.constexpr("{\n.reg .b32 t, h, s, l, g;\n" + "".join(
     f"shr.u32 t, $8, {2 * i};\nand.b32 t, t, 0x03030303;\n"
-    + (f"shl.b32 h, $9, {2 - i};\n" if i < 3 else "shr.u32 h, $9, 1;\n")
-    + 
-    "lop3.b32 t, t, h, 0x04040404, 0xF8;\nshr.u32 s, t, 4;\nor.b32 s, s, t;\nprmt.b32 s, s, s, 0x0020;\n"
+    + (f"shl.b32 h, $9, {2 - i};\n" if i < 3 else "shr.u32 h, $9, 1;\n")  # bit i of each nibble to bit 2
+    + "lop3.b32 t, t, h, 0x04040404, 0xF8;\nshr.u32 s, t, 4;\nor.b32 s, s, t;\nprmt.b32 s, s, s, 0x0020;\n"
     f"prmt.b32 l, $10, $14, s;\nprmt.b32 g, $18, $22, s;\nprmt.b32 ${2 * i}, l, g, 0x5140;\n"
     f"prmt.b32 ${2 * i + 1}, l, g, 0x7362;\n" for i in range(4))
     + "}")
