@@ -402,22 +402,23 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 
 
 def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-            kernel=None, cfg=None, const=None, extra=(), before_combine=None, paged=None):
+            kernel=None, cfg=None, const=None, extra=(), before_combine=None, block_table=None):
     """Runs a decode kernel (and _combine_kernel over several splits): q (b, hq, e) → (b, hq, e) float32.
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
     ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and the ``extra`` ones after ws).
     ``before_combine(ws, splits)``: run between the two (it may add to the splits' outputs in ws); it takes at least
     two splits. ``cfg`` may also set WARPS_OUTLIERS, STAGES_OUTLIERS, MAXNREG and MAXNREG_OUTLIERS (a register cap),
-    for sweeps (``bench_kvquant.py --sweep``). ``paged`` = (block table (slots, M), block size): kt / vt are block
-    pools (this module's kernel, float caches)."""
-    own = kernel is None
-    if own:  # this module's kernel takes a block table (a paged cache), or the rows' slots in its place
-        table, bs = paged if paged is not None else (slots, 0)
-        extra = (table, table.stride(0) if paged is not None else 0, *extra)
-    kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
+    for sweeps (``bench_kvquant.py --sweep``). ``block_table`` (slots, M): kt / vt are block pools (N, B, hkv, e)
+    (this module's kernel, float caches)."""
     b, hq, e = q.shape
     codes = kt[0]
-    hkv, capacity = codes.shape[2], (paged[0].shape[1] * paged[1] if paged is not None else codes.shape[1])
+    paged = block_table is not None
+    bs = codes.shape[1] if paged else 0  # tokens a block
+    hkv, capacity = codes.shape[2], (block_table.shape[1] * bs if paged else codes.shape[1])
+    own = kernel is None
+    if own:  # this module's kernel takes a block table (a paged cache), or the rows' slots in its place
+        extra = (block_table, block_table.stride(0), *extra) if paged else (slots, 0, *extra)
+    kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
     assert rotary_dim % 2 == 0 and rotary_dim <= e
     outliers = flags["KSLOTS"] or flags["VSLOTS"]
@@ -490,6 +491,5 @@ def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     vs = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0, 0, 0)
     flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8, KLEVELS=1,
                  VLEVELS=1)
-    paged = (block_table, k_cache.shape[1]) if block_table is not None else None
     return _launch(q, slots, kv_lens, kt, ks, vt, vs, (none, none), flags, 0, 10000.0, softmax_scale, splits,
-                   paged=paged)
+                   block_table=block_table)
