@@ -1,12 +1,15 @@
-"""Decode attention over the paged float16 KV cache of ``ssmq serve`` (``ssmq.models.paged_kv``): the flash-decoding
-kernel reading the blocks in place through the block table, against the same kernel over a gathered copy of the
-rows' prefix (``PagedKVState.decode`` before 2026-11-28) and over a contiguous cache of the same contents.
+"""Decode attention over the paged KV cache of ``ssmq serve`` (``ssmq.models.paged_kv``, ``ssmq.models.quant_kv``):
+the flash-decoding kernel reading the blocks in place through the block table, against the same kernel over a
+gathered copy of the rows' blocks (float16: ``PagedKVState.decode`` before 2026-11-28; quantized: what the dispatch
+does for the formats the fast kernel does not take) and over a contiguous cache of the same contents.
 
 One attention layer of Llama-3.1-8B's shape (32 query / 8 KV heads x 128), blocks of --block-size tokens (the
-engine's default 16) shuffled in the pool, every row at --context tokens; ms per call as CUDA-graph replays with the
-L2 flushed (``bench_kvquant.timeit``). JSON to --out.
+engine's default 16) shuffled in the pool, every row at --context tokens; --formats: fp16 and KVQuant codes
+(``BITS`` or ``BITS-1%``: random codes, codebooks, scales and 1% outlier slots, as ``bench_kvquant.quant_cache``;
+per-channel keys, per-token values, one sink token). ms per call as CUDA-graph replays with the L2 flushed
+(``bench_kvquant.timeit``); bytes per token of the layer's cache. JSON to --out.
 
-    python benchmarks/bench_paged_decode.py --cases 1:32768,1:131072,8:32768 --out DIR
+    python benchmarks/bench_paged_decode.py --cases 1:32768,1:131072,8:32768 --formats fp16,4,4-1%,3-1% --out DIR
 """
 
 from __future__ import annotations
@@ -20,11 +23,35 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kvquant import timeit  # noqa: E402
+from bench_kvquant import ONE_PCT, nbytes, quant_cache, timeit  # noqa: E402
 
 from ssmq import kernels  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
+
+
+def quant_case(rows: int, context: int, block: int, fmt: str) -> dict:
+    """A KVQuant format ``fmt`` (module docstring), paged / gathered / contiguous, and its max difference."""
+    m = -(-context // block)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bits, outliers = int(fmt.split("-")[0]), fmt.endswith("-1%")
+    k, v = quant_cache(rows, m * block, *(ONE_PCT if outliers else (0, 0)), gen, bits)
+    table = (1 + torch.randperm(rows * m, device="cuda", generator=gen)).view(rows, m)
+    kp, vp = k.paged(table, block), v.paged(table, block)
+    q = torch.randn(rows, HQ, E, device="cuda", dtype=torch.float16)
+    slots = torch.arange(rows, device="cuda")
+    lens = torch.full((rows,), context, device="cuda")
+    paged = lambda: kernels.quant_kv_decode(q, slots, lens, kp, vp, E, 5e5, block_table=table)  # noqa: E731
+    contiguous = lambda: kernels.quant_kv_decode(q, slots, lens, k, v, E, 5e5)  # noqa: E731
+
+    def gathered():
+        return kernels.quant_kv_decode(q, slots, lens, kp.gathered(table, slots), vp.gathered(table, slots), E, 5e5)
+
+    r = {"format": fmt, "batch": rows, "context": context, "block": block, "in place ms": timeit(paged),
+         "gathered copy ms": timeit(gathered), "contiguous ms": timeit(contiguous),
+         "bytes/token": nbytes(k, v) / (rows * m * block)}
+    r["max |in place - contiguous|"] = (paged() - contiguous()).abs().max().item()
+    return r
 
 
 def case(rows: int, context: int, block: int) -> dict:
@@ -42,7 +69,7 @@ def case(rows: int, context: int, block: int) -> dict:
         k, v = (p[table[slots]].flatten(1, 2) for p in pool)
         return kernels.float_kv_decode(q, slots, lens, k, v)
 
-    r = {"batch": rows, "context": context, "block": block,
+    r = {"format": "fp16", "batch": rows, "context": context, "block": block, "bytes/token": 2 * HKV * E * 2,
          "in place ms": timeit(lambda: kernels.float_kv_decode(q, slots, lens, *pool, block_table=table)),
          "gathered copy ms": timeit(gathered),
          "contiguous ms": timeit(lambda: kernels.float_kv_decode(q, slots, lens, *dense))}
@@ -55,22 +82,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1:32768,1:131072,8:32768", help="BATCH:CONTEXT,...")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--formats", default="fp16", help="fp16 and KVQuant BITS[-1%%], comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/paged_decode"))
     args = ap.parse_args()
     rows = []
     for c in args.cases.split(","):
         b, n = (int(x) for x in c.split(":"))
-        rows.append(case(b, n, args.block_size))
-        print(json.dumps(rows[-1]), flush=True)
-        torch.cuda.empty_cache()
+        for fmt in args.formats.split(","):
+            rows.append(case(b, n, args.block_size) if fmt == "fp16" else quant_case(b, n, args.block_size, fmt))
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "paged_decode.json").write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name()},
                                                        "rows": rows}, indent=1))
-    print("| batch | context | in place | gathered copy | contiguous |\n|---:|---:|---:|---:|---:|")
+    print("| format | bytes / token | batch | context | in place | gathered copy | contiguous |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['context']} | {r['in place ms']:.3f} | {r['gathered copy ms']:.3f} | "
-              f"{r['contiguous ms']:.3f} |")
+        print(f"| {r['format']} | {r['bytes/token']:.0f} | {r['batch']} | {r['context']} | {r['in place ms']:.3f} | "
+              f"{r['gathered copy ms']:.3f} | {r['contiguous ms']:.3f} |")
 
 
 if __name__ == "__main__":

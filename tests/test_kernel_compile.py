@@ -381,21 +381,23 @@ def test_state_io_compiles_for_sm90(rows, read):
     _compile_sm90(state_io._state_io, pointers, dict(READ=read, ROWS=rows, HAS_SIDX=not rows, BR=32, BN=128))
 
 
-@pytest.mark.parametrize("e,r,bits,slots", [(128, 128, 4, 0), (128, 64, 3, 0), (64, 64, 2, 0), (64, 0, 4, 0),
-                                            (64, 32, 3, 0), (32, 16, 2, 0), (64, 32, 3, 2), (128, 128, 4, 10)])
-def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
+@pytest.mark.parametrize("e,r,bits,slots,bs", [(128, 128, 4, 0, 0), (128, 64, 3, 0, 0), (64, 64, 2, 0, 0),
+                                               (64, 0, 4, 0, 0), (64, 32, 3, 0, 0), (32, 16, 2, 0, 0), (64, 32, 3, 2, 0),
+                                               (128, 128, 4, 10, 0), (128, 128, 4, 10, 16), (64, 32, 3, 0, 16)])
+def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots, bs):
     """kv_decode_fast (PRMT codebook lookups, fp16 tensor-core products), its constexprs as the launcher builds them:
-    the formats without outliers and with them (slots: key and value slots)."""
+    the formats without outliers and with them (slots: key and value slots), over rows or block pools (bs: tokens a
+    block, the serve cache)."""
     from ssmq.kernels import kv_decode_fast as kf
 
     pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "sc": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
+                "table": "i64", "sc": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
                 "klut": "fp32", "koi": "i16", "kov": "fp16",
                 "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
                 "vov": "fp16", "vsink": "fp16"}
     flags = dict(FLOAT=False, K_PER_TOKEN=False, V_PER_TOKEN=True, KSLOTS=slots, VSLOTS=slots, KBITS=bits,
                  VBITS=bits, KLEVELS=2 ** bits, VLEVELS=2 ** bits)
-    const = kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T_OUTLIERS" if slots else "BLOCK_T"], False)
+    const = dict(kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T_OUTLIERS" if slots else "BLOCK_T"], False), BS=bs)
     cfg = kf.CFG
     compiled = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=cfg["num_warps"],
                              num_stages=cfg["num_stages"])
@@ -403,7 +405,7 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots):
     # the scores' store for the value outliers' pass: from the registers the products left them in (``_store_as_is``)
     assert ("@p st.global.b32" in compiled.asm["ptx"]) == bool(slots)
     if slots:  # the outliers' own passes: key score terms before the decode, value terms before the combine
-        side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4, GP2=4)
+        side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4, GP2=4, BS=bs)
         for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=4, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
                                                              LEVELS=2 ** bits, FAST=True)),
                               (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16, w_h=1,
@@ -422,8 +424,10 @@ def test_kv_append_compiles_for_sm90(bits, per_token, k, e):
     """The fused quantize-and-append (one program a token) as launched for a 8 x e cache side."""
     from ssmq.kernels import kv_append
 
-    pointers = {"x": "fp16", "slots": "i64", "positions": "i64", "codes": "u8", "mid": "fp16", "half": "fp16",
-                "oidx": "i16", "oval": "fp16", "sink": "fp16", "book": "fp32", "lo": "fp32", "hi": "fp32"}
+    pointers = {"x": "fp16", "slots": "i64", "positions": "i64", "table": "i64", "codes": "u8", "mid": "fp16",
+                "half": "fp16", "oidx": "i16", "oval": "fp16", "sink": "fp16", "book": "fp32", "lo": "fp32",
+                "hi": "fp32"}
     const = dict(HKV=8, E=e, HP=8, EP=e, NB=e * bits // 8, LEVELS=2 ** bits, BITS=bits, K=k,
-                 KP=max(2, triton.next_power_of_2(k)), PER_TOKEN=per_token, SYMMETRIC=False, S=1)
+                 KP=max(2, triton.next_power_of_2(k)), PER_TOKEN=per_token, SYMMETRIC=False, S=1,
+                 BS=16 if per_token else 0)  # the per-token cases into block pools (the serve cache)
     _compile_sm90(kv_append._append_kernel, pointers, const, num_warps=kv_append.NUM_WARPS)

@@ -47,13 +47,25 @@ def _data(b: int, l: int, seed: int) -> torch.Tensor:
                                          ("kvquant-int4", 1.0), ("kvquant-int3-1%", 1.0), ("kv-int4-pth", 1.0),
                                          ("kvquant-nuq2", 1.0), ("kvquant-nuq4-1%", 5.0), ("kvquant-nuq3-1%", 5.0)])
 @pytest.mark.parametrize("l", [1, 5])
-def test_fused_append_writes_the_reference_bytes(name, spread, l):
+@pytest.mark.parametrize("paged", [False, True])
+def test_fused_append_writes_the_reference_bytes(name, spread, l, paged, monkeypatch):
+    """paged: the per-token buffers are block pools (8-token blocks, shuffled), written through the block table."""
     pytest.importorskip("triton")
+    from ssmq.kernels import dispatch
     from ssmq.kernels.kv_append import eligible, quant_kv_append
+    from ssmq.models.paged_kv import BlockTable
+
+    monkeypatch.setattr(dispatch, "_KV_FUSED_APPEND", False)  # the reference state writes with the ops on CUDA too
 
     q = _quantizer(name, spread=spread).to(DEV)
-    ref = QuantKVState(q, 4, 32, torch.float16, DEV)
-    got = QuantKVState(q, 4, 32, torch.float16, DEV)
+    table = None
+    if paged:
+        table = BlockTable(4, 32, 8, 1 + 16, DEV)
+        blocks = (1 + torch.randperm(16, generator=torch.Generator().manual_seed(1))).tolist()
+        for slot in range(4):
+            table.assign(slot, 0, blocks[4 * slot:4 * slot + 4])
+    ref = QuantKVState(q, 4, 32, torch.float16, DEV, table=table)
+    got = QuantKVState(q, 4, 32, torch.float16, DEV, table=table)
     slots = torch.tensor([2, 0, 3], device=DEV)
     for step, start in enumerate((0, 1, 9)):  # positions inside the sink (0), just past it, further on
         x = _data(3, l, step).to(DEV)
@@ -64,7 +76,7 @@ def test_fused_append_writes_the_reference_bytes(name, spread, l):
             assert eligible(p, r.bits)
             r.write(slots, positions, x)
             quant_kv_append(x, slots, positions, p, gside.bits, gside.codes, gside.mid, gside.half, gside.out_idx,
-                            gside.out_val, gside.sink)
+                            gside.out_val, gside.sink, block_table=gside.block_table)
     for which, r, gside in (("keys", ref.k, got.k), ("values", ref.v, got.v)):
         assert r.out_idx.shape[-1] == (0 if "1%" not in name else (6 if which == "keys" else 3))
         for a, b_, what in zip(r.buffers(), gside.buffers(), ("codes", "mid", "half", "out_idx", "out_val", "sink")):
@@ -93,7 +105,7 @@ def test_quantized_cache_writes_through_the_fused_kernel_when_on(monkeypatch):
     positions = torch.tensor([[0, 1, 2], [3, 4, 5]], device="cuda")
     calls = []
     real = kv_append.quant_kv_append
-    monkeypatch.setattr(kv_append, "quant_kv_append", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kv_append, "quant_kv_append", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for on, st in zip((False, True), states):
         monkeypatch.setattr(dispatch, "_KV_FUSED_APPEND", on)
         st.append(slots, positions, x, x)

@@ -294,19 +294,18 @@ def test_packing_leaves_the_quantized_values_unchanged(monkeypatch):
         assert torch.equal(packed, nibble)
 
 
-def test_paged_quantized_kv_is_refused_and_the_engine_keeps_it_contiguous():
-    """Paged quantized KV is not built: kv_blocks refuses it in one line; the serving engine allocates the quantized
-    cache without blocks (max_model_len tokens a slot) and counts slots only."""
+def test_the_engine_pages_a_quantized_kv_cache():
+    """The serving engine keeps a quantized KV cache in blocks, as a float one: block pools of the packed codes,
+    scales and outlier slots, admission by free blocks (the sink stays per slot)."""
     from ssmq.runtime.engine import Engine, EngineConfig
 
     m = _quantized("kvquant-nuq4-1%")
-    with pytest.raises(SSMQError, match="paged quantized KV cache is not built"):
-        m.allocate_cache(2, 32, kv_blocks=9, kv_block_size=4)
     engine = Engine(m, EngineConfig(max_batch=2, max_model_len=32, kv_block_size=4, kv_blocks=3))
-    assert engine.blocks is None and engine.runner.cache.block_table is None
-    assert engine.runner.cache.states[1].k.codes.shape[:2] == (2, 32)
-    assert engine.unfit(32) is None and "max_model_len" in engine.unfit(33)
-    assert engine.stats()["kv_cache"] == "contiguous" and "kv_blocks_total" not in engine.stats()
+    st = engine.runner.cache.states[1]
+    assert engine.blocks is not None and st.table is engine.runner.cache.block_table
+    assert st.k.codes.shape[:2] == (4, 4) and st.v.out_idx.shape[:2] == (4, 4) and st.k.sink.shape[0] == 2
+    assert engine.unfit(12) is None and "KV blocks" in engine.unfit(13)
+    assert engine.stats()["kv_blocks_total"] == 3
 
 
 # ------------------------------------------------------------------------------------------------- recipes
@@ -551,7 +550,7 @@ def test_quantized_kv_decode_step_on_the_kernels_reads_nothing_on_the_host(monke
 
     kv_decode, calls = kernel_module("kv_decode"), []
     monkeypatch.setattr(kernels, "quant_kv_decode",
-                        lambda *a: (calls.append(1), kv_decode.quant_kv_decode(*a))[1])
+                        lambda *a, block_table=None: (calls.append(1), kv_decode.quant_kv_decode(*a))[1])
     m = _quantized("kvquant-nuq4-1%").to(DEV)
     _check_step_reads_nothing_on_the_host(m, monkeypatch, DEV)
     assert len(calls) == 2  # the eager step and the emulated capture, each through the kernel

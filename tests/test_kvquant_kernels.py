@@ -214,6 +214,32 @@ def test_float_kv_decode_reads_a_paged_cache_in_place(k, block_size):
     torch.testing.assert_close(ref, want.cpu(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("splits", [None, 1])
+def test_fast_kernel_reads_a_paged_cache_in_place(kf, block_size, splits):
+    """Paged quantized KV (the serve cache): block pools read through the block table (tiles of 32 tokens across
+    16-token blocks, or two a block), key and value outliers (their own passes), per-channel keys and per-token
+    values, sinks, ragged rows: equal to the reference over the rows' blocks, and the dispatch's CPU reference over
+    the pools equal to the one over the contiguous rows."""
+    from ssmq.kernels import dispatch
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    gen = torch.Generator().manual_seed(5)
+    s, L, hkv, e, hq, r = 4, 150, 2, 64, 6, 32
+    m = -(-L // block_size)
+    K, V = side(s, m * block_size, hkv, e, False, 2, 1, gen, 8), side(s, m * block_size, hkv, e, True, 2, 1, gen, 16)
+    table = (1 + torch.randperm(s * m, generator=gen)).view(s, m).to(DEV)  # each row's blocks, shuffled
+    KP, VP = K.paged(table, block_size), V.paged(table, block_size)
+    q = torch.randn(3, hq, e, generator=gen).to(DEV)
+    slots, lens = torch.tensor([3, 1, 0], device=DEV), torch.tensor([L, 2 * block_size - 1, 37], device=DEV)
+    want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), _cpu(K), _cpu(V), r, 10000.0)
+    got = kf.quant_kv_decode(q, slots, lens, KP, VP, r, 10000.0, splits=splits, block_table=table)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+    ref = dispatch.quant_kv_decode(q.cpu(), slots.cpu(), lens.cpu(), _cpu(KP), _cpu(VP), r, 10000.0,
+                                   block_table=table.cpu())
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+
+
 def _cpu(view):
     from dataclasses import fields, replace
 
@@ -236,7 +262,8 @@ def test_model_decode_through_kernels_equals_reference_decode(k, monkeypatch):
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEV)
     runs, calls = [], []
     for impl in (k.quant_kv_decode, quant_kv_decode_ref):
-        monkeypatch.setattr(ssmq.kernels, "quant_kv_decode", lambda *a, f=impl: calls.append(f) or f(*a))
+        monkeypatch.setattr(ssmq.kernels, "quant_kv_decode",  # a contiguous cache: no block table
+                            lambda *a, f=impl, block_table=None: calls.append(f) or f(*a))
         with torch.no_grad():
             cache = m.allocate_cache(2, 16)
             m(ids[:, :7], cache=cache)

@@ -10,11 +10,22 @@ from tiny_ssm import tiny_model
 from ssmq.runtime.kv_blocks import BlockAllocator
 
 
-@pytest.mark.parametrize("arch", ["hybrid", "llama"])
+@pytest.mark.parametrize("arch,kv", [("hybrid", None), ("llama", None), ("hybrid", "kvquant-nuq3-1%"),
+                                     ("llama", "kvquant-nuq4-1%"), ("hybrid", "kv-turbo3")])
 @pytest.mark.parametrize("before_rope", [False, True])
-def test_paged_kv_cache_equals_the_dense_one(before_rope, arch):
-    """Two sequences prefilled in chunks and decoded, their blocks handed out out of order and interleaved."""
+def test_paged_kv_cache_equals_the_dense_one(before_rope, arch, kv):
+    """Two sequences prefilled in chunks and decoded, their blocks handed out out of order and interleaved; float
+    KV, or quantized (``kv``: a KV format calibrated on the model; its spec says where keys are cached, so
+    before_rope is the float cache's alone). The quantized pools hold the dense rows' bytes: same logits, exactly."""
     model = tiny_model(arch, seed=2)
+    if kv is not None:
+        if before_rope:
+            pytest.skip("a quantized cache keeps keys where its spec says")
+        from ssmq.quant import quantize
+        from ssmq.quant.calibration import CalibrationData
+
+        ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(0))
+        quantize(model, kv, CalibrationData(ids, "random", 0), progress=False)
     dense = model.allocate_cache(3, 64, kv_keys_before_rope=before_rope)
     paged = model.allocate_cache(3, 64, kv_keys_before_rope=before_rope, kv_blocks=40, kv_block_size=4)
     alloc = BlockAllocator(40, 4)
@@ -45,6 +56,8 @@ def test_paged_kv_cache_equals_the_dense_one(before_rope, arch):
             outs.append(got)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if kv is not None:
+        assert type(paged.states[1]).__name__ == "QuantKVState" and paged.states[1].table is paged.block_table
     assert alloc.used == alloc.blocks_for(13 + 9) + alloc.blocks_for(7 + 9)
 
 

@@ -134,32 +134,29 @@ def test_attention_models_through_the_block_kv_cache_equal_offline(arch):
 
 
 @pytest.mark.parametrize("arch", ["hybrid", "llama"])
-def test_quantized_kv_models_through_a_contiguous_cache_equal_offline(arch, caplog):
-    """A KVQuant model (kvquant-nuq4-1%): its quantized KV cache is contiguous per slot (paged quantized KV is not
-    built), so admission counts slots only (max batch 3, 8 requests), with chunked prefill and overlap: the greedy
-    text of offline generate, streaming or not; no KV blocks reported; a cancelled request frees its slot; a prompt
-    longer than max_model_len gets a 400."""
+def test_quantized_kv_models_through_a_paged_cache_equal_offline(arch):
+    """A KVQuant model (kvquant-nuq4-1%): its quantized KV cache in blocks (pools of codes, scales, outlier slots),
+    admission by free blocks (max batch 3, 30 blocks of 4 tokens, 8 requests), with chunked prefill and overlap: the
+    greedy text of offline generate, streaming or not; blocks reported and all freed; a cancelled request frees its
+    slot; a prompt longer than max_model_len gets a 400."""
     from ssmq.quant import quantize
     from tiny_ssm import synthetic_calibration
 
     model = quantize(tiny_model(arch, seed=5), "kvquant-nuq4-1%", synthetic_calibration(64, 4, 32), progress=False)
     prompts = random_prompts(8, seed=6)
-    with caplog.at_level("WARNING", logger="ssmq.serve"):
-        server = start(model, max_batch=3, max_model_len=96, prefill_tokens=8, overlap=arch == "hybrid")
-    assert "contiguous per slot" in caplog.text and "paged quantized KV not built" in caplog.text
+    server = start(model, max_batch=3, max_model_len=96, prefill_tokens=8, kv_blocks=30, overlap=arch == "hybrid")
     with server as url:
         bodies = [{"model": NAME, "prompt": p, "max_tokens": 6 + 2 * i, "temperature": 0, "stream": i % 2 == 0}
                   for i, p in enumerate(prompts)]
         texts = run_concurrently(url, bodies, [i % 4 == 1 for i in range(len(bodies))])
         stats = httpx.get(f"{url}/health").json()
-        assert _metric(url, "ssmq_kv_cache_contiguous") == 1 and _metric(url, "ssmq_kv_blocks_total") == 0
+        assert _metric(url, "ssmq_kv_blocks_total") == 30
         too_long = httpx.post(f"{url}/v1/completions", json={"prompt": [1] * 97, "max_tokens": 1}, timeout=30)
         assert too_long.status_code == 400 and "maximum context length" in too_long.json()["error"]["message"]
         _cancel_one_and_wait_for_its_slot(url)
     for i, (p, text) in enumerate(zip(prompts, texts)):
         assert text == offline_text(model, p, 6 + 2 * i), f"request {i}"
-    assert stats["slots_used"] == 0 and stats["kv_cache"] == "contiguous" and stats["kv_tokens_per_slot"] == 96
-    assert "kv_blocks_total" not in stats and "kv_blocks_used" not in stats
+    assert stats["slots_used"] == 0 and stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] == 30
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "hybrid"])
@@ -487,7 +484,7 @@ def test_serve_refuses_a_bad_tp():
 @pytest.mark.parametrize("arch", ["mamba2", "hybrid", "hybrid+kvquant", "mamba2+int8-state"])
 def test_cuda_graph_engine_equals_offline_on_gpu(arch, state_checkpoint):
     """On CUDA the engine decodes from CUDA graphs (and prefills through graph pieces): the same greedy text as
-    the offline eager ``generate``, hybrids through the block KV cache, a KVQuant hybrid through its contiguous
+    the offline eager ``generate``, hybrids through the block KV cache, a KVQuant hybrid through its paged
     quantized KV cache, an ``int8-state`` model on its int8 state (prompts of power-of-two lengths: the graph
     prefill takes a prompt in binary pieces and an int8 state is re-quantized between pieces, where eager offline
     prefills it whole; such prompts are one piece, so both quantize the state at the same points)."""

@@ -354,26 +354,34 @@ def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, blo
 _KV_FUSED_APPEND = os.environ.get("SSMQ_KV_FUSED_APPEND", "1") != "0"
 
 
-def quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink) -> bool:
+def quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink, block_table=None) -> bool:
     """Quantize x (b, l, hkv, e) into a quantized KV side's buffers at ``positions`` of the rows ``slots`` with the
-    fused kernel (``kv_append.quant_kv_append``) on CUDA when it serves the format (and is not turned off); False
-    when the caller should write with the reference ops instead."""
+    fused kernel (``kv_append.quant_kv_append``; ``block_table``: the buffers are block pools) on CUDA when it serves
+    the format (and is not turned off); False when the caller should write with the reference ops instead."""
     if not (_KV_FUSED_APPEND and _use_triton(x)):
         return False
     fused = _kernels("kv_append")
     if not fused.eligible(p, bits):
         return False
-    fused.quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink)
+    fused.quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink,
+                          block_table=block_table)
     return True
 
 
-def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None):
+def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None, block_table=None):
     """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA:
-    ``kv_decode_fast`` for the formats it is ``eligible`` for, else the first-generation ``kv_decode``)."""
+    ``kv_decode_fast`` for the formats it is ``eligible`` for, else the first-generation ``kv_decode``).
+    ``block_table`` (s, M): the sides' per-token buffers are block pools (``ssmq.models.quant_kv``), which the fast
+    kernel reads in place; the first-generation one reads a copy of the rows' blocks (``KVSideView.gathered``)."""
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
     if not _use_triton(q):
-        return quant_kv_decode_ref(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)
+        return quant_kv_decode_ref(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, block_table)
     fast = _kernels("kv_decode_fast")
-    impl = fast if _KV_FAST and fast.eligible(k, v, rotary_dim) else _kernels("kv_decode")
-    return impl.quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)
+    if _KV_FAST and fast.eligible(k, v, rotary_dim):
+        return fast.quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
+                                    block_table=block_table)
+    if block_table is not None:
+        k, v = k.gathered(block_table, slots), v.gathered(block_table, slots)
+        slots = torch.arange(len(slots), device=q.device)
+    return _kernels("kv_decode").quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)

@@ -46,15 +46,20 @@ def _mid_half(lo, hi, SYMMETRIC: tl.constexpr):
 
 
 @triton.jit
-def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book, lo, hi,
+def _append_kernel(x, slots, positions, table, s_tab, codes, mid, half, oidx, oval, sink, book, lo, hi,
                    s_xt, s_xh, l, s_pb, c_s, c_t, c_h, m_s, m_t, o_s, o_t, k_s, k_t, k_h,
                    HKV: tl.constexpr, E: tl.constexpr, HP: tl.constexpr, EP: tl.constexpr, NB: tl.constexpr,
                    LEVELS: tl.constexpr, BITS: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                   PER_TOKEN: tl.constexpr, SYMMETRIC: tl.constexpr, S: tl.constexpr):
+                   PER_TOKEN: tl.constexpr, SYMMETRIC: tl.constexpr, S: tl.constexpr, BS: tl.constexpr):
+    """BS > 0: the per-token buffers are block pools, the token's block table[slot, pos // BS] (the sink is not)."""
     pid = tl.program_id(0)
     r = pid // l
     slot = tl.load(slots + r)
     pos = tl.load(positions + r * s_pb + pid % l)
+    if BS > 0:  # (row, position) of the token in the per-token buffers
+        at_row, at_pos = tl.load(table + slot * s_tab + pos // BS), pos % BS
+    else:
+        at_row, at_pos = slot, pos
     h = tl.arange(0, HP)[:, None]
     c = tl.arange(0, EP)[None, :]
     m = (h < HKV) & (c < E)
@@ -88,7 +93,7 @@ def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book
         # scatter: at most K are selected, the slots past them get the empty marks
         rank = tl.cumsum(sel1.to(tl.int32), 0) - 1
         kept = tl.sum(sel1.to(tl.int32), 0)
-        at = slot * o_s + pos * o_t
+        at = at_row * o_s + at_pos * o_t
         tl.store(oidx + at + rank, tl.reshape(flat, (HP * EP,)).to(tl.int16), mask=sel1)
         tl.store(oval + at + rank, tl.reshape(xv, (HP * EP,)).to(tl.float16), mask=sel1)
         jj = tl.arange(0, KP)
@@ -102,8 +107,8 @@ def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book
         mid16 = mid_t.to(tl.float16)
         half16 = tl.maximum(half_t, 1e-4).to(tl.float16)
         hh = tl.arange(0, HP)
-        tl.store(mid + slot * m_s + pos * m_t + hh, mid16, mask=hh < HKV)
-        tl.store(half + slot * m_s + pos * m_t + hh, half16, mask=hh < HKV)
+        tl.store(mid + at_row * m_s + at_pos * m_t + hh, mid16, mask=hh < HKV)
+        tl.store(half + at_row * m_s + at_pos * m_t + hh, half16, mask=hh < HKV)
         midv = mid16.to(tl.float32)[:, None]
         halfv = half16.to(tl.float32)[:, None]
     else:
@@ -117,7 +122,7 @@ def _append_kernel(x, slots, positions, codes, mid, half, oidx, oval, sink, book
     code = tl.where(sel, tl.where(xv.to(tl.float16).to(tl.float32) >= midv, LEVELS - 1, 0), code)
 
     code = tl.where(m, code, 0)  # the padding of a row's last byte: zero bits, as pack_codes
-    row = codes + slot * c_s + pos * c_t + h * c_h
+    row = codes + at_row * c_s + at_pos * c_t + h * c_h
     if BITS == 3:  # two planes: the low 2 bits four a byte, then bit 2 eight a byte
         g = tl.arange(0, EP // 4)[None, :]
         w = tl.sum(tl.reshape(code & 3, (HP, EP // 4, 4)) << (2 * tl.arange(0, 4))[None, None, :], 2)
@@ -142,10 +147,11 @@ def eligible(p: KVParams, bits: int) -> bool:
 
 def quant_kv_append(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, p: KVParams, bits: int,
                     codes: torch.Tensor, mid: torch.Tensor | None, half: torch.Tensor | None, out_idx: torch.Tensor,
-                    out_val: torch.Tensor, sink: torch.Tensor) -> None:
+                    out_val: torch.Tensor, sink: torch.Tensor, block_table: torch.Tensor | None = None) -> None:
     """Quantize x (b, l, hkv, e) and write it at ``positions`` (b, l) of the rows ``slots`` (b,) into a
     ``QuantSide``'s buffers: codes (s, L, hkv, NB) uint8, mid / half (s, L, hkv) float16 (per-token sides, else
-    None), out_idx / out_val (s, L, k), sink (s, S, hkv, e). Same bytes as the reference write (tested)."""
+    None), out_idx / out_val (s, L, k), sink (s, S, hkv, e); with ``block_table`` (s, M) the per-token buffers are
+    block pools (N, B, ...) (``ssmq.models.quant_kv``). Same bytes as the reference write (tested)."""
     assert eligible(p, bits), "format not served by the fused append"
     b, l, hkv, e = x.shape
     xf = x.reshape(b * l, hkv, e)
@@ -159,10 +165,12 @@ def quant_kv_append(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tenso
     hi = book if per_token else p.hi.to(x.device, torch.float32).contiguous()
     ms = mid if per_token else codes  # unused pointers when per-channel
     hs = half if per_token else codes
+    pages = (block_table, block_table.stride(0)) if block_table is not None else (slots, 0)
     _append_kernel[(b * l,)](
-        xf, slots, positions, codes, ms, hs, out_idx, out_val, sink, book, lo, hi,
+        xf, slots, positions, *pages, codes, ms, hs, out_idx, out_val, sink, book, lo, hi,
         xf.stride(0), xf.stride(1), l, positions.stride(0), codes.stride(0), codes.stride(1), codes.stride(2),
         ms.stride(0), ms.stride(1), out_idx.stride(0), out_idx.stride(1), sink.stride(0), sink.stride(1),
         sink.stride(2), HKV=hkv, E=e, HP=triton.next_power_of_2(hkv), EP=max(8, triton.next_power_of_2(e)),
         NB=codes.shape[-1], LEVELS=book.numel(), BITS=bits, K=k, KP=max(2, triton.next_power_of_2(k)),
-        PER_TOKEN=per_token, SYMMETRIC=p.symmetric, S=sink.shape[1], num_warps=NUM_WARPS)
+        PER_TOKEN=per_token, SYMMETRIC=p.symmetric, S=sink.shape[1],
+        BS=codes.shape[1] if block_table is not None else 0, num_warps=NUM_WARPS)

@@ -278,14 +278,20 @@ def _store_split(out, ws, i, hk, sp, rows, rmask, e, m, l, acc, s_ob, s_oh, w_b,
 
 
 @triton.jit
-def _row_offsets(table, s_tab, slot, t, tmask, s_s, s_t, BS: tl.constexpr):
-    """(len(t),) int64 element offsets of tokens t of a row in cache slot ``slot``: slot·s_s + t·s_t, or in a paged
-    cache (BS > 0: a pool (blocks, BS, hkv, e) and a block table (slots, M)) block·s_s + (t mod BS)·s_t, block =
-    table[slot, t // BS]."""
+def _page(table, s_tab, slot, t, tmask, BS: tl.constexpr):
+    """Where tokens t (T,) of cache row ``slot`` sit in a per-token buffer (s, L, ...): (slot, t) as (T,) vectors;
+    or in a paged cache (BS > 0: a pool (blocks, BS, ...) and a block table (slots, M)) (block, t mod BS), block =
+    table[slot, t // BS]. A buffer's offsets are then first·s_0 + second·s_1."""
     if BS > 0:
-        block = tl.load(table + slot * s_tab + t // BS, mask=tmask, other=0).to(tl.int64)
-        return block * s_s + (t % BS).to(tl.int64) * s_t
-    return slot * s_s + t.to(tl.int64) * s_t
+        return tl.load(table + slot * s_tab + t // BS, mask=tmask, other=0).to(tl.int64), t % BS
+    return slot + t * 0, t
+
+
+@triton.jit
+def _row_offsets(table, s_tab, slot, t, tmask, s_s, s_t, BS: tl.constexpr):
+    """(len(t),) int64 element offsets of tokens t of a row in cache slot ``slot`` (``_page``)."""
+    pb, pt = _page(table, s_tab, slot, t, tmask, BS)
+    return pb.to(tl.int64) * s_s + pt.to(tl.int64) * s_t
 
 
 @triton.jit
@@ -409,15 +415,14 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     ``before_combine(ws, splits)``: run between the two (it may add to the splits' outputs in ws); it takes at least
     two splits. ``cfg`` may also set WARPS_OUTLIERS, STAGES_OUTLIERS, MAXNREG and MAXNREG_OUTLIERS (a register cap),
     for sweeps (``bench_kvquant.py --sweep``). ``block_table`` (slots, M): kt / vt are block pools (N, B, hkv, e)
-    (this module's kernel, float caches)."""
+    (this module's kernel: float caches; ``kv_decode_fast``'s: any)."""
     b, hq, e = q.shape
     codes = kt[0]
     paged = block_table is not None
     bs = codes.shape[1] if paged else 0  # tokens a block
     hkv, capacity = codes.shape[2], (block_table.shape[1] * bs if paged else codes.shape[1])
-    own = kernel is None
-    if own:  # this module's kernel takes a block table (a paged cache), or the rows' slots in its place
-        extra = (block_table, block_table.stride(0), *extra) if paged else (slots, 0, *extra)
+    # both kernels take a block table (a paged cache), or the rows' slots in its place
+    extra = (block_table, block_table.stride(0), *extra) if paged else (slots, 0, *extra)
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
     assert rotary_dim % 2 == 0 and rotary_dim <= e
@@ -442,8 +447,7 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         ksink.stride(0), ksink.stride(1), ksink.stride(2), vsink.stride(0), vsink.stride(1), vsink.stride(2),
         out.stride(0), out.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), ws.stride(3), splits, scale,
         num_warps=warps, num_stages=stages, **cap,
-        **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1),
-        **({"BS": bs} if own else {}))
+        **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1), BS=bs)
     if before_combine:
         before_combine(ws, splits)
     if splits > 1:

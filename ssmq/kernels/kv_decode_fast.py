@@ -64,8 +64,8 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _rope_terms, _slot_residual,
-                                    _split_chunk, _split_range, _store_split, quant_args)
+from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
+                                    _slot_residual, _split_chunk, _split_range, _store_split, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -286,7 +286,7 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
-def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
+def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
                    ks_s, ks_t, ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
@@ -296,7 +296,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
                    FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, BS: tl.constexpr):
+    """BS > 0: a paged cache, the per-token buffers block pools read through ``table`` (slots, M) (``_page``)."""
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
     STORE_ASM: tl.constexpr = ASM and FAST  # PTX stores on the GPU (``_store_as_is``), tl.store in the interpreter
@@ -363,9 +364,10 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
             ua, ub = qa, qb
             cos, sin = 1.0, 0.0
         cs = sc + i * c_b + hk * c_k + t[None, :] * GROUP + rows[:, None]  # (b, hkv, L, g): a token's g together
-        krows = kc + slot * k_s + t[:, None] * k_t + hk * k_h
+        pb, pt = _page(table, s_tab, slot, t, tmask, BS)  # the tokens' (row, position) in the per-token buffers
+        krows = kc + (pb * k_s + pt * k_t)[:, None] + hk * k_h
         if K_PER_TOKEN and not FLOAT:
-            tm, th = _scales(kmid, khalf, slot, hk, t, tmask, 0, True, k_ms, k_mt, E, True)
+            tm, th = _scales(kmid, khalf, pb, hk, pt, tmask, 0, True, k_ms, k_mt, E, True)
             s = _key_scores(ua, ub, qp, krows, tm, th, tm, th, tm, th, klut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7,
                             t, tmask, cos, sin, E, R, HP, PP, FLOAT, KBITS, KASM)
         else:
@@ -377,15 +379,15 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
             _store_as_is(cs, s, rmask[:, None] & tmask[None, :], STORE_ASM)
         m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
         acc = acc * alpha[:, None]
-        vrows = vc + slot * v_s + t[:, None] * v_t + hk * v_h
+        vrows = vc + (pb * v_s + pt * v_t)[:, None] + hk * v_h
         if FLOAT:
             acc = tl.dot(p.to(tl.float16), tl.load(vrows + e[None, :], mask=tmask[:, None], other=0.0)
                          .to(tl.float16), acc)
         else:
             B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM, E)
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
-                mv = tl.load(vmid + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
-                hv = tl.load(vhalf + slot * v_ms + t * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+                mv = tl.load(vmid + pb * v_ms + pt * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
+                hv = tl.load(vhalf + pb * v_ms + pt * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
                 acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
             else:
@@ -397,9 +399,9 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, sc, c_b, c_k,
 
 
 @triton.jit
-def _outlier_tile(slots, lens, oidx, oval, mid, half, lut, s_ms, s_mt, s_os, s_ot, E: tl.constexpr, S: tl.constexpr,
-                  PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
-                  LEVELS: tl.constexpr, start):
+def _outlier_tile(slots, lens, table, s_tab, oidx, oval, mid, half, lut, s_ms, s_mt, s_os, s_ot, E: tl.constexpr,
+                  S: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                  LEVELS: tl.constexpr, BS: tl.constexpr, start):
     """The outlier slots (BT, P) of an outlier pass's program (row i, tokens t = start + [0, BT)): the row, t, the
     tokens that hold slots (live: below the row's length, past the sink; the decode reads no others), each slot's
     kv head h and channel c, its correction d = val - x̂ (``kv_decode._slot_residual``) and the mask of the slots
@@ -409,7 +411,8 @@ def _outlier_tile(slots, lens, oidx, oval, mid, half, lut, s_ms, s_mt, s_os, s_o
     t = start + tl.arange(0, BT)
     live = (t < tl.load(lens + i).to(tl.int32)) & (t >= S)
     jj = tl.arange(0, P)
-    ob = slot * s_os + t[:, None] * s_ot + jj[None, :]
+    pb, pt = _page(table, s_tab, slot, t, live, BS)
+    ob = (pb * s_os + pt * s_ot)[:, None] + jj[None, :]
     om = live[:, None] & (jj < SLOTS)[None, :]
     f = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32)
     hit = om & (f >= 0)
@@ -417,16 +420,16 @@ def _outlier_tile(slots, lens, oidx, oval, mid, half, lut, s_ms, s_mt, s_os, s_o
     h = f // E
     c = f - h * E
     val = tl.load(oval + ob, mask=hit, other=0.0).to(tl.float32)
-    d = _slot_residual(mid, half, lut, h, c, hit, val, slot, t, s_ms, s_mt, E, PER_TOKEN, LEVELS)
+    d = _slot_residual(mid, half, lut, h, c, hit, val, pb[:, None], pt, s_ms, s_mt, E, PER_TOKEN, LEVELS)
     return i, t, live, h, c, d, hit
 
 
 @triton.jit
-def _key_outlier_kernel(q, slots, lens, inv_freq, sc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_ms, k_mt, k_os, k_ot,
-                        c_b, c_k, scale, HKV, GROUP: tl.constexpr, GP2: tl.constexpr, HKVP: tl.constexpr,
-                        E: tl.constexpr, R: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr,
-                        KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr, LEVELS: tl.constexpr,
-                        FAST: tl.constexpr):
+def _key_outlier_kernel(q, slots, lens, table, s_tab, inv_freq, sc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_ms,
+                        k_mt, k_os, k_ot, c_b, c_k, scale, HKV, GROUP: tl.constexpr, GP2: tl.constexpr,
+                        HKVP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
+                        PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                        LEVELS: tl.constexpr, FAST: tl.constexpr, BS: tl.constexpr):
     """sc (b, hkv, L, GROUP) float32: what each token's key outliers add to the scores of each of its kv head's
     query heads (log2 units, as the decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of
     key channel c in q_h · R_t k. One program per (row, BT tokens): it zeroes its block, then adds each slot's terms
@@ -436,8 +439,9 @@ def _key_outlier_kernel(q, slots, lens, inv_freq, sc, kmid, khalf, klut, koi, ko
     (BT 16; 0.047 at 32); summing each kv head's run of slots by a segmented scan and storing it once, without
     atomics, 0.068. H200: the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing by kv head with a
     compare and select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
-    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, koi, kov, kmid, khalf, klut, k_ms, k_mt, k_os, k_ot, E, S,
-                                             PER_TOKEN, KSLOTS, KP, BT, LEVELS, tl.program_id(1) * BT)
+    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, koi, kov, kmid, khalf, klut, k_ms, k_mt, k_os,
+                                             k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, LEVELS, BS,
+                                             tl.program_id(1) * BT)
     g = tl.arange(0, GP2)[None, None, :]  # (1, 1, GP2): the query heads of a kv head
     kv = tl.arange(0, HKVP)[:, None, None]
     tl.store(sc + i * c_b + kv * c_k + t[None, :, None] * GROUP + g, tl.zeros((HKVP, BT, GP2), tl.float32),
@@ -467,10 +471,11 @@ def _group_mask(hit, g, GROUP: tl.constexpr, GP2: tl.constexpr):
 
 
 @triton.jit
-def _value_outlier_kernel(ws, sc, slots, lens, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, w_e, v_ms, v_mt, v_os,
-                          v_ot, c_b, c_k, splits, GROUP: tl.constexpr, GP2: tl.constexpr, E: tl.constexpr,
-                          S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr, VP: tl.constexpr,
-                          BT: tl.constexpr, BLOCK_T: tl.constexpr, LEVELS: tl.constexpr):
+def _value_outlier_kernel(ws, sc, slots, lens, table, s_tab, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, w_e, v_ms,
+                          v_mt, v_os, v_ot, c_b, c_k, splits, GROUP: tl.constexpr, GP2: tl.constexpr,
+                          E: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr,
+                          VP: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, LEVELS: tl.constexpr,
+                          BS: tl.constexpr):
     """The value outliers' correction of the attention output, between the decode and the combine: each value slot
     adds 2^(s_h(t) - m) (val - x̂) at its channel of the split workspace ws (b, hq, P, e + 2; heads innermost), for
     the query heads h of its kv head, m the running max that split p's unnormalized output is relative to
@@ -479,8 +484,9 @@ def _value_outlier_kernel(ws, sc, slots, lens, vmid, vhalf, vlut, voi, vov, w_b,
     hq · P · e addresses, a slot's GROUP heads contiguous in sc and ws (one vector load and one vector atomic a slot;
     added to the final output, 4K addresses took 0.17 ms at 128K tokens on the H200, stalled on their contention;
     a tensor-core product a tile, P (hq, slots) @ one-hot (slots, e), 0.44 ms)."""
-    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, voi, vov, vmid, vhalf, vlut, v_ms, v_mt, v_os, v_ot, E, S,
-                                             PER_TOKEN, VSLOTS, VP, BT, LEVELS, tl.program_id(1) * BT)
+    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, voi, vov, vmid, vhalf, vlut, v_ms, v_mt, v_os,
+                                             v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, LEVELS, BS,
+                                             tl.program_id(1) * BT)
     sp = t // _split_chunk(tl.load(lens + i).to(tl.int32), splits, BLOCK_T)  # the token's split
     g = tl.arange(0, GP2)[None, None, :]
     m3 = _group_mask(hit, g, GROUP, GP2)
@@ -509,24 +515,30 @@ def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
                     rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None,
-                    splits: int | None = None) -> torch.Tensor:
+                    splits: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """``quant_kv_decode_ref`` on the GPU for ``eligible`` formats: q (b, hq, e) → (b, hq, e) float32. slots,
-    kv_lens (b,) stay on the GPU (no host sync); ``splits`` overrides ``default_splits``."""
+    kv_lens (b,) stay on the GPU (no host sync); ``splits`` overrides ``default_splits``; ``block_table`` (s, M):
+    the sides' per-token buffers are block pools (N, B, ...) (``ssmq.models.quant_kv``), read in place."""
     if not eligible(k, v, rotary_dim):
         raise SSMQError("the fast KV decode kernel serves 2-4 bit codes, head dims that are multiples of 32 and rotary "
                         f"dims that are multiples of 16 (rotary dim {rotary_dim}); use ssmq.kernels.kv_decode")
-    return decode_any(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, splits)
+    return decode_any(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, splits, block_table)
 
 
 def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int = 0, theta: float = 10000.0,
-               softmax_scale: float | None = None, splits: int | None = None) -> torch.Tensor:
+               softmax_scale: float | None = None, splits: int | None = None,
+               block_table: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on any format, the ones it gets wrong included (outliers, 16-channel rotary halves): the entry of
     ``benchmarks/diag_kv_decode.py``, which isolates those failures on a GPU; the package calls ``quant_kv_decode``."""
     kt, ks, vt, vs, sinks, flags = quant_args(k, v)
     for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
     b, hq, e = q.shape
-    cap, group = k.codes.shape[1], hq // k.codes.shape[2]
+    group = hq // k.codes.shape[2]
+    # a row's capacity; the table's arguments (a paged cache) or the rows' slots in their place, as ``_launch``'s
+    cap = k.codes.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    pages = (block_table, block_table.stride(0)) if block_table is not None else (slots, 0)
+    bs = k.codes.shape[1] if block_table is not None else 0
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
     # sparse outliers in their own passes: key score terms before the decode, value terms before the combine. One
     # buffer sc (b, hkv, L, g), a kv head's query heads contiguous: the key pass's terms, which the decode adds and
@@ -542,18 +554,18 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     if ko:
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
         _key_outlier_kernel[grid](
-            q, slots, kv_lens, inv_freq, sc, *kt[1:], q.stride(0), q.stride(1), *ks[3:], *c_strides, scale,
+            q, slots, kv_lens, *pages, inv_freq, sc, *kt[1:], q.stride(0), q.stride(1), *ks[3:], *c_strides, scale,
             hq // group, GROUP=group, GP2=gp2, HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
             S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt,
-            LEVELS=flags["KLEVELS"], FAST=FAST_TRIG, num_warps=4)
+            LEVELS=flags["KLEVELS"], FAST=FAST_TRIG, BS=bs, num_warps=4)
 
     def value_outliers(ws, splits):
         _value_outlier_kernel[grid](
-            ws, sc, slots, kv_lens, *vt[1:], *ws.stride(), *vs[3:], *c_strides, splits, GROUP=group, GP2=gp2,
-            E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo), BT=bt,
-            BLOCK_T=CFG["BLOCK_T_OUTLIERS"], LEVELS=flags["VLEVELS"], num_warps=4)
+            ws, sc, slots, kv_lens, *pages, *vt[1:], *ws.stride(), *vs[3:], *c_strides, splits, GROUP=group,
+            GP2=gp2, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo), BT=bt,
+            BLOCK_T=CFG["BLOCK_T_OUTLIERS"], LEVELS=flags["VLEVELS"], BS=bs, num_warps=4)
 
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
                   _decode_kernel, CFG, constexprs, extra=(sc, *c_strides),
-                  before_combine=value_outliers if vo else None)
+                  before_combine=value_outliers if vo else None, block_table=block_table)
     return out

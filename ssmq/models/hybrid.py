@@ -10,7 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmq import ops
-from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.state import KVState, RopeAtRead
@@ -31,16 +30,14 @@ class Attention(nn.Module):
     def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, kv_keys_before_rope: bool = False,
                        kv_table=None, **_):
         """K, V (s, max_seqlen, hkv, e); ``kv_keys_before_rope``: keys cached before RoPE, rotated at read.
-        With a KV quantizer the state is quantized (its spec says whether keys are cached before RoPE)."""
+        With a KV quantizer the state is quantized (its spec says whether keys are cached before RoPE); with
+        ``kv_table`` (a ``BlockTable``) either is paged."""
         if self.kv_quant is not None:
             from ssmq.models.quant_kv import QuantKVState
 
-            if kv_table is not None:
-                raise SSMQError("a paged quantized KV cache is not built; allocate it without kv_blocks (contiguous "
-                                "per slot, as ssmq serve does)")
             pre = self.kv_quant.kv.keys.pre_rope and self.rotary_dim
             return QuantKVState(self.kv_quant, max_batch, max_seqlen, dtype, device,
-                                RopeAtRead(self.rotary_dim, self.rope_theta) if pre else None)
+                                RopeAtRead(self.rotary_dim, self.rope_theta) if pre else None, table=kv_table)
         rope = RopeAtRead(self.rotary_dim, self.rope_theta) if kv_keys_before_rope and self.rotary_dim else None
         if kv_table is not None:  # paged: blocks of a pool shared by the slots, through the model's block table
             from ssmq.models.paged_kv import PagedKVState

@@ -9,6 +9,9 @@ Per side (keys, values), ``QuantSide`` holds
     mid, half (s, L, hkv) float16      per-token scales (per_token sides only; offline scales live in the quantizer)
     out_idx   (s, L, k) int16, out_val (s, L, k) float16    the token's sparse outliers
     sink      (s, S, hkv, e) float     the first S tokens, exactly (attention sink)
+Paged (a ``BlockTable``, as ``ssmq.models.paged_kv``): the per-token buffers are block pools, (N, B, ...) in place
+of (s, L, ...), shared by the slots; token t of slot i at block table.rows[i, t // B], offset t % B. The sink stays
+per slot. The kernels (append, decode) read and write the pools in place through the table.
 ``append`` quantizes the new tokens as they are written (prefill writes the quantized cache directly), with static
 shapes and no host read (a CUDA graph captures a decode step: ``append`` then ``decode``);
 ``read`` dequantizes the served rows (keys before RoPE are rotated after), so attention over a read equals
@@ -27,19 +30,37 @@ from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, code_bits, dequantize_kv
 
 
 class QuantSide:
-    def __init__(self, quantizer, which: str, max_batch: int, max_seqlen: int, dtype, device):
-        self.q, self.which = quantizer, which
+    def __init__(self, quantizer, which: str, max_batch: int, max_seqlen: int, dtype, device, table=None):
+        self.q, self.which, self.table = quantizer, which, table
         side, hkv, e = quantizer.side(which), quantizer.hkv, quantizer.e
         self.bits = code_bits(side.levels)
         z = dict(device=device)
-        self.codes = torch.zeros(max_batch, max_seqlen, hkv, packed_bytes(e, self.bits), dtype=torch.uint8, **z)
+        lead = (max_batch, max_seqlen) if table is None else (table.num_blocks, table.block_size)
+        self.codes = torch.zeros(*lead, hkv, packed_bytes(e, self.bits), dtype=torch.uint8, **z)
         per_token = side.granularity == "per_token"
-        self.mid = torch.zeros(max_batch, max_seqlen, hkv, dtype=torch.float16, **z) if per_token else None
-        self.half = torch.ones(max_batch, max_seqlen, hkv, dtype=torch.float16, **z) if per_token else None
+        self.mid = torch.zeros(*lead, hkv, dtype=torch.float16, **z) if per_token else None
+        self.half = torch.ones(*lead, hkv, dtype=torch.float16, **z) if per_token else None
         k = quantizer.outlier_slots(which)
-        self.out_idx = torch.full((max_batch, max_seqlen, k), -1, dtype=torch.int16, **z)
-        self.out_val = torch.zeros(max_batch, max_seqlen, k, dtype=torch.float16, **z)
+        self.out_idx = torch.full((*lead, k), -1, dtype=torch.int16, **z)
+        self.out_val = torch.zeros(*lead, k, dtype=torch.float16, **z)
         self.sink = torch.zeros(max_batch, quantizer.kv.sink, hkv, e, dtype=dtype, **z)
+
+    @property
+    def block_table(self) -> torch.Tensor | None:
+        return None if self.table is None else self.table.rows
+
+    def _locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices (b, l) of the per-token buffers' first two dims for ``positions`` (b, l) of the rows ``slots``."""
+        if self.table is not None:
+            return self.table.locate(slots, positions)
+        return slots[:, None].expand_as(positions), positions
+
+    def _prefix(self, t: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
+        """The first ``end`` tokens of the rows ``slots`` of a per-token buffer: (b, end, ...)."""
+        if self.table is None:
+            return t[slots, :end]
+        n = -(-end // self.table.block_size)
+        return t[self.table.rows[slots, :n]].flatten(1, 2)[:, :end]
 
     def buffers(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.mid, self.half, self.out_idx, self.out_val, self.sink) if t is not None]
@@ -50,18 +71,18 @@ class QuantSide:
         CUDA, by one fused kernel (``kernels.quant_kv_append``, the same bytes; SSMQ_KV_FUSED_APPEND=0: the ops)."""
         p = self.q.params(self.which)
         if kernels.quant_kv_append(x, slots, positions, p, self.bits, self.codes, self.mid, self.half, self.out_idx,
-                                   self.out_val, self.sink):
+                                   self.out_val, self.sink, block_table=self.block_table):
             return
         q = quantize_kv_ref(x.reshape(-1, *x.shape[-2:]), p)
         lead = x.shape[:2]
-        rows = slots[:, None].expand_as(positions)
+        rows, at = self._locate(slots, positions)
         codes = pack_codes(q.codes, self.bits)
-        self.codes[rows, positions] = codes.reshape(*lead, *codes.shape[1:])
+        self.codes[rows, at] = codes.reshape(*lead, *codes.shape[1:])
         if self.mid is not None:
-            self.mid[rows, positions] = q.mid.reshape(*lead, -1)
-            self.half[rows, positions] = q.half.reshape(*lead, -1)
-        self.out_idx[rows, positions] = q.out_idx.reshape(*lead, -1)
-        self.out_val[rows, positions] = q.out_val.reshape(*lead, -1)
+            self.mid[rows, at] = q.mid.reshape(*lead, -1)
+            self.half[rows, at] = q.half.reshape(*lead, -1)
+        self.out_idx[rows, at] = q.out_idx.reshape(*lead, -1)
+        self.out_val[rows, at] = q.out_val.reshape(*lead, -1)
         self.write_sink(slots, positions, x)
 
     def write_sink(self, slots: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
@@ -78,9 +99,9 @@ class QuantSide:
 
     def quantized(self, slots: torch.Tensor, end: int) -> QuantizedKV:
         """The rows ``slots`` up to ``end`` as a QuantizedKV of (b·T) tokens (codes unpacked)."""
-        codes = unpack_codes(self.codes[slots, :end], self.bits, self.q.e)
+        codes = unpack_codes(self._prefix(self.codes, slots, end), self.bits, self.q.e)
         n = len(slots) * end
-        flat = lambda t: None if t is None else t[slots, :end].reshape(n, *t.shape[2:])  # noqa: E731
+        flat = lambda t: None if t is None else self._prefix(t, slots, end).reshape(n, *t.shape[2:])  # noqa: E731
         return QuantizedKV(codes.reshape(-1, *codes.shape[2:]), flat(self.mid), flat(self.half), flat(self.out_idx),
                            flat(self.out_val))
 
@@ -106,6 +127,9 @@ class QuantSide:
                           self.sink, self.bits)
 
     def reset(self, slots) -> None:
+        self.sink[_rows(slots)] = 0
+        if self.table is not None:  # the slots' blocks go back to the pool: a token is written before it is read
+            return
         for t in self.buffers():
             t[_rows(slots)] = 0
         self.out_idx[_rows(slots)] = -1
@@ -115,14 +139,16 @@ class QuantSide:
 
 class QuantKVState:
     """Keys and values of one attention layer in a quantized format (module docstring); ``quantizer`` is the
-    layer's calibrated ``KVQuantizer`` (its buffers are read, not copied: allocate after moving the model)."""
+    layer's calibrated ``KVQuantizer`` (its buffers are read, not copied: allocate after moving the model);
+    ``table``: a ``BlockTable`` for a paged cache (the buffers are block pools), None for rows of max_seqlen."""
 
     format = StateFormat.QUANT
 
-    def __init__(self, quantizer, max_batch: int, max_seqlen: int, dtype, device, rope: RopeAtRead | None = None):
-        self.quantizer, self.rope, self.dtype, self.max_seqlen = quantizer, rope, dtype, max_seqlen
-        self.k = QuantSide(quantizer, "keys", max_batch, max_seqlen, dtype, device)
-        self.v = QuantSide(quantizer, "values", max_batch, max_seqlen, dtype, device)
+    def __init__(self, quantizer, max_batch: int, max_seqlen: int, dtype, device, rope: RopeAtRead | None = None,
+                 table=None):
+        self.quantizer, self.rope, self.dtype, self.max_seqlen, self.table = quantizer, rope, dtype, max_seqlen, table
+        self.k = QuantSide(quantizer, "keys", max_batch, max_seqlen, dtype, device, table)
+        self.v = QuantSide(quantizer, "values", max_batch, max_seqlen, dtype, device, table)
 
     @property
     def keys_before_rope(self) -> bool:
@@ -159,11 +185,15 @@ class QuantKVState:
         if k is None or v is None:
             return None
         r = self.rope
-        return kernels.quant_kv_decode(q, slots, kv_lens, k, v, r.rotary_dim if r else 0, r.theta if r else 1e4)
+        return kernels.quant_kv_decode(q, slots, kv_lens, k, v, r.rotary_dim if r else 0, r.theta if r else 1e4,
+                                       block_table=self.k.block_table)
 
     def reset(self, slots=None) -> None:
         self.k.reset(slots)
         self.v.reset(slots)
+        if self.table is not None:  # the rows' entries back to the null block (the allocator frees the blocks)
+            self.table.reset(slots)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for side in (self.k, self.v) for t in side.buffers())
+        table = 0 if self.table is None else self.table.rows.numel() * 8
+        return sum(t.numel() * t.element_size() for side in (self.k, self.v) for t in side.buffers()) + table

@@ -319,15 +319,47 @@ class KVSideView:
         x[:, :s] = self.sink[slots, :s].float()
         return x
 
+    def paged(self, block_table: torch.Tensor, block_size: int) -> KVSideView:
+        """The inverse of ``gathered``: this side's s rows (s, M·B, ...) as block pools of 1 + s·M blocks, row i's
+        j-th block at block_table[i, j] (a permutation of 1 .. s·M); block 0, the null block, holds row 0's first
+        block (stale contents, as a pool's free blocks have). Tests and benchmarks build paged caches with it."""
+        s, m = block_table.shape
+
+        def pool(t):
+            out = t.new_empty(1 + s * m, block_size, *t.shape[2:])
+            out[0] = t[0, :block_size]
+            out[block_table.flatten()] = t[:, :m * block_size].reshape(s * m, block_size, *t.shape[2:])
+            return out
+
+        mid, half = (pool(self.mid), pool(self.half)) if self.per_token else (self.mid, self.half)
+        return KVSideView(pool(self.codes), self.codebook, mid, half, self.per_token, pool(self.out_idx),
+                          pool(self.out_val), self.sink, self.bits)
+
+    def gathered(self, block_table: torch.Tensor, slots: torch.Tensor) -> KVSideView:
+        """The rows ``slots`` (b,) of a paged side as a contiguous one of b rows (slots then ``arange(b)``): the
+        per-token buffers are block pools (N, B, ...), token t of row i at block block_table[slots[i], t // B],
+        offset t % B (``ssmq.models.paged_kv``); each row's blocks are copied in order, (b, M·B, ...). The CPU
+        reference's view of a paged cache (the kernels read the pools in place)."""
+        rows = block_table[slots]  # (b, M)
+        pages = lambda t: t[rows].flatten(1, 2)  # noqa: E731
+        mid, half = (pages(self.mid), pages(self.half)) if self.per_token else (self.mid, self.half)
+        return KVSideView(pages(self.codes), self.codebook, mid, half, self.per_token, pages(self.out_idx),
+                          pages(self.out_val), self.sink[slots], self.bits)
+
 
 def quant_kv_decode_ref(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
-                        rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None):
+                        rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None,
+                        block_table: torch.Tensor | None = None):
     """Decode attention over a quantized cache: q (b, hq, e) post-RoPE queries of the rows ``slots`` (b,), which
     hold ``kv_lens`` (b,) tokens (the new one included); keys stored before RoPE when ``rotary_dim`` > 0 (rotated
-    after dequantization). Returns (b, hq, e) float32: the dequantized cache, then float attention. Reads the
-    longest of ``kv_lens`` on the host, except while a CUDA graph is being captured: then all L positions (masked)."""
+    after dequantization); ``block_table`` (s, M): a paged cache (``KVSideView.gathered``). Returns (b, hq, e)
+    float32: the dequantized cache, then float attention. Reads the longest of ``kv_lens`` on the host, except while
+    a CUDA graph is being captured: then all L positions (masked)."""
     from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
 
+    if block_table is not None:  # a paged cache: its rows' blocks in order
+        k, v = k.gathered(block_table, slots), v.gathered(block_table, slots)
+        slots = torch.arange(len(slots), device=slots.device)
     end = read_extent(kv_lens, k.codes.shape[1])
     keys, values = k.dequantize(slots, end), v.dequantize(slots, end)
     if rotary_dim:

@@ -1,8 +1,7 @@
 """Continuous-batching engine: requests join and leave the running decode batch at every step.
 
 Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for
-hybrids its KV block table, or with a quantized KV cache its own max_model_len tokens of KV: paged quantized KV is
-not built); *chunk* a piece of a prompt prefilled in one call; *step* one turn of the engine
+hybrids its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in one call; *step* one turn of the engine
 loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt tokens (so a long prompt
 does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call. With
 ``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step before, so the host
@@ -101,11 +100,6 @@ class _Sampled:
     lp: tuple = ()
 
 
-def quantized_kv(model) -> bool:
-    """Whether the model's attention layers keep a quantized KV cache (a calibrated KV quantizer on any of them)."""
-    return any(getattr(layer.mixer, "kv_quant", None) is not None for layer in model.layers)
-
-
 class LocalRunner:
     """The model calls of the engine on this process: the cache, and the CUDA graphs of decode and prefill on GPU."""
 
@@ -119,12 +113,7 @@ class LocalRunner:
         graphs = self.device.type == "cuda" and cfg.cuda_graphs
         kw = {"ssm_dtype": ssm_dtype, "state_checkpoint": cfg.state_checkpoint}
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
-        # a quantized KV cache (KVQuant) stays contiguous: each slot reserves max_model_len tokens of it
-        self.kv_contiguous = quantized_kv(model)
-        if self.kv_contiguous:
-            log.warning("quantized KV cache: contiguous per slot, %d slots x %d tokens (paged quantized KV not "
-                        "built)", cfg.max_batch, cfg.max_model_len)
-        elif any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
+        if any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
             n = cfg.kv_blocks or max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
             self.kv_blocks = (n + 1, cfg.kv_block_size)  # + the null block
             kw.update(kv_blocks=n + 1, kv_block_size=cfg.kv_block_size)
@@ -178,7 +167,6 @@ class Engine:
         self.free_slots = list(range(config.max_batch))[::-1]
         kv = getattr(self.runner, "kv_blocks", None)
         self.blocks = BlockAllocator(*kv) if kv else None  # None: admission counts slots only
-        self.kv_contiguous = getattr(self.runner, "kv_contiguous", False)  # quantized KV, max_model_len a slot
         self.steps = 0
         self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
         self._flushes: set = set()  # flush callbacks of the requests emitted to since the last flush
@@ -238,8 +226,6 @@ class Engine:
                "steps": self.steps}
         if self.blocks is not None:
             out.update(kv_blocks_used=self.blocks.used, kv_blocks_total=self.blocks.total)
-        if self.kv_contiguous:  # no blocks to count: each slot holds max_model_len tokens of quantized KV
-            out.update(kv_cache="contiguous", kv_tokens_per_slot=self.cfg.max_model_len)
         return out
 
     # ---------------------------------------------------------------- engine thread

@@ -17,11 +17,8 @@ class ServerMetrics:
         self.slots_used = Gauge("ssmq_cache_slots_used", "cache slots owned by running sequences", registry=r)
         self.slots_total = Gauge("ssmq_cache_slots_total", "cache slots (max batch)", registry=r)
         self.blocks_used = Gauge("ssmq_kv_blocks_used", "KV cache blocks in use (hybrid models)", registry=r)
-        self.blocks_total = Gauge("ssmq_kv_blocks_total", "KV cache blocks (hybrid models; 0 without attention "
-                                  "or with a quantized KV cache, which is contiguous per slot)", registry=r)
-        self.kv_contiguous = Gauge("ssmq_kv_cache_contiguous", "1: the quantized KV cache is contiguous, "
-                                   "max_model_len tokens a slot, no KV blocks (paged quantized KV not built)",
-                                   registry=r)
+        self.blocks_total = Gauge("ssmq_kv_blocks_total", "KV cache blocks (hybrid models, float or quantized KV; "
+                                  "0 without attention)", registry=r)
         self.prompt_tokens = Counter("ssmq_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("ssmq_generation_tokens", "tokens generated", registry=r)
         self.requests = Counter("ssmq_requests", "finished requests by outcome", ["outcome"], registry=r)
@@ -38,7 +35,6 @@ class ServerMetrics:
         self.slots_total.set(stats["slots_total"])
         self.blocks_used.set(stats.get("kv_blocks_used", 0))
         self.blocks_total.set(stats.get("kv_blocks_total", 0))
-        self.kv_contiguous.set(stats.get("kv_cache") == "contiguous")
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,7 +20,6 @@ class BroadcastRunner:
     def __init__(self, local, group=None):
         self.local, self.group = local, group
         self.cache, self.device, self.kv_blocks = local.cache, local.device, local.kv_blocks
-        self.kv_contiguous = local.kv_contiguous
 
     def _send(self, op: int, payload: torch.Tensor | None = None, n_a: int = 0) -> None:
         n = 0 if payload is None else payload.numel()
