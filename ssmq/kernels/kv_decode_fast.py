@@ -275,6 +275,19 @@ def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw
 
 
 @triton.jit
+def _tile_page(table, s_tab, slot, start, t, tmask, BS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``_page`` of a decode tile, tokens t = start + [0, BLOCK_T) (start a multiple of BLOCK_T): in a paged cache
+    whose blocks hold whole tiles (BS a multiple of BLOCK_T) the tile lies in one block, one table entry (a scalar
+    row: its addresses as a contiguous cache's); with smaller blocks, an entry a token."""
+    if BS > 0 and BS % BLOCK_T == 0:
+        pb = tl.load(table + slot * s_tab + start // BS).to(tl.int64)
+        pt = t - (start // BS) * BS
+    else:
+        pb, pt = _page(table, s_tab, slot, t, tmask, BS)
+    return pb, pt
+
+
+@triton.jit
 def _softmax_step(m, l, s):
     """Online softmax: fold scores s (GP, n) (log2 units, -inf masked) into the running (m, l); returns m, l, the
     probabilities p (GP, n) and alpha, the factor the running output takes."""
@@ -364,7 +377,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
             ua, ub = qa, qb
             cos, sin = 1.0, 0.0
         cs = sc + i * c_b + hk * c_k + t[None, :] * GROUP + rows[:, None]  # (b, hkv, L, g): a token's g together
-        pb, pt = _page(table, s_tab, slot, t, tmask, BS)  # the tokens' (row, position) in the per-token buffers
+        pb, pt = _tile_page(table, s_tab, slot, start, t, tmask, BS, BLOCK_T)  # (row, position) in the buffers
         krows = kc + (pb * k_s + pt * k_t)[:, None] + hk * k_h
         if K_PER_TOKEN and not FLOAT:
             tm, th = _scales(kmid, khalf, pb, hk, pt, tmask, 0, True, k_ms, k_mt, E, True)
