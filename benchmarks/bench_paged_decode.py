@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kvquant import ONE_PCT, nbytes, quant_cache, timeit  # noqa: E402
+from plotting import pyplot  # noqa: E402
 
 from ssmq import kernels  # noqa: E402
 
@@ -78,13 +79,45 @@ def case(rows: int, context: int, block: int) -> dict:
     return r
 
 
+def plot(runs: dict[int, list[dict]], path: Path) -> None:
+    """In place / contiguous per format and shape, one group of bars a block size (``runs``: block size → rows)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(9, 4))
+    rows = next(iter(runs.values()))
+    labels = [f"{r['format']}\n{r['batch']}x{r['context'] // 1024}K" for r in rows]
+    width = 0.8 / len(runs)
+    for k, (bs, rs) in enumerate(sorted(runs.items())):
+        ax.bar([i + k * width for i in range(len(rs))], [r["in place ms"] / r["contiguous ms"] for r in rs], width,
+               label=f"blocks of {bs}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(labels))], labels, fontsize=6)
+    ax.set_ylabel("in place / contiguous cache (time)")
+    ax.set_ylim(0.9, max(r["in place ms"] / r["contiguous ms"] for rs in runs.values() for r in rs) + 0.05)
+    ax.set_title(f"Paged KV decode, one layer of {HQ} q / {HKV} kv heads x {E}, H100")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1:32768,1:131072,8:32768", help="BATCH:CONTEXT,...")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--formats", default="fp16", help="fp16 and KVQuant BITS[-1%%], comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/paged_decode"))
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="no run: plot these runs' paged_decode.json (one a "
+                    "block size) to --out/paged_decode.png")
     args = ap.parse_args()
+    if args.plot:
+        runs = {}
+        for f in args.plot:
+            rows = json.loads(Path(f).read_text())["rows"]
+            runs[rows[0]["block"]] = rows
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        plot(runs, Path(args.out) / "paged_decode.png")
+        return
     rows = []
     for c in args.cases.split(","):
         b, n = (int(x) for x in c.split(":"))

@@ -479,6 +479,44 @@ def test_serve_refuses_a_bad_tp():
     assert main(["serve", "--tp", "0"]) == 1
 
 
+@pytest.mark.parametrize("flags,message", [(["--kv-blocks", "0"], "--kv-blocks must be >= 1"),
+                                           (["--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive"),
+                                           (["--kv-block-size", "0"], "--kv-block-size must be >= 1")])
+def test_serve_refuses_bad_kv_cache_flags(flags, message, capsys):
+    from ssmq.cli import main
+
+    assert main(["serve", *flags]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_kv_cache_memory_sizes_the_block_pools_in_the_model_s_kv_format():
+    """--kv-cache-memory: as many blocks as the budget holds at the bytes a token takes in the cache as allocated
+    (float or quantized: the pools' bytes a token equal ``kv_bytes_per_token``); a KVQuant model gets several times
+    the float16 blocks of the same memory; a budget below one block is refused in one line."""
+    from ssmq.errors import SSMQError
+    from ssmq.quant import quantize
+    from ssmq.runtime.engine import kv_block_count, kv_bytes_per_token
+    from tiny_ssm import synthetic_calibration
+
+    fp = tiny_model("hybrid", seed=5).half()
+    kvq = quantize(tiny_model("hybrid", seed=5), "kvquant-nuq4-1%", synthetic_calibration(64, 4, 32),
+                   progress=False).half()
+    cfg = EngineConfig(max_batch=2, max_model_len=64, kv_block_size=8, kv_cache_bytes=1 << 20)
+    counts = {}
+    for name, model in (("fp16", fp), ("nuq4-1%", kvq)):
+        per_token = kv_bytes_per_token(model)
+        counts[name] = n = kv_block_count(model, cfg)
+        assert n == (1 << 20) // (8 * per_token) - 1
+        cache = model.allocate_cache(2, 64, kv_blocks=n + 1, kv_block_size=8)
+        pools = sum(t.numel() * t.element_size() for st in cache.states if hasattr(st, "table")
+                    for t in ([st.k, st.v] if isinstance(st.k, torch.Tensor) else
+                              [t for side in (st.k, st.v) for t in side.buffers() if t is not side.sink]))
+        assert pools == (n + 1) * 8 * per_token
+    assert counts["nuq4-1%"] > 3 * counts["fp16"]
+    with pytest.raises(SSMQError, match="holds no block"):
+        kv_block_count(fp, EngineConfig(kv_block_size=8, kv_cache_bytes=100))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("state_checkpoint", [None, 16])
 @pytest.mark.parametrize("arch", ["mamba2", "hybrid", "hybrid+kvquant", "mamba2+int8-state"])

@@ -45,6 +45,13 @@ class Attention(nn.Module):
             return PagedKVState.allocate(kv_table, max_seqlen, self.hkv, self.e, dtype, device, rope)
         return KVState.allocate(max_batch, max_seqlen, self.hkv, self.e, dtype, device, rope)
 
+    def kv_bytes_per_token(self, dtype) -> float:
+        """Bytes one token takes in this layer's cache (``allocate_state``'s, float in ``dtype`` or quantized as
+        ``QuantKVState`` stores it; the sink and per-layer constants aside): what a KV block pool is sized by."""
+        if self.kv_quant is not None:
+            return self.kv_quant.kv.bits_per_token(self.hkv, self.e, as_stored=True) / 8
+        return 2 * self.hkv * self.e * torch.empty((), dtype=dtype).element_size()
+
     def _rotate(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """t: (b, l, heads, e); positions: (b, l) → RoPE of the first rotary_dim channels of each head."""
         if not self.rotary_dim:

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per sequence")
     p.add_argument("--prefill-tokens", type=int, default=512,
                    help="prompt tokens prefilled per engine step, interleaved with decode (default 512)")
+    p.add_argument("--kv-block-size", type=int, default=32, help="tokens per KV block (hybrids; default 32)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-memory", type=float, metavar="GIB",
+                    help="GiB of KV blocks over all attention layers, in the model's KV format (a KVQuant model "
+                         "fits 3.5-5x the tokens of float16); default: blocks for a quarter of max-batch x "
+                         "max-model-len tokens")
+    kv.add_argument("--kv-blocks", type=int, help="KV blocks per attention layer (in place of --kv-cache-memory)")
     p.add_argument("--served-model-name", help="name in /v1/models and requests (default: the model folder's name)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
@@ -59,12 +66,18 @@ def state_checkpoint(args) -> int | None:
 def engine_config(args):
     from ssmq.runtime.engine import EngineConfig
 
-    for name in ("max_batch", "max_model_len", "prefill_tokens"):
+    for name in ("max_batch", "max_model_len", "prefill_tokens", "kv_block_size"):
         if getattr(args, name) < 1:
             raise SSMQError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_blocks is not None and args.kv_blocks < 1:
+        raise SSMQError("--kv-blocks must be >= 1")
+    if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
+        raise SSMQError("--kv-cache-memory must be a positive number of GiB")
     return EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
                         prefill_tokens=args.prefill_tokens, cuda_graphs=not args.eager,
-                        state_checkpoint=state_checkpoint(args))
+                        state_checkpoint=state_checkpoint(args), kv_block_size=args.kv_block_size,
+                        kv_blocks=args.kv_blocks,
+                        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2 ** 30))
 
 
 def run(args: argparse.Namespace) -> int:

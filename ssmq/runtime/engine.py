@@ -39,8 +39,11 @@ class EngineConfig:
     max_batch: int = 64  # cache slots = sequences decoded together
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     prefill_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill budget)
-    kv_block_size: int = 16  # tokens per KV block (hybrids)
-    kv_blocks: int | None = None  # KV blocks per attention layer; None: a quarter of max_batch * max_model_len tokens
+    # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, 2026-11-28, one Llama-8B layer
+    # at 128K tokens, in place / contiguous: 4-bit codes 1.08 at 32, 1.21 at 16; float16 1.04 / 1.08)
+    kv_block_size: int = 32
+    kv_blocks: int | None = None  # KV blocks per attention layer; None: from kv_cache_bytes, else a quarter of the slots
+    kv_cache_bytes: int | None = None  # KV memory (all attention layers) the blocks take, in the cache's format
     max_waiting: int = 4096  # queued requests beyond which submit refuses
     cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
     state_checkpoint: int | None = None  # K: SSM states written once every K decode steps (ReplaySSM); None: every step
@@ -100,6 +103,28 @@ class _Sampled:
     lp: tuple = ()
 
 
+def kv_bytes_per_token(model) -> float:
+    """Bytes a token takes in the KV cache of every attention layer of ``model`` (float or quantized, as allocated)."""
+    dtype = model.norm_f.weight.dtype
+    return sum(layer.mixer.kv_bytes_per_token(dtype) for layer in model.layers
+               if hasattr(layer.mixer, "kv_bytes_per_token"))
+
+
+def kv_block_count(model, cfg: EngineConfig) -> int:
+    """KV blocks of the engine's pools (the null block aside): ``kv_blocks``, or as many as ``kv_cache_bytes`` holds
+    in the model's KV format (a quantized cache: 3.5-5x the float16 blocks), or a quarter of max_batch ×
+    max_model_len tokens."""
+    if cfg.kv_blocks:
+        return cfg.kv_blocks
+    if cfg.kv_cache_bytes:
+        n = int(cfg.kv_cache_bytes // (cfg.kv_block_size * kv_bytes_per_token(model))) - 1
+        if n < 1:
+            raise SSMQError(f"a KV cache of {cfg.kv_cache_bytes / 2 ** 30:.3g} GiB holds no block of "
+                            f"{cfg.kv_block_size} tokens of this model")
+        return n
+    return max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
+
+
 class LocalRunner:
     """The model calls of the engine on this process: the cache, and the CUDA graphs of decode and prefill on GPU."""
 
@@ -114,7 +139,9 @@ class LocalRunner:
         kw = {"ssm_dtype": ssm_dtype, "state_checkpoint": cfg.state_checkpoint}
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
         if any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
-            n = cfg.kv_blocks or max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
+            n = kv_block_count(model, cfg)
+            log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, cfg.kv_block_size,
+                     n * cfg.kv_block_size, (n + 1) * cfg.kv_block_size * kv_bytes_per_token(model) / 2 ** 30)
             self.kv_blocks = (n + 1, cfg.kv_block_size)  # + the null block
             kw.update(kv_blocks=n + 1, kv_block_size=cfg.kv_block_size)
         # the graphs' padding rows use one more, scratch, slot
