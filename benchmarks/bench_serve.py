@@ -4,6 +4,8 @@ clients, beside the offline batched throughput and offline TPOT of the same mode
     python benchmarks/bench_serve.py --model mamba2-2.7b --out out/serve            # GPU, FP16, random weights
     python benchmarks/bench_serve.py --model mamba2-2.7b --quant rtn-w8a16 --out out/serve-w8a16
     python benchmarks/bench_serve.py --model tiny --concurrency 1,4,16 --prompt-len 32 --output-len 32  # CPU sanity
+    python benchmarks/bench_serve.py --model llama-3.1-8b --kv nuq4-1% --kv-cache-memory 2.5 --skip-offline \
+        --concurrency 64 --prompt-len 1024 --output-len 256 --out out/serve-kv   # KV formats at equal KV memory
 
 The server runs in a child process (model, engine, uvicorn: what `ssmq serve` runs), which first measures the
 offline numbers with the same model: ``generate`` of C prompts at once (CUDA-graph decode on GPU) for the
@@ -77,6 +79,12 @@ def build_model(args):
         from ssmq.quant.api import quantize
 
         model = quantize(model, args.quant, progress=False)
+    if args.kv:  # every attention layer caches in this KV format, placeholder codebooks and scales (speed, not accuracy)
+        from check_plan_memory import quantize_kv
+
+        from ssmq.quant.kv_formats import kv_format
+
+        quantize_kv(model, kv_format(args.kv))
     return model
 
 
@@ -166,12 +174,17 @@ def serve_main(args) -> None:
     t = time.perf_counter()
     info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)",
             "vocab": model.config.vocab_size,
-            "offline": offline(model, args, levels)}
+            "offline": {} if args.skip_offline else offline(model, args, levels)}
     info["offline_s"] = time.perf_counter() - t
     t = time.perf_counter()
+    kv_bytes = None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2 ** 30)
     engine = Engine(model, EngineConfig(max_batch=max(levels), max_model_len=args.prompt_len + args.output_len + 1,
-                                        prefill_tokens=args.prefill_tokens))
+                                        prefill_tokens=args.prefill_tokens, kv_cache_bytes=kv_bytes))
     info["engine_start_s"] = time.perf_counter() - t  # CUDA-graph capture on GPU
+    if engine.blocks is not None:  # the KV pools: how many sequences of prompt + output tokens they hold at once
+        seq = engine.blocks.blocks_for(args.prompt_len + args.output_len)
+        info.update(kv_blocks=engine.blocks.total, kv_block_size=engine.blocks.block_size,
+                    kv_sequences_at_once=engine.blocks.total // seq)
     Path(args.offline_json).write_text(json.dumps(info))
     run_server(engine, IdTokenizer(model.config.vocab_size),
                ServerConfig(("bench",), request_timeout_s=None), port=args.port, log_level="warning")
@@ -276,9 +289,13 @@ def merge_runs(old: dict, new: dict) -> dict:
 
 def report(res: dict, out: Path) -> None:
     off = res["offline"]
+    kv = (f"; KV {res.get('kv') or 'float16'}" + (f", {res['kv_cache_gib']} GiB: {res['kv_blocks']} blocks of "
+                                                  f"{res['kv_block_size']} tokens, {res['kv_sequences_at_once']} "
+                                                  "sequences at once" if res.get("kv_blocks") else ""))
     lines = [f"# ssmq serve: {res['model']}{' ' + res['quant'] if res['quant'] else ''} on {res['device']}", "",
              f"prompt {res['prompt_len']} tokens, output {res['output_len']} tokens (ignore_eos), streaming, "
-             "closed-loop clients" + (f"; offline TPOT {off['tpot_ms']:.2f} ms" if "tpot_ms" in off else ""), "",
+             "closed-loop clients" + (f"; offline TPOT {off['tpot_ms']:.2f} ms" if "tpot_ms" in off else "") + kv,
+             "",
              "| clients | requests | throughput tok/s | offline tok/s | ratio | decode-step bound tok/s | ratio | "
              "TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | TPOT p50 / offline |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -286,7 +303,7 @@ def report(res: dict, out: Path) -> None:
         if not r.get("requests"):
             lines.append(f"| {r['concurrency']} | 0 | | | | | | | | | | |")
             continue
-        o = off["throughput_tok_s"][str(r["concurrency"])]
+        o = off.get("throughput_tok_s", {}).get(str(r["concurrency"]), float("nan"))
         tpot_ratio = f"{r['tpot_ms_p50'] / off['tpot_ms']:.2f}" if "tpot_ms" in off else ""
         bound = off.get("decode_step_tok_s", {}).get(str(r["concurrency"]))
         bound_cells = f"{bound:.0f} | {r['throughput_tok_s'] / bound:.2f}" if bound else " | "
@@ -302,7 +319,8 @@ def report(res: dict, out: Path) -> None:
     cs = [r["concurrency"] for r in rows]
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     ax[0].plot(cs, [r["throughput_tok_s"] for r in rows], "o-", label="server")
-    ax[0].plot(cs, [off["throughput_tok_s"][str(c)] for c in cs], "s--", label="offline generate")
+    if off.get("throughput_tok_s"):
+        ax[0].plot(cs, [off["throughput_tok_s"][str(c)] for c in cs], "s--", label="offline generate")
     bound = [c for c in cs if str(c) in off.get("decode_step_tok_s", {})]
     if bound:
         ax[0].plot(bound, [off["decode_step_tok_s"][str(c)] for c in bound], "k:", label="decode-step bound")
@@ -332,6 +350,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3, help="requests per client per level (default 3)")
     p.add_argument("--max-seconds", type=float, default=60, help="time cap per level")
     p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--kv", help="KV format of the attention layers (a KV preset, e.g. nuq4-1%%; placeholder "
+                   "codebooks and scales: speed and capacity, not accuracy); default float16")
+    p.add_argument("--kv-cache-memory", type=float, metavar="GIB", help="KV blocks of this many GiB (ssmq serve's "
+                   "flag), in the --kv format: the same memory holds more tokens of a quantized cache")
+    p.add_argument("--skip-offline", action="store_true", help="no offline numbers (generate, decode steps)")
     p.add_argument("--client-procs", type=int, default=4, help="load-generating processes")
     p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
     p.add_argument("--ready-timeout", type=float, default=600)
@@ -377,7 +400,8 @@ def main() -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    res = {"model": args.model, "quant": args.quant, "prompt_len": args.prompt_len, "output_len": args.output_len,
+    res = {"model": args.model, "quant": args.quant, "kv": args.kv, "kv_cache_gib": args.kv_cache_memory,
+           "prompt_len": args.prompt_len, "output_len": args.output_len,
            "date": time.strftime("%Y-%m-%d"), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
            **info, "levels": levels}
     if args.merge:
