@@ -4,9 +4,9 @@ gathered copy of the rows' blocks (float16: ``PagedKVState.decode`` before 2026-
 does for the formats the fast kernel does not take) and over a contiguous cache of the same contents.
 
 One attention layer of Llama-3.1-8B's shape (32 query / 8 KV heads x 128), blocks of --block-size tokens (the
-engine's default 16) shuffled in the pool, every row at --context tokens; --formats: fp16 and KVQuant codes
-(``BITS`` or ``BITS-1%``: random codes, codebooks, scales and 1% outlier slots, as ``bench_kvquant.quant_cache``;
-per-channel keys, per-token values, one sink token). ms per call as CUDA-graph replays with the L2 flushed
+engine's default, 32 since 2026-11-28) shuffled in the pool, every row at --context tokens; --formats: fp16 and
+KVQuant codes (``BITS`` or ``BITS-1%``: random codes, codebooks, scales and 1% outlier slots, as
+``bench_kvquant.quant_cache``; per-channel keys, per-token values, one sink token). ms per call as CUDA-graph replays with the L2 flushed
 (``bench_kvquant.timeit``); bytes per token of the layer's cache. JSON to --out.
 
     python benchmarks/bench_paged_decode.py --cases 1:32768,1:131072,8:32768 --formats fp16,4,4-1%,3-1% --out DIR
@@ -104,7 +104,7 @@ def plot(runs: dict[int, list[dict]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1:32768,1:131072,8:32768", help="BATCH:CONTEXT,...")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--formats", default="fp16", help="fp16 and KVQuant BITS[-1%%], comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/paged_decode"))
     ap.add_argument("--plot", nargs="+", metavar="JSON", help="no run: plot these runs' paged_decode.json (one a "
