@@ -111,6 +111,14 @@ def test_fast_kernel_with_several_value_outliers_a_head(kf, case, splits):
     _check(kf, case, False, splits, v_outliers=5, tol=3e-3)
 
 
+@pytest.mark.parametrize("case", OUTLIER_CASES[:1] + SPLIT_CASES[:1])
+def test_outlier_passes_loop_over_their_row_s_blocks(kf, case, monkeypatch):
+    """The outlier passes run a few programs a row (``SPARSE_PROGRAMS`` an SM over the rows), each looping over the
+    row's blocks of BT tokens below its length: with one program an SM, every program takes several blocks."""
+    monkeypatch.setitem(kf.CFG, "SPARSE_PROGRAMS", 1)
+    _check(kf, case, False, None, v_outliers=3, tol=3e-3)
+
+
 def test_fast_kernel_takes_slots_in_any_order(kf):
     """Quantization stores a token's slots in index order (``order_slots``) for the key pass's speed; the kernel's
     result does not depend on it: the slots reversed give the reference's output too."""

@@ -65,7 +65,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
-                                    _slot_residual, _split_chunk, _split_range, _store_split, quant_args)
+                                    _slot_residual, _sm_count, _split_chunk, _split_range, _store_split, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -79,7 +79,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=16)
+           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
@@ -461,25 +461,25 @@ def _key_outlier_kernel(q, slots, lens, table, s_tab, inv_freq, sc, kmid, khalf,
     (BT 16; 0.047 at 32); summing each kv head's run of slots by a segmented scan and storing it once, without
     atomics, 0.068. H200: the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing by kv head with a
     compare and select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
-    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, koi, kov, kmid, khalf, klut, k_ms, k_mt, k_os,
-                                             k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, LEVELS, BS,
-                                             tl.program_id(1) * BT)
-    g = tl.arange(0, GP2)[None, None, :]  # (1, 1, GP2): the query heads of a kv head
-    kv = tl.arange(0, HKVP)[:, None, None]
-    tl.store(sc + i * c_b + kv * c_k + t[None, :, None] * GROUP + g, tl.zeros((HKVP, BT, GP2), tl.float32),
-             mask=(kv < HKV) & live[None, :, None] & (g < GROUP))
-    tl.debug_barrier()  # the zeros stored before any thread's atomics
-    m3 = _group_mask(hit, g, GROUP, GP2)
-    qrow = q + i * s_qb + (h[:, :, None] * GROUP + g) * s_qh  # (BT, KP, GP2)
-    qc = tl.load(qrow + c[:, :, None], mask=m3, other=0.0).to(tl.float32)
-    if R > 0:
-        a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
-        w = qc * a[:, :, None] + tl.load(qrow + partner[:, :, None], mask=rot[:, :, None] & (g < GROUP),
-                                         other=0.0).to(tl.float32) * b[:, :, None]
-    else:
-        w = qc * d[:, :, None]
-    tl.atomic_add(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, w * (scale * 1.4426950408889634),
-                  mask=m3, sem="relaxed")
+    for blk in range(tl.program_id(1), tl.cdiv(tl.load(lens + tl.program_id(0)).to(tl.int32), BT), tl.num_programs(1)):
+        i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, koi, kov, kmid, khalf, klut, k_ms, k_mt,
+                                                 k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, LEVELS, BS, blk * BT)
+        g = tl.arange(0, GP2)[None, None, :]  # (1, 1, GP2): the query heads of a kv head
+        kv = tl.arange(0, HKVP)[:, None, None]
+        tl.store(sc + i * c_b + kv * c_k + t[None, :, None] * GROUP + g, tl.zeros((HKVP, BT, GP2), tl.float32),
+                 mask=(kv < HKV) & live[None, :, None] & (g < GROUP))
+        tl.debug_barrier()  # the zeros stored before any thread's atomics
+        m3 = _group_mask(hit, g, GROUP, GP2)
+        qrow = q + i * s_qb + (h[:, :, None] * GROUP + g) * s_qh  # (BT, KP, GP2)
+        qc = tl.load(qrow + c[:, :, None], mask=m3, other=0.0).to(tl.float32)
+        if R > 0:
+            a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
+            w = qc * a[:, :, None] + tl.load(qrow + partner[:, :, None], mask=rot[:, :, None] & (g < GROUP),
+                                             other=0.0).to(tl.float32) * b[:, :, None]
+        else:
+            w = qc * d[:, :, None]
+        tl.atomic_add(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g,
+                      w * (scale * 1.4426950408889634), mask=m3, sem="relaxed")
 
 
 @triton.jit
@@ -506,16 +506,17 @@ def _value_outlier_kernel(ws, sc, slots, lens, table, s_tab, vmid, vhalf, vlut, 
     hq · P · e addresses, a slot's GROUP heads contiguous in sc and ws (one vector load and one vector atomic a slot;
     added to the final output, 4K addresses took 0.17 ms at 128K tokens on the H200, stalled on their contention;
     a tensor-core product a tile, P (hq, slots) @ one-hot (slots, e), 0.44 ms)."""
-    i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, voi, vov, vmid, vhalf, vlut, v_ms, v_mt, v_os,
-                                             v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, LEVELS, BS,
-                                             tl.program_id(1) * BT)
-    sp = t // _split_chunk(tl.load(lens + i).to(tl.int32), splits, BLOCK_T)  # the token's split
-    g = tl.arange(0, GP2)[None, None, :]
-    m3 = _group_mask(hit, g, GROUP, GP2)
-    s = tl.load(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, mask=m3, other=float("-inf"))
-    dst = ws + i * w_b + (h[:, :, None] * GROUP + g) * w_h + sp[:, None, None] * w_p  # (BT, VP, GP2)
-    p = tl.exp2(s - tl.load(dst + E * w_e, mask=m3, other=0.0))
-    tl.atomic_add(dst + c[:, :, None] * w_e, p * d[:, :, None], mask=m3, sem="relaxed")
+    n = tl.load(lens + tl.program_id(0)).to(tl.int32)
+    for blk in range(tl.program_id(1), tl.cdiv(n, BT), tl.num_programs(1)):
+        i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, voi, vov, vmid, vhalf, vlut, v_ms, v_mt,
+                                                 v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, LEVELS, BS, blk * BT)
+        sp = t // _split_chunk(n, splits, BLOCK_T)  # the token's split
+        g = tl.arange(0, GP2)[None, None, :]
+        m3 = _group_mask(hit, g, GROUP, GP2)
+        s = tl.load(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, mask=m3, other=float("-inf"))
+        dst = ws + i * w_b + (h[:, :, None] * GROUP + g) * w_h + sp[:, None, None] * w_p  # (BT, VP, GP2)
+        p = tl.exp2(s - tl.load(dst + E * w_e, mask=m3, other=0.0))
+        tl.atomic_add(dst + c[:, :, None] * w_e, p * d[:, :, None], mask=m3, sem="relaxed")
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
@@ -569,7 +570,10 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     c_strides = (hq * cap, cap * group)  # sc's (row, kv head)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     bt = CFG["BT_SPARSE"]
-    grid = (b, triton.cdiv(cap, bt))
+    # programs a row: the blocks of BT tokens of its capacity, at most SPARSE_PROGRAMS an SM over the rows; each
+    # loops over the blocks below its row's length (read on the device), so a short row in a long cache (a serving
+    # slot) costs a few programs, not capacity / BT empty ones
+    grid = (b, max(1, min(triton.cdiv(cap, bt), CFG["SPARSE_PROGRAMS"] * _sm_count(q.device) // b)))
     gp2 = triton.next_power_of_2(group)
     # the passes take a side's pointers and strides without the codes' (``kv_decode._side``'s first 1 and 3): they
     # read only scales, codebook ends and slots
