@@ -47,6 +47,18 @@ class KVQuantizer(nn.Module):
     def side(self, which: str):
         return self.kv.keys if which == "keys" else self.kv.values
 
+    @torch.no_grad()
+    def keep_heads_(self, heads: torch.Tensor) -> None:
+        """Keep the kv heads ``heads`` (a tensor-parallel rank's, ``ssmq.runtime.tp``): the per-channel ranges'
+        rows; codebooks, per-tensor ranges and rotation signs are shared by the heads. The outlier slots follow
+        (a fraction of the heads kept), so a rank picks a token's outliers among its own heads: a sharded model
+        quantizes its KV per rank, exactly as one GPU does for formats without outliers, not for those with them."""
+        for x, side in zip("kv", (self.kv.keys, self.kv.values)):
+            if side.granularity == "per_channel":
+                for name in (f"{x}_lo", f"{x}_hi"):
+                    setattr(self, name, getattr(self, name)[heads.to(getattr(self, name).device)].contiguous())
+        self.hkv = len(heads)
+
     def outlier_slots(self, which: str) -> int:
         """k: sparse outlier slots per token of one side (``KVSideSpec.outlier_slots``)."""
         return self.side(which).outlier_slots(self.hkv * self.e)

@@ -369,6 +369,8 @@ def shard_attention_(attn: nn.Module, comm: Communicator) -> int:
     column_parallel_(attn.v_proj, _head_rows(kv, attn.e))
     attn.o_proj = RowParallel(attn.o_proj, comm, r * hq_l * attn.e, (r + 1) * hq_l * attn.e, "o_proj")
     attn.hq, attn.hkv = hq_l, len(kv)
+    if getattr(attn, "kv_quant", None) is not None:  # a quantized KV cache: the rank's heads of its quantizer
+        attn.kv_quant.keep_heads_(kv)
     return 1
 
 
