@@ -8,6 +8,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 calib --calib-samples 64    # more calibration windows
     python benchmarks/diag_kvquant.py --model smollm2 knobs      # Q-Norm on each side, 4 sink tokens
     python benchmarks/diag_kvquant.py --model smollm2 pin        # key codebook ends kept at -1 / 1 too
+    python benchmarks/diag_kvquant.py --model smollm2 layers     # one attention layer quantized at a time
 
 Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
@@ -89,9 +90,29 @@ def variants(experiment: str, full: KVSpec):
     raise SystemExit(f"diag_kvquant: unknown experiment {experiment!r}")
 
 
+def one_layer_at_a_time(formats, spec: KVSpec, ids, seqlen: int, limit: int, args) -> None:
+    """Perplexity with float KV, with every layer quantized, and with only layer L quantized (each attention layer
+    in turn, the same calibrated quantizers): where the loss sits, and whether the layers' losses add up."""
+    from ssmq.eval.perplexity import perplexity_of_ids
+
+    base = evaluate(formats, None, ids, seqlen, limit, 2)["ppl"]
+    full = evaluate(formats, spec, ids, seqlen, limit, 2)["ppl"]
+    print(f"{args.model} {args.preset} float KV ppl {base:.4f}; all layers {full:.4f} ({full - base:+.4f})", flush=True)
+    mixers = [formats.model.layers[i].mixer for i in formats.layers]
+    quantizers = [m.kv_quant for m in mixers]
+    total = 0.0
+    for j, i in enumerate(formats.layers):
+        for m, q in zip(mixers, quantizers):
+            m.kv_quant = q if m is mixers[j] else None
+        ppl = perplexity_of_ids(formats.model, ids, seqlen, 2, limit, progress=False)["ppl"]
+        total += ppl - base
+        print(f"{args.model} {args.preset} only layer {i:2d}: ppl {ppl:.4f} ({ppl - base:+.4f})", flush=True)
+    print(f"{args.model} {args.preset} sum of the one-layer deltas {total:+.4f} vs all layers {full - base:+.4f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin"])
+    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)
@@ -100,6 +121,8 @@ def main():
     limit, seqlen = WINDOWS[args.model]
     model, tok, _, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen)
     ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
+    if args.experiment == "layers":
+        return one_layer_at_a_time(formats, spec_of(args.preset), ids, seqlen, limit, args)
     for label, spec, patch in variants(args.experiment, spec_of(args.preset)):
         with patch:
             formats._fitted.clear()  # every row calibrates under its own patch
