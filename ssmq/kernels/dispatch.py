@@ -375,13 +375,12 @@ def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softma
     kernel reads in place; the first-generation one reads a copy of the rows' blocks (``KVSideView.gathered``)."""
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
-    if not _use_triton(q):
-        return quant_kv_decode_ref(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, block_table)
-    fast = _kernels("kv_decode_fast")
-    if _KV_FAST and fast.eligible(k, v, rotary_dim):
-        return fast.quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
-                                    block_table=block_table)
-    if block_table is not None:
+    if _use_triton(q) and _KV_FAST and _kernels("kv_decode_fast").eligible(k, v, rotary_dim):
+        return _kernels("kv_decode_fast").quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
+                                                          block_table=block_table)
+    if block_table is not None:  # the reference and the first-generation kernel read the rows' blocks copied out
         k, v = k.gathered(block_table, slots), v.gathered(block_table, slots)
         slots = torch.arange(len(slots), device=q.device)
+    if not _use_triton(q):
+        return quant_kv_decode_ref(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)
     return _kernels("kv_decode").quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)

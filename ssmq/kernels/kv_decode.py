@@ -294,6 +294,15 @@ def _row_offsets(table, s_tab, slot, t, tmask, s_s, s_t, BS: tl.constexpr):
     return pb.to(tl.int64) * s_s + pt.to(tl.int64) * s_t
 
 
+def paging(block_table: torch.Tensor | None, slots: torch.Tensor, pool: torch.Tensor) -> tuple[tuple, int, int]:
+    """A launch's view of a cache whose per-token buffers look like ``pool`` ((s, L, ...) rows or (N, B, ...) block
+    pools with ``block_table`` (s, M)): the kernels' (table, s_tab) arguments (the rows' slots and 0 in their place
+    when not paged), BS (tokens a block; 0: not paged) and a row's capacity in tokens."""
+    if block_table is None:
+        return (slots, 0), 0, pool.shape[1]
+    return (block_table, block_table.stride(0)), pool.shape[1], block_table.shape[1] * pool.shape[1]
+
+
 @triton.jit
 def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
@@ -418,11 +427,9 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     (this module's kernel: float caches; ``kv_decode_fast``'s: any)."""
     b, hq, e = q.shape
     codes = kt[0]
-    paged = block_table is not None
-    bs = codes.shape[1] if paged else 0  # tokens a block
-    hkv, capacity = codes.shape[2], (block_table.shape[1] * bs if paged else codes.shape[1])
-    # both kernels take a block table (a paged cache), or the rows' slots in its place
-    extra = (block_table, block_table.stride(0), *extra) if paged else (slots, 0, *extra)
+    pages, bs, capacity = paging(block_table, slots, codes)
+    hkv = codes.shape[2]
+    extra = (*pages, *extra)  # both kernels take a block table (a paged cache), or the rows' slots in its place
     kernel, cfg, const = kernel or _decode_kernel, cfg or CFG, const or constexprs
     assert e & (e - 1) == 0 and q.stride(-1) == 1, "head dim a power of two, contiguous"
     assert rotary_dim % 2 == 0 and rotary_dim <= e

@@ -65,7 +65,8 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
-                                    _slot_residual, _sm_count, _split_chunk, _split_range, _store_split, quant_args)
+                                    _slot_residual, _sm_count, _split_chunk, _split_range, _store_split, paging,
+                                    quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -558,10 +559,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
     b, hq, e = q.shape
     group = hq // k.codes.shape[2]
-    # a row's capacity; the table's arguments (a paged cache) or the rows' slots in their place, as ``_launch``'s
-    cap = k.codes.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    pages = (block_table, block_table.stride(0)) if block_table is not None else (slots, 0)
-    bs = k.codes.shape[1] if block_table is not None else 0
+    pages, bs, cap = paging(block_table, slots, k.codes)  # as ``_launch`` reads them for the decode
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
     # sparse outliers in their own passes: key score terms before the decode, value terms before the combine. One
     # buffer sc (b, hkv, L, g), a kv head's query heads contiguous: the key pass's terms, which the decode adds and

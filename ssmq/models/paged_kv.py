@@ -42,6 +42,12 @@ class BlockTable:
     def reset(self, slots=None) -> None:
         self.rows[slice(None) if slots is None else slots] = 0
 
+    def gather(self, pool: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
+        """The first ``end`` tokens of the rows ``slots`` (b,) of a pool (N, B, ...), their blocks copied in order:
+        (b, ceil(end / B)·B, ...) (whole blocks; the tokens past ``end`` are whatever the last block holds)."""
+        n = -(-end // self.block_size)
+        return pool[self.rows[slots, :n]].flatten(1, 2)
+
     def locate(self, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, offset) of the tokens at ``positions`` (b, l) of the rows ``slots`` (b,)."""
         index = (positions // self.block_size).clamp(max=self.rows.shape[1] - 1)
@@ -78,15 +84,12 @@ class PagedKVState:
 
         T = the longest of ``kv_lens`` rounded up to whole blocks (max_seqlen while a CUDA graph is captured)."""
         end = read_extent(kv_lens, self.max_seqlen)
-        n = -(-end // self.table.block_size)
-        blocks = self.table.rows[slots, :n]  # (b, n)
-        b, bs = blocks.shape[0], self.table.block_size
-        keys = self.k[blocks].reshape(b, n * bs, *self.k.shape[2:])
-        values = self.v[blocks].reshape(b, n * bs, *self.v.shape[2:])
+        keys, values = self.table.gather(self.k, slots, end), self.table.gather(self.v, slots, end)
         if self.rope is not None:
             from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
 
-            pos = torch.arange(n * bs, device=keys.device).expand(b, n * bs)
+            b, t = keys.shape[:2]
+            pos = torch.arange(t, device=keys.device).expand(b, t)
             cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
             keys = apply_rotary_ref(keys, cos, sin)
         return keys, values

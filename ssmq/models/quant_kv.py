@@ -59,8 +59,7 @@ class QuantSide:
         """The first ``end`` tokens of the rows ``slots`` of a per-token buffer: (b, end, ...)."""
         if self.table is None:
             return t[slots, :end]
-        n = -(-end // self.table.block_size)
-        return t[self.table.rows[slots, :n]].flatten(1, 2)[:, :end]
+        return self.table.gather(t, slots, end)[:, :end]
 
     def buffers(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.mid, self.half, self.out_idx, self.out_val, self.sink) if t is not None]

@@ -338,8 +338,8 @@ class KVSideView:
     def gathered(self, block_table: torch.Tensor, slots: torch.Tensor) -> KVSideView:
         """The rows ``slots`` (b,) of a paged side as a contiguous one of b rows (slots then ``arange(b)``): the
         per-token buffers are block pools (N, B, ...), token t of row i at block block_table[slots[i], t // B],
-        offset t % B (``ssmq.models.paged_kv``); each row's blocks are copied in order, (b, M·B, ...). The CPU
-        reference's view of a paged cache (the kernels read the pools in place)."""
+        offset t % B (``ssmq.models.paged_kv``); each row's blocks are copied in order, (b, M·B, ...). What the CPU
+        reference and the first-generation kernel read of a paged cache (the fast kernel reads the pools in place)."""
         rows = block_table[slots]  # (b, M)
         pages = lambda t: t[rows].flatten(1, 2)  # noqa: E731
         mid, half = (pages(self.mid), pages(self.half)) if self.per_token else (self.mid, self.half)
@@ -348,18 +348,14 @@ class KVSideView:
 
 
 def quant_kv_decode_ref(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
-                        rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None,
-                        block_table: torch.Tensor | None = None):
+                        rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None):
     """Decode attention over a quantized cache: q (b, hq, e) post-RoPE queries of the rows ``slots`` (b,), which
     hold ``kv_lens`` (b,) tokens (the new one included); keys stored before RoPE when ``rotary_dim`` > 0 (rotated
-    after dequantization); ``block_table`` (s, M): a paged cache (``KVSideView.gathered``). Returns (b, hq, e)
+    after dequantization); a paged cache is read through ``KVSideView.gathered``. Returns (b, hq, e)
     float32: the dequantized cache, then float attention. Reads the longest of ``kv_lens`` on the host, except while
     a CUDA graph is being captured: then all L positions (masked)."""
     from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
 
-    if block_table is not None:  # a paged cache: its rows' blocks in order
-        k, v = k.gathered(block_table, slots), v.gathered(block_table, slots)
-        slots = torch.arange(len(slots), device=slots.device)
     end = read_extent(kv_lens, k.codes.shape[1])
     keys, values = k.dequantize(slots, end), v.dequantize(slots, end)
     if rotary_dim:
