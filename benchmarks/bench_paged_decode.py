@@ -6,8 +6,9 @@ does for the formats the fast kernel does not take) and over a contiguous cache 
 One attention layer of Llama-3.1-8B's shape (32 query / 8 KV heads x 128), blocks of --block-size tokens (the
 engine's default, 32 since 2026-11-28) shuffled in the pool, every row at --context tokens; --formats: fp16 and
 KVQuant codes (``BITS`` or ``BITS-1%``: random codes, codebooks, scales and 1% outlier slots, as
-``bench_kvquant.quant_cache``; per-channel keys, per-token values, one sink token). ms per call as CUDA-graph replays with the L2 flushed
-(``bench_kvquant.timeit``); bytes per token of the layer's cache. JSON to --out.
+``bench_kvquant.quant_cache``; per-channel keys, per-token values, one sink token). ms per call as CUDA-graph
+replays with the L2 flushed (``bench_kvquant.timeit``); bytes per token of the layer's cache; KVQuant: the peak of
+a paged call's transient memory. JSON to --out.
 
     python benchmarks/bench_paged_decode.py --cases 1:32768,1:131072,8:32768 --formats fp16,4,4-1%,3-1% --out DIR
 """
@@ -31,14 +32,18 @@ from ssmq import kernels  # noqa: E402
 HQ, HKV, E = 32, 8, 128
 
 
-def quant_case(rows: int, context: int, block: int, fmt: str) -> dict:
-    """A KVQuant format ``fmt`` (module docstring), paged / gathered / contiguous, and its max difference."""
+def quant_case(rows: int, context: int, block: int, fmt: str, capacity: int = 0) -> dict:
+    """A KVQuant format ``fmt`` (module docstring), paged / gathered / contiguous, and its max difference; the
+    paged call's peak of transient GPU memory. ``capacity`` > context: the block table has room for that many
+    tokens a row (a serving slot of --max-model-len), its entries past the row's blocks at the null block."""
     m = -(-context // block)
     gen = torch.Generator(device="cuda").manual_seed(0)
     bits, outliers = int(fmt.split("-")[0]), fmt.endswith("-1%")
     k, v = quant_cache(rows, m * block, *(ONE_PCT if outliers else (0, 0)), gen, bits)
     table = (1 + torch.randperm(rows * m, device="cuda", generator=gen)).view(rows, m)
     kp, vp = k.paged(table, block), v.paged(table, block)
+    if capacity > context:
+        table = torch.cat([table, table.new_zeros(rows, -(-capacity // block) - m)], 1)
     q = torch.randn(rows, HQ, E, device="cuda", dtype=torch.float16)
     slots = torch.arange(rows, device="cuda")
     lens = torch.full((rows,), context, device="cuda")
@@ -48,9 +53,14 @@ def quant_case(rows: int, context: int, block: int, fmt: str) -> dict:
     def gathered():
         return kernels.quant_kv_decode(q, slots, lens, kp.gathered(table, slots), vp.gathered(table, slots), E, 5e5)
 
-    r = {"format": fmt, "batch": rows, "context": context, "block": block, "in place ms": timeit(paged),
-         "gathered copy ms": timeit(gathered), "contiguous ms": timeit(contiguous),
+    r = {"format": fmt, "batch": rows, "context": context, "block": block, "capacity": table.shape[1] * block,
+         "in place ms": timeit(paged), "gathered copy ms": timeit(gathered), "contiguous ms": timeit(contiguous),
          "bytes/token": nbytes(k, v) / (rows * m * block)}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    paged()
+    r["in place peak MiB"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20  # its workspaces and output
     r["max |in place - contiguous|"] = (paged() - contiguous()).abs().max().item()
     return r
 
@@ -103,7 +113,8 @@ def plot(runs: dict[int, list[dict]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="1:32768,1:131072,8:32768", help="BATCH:CONTEXT,...")
+    ap.add_argument("--cases", default="1:32768,1:131072,8:32768",
+                    help="BATCH:CONTEXT[:CAPACITY],... (CAPACITY: KVQuant formats, a table of that many tokens a row)")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--formats", default="fp16", help="fp16 and KVQuant BITS[-1%%], comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/paged_decode"))
@@ -120,20 +131,21 @@ def main() -> None:
         return
     rows = []
     for c in args.cases.split(","):
-        b, n = (int(x) for x in c.split(":"))
+        b, n, *cap = (int(x) for x in c.split(":"))
         for fmt in args.formats.split(","):
-            rows.append(case(b, n, args.block_size) if fmt == "fp16" else quant_case(b, n, args.block_size, fmt))
+            rows.append(case(b, n, args.block_size) if fmt == "fp16" else
+                        quant_case(b, n, args.block_size, fmt, *cap))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "paged_decode.json").write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name()},
                                                        "rows": rows}, indent=1))
-    print("| format | bytes / token | batch | context | in place | gathered copy | contiguous |\n"
-          "|---|---:|---:|---:|---:|---:|---:|")
+    print("| format | bytes / token | batch | context | in place | gathered copy | contiguous | peak MiB |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['format']} | {r['bytes/token']:.0f} | {r['batch']} | {r['context']} | {r['in place ms']:.3f} | "
-              f"{r['gathered copy ms']:.3f} | {r['contiguous ms']:.3f} |")
+              f"{r['gathered copy ms']:.3f} | {r['contiguous ms']:.3f} | {r.get('in place peak MiB', 0):.1f} |")
 
 
 if __name__ == "__main__":

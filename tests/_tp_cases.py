@@ -60,17 +60,24 @@ def quantized_checkpoint(arch: str, recipe: str, folder, state_bits: int | None 
     return str(folder)
 
 
-def reference(source, ssm_dtype=None) -> dict:
-    return run_model(build(source), ssm_dtype=ssm_dtype)
+def reference(source, ssm_dtype=None, device: str = "cpu") -> dict:
+    return on_cpu(run_model(build(source).to(device), ssm_dtype=ssm_dtype))
 
 
-def tp_suite(comm, cases) -> list[dict]:
-    """cases: [(source, fuse_norm, ssm_dtype)] -> run_model of the sharded model for each."""
+def on_cpu(res: dict) -> dict:
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in res.items()}
+
+
+def tp_suite(comm, cases, device: str = "cpu") -> list[dict]:
+    """cases: [(source, fuse_norm, ssm_dtype)] -> run_model of the sharded model for each (on this rank's GPU with
+    ``device`` "cuda"; results on the CPU)."""
     from ssmq.runtime.tp import apply_tp
 
     out = []
     for source, fuse_norm, ssm_dtype in cases:
         model = build(source)
+        if device == "cuda":
+            model = model.to(torch.device("cuda", torch.cuda.current_device()))
         apply_tp(model, comm, fuse_norm=fuse_norm)
         comm.counts.clear()
         comm.counting = True
@@ -78,7 +85,7 @@ def tp_suite(comm, cases) -> list[dict]:
         comm.counting = False
         res["all_reduces_per_layer"] = model.tp.all_reduces_per_layer
         res["counts"] = dict(comm.counts)
-        out.append(res)
+        out.append(on_cpu(res))
     return out
 
 

@@ -1,4 +1,5 @@
-"""Run a function on W CPU processes joined by gloo (tensor-parallel tests), collecting each rank's result.
+"""Run a function on W processes joined by gloo on CPU, or by NCCL on W GPUs (tensor-parallel tests), collecting
+each rank's result.
 
 ``run_ranks(fn, world, *args)`` spawns W processes; each joins the group, builds its Communicator and
 returns ``fn(comm, *args)`` (torch-saveable). Functions must live in an importable module (spawn).
@@ -14,26 +15,31 @@ from pathlib import Path
 import torch
 
 
-def _worker(rank, world, init_file, out_dir, fn, args, comm_kw, timeout_s):
+def _worker(rank, world, init_file, out_dir, fn, args, comm_kw, timeout_s, device):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     from ssmq.runtime.tp_comm import Communicator
     from ssmq.runtime.tp_launch import init_tp
 
-    init_tp(world, device="cpu", init_method=f"file://{init_file}", rank=rank, world=world, timeout_s=timeout_s)
+    _, _, dev = init_tp(world, device=device, init_method=f"file://{init_file}", rank=rank, world=world,
+                        timeout_s=timeout_s)
+    if device == "cuda":
+        comm_kw = {"device": dev, **comm_kw}
     result = fn(Communicator(mode="nccl", **comm_kw), *args)
     torch.save(result, Path(out_dir) / f"{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, comm_kw=None, timeout_s: float = 60.0, join_s: float = 300.0):
-    """Results of fn on every rank, rank order; AssertionError with the exit codes when a rank fails."""
+def run_ranks(fn, world: int, *args, comm_kw=None, timeout_s: float = 60.0, join_s: float = 300.0,
+              device: str = "cpu"):
+    """Results of fn on every rank, rank order; AssertionError with the exit codes when a rank fails. ``device``
+    "cuda": rank r on GPU r, NCCL."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, tmp, fn, args, comm_kw or {}, timeout_s))
+        procs = [ctx.Process(target=_worker, args=(r, world, init, tmp, fn, args, comm_kw or {}, timeout_s, device))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 
@@ -491,28 +492,41 @@ def test_serve_refuses_bad_kv_cache_flags(flags, message, capsys):
 
 def test_kv_cache_memory_sizes_the_block_pools_in_the_model_s_kv_format():
     """--kv-cache-memory: as many blocks as the budget holds at the bytes a token takes in the cache as allocated
-    (float or quantized: the pools' bytes a token equal ``kv_bytes_per_token``); a KVQuant model gets several times
-    the float16 blocks of the same memory; a budget below one block is refused in one line."""
+    (float or quantized: the pools' bytes a token equal ``kv_bytes_per_token``) and in the decode workspace that
+    grows with the pools (with outliers: the outlier passes' float32 scores, as the kernel allocates them over the
+    pools); a KVQuant model gets several times the float16 blocks of the same memory; a budget below one block is
+    refused in one line."""
     from ssmq.errors import SSMQError
     from ssmq.quant import quantize
-    from ssmq.runtime.engine import kv_block_count, kv_bytes_per_token
+    from ssmq.runtime.engine import kv_block_count, kv_bytes_per_token, kv_pool_bytes_per_token
     from tiny_ssm import synthetic_calibration
 
     fp = tiny_model("hybrid", seed=5).half()
     kvq = quantize(tiny_model("hybrid", seed=5), "kvquant-nuq4-1%", synthetic_calibration(64, 4, 32),
                    progress=False).half()
     cfg = EngineConfig(max_batch=2, max_model_len=64, kv_block_size=8, kv_cache_bytes=1 << 20)
-    counts = {}
+    counts, cache_bytes = {}, {}
     for name, model in (("fp16", fp), ("nuq4-1%", kvq)):
-        per_token = kv_bytes_per_token(model)
+        cache_bytes[name] = per_token = kv_bytes_per_token(model)
+        workspace = kv_pool_bytes_per_token(model) - per_token
         counts[name] = n = kv_block_count(model, cfg)
-        assert n == (1 << 20) // (8 * per_token) - 1
+        assert n == (1 << 20) // (8 * (per_token + workspace)) - 1
         cache = model.allocate_cache(2, 64, kv_blocks=n + 1, kv_block_size=8)
-        pools = sum(t.numel() * t.element_size() for st in cache.states if hasattr(st, "table")
+        states = [st for st in cache.states if hasattr(st, "table")]
+        pools = sum(t.numel() * t.element_size() for st in states
                     for t in ([st.k, st.v] if isinstance(st.k, torch.Tensor) else
                               [t for side in (st.k, st.v) for t in side.buffers() if t is not side.sink]))
         assert pools == (n + 1) * 8 * per_token
-    assert counts["nuq4-1%"] > 3 * counts["fp16"]
+        if name == "fp16":
+            assert workspace == 0
+        else:
+            from ssmq.kernels.kv_decode_fast import outlier_workspace_shape
+
+            hq = model.config.attn_heads
+            shape = outlier_workspace_shape(states[0].k.codes, 2, hq, paged=True)
+            assert workspace == 4 * hq and math.prod(shape) * 4 == (n + 1) * 8 * workspace
+    # the workspace, hq float32 a token, is a fifth of this 2-layer toy's quantized cache; 1/294 of Llama-3.1-8B's
+    assert cache_bytes["fp16"] > 3 * cache_bytes["nuq4-1%"] and counts["nuq4-1%"] > 2 * counts["fp16"]
     with pytest.raises(SSMQError, match="holds no block"):
         kv_block_count(fp, EngineConfig(kv_block_size=8, kv_cache_bytes=100))
 

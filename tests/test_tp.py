@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _tp_cases import build, quantized_checkpoint, reference, run_model, tp_suite
+from _tp_cases import build, on_cpu, quantized_checkpoint, reference, run_model, tp_suite
 from _tp_harness import run_ranks
 from ssmq.errors import SSMQError
 from ssmq.paths import shared_path
@@ -72,8 +72,8 @@ def _shared(world):
     return cases
 
 
-def _run(cases, world):
-    results = run_ranks(tp_suite, world, list(cases.values()))
+def _run(cases, world, device="cpu"):
+    results = run_ranks(tp_suite, world, list(cases.values()), device, device=device)
     return {name: ([r[i] for r in results], case) for i, (name, case) in enumerate(cases.items())}
 
 
@@ -92,11 +92,19 @@ def four(tmp_path_factory):
     return _run({**FLOAT_4, **_shared(4)}, 4)
 
 
-def _check(runs, name, tol=TOL):
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory):
+    """The KVQuant cases over 2 GPUs (NCCL): the decode kernels over each rank's quantized KV heads."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    return _run(_quantized(tmp_path_factory, {**QUANT_2_KV, **QUANT_2_KV_OUTLIERS}), 2, device="cuda")
+
+
+def _check(runs, name, tol=TOL, device="cpu"):
     if name not in runs:
         pytest.skip(f"{name}: ../shared/models is absent")
     per_rank, (source, _, ssm_dtype) = runs[name]
-    ref = reference(source, ssm_dtype)
+    ref = reference(source, ssm_dtype, device)
     got = per_rank[0]
     for key in ("full", "prefill", "decode"):
         # 1e-5 relative to the largest logit: trained models' logits reach ~20, and float32 sums in another order
@@ -126,13 +134,31 @@ def test_tp2_kv_outliers_per_rank_stay_within_the_quantization_error(two, name):
     """KVQuant with 1% outliers over 2 ranks: each rank picks its tokens' outliers among its own kv heads, so the
     logits differ from one process's; by less than the KV quantization itself moves them (one process, quantized
     vs float KV), and every rank agrees."""
-    per_rank, (source, _, _) = two[name]
-    ref = reference(source)
-    model = build(source)
+    _check_outliers(two, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", QUANT_2_KV)
+def test_tp2_quantized_kv_on_two_gpus_equals_one_gpu(two_gpus, name):
+    """As ``test_tp2_quantized_kv_equals_single_process`` through the GPU decode kernels (float16 products) and
+    NCCL: sharded over GPUs 0 and 1 as on GPU 0 within 3e-3 relative, greedy tokens equal."""
+    _check(two_gpus, name, tol=3e-3, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", QUANT_2_KV_OUTLIERS)
+def test_tp2_kv_outliers_on_two_gpus_stay_within_the_quantization_error(two_gpus, name):
+    _check_outliers(two_gpus, name, device="cuda")
+
+
+def _check_outliers(runs, name, device="cpu"):
+    per_rank, (source, _, _) = runs[name]
+    ref = reference(source, device=device)
+    model = build(source).to(device)
     for layer in model.layers:
         if hasattr(layer.mixer, "kv_quant"):
             layer.mixer.kv_quant = None
-    float_kv = run_model(model)
+    float_kv = on_cpu(run_model(model))
     for key in ("full", "prefill", "decode"):
         tp_err = (per_rank[0][key] - ref[key]).abs().max().item()
         quant_err = (ref[key] - float_kv[key]).abs().max().item()

@@ -30,16 +30,15 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
              sin of j θ, no trig a tile) and the query, (g, r/2) entries, by the tile's t0 θ
     values   per-token scales fold into the probabilities: Σ_t p_t (m_t + h_t B_t) = Σ_t p_t m_t + (p ⊙ h) · B,
              so the tile is B itself (no arithmetic a value); per-channel scales scale the tile
-    outliers the sparse slots take their own passes, so that the decode loop carries none of their work (in the
-             loop, a slot cost a pass over the tile or a scatter through memory, for each of the hkv programs that
-             read the token): ``_key_outlier_kernel`` first turns every key slot, once, into its score terms
-             (val - x̂) · w_h(c, t) for the query heads of its kv head (sc (b, hkv, L, g), summed by relaxed
-             vector atomics); the decode adds sc's (g, BLOCK_T) tile to its scores and, when there are value slots,
-             stores the scores there in its place; before the combine, ``_value_outlier_kernel`` adds
-             2^(s_h(t) - m) (val - x̂) at each value slot's channel of its split's unnormalized output (m: the
-             split's max; two splits at least), which the combine then normalizes with the rest. x̂, the value the
-             codes give under a slot, is the codebook's end on val's side (``ssmq.ops.kv_quant.outlier_codes``):
-             no gather of the code
+    outliers the sparse slots take their own passes, so that the decode loop carries none of their work (in the loop, a
+             slot cost a pass over the tile or a scatter through memory, for each of the hkv programs that read the
+             token): ``_key_outlier_kernel`` first turns every key slot, once, into its score terms (val - x̂) · w_h(c,
+             t) for the query heads of its kv head (sc (b, hkv, L, g), paged (N, hkv, BS, g): ``_sc_token``; summed by
+             relaxed vector atomics); the decode adds sc's (g, BLOCK_T) tile to its scores and, when there are value
+             slots, stores the scores there in its place; before the combine, ``_value_outlier_kernel`` adds 2^(s_h(t) -
+             m) (val - x̂) at each value slot's channel of its split's unnormalized output (m: the split's max; two
+             splits at least), which the combine then normalizes with the rest. x̂, the value the codes give under a
+             slot, is the codebook's end on val's side (``ssmq.ops.kv_quant.outlier_codes``): no gather of the code
     sink     split 0 first folds in the S float sink tokens (same rotation), before its quantized tiles
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
@@ -298,6 +297,16 @@ def _softmax_step(m, l, s):
 
 
 @triton.jit
+def _sc_token(i, pb, pt, c_b, GROUP: tl.constexpr, BS: tl.constexpr):
+    """Offsets in the outlier score buffer sc of tokens at (pb, pt) (``_page``) of row i: a contiguous cache's sc is
+    (b, hkv, L, g), a row's tokens at (i, t); a paged one's is (N, hkv, BS, g), a token's terms in its own block, so
+    that sc grows with the pool, not with b × a row's capacity (blocks are never shared by two rows)."""
+    if BS > 0:
+        return pb * c_b + pt * GROUP
+    return i.to(tl.int64) * c_b + pt * GROUP
+
+
+@triton.jit
 def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k,
                    kc, kmid, khalf, klut, koi, kov, ksink, vc, vmid, vhalf, vlut, voi, vov, vsink,
                    s_qb, s_qh, k_s, k_t, k_h, k_ms, k_mt, k_os, k_ot, v_s, v_t, v_h, v_ms, v_mt, v_os, v_ot,
@@ -385,7 +394,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
         else:
             ua, ub = qa, qb
             cos, sin = 1.0, 0.0
-        cs = sc + i * c_b + hk * c_k + t[None, :] * GROUP + rows[:, None]  # (b, hkv, L, g): a token's g together
+        cs = sc + _sc_token(i, pb, pt, c_b, GROUP, BS)[None, :] + hk * c_k + rows[:, None]  # a token's g together
         krows = kc + (pb * k_s + pt * k_t)[:, None] + hk * k_h
         if K_PER_TOKEN and not FLOAT:
             tm, th = _scales(kmid, khalf, pb, hk, pt, tmask, 0, True, k_ms, k_mt, E, True)
@@ -427,8 +436,8 @@ def _outlier_tile(slots, lens, table, s_tab, oidx, oval, mid, half, lut, s_ms, s
                   LEVELS: tl.constexpr, BS: tl.constexpr, start):
     """The outlier slots (BT, P) of an outlier pass's program (row i, tokens t = start + [0, BT)): the row, t, the
     tokens that hold slots (live: below the row's length, past the sink; the decode reads no others), each slot's
-    kv head h and channel c, its correction d = val - x̂ (``kv_decode._slot_residual``) and the mask of the slots
-    that hold one."""
+    kv head h and channel c, its correction d = val - x̂ (``kv_decode._slot_residual``), the mask of the slots
+    that hold one, and where the tokens sit (``_page``)."""
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
     t = start + tl.arange(0, BT)
@@ -444,7 +453,7 @@ def _outlier_tile(slots, lens, table, s_tab, oidx, oval, mid, half, lut, s_ms, s
     c = f - h * E
     val = tl.load(oval + ob, mask=hit, other=0.0).to(tl.float32)
     d = _slot_residual(mid, half, lut, h, c, hit, val, pb[:, None], pt, s_ms, s_mt, E, PER_TOKEN, LEVELS)
-    return i, t, live, h, c, d, hit
+    return i, t, live, h, c, d, hit, pb, pt
 
 
 @triton.jit
@@ -453,21 +462,23 @@ def _key_outlier_kernel(q, slots, lens, table, s_tab, inv_freq, sc, kmid, khalf,
                         HKVP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
                         PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
                         LEVELS: tl.constexpr, FAST: tl.constexpr, BS: tl.constexpr):
-    """sc (b, hkv, L, GROUP) float32: what each token's key outliers add to the scores of each of its kv head's
-    query heads (log2 units, as the decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the coefficient of
-    key channel c in q_h · R_t k. One program per (row, BT tokens): it zeroes its block, then adds each slot's terms
-    for the GROUP query heads of the slot's kv head (atomics: a token's slots may share a head; they are ordered by
-    index, ``ssmq.ops.kv_quant.order_slots``, so a head's follow each other), the GROUP terms of a slot contiguous
-    (one vector atomic). Every slot once, not once per kv head. H100, 128K tokens, 20 slots a token: 0.044 ms
-    (BT 16; 0.047 at 32); summing each kv head's run of slots by a segmented scan and storing it once, without
-    atomics, 0.068. H200: the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing by kv head with a
-    compare and select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
+    """sc (b, hkv, L, GROUP) float32 (paged: ``_sc_token``): what each token's key outliers add to the scores of each of
+    its kv head's query heads (log2 units, as the decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the
+    coefficient of key channel c in q_h · R_t k. One program per (row, BT tokens): it zeroes its block, then adds each
+    slot's terms for the GROUP query heads of the slot's kv head (atomics: a token's slots may share a head; they are
+    ordered by index, ``ssmq.ops.kv_quant.order_slots``, so a head's follow each other), the GROUP terms of a slot
+    contiguous (one vector atomic). Every slot once, not once per kv head. H100, 128K tokens, 20 slots a token: 0.044 ms
+    (BT 16; 0.047 at 32); summing each kv head's run of slots by a segmented scan and storing it once, without atomics,
+    0.068. H200: the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing by kv head with a compare and
+    select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
     for blk in range(tl.program_id(1), tl.cdiv(tl.load(lens + tl.program_id(0)).to(tl.int32), BT), tl.num_programs(1)):
-        i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, koi, kov, kmid, khalf, klut, k_ms, k_mt,
-                                                 k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, LEVELS, BS, blk * BT)
+        i, t, live, h, c, d, hit, pb, pt = _outlier_tile(slots, lens, table, s_tab, koi, kov, kmid, khalf, klut, k_ms,
+                                                         k_mt, k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, LEVELS, BS,
+                                                         blk * BT)
+        tok = _sc_token(i, pb, pt, c_b, GROUP, BS)
         g = tl.arange(0, GP2)[None, None, :]  # (1, 1, GP2): the query heads of a kv head
         kv = tl.arange(0, HKVP)[:, None, None]
-        tl.store(sc + i * c_b + kv * c_k + t[None, :, None] * GROUP + g, tl.zeros((HKVP, BT, GP2), tl.float32),
+        tl.store(sc + tok[None, :, None] + kv * c_k + g, tl.zeros((HKVP, BT, GP2), tl.float32),
                  mask=(kv < HKV) & live[None, :, None] & (g < GROUP))
         tl.debug_barrier()  # the zeros stored before any thread's atomics
         m3 = _group_mask(hit, g, GROUP, GP2)
@@ -479,7 +490,7 @@ def _key_outlier_kernel(q, slots, lens, table, s_tab, inv_freq, sc, kmid, khalf,
                                              other=0.0).to(tl.float32) * b[:, :, None]
         else:
             w = qc * d[:, :, None]
-        tl.atomic_add(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g,
+        tl.atomic_add(sc + tok[:, None, None] + h[:, :, None] * c_k + g,
                       w * (scale * 1.4426950408889634), mask=m3, sem="relaxed")
 
 
@@ -509,15 +520,26 @@ def _value_outlier_kernel(ws, sc, slots, lens, table, s_tab, vmid, vhalf, vlut, 
     a tensor-core product a tile, P (hq, slots) @ one-hot (slots, e), 0.44 ms)."""
     n = tl.load(lens + tl.program_id(0)).to(tl.int32)
     for blk in range(tl.program_id(1), tl.cdiv(n, BT), tl.num_programs(1)):
-        i, t, live, h, c, d, hit = _outlier_tile(slots, lens, table, s_tab, voi, vov, vmid, vhalf, vlut, v_ms, v_mt,
-                                                 v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, LEVELS, BS, blk * BT)
+        i, t, live, h, c, d, hit, pb, pt = _outlier_tile(slots, lens, table, s_tab, voi, vov, vmid, vhalf, vlut, v_ms,
+                                                         v_mt, v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, LEVELS, BS,
+                                                         blk * BT)
         sp = t // _split_chunk(n, splits, BLOCK_T)  # the token's split
         g = tl.arange(0, GP2)[None, None, :]
         m3 = _group_mask(hit, g, GROUP, GP2)
-        s = tl.load(sc + i * c_b + h[:, :, None] * c_k + t[:, None, None] * GROUP + g, mask=m3, other=float("-inf"))
+        s = tl.load(sc + _sc_token(i, pb, pt, c_b, GROUP, BS)[:, None, None] + h[:, :, None] * c_k + g, mask=m3,
+                    other=float("-inf"))
         dst = ws + i * w_b + (h[:, :, None] * GROUP + g) * w_h + sp[:, None, None] * w_p  # (BT, VP, GP2)
         p = tl.exp2(s - tl.load(dst + E * w_e, mask=m3, other=0.0))
         tl.atomic_add(dst + c[:, :, None] * w_e, p * d[:, :, None], mask=m3, sem="relaxed")
+
+
+def outlier_workspace_shape(codes: torch.Tensor, b: int, hq: int, paged: bool) -> tuple[int, int, int, int]:
+    """The outlier passes' float32 score buffer sc for a decode of b rows over a cache whose codes are ``codes``
+    ((s, L, hkv, ...) rows or (N, BS, hkv, ...) blocks): (b, hkv, L, g) contiguous, (N, hkv, BS, g) paged, g = hq /
+    hkv. Paged, it is hq float32 a token of the pool (the engine counts it in its KV memory); a contiguous cache's
+    is b × L × hq."""
+    rows, length, hkv = codes.shape[:3]
+    return (rows if paged else b, hkv, length, hq // hkv)
 
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
@@ -562,10 +584,13 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     pages, bs, cap = paging(block_table, slots, k.codes)  # as ``_launch`` reads them for the decode
     ko, vo = flags["KSLOTS"], flags["VSLOTS"]
     # sparse outliers in their own passes: key score terms before the decode, value terms before the combine. One
-    # buffer sc (b, hkv, L, g), a kv head's query heads contiguous: the key pass's terms, which the decode adds and
-    # overwrites with the whole scores, which the value pass reads
-    sc = torch.empty(b, hq // group, cap, group, dtype=torch.float32, device=q.device) if ko or vo else q
-    c_strides = (hq * cap, cap * group)  # sc's (row, kv head)
+    # buffer sc, a kv head's query heads contiguous: the key pass's terms, which the decode adds and overwrites with
+    # the whole scores, which the value pass reads
+    sc = q
+    if ko or vo:
+        sc = torch.empty(outlier_workspace_shape(k.codes, b, hq, block_table is not None), dtype=torch.float32,
+                         device=q.device)
+    c_strides = (sc.stride(0), sc.stride(1)) if ko or vo else (0, 0)  # sc's (row or block, kv head)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     bt = CFG["BT_SPARSE"]
     # programs a row: the blocks of BT tokens of its capacity, at most SPARSE_PROGRAMS an SM over the rows; each

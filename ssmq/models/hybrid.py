@@ -52,6 +52,15 @@ class Attention(nn.Module):
             return self.kv_quant.kv.bits_per_token(self.hkv, self.e, as_stored=True) / 8
         return 2 * self.hkv * self.e * torch.empty((), dtype=dtype).element_size()
 
+    def decode_workspace_bytes_per_token(self) -> int:
+        """Bytes a token of a paged KV pool adds to this layer's decode workspace: with sparse outliers, the score
+        buffer of the outlier passes, hq float32 a token of the pool (``kernels.kv_decode_fast.
+        outlier_workspace_shape``); transient, so a model needs its largest layer's, not the sum."""
+        kvq = self.kv_quant
+        if kvq is None or not (kvq.outlier_slots("keys") or kvq.outlier_slots("values")):
+            return 0
+        return 4 * self.hq
+
     def _rotate(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """t: (b, l, heads, e); positions: (b, l) → RoPE of the first rotary_dim channels of each head."""
         if not self.rotary_dim:

@@ -30,9 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-block-size", type=int, default=32, help="tokens per KV block (hybrids; default 32)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=float, metavar="GIB",
-                    help="GiB of KV blocks over all attention layers, in the model's KV format (a KVQuant model "
-                         "fits 3.5-5x the tokens of float16); default: blocks for a quarter of max-batch x "
-                         "max-model-len tokens")
+                    help="GiB of KV blocks over all attention layers, in the model's KV format, with the decode "
+                         "workspace that grows with them (a KVQuant model fits 3.5-5x the tokens of float16); "
+                         "default: blocks for a quarter of max-batch x max-model-len tokens")
     kv.add_argument("--kv-blocks", type=int, help="KV blocks per attention layer (in place of --kv-cache-memory)")
     p.add_argument("--served-model-name", help="name in /v1/models and requests (default: the model folder's name)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")

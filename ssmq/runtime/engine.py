@@ -43,7 +43,8 @@ class EngineConfig:
     # at 128K tokens, in place / contiguous: 4-bit codes 1.08 at 32, 1.21 at 16; float16 1.04 / 1.08)
     kv_block_size: int = 32
     kv_blocks: int | None = None  # KV blocks per attention layer; None: from kv_cache_bytes, else a quarter of the slots
-    kv_cache_bytes: int | None = None  # KV memory (all attention layers) the blocks take, in the cache's format
+    kv_cache_bytes: int | None = None  # KV memory (all attention layers) the blocks take, in the cache's format,
+    # with the decode workspace that grows with them (kv_pool_bytes_per_token)
     max_waiting: int = 4096  # queued requests beyond which submit refuses
     cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
     state_checkpoint: int | None = None  # K: SSM states written once every K decode steps (ReplaySSM); None: every step
@@ -110,14 +111,22 @@ def kv_bytes_per_token(model) -> float:
                if hasattr(layer.mixer, "kv_bytes_per_token"))
 
 
+def kv_pool_bytes_per_token(model) -> float:
+    """What a token of the KV pools costs in GPU memory: its bytes in every layer's cache and in the largest decode
+    workspace that grows with the pools (a KVQuant model with outliers: its outlier passes' scores)."""
+    workspace = max((layer.mixer.decode_workspace_bytes_per_token() for layer in model.layers
+                     if hasattr(layer.mixer, "decode_workspace_bytes_per_token")), default=0)
+    return kv_bytes_per_token(model) + workspace
+
+
 def kv_block_count(model, cfg: EngineConfig) -> int:
     """KV blocks of the engine's pools (the null block aside): ``kv_blocks``, or as many as ``kv_cache_bytes`` holds
-    in the model's KV format (a quantized cache: 3.5-5x the float16 blocks), or a quarter of max_batch ×
-    max_model_len tokens."""
+    in the model's KV format and workspace (``kv_pool_bytes_per_token``; a quantized cache: 3.5-5x the float16
+    blocks), or a quarter of max_batch × max_model_len tokens."""
     if cfg.kv_blocks:
         return cfg.kv_blocks
     if cfg.kv_cache_bytes:
-        n = int(cfg.kv_cache_bytes // (cfg.kv_block_size * kv_bytes_per_token(model))) - 1
+        n = int(cfg.kv_cache_bytes // (cfg.kv_block_size * kv_pool_bytes_per_token(model))) - 1
         if n < 1:
             raise SSMQError(f"a KV cache of {cfg.kv_cache_bytes / 2 ** 30:.3g} GiB holds no block of "
                             f"{cfg.kv_block_size} tokens of this model")
@@ -140,8 +149,9 @@ class LocalRunner:
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
         if any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
             n = kv_block_count(model, cfg)
-            log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", n, cfg.kv_block_size,
-                     n * cfg.kv_block_size, (n + 1) * cfg.kv_block_size * kv_bytes_per_token(model) / 2 ** 30)
+            log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB with its decode workspace)", n,
+                     cfg.kv_block_size, n * cfg.kv_block_size,
+                     (n + 1) * cfg.kv_block_size * kv_pool_bytes_per_token(model) / 2 ** 30)
             self.kv_blocks = (n + 1, cfg.kv_block_size)  # + the null block
             kw.update(kv_blocks=n + 1, kv_block_size=cfg.kv_block_size)
         # the graphs' padding rows use one more, scratch, slot
