@@ -278,3 +278,122 @@ def test_model_decode_through_kernels_equals_reference_decode(k, monkeypatch):
             runs.append(torch.stack([m.step(ids[:, t], cache) for t in range(7, 12)], 1))
     assert calls == [k.quant_kv_decode] * 5 + [quant_kv_decode_ref] * 5  # one call per decode step
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["hybrid", "llama"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_model_chunked_prefill_through_kernels_equals_reference(arch, paged, monkeypatch):
+    """A tiny KVQuant model (nuq3-1%; one attention layer) in float16 prefills two prompts in three chunks over its
+    quantized cache (dense, or blocks handed out in reverse order): each chunk's attention through ``kv_read`` +
+    ``attention_prefill`` gives the logits of ``quant_kv_read_ref`` + ``attention_ref`` (the caches hold the same codes:
+    the same writes), and the full forward without a cache through the prefill kernel those of the reference (on CPU the
+    interpreter runs the kernels in place of the dispatch's references)."""
+    import ssmq.kernels
+    from ssmq.ops import attention_ref
+    from ssmq.ops.kv_quant import quant_kv_read_ref
+    from ssmq.quant import quantize
+    from tiny_ssm import synthetic_calibration, tiny_model
+
+    ap, kr = kernel_module("attention_prefill"), kernel_module("kv_read")
+
+    def read_ref(side, slots, end, rotary_dim=0, theta=1e4, dtype=torch.float32, block_table=None):
+        if block_table is not None:
+            side, slots = side.gathered(block_table, slots), torch.arange(len(slots), device=slots.device)
+        return quant_kv_read_ref(side, slots, end, rotary_dim, theta, dtype)
+
+    # one attention layer: a later one's codes would depend on the earlier one's float16 rounding (code flips)
+    m = tiny_model(arch, seed=4, **({"n_layer": 1} if arch == "llama" else {}))
+    quantize(m, "kvquant-nuq3-1%", synthetic_calibration(m.config.vocab_size, 4, 32), progress=False)
+    m = m.half().to(DEV)
+    ids = torch.randint(0, m.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3)).to(DEV)
+    runs, calls = {}, []
+    for name, attn, read in (("kernels", ap.prefill_attention, kr.quant_kv_read),
+                             ("reference", attention_ref, read_ref)):
+        monkeypatch.setattr(ssmq.kernels, "prefill_attention", lambda *a, f=attn, **kw: calls.append(f) or f(*a, **kw))
+        monkeypatch.setattr(ssmq.kernels, "quant_kv_read", read)
+        kw = {"kv_blocks": 8, "kv_block_size": 16} if paged else {}
+        cache = m.allocate_cache(2, 48, **kw)
+        if paged:  # rows' blocks from the top of the pool down
+            cache.block_table.assign(0, 0, [7, 6, 5])
+            cache.block_table.assign(1, 0, [4, 3, 2])
+        with torch.no_grad():
+            chunks = [m(ids[:, a:b], cache=cache) for a, b in ((0, 13), (13, 29), (29, 40))]
+            runs[name] = torch.cat(chunks, 1), m(ids)
+    n_attn = sum(hasattr(layer.mixer, "kv_quant") for layer in m.layers)
+    assert calls == [ap.prefill_attention] * 4 * n_attn + [attention_ref] * 4 * n_attn
+    for got, want in zip(*runs.values()):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+READ_CASES = [  # hkv, e, rotary dim, outlier slots, sink, levels, per-token scales
+    (2, 64, 32, 2, 1, 8, False),   # the hybrid's partial RoPE, nuq3-1%, per-channel keys
+    (3, 64, 64, 4, 1, 16, False),  # SmolLM2's kv heads, full RoPE, 4 bits
+    (2, 32, 0, 1, 2, 4, True),     # values: per-token scales, no RoPE, 2 bits, two sinks
+    (1, 128, 128, 0, 0, 8, True),  # Llama heads, no outliers, no sink
+]
+
+
+@pytest.fixture(scope="module")
+def kr():
+    return kernel_module("kv_read")
+
+
+@pytest.mark.parametrize("case", READ_CASES)
+@pytest.mark.parametrize("block_size", [None, 16, 32])
+def test_kv_read_kernel_equals_reference(kr, case, block_size):
+    """The prefill's read of a quantized side (``kernels.kv_read``): codes, codebook, scales, outliers, sinks and
+    the rotation of the first r channels by position equal ``quant_kv_read_ref`` (float32, then float16), from a
+    contiguous cache and from block pools read in place (shuffled blocks), rows ragged and in any slot order."""
+    from ssmq.ops.kv_quant import quant_kv_read_ref
+
+    hkv, e, r, slots_k, sink, levels, per_token = case
+    gen = torch.Generator().manual_seed(11)
+    s, L = 3, 96
+    side_ = side(s, L, hkv, e, per_token, slots_k, sink, gen, levels)
+    slots, end = torch.tensor([2, 0], device=DEV), 77
+    want = quant_kv_read_ref(_cpu(side_), slots.cpu(), end, r, 10000.0)
+    table = None
+    if block_size:
+        m = -(-L // block_size)
+        table = (1 + torch.randperm(s * m, generator=gen)).view(s, m).to(DEV)
+        side_ = side_.paged(table, block_size)
+    got = kr.quant_kv_read(side_, slots, end, r, 10000.0, torch.float16, table)
+    assert got.shape == (2, end, hkv, e) and got.dtype == torch.float16
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-3)
+
+
+PREFILL_CASES = [  # b, lq, lk, hq, hkv, e: a prompt, a chunk over a prefix, ragged rows, GQA 1 / 3 / 4 / 8
+    (1, 37, 37, 4, 2, 32),
+    (2, 16, 150, 6, 2, 64),
+    (3, 70, 90, 9, 3, 64),
+    (1, 5, 200, 8, 1, 128),
+    (2, 24, 40, 4, 4, 80),  # a head dim that is not a power of two
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_attention_kernel_equals_reference(case, dtype):
+    """Causal GQA attention of a chunk of queries over a prefix (``kernels.attention_prefill``) equals
+    ``attention_ref`` on every query that sees a key: rows of different lengths, the chunk at the end of each; a
+    row shorter than the chunk leaves its first queries with no key (0 here, NaN in the reference)."""
+    from ssmq.ops.attention import attention_ref
+
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("the interpreter computes through numpy, which has no bfloat16")
+    ap = kernel_module("attention_prefill")
+    b, lq, lk, hq, hkv, e = case
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(b, lq, hq, e, generator=gen).to(dtype).to(DEV)
+    kk, vv = (torch.randn(b, lk, hkv, e, generator=gen).to(dtype).to(DEV) for _ in range(2))
+    lens = torch.tensor([lk, lk - 7, lq - 3][:b], device=DEV).clamp(min=1)
+    for kv_lens in (None, lens):
+        got = ap.prefill_attention(q, kk, vv, kv_lens).float().cpu()
+        want = attention_ref(q.float().cpu(), kk.float().cpu(), vv.float().cpu(),
+                             None if kv_lens is None else kv_lens.cpu())
+        seen = ~want.isnan().any(-1)  # (b, lq, hq): queries that see at least one key
+        tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+        torch.testing.assert_close(got[seen], want[seen], rtol=tol, atol=tol)
+        assert (got[~seen] == 0).all()
+        if kv_lens is not None and b == 3:
+            assert (~seen).any()  # the short row's first queries

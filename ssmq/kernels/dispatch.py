@@ -349,6 +349,27 @@ def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, blo
                                                  block_table=block_table)
 
 
+def prefill_attention(q, k, v, kv_lens=None, softmax_scale=None):
+    """``ops.attention_ref``: causal GQA attention of q (b, lq, hq, e) over k, v (b, lk, hkv, e) valid up to
+    ``kv_lens`` (b,); the flash-attention kernel of ``attention_prefill`` on CUDA for float16 / bfloat16 inputs."""
+    if _use_triton(q) and _kernels("attention_prefill").eligible(q, k, v):
+        return _kernels("attention_prefill").prefill_attention(q, k, v, kv_lens, softmax_scale)
+    return ops.attention_ref(q, k, v, kv_lens, softmax_scale)
+
+
+def quant_kv_read(side, slots, end, rotary_dim=0, theta=10000.0, dtype=torch.float32, block_table=None):
+    """``ops.kv_quant.quant_kv_read_ref``: one side of a quantized cache (a ``KVSideView``), the rows ``slots`` up to
+    ``end``, as (b, end, hkv, e) float keys (rotated) or values in ``dtype``; ``block_table``: the side's per-token
+    buffers are block pools (the kernel reads them in place, the reference a copy of the rows' blocks)."""
+    if _use_triton(side.codes) and _kernels("kv_read").eligible(side, rotary_dim):
+        return _kernels("kv_read").quant_kv_read(side, slots, end, rotary_dim, theta, dtype, block_table)
+    from ssmq.ops.kv_quant import quant_kv_read_ref
+
+    if block_table is not None:
+        side, slots = side.gathered(block_table, slots), torch.arange(len(slots), device=slots.device)
+    return quant_kv_read_ref(side, slots, end, rotary_dim, theta, dtype)
+
+
 # A quantized KV cache's new tokens are written by the fused quantize-and-append kernel (``kv_append``, the reference
 # write's bytes, tested on the H100) on CUDA; SSMQ_KV_FUSED_APPEND=0 writes with the reference ops instead.
 _KV_FUSED_APPEND = os.environ.get("SSMQ_KV_FUSED_APPEND", "1") != "0"

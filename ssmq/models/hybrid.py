@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ssmq import ops
+from ssmq import kernels, ops
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.state import KVState, RopeAtRead
@@ -88,14 +88,14 @@ class Attention(nn.Module):
         k = self.k_proj(hidden).view(b, l, self.hkv, self.e)
         v = self.v_proj(hidden).view(b, l, self.hkv, self.e)
         if cache is None:
-            out = ops.attention_ref(q, *self._cached_view(k, v, positions))
+            out = kernels.prefill_attention(q, *self._cached_view(k, v, positions))
         else:
             state = cache.states[self.layer_idx]
             state.append(slots, positions, k if state.keys_before_rope else self._rotate(k, positions), v)
             out = state.decode(q[:, 0], slots, start + 1) if l == 1 and hasattr(state, "decode") else None
             if out is None:
                 keys, values = state.read(slots, start + l)  # the served rows, up to their longest length
-                out = ops.attention_ref(q, keys, values, kv_lens=start + l)
+                out = kernels.prefill_attention(q, keys, values, kv_lens=start + l)
             else:  # a quantized cache's decode kernels
                 out = out[:, None].to(q.dtype)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))

@@ -167,6 +167,12 @@ class QuantKVState:
         ``kv_lens`` (a host read), or L while a CUDA graph is being captured (static shapes; the mask hides the rest).
         A decode step reads through ``decode`` instead, which reads no length on the host."""
         end = read_extent(kv_lens, self.max_seqlen)
+        k, v, r = self.k.view(), self.v.view(), self.rope
+        if k is not None and v is not None:  # the kernels' view: one dequantizing pass a side on CUDA (kernels.kv_read)
+            table = self.k.block_table
+            keys = kernels.quant_kv_read(k, slots, end, r.rotary_dim if r else 0, r.theta if r else 1e4, self.dtype,
+                                         table)
+            return keys, kernels.quant_kv_read(v, slots, end, dtype=self.dtype, block_table=table)
         keys, values = self.k.read(slots, end, self.dtype), self.v.read(slots, end, self.dtype)
         if self.rope is not None:
             from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin

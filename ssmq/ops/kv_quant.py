@@ -354,12 +354,23 @@ def quant_kv_decode_ref(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Ten
     after dequantization); a paged cache is read through ``KVSideView.gathered``. Returns (b, hq, e)
     float32: the dequantized cache, then float attention. Reads the longest of ``kv_lens`` on the host, except while
     a CUDA graph is being captured: then all L positions (masked)."""
-    from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
+    from ssmq.ops.attention import attention_ref
 
     end = read_extent(kv_lens, k.codes.shape[1])
-    keys, values = k.dequantize(slots, end), v.dequantize(slots, end)
-    if rotary_dim:
-        pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)
-        cos, sin = rotary_cos_sin(pos, rotary_dim, theta)
-        keys = apply_rotary_ref(keys, cos, sin)
+    keys, values = quant_kv_read_ref(k, slots, end, rotary_dim, theta), quant_kv_read_ref(v, slots, end)
     return attention_ref(q.float()[:, None], keys, values, kv_lens, softmax_scale)[:, 0]
+
+
+def quant_kv_read_ref(side: KVSideView, slots: torch.Tensor, end: int, rotary_dim: int = 0, theta: float = 10000.0,
+                      dtype=torch.float32) -> torch.Tensor:
+    """One side of a quantized cache, the rows ``slots`` (b,) up to ``end``, as (b, end, hkv, e) in ``dtype``:
+    dequantized (``KVSideView.dequantize``), then the first ``rotary_dim`` channels rotated by their positions
+    (keys cached before RoPE; 0: as stored), in float32."""
+    from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
+
+    x = side.dequantize(slots, end)
+    if rotary_dim:
+        pos = torch.arange(end, device=x.device).expand(x.shape[0], end)
+        cos, sin = rotary_cos_sin(pos, rotary_dim, theta)
+        x = apply_rotary_ref(x, cos, sin)
+    return x.to(dtype)

@@ -1,0 +1,94 @@
+"""Causal GQA attention of a chunk of new queries over a float key/value prefix (prefill and chunked prefill of
+hybrid and Llama models, the full forward of perplexity runs): the Triton twin of ``ssmq.ops.attention_ref``.
+
+Glossary: b rows, lq new queries a row, lk keys, hq query heads, hkv kv heads, g = hq / hkv, e head dim, n a
+row's length (its keys, the new ones included; query i sits at position n - lq + i and sees keys 0 .. its own).
+
+One program per (BLOCK_M (query, head) pairs, row, kv head): a kv head's g query heads are folded into the rows of
+its tensor-core products (pair m = query m // g, head m mod g), so each key tile is read once for the g heads, as
+the decode kernels do; an online softmax over BLOCK_N-key tiles (flash attention), causal tiles past the program's
+last query skipped. Products take q / k / v in their dtype (float16 or bfloat16) and accumulate in float32; the
+reference is float32 throughout (tests: rtol = atol = 1e-2 in bfloat16, 2e-3 in float16). A query that sees no key
+(a row shorter than the chunk) gives 0 where the reference gives NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# H200 (2026-11-28, bench_prefill_attention.py): BLOCK_M 64 / BLOCK_N 64, 4 warps, 2 stages at e = 128
+CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "STAGES": 2}
+
+
+@triton.jit
+def _prefill_kernel(q, k, v, out, lens, lq, scale, s_qb, s_ql, s_qh, s_kb, s_kl, s_kh, s_vb, s_vl, s_vh, s_ob, s_ol,
+                    s_oh, GROUP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    pid_m, i, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = tl.load(lens + i).to(tl.int32)
+    pairs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = pairs // GROUP
+    h = hk * GROUP + pairs % GROUP
+    rmask = qi < lq
+    pos = n - lq + qi  # each query's position: it sees keys 0 .. pos
+    e = tl.arange(0, EP)
+    emask = e < E
+    qt = tl.load(q + i.to(tl.int64) * s_qb + qi[:, None] * s_ql + h[:, None] * s_qh + e[None, :],
+                 mask=rmask[:, None] & emask[None, :], other=0.0)
+    kbase = k + i.to(tl.int64) * s_kb + hk * s_kh
+    vbase = v + i.to(tl.int64) * s_vb + hk * s_vh
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, EP), tl.float32)
+    qscale = scale * 1.4426950408889634  # log2 units: exp2
+    # the program's last query (pairs are query-major) bounds its causal keys
+    hi = tl.minimum(n, n - lq + tl.minimum(lq - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP) + 1)
+    for start in range(0, hi, BLOCK_N):
+        kk = start + tl.arange(0, BLOCK_N)
+        kmask = kk < hi
+        kt = tl.load(kbase + kk[None, :].to(tl.int64) * s_kl + e[:, None], mask=emask[:, None] & kmask[None, :],
+                     other=0.0)
+        s = tl.dot(qt, kt) * qscale
+        s = tl.where((kk[None, :] <= pos[:, None]) & kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: no NaN from -inf - -inf
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m - m_ref)
+        l = l * alpha + tl.sum(p, 1)
+        vt = tl.load(vbase + kk[:, None].to(tl.int64) * s_vl + e[None, :], mask=kmask[:, None] & emask[None, :],
+                     other=0.0)
+        acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out + i.to(tl.int64) * s_ob + qi[:, None] * s_ol + h[:, None] * s_oh + e[None, :],
+             o.to(out.dtype.element_ty), mask=rmask[:, None] & emask[None, :])
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """float16 / bfloat16 q, k, v of one dtype (float32 keeps the reference: tensor cores would round it), channels
+    contiguous, head dims up to 256."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[-1] <= 256 and all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,
+                      softmax_scale: float | None = None, cfg: dict | None = None) -> torch.Tensor:
+    """``attention_ref`` for ``eligible`` inputs: q (b, lq, hq, e), k, v (b, lk, hkv, e), kv_lens (b,) (all lk when
+    None) → (b, lq, hq, e) in q's dtype. ``cfg`` overrides the launch settings (benchmarks)."""
+    cfg = {**CFG, **(cfg or {})}
+    b, lq, hq, e = q.shape
+    lk, hkv = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    lens = torch.full((b,), lk, device=q.device, dtype=torch.int32) if kv_lens is None else kv_lens
+    out = torch.empty_like(q)
+    group = hq // hkv
+    scale = e ** -0.5 if softmax_scale is None else softmax_scale
+    grid = (triton.cdiv(lq * group, cfg["BLOCK_M"]), b, hkv)
+    _prefill_kernel[grid](q, k, v, out, lens, lq, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                          *out.stride()[:3], GROUP=group, E=e, EP=max(16, triton.next_power_of_2(e)),
+                          BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["WARPS"],
+                          num_stages=cfg["STAGES"])
+    return out
