@@ -431,3 +431,23 @@ def test_kv_append_compiles_for_sm90(bits, per_token, k, e):
                  KP=max(2, triton.next_power_of_2(k)), PER_TOKEN=per_token, SYMMETRIC=False, S=1,
                  BS=16 if per_token else 0)  # the per-token cases into block pools (the serve cache)
     _compile_sm90(kv_append._append_kernel, pointers, const, num_warps=kv_append.NUM_WARPS)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("e", [64, 128])
+def test_prefill_kernels_compile_for_sm90(dtype, e):
+    """The prefill's attention kernel (``attention_prefill``: GQA groups of 4, e = 64 / 128) and the quantized
+    cache's read (``kv_read``: paged, full RoPE, 20 outlier slots, 3- and 4-bit codes) compile for the H100 / H200."""
+    pytest.importorskip("triton")
+    from ssmq.kernels import attention_prefill as ap
+    from ssmq.kernels import kv_read as kr
+
+    io = {"q": dtype, "k": dtype, "v": dtype, "out": dtype, "lens": "i64"}
+    cfg = ap.CFG
+    _compile_sm90(ap._prefill_kernel, io, dict(GROUP=4, E=e, EP=e, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"]),
+                  floats=("scale",), num_warps=cfg["WARPS"], num_stages=cfg["STAGES"])
+    ptrs = {"out": dtype, "codes": "u8", "mid": "fp16", "half": "fp16", "lut": "fp32", "oidx": "i16", "oval": "fp16",
+            "sink": "fp16", "slots": "i64", "table": "i64", "inv_freq": "fp32"}
+    for bits in (3, 4):
+        _compile_sm90(kr._read_kernel, ptrs, dict(E=e, R=e, HP=e // 2, PP=16, S=1, PER_TOKEN=False, SLOTS=20,
+                                                   BITS=bits, BT=kr.BT, BS=32, FAST=True, GROUP=kr.SLOT_GROUP))
