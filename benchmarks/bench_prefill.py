@@ -8,6 +8,9 @@ Two parts (``--parts``):
 the lower right, GQA), and for KVQuant formats the read of the cache, ``kernels.quant_kv_read`` against the
 reference's; the hardware limit of the attention, 4·lq·lk·hq·e FLOP at the GPU's dense float16 peak (--peak-tflops).
 
+``sweep``: ``kernels.kv_read``'s launch settings (tokens a program, outlier slots a load, warps) at --prompt tokens,
+keys and values apart, against a copy of the bytes it writes.
+
 ``model``: a whole Llama-3.1-8B (random weights, float16), one prompt of --prompt tokens prefilled in chunks of
 --chunk (``ssmq serve``'s --prefill-tokens) into its cache, eager: seconds for the whole prompt (time to first token
 without the queue) a KV format (fp16, or a preset with placeholder quantizers, written by the fused append).
@@ -91,6 +94,30 @@ def layer_rows(prompt: int, chunk: int, kvs: list[str], peak_tflops: float) -> l
     return rows
 
 
+SWEEP = ((32, 4, 4), (16, 4, 4), (64, 4, 4), (64, 4, 8), (32, 8, 4), (32, 4, 8), (128, 4, 8))  # BT, slot group, warps
+
+
+def sweep_rows(prompt: int) -> list[dict]:
+    """``kv_read``'s launch settings (module docstring: ``sweep``), K and V apart, nuq4 / nuq4-1% / nuq3-1%."""
+    from ssmq.kernels import kv_read as kr
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    slots = torch.arange(1, device="cuda")
+    x = torch.empty(2 * prompt * HKV * E, dtype=torch.float16, device="cuda")
+    rows = [{"part": "sweep", "copy of the K + V written ms": timeit(lambda: x.clone())}]
+    saved = dict(kr.CFG)
+    for fmt, bits, outliers in (("nuq4", 4, False), ("nuq4-1%", 4, True), ("nuq3-1%", 3, True)):
+        ks, vs = quant_cache(1, prompt, *(ONE_PCT if outliers else (0, 0)), gen, bits)
+        for bt, group, warps in SWEEP:
+            kr.CFG.update(BT=bt, BT_OUTLIERS=bt, SLOT_GROUP=group, WARPS=warps)
+            rows.append({"part": "sweep", "kv": fmt, "BT": bt, "GROUP": group, "WARPS": warps,
+                         "K ms": timeit(lambda: kr.quant_kv_read(ks, slots, prompt, E, 5e5, torch.float16)),
+                         "V ms": timeit(lambda: kr.quant_kv_read(vs, slots, prompt, 0, 1e4, torch.float16))})
+            print(json.dumps(rows[-1]), flush=True)
+    kr.CFG.update(saved)
+    return rows
+
+
 @torch.no_grad()
 def model_rows(name: str, prompt: int, chunk: int, kvs: list[str]) -> list[dict]:
     model = random_model(PUBLISHED[name], dtype=torch.float16)
@@ -144,15 +171,17 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, device: str) -> None:
+    """Seconds to prefill the prompt, a bar a KV format and tree (rows of several runs: their --tag)."""
     plt = pyplot()
     whole = [r for r in rows if r["part"] == "model"]
     if plt is None or not whole:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([f"{r['kv']}\n{r.get('tree', '')}" for r in whole], [r["prefill s"] for r in whole], color="tab:blue")
+    ax.bar([f"{r['kv']}\n{r.get('tree', '')}" for r in whole], [r["prefill s"] for r in whole],
+           color=["tab:gray" if r.get("tree") == "before" else "tab:blue" for r in whole])
     ax.set_ylabel(f"s to prefill {whole[0]['prompt']} tokens")
-    ax.set_title(f"{whole[0]['model']}, chunks of {whole[0]['chunk']}, {torch.cuda.get_device_name()}", fontsize=9)
+    ax.set_title(f"{whole[0]['model']}, chunks of {whole[0]['chunk']}, {device}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -167,10 +196,19 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense float16 tensor peak (H100 / H200 SXM)")
     ap.add_argument("--tag", default="", help="a label written in each row (e.g. the tree measured)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/prefill"))
+    ap.add_argument("--plot", nargs="+", metavar="JSON", help="no run: plot these runs' rows (their tags) to "
+                    "--out/prefill.png")
     args = ap.parse_args()
+    if args.plot:
+        runs = [json.loads(Path(f).read_text()) for f in args.plot]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        plot([r for run in runs for r in run["rows"]], Path(args.out) / "prefill.png", runs[0]["meta"]["device"])
+        return
     kvs, parts, rows = args.kv.split(","), args.parts.split(","), []
     if "layer" in parts:
         rows += layer_rows(args.prompt, args.chunk, kvs, args.peak_tflops)
+    if "sweep" in parts:
+        rows += sweep_rows(args.prompt)
     if "model" in parts:
         rows += model_rows(args.model, args.prompt, args.chunk, kvs)
     for r in rows:
@@ -180,7 +218,7 @@ def main() -> None:
     (out / "prefill.json").write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name(), "args": vars(args)},
                                                   "rows": rows}, indent=1))
     (out / "prefill.md").write_text(markdown(rows))
-    plot(rows, out / "prefill.png")
+    plot(rows, out / "prefill.png", torch.cuda.get_device_name())
     print(markdown(rows))
 
 

@@ -450,4 +450,5 @@ def test_prefill_kernels_compile_for_sm90(dtype, e):
             "sink": "fp16", "slots": "i64", "table": "i64", "inv_freq": "fp32"}
     for bits in (3, 4):
         _compile_sm90(kr._read_kernel, ptrs, dict(E=e, R=e, HP=e // 2, PP=16, S=1, PER_TOKEN=False, SLOTS=20,
-                                                   BITS=bits, BT=kr.BT, BS=32, FAST=True, GROUP=kr.SLOT_GROUP))
+                                                   BITS=bits, BT=kr.CFG["BT_OUTLIERS"], BS=32, FAST=True,
+                                                   GROUP=kr.CFG["SLOT_GROUP"]))

@@ -21,8 +21,11 @@ import triton.language as tl
 from ssmq.kernels.kv_decode import FAST_TRIG, _cos_sin, _inv_freq, _page, _tile, paging
 from ssmq.ops.kv_quant import KVSideView
 
-BT = 32  # tokens a program
-SLOT_GROUP = 4  # outlier slots a load
+# BT tokens a program (BT_OUTLIERS with sparse outliers), SLOT_GROUP outlier slots a load. H200, 2026-11-28, one
+# Llama-3.1-8B layer at 32K tokens, K + V ms (its first version: benchmarks/results/prefill_h200/s25_read_sweep.jsonl;
+# ``bench_prefill.py --parts sweep --prompt 32768``): no outliers BT 16 0.199, 32 0.335, 64 0.342; nuq4-1% BT 32
+# 0.438, 64 0.483, 16 1.35, 8 warps 1.53; slot groups of 8 0.507. A copy of the 134 MB written: 0.067
+CFG = {"BT": 16, "BT_OUTLIERS": 32, "SLOT_GROUP": 4, "WARPS": 4}
 
 
 @triton.jit
@@ -103,10 +106,12 @@ def quant_kv_read(side: KVSideView, slots: torch.Tensor, end: int, rotary_dim: i
     ms = (m.stride(0), m.stride(1)) if side.per_token else (0, 0)
     book = side.codebook.float().contiguous()
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, c.device)
-    _read_kernel[(triton.cdiv(end, BT), b, hkv)](
+    bt = CFG["BT_OUTLIERS"] if o.shape[-1] else CFG["BT"]
+    _read_kernel[(triton.cdiv(end, bt), b, hkv)](
         out, c, m, side.half, book, o, side.out_val, s, slots, *pages, inv_freq, end,
         c.stride(0), c.stride(1), c.stride(2), *ms, o.stride(0), o.stride(1), s.stride(0), s.stride(1), s.stride(2),
         *out.stride()[:3], E=e, R=rotary_dim, HP=max(16, triton.next_power_of_2(max(rotary_dim // 2, 1))),
         PP=max(16, triton.next_power_of_2(max(e - rotary_dim, 1))), S=s.shape[1], PER_TOKEN=side.per_token,
-        SLOTS=o.shape[-1], BITS=side.bits, BT=BT, BS=bs, FAST=FAST_TRIG, GROUP=SLOT_GROUP, num_warps=4)
+        SLOTS=o.shape[-1], BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG, GROUP=CFG["SLOT_GROUP"],
+        num_warps=CFG["WARPS"])
     return out
