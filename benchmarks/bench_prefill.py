@@ -11,6 +11,9 @@ reference's; the hardware limit of the attention, 4·lq·lk·hq·e FLOP at the G
 ``sweep``: ``kernels.kv_read``'s launch settings (tokens a program, outlier slots a load, warps) at --prompt tokens,
 keys and values apart, against a copy of the bytes it writes.
 
+``serve``: the same model in ``ssmq serve``'s runner (paged cache, prefill from CUDA graphs, which read the cache
+at its whole capacity, --max-model-len), one prompt prefilled in chunks of --chunk: seconds a KV format.
+
 ``model``: a whole Llama-3.1-8B (random weights, float16), one prompt of --prompt tokens prefilled in chunks of
 --chunk (``ssmq serve``'s --prefill-tokens) into its cache, eager: seconds for the whole prompt (time to first token
 without the queue) a KV format (fp16, or a preset with placeholder quantizers, written by the fused append).
@@ -150,6 +153,48 @@ def model_rows(name: str, prompt: int, chunk: int, kvs: list[str]) -> list[dict]
     return rows
 
 
+@torch.no_grad()
+def serve_rows(name: str, prompt: int, chunk: int, kvs: list[str], capacity: int) -> list[dict]:
+    """``ssmq serve``'s prefill: the engine's runner (``LocalRunner``: a paged KV cache of --kv-block-size 32 blocks,
+    prefill from CUDA graphs, which read the cache at its whole capacity, --max-model-len ``capacity``) takes one
+    prompt in chunks, as the engine's steps hand them over; seconds for the prompt."""
+    from ssmq.runtime.engine import EngineConfig, LocalRunner
+    from ssmq.runtime.kv_blocks import BlockAllocator
+
+    model = random_model(PUBLISHED[name], dtype=torch.float16)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
+    rows = []
+    for kv in kvs:
+        for layer in model.layers:
+            if hasattr(layer.mixer, "kv_quant"):
+                layer.mixer.kv_quant = None
+        if kv != "fp16":
+            quantize_kv(model, kv_format(kv))
+        cfg = EngineConfig(max_batch=1, max_model_len=capacity, prefill_tokens=chunk, kv_blocks=prompt // 32 + 8)
+        runner = LocalRunner(model, cfg)
+        alloc = BlockAllocator(*runner.kv_blocks)
+        times = []
+        for _ in range(2):  # the first pass warms up
+            runner.reset(0)
+            alloc.release(0)
+            alloc.admit(0, prompt)
+            runner.assign_blocks(0, *alloc.grow(0, prompt))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for a in range(0, prompt, chunk):
+                runner.prefill(ids[:, a:a + chunk], 0, all_logits=False)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        r = {"part": "serve", "model": name, "kv": kv, "prompt": prompt, "chunk": chunk, "capacity": capacity,
+             "prefill s": times[-1]}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def markdown(rows: list[dict]) -> str:
     out = []
     att = [r for r in rows if r["part"] == "layer" and "kernel ms" in r]
@@ -168,6 +213,12 @@ def markdown(rows: list[dict]) -> str:
                 "|---|---|---:|---:|---:|---:|---:|"]
         out += [f"| {r['model']} | {r['kv']} | {r['prompt']} | {r['chunk']} | {r['prefill s']:.2f} | "
                 f"{r['first chunk ms']:.1f} | {r['last chunk ms']:.1f} |" for r in whole]
+    served = [r for r in rows if r["part"] == "serve"]
+    if served:
+        out += ["", "| model | KV | prompt | chunk | max-model-len | prefill s (engine runner, graphs) |",
+                "|---|---|---:|---:|---:|---:|"]
+        out += [f"| {r['model']} | {r['kv']} | {r['prompt']} | {r['chunk']} | {r['capacity']} | "
+                f"{r['prefill s']:.3f} |" for r in served]
     return "\n".join(out) + "\n"
 
 
@@ -193,6 +244,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=16384)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--kv", default="fp16,nuq4-1%,nuq3-1%")
+    ap.add_argument("--max-model-len", type=int, default=32768, help="serve: the cache's capacity a sequence")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense float16 tensor peak (H100 / H200 SXM)")
     ap.add_argument("--tag", default="", help="a label written in each row (e.g. the tree measured)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/prefill"))
@@ -211,6 +263,8 @@ def main() -> None:
         rows += sweep_rows(args.prompt)
     if "model" in parts:
         rows += model_rows(args.model, args.prompt, args.chunk, kvs)
+    if "serve" in parts:
+        rows += serve_rows(args.model, args.prompt, args.chunk, kvs, args.max_model_len)
     for r in rows:
         r["tree"] = args.tag
     out = Path(args.out)

@@ -442,13 +442,15 @@ def test_prefill_kernels_compile_for_sm90(dtype, e):
     from ssmq.kernels import attention_prefill as ap
     from ssmq.kernels import kv_read as kr
 
-    io = {"q": dtype, "k": dtype, "v": dtype, "out": dtype, "lens": "i64"}
+    io = {"q": dtype, "k": dtype, "v": dtype, "out": dtype, "lens": "i64", "slots": "i64", "table": "i64"}
     cfg = ap.CFG
-    _compile_sm90(ap._prefill_kernel, io, dict(GROUP=4, E=e, EP=e, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"]),
-                  floats=("scale",), num_warps=cfg["WARPS"], num_stages=cfg["STAGES"])
+    for bs in (0, 32):  # rows or cache slots; block pools
+        _compile_sm90(ap._prefill_kernel, io, dict(GROUP=4, E=e, EP=e, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                                                   BS=bs), floats=("scale",), num_warps=cfg["WARPS"],
+                      num_stages=cfg["STAGES"])
     ptrs = {"out": dtype, "codes": "u8", "mid": "fp16", "half": "fp16", "lut": "fp32", "oidx": "i16", "oval": "fp16",
-            "sink": "fp16", "slots": "i64", "table": "i64", "inv_freq": "fp32"}
+            "sink": "fp16", "slots": "i64", "lens": "i64", "table": "i64", "inv_freq": "fp32"}
     for bits in (3, 4):
         _compile_sm90(kr._read_kernel, ptrs, dict(E=e, R=e, HP=e // 2, PP=16, S=1, PER_TOKEN=False, SLOTS=20,
                                                    BITS=bits, BT=kr.CFG["BT_OUTLIERS"], BS=32, FAST=True,
-                                                   GROUP=kr.CFG["SLOT_GROUP"]))
+                                                   GROUP=kr.CFG["SLOT_GROUP"], HAS_LENS=True))

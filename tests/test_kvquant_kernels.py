@@ -296,7 +296,7 @@ def test_model_chunked_prefill_through_kernels_equals_reference(arch, paged, mon
 
     ap, kr = kernel_module("attention_prefill"), kernel_module("kv_read")
 
-    def read_ref(side, slots, end, rotary_dim=0, theta=1e4, dtype=torch.float32, block_table=None):
+    def read_ref(side, slots, end, rotary_dim=0, theta=1e4, dtype=torch.float32, block_table=None, kv_lens=None):
         if block_table is not None:
             side, slots = side.gathered(block_table, slots), torch.arange(len(slots), device=slots.device)
         return quant_kv_read_ref(side, slots, end, rotary_dim, theta, dtype)
@@ -360,6 +360,11 @@ def test_kv_read_kernel_equals_reference(kr, case, block_size):
     got = kr.quant_kv_read(side_, slots, end, r, 10000.0, torch.float16, table)
     assert got.shape == (2, end, hkv, e) and got.dtype == torch.float16
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-3, atol=2e-3)
+    # with the rows' lengths: their tokens up to there (the rest is left as allocated)
+    lens = torch.tensor([end, 40], device=DEV)
+    part = kr.quant_kv_read(side_, slots, end, r, 10000.0, torch.float16, table, kv_lens=lens)
+    torch.testing.assert_close(part[0].float().cpu(), want[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(part[1, :40].float().cpu(), want[1, :40], rtol=2e-3, atol=2e-3)
 
 
 PREFILL_CASES = [  # b, lq, lk, hq, hkv, e: a prompt, a chunk over a prefix, ragged rows, GQA 1 / 3 / 4 / 8
@@ -397,3 +402,34 @@ def test_prefill_attention_kernel_equals_reference(case, dtype):
         assert (got[~seen] == 0).all()
         if kv_lens is not None and b == 3:
             assert (~seen).any()  # the short row's first queries
+
+
+@pytest.mark.parametrize("block_size", [None, 16, 64])
+def test_prefill_attention_kernel_reads_a_cache_in_place(block_size):
+    """The prefill kernel over a cache (s, L, hkv, e) whose slots hold the rows, or over block pools through a block
+    table (shuffled blocks, unassigned entries at the null block, rows shorter than the table): each row's keys up to
+    its length, equal to ``attention_ref`` over the rows copied out."""
+    from ssmq.kernels import dispatch
+    from ssmq.ops.attention import attention_ref
+
+    ap = kernel_module("attention_prefill")
+    gen = torch.Generator().manual_seed(13)
+    s, L, hkv, e, hq, lq = 4, 128, 2, 64, 6, 20
+    q = torch.randn(2, lq, hq, e, generator=gen).half().to(DEV)
+    slots, lens = torch.tensor([3, 1], device=DEV), torch.tensor([L - 5, 33], device=DEV)
+    if block_size is None:
+        kc, vc = (torch.randn(s, L, hkv, e, generator=gen).half().to(DEV) for _ in range(2))
+        table, rows = None, lambda c: c[slots]  # noqa: E731
+    else:
+        m = L // block_size
+        kc, vc = (torch.randn(1 + s * m, block_size, hkv, e, generator=gen).half().to(DEV) for _ in range(2))
+        table = (1 + torch.randperm(s * m, generator=gen)).view(s, m)
+        table[1, 64 // block_size:] = 0  # row 1 holds fewer blocks: the rest are the null block (past its length)
+        table = table.to(DEV)
+        rows = lambda c: c[table[slots]].flatten(1, 2)  # noqa: E731
+    got = ap.prefill_attention(q, kc, vc, lens, slots=slots, block_table=table)
+    want = attention_ref(q.float(), rows(kc).float(), rows(vc).float(), lens)
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+    ref = dispatch.prefill_attention(q.cpu().float(), kc.cpu().float(), vc.cpu().float(), lens.cpu(),
+                                     slots=slots.cpu(), block_table=None if table is None else table.cpu())
+    torch.testing.assert_close(ref, want.cpu(), rtol=1e-5, atol=1e-5)

@@ -82,7 +82,8 @@ def test_block_allocator_reserves_at_admission_and_frees_on_release():
 def test_float_cache_decode_through_the_kernel_equals_the_reference(paged, arch, dtype, monkeypatch):
     """A float16 / bfloat16 KV cache, dense or paged (blocks out of order), decodes through the flash-decoding
     kernel (``KVState.decode`` / ``PagedKVState.decode``): ragged rows (prefilled to 11 and 6 tokens), teacher-forced,
-    give the logits of the reference decode (prefix read + attention_ref). On CUDA the model runs in the cache's
+    give the logits of the decode through the prefix read (+ ``kernels.prefill_attention``: attention_ref on CPU, the
+    prefill kernel on CUDA, itself tested against attention_ref). On CUDA the model runs in the cache's
     dtype; on CPU under the interpreter in float32 over a float16 cache, the kernel taking it as on CUDA."""
     from test_kernels import DEV
 

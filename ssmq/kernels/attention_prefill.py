@@ -18,16 +18,21 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels.kv_decode import _page, paging
+
 # H200 (2026-11-28, bench_prefill_attention.py): BLOCK_M 64 / BLOCK_N 64, 4 warps, 2 stages at e = 128
 CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "STAGES": 2}
 
 
 @triton.jit
-def _prefill_kernel(q, k, v, out, lens, lq, scale, s_qb, s_ql, s_qh, s_kb, s_kl, s_kh, s_vb, s_vl, s_vh, s_ob, s_ol,
-                    s_oh, GROUP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def _prefill_kernel(q, k, v, out, lens, slots, table, s_tab, lq, scale, s_qb, s_ql, s_qh, s_k0, s_k1, s_kh, s_v0,
+                    s_v1, s_vh, s_ob, s_ol, s_oh, GROUP: tl.constexpr, E: tl.constexpr, EP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr):
+    """Key t of row i at k + first·s_k0 + second·s_k1, (first, second) = ``kv_decode._page``'s: (slots[i], t) in
+    rows or cache slots, (block, t mod BS) in block pools (BS > 0) through ``table`` (slots, M)."""
     pid_m, i, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(lens + i).to(tl.int32)
+    slot = tl.load(slots + i).to(tl.int64)
     pairs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     qi = pairs // GROUP
     h = hk * GROUP + pairs % GROUP
@@ -37,8 +42,8 @@ def _prefill_kernel(q, k, v, out, lens, lq, scale, s_qb, s_ql, s_qh, s_kb, s_kl,
     emask = e < E
     qt = tl.load(q + i.to(tl.int64) * s_qb + qi[:, None] * s_ql + h[:, None] * s_qh + e[None, :],
                  mask=rmask[:, None] & emask[None, :], other=0.0)
-    kbase = k + i.to(tl.int64) * s_kb + hk * s_kh
-    vbase = v + i.to(tl.int64) * s_vb + hk * s_vh
+    kbase = k + hk * s_kh
+    vbase = v + hk * s_vh
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, EP), tl.float32)
@@ -48,7 +53,8 @@ def _prefill_kernel(q, k, v, out, lens, lq, scale, s_qb, s_ql, s_qh, s_kb, s_kl,
     for start in range(0, hi, BLOCK_N):
         kk = start + tl.arange(0, BLOCK_N)
         kmask = kk < hi
-        kt = tl.load(kbase + kk[None, :].to(tl.int64) * s_kl + e[:, None], mask=emask[:, None] & kmask[None, :],
+        pb, pt = _page(table, s_tab, slot, kk, kmask, BS)
+        kt = tl.load(kbase + (pb * s_k0 + pt * s_k1)[None, :] + e[:, None], mask=emask[:, None] & kmask[None, :],
                      other=0.0)
         s = tl.dot(qt, kt) * qscale
         s = tl.where((kk[None, :] <= pos[:, None]) & kmask[None, :], s, float("-inf"))
@@ -57,7 +63,7 @@ def _prefill_kernel(q, k, v, out, lens, lq, scale, s_qb, s_ql, s_qh, s_kb, s_kl,
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m - m_ref)
         l = l * alpha + tl.sum(p, 1)
-        vt = tl.load(vbase + kk[:, None].to(tl.int64) * s_vl + e[None, :], mask=kmask[:, None] & emask[None, :],
+        vt = tl.load(vbase + (pb * s_v0 + pt * s_v1)[:, None] + e[None, :], mask=kmask[:, None] & emask[None, :],
                      other=0.0)
         acc = tl.dot(p.to(vt.dtype), vt, acc * alpha[:, None])
         m = m_new
@@ -74,21 +80,26 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,
-                      softmax_scale: float | None = None, cfg: dict | None = None) -> torch.Tensor:
+                      softmax_scale: float | None = None, slots: torch.Tensor | None = None,
+                      block_table: torch.Tensor | None = None, cfg: dict | None = None) -> torch.Tensor:
     """``attention_ref`` for ``eligible`` inputs: q (b, lq, hq, e), k, v (b, lk, hkv, e), kv_lens (b,) (all lk when
-    None) → (b, lq, hq, e) in q's dtype. ``cfg`` overrides the launch settings (benchmarks)."""
+    None) → (b, lq, hq, e) in q's dtype. ``slots`` (b,): k, v are a cache (s, L, hkv, e) whose slots hold the rows;
+    with ``block_table`` (s, M) too, block pools (N, B, hkv, e) (``ssmq.models.paged_kv``), read in place. Keys past
+    a row's length are never read, so a cache's capacity costs nothing. ``cfg`` overrides the launch settings."""
     cfg = {**CFG, **(cfg or {})}
     b, lq, hq, e = q.shape
-    lk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     if hq % hkv:
         raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
-    lens = torch.full((b,), lk, device=q.device, dtype=torch.int32) if kv_lens is None else kv_lens
+    rows = torch.arange(b, device=q.device) if slots is None else slots
+    pages, bs, capacity = paging(block_table, rows, k)
+    lens = torch.full((b,), capacity, device=q.device, dtype=torch.int32) if kv_lens is None else kv_lens
     out = torch.empty_like(q)
     group = hq // hkv
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     grid = (triton.cdiv(lq * group, cfg["BLOCK_M"]), b, hkv)
-    _prefill_kernel[grid](q, k, v, out, lens, lq, scale, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                          *out.stride()[:3], GROUP=group, E=e, EP=max(16, triton.next_power_of_2(e)),
-                          BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["WARPS"],
+    _prefill_kernel[grid](q, k, v, out, lens, rows, *pages, lq, scale, *q.stride()[:3], *k.stride()[:3],
+                          *v.stride()[:3], *out.stride()[:3], GROUP=group, E=e, EP=max(16, triton.next_power_of_2(e)),
+                          BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=bs, num_warps=cfg["WARPS"],
                           num_stages=cfg["STAGES"])
     return out

@@ -349,20 +349,29 @@ def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, blo
                                                  block_table=block_table)
 
 
-def prefill_attention(q, k, v, kv_lens=None, softmax_scale=None):
+def prefill_attention(q, k, v, kv_lens=None, softmax_scale=None, slots=None, block_table=None):
     """``ops.attention_ref``: causal GQA attention of q (b, lq, hq, e) over k, v (b, lk, hkv, e) valid up to
-    ``kv_lens`` (b,); the flash-attention kernel of ``attention_prefill`` on CUDA for float16 / bfloat16 inputs."""
+    ``kv_lens`` (b,); ``slots``: k, v are a cache (s, L, hkv, e) holding the rows in those slots, or with
+    ``block_table`` (s, M) block pools (N, B, hkv, e). The flash-attention kernel of ``attention_prefill`` on CUDA
+    for float16 / bfloat16 inputs (it reads a cache in place, up to each row's length); elsewhere the reference over
+    the rows copied out."""
     if _use_triton(q) and _kernels("attention_prefill").eligible(q, k, v):
-        return _kernels("attention_prefill").prefill_attention(q, k, v, kv_lens, softmax_scale)
+        return _kernels("attention_prefill").prefill_attention(q, k, v, kv_lens, softmax_scale, slots, block_table)
+    if block_table is not None:
+        k, v = (c[block_table[slots]].flatten(1, 2) for c in (k, v))
+    elif slots is not None:
+        k, v = k[slots], v[slots]
     return ops.attention_ref(q, k, v, kv_lens, softmax_scale)
 
 
-def quant_kv_read(side, slots, end, rotary_dim=0, theta=10000.0, dtype=torch.float32, block_table=None):
+def quant_kv_read(side, slots, end, rotary_dim=0, theta=10000.0, dtype=torch.float32, block_table=None,
+                  kv_lens=None):
     """``ops.kv_quant.quant_kv_read_ref``: one side of a quantized cache (a ``KVSideView``), the rows ``slots`` up to
     ``end``, as (b, end, hkv, e) float keys (rotated) or values in ``dtype``; ``block_table``: the side's per-token
-    buffers are block pools (the kernel reads them in place, the reference a copy of the rows' blocks)."""
+    buffers are block pools (the kernel reads them in place, the reference a copy of the rows' blocks); ``kv_lens``:
+    the kernel may leave a row's tokens from its length on unwritten (the reference writes them all)."""
     if _use_triton(side.codes) and _kernels("kv_read").eligible(side, rotary_dim):
-        return _kernels("kv_read").quant_kv_read(side, slots, end, rotary_dim, theta, dtype, block_table)
+        return _kernels("kv_read").quant_kv_read(side, slots, end, rotary_dim, theta, dtype, block_table, kv_lens)
     from ssmq.ops.kv_quant import quant_kv_read_ref
 
     if block_table is not None:

@@ -29,15 +29,20 @@ CFG = {"BT": 16, "BT_OUTLIERS": 32, "SLOT_GROUP": 4, "WARPS": 4}
 
 
 @triton.jit
-def _read_kernel(out, codes, mid, half, lut, oidx, oval, sink, slots, table, s_tab, inv_freq, end,
+def _read_kernel(out, codes, mid, half, lut, oidx, oval, sink, slots, lens, table, s_tab, inv_freq, end,
                  s_c0, s_c1, s_ch, s_ms, s_mt, s_os, s_ot, s_s0, s_s1, s_sh, s_o0, s_o1, s_oh,
                  E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr, S: tl.constexpr,
                  PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
-                 BS: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr):
+                 BS: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr, HAS_LENS: tl.constexpr):
     i, hk = tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < end
+    if HAS_LENS:  # tokens past the row's length are left unwritten (a read of a cache's whole capacity: prefill graphs)
+        n = tl.load(lens + i).to(tl.int32)
+        if tl.program_id(0) * BT >= n:
+            return
+        tmask = tmask & (t < n)
     pb, pt = _page(table, s_tab, slot, t, tmask, BS)
     rowoff = pb * s_c0 + pt * s_c1
     ch = tl.arange(0, HP)
@@ -92,10 +97,12 @@ def eligible(side: KVSideView, rotary_dim: int) -> bool:
 
 
 def quant_kv_read(side: KVSideView, slots: torch.Tensor, end: int, rotary_dim: int = 0, theta: float = 10000.0,
-                  dtype=torch.float16, block_table: torch.Tensor | None = None) -> torch.Tensor:
+                  dtype=torch.float16, block_table: torch.Tensor | None = None,
+                  kv_lens: torch.Tensor | None = None) -> torch.Tensor:
     """``quant_kv_read_ref`` on the GPU: the rows ``slots`` (b,) of one side up to ``end`` as (b, end, hkv, e) in
     ``dtype``, the first ``rotary_dim`` channels rotated by their positions (keys cached before RoPE; 0: as
-    stored). ``block_table`` (s, M): the per-token buffers are block pools, read in place."""
+    stored). ``block_table`` (s, M): the per-token buffers are block pools, read in place. ``kv_lens`` (b,): a row's
+    tokens from its length on are not written (left as allocated), for a reader that stops there too."""
     e = side.sink.shape[-1]
     b, hkv = len(slots), side.codes.shape[2]
     out = torch.empty(b, end, hkv, e, dtype=dtype, device=side.codes.device)
@@ -108,10 +115,11 @@ def quant_kv_read(side: KVSideView, slots: torch.Tensor, end: int, rotary_dim: i
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, c.device)
     bt = CFG["BT_OUTLIERS"] if o.shape[-1] else CFG["BT"]
     _read_kernel[(triton.cdiv(end, bt), b, hkv)](
-        out, c, m, side.half, book, o, side.out_val, s, slots, *pages, inv_freq, end,
+        out, c, m, side.half, book, o, side.out_val, s, slots, slots if kv_lens is None else kv_lens, *pages,
+        inv_freq, end,
         c.stride(0), c.stride(1), c.stride(2), *ms, o.stride(0), o.stride(1), s.stride(0), s.stride(1), s.stride(2),
         *out.stride()[:3], E=e, R=rotary_dim, HP=max(16, triton.next_power_of_2(max(rotary_dim // 2, 1))),
         PP=max(16, triton.next_power_of_2(max(e - rotary_dim, 1))), S=s.shape[1], PER_TOKEN=side.per_token,
         SLOTS=o.shape[-1], BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG, GROUP=CFG["SLOT_GROUP"],
-        num_warps=CFG["WARPS"])
+        HAS_LENS=kv_lens is not None, num_warps=CFG["WARPS"])
     return out

@@ -92,12 +92,14 @@ class Attention(nn.Module):
         else:
             state = cache.states[self.layer_idx]
             state.append(slots, positions, k if state.keys_before_rope else self._rotate(k, positions), v)
-            out = state.decode(q[:, 0], slots, start + 1) if l == 1 and hasattr(state, "decode") else None
+            if l == 1:  # the caches' decode kernels
+                out = state.decode(q[:, 0], slots, start + 1)
+                out = None if out is None else out[:, None].to(q.dtype)
+            else:  # their prefill kernels: the cache read in place, up to each row's length
+                out = state.prefill(q, slots, start + l)
             if out is None:
                 keys, values = state.read(slots, start + l)  # the served rows, up to their longest length
                 out = kernels.prefill_attention(q, keys, values, kv_lens=start + l)
-            else:  # a quantized cache's decode kernels
-                out = out[:, None].to(q.dtype)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:

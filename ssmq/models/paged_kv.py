@@ -103,6 +103,12 @@ class PagedKVState:
             return None
         return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v, block_table=self.table.rows)
 
+    def prefill(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """``KVState.prefill`` over blocks, read in place through the block table."""
+        if not kernel_decodes(self.k, self.rope):
+            return None
+        return kernels.prefill_attention(q, self.k, self.v, kv_lens, slots=slots, block_table=self.table.rows)
+
     def reset(self, slots=None) -> None:
         """Forget the rows ``slots``: their table entries go back to the null block (the allocator frees blocks)."""
         self.table.reset(slots)

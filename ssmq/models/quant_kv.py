@@ -182,6 +182,20 @@ class QuantKVState:
             keys = apply_rotary_ref(keys, cos, sin)
         return keys, values
 
+    def prefill(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """``KVState.prefill`` over the quantized cache: each side read once by the dequantizing kernel
+        (``kernels.quant_kv_read``, keys rotated), up to each row's length, then the prefill kernel over the rows;
+        on CUDA for float16 / bfloat16 models and the formats the kernels' view takes, else None (the caller reads
+        the prefix, every position, and attends with the reference)."""
+        k, v, r = self.k.view(), self.v.view(), self.rope
+        if k is None or v is None or not q.is_cuda or q.dtype != self.dtype or q.dtype == torch.float32:
+            return None
+        end, table = read_extent(kv_lens, self.max_seqlen), self.k.block_table
+        keys = kernels.quant_kv_read(k, slots, end, r.rotary_dim if r else 0, r.theta if r else 1e4, self.dtype,
+                                     table, kv_lens)
+        values = kernels.quant_kv_read(v, slots, end, dtype=self.dtype, block_table=table, kv_lens=kv_lens)
+        return kernels.prefill_attention(q, keys, values, kv_lens)
+
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' quantized cache (LUT kernels on
         CUDA, ``quant_kv_decode_ref`` elsewhere): (b, hq, e) float32; None when the format has no decode kernel.

@@ -309,6 +309,15 @@ class KVState:
             return None
         return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v)
 
+    def prefill(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
+        """Attention of a chunk of queries per row, q (b, l, hq, e) post-RoPE, the last l of each row's ``kv_lens``
+        (b,) tokens: (b, l, hq, e) from the prefill kernel reading the cache in place up to each row's length
+        (``kernels.prefill_attention``; ``read`` copies the rows' prefix, and the whole capacity while a prefill
+        graph is captured) for the caches ``kernel_decodes`` takes; None otherwise (the caller reads the prefix)."""
+        if not kernel_decodes(self.k, self.rope):
+            return None
+        return kernels.prefill_attention(q, self.k, self.v, kv_lens, slots=slots)
+
     def reset(self, slots=None) -> None:
         self.k[_rows(slots)] = 0
         self.v[_rows(slots)] = 0
