@@ -39,13 +39,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kvquant import ONE_PCT, quant_cache, timeit  # noqa: E402
-from check_plan_memory import quantize_kv  # noqa: E402
+from bench_kv_e2e import set_kv  # noqa: E402
 from plotting import pyplot  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
 from ssmq import kernels, ops  # noqa: E402
-from ssmq.quant.kv_formats import kv_format  # noqa: E402
 
 HQ, HKV, E = 32, 8, 128
 
@@ -127,11 +126,7 @@ def model_rows(name: str, prompt: int, chunk: int, kvs: list[str]) -> list[dict]
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
     rows = []
     for kv in kvs:
-        for layer in model.layers:
-            if hasattr(layer.mixer, "kv_quant"):
-                layer.mixer.kv_quant = None
-        if kv != "fp16":
-            quantize_kv(model, kv_format(kv))
+        set_kv(model, kv)
         cache = model.allocate_cache(1, prompt + 8, dtype=torch.float16)
         model(ids[:, :chunk], cache, slots=[0])  # warm up: compile, allocate
         cache.reset()
@@ -165,11 +160,7 @@ def serve_rows(name: str, prompt: int, chunk: int, kvs: list[str], capacity: int
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), device="cuda")
     rows = []
     for kv in kvs:
-        for layer in model.layers:
-            if hasattr(layer.mixer, "kv_quant"):
-                layer.mixer.kv_quant = None
-        if kv != "fp16":
-            quantize_kv(model, kv_format(kv))
+        set_kv(model, kv)
         cfg = EngineConfig(max_batch=1, max_model_len=capacity, prefill_tokens=chunk, kv_blocks=prompt // 32 + 8)
         runner = LocalRunner(model, cfg)
         alloc = BlockAllocator(*runner.kv_blocks)
