@@ -8,7 +8,7 @@ One program per (BLOCK_M (query, head) pairs, row, kv head): a kv head's g query
 its tensor-core products (pair m = query m // g, head m mod g), so each key tile is read once for the g heads, as
 the decode kernels do; an online softmax over BLOCK_N-key tiles (flash attention), causal tiles past the program's
 last query skipped. Products take q / k / v in their dtype (float16 or bfloat16) and accumulate in float32; the
-reference is float32 throughout (tests: rtol = atol = 1e-2 in bfloat16, 2e-3 in float16). A query that sees no key
+reference is float32 throughout (tests: rtol = atol = 2e-2 in bfloat16, 2e-3 in float16). A query that sees no key
 (a row shorter than the chunk) gives 0 where the reference gives NaN.
 """
 
@@ -20,7 +20,8 @@ import triton.language as tl
 
 from ssmq.kernels.kv_decode import _page, paging
 
-# H200 (2026-11-28, bench_prefill_attention.py): BLOCK_M 64 / BLOCK_N 64, 4 warps, 2 stages at e = 128
+# Not swept: at these settings the kernel runs on par with torch's flash SDPA on the H200 (2026-11-28,
+# ``bench_prefill.py --parts layer``, Llama-3.1-8B's heads, 512 queries over 4K / 32K keys: 1.06x / 1.01x its speed)
 CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "STAGES": 2}
 
 

@@ -7,9 +7,10 @@ of a paged cache.
 
 One program per (BT tokens, row, kv head): codes unpacked and looked up in the codebook (``kv_decode._tile``), the
 scales (per-channel or per-token) and the sparse outliers applied there, the sink tokens taken from the sink, then
-the rotary halves (NeoX: channels c and c + r/2) turned by t θ_c. Pages as the decode kernels (``_page``). Memory
-bound: it reads the codes and writes e float16 a token and head, against the reference's chain of whole-prefix
-float32 tensors (unpacked codes, gathered codebook values, scatter, rotation).
+the rotary halves (NeoX: channels c and c + r/2) turned by t θ_c. Pages as the decode kernels (``_page``). It
+reads the codes and writes e float16 a token and head once, where the reference chains whole-prefix float32 tensors
+(unpacked codes, gathered codebook values, scatter, rotation); on the H200 it takes 3-11x a copy of the bytes it
+writes (CFG below), not profiled further.
 """
 
 from __future__ import annotations

@@ -167,12 +167,9 @@ class QuantKVState:
         ``kv_lens`` (a host read), or L while a CUDA graph is being captured (static shapes; the mask hides the rest).
         A decode step reads through ``decode`` instead, which reads no length on the host."""
         end = read_extent(kv_lens, self.max_seqlen)
-        k, v, r = self.k.view(), self.v.view(), self.rope
-        if k is not None and v is not None:  # the kernels' view: one dequantizing pass a side on CUDA (kernels.kv_read)
-            table = self.k.block_table
-            keys = kernels.quant_kv_read(k, slots, end, r.rotary_dim if r else 0, r.theta if r else 1e4, self.dtype,
-                                         table)
-            return keys, kernels.quant_kv_read(v, slots, end, dtype=self.dtype, block_table=table)
+        viewed = self._read_views(slots, end)
+        if viewed is not None:
+            return viewed
         keys, values = self.k.read(slots, end, self.dtype), self.v.read(slots, end, self.dtype)
         if self.rope is not None:
             from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
@@ -187,14 +184,22 @@ class QuantKVState:
         (``kernels.quant_kv_read``, keys rotated), up to each row's length, then the prefill kernel over the rows;
         on CUDA for float16 / bfloat16 models and the formats the kernels' view takes, else None (the caller reads
         the prefix, every position, and attends with the reference)."""
-        k, v, r = self.k.view(), self.v.view(), self.rope
-        if k is None or v is None or not q.is_cuda or q.dtype != self.dtype or q.dtype == torch.float32:
+        if not q.is_cuda or q.dtype != self.dtype or q.dtype == torch.float32:
             return None
-        end, table = read_extent(kv_lens, self.max_seqlen), self.k.block_table
+        viewed = self._read_views(slots, read_extent(kv_lens, self.max_seqlen), kv_lens)
+        return None if viewed is None else kernels.prefill_attention(q, *viewed, kv_lens)
+
+    def _read_views(self, slots, end: int, kv_lens=None):
+        """Keys (rotated) and values of the rows ``slots`` up to ``end`` through the kernels' view, one dequantizing
+        pass a side (``kernels.quant_kv_read``; ``kv_lens``: a row's tokens past its length may be left unwritten);
+        None for the formats without a view."""
+        k, v, r = self.k.view(), self.v.view(), self.rope
+        if k is None or v is None:
+            return None
+        table = self.k.block_table
         keys = kernels.quant_kv_read(k, slots, end, r.rotary_dim if r else 0, r.theta if r else 1e4, self.dtype,
                                      table, kv_lens)
-        values = kernels.quant_kv_read(v, slots, end, dtype=self.dtype, block_table=table, kv_lens=kv_lens)
-        return kernels.prefill_attention(q, keys, values, kv_lens)
+        return keys, kernels.quant_kv_read(v, slots, end, dtype=self.dtype, block_table=table, kv_lens=kv_lens)
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' quantized cache (LUT kernels on
