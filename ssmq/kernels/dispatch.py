@@ -340,11 +340,8 @@ def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, blo
     (N, B, hkv, e) with ``block_table`` (s, M) (``kv_decode.float_kv_decode``). The flash-decoding kernel of
     ``kv_decode`` on CUDA (it reads the lengths on the device: no host sync); ``attention_ref`` elsewhere."""
     if not _use_triton(q):
-        if block_table is not None:  # the rows' blocks in order: (b, M·B, hkv, e)
-            k_cache, v_cache = (c[block_table[slots]].flatten(1, 2) for c in (k_cache, v_cache))
-            slots = torch.arange(len(slots), device=q.device)
-        return ops.attention_ref(q[:, None].float(), k_cache[slots].float(), v_cache[slots].float(), kv_lens,
-                                 softmax_scale)[:, 0]
+        k, v = (_cache_rows(c, slots, block_table).float() for c in (k_cache, v_cache))
+        return ops.attention_ref(q[:, None].float(), k, v, kv_lens, softmax_scale)[:, 0]
     return _kernels("kv_decode").float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale,
                                                  block_table=block_table)
 
@@ -357,11 +354,15 @@ def prefill_attention(q, k, v, kv_lens=None, softmax_scale=None, slots=None, blo
     the rows copied out."""
     if _use_triton(q) and _kernels("attention_prefill").eligible(q, k, v):
         return _kernels("attention_prefill").prefill_attention(q, k, v, kv_lens, softmax_scale, slots, block_table)
-    if block_table is not None:
-        k, v = (c[block_table[slots]].flatten(1, 2) for c in (k, v))
-    elif slots is not None:
-        k, v = k[slots], v[slots]
+    if slots is not None:
+        k, v = _cache_rows(k, slots, block_table), _cache_rows(v, slots, block_table)
     return ops.attention_ref(q, k, v, kv_lens, softmax_scale)
+
+
+def _cache_rows(cache, slots, block_table=None):
+    """The rows ``slots`` (b,) of a float cache (s, L, hkv, e), or of block pools (N, B, hkv, e) through
+    ``block_table`` (s, M), their blocks in order: (b, L or M·B, hkv, e), copied out for the references."""
+    return cache[slots] if block_table is None else cache[block_table[slots]].flatten(1, 2)
 
 
 def quant_kv_read(side, slots, end, rotary_dim=0, theta=10000.0, dtype=torch.float32, block_table=None,
