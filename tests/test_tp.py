@@ -94,10 +94,12 @@ def four(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_gpus(tmp_path_factory):
-    """The KVQuant cases over 2 GPUs (NCCL): the decode kernels over each rank's quantized KV heads."""
+    """The 2-rank cases over 2 GPUs (NCCL): float and quantized checkpoints through the CUDA paths (the quantized
+    linears' and the KV decode kernels over each rank's shard)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    return _run(_quantized(tmp_path_factory, {**QUANT_2_KV, **QUANT_2_KV_OUTLIERS}), 2, device="cuda")
+    quantized = _quantized(tmp_path_factory, {**QUANT_2, **QUANT_2_KV, **QUANT_2_KV_OUTLIERS})
+    return _run({**FLOAT_2, **quantized}, 2, device="cuda")
 
 
 def _check(runs, name, tol=TOL, device="cpu"):
@@ -135,6 +137,14 @@ def test_tp2_kv_outliers_per_rank_stay_within_the_quantization_error(two, name):
     logits differ from one process's; by less than the KV quantization itself moves them (one process, quantized
     vs float KV), and every rank agrees."""
     _check_outliers(two, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [*FLOAT_2, *QUANT_2])
+def test_tp2_on_two_gpus_equals_one_gpu(two_gpus, name):
+    """As ``test_tp2_equals_single_process`` over GPUs 0 and 1 (NCCL) against GPU 0 alone: float32 products on
+    CUDA sum in another order than on the CPU, and quantized linears run their CUDA paths; 1e-4 relative."""
+    _check(two_gpus, name, tol=1e-4, device="cuda")
 
 
 @pytest.mark.gpu
