@@ -9,7 +9,8 @@ desynchronises the collectives of the next):
                 (mean of 64 calls in one graph), and the bf16 / int8-payload quantized all-reduce (eager)
   decode        CUDA-graph decode step time and tokens/s vs batch for: one GPU (every rank runs the whole
                 model independently at the same time: rank 0's figure), data-parallel N (the N independent
-                runs together: N x batch, summed tokens/s), and TP=N
+                runs together: N x batch, summed tokens/s), and TP=N; per --recipes (fp16 and / or quantized
+                random weights: each rank quantizes the same model, then shards it in memory)
   ttft          prefill of one 1024 / 4096-token prompt to the first token (CUDA graphs of binary pieces)
   capacity      the largest decode batch whose cache and one step fit at context --capacity-ctx
                 (a pure Mamba model's state does not grow with context)
@@ -36,16 +37,18 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import profile_step, time_ms as e2e_time_ms  # noqa: E402
+from bench_e2e import model_bytes, profile_step, time_ms as e2e_time_ms  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
+from bench_quant import build as build_quantized  # noqa: E402
 from random_model import random_model  # noqa: E402
 
 from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill  # noqa: E402
+from ssmq.runtime.tp import apply_tp  # noqa: E402
 from ssmq.runtime.tp_comm import Communicator  # noqa: E402
 from ssmq.runtime.tp_launch import init_tp  # noqa: E402
 from plotting import pyplot  # noqa: E402
 
-DTYPE = torch.bfloat16
+DTYPE = torch.bfloat16  # the all-reduce rows' payload
 
 
 def time_ms(fn, warmup=2, reps=7) -> float:
@@ -197,19 +200,33 @@ def gather(value: float) -> list[float]:
     return out
 
 
-def model_rows(bench: Bench, name: str, comm_auto, comm_nccl, comm_int8):
+def quantized_model(cfg, recipe: str, comm, dtype):
+    """A random model quantized by ``recipe`` on this rank's GPU (bench_quant's build: GPTQ weights rounded to
+    nearest, static scales from random tokens), then sharded for ``comm`` in memory as ``apply_tp`` shards a loaded
+    checkpoint; every rank quantizes the same seeded model, so the shards are those of one quantized model."""
+    model, _ = build_quantized(cfg, recipe, dtype, via_disk=False, weights_rtn=True)
+    if comm is not None:
+        apply_tp(model, comm)
+    return model
+
+
+def model_rows(bench: Bench, name: str, recipe: str, comm_auto, comm_nccl, comm_int8):
     a = bench.args
     cfg = PUBLISHED[name]
     batches = [int(b) for b in a.batches.split(",")] if "decode" in a.kinds else []
     W = bench.world
+    dtype = getattr(torch, a.dtype)
+    label = name if recipe == "fp16" else f"{name} {recipe}"
     for mode in ("single", "tp"):
-        fields = {"model": name, "mode": mode}
+        fields = {"model": label, "mode": mode}
         model = None
 
         def build():
             nonlocal model
-            model = random_model(cfg, dtype=DTYPE, comm=comm_auto if mode == "tp" else None)
-            return {"weight_gib_per_gpu": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30}
+            comm = comm_auto if mode == "tp" else None
+            model = (random_model(cfg, dtype=dtype, comm=comm) if recipe == "fp16"
+                     else quantized_model(cfg, recipe, comm, dtype))
+            return {"weight_gib_per_gpu": model_bytes(model)[0] / 2**30}
 
         if bench.row({**fields, "kind": "build"}, build) is None:
             continue
@@ -237,7 +254,7 @@ def model_rows(bench: Bench, name: str, comm_auto, comm_nccl, comm_int8):
     variants = {"two_allreduces": (comm_auto, False, False), "nccl_only": (comm_nccl, True, False),
                 "int8_payload": (comm_int8, True, False), "torch_norm": (comm_auto, True, True),
                 "torch_norm_two_allreduces": (comm_auto, False, True)}
-    for vname in a.variants.split(",") if "variants" in a.kinds else ():
+    for vname in a.variants.split(",") if "variants" in a.kinds and recipe == "fp16" else ():
         comm, fuse, torch_norm = variants[vname]
         if comm is None:
             continue
@@ -245,7 +262,7 @@ def model_rows(bench: Bench, name: str, comm_auto, comm_nccl, comm_int8):
 
         def build_v():
             nonlocal model
-            model = random_model(cfg, dtype=DTYPE, comm=comm, fuse_norm=fuse)
+            model = random_model(cfg, dtype=dtype, comm=comm, fuse_norm=fuse)
             return {"all_reduces_per_token": model.tp.all_reduces_per_token}
 
         if bench.row({"model": name, "mode": f"tp:{vname}", "kind": "build"}, build_v) is None:
@@ -349,6 +366,9 @@ def plot(rows, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="mamba2-2.7b,mamba2-8b")
+    ap.add_argument("--recipes", default="fp16", help="fp16 and / or quantization recipes (random weights quantized "
+                                                      "on each rank, then sharded), e.g. fp16,rtn-w4a16-g128")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="the models' dtype")
     ap.add_argument("--batches", default="1,8,32,128,512,1024")
     ap.add_argument("--steps", type=int, default=32, help="decode steps per timing")
     ap.add_argument("--capacity-ctx", type=int, default=4096)
@@ -386,8 +406,9 @@ def main():
     dist.broadcast(flag, 0)
     tp_comm = comms["auto"] if flag.item() == 1 else comms["nccl"]
     bench._record({"kind": "tp_comm", "status": "ok", "mode": "auto" if tp_comm is comms["auto"] else "nccl"})
-    for name in args.models.split(","):
-        model_rows(bench, name, tp_comm, comms["nccl"], comms["int8_payload"])
+    for recipe in args.recipes.split(","):
+        for name in args.models.split(","):
+            model_rows(bench, name, recipe, tp_comm, comms["nccl"], comms["int8_payload"])
     if rank == 0:
         md = markdown(bench.rows, world)
         (bench.out / "tp.md").write_text(md)

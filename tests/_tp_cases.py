@@ -7,15 +7,16 @@ import torch
 PROMPT = [3, 17, 5, 42, 9, 11, 2, 30, 7, 19, 23, 4, 8]  # 13 tokens: several SSD chunks of the tiny models
 
 
-def build(source):
-    """source: ("tiny", arch, overrides) | ("path", folder)."""
+def build(source, dtype=torch.float32, device="cpu"):
+    """source: ("tiny", arch, overrides) | ("path", folder); a quantized folder loads in ``dtype`` with its
+    scales as stored (float32), which ``.to(dtype)`` would round."""
     if source[0] == "tiny":
         from tiny_ssm import tiny_model
 
-        return tiny_model(source[1], **source[2])
+        return tiny_model(source[1], **source[2]).to(device, dtype)
     from ssmq.quant import load_model  # float or quantized folders
 
-    return load_model(source[1], dtype=torch.float32, device="cpu").eval()
+    return load_model(source[1], dtype=dtype, device=device).eval()
 
 
 @torch.no_grad()
@@ -86,6 +87,56 @@ def tp_suite(comm, cases, device: str = "cpu") -> list[dict]:
         res["all_reduces_per_layer"] = model.tp.all_reduces_per_layer
         res["counts"] = dict(comm.counts)
         out.append(on_cpu(res))
+    return out
+
+
+def tp_graph_decode(comm, cases, dtype_name: str, steps: int = 6) -> list[dict]:
+    """cases: [source] -> per case, the sharded model in ``dtype_name`` on this rank's GPU: max |graph - eager|
+    / max |eager| over ``steps`` teacher-forced decode steps of a ``CudaGraphDecoder`` (its captures hold the
+    collectives: one-shot or NCCL by dtype and size; dynamic activation scales reduced over ranks) and the
+    eager logits (on the CPU, for the ranks to agree)."""
+    from ssmq.runtime.cuda_graph import CudaGraphDecoder
+    from ssmq.runtime.tp import apply_tp
+
+    dtype = getattr(torch, dtype_name)
+    out = []
+    for source in cases:
+        model = build(source, dtype, torch.device("cuda", torch.cuda.current_device()))
+        apply_tp(model, comm)
+        dec = CudaGraphDecoder(model, max_batch=2, max_seqlen=16)
+        cache = model.allocate_cache(2, 16, dtype=dtype)
+        slots = torch.arange(2, device=model.device)
+        g = torch.Generator().manual_seed(0)
+        err, eager_all = 0.0, []
+        with torch.inference_mode():
+            for _ in range(steps):
+                tok = torch.randint(0, model.config.vocab_size, (2,), generator=g).to(model.device)
+                eager = model.step(tok, cache, slots).float()
+                graph = dec(tok, slots).float()
+                err = max(err, ((graph - eager).abs().max() / eager.abs().max()).item())
+                eager_all.append(eager.cpu())
+        out.append({"err": err, "eager": torch.stack(eager_all)})
+    return out
+
+
+def allreduce_dtypes(comm) -> dict:
+    """Sums of a per-rank tensor per dtype and size (under and over the one-shot limit), eager and replayed from a
+    CUDA graph, on this rank's GPU; results on the CPU."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for n in (3 * 300, comm.oneshot_max_bytes):  # elements: the second is over the limit at every dtype
+            x = torch.randn(n, generator=torch.Generator().manual_seed(comm.rank)).to(dev, dtype)
+            out[(str(dtype), n, "eager")] = comm.all_reduce(x.clone()).cpu()
+            y = x.clone()
+            comm.all_reduce(y.clone())  # warm-up outside the capture (NCCL sets up its buffers)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                z = comm.all_reduce(y)
+            graph.replay()
+            torch.cuda.synchronize()
+            out[(str(dtype), n, "graph")] = z.cpu()
+    out["oneshot"] = comm._symm is not None
     return out
 
 

@@ -26,7 +26,7 @@ def _worker(rank, world, init_file, out_dir, fn, args, comm_kw, timeout_s, devic
                         timeout_s=timeout_s)
     if device == "cuda":
         comm_kw = {"device": dev, **comm_kw}
-    result = fn(Communicator(mode="nccl", **comm_kw), *args)
+    result = fn(Communicator(**{"mode": "nccl", **comm_kw}), *args)
     torch.save(result, Path(out_dir) / f"{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

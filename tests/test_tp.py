@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _tp_cases import build, on_cpu, quantized_checkpoint, reference, run_model, tp_suite
+from _tp_cases import (allreduce_dtypes, build, on_cpu, quantized_checkpoint, reference, run_model, tp_graph_decode,
+                       tp_suite)
 from _tp_harness import run_ranks
 from ssmq.errors import SSMQError
 from ssmq.paths import shared_path
@@ -55,12 +56,15 @@ FLOAT_4 = {
 }
 
 
+def _quantized_folders(root, table) -> dict:
+    """name -> ("path", folder) of the tiny model quantized as ``table[name]`` = (arch, recipe, state bits, overrides)."""
+    return {name: ("path", quantized_checkpoint(arch, recipe, root / name, state_bits=bits, **over))
+            for name, (arch, recipe, bits, over) in table.items()}
+
+
 def _quantized(tmp_path_factory, table):
-    root, cases = tmp_path_factory.mktemp("tpq"), {}
-    for name, (arch, recipe, bits, over) in table.items():
-        folder = quantized_checkpoint(arch, recipe, root / name, state_bits=bits, **over)
-        cases[name] = (("path", folder), True, torch.int8 if bits == 8 else None)
-    return cases
+    folders = _quantized_folders(tmp_path_factory.mktemp("tpq"), table)
+    return {name: (folders[name], True, torch.int8 if table[name][2] == 8 else None) for name in table}
 
 
 def _shared(world):
@@ -159,6 +163,45 @@ def test_tp2_quantized_kv_on_two_gpus_equals_one_gpu(two_gpus, name):
 @pytest.mark.parametrize("name", QUANT_2_KV_OUTLIERS)
 def test_tp2_kv_outliers_on_two_gpus_stay_within_the_quantization_error(two_gpus, name):
     _check_outliers(two_gpus, name, device="cuda")
+
+
+GRAPH_2 = {  # CUDA-graph decode over 2 GPUs: the collectives captured, dynamic activation scales reduced in graphs
+    "mamba2-g2": None, "dynamic-w8a8-hybrid": ("hybrid", "dynamic-w8a8", None, {}),
+    "fp8-w8a8-mamba2": ("mamba2", "fp8-w8a8", None, {}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tp2_cuda_graph_decode_on_two_gpus_equals_eager(tmp_path, dtype):
+    """Sharded CUDA-graph decode equals eager decode at half precision with the default ("auto") all-reduce:
+    bfloat16 rows take the one-shot kernel, float16 rows NCCL (PyTorch's one-shot kernels lack float16), and a
+    dynamic activation scale's max over ranks is captured with the rest (it once copied a host scalar in the
+    capture, which CUDA graphs refuse)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    quantized = _quantized_folders(tmp_path, {k: v for k, v in GRAPH_2.items() if v is not None})
+    sources = [FLOAT_2["mamba2-g2"][0] if case is None else quantized[name] for name, case in GRAPH_2.items()]
+    ranks = run_ranks(tp_graph_decode, 2, sources, dtype, comm_kw={"mode": "auto"}, device="cuda")
+    for name, r0, r1 in zip(GRAPH_2, *ranks):
+        assert r0["err"] <= 1e-3, f"{name} {dtype}: graph vs eager {r0['err']:.2e}"
+        assert torch.equal(r0["eager"], r1["eager"]), f"{name} {dtype}: ranks disagree"
+
+
+@pytest.mark.gpu
+def test_auto_allreduce_on_two_gpus_sums_every_dtype_eager_and_in_graphs():
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    r0, r1 = run_ranks(allreduce_dtypes, 2, comm_kw={"mode": "auto"}, device="cuda")
+    for key, got in r0.items():
+        if key == "oneshot":
+            continue
+        dtype, n, _ = key
+        exact = sum(torch.randn(n, generator=torch.Generator().manual_seed(r)).to(getattr(torch, dtype.split(".")[1]))
+                    .float() for r in range(2))
+        # two addends: the float32 sum rounded once to the dtype, whichever kernel adds them
+        assert torch.equal(got.float(), exact.to(got.dtype).float()), f"{key}: wrong sum"
+        assert torch.equal(got, r1[key]), f"{key}: ranks disagree"
 
 
 def _check_outliers(runs, name, device="cpu"):

@@ -62,7 +62,7 @@ import triton.language as tl
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
-from ssmq.ops.quant_linear import EPS, FP8_MAX, quant_linear_ref, weight_format
+from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, quant_linear_ref, weight_format
 
 DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
 # Launch settings (tests and the benchmark override entries):
@@ -1236,8 +1236,7 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     static = x_scale is not None or not per_token
     if x_scale is None and not per_token:
         # one scale for the tensor: the reference's (absmax / qmax) clamped, computed by torch
-        amax = x2.float().abs().amax()
-        x_scale = (amax / amax.new_tensor(qmax)).clamp(min=EPS)  # IEEE division (see quantize_act_ref)
+        x_scale = absmax_scale(x2.float().abs().amax(), qmax)
     if x_scale is not None:
         x_scale = x_scale.float().reshape(())
     xs = x_scale if static else torch.empty(lead, device=x.device, dtype=torch.float32)

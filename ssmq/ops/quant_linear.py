@@ -33,6 +33,17 @@ EPS = 1e-8  # smallest scale (as ssmq.quant.primitives.EPS): an all-zero row qua
 FP8_MAX = 448.0
 
 
+def absmax_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """The symmetric scale amax / qmax (float32, >= EPS) of any shape, as every quantizer computes it.
+
+    The divisor is a tensor: CUDA torch turns division by a Python number into a multiplication by its reciprocal,
+    which differs from IEEE division in the last bit (the kernels divide exactly); ``full_like``, not
+    ``new_tensor``, so that no host-to-device copy breaks a CUDA graph's capture (dynamic scales under TP).
+    """
+    amax = amax.float()
+    return (amax / torch.full_like(amax, qmax)).clamp(min=EPS)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int4 codes (..., k) int8 in [-8, 7], k even -> uint8 (..., k // 2).
 
@@ -209,10 +220,7 @@ def quantize_act_ref(
     qmax = 127.0 if dtype == torch.int8 else FP8_MAX
     xf = x.float()
     if x_scale is None:
-        amax = xf.abs().amax(-1) if per_token else xf.abs().amax()
-        # a tensor divisor: CUDA torch turns division by a Python number into a multiplication by its
-        # reciprocal, which differs from IEEE division in the last bit (the kernels divide exactly)
-        x_scale = (amax / amax.new_tensor(qmax)).clamp(min=EPS)
+        x_scale = absmax_scale(xf.abs().amax(-1) if per_token else xf.abs().amax(), qmax)
         s = x_scale.unsqueeze(-1) if per_token else x_scale
     else:
         if x_scale.numel() != 1:

@@ -40,7 +40,7 @@ import torch
 from ssmq.errors import SSMQError
 # int4 packing and the integer GEMM reference live with the quantized linear op that the kernels
 # reproduce (ssmq.ops.quant_linear); re-exported: every scheme stays reachable from this module
-from ssmq.ops.quant_linear import EPS, FP8_MAX, int_matmul_ref, pack_int4, unpack_int4  # noqa: F401
+from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, int_matmul_ref, pack_int4, unpack_int4  # noqa: F401
 
 
 
@@ -184,11 +184,8 @@ def qparams_from_range(
     if symmetric or qtype == "fp8":
         if not symmetric:
             raise SSMQError("fp8 is symmetric only")
-        amax = torch.maximum(-lo, hi)
-        scale = (amax / amax.new_tensor(qmax)).clamp(min=EPS)  # IEEE division on CUDA too (not x * (1 / qmax))
-        return scale, None
-    span = hi - lo
-    scale = (span / span.new_tensor(qmax - qmin)).clamp(min=EPS)
+        return absmax_scale(torch.maximum(-lo, hi), qmax), None
+    scale = absmax_scale(hi - lo, qmax - qmin)  # the span over the code range
     zero_point = (qmin - torch.round(lo / scale)).clamp(qmin, qmax).to(torch.int32)
     return scale, zero_point
 

@@ -5,8 +5,8 @@
         "oneshot"      PyTorch symmetric memory: every rank copies x into a peer-mapped buffer and reads
                        all peers' buffers directly (``symm_mem.one_shot_all_reduce_out``, no multicast);
                        graph-capturable; CUDA only
-        "auto"         "oneshot" for messages up to ``oneshot_max_bytes`` when symmetric memory works,
-                       else "nccl" (the default)
+        "auto"         "oneshot" for messages up to ``oneshot_max_bytes`` when symmetric memory works and
+                       the dtype is one its kernels take (``ONESHOT_DTYPES``), else "nccl" (the default)
     ``payload`` quantizes what travels (beyond the paper's FP32 -> FP16):
         "bf16"         bf16 codes
         "int8"         int8 codes with one float32 scale per ``block`` values of a row (absmax / 127); the
@@ -32,6 +32,9 @@ from ssmq.errors import SSMQError
 MODES = ("auto", "nccl", "oneshot")
 PAYLOADS = ("none", "bf16", "int8")
 DEFAULT_ONESHOT_MAX_BYTES = 512 * 1024  # vLLM's one-shot / NCCL crossover on 2 H100 is around 0.5 MB
+# PyTorch 2.11's one-shot kernels dispatch on these only ("not implemented for 'Half'" on 2 H200, 2026-11-28):
+# float16 rows take NCCL
+ONESHOT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class Communicator:
@@ -74,7 +77,7 @@ class Communicator:
                 return torch.cat([head, tail.to(x.dtype)], dim=-1)
             return self._quantized_all_reduce(x)
         nbytes = x.numel() * x.element_size()
-        if self._symm is not None and nbytes <= self.oneshot_max_bytes and x.is_cuda:
+        if self._symm is not None and nbytes <= self.oneshot_max_bytes and x.is_cuda and x.dtype in ONESHOT_DTYPES:
             return self._oneshot(x)
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
