@@ -371,6 +371,20 @@ def test_qmm_split_in_kernel_compiles_for_sm90(w4):
     assert "atom.global.gpu.acq_rel.add" in ptx
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "static", "given_rows"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_quantize_rows_compiles_for_sm90(mode, fp8):
+    """The activation quantizer, with a scale of its own, one given, or one given a row (the tensor-parallel
+    max over ranks): not yet run on a GPU with given rows (the interpreter checks int8's codes)."""
+    from ssmq.kernels import quant_gemm as qg
+
+    pointers = {"x_ptr": "fp16", "s_ptr": "fp32", "q_ptr": "fp8e4nv" if fp8 else "i8", "xs_ptr": "fp32"}
+    const = dict(QMAX=448.0 if fp8 else 127.0, EPS_=1e-8, STATIC=mode != "dynamic", ROW_SCALE=mode == "given_rows",
+                 FP8=fp8, BLOCK=4096)
+    ptx = _compile_sm90(qg._quantize_rows, pointers, const, num_warps=4).asm["ptx"]
+    assert "div.rn.f32" in ptx  # IEEE division, as the reference
+
+
 @pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("read", [False, True])
 def test_state_io_compiles_for_sm90(rows, read):

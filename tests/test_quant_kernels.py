@@ -150,7 +150,7 @@ def test_fp8_word_gemv(QK, rows, k):
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("k", [40, 5120] if not INTERPRET else [40, 333])
-@pytest.mark.parametrize("mode", ["token", "tensor", "static"])
+@pytest.mark.parametrize("mode", ["token", "tensor", "static", "given_rows"])
 @pytest.mark.parametrize("dtype", [torch.int8] if INTERPRET else [torch.int8, torch.float8_e4m3fn])
 def test_quantize_act_bit_exact(QK, rows, k, mode, dtype):
     torch.manual_seed(k)
@@ -158,9 +158,11 @@ def test_quantize_act_bit_exact(QK, rows, k, mode, dtype):
     x[0, :3] = 0.0
     if rows > 1:
         x[1] = 0.0  # an all-zero row: scale EPS, codes 0
-    s = torch.tensor(0.013, device=DEV) if mode == "static" else None
-    q, qs = QK.quantize_act(x, s, mode == "token", dtype)
-    rq, rs = ops.quantize_act_ref(x, s, mode == "token", dtype)
+    s = {"static": torch.tensor(0.013, device=DEV),  # given rows: scales above the rows' own (a max over TP ranks)
+         "given_rows": (x.float().abs().amax(-1) * torch.rand(rows, device=DEV).add(1) / 100).clamp(min=1e-8)
+         }.get(mode)
+    q, qs = QK.quantize_act(x, s, mode in ("token", "given_rows"), dtype)
+    rq, rs = ops.quantize_act_ref(x, s, mode in ("token", "given_rows"), dtype)
     assert q.dtype == dtype and torch.equal(qs, rs)
     assert torch.equal(q.view(torch.int8), rq.view(torch.int8))
 

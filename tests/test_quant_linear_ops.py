@@ -117,5 +117,7 @@ def test_errors():
         quant_linear_ref(x, w8, s8, torch.zeros(4))
     with pytest.raises(SSMQError, match="bias"):
         quant_linear_ref(x, w8, s8, bias=torch.zeros(5))
-    with pytest.raises(SSMQError, match="static"):
-        quantize_act_ref(x, torch.ones(2))
+    with pytest.raises(SSMQError, match="per-tensor"):
+        quantize_act_ref(x, torch.ones(3))  # neither () nor one a row of x (2, 8)
+    with pytest.raises(SSMQError, match="per-tensor"):  # a row's scale needs per_token
+        quantize_act_ref(x, torch.ones(x.shape[0]), per_token=False)

@@ -842,13 +842,16 @@ def _int_epilogue(acc_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, XS_ROWS: tl.con
 
 @triton.jit
 def _quantize_rows(x_ptr, s_ptr, q_ptr, xs_ptr, K, s_xm, QMAX: tl.constexpr, EPS_: tl.constexpr,
-                   STATIC: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
-    # one program per row: absmax -> scale -> codes, with the reference's IEEE division and rounding
+                   STATIC: tl.constexpr, ROW_SCALE: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row: absmax -> scale -> codes, with the reference's IEEE division and rounding; a given
+    # scale: one (STATIC) or one a row (ROW_SCALE)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < K
     x = tl.load(x_ptr + row * s_xm + offs, mask=m, other=0.0).to(tl.float32)
-    if STATIC:
+    if ROW_SCALE:
+        scale = tl.load(s_ptr + row)
+    elif STATIC:
         scale = tl.load(s_ptr)
     else:
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), QMAX), EPS_)
@@ -1223,7 +1226,8 @@ def _scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype):
 
 
 def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
-    """``ops.quantize_act_ref`` on the GPU: one program per row; dynamic per-tensor takes its absmax first."""
+    """``ops.quantize_act_ref`` on the GPU: one program per row; dynamic per-tensor takes its absmax first; a given
+    scale is one, or with ``per_token`` one a row (x.shape[:-1])."""
     K = x.shape[-1]
     lead = x.shape[:-1]
     M = math.prod(lead)
@@ -1233,15 +1237,22 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     q = torch.empty((*lead, K), device=x.device, dtype=dtype)
     fp8 = dtype == torch.float8_e4m3fn
     qmax = FP8_MAX if fp8 else 127.0
+    row_scale = per_token and x_scale is not None and x_scale.dim() > 0 and x_scale.shape == lead
     static = x_scale is not None or not per_token
     if x_scale is None and not per_token:
         # one scale for the tensor: the reference's (absmax / qmax) clamped, computed by torch
         x_scale = absmax_scale(x2.float().abs().amax(), qmax)
-    if x_scale is not None:
+    if row_scale:
+        x_scale = x_scale.float()
+    elif x_scale is not None:
+        if x_scale.numel() != 1:
+            raise SSMQError(f"a given activation scale is per-tensor () or, per token, {tuple(lead)}; "
+                            f"got shape {tuple(x_scale.shape)}")
         x_scale = x_scale.float().reshape(())
     xs = x_scale if static else torch.empty(lead, device=x.device, dtype=torch.float32)
     if M == 0:
         return q, xs
-    _quantize_rows[(M,)](x2, x_scale if static else xs, q, xs, K, x2.stride(0), QMAX=qmax, EPS_=EPS,
-                         STATIC=static, FP8=fp8, BLOCK=pow2(K, 16), num_warps=4 if K <= 4096 else 8)
+    _quantize_rows[(M,)](x2, x_scale.contiguous() if static else xs, q, xs, K, x2.stride(0), QMAX=qmax, EPS_=EPS,
+                         STATIC=static, ROW_SCALE=row_scale, FP8=fp8, BLOCK=pow2(K, 16),
+                         num_warps=4 if K <= 4096 else 8)
     return q, xs

@@ -211,9 +211,10 @@ def quantize_act_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric activation quantization: x (..., k) float -> (codes (..., k) ``dtype``, scale float32).
 
-    x_scale given: static per-tensor scale (), returned as is. Else dynamic: scale = absmax / qmax
-    (at least EPS) per token (shape x.shape[:-1]) or per tensor (()). int8: round half to even of
-    the IEEE float32 quotient, clamped to [-128, 127]; float8_e4m3fn: the quotient clamped to ±448, cast.
+    x_scale given: a per-tensor scale (), or with ``per_token`` one a row (x.shape[:-1]: a dynamic scale computed
+    elsewhere, e.g. the max over tensor-parallel ranks), returned as is (float32). Else dynamic: scale = absmax /
+    qmax (at least EPS) per token (shape x.shape[:-1]) or per tensor (()). int8: round half to even of the IEEE
+    float32 quotient, clamped to [-128, 127]; float8_e4m3fn: the quotient clamped to ±448, cast.
     """
     if dtype not in (torch.int8, torch.float8_e4m3fn):
         raise SSMQError(f"activation codes are int8 or float8_e4m3fn, not {dtype}")
@@ -222,9 +223,13 @@ def quantize_act_ref(
     if x_scale is None:
         x_scale = absmax_scale(xf.abs().amax(-1) if per_token else xf.abs().amax(), qmax)
         s = x_scale.unsqueeze(-1) if per_token else x_scale
+    elif per_token and x_scale.dim() and x_scale.shape == x.shape[:-1]:
+        x_scale = x_scale.float()
+        s = x_scale.unsqueeze(-1)
     else:
         if x_scale.numel() != 1:
-            raise SSMQError(f"a static activation scale is per-tensor (), got shape {tuple(x_scale.shape)}")
+            raise SSMQError(f"a given activation scale is per-tensor () or, per token, {tuple(x.shape[:-1])}; "
+                            f"got shape {tuple(x_scale.shape)}")
         x_scale = x_scale.float().reshape(())
         s = x_scale
     y = xf / s

@@ -24,10 +24,12 @@ from ssmq.errors import SSMQError
 from ssmq.models.act_codes import ActCodes, CodeInput
 from ssmq.quant.hadamard import hadamard_transform
 from ssmq.quant.primitives import (
+    FP8_MAX,
     PerChannel,
     PerGroup,
     PerTensor,
     PerToken,
+    absmax_scale,
     choose_qparams,
     dequantize,
     pack_int4,
@@ -175,16 +177,16 @@ class QuantLinear(_QuantWeight):
             return kernels.quant_linear(x, self.weight_q, self.weight_scale, self.weight_zero, None, self.bias,
                                         x.dtype)
         codes = torch.int8 if a.dtype == "int8" else torch.float8_e4m3fn
+        per_token = isinstance(a.granularity, PerToken)
         if self.scale_hook is not None and self.act_scale is None:
-            # tensor parallelism: the dynamic scale of this shard's input is replaced (max over ranks) first
-            x2 = x.reshape(-1, self.in_features)
-            scale, _ = choose_qparams(x2, a.granularity, a.dtype, True)
-            scale = self.scale_hook(scale)
-            x_q = quantize(x2, scale, None, a.granularity, a.dtype).reshape(x.shape)
-            scale = scale.reshape(x.shape[:-1]) if scale.dim() else scale
+            # tensor parallelism: the dynamic scale of this shard's input is replaced by the full row's (max over
+            # ranks: absmax / qmax is monotonic) before the codes; two reductions, the hook, one quantizing kernel
+            amax = x.abs().amax(-1) if per_token else x.abs().amax()
+            scale = self.scale_hook(absmax_scale(amax, FP8_MAX if a.dtype == "fp8" else 127.0)).reshape(amax.shape)
+            x_q, scale = kernels.quantize_act(x, scale, per_token, codes)
             return kernels.quant_linear(x_q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
-        return kernels.quant_linear_act(x, self.weight_q, self.weight_scale, self.act_scale,
-                                        isinstance(a.granularity, PerToken), codes, self.bias, x.dtype)
+        return kernels.quant_linear_act(x, self.weight_q, self.weight_scale, self.act_scale, per_token, codes,
+                                        self.bias, x.dtype)
 
     def spec(self) -> dict:
         return {"kind": "QuantLinear", "in_features": self.in_features, "out_features": self.out_features,
