@@ -9,6 +9,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 knobs      # Q-Norm on each side, 4 sink tokens
     python benchmarks/diag_kvquant.py --model smollm2 pin        # key codebook ends kept at -1 / 1 too
     python benchmarks/diag_kvquant.py --model smollm2 layers     # one attention layer quantized at a time
+    python benchmarks/diag_kvquant.py --model smollm2 tokens     # the worst-quantized p% of tokens kept in float
 
 Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
@@ -21,15 +22,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 
+import torch
+
 from run_kvquant_table import evaluate, load_calibrated, spec_of
 
 import ssmq.models.kv_format as kv_format
 import ssmq.quant.kvquant.calibrate as calibrate
 from ssmq.eval.perplexity import wikitext2_path
 from ssmq.models.kv_format import KVSideSpec, KVSpec
+from ssmq.models.kv_quantizer import KVQuantizer
 
 WINDOWS = {"smollm2": (8, 512), "hybrid": (16, 1024)}
 ORIG_SLOTS, ORIG_FIT, ORIG_KMEANS = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side, calibrate.weighted_kmeans
+ORIG_FAKE_QUANT = KVQuantizer.fake_quant
 
 
 @contextlib.contextmanager
@@ -58,6 +63,18 @@ def fisher_power(a):
     return fit
 
 
+def float_tokens(p: float):
+    """Each window's p of tokens whose K (or V) vectors the format quantizes worst (squared error over all kv heads)
+    kept in float: a writer could pick them online by an error threshold (a token-level dense-and-sparse)."""
+    def fake_quant(self, x, positions, which):
+        out = ORIG_FAKE_QUANT(self, x, positions, which)
+        err = (out - x).float().square().sum((-2, -1))  # (b, l)
+        n = max(1, round(p * x.shape[1]))
+        worst = torch.zeros_like(err, dtype=torch.bool).scatter_(1, err.topk(n, dim=1).indices, True)
+        return torch.where(worst[..., None, None], x, out)
+    return fake_quant
+
+
 def variants(experiment: str, full: KVSpec):
     """(label, spec, patch context) rows of one experiment."""
     none = contextlib.nullcontext
@@ -82,6 +99,9 @@ def variants(experiment: str, full: KVSpec):
         return [("Q-Norm on keys", full.with_changes(keys={"qnorm": True}), none()),
                 ("Q-Norm on values", full.with_changes(values={"qnorm": True}), none()),
                 ("4 sink tokens", replace(full, sink=4), none())]
+    if experiment == "tokens":
+        return [(f"worst {p:.1%} of tokens in float", full, patched(KVQuantizer, "fake_quant", float_tokens(p)))
+                for p in (0.01, 0.02, 0.05)]
     if experiment == "calib":
         return [("float KV", None, none()), ("all", full, none())]
     if experiment == "pin":
@@ -112,7 +132,8 @@ def one_layer_at_a_time(formats, spec: KVSpec, ids, seqlen: int, limit: int, arg
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers"])
+    ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers",
+                                           "tokens"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)
