@@ -10,6 +10,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 pin        # key codebook ends kept at -1 / 1 too
     python benchmarks/diag_kvquant.py --model smollm2 layers     # one attention layer quantized at a time
     python benchmarks/diag_kvquant.py --model smollm2 tokens     # the worst-quantized p% of tokens kept in float
+    python benchmarks/diag_kvquant.py --model smollm2 fisherclip --calib-seed 1   # k-means weights clipped
 
 Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
@@ -75,6 +76,15 @@ def float_tokens(p: float):
     return fake_quant
 
 
+def fisher_clipped(q: float):
+    """k-means weights clipped at their q-quantile: a few squared gradients can outweigh the rest of a layer."""
+    def fit(kvq, which, x, fisher):
+        flat = fisher.flatten()
+        sample = flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:1 << 20]]
+        return ORIG_FIT(kvq, which, x, fisher.clamp(max=sample.quantile(q).item()))
+    return fit
+
+
 def variants(experiment: str, full: KVSpec):
     """(label, spec, patch context) rows of one experiment."""
     none = contextlib.nullcontext
@@ -99,6 +109,10 @@ def variants(experiment: str, full: KVSpec):
         return [("Q-Norm on keys", full.with_changes(keys={"qnorm": True}), none()),
                 ("Q-Norm on values", full.with_changes(values={"qnorm": True}), none()),
                 ("4 sink tokens", replace(full, sink=4), none())]
+    if experiment == "fisherclip":
+        return [("Fisher weights as they are", full, none())] + [
+            (f"Fisher weights clipped at their {q:.0%} quantile", full,
+             patched(calibrate, "fit_side", fisher_clipped(q))) for q in (0.99, 0.9)]
     if experiment == "tokens":
         return [(f"worst {p:.1%} of tokens in float", full, patched(KVQuantizer, "fake_quant", float_tokens(p)))
                 for p in (0.01, 0.02, 0.05)]
@@ -133,14 +147,15 @@ def one_layer_at_a_time(formats, spec: KVSpec, ids, seqlen: int, limit: int, arg
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers",
-                                           "tokens"])
+                                           "tokens", "fisherclip"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--calib-samples", type=int, default=16)
+    ap.add_argument("--calib-seed", type=int, default=0, help="the draw of calibration windows (0: the tables')")
     args = ap.parse_args()
     limit, seqlen = WINDOWS[args.model]
-    model, tok, _, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen)
+    model, tok, _, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen, args.calib_seed)
     ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
     if args.experiment == "layers":
         return one_layer_at_a_time(formats, spec_of(args.preset), ids, seqlen, limit, args)

@@ -97,7 +97,7 @@ def calibrated_formats(model, tok, name: str, calib_samples: int, calib_seqlen: 
     return KVFormats(model, calib, name=name if seed == 0 else f"{name} seed {seed}")
 
 
-def load_calibrated(name: str, calib_samples: int, calib_seqlen: int):
+def load_calibrated(name: str, calib_samples: int, calib_seqlen: int, seed: int = 0):
     """(model float32, tokenizer, calibration windows (n, l) long, KVFormats over them) for a name of MODELS."""
     from ssmq.models import load_model
     from ssmq.models.loading import resolve_model_path
@@ -107,7 +107,7 @@ def load_calibrated(name: str, calib_samples: int, calib_seqlen: int):
     where = MODELS[name] or shared_path("models", name)
     model = load_model(where, dtype=torch.float32).eval()
     tok = load_tokenizer(resolve_model_path(where))
-    formats = calibrated_formats(model, tok, name, calib_samples, calib_seqlen)
+    formats = calibrated_formats(model, tok, name, calib_samples, calib_seqlen, seed)
     return model, tok, formats.calib, formats
 
 

@@ -386,6 +386,13 @@ def test_calibration_fisher_and_codebooks():
 
     calibrate_kv_(m, kvq.kv.with_changes(sink=0), None, captured={1: data})
     torch.testing.assert_close(m.layers[1].mixer.kv_quant.k_hi, data["k"].flatten(0, 1).amax(0))
+    # a model whose cache is already quantized is captured with float KV (its quantizers set aside, then back): a
+    # format calibrated after another (the tables' calibration draws) once saw the other's rounding, whose zero
+    # gradient emptied the Fisher
+    installed = m.layers[1].mixer.kv_quant
+    again = capture_kv(m, tiny_calib(4, 32).input_ids)[1]
+    assert all(torch.equal(again[t], data[t]) for t in ("k", "v", "gk", "gv"))
+    assert m.layers[1].mixer.kv_quant is installed
 
 
 def test_checkpoint_round_trip_with_kv(tmp_path):

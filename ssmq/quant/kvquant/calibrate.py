@@ -37,7 +37,7 @@ def attention_layers(model: nn.Module) -> list[int]:
 
 def capture_kv(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> dict[int, dict[str, torch.Tensor]]:
     """{layer: {"k", "v", "gk", "gv"}}: pre-RoPE keys, values (B, l, hkv, e) float32 and the loss's gradients
-    w.r.t. them (B windows of l tokens)."""
+    w.r.t. them (B windows of l tokens), with float KV whatever quantizers the model's layers carry."""
     layers = attention_layers(model)
     grabbed: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -50,6 +50,11 @@ def capture_kv(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> 
 
     handles = [model.layers[i].mixer.get_submodule(f"{w}_proj").register_forward_hook(hook(i, w))
                for i in layers for w in "kv"]
+    # float KV while capturing: an installed quantizer's rounding (zero gradient) would empty the Fisher, and its
+    # error would reach the later layers' K / V
+    installed = {i: model.layers[i].mixer.kv_quant for i in layers}
+    for i in layers:
+        model.layers[i].mixer.kv_quant = None
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.requires_grad_(False)
@@ -72,6 +77,8 @@ def capture_kv(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> 
     finally:
         for h in handles:
             h.remove()
+        for i, q in installed.items():
+            model.layers[i].mixer.kv_quant = q
         for p in params:
             p.requires_grad_(True)
     return {i: {k: torch.cat(v) for k, v in d.items()} for i, d in out.items()}
