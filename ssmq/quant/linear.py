@@ -125,7 +125,8 @@ class QuantLinear(_QuantWeight):
             self.register_buffer("act_scale", torch.ones((), dtype=torch.float32, device=device))
         else:
             self.act_scale = None
-        # tensor parallelism: a row-parallel shard sees part of x, so its dynamic scale is reduced over ranks
+        # tensor parallelism: a row-parallel shard sees part of x, so the dynamic scale of its rows comes from
+        # ``scale_hook(x)`` (the full rows': ``dynamic_scale`` reduced over ranks, or of the gathered input)
         self.scale_hook = None
 
     @classmethod
@@ -179,14 +180,19 @@ class QuantLinear(_QuantWeight):
         codes = torch.int8 if a.dtype == "int8" else torch.float8_e4m3fn
         per_token = isinstance(a.granularity, PerToken)
         if self.scale_hook is not None and self.act_scale is None:
-            # tensor parallelism: the dynamic scale of this shard's input is replaced by the full row's (max over
-            # ranks: absmax / qmax is monotonic) before the codes; two reductions, the hook, one quantizing kernel
-            amax = x.abs().amax(-1) if per_token else x.abs().amax()
-            scale = self.scale_hook(absmax_scale(amax, FP8_MAX if a.dtype == "fp8" else 127.0)).reshape(amax.shape)
-            x_q, scale = kernels.quantize_act(x, scale, per_token, codes)
+            # tensor parallelism: the full rows' dynamic scale, then one quantizing kernel given it
+            x_q, scale = kernels.quantize_act(x, self.scale_hook(x), per_token, codes)
             return kernels.quant_linear(x_q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
         return kernels.quant_linear_act(x, self.weight_q, self.weight_scale, self.act_scale, per_token, codes,
                                         self.bias, x.dtype)
+
+    def dynamic_scale(self, x: torch.Tensor) -> torch.Tensor:
+        """The dynamic activation scale of x (..., k): absmax / qmax per token (x.shape[:-1]) or per tensor (()),
+        as the fused kernels compute it (``quantize_act_ref``); monotonic in absmax, so the max of the shards'
+        scales over tensor-parallel ranks is the full rows'."""
+        per_token = isinstance(self.act.granularity, PerToken)
+        return absmax_scale(x.abs().amax(-1) if per_token else x.abs().amax(),
+                            FP8_MAX if self.act.dtype == "fp8" else 127.0)
 
     def spec(self) -> dict:
         return {"kind": "QuantLinear", "in_features": self.in_features, "out_features": self.out_features,

@@ -44,7 +44,7 @@ from ssmq.models.linear import Linear
 from ssmq.ops.layout import mamba1_in_proj_segments, mamba2_conv_segments, mamba2_in_proj_segments, norm_group_size
 from ssmq.quant.hadamard import RotatedLinear, hadamard_transform
 from ssmq.quant.linear import QuantLinear
-from ssmq.quant.primitives import PerGroup, choose_qparams
+from ssmq.quant.primitives import PerGroup
 from ssmq.runtime.tp_comm import Communicator
 
 
@@ -162,18 +162,17 @@ class RowParallel(nn.Module):
         if _dynamic_act(self.inner):
             self.inner.scale_hook = self._full_scale_of if self.rotated else self._reduced_scale
 
-    def _reduced_scale(self, scale: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_reduce_max(scale, name=f"{self.name}.scale")
+    def _reduced_scale(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_max(self.inner.dynamic_scale(x), name=f"{self.name}.scale")
 
-    def _full_scale_of(self, scale: torch.Tensor) -> torch.Tensor:
+    def _full_scale_of(self, x: torch.Tensor) -> torch.Tensor:
         return self._full_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rotated:
             full = hadamard_transform(self.comm.all_gather(x, name=f"{self.name}.gather"))
             if _dynamic_act(self.inner):
-                a = self.inner.act
-                self._full_scale, _ = choose_qparams(full.reshape(-1, full.shape[-1]), a.granularity, a.dtype, True)
+                self._full_scale = self.inner.dynamic_scale(full)
             x = full[..., self.start:self.stop]
         return self.comm.all_reduce(self.inner(x), name=self.name)
 
