@@ -210,20 +210,23 @@ def quantized_model(cfg, recipe: str, comm, dtype):
     return model
 
 
-def model_rows(bench: Bench, name: str, recipe: str, comm_auto, comm_nccl, comm_int8):
+def model_rows(bench: Bench, name: str, recipe: str, tp_comms: dict, comm_nccl, comm_int8):
+    """tp_comms: mode -> communicator; "tp" spans every rank, "tp{t}" a group of t ranks (world / t groups at once)."""
     a = bench.args
     cfg = PUBLISHED[name]
+    comm_auto = tp_comms["tp"]
     batches = [int(b) for b in a.batches.split(",")] if "decode" in a.kinds else []
     W = bench.world
     dtype = getattr(torch, a.dtype)
     label = name if recipe == "fp16" else f"{name} {recipe}"
-    for mode in ("single", "tp"):
-        fields = {"model": label, "mode": mode}
+    for mode in ("single", *tp_comms):
+        comm = tp_comms.get(mode)
+        t = comm.world if comm is not None else 1
+        fields = {"model": label, "mode": mode, "tp": t}
         model = None
 
         def build():
             nonlocal model
-            comm = comm_auto if mode == "tp" else None
             model = (random_model(cfg, dtype=dtype, comm=comm) if recipe == "fp16"
                      else quantized_model(cfg, recipe, comm, dtype))
             return {"weight_gib_per_gpu": model_bytes(model)[0] / 2**30}
@@ -233,9 +236,10 @@ def model_rows(bench: Bench, name: str, recipe: str, comm_auto, comm_nccl, comm_
         for bs in batches:
             def dec():
                 ms = decode_ms(model, bs, a.steps)
-                if mode == "single":  # every rank ran alone at the same time: 1 GPU and data-parallel W
+                if t < W:  # W / t groups (one rank each for "single") ran at the same time: data-parallel W / t
                     per_rank = gather(bs / ms * 1e3)
-                    return {"tpot_ms": ms, "tok_s": per_rank[0], "dp_batch": W * bs, "dp_tok_s": sum(per_rank)}
+                    return {"tpot_ms": ms, "tok_s": per_rank[0], "dp_batch": W // t * bs,
+                            "dp_tok_s": sum(per_rank[::t])}  # the groups are consecutive ranks: one leader each
                 return {"tpot_ms": ms, "tok_s": bs / ms * 1e3}
             bench.row({**fields, "kind": "decode", "batch": bs}, dec)
         if a.profile:  # where a batch-1 step's time goes: rank 0's kernels (every rank steps: the all-reduces)
@@ -302,20 +306,28 @@ def sharded_norm_as_references(on: bool):
 # ---------------------------------------------------------------------------------------------
 def markdown(rows, world) -> str:
     ok = [r for r in rows if r.get("status") == "ok"]
-    lines = [f"## Decode (CUDA graphs), {world} GPUs", "",
-             "| model | batch | 1 GPU ms | 1 GPU tok/s | DP batch | DP tok/s | TP ms | TP tok/s | TP / 1 GPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
     dec = {(r["model"], r["mode"], r["batch"]): r for r in ok if r["kind"] == "decode"}
+    tp_modes = sorted({m for _, m, _ in dec if m == "tp" or m[2:].isdigit()}, key=lambda m: (m == "tp", m))
+    deg = {m: world if m == "tp" else int(m[2:]) for m in tp_modes}
+    head = "".join(f" TP={deg[m]} ms | TP={deg[m]} tok/s | TP={deg[m]} / 1 GPU |"
+                   + (f" TP={deg[m]} x DP={world // deg[m]} tok/s |" if m != "tp" else "") for m in tp_modes)
+    lines = [f"## Decode (CUDA graphs), {world} GPUs", "",
+             f"| model | batch | 1 GPU ms | 1 GPU tok/s | DP={world} batch | DP={world} tok/s |{head}",
+             "|---|---|---|---|---|---|" + "".join("---|" * (3 if m == "tp" else 4) for m in tp_modes)]
     for (model, mode, bs), r in sorted(dec.items()):
         if mode != "single":
             continue
-        t = dec.get((model, "tp", bs), {})
-        ratio = f"{t['tok_s'] / r['tok_s']:.2f}x" if t.get("tok_s") else "-"
+        cells = ""
+        for m in tp_modes:
+            t = dec.get((model, m, bs), {})
+            ratio = f"{t['tok_s'] / r['tok_s']:.2f}x" if t.get("tok_s") else "-"
+            cells += f" {t.get('tpot_ms', float('nan')):.3f} | {t.get('tok_s') or 0:.0f} | {ratio} |"
+            cells += f" {t.get('dp_tok_s') or 0:.0f} |" if m != "tp" else ""
         lines.append(f"| {model} | {bs} | {r['tpot_ms']:.3f} | {r['tok_s']:.0f} | {r['dp_batch']} | "
-                     f"{r['dp_tok_s']:.0f} | {t.get('tpot_ms', float('nan')):.3f} | {t.get('tok_s') or 0:.0f} | {ratio} |")
+                     f"{r['dp_tok_s']:.0f} |{cells}")
     lines += ["", "## TTFT and capacity", "", "| model | mode | TTFT 1024 ms | TTFT 4096 ms | max batch |", "|---|---|---|---|---|"]
     for model in sorted({r["model"] for r in ok if "model" in r}):
-        for mode in ("single", "tp"):
+        for mode in ("single", *tp_modes):
             get = lambda kind, key, **kw: next((r[key] for r in ok if r.get("model") == model and r.get("mode") == mode  # noqa: E731
                                                 and r["kind"] == kind and all(r.get(k) == v for k, v in kw.items())), None)
             t1, t4, cap = get("ttft", "ttft_ms", prompt=1024), get("ttft", "ttft_ms", prompt=4096), get("capacity", "max_batch")
@@ -323,7 +335,7 @@ def markdown(rows, world) -> str:
             lines.append(f"| {model} | {mode} | {f(t1)} | {f(t4)} | {f(cap)} |")
     lines += ["", "## TP variants (decode step ms)", "", "| model | variant | batch | ms |", "|---|---|---|---|"]
     for r in ok:
-        if r["kind"] == "decode" and r["mode"].startswith("tp"):
+        if r["kind"] == "decode" and r["mode"].startswith("tp:"):
             lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {r['tpot_ms']:.3f} |")
     lines += ["", "## All-reduce latency (us)", "", "| bytes | shape | dtype | mode | graph | us |", "|---|---|---|---|---|---|"]
     for r in ok:
@@ -336,6 +348,10 @@ def markdown(rows, world) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bench_world(rows) -> int:
+    return max((r["tp"] for r in rows if r.get("mode") == "tp" and "tp" in r), default=0) or "N"
+
+
 def plot(rows, path):
     plt = pyplot()
     if plt is None:
@@ -345,8 +361,12 @@ def plot(rows, path):
     fig, axes = plt.subplots(1, len(models) + 1, figsize=(5 * (len(models) + 1), 4))
     axes = list(axes) if hasattr(axes, "__len__") else [axes]
     for ax, model in zip(axes, models):
-        for mode, key, bkey, label in (("single", "tok_s", "batch", "1 GPU"), ("single", "dp_tok_s", "dp_batch", "data-parallel"),
-                                       ("tp", "tok_s", "batch", "tensor-parallel")):
+        sub = sorted({r["mode"] for r in ok if r["kind"] == "decode" and r["mode"][2:].isdigit()})
+        for mode, key, bkey, label in (("single", "tok_s", "batch", "1 GPU"),
+                                       ("single", "dp_tok_s", "dp_batch", f"data-parallel {bench_world(ok)}"),
+                                       *((m, "tok_s", "batch", f"TP={m[2:]}") for m in sub),
+                                       *((m, "dp_tok_s", "dp_batch", f"TP={m[2:]} x DP") for m in sub),
+                                       ("tp", "tok_s", "batch", f"TP={bench_world(ok)}")):
             pts = sorted((r[bkey], r[key]) for r in ok if r["kind"] == "decode" and r["model"] == model and r["mode"] == mode)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=label)
@@ -361,6 +381,24 @@ def plot(rows, path):
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def sizes(spec: str, world: int) -> list[int]:
+    out = sorted({int(t) for t in spec.split(",") if t})
+    bad = [t for t in out if t < 2 or t >= world or world % t]
+    if bad:
+        raise SystemExit(f"bench_tp.py: --tp-sizes {bad} must divide the world size {world} and lie in [2, {world})")
+    return out
+
+
+def sub_communicator(t: int, mode: str, device) -> Communicator:
+    """A communicator over this rank's group of t consecutive ranks (every rank makes every group, as NCCL asks);
+    NCCL alone if the one-shot buffers cannot be set up on a subgroup."""
+    group, _ = dist.new_subgroups(group_size=t)
+    try:
+        return Communicator(group=group, mode=mode, device=device)
+    except Exception:  # noqa: BLE001 - the same on every rank: symmetric memory is per group
+        return Communicator(group=group, mode="nccl", device=device)
 
 
 def main():
@@ -380,10 +418,14 @@ def main():
                          "torch_norm_two_allreduces)")
     ap.add_argument("--variant-batches", default="1,32")
     ap.add_argument("--profile", action="store_true", help="kernels of one eager batch-1 decode step per mode")
+    ap.add_argument("--tp-sizes", default="", help="tensor-parallel degrees below the world size to time too, e.g. 2 "
+                    "on 4 GPUs: world / t groups of t consecutive ranks each run TP=t at once (rank 0's group "
+                    "reported, every group's tokens/s summed as data-parallel)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip rows once this much time has passed")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/tp"))
     args = ap.parse_args()
     world = int(os.environ["WORLD_SIZE"])
+    tp_sizes = sizes(args.tp_sizes, world)  # refused before any GPU work
     rank, world, device = init_tp(world, timeout_s=180)
     torch.cuda.set_device(device)
     torch.manual_seed(0)
@@ -406,9 +448,11 @@ def main():
     dist.broadcast(flag, 0)
     tp_comm = comms["auto"] if flag.item() == 1 else comms["nccl"]
     bench._record({"kind": "tp_comm", "status": "ok", "mode": "auto" if tp_comm is comms["auto"] else "nccl"})
+    tp_comms = {**{f"tp{t}": sub_communicator(t, tp_comm.mode, device) for t in tp_sizes},
+                "tp": tp_comm}
     for recipe in args.recipes.split(","):
         for name in args.models.split(","):
-            model_rows(bench, name, recipe, tp_comm, comms["nccl"], comms["int8_payload"])
+            model_rows(bench, name, recipe, tp_comms, comms["nccl"], comms["int8_payload"])
     if rank == 0:
         md = markdown(bench.rows, world)
         (bench.out / "tp.md").write_text(md)

@@ -47,6 +47,12 @@ QUANT_2_MORE = {  # slow: more recipes, the other families
     "hadamard-w8a8-hybrid": ("hybrid", "hadamard-w8a8", None, {}),
     "dynamic-w8a8-llama": ("llama", "dynamic-w8a8", None, {}),
 }
+QUANT_4 = {  # tiny mamba2: 8 heads, 2 groups; tiny llama: 4 query / 2 KV heads (KV heads replicated over 4 ranks)
+    "quamba2-w8a8": QUANT_2["quamba2-w8a8"],
+    # d_inner 512: shards of 128 columns, whole quantization groups
+    "gptq-w4a16-g128": ("mamba2", "gptq-w4a16-g128", None, {"d_model": 256}),
+    "kvquant-nuq3-llama": QUANT_2_KV["kvquant-nuq3-llama"],
+}
 SHARED = ("mamba2", "mamba1", "hybrid")
 FLOAT_4 = {
     "mamba2-g2": FLOAT_2["mamba2-g2"],  # 8 heads, 2 groups over 4 ranks: each group replicated on 2 ranks
@@ -93,17 +99,28 @@ def two_more(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    return _run({**FLOAT_4, **_shared(4)}, 4)
+    return _run({**FLOAT_4, **_quantized(tmp_path_factory, QUANT_4), **_shared(4)}, 4)
+
+
+def _needs_gpus(n):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} CUDA GPUs")
 
 
 @pytest.fixture(scope="module")
 def two_gpus(tmp_path_factory):
     """The 2-rank cases over 2 GPUs (NCCL): float and quantized checkpoints through the CUDA paths (the quantized
     linears' and the KV decode kernels over each rank's shard)."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    _needs_gpus(2)
     quantized = _quantized(tmp_path_factory, {**QUANT_2, **QUANT_2_KV, **QUANT_2_KV_OUTLIERS})
     return _run({**FLOAT_2, **quantized}, 2, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def four_gpus(tmp_path_factory):
+    """The 4-rank cases over 4 GPUs (NCCL), with quantized checkpoints whose heads split 4 ways."""
+    _needs_gpus(4)
+    return _run({**FLOAT_4, **_quantized(tmp_path_factory, QUANT_4)}, 4, device="cuda")
 
 
 def _check(runs, name, tol=TOL, device="cpu"):
@@ -165,33 +182,40 @@ def test_tp2_kv_outliers_on_two_gpus_stay_within_the_quantization_error(two_gpus
     _check_outliers(two_gpus, name, device="cuda")
 
 
-GRAPH_2 = {  # CUDA-graph decode over 2 GPUs: the collectives captured, dynamic activation scales reduced in graphs
+GRAPH = {  # CUDA-graph decode over 2 GPUs: the collectives captured, dynamic activation scales reduced in graphs
     "mamba2-g2": None, "dynamic-w8a8-hybrid": ("hybrid", "dynamic-w8a8", None, {}),
     "fp8-w8a8-mamba2": ("mamba2", "fp8-w8a8", None, {}),
 }
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", [*FLOAT_4, *QUANT_4])
+def test_tp4_on_four_gpus_equals_one_gpu(four_gpus, name):
+    """As the 2-GPU test over GPUs 0-3: groups and KV heads replicated over ranks, quantized scales split 4 ways."""
+    _check(four_gpus, name, tol=3e-3 if name.startswith("kvquant") else 1e-4, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_tp2_cuda_graph_decode_on_two_gpus_equals_eager(tmp_path, dtype):
+def test_tp_cuda_graph_decode_on_gpus_equals_eager(tmp_path, dtype, world):
     """Sharded CUDA-graph decode equals eager decode at half precision with the default ("auto") all-reduce:
     bfloat16 rows take the one-shot kernel, float16 rows NCCL (PyTorch's one-shot kernels lack float16), and a
     dynamic activation scale's max over ranks is captured with the rest (it once copied a host scalar in the
     capture, which CUDA graphs refuse)."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
-    quantized = _quantized_folders(tmp_path, {k: v for k, v in GRAPH_2.items() if v is not None})
-    sources = [FLOAT_2["mamba2-g2"][0] if case is None else quantized[name] for name, case in GRAPH_2.items()]
-    ranks = run_ranks(tp_graph_decode, 2, sources, dtype, comm_kw={"mode": "auto"}, device="cuda")
-    for name, r0, r1 in zip(GRAPH_2, *ranks):
-        assert r0["err"] <= 1e-3, f"{name} {dtype}: graph vs eager {r0['err']:.2e}"
-        assert torch.equal(r0["eager"], r1["eager"]), f"{name} {dtype}: ranks disagree"
+    _needs_gpus(world)
+    quantized = _quantized_folders(tmp_path, {k: v for k, v in GRAPH.items() if v is not None})
+    sources = [FLOAT_2["mamba2-g2"][0] if case is None else quantized[name] for name, case in GRAPH.items()]
+    ranks = run_ranks(tp_graph_decode, world, sources, dtype, comm_kw={"mode": "auto"}, device="cuda")
+    for name, r0, *others in zip(GRAPH, *ranks):
+        assert r0["err"] <= 1e-3, f"{name} {dtype} TP={world}: graph vs eager {r0['err']:.2e}"
+        for r in others:
+            assert torch.equal(r0["eager"], r["eager"]), f"{name} {dtype} TP={world}: ranks disagree"
 
 
 @pytest.mark.gpu
 def test_auto_allreduce_on_two_gpus_sums_every_dtype_eager_and_in_graphs():
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+    _needs_gpus(2)
     r0, r1 = run_ranks(allreduce_dtypes, 2, comm_kw={"mode": "auto"}, device="cuda")
     for key, got in r0.items():
         if key == "oneshot":
@@ -239,9 +263,9 @@ def test_tp2_all_reduces_per_block(two):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*FLOAT_4, "shared-mamba2", "shared-mamba1"])
+@pytest.mark.parametrize("name", [*FLOAT_4, *QUANT_4, "shared-mamba2", "shared-mamba1"])
 def test_tp4_equals_single_process(four, name):
-    _check(four, name)
+    _check(four, name, tol=3e-3 if name.startswith("kvquant") else TOL)
 
 
 def test_hung_peer_ends_job_with_one_clear_error():
