@@ -22,9 +22,13 @@ def _worker(rank, world, init_file, out_dir, fn, args, comm_kw, timeout_s, devic
     from ssmq.runtime.tp_comm import Communicator
     from ssmq.runtime.tp_launch import init_tp
 
-    _, _, dev = init_tp(world, device=device, init_method=f"file://{init_file}", rank=rank, world=world,
-                        timeout_s=timeout_s)
-    if device == "cuda":
+    shared = device == "cuda:shared"
+    _, _, dev = init_tp(world, device="cpu" if shared else device, init_method=f"file://{init_file}", rank=rank,
+                        world=world, timeout_s=timeout_s)
+    if shared:  # gloo moves the CUDA tensors' collectives through host memory
+        torch.cuda.set_device(0)
+        dev = "cuda:0"
+    if device.startswith("cuda"):
         comm_kw = {"device": dev, **comm_kw}
     result = fn(Communicator(**{"mode": "nccl", **comm_kw}), *args)
     torch.save(result, Path(out_dir) / f"{rank}.pt")
@@ -35,7 +39,8 @@ def _worker(rank, world, init_file, out_dir, fn, args, comm_kw, timeout_s, devic
 def run_ranks(fn, world: int, *args, comm_kw=None, timeout_s: float = 60.0, join_s: float = 300.0,
               device: str = "cpu"):
     """Results of fn on every rank, rank order; AssertionError with the exit codes when a rank fails. ``device``
-    "cuda": rank r on GPU r, NCCL."""
+    "cuda": rank r on GPU r, NCCL; "cuda:shared": every rank on GPU 0, gloo (the sharded kernels' shapes of W GPUs
+    on one, slowly)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")

@@ -83,7 +83,8 @@ def _shared(world):
 
 
 def _run(cases, world, device="cpu"):
-    results = run_ranks(tp_suite, world, list(cases.values()), device, device=device)
+    on = "cuda" if device.startswith("cuda") else device
+    results = run_ranks(tp_suite, world, list(cases.values()), on, device=device)
     return {name: ([r[i] for r in results], case) for i, (name, case) in enumerate(cases.items())}
 
 
@@ -114,6 +115,13 @@ def two_gpus(tmp_path_factory):
     _needs_gpus(2)
     quantized = _quantized(tmp_path_factory, {**QUANT_2, **QUANT_2_KV, **QUANT_2_KV_OUTLIERS})
     return _run({**FLOAT_2, **quantized}, 2, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def four_on_one_gpu(tmp_path_factory):
+    """The 4-rank cases with every rank on GPU 0 (gloo): the CUDA kernels at the shapes of a 4-way shard."""
+    _needs_gpus(1)
+    return _run({**FLOAT_4, **_quantized(tmp_path_factory, QUANT_4)}, 4, device="cuda:shared")
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +201,14 @@ GRAPH = {  # CUDA-graph decode over 2 GPUs: the collectives captured, dynamic ac
 def test_tp4_on_four_gpus_equals_one_gpu(four_gpus, name):
     """As the 2-GPU test over GPUs 0-3: groups and KV heads replicated over ranks, quantized scales split 4 ways."""
     _check(four_gpus, name, tol=3e-3 if name.startswith("kvquant") else 1e-4, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [*FLOAT_4, *QUANT_4])
+def test_tp4_shards_on_one_gpu_equal_one_gpu(four_on_one_gpu, name):
+    """As ``test_tp4_on_four_gpus_equals_one_gpu`` with the four ranks on one GPU: any GPU machine runs the
+    kernels over quarter shards (two heads of the tiny Mamba-2 per rank, replicated groups)."""
+    _check(four_on_one_gpu, name, tol=3e-3 if name.startswith("kvquant") else 1e-4, device="cuda")
 
 
 @pytest.mark.gpu
