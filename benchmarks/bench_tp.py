@@ -142,7 +142,9 @@ def allreduce_us(comm, x, graph: bool, calls: int = 64) -> float:
 # ---------------------------------------------------------------------------------------------
 # model rows
 # ---------------------------------------------------------------------------------------------
-def decode_ms(model, bs: int, steps: int) -> float:
+def decode_ms(model, bs: int, steps: int, timer=None) -> float:
+    """Mean CUDA-graph decode step at batch ``bs`` over ``steps`` replays; ``timer`` (default: the ranks starting
+    together) as ``bench_e2e.time_ms``."""
     dec = CudaGraphDecoder(model, max_batch=bs, max_seqlen=steps + 64, buckets=(bs,))
     tokens = torch.randint(0, 1000, (bs,), device="cuda")
     dec(tokens, torch.arange(bs, device="cuda"))
@@ -152,7 +154,7 @@ def decode_ms(model, bs: int, steps: int) -> float:
         for _ in range(steps):
             graph.replay()
 
-    ms = time_ms(run, warmup=1, reps=5) / steps
+    ms = (timer or time_ms)(run, warmup=1, reps=5) / steps
     del dec, graph
     return ms
 

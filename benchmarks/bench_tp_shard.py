@@ -66,7 +66,7 @@ def shard_rows(name: str, recipe: str, t: int, batches, steps: int, dtype, bw: f
         gemv += gemv_rows(model, name, t, bw, dtype)
     rows = []
     for bs in batches:
-        ms = decode_ms(model, bs, steps)
+        ms = decode_ms(model, bs, steps, timer=time_ms)  # one process: no barrier
         floor = (weights + 2 * bs * state) / bw * 1e3
         rows.append({"model": name, "recipe": recipe, "tp": t, "batch": bs, "shard_ms": ms, "floor_ms": floor,
                      "weight_gib": weights / 2**30, "state_mib_per_seq": state / 2**20})
