@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -85,8 +86,9 @@ GEMV_VARIANTS = {"default": None, "waves4": {"WAVES": 4}, "waves8": {"WAVES": 8}
 
 
 def gemv_rows(model, name: str, t: int, bw: float, dtype) -> list[dict]:
-    """Batch-1 ``linear_decode`` at the shapes of the first layer's linears in this shard, per launch variant; the
-    weight cycled over copies 4x the L2 size (decode reads every layer's weight from HBM)."""
+    """Batch-1 ``linear_decode`` at the shapes of the first layer's linears in this shard, per launch variant, and
+    cuBLAS; the weight cycled over copies 4x the L2 size (decode reads every layer's weight from HBM), all the calls
+    in one CUDA graph."""
     from ssmq.kernels.gemv import linear_decode
 
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 60 * 2**20
@@ -98,10 +100,19 @@ def gemv_rows(model, name: str, t: int, bw: float, dtype) -> list[dict]:
         copies = max(1, -(-4 * l2 // (n * k * w.element_size())))
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=dtype)
-        for vname, cfg in GEMV_VARIANTS.items():
-            ms = time_ms(lambda: [linear_decode(x, wi, cfg=cfg) for wi in ws], warmup=3, reps=20) / copies
+        for vname, cfg in {**GEMV_VARIANTS, "cublas": "cublas"}.items():
+            def calls(cfg=cfg):
+                for wi in ws:
+                    F.linear(x, wi) if cfg == "cublas" else linear_decode(x, wi, cfg=cfg)
+            calls()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()  # replayed: the launches' host time would hide the kernels' (~us)
+            with torch.cuda.graph(graph):
+                calls()
+            ms = time_ms(graph.replay, warmup=3, reps=20) / copies
             out.append({"model": name, "tp": t, "linear": lname, "n": n, "k": k, "variant": vname,
                         "us": 1e3 * ms, "floor_us": 1e6 * n * k * w.element_size() / bw})
+            del graph
         del ws
     return out
 
@@ -118,7 +129,7 @@ def markdown(rows, bw: float) -> str:
 
 
 def gemv_markdown(rows) -> str:
-    variants = list(GEMV_VARIANTS)
+    variants = [*GEMV_VARIANTS, "cublas"]
     lines = ["", "Batch-1 GEMV at the shard's shapes, us (floor: weight bytes / copy bandwidth)", "",
              "| model | TP | linear | N x K | floor us | " + " | ".join(variants) + " |",
              "|---|---|---|---|---|" + "---|" * len(variants)]
