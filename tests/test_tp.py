@@ -196,11 +196,25 @@ GRAPH = {  # CUDA-graph decode over 2 GPUs: the collectives captured, dynamic ac
 }
 
 
+# Static int8 codes of a gated norm whose group TP=4 splits (the tiny Mamba-2's 128-channel norm group over 64-channel
+# shards): the sums of squares add up in another order, and a value that lands on a rounding boundary (x.5 within
+# 5e-6, seen on an H200) rounds the other way; the flipped code then moves the next layers' codes and the int8 state.
+TP4_ROUNDING = {"quamba2-w8a8"}
+
+
+def _check_tp4_on_gpu(runs, name):
+    if name in TP4_ROUNDING:
+        arch, _, _, over = QUANT_4[name]
+        _check_within_quantization(runs, name, reference(("tiny", arch, over), device="cuda"), "cuda", frac=0.25)
+    else:
+        _check(runs, name, tol=3e-3 if name.startswith("kvquant") else 1e-4, device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [*FLOAT_4, *QUANT_4])
 def test_tp4_on_four_gpus_equals_one_gpu(four_gpus, name):
     """As the 2-GPU test over GPUs 0-3: groups and KV heads replicated over ranks, quantized scales split 4 ways."""
-    _check(four_gpus, name, tol=3e-3 if name.startswith("kvquant") else 1e-4, device="cuda")
+    _check_tp4_on_gpu(four_gpus, name)
 
 
 @pytest.mark.gpu
@@ -208,7 +222,7 @@ def test_tp4_on_four_gpus_equals_one_gpu(four_gpus, name):
 def test_tp4_shards_on_one_gpu_equal_one_gpu(four_on_one_gpu, name):
     """As ``test_tp4_on_four_gpus_equals_one_gpu`` with the four ranks on one GPU: any GPU machine runs the
     kernels over quarter shards (two heads of the tiny Mamba-2 per rank, replicated groups)."""
-    _check(four_on_one_gpu, name, tol=3e-3 if name.startswith("kvquant") else 1e-4, device="cuda")
+    _check_tp4_on_gpu(four_on_one_gpu, name)
 
 
 @pytest.mark.gpu
@@ -245,18 +259,26 @@ def test_auto_allreduce_on_two_gpus_sums_every_dtype_eager_and_in_graphs():
 
 
 def _check_outliers(runs, name, device="cpu"):
-    per_rank, (source, _, _) = runs[name]
-    ref = reference(source, device=device)
+    source = runs[name][1][0]
     model = build(source).to(device)
     for layer in model.layers:
         if hasattr(layer.mixer, "kv_quant"):
             layer.mixer.kv_quant = None
-    float_kv = on_cpu(run_model(model))
+    _check_within_quantization(runs, name, on_cpu(run_model(model)), device)
+
+
+def _check_within_quantization(runs, name, unquantized: dict, device="cpu", frac: float = 1.0):
+    """Where TP may round differently from one process, its logits lie closer to one process's than ``frac`` of what
+    the quantization moves them (one process, quantized vs ``unquantized``'s logits), and every rank agrees."""
+    per_rank, (source, _, ssm_dtype) = runs[name]
+    ref = reference(source, ssm_dtype, device)
     for key in ("full", "prefill", "decode"):
         tp_err = (per_rank[0][key] - ref[key]).abs().max().item()
-        quant_err = (ref[key] - float_kv[key]).abs().max().item()
-        assert quant_err > 1e-4 and tp_err < quant_err, f"{name} {key}: TP {tp_err:.2e} vs quantization {quant_err:.2e}"
-        assert torch.equal(per_rank[1][key], per_rank[0][key])
+        quant_err = (ref[key] - unquantized[key]).abs().max().item()
+        assert quant_err > 1e-4 and tp_err < frac * quant_err, \
+            f"{name} {key}: TP {tp_err:.2e} vs {frac} x quantization {quant_err:.2e}"
+        for other in per_rank[1:]:
+            assert torch.equal(other[key], per_rank[0][key]), f"{name} {key}: ranks disagree"
 
 
 @pytest.mark.slow
