@@ -16,6 +16,7 @@ def test_benchmark_script_imports(path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would: a dataclass's string annotations resolve in its module
     try:
         spec.loader.exec_module(module)
     except ModuleNotFoundError as e:  # an optional third-party package (a peer, matplotlib) is not a broken script
