@@ -3,6 +3,7 @@
 Every case runs the same script on one process (the reference) and sharded over W ranks: a full
 forward, a cached prefill in two pieces, 4 decode steps (float32: max |diff| <= 1e-5), and greedy
 generation (identical tokens). One spawn per world size runs all cases (process start-up dominates).
+The ``gpu`` tests run the same cases through the CUDA kernels: over 2 or 4 GPUs (NCCL), and with 4 ranks on one GPU.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def test_tp2_kv_outliers_on_two_gpus_stay_within_the_quantization_error(two_gpus
     _check_outliers(two_gpus, name, device="cuda")
 
 
-GRAPH = {  # CUDA-graph decode over 2 GPUs: the collectives captured, dynamic activation scales reduced in graphs
+GRAPH = {  # CUDA-graph decode over 2 or 4 GPUs: the collectives captured, dynamic activation scales reduced in graphs
     "mamba2-g2": None, "dynamic-w8a8-hybrid": ("hybrid", "dynamic-w8a8", None, {}),
     "fp8-w8a8-mamba2": ("mamba2", "fp8-w8a8", None, {}),
 }
