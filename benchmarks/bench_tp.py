@@ -285,16 +285,18 @@ def model_rows(bench: Bench, name: str, recipe: str, tp_comms: dict, comm_nccl, 
         torch.cuda.empty_cache()
 
 
+SHARDED_NORM_KERNELS = ("rmsnorm_gated_partial", "rmsnorm_gated_reduced", "rstd_scale")  # no dispatch: ops.norm twins
+
+
 @contextlib.contextmanager
 def sharded_norm_as_references(on: bool):
     """While on, ``ssmq.runtime.tp`` runs the sharded gated norm's torch references instead of its Triton kernels."""
     from ssmq import kernels
     from ssmq.ops import norm as ref
 
-    names = ("rmsnorm_gated_partial", "rmsnorm_gated_reduced", "rstd_scale")
-    saved = {n: getattr(kernels, n) for n in names}
+    saved = {n: getattr(kernels, n) for n in SHARDED_NORM_KERNELS}
     if on:
-        for n in names:
+        for n in SHARDED_NORM_KERNELS:
             setattr(kernels, n, getattr(ref, f"{n}_ref"))
     try:
         yield
@@ -395,12 +397,9 @@ def sizes(spec: str, world: int) -> list[int]:
 
 def sub_communicator(t: int, mode: str, device) -> Communicator:
     """A communicator over this rank's group of t consecutive ranks (every rank makes every group, as NCCL asks);
-    NCCL alone if the one-shot buffers cannot be set up on a subgroup."""
+    "auto" falls back to NCCL by itself where the group's one-shot buffers cannot be set up."""
     group, _ = dist.new_subgroups(group_size=t)
-    try:
-        return Communicator(group=group, mode=mode, device=device)
-    except Exception:  # noqa: BLE001 - the same on every rank: symmetric memory is per group
-        return Communicator(group=group, mode="nccl", device=device)
+    return Communicator(group=group, mode=mode, device=device)
 
 
 def main():

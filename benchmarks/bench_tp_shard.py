@@ -89,9 +89,11 @@ def gemv_rows(model, name: str, t: int, bw: float, dtype) -> list[dict]:
     """Batch-1 ``linear_decode`` at the shapes of the first layer's linears in this shard, per launch variant, and
     cuBLAS; the weight cycled over copies 4x the L2 size (decode reads every layer's weight from HBM), all the calls
     in one CUDA graph."""
+    from bench_kernels import l2_bytes  # here: it imports every Triton kernel module
+
     from ssmq.kernels.gemv import linear_decode
 
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 60 * 2**20
+    l2 = l2_bytes()
     out = []
     linears = [(n, m.weight) for n, m in model.layers[0].named_modules()
                if isinstance(m, nn.Linear) and m.weight.dtype == dtype]

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_tp import SHARDED_NORM_KERNELS  # noqa: E402
 
 GROUPS = {  # ssmq.kernels entry points by stage
     "none": [],
@@ -29,7 +31,6 @@ GROUPS = {  # ssmq.kernels entry points by stage
     "decode": ["causal_conv1d_update", "conv1d_update_silu_quant", "mamba2_decode_step", "quant_state_update",
                "selective_state_update"],
 }
-SHARDED_NORM = ("rmsnorm_gated_partial", "rmsnorm_gated_reduced", "rstd_scale")  # kernels without a dispatch
 
 
 def force_references(names) -> None:
@@ -39,7 +40,7 @@ def force_references(names) -> None:
     from ssmq.ops import norm as ref_norm
 
     for n in names:
-        if n in SHARDED_NORM:
+        if n in SHARDED_NORM_KERNELS:
             setattr(K, n, getattr(ref_norm, f"{n}_ref"))
             continue
 

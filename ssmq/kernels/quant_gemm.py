@@ -62,7 +62,7 @@ import triton.language as tl
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
-from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, quant_linear_ref, weight_format
+from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
 
 DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
 # Launch settings (tests and the benchmark override entries):
@@ -1237,18 +1237,13 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     q = torch.empty((*lead, K), device=x.device, dtype=dtype)
     fp8 = dtype == torch.float8_e4m3fn
     qmax = FP8_MAX if fp8 else 127.0
-    row_scale = per_token and x_scale is not None and x_scale.dim() > 0 and x_scale.shape == lead
     static = x_scale is not None or not per_token
-    if x_scale is None and not per_token:
+    row_scale = False
+    if x_scale is not None:
+        x_scale, row_scale = given_act_scale(x_scale, lead, per_token)
+    elif not per_token:
         # one scale for the tensor: the reference's (absmax / qmax) clamped, computed by torch
         x_scale = absmax_scale(x2.float().abs().amax(), qmax)
-    if row_scale:
-        x_scale = x_scale.float()
-    elif x_scale is not None:
-        if x_scale.numel() != 1:
-            raise SSMQError(f"a given activation scale is per-tensor () or, per token, {tuple(lead)}; "
-                            f"got shape {tuple(x_scale.shape)}")
-        x_scale = x_scale.float().reshape(())
     xs = x_scale if static else torch.empty(lead, device=x.device, dtype=torch.float32)
     if M == 0:
         return q, xs

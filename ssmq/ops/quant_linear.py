@@ -44,6 +44,17 @@ def absmax_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     return (amax / torch.full_like(amax, qmax)).clamp(min=EPS)
 
 
+def given_act_scale(x_scale: torch.Tensor, lead: torch.Size, per_token: bool) -> tuple[torch.Tensor, bool]:
+    """A given activation scale as float32 and whether it is one a row: () per tensor, or with ``per_token`` the
+    rows' shape ``lead`` (a dynamic scale computed elsewhere, e.g. the max over tensor-parallel ranks)."""
+    if per_token and x_scale.dim() and x_scale.shape == lead:
+        return x_scale.float(), True
+    if x_scale.numel() != 1:
+        raise SSMQError(f"a given activation scale is per-tensor () or, per token, {tuple(lead)}; "
+                        f"got shape {tuple(x_scale.shape)}")
+    return x_scale.float().reshape(()), False
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """int4 codes (..., k) int8 in [-8, 7], k even -> uint8 (..., k // 2).
 
@@ -223,15 +234,9 @@ def quantize_act_ref(
     if x_scale is None:
         x_scale = absmax_scale(xf.abs().amax(-1) if per_token else xf.abs().amax(), qmax)
         s = x_scale.unsqueeze(-1) if per_token else x_scale
-    elif per_token and x_scale.dim() and x_scale.shape == x.shape[:-1]:
-        x_scale = x_scale.float()
-        s = x_scale.unsqueeze(-1)
     else:
-        if x_scale.numel() != 1:
-            raise SSMQError(f"a given activation scale is per-tensor () or, per token, {tuple(x.shape[:-1])}; "
-                            f"got shape {tuple(x_scale.shape)}")
-        x_scale = x_scale.float().reshape(())
-        s = x_scale
+        x_scale, rows = given_act_scale(x_scale, x.shape[:-1], per_token)
+        s = x_scale.unsqueeze(-1) if rows else x_scale
     y = xf / s
     if dtype == torch.int8:
         return torch.round(y).clamp(-128, 127).to(torch.int8), x_scale
