@@ -8,8 +8,8 @@ Two parts (``--parts``):
 the lower right, GQA), and for KVQuant formats the read of the cache, ``kernels.quant_kv_read`` against the
 reference's; the hardware limit of the attention, 4·lq·lk·hq·e FLOP at the GPU's dense float16 peak (--peak-tflops).
 
-``sweep``: ``kernels.kv_read``'s launch settings (tokens a program, outlier slots a load, warps) at --prompt tokens,
-keys and values apart, against a copy of the bytes it writes.
+``sweep``: ``kernels.kv_read``'s outlier pass's launch settings (tokens a program, warps) at --prompt tokens, keys
+and values apart, against a copy of the bytes the read writes.
 
 ``serve``: the same model in ``ssmq serve``'s runner (paged cache, prefill from CUDA graphs, which read the cache
 at its whole capacity, --max-model-len), one prompt prefilled in chunks of --chunk: seconds a KV format.
@@ -96,7 +96,8 @@ def layer_rows(prompt: int, chunk: int, kvs: list[str], peak_tflops: float) -> l
     return rows
 
 
-SWEEP = ((32, 4, 4), (16, 4, 4), (64, 4, 4), (64, 4, 8), (32, 8, 4), (32, 4, 8), (128, 4, 8))  # BT, slot group, warps
+# tokens a program of the outlier pass, its warps (the read itself at its CFG)
+SWEEP = ((32, 4), (16, 4), (64, 4), (128, 4), (32, 1), (32, 2), (64, 2), (128, 8))
 
 
 def sweep_rows(prompt: int) -> list[dict]:
@@ -110,9 +111,9 @@ def sweep_rows(prompt: int) -> list[dict]:
     saved = dict(kr.CFG)
     for fmt, bits, outliers in (("nuq4", 4, False), ("nuq4-1%", 4, True), ("nuq3-1%", 3, True)):
         ks, vs = quant_cache(1, prompt, *(ONE_PCT if outliers else (0, 0)), gen, bits)
-        for bt, group, warps in SWEEP:
-            kr.CFG.update(BT=bt, BT_OUTLIERS=bt, SLOT_GROUP=group, WARPS=warps)
-            rows.append({"part": "sweep", "kv": fmt, "BT": bt, "GROUP": group, "WARPS": warps,
+        for bt, warps in SWEEP if outliers else SWEEP[:1]:
+            kr.CFG.update(BT_OUTLIERS=bt, OUTLIER_WARPS=warps)
+            rows.append({"part": "sweep", "kv": fmt, "BT_OUTLIERS": bt, "OUTLIER_WARPS": warps,
                          "K ms": timeit(lambda: kr.quant_kv_read(ks, slots, prompt, E, 5e5, torch.float16)),
                          "V ms": timeit(lambda: kr.quant_kv_read(vs, slots, prompt, 0, 1e4, torch.float16))})
             print(json.dumps(rows[-1]), flush=True)

@@ -11,6 +11,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 layers     # one attention layer quantized at a time
     python benchmarks/diag_kvquant.py --model smollm2 tokens     # the worst-quantized p% of tokens kept in float
     python benchmarks/diag_kvquant.py --model smollm2 fisherclip --calib-seed 1   # k-means weights clipped
+    python benchmarks/diag_kvquant.py --model smollm2 books      # a codebook per kv head / per channel
 
 Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
@@ -46,6 +47,14 @@ def patched(obj, name, value):
         yield
     finally:
         setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def _stack(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 def unlimited_slots(self, n):
@@ -85,6 +94,56 @@ def fisher_clipped(q: float):
     return fit
 
 
+def grouped_books(group: str, sides: str = "kv"):
+    """fit_side, then one nuq codebook per kv head ("head") or per (kv head, channel) ("channel") of the sides
+    ``sides``, each fitted like the layer's (Fisher-weighted k-means of that group's normalized non-outliers, from
+    the layer's codebook). Kept on the quantizer as ``{k,v}_books`` (hkv, e, C); ``grouped_fake_quant`` uses them."""
+    def fit(kvq, which, x, fisher):
+        ORIG_FIT(kvq, which, x, fisher)
+        side, tag = kvq.side(which), which[0]
+        if tag not in sides or side.dtype != "nuq":
+            return
+        p = kvq.params(which)
+        _, _, mask = calibrate.select_outliers(x, p)
+        if side.granularity == "per_token":
+            mid, half = calibrate.token_scales(x, mask, side.symmetric)
+            mid, half = mid.float()[..., None], half.float()[..., None]
+        else:
+            mid, half = calibrate.scales_of(None, p, x.device)
+        u = ((x - mid) / half).clamp(-1, 1)
+        book = p.codebook
+        books = book.expand(kvq.hkv, kvq.e, -1).clone()
+        pin = side.granularity == "per_token"
+        for h in range(kvq.hkv):
+            chans = [slice(None)] if group == "head" else range(kvq.e)
+            for c in chans:
+                keep = ~mask[:, h, c]
+                books[h, c] = ORIG_KMEANS(u[:, h, c][keep], fisher[:, h, c][keep] + 1e-30, book, pin_ends=pin)
+        setattr(kvq, f"{tag}_books", books)
+    return fit
+
+
+def grouped_fake_quant(self, x, positions, which):
+    """fake_quant with ``{k,v}_books``: each (head, channel) dequantized through its own codebook. Exact, since
+    the outliers and scales do not depend on the codebook: run once per distinct codebook, keep its entries."""
+    books = getattr(self, f"{which[0]}_books", None)
+    if books is None:
+        return ORIG_FAKE_QUANT(self, x, positions, which)
+    import dataclasses
+    from ssmq.ops.kv_quant import fake_quant_kv_ref
+    p = self.params(which)
+    out = torch.empty_like(x)
+    flat = books.reshape(-1, books.shape[-1])
+    uniq, inv = flat.unique(dim=0, return_inverse=True)
+    inv = inv.reshape(books.shape[:2]).to(x.device)
+    for j, b in enumerate(uniq):
+        q = fake_quant_kv_ref(x, dataclasses.replace(p, codebook=b.to(x.device)))
+        out = torch.where(inv == j, q, out)
+    if self.kv.sink:
+        out = torch.where((positions < self.kv.sink)[..., None, None], x, out)
+    return out
+
+
 def variants(experiment: str, full: KVSpec):
     """(label, spec, patch context) rows of one experiment."""
     none = contextlib.nullcontext
@@ -121,6 +180,14 @@ def variants(experiment: str, full: KVSpec):
     if experiment == "pin":
         return [("key ends free (the default)", full, none()),
                 ("key ends pinned at -1 / 1", full, patched(calibrate, "weighted_kmeans", pinned_kmeans))]
+    if experiment == "books":
+        def rows(label, group, sides):
+            return (label, full, contextlib.ExitStack() if group is None else _stack(
+                patched(calibrate, "fit_side", grouped_books(group, sides)),
+                patched(KVQuantizer, "fake_quant", grouped_fake_quant)))
+        return [rows("one codebook a layer (the default)", None, ""), rows("a codebook per kv head", "head", "kv"),
+                rows("a codebook per channel, keys", "channel", "k"),
+                rows("a codebook per channel, both sides", "channel", "kv")]
     raise SystemExit(f"diag_kvquant: unknown experiment {experiment!r}")
 
 
@@ -147,7 +214,7 @@ def one_layer_at_a_time(formats, spec: KVSpec, ids, seqlen: int, limit: int, arg
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers",
-                                           "tokens", "fisherclip"])
+                                           "tokens", "fisherclip", "books"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)

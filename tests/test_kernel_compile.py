@@ -451,7 +451,7 @@ def test_kv_append_compiles_for_sm90(bits, per_token, k, e):
 @pytest.mark.parametrize("e", [64, 128])
 def test_prefill_kernels_compile_for_sm90(dtype, e):
     """The prefill's attention kernel (``attention_prefill``: GQA groups of 4, e = 64 / 128) and the quantized
-    cache's read (``kv_read``: paged, full RoPE, 20 outlier slots, 3- and 4-bit codes) compile for the H100 / H200."""
+    cache's read (``kv_read`` and its outlier pass: paged, full RoPE, 20 outlier slots, 3- and 4-bit codes) compile for the H100 / H200."""
     pytest.importorskip("triton")
     from ssmq.kernels import attention_prefill as ap
     from ssmq.kernels import kv_read as kr
@@ -465,6 +465,11 @@ def test_prefill_kernels_compile_for_sm90(dtype, e):
     ptrs = {"out": dtype, "codes": "u8", "mid": "fp16", "half": "fp16", "lut": "fp32", "oidx": "i16", "oval": "fp16",
             "sink": "fp16", "slots": "i64", "lens": "i64", "table": "i64", "inv_freq": "fp32"}
     for bits in (3, 4):
-        _compile_sm90(kr._read_kernel, ptrs, dict(E=e, R=e, HP=e // 2, PP=16, S=1, PER_TOKEN=False, SLOTS=20,
-                                                   BITS=bits, BT=kr.CFG["BT_OUTLIERS"], BS=32, FAST=True,
-                                                   GROUP=kr.CFG["SLOT_GROUP"], HAS_LENS=True))
+        _compile_sm90(kr._read_kernel, ptrs, dict(E=e, R=e, HP=e // 2, PP=16, S=1, PER_TOKEN=False, BITS=bits,
+                                                   BT=kr.CFG["BT"], BS=32, FAST=True, HAS_LENS=True),
+                      num_warps=kr.CFG["WARPS"])
+        del ptrs["sink"]
+        _compile_sm90(kr._outlier_kernel, ptrs, dict(E=e, R=e, S=1, PER_TOKEN=False, SLOTS=20, P=32, BITS=bits,
+                                                      BT=kr.CFG["BT_OUTLIERS"], BS=32, FAST=True, HAS_LENS=True),
+                      num_warps=kr.CFG["OUTLIER_WARPS"])
+        ptrs["sink"] = "fp16"

@@ -330,6 +330,8 @@ READ_CASES = [  # hkv, e, rotary dim, outlier slots, sink, levels, per-token sca
     (3, 64, 64, 4, 1, 16, False),  # SmolLM2's kv heads, full RoPE, 4 bits
     (2, 32, 0, 1, 2, 4, True),     # values: per-token scales, no RoPE, 2 bits, two sinks
     (1, 128, 128, 0, 0, 8, True),  # Llama heads, no outliers, no sink
+    (2, 32, 32, 24, 1, 8, False),  # dense slots: many rotary pairs with both channels outliers
+    (2, 32, 16, 12, 0, 4, True),   # per-token keys, partial RoPE, outliers on both sides of the rotary dim
 ]
 
 

@@ -6,11 +6,12 @@ Glossary: b rows, T tokens read a row, hkv kv heads, e head dim, r rotary dim, S
 of a paged cache.
 
 One program per (BT tokens, row, kv head): codes unpacked and looked up in the codebook (``kv_decode._tile``), the
-scales (per-channel or per-token) and the sparse outliers applied there, the sink tokens taken from the sink, then
-the rotary halves (NeoX: channels c and c + r/2) turned by t θ_c. Pages as the decode kernels (``_page``). It
-reads the codes and writes e float16 a token and head once, where the reference chains whole-prefix float32 tensors
-(unpacked codes, gathered codebook values, scatter, rotation); on the H200 it takes 3-11x a copy of the bytes it
-writes (CFG below), not profiled further.
+scales (per-channel or per-token) applied there, the sink tokens taken from the sink, then the rotary halves (NeoX:
+channels c and c + r/2) turned by t θ_c. Pages as the decode kernels (``_page``). It reads the codes and writes e
+float16 a token and head once, where the reference chains whole-prefix float32 tensors (unpacked codes, gathered
+codebook values, scatter, rotation). The sparse outliers then come from a second kernel (``_outlier_kernel``), which
+writes only the channels they hold (and their rotary partners): placed in the read's tiles, each slot cost a compare
+and a select on every channel of the head, done by each kv head's program for all of a token's slots.
 """
 
 from __future__ import annotations
@@ -19,22 +20,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels.kv_decode import FAST_TRIG, _cos_sin, _inv_freq, _page, _tile, paging
+from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _inv_freq, _page, _tile, paging
 from ssmq.ops.kv_quant import KVSideView
 
-# BT tokens a program (BT_OUTLIERS with sparse outliers), SLOT_GROUP outlier slots a load. H200, 2026-11-28, one
-# Llama-3.1-8B layer at 32K tokens, K + V ms (its first version: benchmarks/results/prefill_h200/s25_read_sweep.jsonl;
-# ``bench_prefill.py --parts sweep --prompt 32768``): no outliers BT 16 0.199, 32 0.335, 64 0.342; nuq4-1% BT 32
-# 0.438, 64 0.483, 16 1.35, 8 warps 1.53; slot groups of 8 0.507. A copy of the 134 MB written: 0.067
-CFG = {"BT": 16, "BT_OUTLIERS": 32, "SLOT_GROUP": 4, "WARPS": 4}
+# BT tokens a program of the read, BT_OUTLIERS of the outlier pass. H200, one Llama-3.1-8B layer at 32K tokens, K + V
+# ms (``bench_prefill.py --parts sweep --prompt 32768``; benchmarks/results/prefill_h200/s25_read_sweep.jsonl,
+# s28_read_sweep.json): the read without outliers BT 16 0.199, 32 0.335, 64 0.342. The outlier pass (2026-11-28,
+# session 28), nuq4-1% K / V: BT_OUTLIERS 16 0.159 / 0.110, 32 0.181 / 0.110, 64 0.197, 128 0.203; 1-2 warps and 8
+# slower (0.19-0.21). Before it (the slots placed in the read's tiles) nuq4-1% took 0.436, nuq3-1% 0.735 for K + V.
+# A copy of the 134 MB written: 0.067
+CFG = {"BT": 16, "WARPS": 4, "BT_OUTLIERS": 16, "OUTLIER_WARPS": 4}
 
 
 @triton.jit
 def _read_kernel(out, codes, mid, half, lut, oidx, oval, sink, slots, lens, table, s_tab, inv_freq, end,
                  s_c0, s_c1, s_ch, s_ms, s_mt, s_os, s_ot, s_s0, s_s1, s_sh, s_o0, s_o1, s_oh,
                  E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr, S: tl.constexpr,
-                 PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
-                 BS: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr, HAS_LENS: tl.constexpr):
+                 PER_TOKEN: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr,
+                 BS: tl.constexpr, FAST: tl.constexpr, HAS_LENS: tl.constexpr):
+    """Every channel from its code (the outlier slots are ``_outlier_kernel``'s, after this one)."""
     i, hk = tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots + i).to(tl.int64)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -57,21 +61,6 @@ def _read_kernel(out, codes, mid, half, lut, oidx, oval, sink, slots, lens, tabl
                s_os, s_ot, E, False, PER_TOKEN, 0, BITS)
     xp = _tile(codes, mid, half, lut, oidx, oval, pb, hk, pt, tmask, R + cp, pmask, rowoff, s_ch, s_ms, s_mt, s_os,
                s_ot, E, False, PER_TOKEN, 0, BITS)
-    # the sparse outliers replace their channels: GROUP slots a load (one vector of a token's GROUP indices and one
-    # of values), so that a program waits on SLOTS / GROUP loads, not on one a slot and tile (H200, 32K tokens,
-    # nuq4-1%: 0.47 ms for K + V with ``_tile``'s loop of one slot a load in each of the three tiles)
-    g = tl.arange(0, GROUP)
-    orow = (pb * s_os + pt * s_ot)[:, None]
-    for j0 in range(0, SLOTS, GROUP):
-        om = tmask[:, None] & (j0 + g < SLOTS)[None, :]
-        idx4 = tl.load(oidx + orow + j0 + g[None, :], mask=om, other=-1).to(tl.int32) - hk * E
-        val4 = tl.load(oval + orow + j0 + g[None, :], mask=om, other=0.0).to(tl.float32)
-        for jj in tl.static_range(GROUP):
-            idx = tl.sum(tl.where(g[None, :] == jj, idx4, 0), 1)  # (BT,): slot j0 + jj of each token
-            val = tl.sum(tl.where(g[None, :] == jj, val4, 0.0), 1)
-            xa = tl.where(idx[:, None] == ch[None, :], val[:, None], xa)
-            xb = tl.where(idx[:, None] == R // 2 + ch[None, :], val[:, None], xb)
-            xp = tl.where(idx[:, None] == R + cp[None, :], val[:, None], xp)
     if S > 0:  # the sink tokens are kept in float (before RoPE, as the codes)
         sm = tmask & (t < S)
         srow = sink + slot * s_s0 + t[:, None] * s_s1 + hk * s_sh
@@ -90,6 +79,64 @@ def _read_kernel(out, codes, mid, half, lut, oidx, oval, sink, slots, lens, tabl
     tl.store(orow + ch[None, :], xa.to(ty), mask=tmask[:, None] & hmask[None, :])
     tl.store(orow + R // 2 + ch[None, :], xb.to(ty), mask=tmask[:, None] & hmask[None, :])
     tl.store(orow + R + cp[None, :], xp.to(ty), mask=tmask[:, None] & pmask[None, :])
+
+
+@triton.jit
+def _outlier_kernel(out, codes, mid, half, lut, oidx, oval, slots, lens, table, s_tab, inv_freq, end,
+                    s_c0, s_c1, s_ch, s_ms, s_mt, s_os, s_ot, s_o0, s_o1, s_oh,
+                    E: tl.constexpr, R: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr,
+                    P: tl.constexpr, BITS: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, FAST: tl.constexpr,
+                    HAS_LENS: tl.constexpr):
+    """Writes over ``_read_kernel``'s output where the sparse outliers are, one program per (row, BT tokens), all of
+    a token's slots (BT, P) at once. A pass-through channel takes its slot's value; a rotary channel's pair (c, c +
+    r/2) is recomputed as the read computes it (each side its slot's value, or what its code gives) and both
+    rotated outputs are stored (a pair with two slots stores the same values twice). Each slot costs a few
+    loads, where the read turning them into its tiles cost a compare and a select per channel of the head per slot."""
+    i = tl.program_id(0)
+    slot = tl.load(slots + i).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    live = (t < end) & (t >= S)  # the sink tokens are the read's, from the sink
+    if HAS_LENS:
+        live = live & (t < tl.load(lens + i).to(tl.int32))
+    pb, pt = _page(table, s_tab, slot, t, live, BS)
+    srow = pb * s_os + pt * s_ot  # (BT,)
+    j = tl.arange(0, P)
+    om = live[:, None] & (j < SLOTS)[None, :]
+    f = tl.load(oidx + srow[:, None] + j[None, :], mask=om, other=-1).to(tl.int32)  # flat index in hkv·e
+    hit = om & (f >= 0)
+    f = tl.where(hit, f, 0)
+    h = f // E
+    c = f - h * E
+    val = tl.load(oval + srow[:, None] + j[None, :], mask=hit, other=0.0).to(tl.float32)
+    orow = out + i.to(tl.int64) * s_o0 + t[:, None].to(tl.int64) * s_o1 + h * s_oh  # (BT, P)
+    ty = out.dtype.element_ty
+    if R > 0:
+        rot = hit & (c < R)
+        low = c < R // 2
+        a = tl.where(low, c, c - R // 2)
+        partner = tl.where(low, c + R // 2, a)
+        # the partner's value: its slot's if it has one, else what its code gives (as ``kv_decode._tile``)
+        code = _codes(codes + (pb * s_c0 + pt * s_c1)[:, None] + h * s_ch, partner, rot, BITS, E)
+        book = tl.load(lut + code, mask=rot, other=0.0)
+        if PER_TOKEN:
+            m = tl.load(mid + pb[:, None] * s_ms + pt[:, None] * s_mt + h, mask=rot, other=0.0).to(tl.float32)
+            hf = tl.load(half + pb[:, None] * s_ms + pt[:, None] * s_mt + h, mask=rot, other=0.0).to(tl.float32)
+        else:
+            m = tl.load(mid + h * E + partner, mask=rot, other=0.0)
+            hf = tl.load(half + h * E + partner, mask=rot, other=0.0)
+        xp = m + hf * book
+        pf = h * E + partner
+        for jj in range(SLOTS):
+            fj = tl.load(oidx + srow + jj, mask=live, other=-1).to(tl.int32)
+            vj = tl.load(oval + srow + jj, mask=live, other=0.0).to(tl.float32)
+            xp = tl.where(fj[:, None] == pf, vj[:, None], xp)
+        xa, xb = tl.where(low, val, xp), tl.where(low, xp, val)
+        freq = tl.load(inv_freq + a, mask=rot, other=0.0)
+        cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq, FAST)
+        tl.store(orow + a, (xa * cos - xb * sin).to(ty), mask=rot)
+        tl.store(orow + a + R // 2, (xb * cos + xa * sin).to(ty), mask=rot)
+        hit = hit & (c >= R)
+    tl.store(orow + c, val.to(ty), mask=hit)
 
 
 def eligible(side: KVSideView, rotary_dim: int) -> bool:
@@ -114,13 +161,20 @@ def quant_kv_read(side: KVSideView, slots: torch.Tensor, end: int, rotary_dim: i
     ms = (m.stride(0), m.stride(1)) if side.per_token else (0, 0)
     book = side.codebook.float().contiguous()
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, c.device)
-    bt = CFG["BT_OUTLIERS"] if o.shape[-1] else CFG["BT"]
+    bt, lens = CFG["BT"], slots if kv_lens is None else kv_lens
     _read_kernel[(triton.cdiv(end, bt), b, hkv)](
-        out, c, m, side.half, book, o, side.out_val, s, slots, slots if kv_lens is None else kv_lens, *pages,
+        out, c, m, side.half, book, o, side.out_val, s, slots, lens, *pages,
         inv_freq, end,
         c.stride(0), c.stride(1), c.stride(2), *ms, o.stride(0), o.stride(1), s.stride(0), s.stride(1), s.stride(2),
         *out.stride()[:3], E=e, R=rotary_dim, HP=max(16, triton.next_power_of_2(max(rotary_dim // 2, 1))),
         PP=max(16, triton.next_power_of_2(max(e - rotary_dim, 1))), S=s.shape[1], PER_TOKEN=side.per_token,
-        SLOTS=o.shape[-1], BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG, GROUP=CFG["SLOT_GROUP"],
-        HAS_LENS=kv_lens is not None, num_warps=CFG["WARPS"])
+        BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG, HAS_LENS=kv_lens is not None, num_warps=CFG["WARPS"])
+    if o.shape[-1]:
+        bt = CFG["BT_OUTLIERS"]
+        _outlier_kernel[(b, triton.cdiv(end, bt))](
+            out, c, m, side.half, book, o, side.out_val, slots, lens, *pages, inv_freq, end,
+            c.stride(0), c.stride(1), c.stride(2), *ms, o.stride(0), o.stride(1), *out.stride()[:3],
+            E=e, R=rotary_dim, S=s.shape[1], PER_TOKEN=side.per_token, SLOTS=o.shape[-1],
+            P=triton.next_power_of_2(o.shape[-1]), BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG,
+            HAS_LENS=kv_lens is not None, num_warps=CFG["OUTLIER_WARPS"])
     return out
