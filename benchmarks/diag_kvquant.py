@@ -12,8 +12,11 @@
     python benchmarks/diag_kvquant.py --model smollm2 tokens     # the worst-quantized p% of tokens kept in float
     python benchmarks/diag_kvquant.py --model smollm2 fisherclip --calib-seed 1   # k-means weights clipped
     python benchmarks/diag_kvquant.py --model smollm2 books      # a codebook per kv head / per channel
+    python benchmarks/diag_kvquant.py --model smollm2 wide --windows 64   # windows spread over the whole test set
 
-Each experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
+``wide`` evaluates float KV, nuq4-1% and nuq3-1% on --windows windows evenly spaced over the whole WikiText-2 test
+set instead of the first ones (the tables' first 8 windows of SmolLM2 are 4,096 tokens of one article). Each other
+experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
 (16) windows of --calib-seqlen tokens (seed 0). The variants that change code (slots, fisher) patch one function
 for their row and restore it. Prints one line a row.
@@ -175,6 +178,9 @@ def variants(experiment: str, full: KVSpec):
     if experiment == "tokens":
         return [(f"worst {p:.1%} of tokens in float", full, patched(KVQuantizer, "fake_quant", float_tokens(p)))
                 for p in (0.01, 0.02, 0.05)]
+    if experiment == "wide":
+        return [("float KV", None, none()), ("nuq4-1%", spec_of("kvquant-nuq4-1%"), none()),
+                ("nuq3-1%", spec_of("kvquant-nuq3-1%"), none())]
     if experiment == "calib":
         return [("float KV", None, none()), ("all", full, none())]
     if experiment == "pin":
@@ -214,16 +220,24 @@ def one_layer_at_a_time(formats, spec: KVSpec, ids, seqlen: int, limit: int, arg
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers",
-                                           "tokens", "fisherclip", "books"])
+                                           "tokens", "fisherclip", "books", "wide"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--calib-seed", type=int, default=0, help="the draw of calibration windows (0: the tables')")
+    ap.add_argument("--windows", type=int, default=64, help="wide: windows spread over the test set")
     args = ap.parse_args()
     limit, seqlen = WINDOWS[args.model]
     model, tok, _, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen, args.calib_seed)
     ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
+    if args.experiment == "wide":  # every k-th window, laid end to end: the evaluation's first windows are them
+        n = len(ids) // seqlen
+        picks = torch.linspace(0, n - 1, args.windows).round().long().unique().tolist()
+        ids = [t for i in picks for t in ids[i * seqlen:(i + 1) * seqlen]]
+        limit = len(picks)
+        print(f"{args.model}: {limit} windows of {seqlen} tokens, evenly spaced over {n} (test set {n * seqlen} "
+              "tokens)", flush=True)
     if args.experiment == "layers":
         return one_layer_at_a_time(formats, spec_of(args.preset), ids, seqlen, limit, args)
     for label, spec, patch in variants(args.experiment, spec_of(args.preset)):
