@@ -451,7 +451,8 @@ def test_kv_append_compiles_for_sm90(bits, per_token, k, e):
 @pytest.mark.parametrize("e", [64, 128])
 def test_prefill_kernels_compile_for_sm90(dtype, e):
     """The prefill's attention kernel (``attention_prefill``: GQA groups of 4, e = 64 / 128) and the quantized
-    cache's read (``kv_read`` and its outlier pass: paged, full RoPE, 20 outlier slots, 3- and 4-bit codes) compile for the H100 / H200."""
+    cache's read (``kv_read`` and its outlier pass: paged, full RoPE, 20 outlier slots, 3- and 4-bit codes) compile
+    for the H100 / H200."""
     pytest.importorskip("triton")
     from ssmq.kernels import attention_prefill as ap
     from ssmq.kernels import kv_read as kr
