@@ -12,10 +12,12 @@
     python benchmarks/diag_kvquant.py --model smollm2 tokens     # the worst-quantized p% of tokens kept in float
     python benchmarks/diag_kvquant.py --model smollm2 fisherclip --calib-seed 1   # k-means weights clipped
     python benchmarks/diag_kvquant.py --model smollm2 books      # a codebook per kv head / per channel
-    python benchmarks/diag_kvquant.py --model smollm2 wide --windows 64   # windows spread over the whole test set
+    python benchmarks/diag_kvquant.py --model smollm2 wide       # 64 windows spread over the whole test set
+    python benchmarks/diag_kvquant.py --model hybrid split --windows 64   # any experiment on such windows
 
-``wide`` evaluates float KV, nuq4-1% and nuq3-1% on --windows windows evenly spaced over the whole WikiText-2 test
-set instead of the first ones (the tables' first 8 windows of SmolLM2 are 4,096 tokens of one article). Each other
+``wide`` evaluates float KV, nuq4-1% and nuq3-1% on --windows (64) windows evenly spaced over the whole WikiText-2
+test set instead of the first ones (the tables' first 8 windows of SmolLM2 are 4,096 tokens of one article); any
+experiment takes --windows. Each other
 experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
 (16) windows of --calib-seqlen tokens (seed 0). The variants that change code (slots, fisher) patch one function
@@ -226,14 +228,16 @@ def main():
     ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--calib-seed", type=int, default=0, help="the draw of calibration windows (0: the tables')")
-    ap.add_argument("--windows", type=int, default=64, help="wide: windows spread over the test set")
+    ap.add_argument("--windows", type=int, default=0, help="evaluate on this many windows spread over the test set "
+                    "(0: the tables' first windows; wide: 64)")
     args = ap.parse_args()
     limit, seqlen = WINDOWS[args.model]
     model, tok, _, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen, args.calib_seed)
     ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
-    if args.experiment == "wide":  # every k-th window, laid end to end: the evaluation's first windows are them
+    spread = args.windows or (64 if args.experiment == "wide" else 0)
+    if spread:  # every k-th window, laid end to end: the evaluation's first windows are them
         n = len(ids) // seqlen
-        picks = torch.linspace(0, n - 1, args.windows).round().long().unique().tolist()
+        picks = torch.linspace(0, n - 1, spread).round().long().unique().tolist()
         ids = [t for i in picks for t in ids[i * seqlen:(i + 1) * seqlen]]
         limit = len(picks)
         print(f"{args.model}: {limit} windows of {seqlen} tokens, evenly spaced over {n} (test set {n * seqlen} "
