@@ -17,8 +17,7 @@
 
 ``wide`` evaluates float KV, nuq4-1% and nuq3-1% on --windows (64) windows evenly spaced over the whole WikiText-2
 test set instead of the first ones (the tables' first 8 windows of SmolLM2 are 4,096 tokens of one article); any
-experiment takes --windows. Each other
-experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
+experiment takes --windows. Each other experiment evaluates ``--preset`` (default kvquant-nuq3-1%) and its variants with run_kvquant_table.py's
 ``evaluate`` (SmolLM2: the first 8 test windows of 512 tokens; hybrid: 16 of 1024), calibrated on --calib-samples
 (16) windows of --calib-seqlen tokens (seed 0). The variants that change code (slots, fisher) patch one function
 for their row and restore it. Prints one line a row.
@@ -108,15 +107,8 @@ def grouped_books(group: str, sides: str = "kv"):
         side, tag = kvq.side(which), which[0]
         if tag not in sides or side.dtype != "nuq":
             return
-        p = kvq.params(which)
-        _, _, mask = calibrate.select_outliers(x, p)
-        if side.granularity == "per_token":
-            mid, half = calibrate.token_scales(x, mask, side.symmetric)
-            mid, half = mid.float()[..., None], half.float()[..., None]
-        else:
-            mid, half = calibrate.scales_of(None, p, x.device)
-        u = ((x - mid) / half).clamp(-1, 1)
-        book = p.codebook
+        u, mask = calibrate.normalized(kvq, which, x)
+        book = kvq.params(which).codebook
         books = book.expand(kvq.hkv, kvq.e, -1).clone()
         pin = side.granularity == "per_token"
         for h in range(kvq.hkv):
@@ -190,7 +182,7 @@ def variants(experiment: str, full: KVSpec):
                 ("key ends pinned at -1 / 1", full, patched(calibrate, "weighted_kmeans", pinned_kmeans))]
     if experiment == "books":
         def rows(label, group, sides):
-            return (label, full, contextlib.ExitStack() if group is None else _stack(
+            return (label, full, none() if group is None else _stack(
                 patched(calibrate, "fit_side", grouped_books(group, sides)),
                 patched(KVQuantizer, "fake_quant", grouped_fake_quant)))
         return [rows("one codebook a layer (the default)", None, ""), rows("a codebook per kv head", "head", "kv"),

@@ -146,6 +146,19 @@ def _outlier_scores(q, s_qh, qscale, mid, half, lut, oidx, oval, slot, hk, t, tm
 
 
 @triton.jit
+def _slot_scales(mid, half, slot, t, h, c, mask, s_ms, s_mt, E: tl.constexpr, PER_TOKEN: tl.constexpr):
+    """float32 (mid, half) at sparse slots' (token, kv head h, channel c), h and c (len(t), K): per-token scales
+    (s, L, hkv) of rows ``slot`` ((len(t), 1) or one) at tokens t, or per-channel ones (hkv, e)."""
+    if PER_TOKEN:
+        m = tl.load(mid + slot * s_ms + t[:, None] * s_mt + h, mask=mask, other=0.0).to(tl.float32)
+        hf = tl.load(half + slot * s_ms + t[:, None] * s_mt + h, mask=mask, other=0.0).to(tl.float32)
+    else:
+        m = tl.load(mid + h * E + c, mask=mask, other=0.0)
+        hf = tl.load(half + h * E + c, mask=mask, other=0.0)
+    return m, hf
+
+
+@triton.jit
 def _slot_residual(mid, half, lut, h, c, hit, val, slot, t, s_ms, s_mt, E: tl.constexpr, PER_TOKEN: tl.constexpr,
                    LEVELS: tl.constexpr):
     """(len(t), K) float32 val - x̂ at sparse-outlier slots (kv head h, channel c: (len(t), K), or h one head) where
@@ -153,12 +166,7 @@ def _slot_residual(mid, half, lut, h, c, hit, val, slot, t, s_ms, s_mt, E: tl.co
     under an outlier is the codebook's end on val's side (``ssmq.ops.kv_quant.outlier_codes``), so it comes from
     val >= mid, not from a gather of the packed code (a random byte load a slot, most of them DRAM sectors)."""
     c = tl.where(hit, c, 0)
-    if PER_TOKEN:
-        m = tl.load(mid + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
-        hf = tl.load(half + slot * s_ms + t[:, None] * s_mt + h, mask=hit, other=0.0).to(tl.float32)
-    else:
-        m = tl.load(mid + h * E + c, mask=hit, other=0.0)
-        hf = tl.load(half + h * E + c, mask=hit, other=0.0)
+    m, hf = _slot_scales(mid, half, slot, t, h, c, hit, s_ms, s_mt, E, PER_TOKEN)
     x = tl.where(val >= m, tl.load(lut + LEVELS - 1), tl.load(lut))
     return tl.where(hit, val - (m + hf * x), 0.0)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _inv_freq, _page, _tile, paging
+from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _inv_freq, _page, _slot_scales, _tile, paging
 from ssmq.ops.kv_quant import KVSideView
 
 # BT tokens a program of the read, BT_OUTLIERS of the outlier pass. H200, one Llama-3.1-8B layer at 32K tokens, K + V
@@ -117,14 +117,8 @@ def _outlier_kernel(out, codes, mid, half, lut, oidx, oval, slots, lens, table, 
         partner = tl.where(low, c + R // 2, a)
         # the partner's value: its slot's if it has one, else what its code gives (as ``kv_decode._tile``)
         code = _codes(codes + (pb * s_c0 + pt * s_c1)[:, None] + h * s_ch, partner, rot, BITS, E)
-        book = tl.load(lut + code, mask=rot, other=0.0)
-        if PER_TOKEN:
-            m = tl.load(mid + pb[:, None] * s_ms + pt[:, None] * s_mt + h, mask=rot, other=0.0).to(tl.float32)
-            hf = tl.load(half + pb[:, None] * s_ms + pt[:, None] * s_mt + h, mask=rot, other=0.0).to(tl.float32)
-        else:
-            m = tl.load(mid + h * E + partner, mask=rot, other=0.0)
-            hf = tl.load(half + h * E + partner, mask=rot, other=0.0)
-        xp = m + hf * book
+        m, hf = _slot_scales(mid, half, pb[:, None], pt, h, partner, rot, s_ms, s_mt, E, PER_TOKEN)
+        xp = m + hf * tl.load(lut + code, mask=rot, other=0.0)
         pf = h * E + partner
         for jj in range(SLOTS):
             fj = tl.load(oidx + srow + jj, mask=live, other=-1).to(tl.int32)

@@ -94,6 +94,19 @@ def _post_rope(x: torch.Tensor, mixer) -> torch.Tensor:
     return apply_rotary_ref(x, cos, sin)
 
 
+def normalized(kvq: KVQuantizer, which: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (N, hkv, e) as the side's codes see it, u in [-1, 1] (its range or each (token, head)'s scales, whose
+    ranges leave the outliers out), and the outlier mask (N, hkv, e) under the side's current range."""
+    side, p = kvq.side(which), kvq.params(which)
+    _, _, mask = select_outliers(x, p)
+    if side.granularity == "per_token":
+        mid, half = token_scales(x, mask, side.symmetric)
+        mid, half = mid.float()[..., None], half.float()[..., None]
+    else:
+        mid, half = scales_of(None, p, x.device)
+    return ((x - mid) / half).clamp(-1, 1), mask
+
+
 @torch.no_grad()
 def fit_side(kvq: KVQuantizer, which: str, x: torch.Tensor, fisher: torch.Tensor) -> None:
     """Offline range, codebook and Q-Norm of one side from samples x (N, hkv, e) and their Fisher (N, hkv, e)."""
@@ -111,14 +124,8 @@ def fit_side(kvq: KVQuantizer, which: str, x: torch.Tensor, fisher: torch.Tensor
         getattr(kvq, f"{tag}_hi").copy_(hi)
     if side.dtype != "nuq" and not side.qnorm:
         return
-    p = kvq.params(which)
-    _, _, mask = select_outliers(x, p)
-    mid, half = (token_scales(x, mask, side.symmetric) if side.granularity == "per_token"
-                 else scales_of(None, p, x.device))
-    if side.granularity == "per_token":
-        mid, half = mid.float()[..., None], half.float()[..., None]
-    u = ((x - mid) / half).clamp(-1, 1)[~mask]
-    w = fisher[~mask] + 1e-30
+    u, mask = normalized(kvq, which, x)
+    u, w = u[~mask], fisher[~mask] + 1e-30
     if u.numel() > MAX_KMEANS_SAMPLES:  # a fixed subsample keeps k-means cheap and deterministic
         keep = torch.randperm(u.numel(), generator=torch.Generator().manual_seed(0))[:MAX_KMEANS_SAMPLES]
         u, w = u[keep], w[keep]
