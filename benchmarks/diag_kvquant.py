@@ -30,7 +30,7 @@ import contextlib
 
 import torch
 
-from run_kvquant_table import evaluate, load_calibrated, spec_of
+from run_kvquant_table import evaluate, load_calibrated, spec_of, spread_windows
 
 import ssmq.models.kv_format as kv_format
 import ssmq.quant.kvquant.calibrate as calibrate
@@ -227,11 +227,9 @@ def main():
     model, tok, _, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen, args.calib_seed)
     ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
     spread = args.windows or (64 if args.experiment == "wide" else 0)
-    if spread:  # every k-th window, laid end to end: the evaluation's first windows are them
+    if spread:
         n = len(ids) // seqlen
-        picks = torch.linspace(0, n - 1, spread).round().long().unique().tolist()
-        ids = [t for i in picks for t in ids[i * seqlen:(i + 1) * seqlen]]
-        limit = len(picks)
+        ids, limit = spread_windows(ids, seqlen, spread)
         print(f"{args.model}: {limit} windows of {seqlen} tokens, evenly spaced over {n} (test set {n * seqlen} "
               "tokens)", flush=True)
     if args.experiment == "layers":

@@ -146,6 +146,14 @@ class KVFormats:
         return kvq.bits_per_token() / (2 * kvq.hkv * kvq.e)
 
 
+def spread_windows(ids: list[int], seqlen: int, n: int) -> tuple[list[int], int]:
+    """n windows of ``seqlen`` tokens evenly spaced over ``ids``, laid end to end (an evaluation's first windows
+    are then them), and how many distinct ones there are."""
+    total = len(ids) // seqlen
+    picks = torch.linspace(0, total - 1, n).round().long().unique().tolist()
+    return [t for i in picks for t in ids[i * seqlen:(i + 1) * seqlen]], len(picks)
+
+
 def evaluate(formats: KVFormats, spec: KVSpec | None, eval_ids: list[int], seqlen: int, limit: int | None,
              batch_size: int) -> dict:
     bits = formats.use(spec)
