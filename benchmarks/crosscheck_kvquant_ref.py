@@ -26,20 +26,17 @@ import argparse
 import datetime
 import importlib.util
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from run_kvquant_table import MODELS, evaluate, load_calibrated, spec_of, spread_windows
+from run_kvquant_table import MODELS, WINDOWS, evaluate, load_calibrated, spec_of, spread_windows
 
-from ssmq.eval.perplexity import wikitext2_path, windows
+from ssmq.eval.perplexity import perplexity_of_ids, wikitext2_path
 from ssmq.models.loading import resolve_model_path
 from ssmq.paths import shared_path
 
-WINDOWS = {"smollm2": (8, 512), "hybrid": (16, 1024)}
 # row -> (bits, nuq) of the reference; every row with 1% outliers and the float first token
 ROWS = {"kvquant-nuq4-1%": (4, True), "kvquant-nuq3-1%": (3, True), "kvquant-int3-1%": (3, False)}
 SPARSITY, FIRST_FEW = 0.99, 1
@@ -147,15 +144,20 @@ def install(ref, model, quantizers: dict, bits: int, nuq: bool) -> list:
     return handles
 
 
-@torch.no_grad()
+class Logits(torch.nn.Module):
+    """A transformers causal LM as perplexity_of_ids takes a model: input ids (b, l) -> logits (b, l, V)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(input_ids=x).logits
+
+
 def hf_perplexity(model, ids: list[int], seqlen: int, limit: int) -> float:
-    """exp of the mean next-token NLL over the first ``limit`` windows (as ssmq's perplexity_of_ids), batch 1."""
-    nll, n = 0.0, 0
-    for x in windows(ids, seqlen, limit):
-        logits = model(input_ids=x[None]).logits[0]
-        nll += F.cross_entropy(logits[:-1].float(), x[1:], reduction="sum").item()
-        n += x.numel() - 1
-    return math.exp(nll / n)
+    """ssmq's perplexity_of_ids over the transformers model, batch 1 (the reference's first-token rows)."""
+    return perplexity_of_ids(Logits(model), ids, seqlen, 1, limit, progress=False)["ppl"]
 
 
 def main():
@@ -174,7 +176,7 @@ def main():
     ref = load_reference(args.ref)
     torch.manual_seed(0)
 
-    ours, tok, calib, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen)
+    _, tok, calib, formats = load_calibrated(args.model, args.calib_samples, args.calib_seqlen)
     limit, seqlen = WINDOWS[args.model]
     ids = tok.encode(wikitext2_path("test").read_text(encoding="utf-8"))
     if args.windows:

