@@ -4,9 +4,11 @@ with the float16 KV cache against quantized KV formats, at a published config wi
     python benchmarks/bench_kv_e2e.py --model llama-3.1-8b --cases 1:131072,8:32768 \
         --kv fp16,fp16-ref,nuq4,nuq4-1%,nuq3-1%,nuq2-1%,nuq4-1%+ref --out DIR
 
-Rows (``--kv``): ``fp16`` the float16 cache, decoded by our flash-decoding kernel (``KVState.decode``);
-``fp16-ref`` the same cache through the prefix read + ``attention_ref`` (the model's float16 decode before
-2026-11-28); any KV preset name (``ssmq.quant.kv_formats``): every attention layer gets a ``KVQuantizer`` of the
+Rows (``--kv``): ``fp16`` the float16 cache, decoded by our flash-decoding kernel (``KVState.decode``: the fast
+kernel's float path, float16 tensor-core products);
+``fp16-first`` the same cache on the first-generation kernel (float32-exact 3xTF32 products: the float16
+decode before session 30, 2026-11-28; as SSMQ_KV_FAST=0); ``fp16-ref`` the same cache through the prefix read +
+``attention_ref`` (the model's float16 decode before 2026-11-28); any KV preset name (``ssmq.quant.kv_formats``): every attention layer gets a ``KVQuantizer`` of the
 format with placeholder codebooks and scales (speed, not accuracy), writes the new tokens with the fused
 quantize-and-append kernel (``kernels.kv_append``) and decodes through the LUT kernels; a name ending in ``+ref``
 (``nuq4-1%+ref``) writes them with the reference ops instead (as SSMQ_KV_FUSED_APPEND=0, the write before
@@ -46,7 +48,7 @@ from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
 
 def set_kv(model, kv: str) -> None:
     """Every attention layer caches in ``kv``: float16 (no quantizer) or a KV preset (placeholder quantizers)."""
-    if kv in ("fp16", "fp16-ref"):
+    if kv in ("fp16", "fp16-ref", "fp16-first"):
         for layer in model.layers:
             if hasattr(layer.mixer, "kv_quant"):
                 layer.mixer.kv_quant = None
@@ -116,12 +118,13 @@ def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, pro
     cfg = PUBLISHED[name]
     model = random_model(cfg, dtype=torch.float16)
     rows = []
-    kernel, fused = KVState.decode, dispatch._KV_FUSED_APPEND
+    kernel, fused, fast = KVState.decode, dispatch._KV_FUSED_APPEND, dispatch._KV_FAST
     for rows_, context in cases:
         for kv in tqdm(kvs, desc=f"{name} b{rows_} ctx {context}"):
             fmt = kv.removesuffix("+ref")
             set_kv(model, fmt)
             dispatch._KV_FUSED_APPEND = not kv.endswith("+ref")
+            dispatch._KV_FAST = kv != "fp16-first"
             KVState.decode = kernel if kv != "fp16-ref" else (lambda self, *a: None)
             r = {"model": name, "batch": rows_, "context": context, "kv": kv}
             try:
@@ -137,6 +140,7 @@ def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, pro
             finally:
                 KVState.decode = kernel
                 dispatch._KV_FUSED_APPEND = fused
+                dispatch._KV_FAST = fast
                 dec = None
                 gc.collect()
                 torch.cuda.empty_cache()

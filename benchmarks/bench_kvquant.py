@@ -4,6 +4,8 @@ Shape: a hybrid's attention layer (Bamba-9B / Nemotron-H-8B style: 32 query head
 full RoPE on keys cached before it), batch 1 (and --batch), one new token per row. Rows per context length:
     fp16 ours        ``kernels.kv_decode.float_kv_decode``: the quantized kernels' flash-decoding kernel over the
                      fp16 cache (keys post-RoPE), so that the comparison is kernel against kernel
+    fp16 fast        ``kernels.kv_decode_fast.float_kv_decode``: the fast kernel's float path (float16 tensor-core
+                     products, or CFG's FMA) over the same cache
     fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
     fp16 ref         ``ops.attention_ref`` (float32 copies, GQA by repeat_interleave): "fp16 ours" until issue 17
     kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_fast`` for the formats it serves, every
@@ -124,7 +126,7 @@ def timeit(fn, reps: int = 40, graph: bool = True, flush_l2: bool = True) -> flo
 
 
 def run(lengths: list[int], batch: int) -> list[dict]:
-    from ssmq.kernels import kv_decode, quant_kv_decode
+    from ssmq.kernels import kv_decode, kv_decode_fast, quant_kv_decode
     from ssmq.kernels.kv_decode import float_kv_decode
 
     rows = []
@@ -138,12 +140,15 @@ def run(lengths: list[int], batch: int) -> list[dict]:
         kv_mb = 2 * k16.numel() * 2 / 1e6
         r = {"context": L, "batch": batch, "fp16 KV MB": kv_mb, "fp16 limit ms": kv_mb / HBM_TBPS / 1e3}
         r["fp16 ours ms"] = timeit(lambda: float_kv_decode(q, slots, lens, k16, v16))
+        r["fp16 fast ms"] = timeit(lambda: kv_decode_fast.float_kv_decode(q, slots, lens, k16, v16))
         qs, ks, vs = q[:, :, None], k16.transpose(1, 2), v16.transpose(1, 2)  # (b, h, T, e)
         r["fp16 sdpa ms"] = timeit(lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True))
         r["fp16 ref ms"] = timeit(lambda: attention_ref(q[:, None], k16, v16, lens), graph=False)
         if L == lengths[0]:
             want = attention_ref(q.float()[:, None], k16.float(), v16.float(), lens)[:, 0]
             r["fp16 ours max err"] = float((float_kv_decode(q, slots, lens, k16, v16) - want).abs().max())
+            r["fp16 fast max err"] = float((kv_decode_fast.float_kv_decode(q, slots, lens, k16, v16) - want).abs()
+                                           .max())
         del k16, v16, ks, vs
         for label, bits, (ko, vo) in QUANT_ROWS:
             K, V = quant_cache(batch, L, ko, vo, gen, bits)
@@ -167,7 +172,7 @@ def plot(rows: list[dict], path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     x = [r["context"] for r in rows]
-    for key in ("fp16 ours", "fp16 sdpa", *(label for label, _, _ in QUANT_ROWS)):
+    for key in ("fp16 ours", "fp16 fast", "fp16 sdpa", *(label for label, _, _ in QUANT_ROWS)):
         ax.plot(x, [r[f"{key} ms"] for r in rows], marker="o", label=key, ls=":" if key.endswith("1%") else "-")
     for key in ("fp16", "kvquant 4-bit", "kvquant 2-bit"):
         ax.plot(x, [r[f"{key} limit ms"] for r in rows], ls="--", label=f"{key} bytes at {HBM_TBPS} TB/s")
@@ -188,8 +193,8 @@ def set_cfg(text: str) -> None:
 
 
 def sweep(cfgs: list[str], lengths: list[int], batch: int, bits: tuple[int, ...] = (4,)) -> list[dict]:
-    """The kvquant rows' times (codes of ``bits``, without and with outliers) under each launch setting of ``cfgs``
-    (each "KEY=VALUE,..." over the CFG found)."""
+    """The fp16 cache on the fast kernel and the kvquant rows (codes of ``bits``, without and with outliers): their
+    times under each launch setting of ``cfgs`` (each "KEY=VALUE,..." over the CFG found)."""
     from ssmq.kernels import kv_decode_fast as kv_decode
     from ssmq.kernels import quant_kv_decode
 
@@ -198,20 +203,28 @@ def sweep(cfgs: list[str], lengths: list[int], batch: int, bits: tuple[int, ...]
     for L in lengths:
         q = torch.randn(batch, HQ, E, generator=gen, device=DEV, dtype=torch.float16)
         slots, lens = torch.arange(batch, device=DEV), torch.full((batch,), L, device=DEV)
-        for label, b, (ko, vo) in (r for r in QUANT_ROWS if r[1] in bits):
-            K, V = quant_cache(batch, L, ko, vo, gen, b)
+        k16 = torch.randn(batch, L, HKV, E, generator=gen, device=DEV, dtype=torch.float16)
+        # the fp16 cache through the fast kernel's float path, then the kvquant rows (caches made one at a time)
+        cases = [("fp16 fast", lambda: (k16, torch.randn_like(k16)), lambda K, V: kv_decode.float_kv_decode(
+            q, slots, lens, K, V))]
+        cases += [(label, lambda b=b, ko=ko, vo=vo: quant_cache(batch, L, ko, vo, gen, b),
+                   lambda K, V: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+                  for label, b, (ko, vo) in QUANT_ROWS if b in bits]
+        for label, make, fn in cases:
+            K, V = make()
             for cfg in cfgs:
                 kv_decode.CFG.clear()
                 kv_decode.CFG.update(base)
                 set_cfg(cfg)
                 r = {"context": L, "row": label, "cfg": cfg}
                 try:  # a setting this Triton cannot compile is a row with its error, not the end of the sweep
-                    r["ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+                    r["ms"] = timeit(lambda: fn(K, V))
                 except Exception as exc:  # noqa: BLE001
                     r["ms"], r["error"] = math.nan, f"{type(exc).__name__}: {str(exc)[:200]}"
                 print(json.dumps(r), flush=True)
                 out.append(r)
             del K, V
+        del k16
     kv_decode.CFG.clear()
     kv_decode.CFG.update(base)
     return out
@@ -246,7 +259,8 @@ def main():
         json.dumps({"meta": meta, "rows": rows, "sweep": swept}, indent=2))
     plot(rows, out / f"kvquant_kernels_b{args.batch}.png")
     for r in rows:
-        print(f"{r['context']:>7} | ours {r['fp16 ours ms']:.3f} | sdpa {r['fp16 sdpa ms']:.3f} | "
+        print(f"{r['context']:>7} | ours {r['fp16 ours ms']:.3f} | fast {r['fp16 fast ms']:.3f} | "
+              f"sdpa {r['fp16 sdpa ms']:.3f} | "
               f"ref {r['fp16 ref ms']:.3f} | fp16 limit {r['fp16 limit ms']:.3f} | "
               + " | ".join(f"{label.removeprefix('kvquant ')} {r[f'{label} ms']:.3f} "
                            f"(limit {r[f'{label} limit ms']:.3f})" for label, _, _ in QUANT_ROWS) + " ms")

@@ -7,6 +7,8 @@ decode (kv_decode) kernels.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -430,6 +432,25 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots, bs):
                                 aligned=aligned).asm["ptx"]
             # a slot's 4 query heads are contiguous in sc and ws (heads innermost): one vector atomic a slot
             assert "red.global.gpu.relaxed.add.v4.f32" in ptx and "red.global.gpu.relaxed.add.f32" not in ptx
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_fast_float_kv_decode_compiles_for_sm90(dtype):
+    """kv_decode_fast over a float16 / bfloat16 cache (the models' float KV decode): tensor-core products in the
+    cache's dtype (bf16 MMAs for a bfloat16 cache, not a float16 round trip)."""
+    from ssmq.kernels import kv_decode_fast as kf
+
+    pointers = {"q": dtype, "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
+                "table": "i64", "sc": dtype, "kc": dtype, "kmid": dtype, "khalf": dtype, "klut": dtype, "koi": dtype,
+                "kov": dtype, "ksink": dtype, "vc": dtype, "vmid": dtype, "vhalf": dtype, "vlut": dtype, "voi": dtype,
+                "vov": dtype, "vsink": dtype}
+    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8, KLEVELS=1,
+                 VLEVELS=1)
+    const = dict(kf.constexprs(4, 128, 0, 0, flags, kf.CFG["BLOCK_T"], False), BS=0)
+    ptx = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=kf.CFG["num_warps"],
+                        num_stages=kf.CFG["num_stages"]).asm["ptx"]
+    mmas = set(re.findall(r"mma\.sync[\w.]*", ptx))
+    assert mmas == {f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype[:2]}16.{dtype[:2]}16.f32".replace("fp", "f")}
 
 
 @pytest.mark.parametrize("bits,per_token,k,e", [(4, False, 20, 128), (4, True, 10, 128), (3, False, 20, 128),

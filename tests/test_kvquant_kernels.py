@@ -222,6 +222,38 @@ def test_float_kv_decode_reads_a_paged_cache_in_place(k, block_size):
     torch.testing.assert_close(ref, want.cpu(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_fast_float_kv_decode_equals_attention_reference(kf, dtype, paged):
+    """``kv_decode_fast.float_kv_decode``: the fast kernel over a float16 / bfloat16 cache (products in its dtype),
+    dense and paged, ragged rows (1 token to the whole capacity), several splits; float32 caches refused."""
+    from ssmq.ops.attention import attention_ref
+
+    if dtype == torch.bfloat16 and DEV == "cpu":
+        pytest.skip("the interpreter computes through numpy, which has no bfloat16")
+    gen = torch.Generator().manual_seed(4)
+    s, L, hkv, e, b, hq, bs = 5, 96, 2, 64, 3, 8, 32
+    kc, vc = (torch.randn(s, L, hkv, e, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(b, hq, e, generator=gen).to(dtype).to(DEV)
+    slots = torch.randperm(s, generator=gen)[:b]
+    lens = torch.tensor([L, 1, 37])
+    want = attention_ref(q.float().cpu()[:, None], kc[slots].float(), vc[slots].float(), lens)[:, 0]
+    table = None
+    if paged:  # each slot's blocks shuffled in a pool, block 0 the null block
+        table = (1 + torch.randperm(s * (L // bs), generator=gen)).view(s, L // bs)
+        pool = lambda c: torch.cat([c[:1, :bs] * 0, c.view(s * (L // bs), bs, hkv, e)])[  # noqa: E731
+            torch.cat([torch.tensor([0]), table.flatten().argsort() + 1])]
+        kc, vc = pool(kc), pool(vc)
+        table = table.to(DEV)
+    got = kf.float_kv_decode(q, slots.to(DEV), lens.to(DEV), kc.to(DEV), vc.to(DEV), splits=3, block_table=table)
+    tol = 3e-3 if dtype == torch.float16 else 2e-2  # q and p rounded to the cache's dtype (8 bits of bfloat16)
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+    from ssmq.errors import SSMQError
+
+    with pytest.raises(SSMQError, match="float16 / bfloat16 caches"):
+        kf.float_kv_decode(q, slots.to(DEV), lens.to(DEV), kc.float().to(DEV), vc.float().to(DEV))
+
+
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("splits", [None, 1])
 def test_fast_kernel_reads_a_paged_cache_in_place(kf, block_size, splits):

@@ -92,11 +92,11 @@ def test_float_cache_decode_through_the_kernel_equals_the_reference(paged, arch,
 
     import ssmq.models.paged_kv as paged_kv
     import ssmq.models.state as state
-    from ssmq.kernels import kv_decode
+    from ssmq.kernels import kv_decode_fast
 
     model = tiny_model(arch, seed=3).to(DEV, dtype if DEV == "cuda" else torch.float32)
-    if DEV == "cpu":  # the kernel itself, not the dispatch's CPU reference; the eligibility as on CUDA
-        monkeypatch.setattr(state.kernels, "float_kv_decode", kv_decode.float_kv_decode)
+    if DEV == "cpu":  # the kernel the dispatch picks on CUDA (head dim 32), not its CPU reference; the eligibility too
+        monkeypatch.setattr(state.kernels, "float_kv_decode", kv_decode_fast.float_kv_decode)
         eligible = lambda k, rope: rope is None and k.dtype == torch.float16  # noqa: E731
         monkeypatch.setattr(state, "kernel_decodes", eligible)
         monkeypatch.setattr(paged_kv, "kernel_decodes", eligible)

@@ -329,21 +329,25 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     return impl(x, x_scale, per_token, dtype)
 
 
-# SSMQ_KV_FAST=0 keeps every quantized KV format on the first-generation decode kernel (A/B timing); by default the
-# formats the fast kernel serves exactly (2-4 bit codes, head dims % 32, rotary dims % 16) take it on CUDA.
+# SSMQ_KV_FAST=0 keeps every KV cache on the first-generation decode kernel (A/B timing); by default the quantized
+# formats the fast kernel serves exactly (2-4 bit codes, head dims % 32, rotary dims % 16) and float16 / bfloat16
+# caches take it on CUDA.
 _KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
 
 
 def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, block_table=None):
     """Decode attention of one query per row, q (b, hq, e), over a float KV cache k_cache, v_cache (s, L, hkv, e)
     (keys post-RoPE), rows ``slots`` valid up to ``kv_lens`` (b,): (b, hq, e) float32; or over block pools
-    (N, B, hkv, e) with ``block_table`` (s, M) (``kv_decode.float_kv_decode``). The flash-decoding kernel of
-    ``kv_decode`` on CUDA (it reads the lengths on the device: no host sync); ``attention_ref`` elsewhere."""
+    (N, B, hkv, e) with ``block_table`` (s, M) (``kv_decode.float_kv_decode``). On CUDA a flash-decoding kernel
+    that reads the lengths on the device (no host sync): ``kv_decode_fast``'s for float16 / bfloat16 caches of head
+    dims 32, 64, 128, ... (tensor-core products in the cache's dtype; ``SSMQ_KV_FAST=0`` keeps the other), else
+    ``kv_decode``'s (float32-exact products); ``attention_ref`` elsewhere."""
     if not _use_triton(q):
         k, v = (_cache_rows(c, slots, block_table).float() for c in (k_cache, v_cache))
         return ops.attention_ref(q[:, None].float(), k, v, kv_lens, softmax_scale)[:, 0]
-    return _kernels("kv_decode").float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale,
-                                                 block_table=block_table)
+    fast = _kernels("kv_decode_fast")
+    impl = fast if _KV_FAST and fast.float_eligible(k_cache) else _kernels("kv_decode")
+    return impl.float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale, block_table=block_table)
 
 
 def prefill_attention(q, k, v, kv_lens=None, softmax_scale=None, slots=None, block_table=None):

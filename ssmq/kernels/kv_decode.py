@@ -495,6 +495,20 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     return _launch(q, slots, kv_lens, *quant_args(k, v), rotary_dim, theta, softmax_scale, splits)
 
 
+def float_args(k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """A float cache as the decode kernels' sides (``quant_args``' form): no codebook, scales, outliers or sink (their
+    pointers are never read)."""
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    none = k_cache.new_empty(1, 0, 1, 1)
+    kt = (k_cache, k_cache, k_cache, k_cache, k_cache, k_cache)
+    vt = (v_cache, v_cache, v_cache, v_cache, v_cache, v_cache)
+    ks = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0, 0, 0, 0)
+    vs = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0, 0, 0)
+    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8, KLEVELS=1,
+                 VLEVELS=1)
+    return kt, ks, vt, vs, (none, none), flags
+
+
 def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, softmax_scale: float | None = None,
                     splits: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
@@ -502,13 +516,6 @@ def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     for k_cache, v_cache (s, L, hkv, e) (keys post-RoPE; channels contiguous), q (b, hq, e) → (b, hq, e) float32.
     With ``block_table`` (s, M) the caches are block pools (N, B, hkv, e) (``ssmq.models.paged_kv``): token t of
     row i at block block_table[slots[i], t // B], offset t % B, read in place (no copy of the rows' prefix)."""
-    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    none = k_cache.new_empty(1, 0, 1, 1)  # no sink; the LUT / scale / outlier pointers are never read
-    kt = (k_cache, k_cache, k_cache, k_cache, k_cache, k_cache)
-    vt = (v_cache, v_cache, v_cache, v_cache, v_cache, v_cache)
-    ks = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0, 0, 0, 0)
-    vs = (v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0, 0, 0)
-    flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8, KLEVELS=1,
-                 VLEVELS=1)
-    return _launch(q, slots, kv_lens, kt, ks, vt, vs, (none, none), flags, 0, 10000.0, softmax_scale, splits,
+    kt, ks, vt, vs, sinks, flags = float_args(k_cache, v_cache)
+    return _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, 0, 10000.0, softmax_scale, splits,
                    block_table=block_table)

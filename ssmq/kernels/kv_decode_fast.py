@@ -64,8 +64,8 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
-                                    _slot_residual, _sm_count, _split_chunk, _split_range, _store_split, paging,
-                                    quant_args)
+                                    _slot_residual, _sm_count, _split_chunk, _split_range, _store_split, float_args,
+                                    paging, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
@@ -241,6 +241,39 @@ def _scales(mid, half, slot, hk, t, tmask, c, cmask, s_ms, s_mt, E: tl.constexpr
 
 
 @triton.jit
+def _mma_operand(x):
+    """x as a tensor-core operand: a bfloat16 tile (a bfloat16 float cache) stays, anything else becomes float16."""
+    if x.dtype != tl.bfloat16:
+        x = x.to(tl.float16)
+    return x
+
+
+@triton.jit
+def _as_operand(x, cache):
+    """x in the dtype ``_mma_operand`` gives the tiles read from pointer ``cache`` (bfloat16 for a bfloat16 cache)."""
+    if cache.dtype.element_ty == tl.bfloat16:
+        x = x.to(tl.bfloat16)
+    else:
+        x = x.to(tl.float16)
+    return x
+
+
+@triton.jit
+def _qk(q, k, s):
+    """s + q · kᵀ for q (GP, C), k (T, C): (GP, T) float32, a tensor-core product in ``_mma_operand(k)``'s dtype.
+    (CUDA-core float32 multiply-adds instead measured 2-7x slower: H200, 2026-11-28, ``bench_kvquant.py --sweep``.)"""
+    k = _mma_operand(k)
+    return tl.dot(q.to(k.dtype), tl.trans(k), s)
+
+
+@triton.jit
+def _pv(p, v, acc):
+    """acc + p · v for p (GP, T), v (T, E): (GP, E) float32, as ``_qk``."""
+    v = _mma_operand(v)
+    return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
 def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, t, tmask, cos,
                 sin, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr, FLOAT: tl.constexpr,
                 BITS: tl.constexpr, ASM: tl.constexpr):
@@ -261,16 +294,16 @@ def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw
                                  ASM, E).to(tl.float32)
             kb = mb + hb * _book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
                                  ASM, E).to(tl.float32)
-        s = tl.dot(qa, tl.trans((ka * cos - kb * sin).to(tl.float16)), s)
-        s = tl.dot(qb, tl.trans((kb * cos + ka * sin).to(tl.float16)), s)
+        s = _qk(qa, ka * cos - kb * sin, s)
+        s = _qk(qb, kb * cos + ka * sin, s)
     if R < E:
         pm = cp < E - R
         if FLOAT:
-            kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0).to(tl.float16)
+            kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0)
         else:
-            kp = (mp + hp * _book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                                  ASM, E).to(tl.float32)).to(tl.float16)
-        s = tl.dot(qp, tl.trans(kp), s)
+            kp = mp + hp * _book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
+                                 ASM, E).to(tl.float32)
+        s = _qk(qp, kp, s)
     return s
 
 
@@ -334,10 +367,10 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
     hm = rmask[:, None] & (ch < R // 2)[None, :]
     qa32 = tl.load(qrow + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
     qb32 = tl.load(qrow + R // 2 + ch[None, :], mask=hm, other=0.0).to(tl.float32) * qscale
-    qa = qa32.to(tl.float16)
-    qb = qb32.to(tl.float16)
-    qp = (tl.load(qrow + R + cp[None, :], mask=rmask[:, None] & (cp < E - R)[None, :], other=0.0).to(tl.float32)
-          * qscale).to(tl.float16)
+    qa = _as_operand(qa32, kc)  # the products' dtype (``_mma_operand``), once
+    qb = _as_operand(qb32, kc)
+    qp = _as_operand(tl.load(qrow + R + cp[None, :], mask=rmask[:, None] & (cp < E - R)[None, :], other=0.0)
+                     .to(tl.float32) * qscale, kc)
     freq = tl.load(inv_freq + ch, mask=ch < R // 2, other=0.0)
     j = tl.arange(0, BLOCK_T)
     if ROPE_SPLIT:  # R(t0 θ + j θ) = R(t0 θ) R(j θ): keys turn by j θ (this table, the same every tile), the
@@ -360,8 +393,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
                             True, KBITS, KASM)
             m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
             v = tl.load(vsink + slot * vs_s + t[:, None] * vs_t + hk * vs_h + e[None, :], mask=tmask[:, None],
-                        other=0.0).to(tl.float16)
-            acc = tl.dot(p.to(tl.float16), v, acc)
+                        other=0.0)
+            acc = _pv(p, v, acc)
     # per-channel scales, the same every tile (``_scales``); per-token ones are loaded a tile
     kma, kha, kmb, khb, kmp, khp, vm, vh = 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0
     if not FLOAT and not K_PER_TOKEN:
@@ -385,8 +418,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
             pb, pt = _page(table, s_tab, slot, t, tmask, BS)
         if ROPE_SPLIT:  # q · R(t0 + j) k = (R(t0)ᵀ q) · (R(j) k), exact; R(t0)ᵀ q: (g, r/2) work a tile
             c0, s0 = _cos_sin((start * 1.0) * freq, FAST)
-            ua = (qa32 * c0[None, :] + qb32 * s0[None, :]).to(tl.float16)
-            ub = (qb32 * c0[None, :] - qa32 * s0[None, :]).to(tl.float16)
+            ua = _as_operand(qa32 * c0[None, :] + qb32 * s0[None, :], kc)
+            ub = _as_operand(qb32 * c0[None, :] - qa32 * s0[None, :], kc)
             cos, sin = cj, sj
         elif R > 0:
             ua, ub = qa, qb
@@ -411,18 +444,17 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
         acc = acc * alpha[:, None]
         vrows = vc + (pb * v_s + pt * v_t)[:, None] + hk * v_h
         if FLOAT:
-            acc = tl.dot(p.to(tl.float16), tl.load(vrows + e[None, :], mask=tmask[:, None], other=0.0)
-                         .to(tl.float16), acc)
+            acc = _pv(p, tl.load(vrows + e[None, :], mask=tmask[:, None], other=0.0), acc)
         else:
             B = _book(vrows, 0, E, E, tmask, vlut, vw0, vw1, vw2, vw3, vw4, vw5, vw6, vw7, VBITS, VASM, E)
             if V_PER_TOKEN:  # Σ_t p_t (m_t + h_t B_t): the scales go to p, the tile stays B
                 mv = tl.load(vmid + pb * v_ms + pt * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 hv = tl.load(vhalf + pb * v_ms + pt * v_mt + hk, mask=tmask, other=0.0).to(tl.float32)
                 lm = lm * alpha + tl.sum(p * mv[None, :], 1)
-                acc = tl.dot((p * hv[None, :]).to(tl.float16), B, acc)
+                acc = _pv(p * hv[None, :], B, acc)
             else:
                 lm = lm * alpha
-                acc = tl.dot(p.to(tl.float16), (vm + vh * B.to(tl.float32)).to(tl.float16), acc)
+                acc = _pv(p, vm + vh * B.to(tl.float32), acc)
         if AHEAD:
             pb, pt = nb, nt
 
@@ -618,3 +650,24 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
                   _decode_kernel, CFG, constexprs, extra=(sc, *c_strides),
                   before_combine=value_outliers if vo else None, block_table=block_table)
     return out
+
+
+def float_eligible(k_cache: torch.Tensor) -> bool:
+    """Float caches this kernel serves: float16 / bfloat16, head dims that are powers of two from 32 (``MIN_DIM``-wide
+    products). float32 caches keep the first kernel's float32-exact products."""
+    e = k_cache.shape[-1]
+    return k_cache.dtype in (torch.float16, torch.bfloat16) and e >= MIN_DIM and e & (e - 1) == 0
+
+
+def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, softmax_scale: float | None = None, splits: int | None = None,
+                    block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """``kv_decode.float_kv_decode`` (same contract: keys post-RoPE, (s, L, hkv, e) caches or block pools) on this
+    kernel: tensor-core products in the cache's dtype (float16 or bfloat16; p and q rounded to it, as flash
+    attention does), 3x faster than that kernel's float32-exact 3xTF32 products at 128K tokens (H200, 2026-11-28)."""
+    if not float_eligible(k_cache):
+        raise SSMQError("the fast KV decode kernel serves float16 / bfloat16 caches of head dims 32, 64, 128, ... (not "
+                        f"{k_cache.dtype} x {k_cache.shape[-1]}); use ssmq.kernels.kv_decode")
+    kt, ks, vt, vs, sinks, flags = float_args(k_cache, v_cache)
+    return _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, 0, 10000.0, softmax_scale, splits,
+                   _decode_kernel, CFG, constexprs, extra=(q, 0, 0), block_table=block_table)
