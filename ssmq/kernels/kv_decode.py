@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+from fractions import Fraction
 
 import torch
 import triton
@@ -398,13 +399,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def default_splits(b: int, hkv: int, capacity: int, device: torch.device, block_t: int, cfg: dict | None = None) -> int:
+def default_splits(b: int, hkv: int, capacity: int, device: torch.device, block_t: int, cfg: dict | None = None,
+                   resident: int = 0) -> int:
     """Splits a row's tokens get: WAVES programs an SM over b·hkv·P, at most one per MIN_TILES tiles of the
     cache's capacity (the rows' lengths stay on the GPU: they divide into the splits there); ``cfg``: the launch
-    settings holding WAVES and MIN_TILES (default this kernel's)."""
+    settings holding WAVES and MIN_TILES (default this kernel's). ``resident``: programs of the kernel an SM holds at
+    once; given, P is moved to whole rounds of them (``whole_rounds``)."""
     cfg = cfg or CFG
     fill = triton.cdiv(cfg["WAVES"] * _sm_count(device), b * hkv)
+    if resident:
+        fill = whole_rounds(fill, b * hkv, resident * _sm_count(device))
     return max(1, min(fill, triton.cdiv(capacity, block_t * cfg["MIN_TILES"])))
+
+
+def whole_rounds(fill: int, pairs: int, slots: int) -> int:
+    """The split count P in [fill / 2, 2 fill] whose pairs · P programs leave the least of their last round of
+    ``slots`` resident programs idle (ties: the nearest to fill, then the fewer). A latency-bound decode takes a
+    round's time whether the round is full or not: b = 8 rows × 8 kv heads at 2 programs an SM of 132 made 9 splits,
+    576 programs, 2.2 rounds run as 3; 8 splits are 512, 1.94 rounds run as 2 (H200, 2026-11-28: twice the splits,
+    4.1 rounds in 5, were already 15% faster than 9, ``s30_occupancy_sweep_b8.log``)."""
+    def key(p):
+        rounds = -(-pairs * p // slots)
+        return Fraction(rounds * slots, pairs * p), abs(p - fill), p
+    return min(range(max(1, fill // 2), 2 * fill + 1), key=key)
 
 
 def _side(v: KVSideView):
@@ -430,8 +447,9 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
     ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and the ``extra`` ones after ws).
     ``before_combine(ws, splits)``: run between the two (it may add to the splits' outputs in ws); it takes at least
-    two splits. ``cfg`` may also set WARPS_OUTLIERS, STAGES_OUTLIERS, MAXNREG and MAXNREG_OUTLIERS (a register cap),
-    for sweeps (``bench_kvquant.py --sweep``). ``block_table`` (slots, M): kt / vt are block pools (N, B, hkv, e)
+    two splits. ``cfg`` may also set RESIDENT (programs an SM: quantized caches then take whole rounds of splits,
+    ``default_splits``) and, for sweeps (``bench_kvquant.py --sweep``), WARPS_OUTLIERS, STAGES_OUTLIERS, MAXNREG and
+    MAXNREG_OUTLIERS (a register cap). ``block_table`` (slots, M): kt / vt are block pools (N, B, hkv, e)
     (this module's kernel: float caches; ``kv_decode_fast``'s: any)."""
     b, hq, e = q.shape
     codes = kt[0]
@@ -447,7 +465,8 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     stages = cfg.get("STAGES_OUTLIERS", cfg["num_stages"]) if outliers else cfg["num_stages"]
     regs = cfg.get("MAXNREG_OUTLIERS", cfg.get("MAXNREG")) if outliers else cfg.get("MAXNREG")
     cap = {"maxnreg": regs} if regs else {}  # a register cap: more programs an SM, perhaps spills
-    splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg)
+    resident = 0 if flags["FLOAT"] else cfg.get("RESIDENT", 0)  # float caches are bound by bytes, not rounds
+    splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg, resident)
     splits = max(splits, 2) if before_combine else splits
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)

@@ -79,7 +79,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16)
+           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16, RESIDENT=2)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
@@ -91,6 +91,9 @@ MIN_DIM = 32
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
 # products' M itself). H200, 2026-11-27 (`time_kv_outlier_parts.py`, 128K tokens, 4-bit): 16 -> 4 took the
 # no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979.
+# RESIDENT: programs of the quantized decode an SM holds (236 registers a thread at 4 warps with Triton 3.6 on
+# sm_90: 2); the split count fills whole rounds of them (``kv_decode.whole_rounds``). Float caches keep WAVES alone
+# (bound by bytes: twice the splits at batch 8 did not help them, H200, 2026-11-28)
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
 # PTX: numpy's trig and a gathered LUT there
 
