@@ -8,8 +8,9 @@ Rows (``--kv``): ``fp16`` the float16 cache, decoded by our flash-decoding kerne
 kernel's float path, float16 tensor-core products);
 ``fp16-first`` the same cache on the first-generation kernel (float32-exact 3xTF32 products: the float16
 decode before session 30, 2026-11-28; as SSMQ_KV_FAST=0); ``fp16-ref`` the same cache through the prefix read +
-``attention_ref`` (the model's float16 decode before 2026-11-28); any KV preset name (``ssmq.quant.kv_formats``): every attention layer gets a ``KVQuantizer`` of the
-format with placeholder codebooks and scales (speed, not accuracy), writes the new tokens with the fused
+``attention_ref`` (the model's float16 decode before 2026-11-28); any KV preset name (``ssmq.quant.kv_formats``):
+every attention layer gets a ``KVQuantizer`` of the format with placeholder codebooks and scales (speed, not
+accuracy), writes the new tokens with the fused
 quantize-and-append kernel (``kernels.kv_append``) and decodes through the LUT kernels; a name ending in ``+ref``
 (``nuq4-1%+ref``) writes them with the reference ops instead (as SSMQ_KV_FUSED_APPEND=0, the write before
 2026-11-28). A case

@@ -2,10 +2,11 @@
 
 Shape: a hybrid's attention layer (Bamba-9B / Nemotron-H-8B style: 32 query heads, 8 KV heads, head dim 128,
 full RoPE on keys cached before it), batch 1 (and --batch), one new token per row. Rows per context length:
-    fp16 ours        ``kernels.kv_decode.float_kv_decode``: the quantized kernels' flash-decoding kernel over the
-                     fp16 cache (keys post-RoPE), so that the comparison is kernel against kernel
+    fp16 ours        ``kernels.kv_decode.float_kv_decode``: the first-generation kernel's float path over the fp16
+                     cache (keys post-RoPE; float32-exact 3xTF32 products): the models' float16 decode until session 30
     fp16 fast        ``kernels.kv_decode_fast.float_kv_decode``: the fast kernel's float path (float16 tensor-core
-                     products, or CFG's FMA) over the same cache
+                     products) over the same cache, the models' float16 decode since session 30 (2026-11-28): the
+                     float16 row the kvquant rows are to be read against
     fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
     fp16 ref         ``ops.attention_ref`` (float32 copies, GQA by repeat_interleave): "fp16 ours" until issue 17
     kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_fast`` for the formats it serves, every

@@ -43,7 +43,8 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
 divided among the P splits in the kernel, so there is no host sync, and no torch op between the kernels.
-``float_kv_decode`` is the same kernel over a float cache (FLOAT: keys post-RoPE, no LUT, outliers or sink).
+``float_kv_decode`` is the same kernel over a float16 / bfloat16 cache (FLOAT: keys post-RoPE, no LUT, outliers or
+sink; products in the cache's dtype), the models' float KV decode since session 30 (2026-11-28).
 Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a side's constexpr) and unrotated;
 other formats take the reference.
 
@@ -53,7 +54,8 @@ accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the reference r
 apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the reference's own rounding is from t θ). A score
 then moves by about u·scale·sqrt(Σ_c (q_c k_c)²) (random rounding), the output by that times the spread of v: ~1e-3
 of |v| for unit-variance data; tests compare at rtol = atol = 3e-3 (the former 3xTF32 kernel: 1e-4), far below what
-2-4 bit codes change (KVQuant nuq4: ~1e-1 relative error a value).
+2-4 bit codes change (KVQuant nuq4: ~1e-1 relative error a value). A float16 cache: q and p rounded to float16
+(as flash attention rounds them), within 3e-3 of the reference; a bfloat16 cache: to bfloat16 (u = 2^-8), 2e-2.
 """
 
 from __future__ import annotations
