@@ -450,7 +450,8 @@ def test_fast_float_kv_decode_compiles_for_sm90(dtype):
     ptx = _compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=kf.CFG["num_warps"],
                         num_stages=kf.CFG["num_stages"]).asm["ptx"]
     mmas = set(re.findall(r"mma\.sync[\w.]*", ptx))
-    assert mmas == {f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype[:2]}16.{dtype[:2]}16.f32".replace("fp", "f")}
+    ty = {"fp16": "f16", "bf16": "bf16"}[dtype]  # PTX's names
+    assert mmas == {f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"}
 
 
 @pytest.mark.parametrize("bits,per_token,k,e", [(4, False, 20, 128), (4, True, 10, 128), (3, False, 20, 128),

@@ -233,19 +233,17 @@ def test_fast_float_kv_decode_equals_attention_reference(kf, dtype, paged):
         pytest.skip("the interpreter computes through numpy, which has no bfloat16")
     gen = torch.Generator().manual_seed(4)
     s, L, hkv, e, b, hq, bs = 5, 96, 2, 64, 3, 8, 32
-    kc, vc = (torch.randn(s, L, hkv, e, generator=gen).to(dtype) for _ in range(2))
+    # a cache of s slots, or a pool of 1 + s·L/bs blocks (block 0 the null block) and each slot's blocks, shuffled
+    table = (1 + torch.randperm(s * (L // bs), generator=gen)).view(s, L // bs) if paged else None
+    shape = (1 + s * (L // bs), bs, hkv, e) if paged else (s, L, hkv, e)
+    kc, vc = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
     q = torch.randn(b, hq, e, generator=gen).to(dtype).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b]
     lens = torch.tensor([L, 1, 37])
-    want = attention_ref(q.float().cpu()[:, None], kc[slots].float(), vc[slots].float(), lens)[:, 0]
-    table = None
-    if paged:  # each slot's blocks shuffled in a pool, block 0 the null block
-        table = (1 + torch.randperm(s * (L // bs), generator=gen)).view(s, L // bs)
-        pool = lambda c: torch.cat([c[:1, :bs] * 0, c.view(s * (L // bs), bs, hkv, e)])[  # noqa: E731
-            torch.cat([torch.tensor([0]), table.flatten().argsort() + 1])]
-        kc, vc = pool(kc), pool(vc)
-        table = table.to(DEV)
-    got = kf.float_kv_decode(q, slots.to(DEV), lens.to(DEV), kc.to(DEV), vc.to(DEV), splits=3, block_table=table)
+    rows = (lambda c: c[table[slots]].flatten(1, 2)) if paged else (lambda c: c[slots])  # noqa: E731
+    want = attention_ref(q.float().cpu()[:, None], rows(kc).float(), rows(vc).float(), lens)[:, 0]
+    got = kf.float_kv_decode(q, slots.to(DEV), lens.to(DEV), kc.to(DEV), vc.to(DEV), splits=3,
+                             block_table=None if table is None else table.to(DEV))
     tol = 3e-3 if dtype == torch.float16 else 2e-2  # q and p rounded to the cache's dtype (8 bits of bfloat16)
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
     from ssmq.errors import SSMQError
