@@ -420,6 +420,9 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots, bs):
     assert compiled.metadata.shared <= 227 * 1024, "more shared memory than an H100 SM has"
     # the scores' store for the value outliers' pass: from the registers the products left them in (``_store_as_is``)
     assert ("@p st.global.b32" in compiled.asm["ptx"]) == bool(slots)
+    # per-channel key scales folded into the rotation (``_fold_tables``), or applied to pass-through channels: float16
+    # multiply-adds on pairs
+    assert "fma.rn.f16x2" in compiled.asm["ptx"]
     if slots:  # the outliers' own passes: key score terms before the decode, value terms before the combine
         side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4, GP2=4, BS=bs)
         for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=4, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,

@@ -38,3 +38,43 @@ def test_default_splits_moves_only_quantized_launches(monkeypatch):
     assert kv_decode.default_splits(8, 8, 32768, dev, 32, cfg) == 9  # float caches: WAVES alone
     assert kv_decode.default_splits(8, 8, 32768, dev, 32, cfg, resident=2) == 8
     assert kv_decode.default_splits(8, 8, 128, dev, 32, cfg, resident=2) == 2  # capped by the capacity's tiles
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kwargs)`` records the grid and the launch options."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+def test_register_cap_sets_the_programs_an_sm_and_the_splits(monkeypatch):
+    """The fast kernel's quantized launches take its register cap (MAXNREG, MAXNREG_OUTLIERS), and the split count
+    fills whole rounds of the programs an SM holds under that cap; float caches keep their own registers."""
+    import torch
+
+    from ssmq.kernels import kv_decode
+    from ssmq.kernels import kv_decode_fast as kf
+
+    assert [kv_decode.resident_programs(r, 4) for r in (128, 168, 188, 236)] == [4, 3, 2, 2]
+    monkeypatch.setattr(kv_decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(kv_decode, "_combine_kernel", _Recorder())
+    b, hkv, e, L = 8, 8, 128, 32768
+    q, slots, lens = torch.zeros(b, 4 * hkv, e), torch.arange(b), torch.full((b,), L)
+    cache = torch.zeros(b, L, hkv, e, dtype=torch.float16)
+    kt, ks, vt, vs, sinks, flags = kv_decode.float_args(cache, cache)
+    cfg = dict(kf.CFG, MAXNREG=128, MAXNREG_OUTLIERS=168)
+    splits = []
+    for quantized, slots_k, regs in ((False, 0, None), (True, 0, 128), (True, 2, 168)):
+        decode = _Recorder()
+        launch_flags = dict(flags, FLOAT=not quantized, KSLOTS=slots_k)
+        kv_decode._launch(q, slots, lens, kt, ks, vt, vs, sinks, launch_flags, 0, 1e4, None, None, kernel=decode,
+                          cfg=cfg, const=kf.constexprs, extra=(q, 0, 0))
+        (grid, options), = decode.launches
+        assert options.get("maxnreg") == regs and grid[:2] == (b, hkv)
+        splits.append(grid[2])
+    # 64 (row, kv head) pairs: WAVES alone 9 splits (576 programs); 4 programs an SM (528 slots): 8 splits, one
+    # round of 512; 3 (396 slots): 6 splits, one round of 384
+    assert splits == [9, 8, 6]

@@ -93,6 +93,14 @@ def test_fast_kernel_equals_reference(kf, case, k_per_token, splits):
     _check(kf, case, k_per_token, splits, v_outliers=0, tol=3e-3)
 
 
+@pytest.mark.parametrize("case", FAST_CASES)
+@pytest.mark.parametrize("fold", [True, False])
+def test_fast_kernel_per_channel_values(kf, case, fold, monkeypatch):
+    """Per-channel value scales (and key scales), applied in float16 (FOLD) or float32."""
+    monkeypatch.setitem(kf.CFG, "FOLD", fold)
+    _check(kf, case, False, None, v_outliers=0, tol=3e-3, v_per_token=False)
+
+
 OUTLIER_CASES = [c for c in CASES + SPLIT_CASES if c[3] % 32 == 0]  # head dims the fast kernel serves
 
 
@@ -155,7 +163,7 @@ def test_fast_kernel_refuses_what_it_does_not_serve(kf):
         kf.quant_kv_decode(q, slots, lens, K16, K16, 16)
 
 
-def _check(k, case, k_per_token, splits=None, v_outliers=1, tol=1e-4):
+def _check(k, case, k_per_token, splits=None, v_outliers=1, tol=1e-4, v_per_token=True):
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
     b, hq, hkv, e, L, r, ko, sink, levels = case
@@ -163,7 +171,7 @@ def _check(k, case, k_per_token, splits=None, v_outliers=1, tol=1e-4):
     s = b + 2
     k_levels, v_levels = levels if isinstance(levels, tuple) else (levels, levels)
     K = side(s, L, hkv, e, k_per_token, ko, sink, gen, k_levels)
-    V = side(s, L, hkv, e, True, v_outliers, sink, gen, v_levels)
+    V = side(s, L, hkv, e, v_per_token, v_outliers, sink, gen, v_levels)
     q = torch.randn(b, hq, e, generator=gen).to(DEV)
     slots = torch.randperm(s, generator=gen)[:b].to(DEV)
     lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).to(DEV)

@@ -425,6 +425,12 @@ def whole_rounds(fill: int, pairs: int, slots: int) -> int:
     return min(range(max(1, fill // 2), 2 * fill + 1), key=key)
 
 
+def resident_programs(regs: int, warps: int) -> int:
+    """Programs of ``warps`` warps an SM holds at ``regs`` registers a thread (its 64K registers the limit: the
+    decode kernels' shared memory, < 40 KB a program, is not)."""
+    return 65536 // (regs * 32 * warps)
+
+
 def _side(v: KVSideView):
     """Pointers and strides of one quantized side, in _decode_kernel's order."""
     c, m, o = v.codes, v.mid, v.out_idx
@@ -448,9 +454,10 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     ``kernel``, its launch settings ``cfg`` and its constexpr builder ``const``: this module's by default, or
     ``kv_decode_fast``'s (the same arguments, the same split / combine scheme, and the ``extra`` ones after ws).
     ``before_combine(ws, splits)``: run between the two (it may add to the splits' outputs in ws); it takes at least
-    two splits. ``cfg`` may also set RESIDENT (programs an SM: quantized caches then take whole rounds of splits,
-    ``default_splits``) and, for sweeps (``bench_kvquant.py --sweep``), WARPS_OUTLIERS, STAGES_OUTLIERS, MAXNREG and
-    MAXNREG_OUTLIERS (a register cap). ``block_table`` (slots, M): kt / vt are block pools (N, B, hkv, e)
+    two splits. ``cfg`` may also set MAXNREG and MAXNREG_OUTLIERS (register caps of quantized caches' launches:
+    programs an SM follow, ``resident_programs``, and the splits take whole rounds of them, ``default_splits``),
+    RESIDENT (programs an SM without a cap) and, for sweeps (``bench_kvquant.py --sweep``), WARPS_OUTLIERS and
+    STAGES_OUTLIERS. ``block_table`` (slots, M): kt / vt are block pools (N, B, hkv, e)
     (this module's kernel: float caches; ``kv_decode_fast``'s: any)."""
     b, hq, e = q.shape
     codes = kt[0]
@@ -465,8 +472,11 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     warps = cfg.get("WARPS_OUTLIERS", cfg["num_warps"]) if outliers else cfg["num_warps"]
     stages = cfg.get("STAGES_OUTLIERS", cfg["num_stages"]) if outliers else cfg["num_stages"]
     regs = cfg.get("MAXNREG_OUTLIERS", cfg.get("MAXNREG")) if outliers else cfg.get("MAXNREG")
+    regs = None if flags["FLOAT"] else regs
     cap = {"maxnreg": regs} if regs else {}  # a register cap: more programs an SM, perhaps spills
-    resident = 0 if flags["FLOAT"] else cfg.get("RESIDENT", 0)  # float caches are bound by bytes, not rounds
+    # float caches are bound by bytes, not rounds (and keep their own registers); a capped kernel's programs an SM
+    # follow from the cap
+    resident = 0 if flags["FLOAT"] else resident_programs(regs, warps) if regs else cfg.get("RESIDENT", 0)
     splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg, resident)
     splits = max(splits, 2) if before_combine else splits
     scale = e ** -0.5 if softmax_scale is None else softmax_scale

@@ -43,6 +43,9 @@ kv head's g query heads (the M rows of float16 tensor-core products, padded to G
 Each split writes (m, l, acc); ``_combine_kernel`` rescales and adds them (one split: the output directly).
 The split count fills the GPU (WAVES programs an SM) without reading the lengths on the host: a row's tokens are
 divided among the P splits in the kernel, so there is no host sync, and no torch op between the kernels.
+Per-channel scales (keys with the split rotation or none, values) are applied in float16, folded into the
+rotation's tables for keys (FOLD, ``_fold_tables``): fewer instructions and registers, so that a register cap fits
+more programs an SM (``CFG``'s note: the loop is bound by latency).
 ``float_kv_decode`` is the same kernel over a float16 / bfloat16 cache (FLOAT: keys post-RoPE, no LUT, outliers or
 sink; products in the cache's dtype), the models' float KV decode since session 30 (2026-11-28).
 Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a side's constexpr) and unrotated;
@@ -81,7 +84,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16, RESIDENT=2)
+           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16, FOLD=True, MAXNREG=128, MAXNREG_OUTLIERS=168)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
@@ -93,9 +96,16 @@ MIN_DIM = 32
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
 # products' M itself). H200, 2026-11-27 (`time_kv_outlier_parts.py`, 128K tokens, 4-bit): 16 -> 4 took the
 # no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979.
-# RESIDENT: programs of the quantized decode an SM holds (236 registers a thread at 4 warps with Triton 3.6 on
-# sm_90: 2); the split count fills whole rounds of them (``kv_decode.whole_rounds``). Float caches keep WAVES alone
-# (bound by bytes: twice the splits at batch 8 did not help them, H200, 2026-11-28)
+# FOLD: per-channel scales applied in float16 (``_fold_tables``). MAXNREG, MAXNREG_OUTLIERS: the quantized decode's
+# register caps; the programs an SM holds follow (4 at 128 registers, 3 at 168: ``kv_decode.resident_programs``) and
+# the split count fills whole rounds of them (``kv_decode.whole_rounds``). The loop is bound by latency, not by its
+# instructions: H200, 2026-11-29 (`bench_kvquant.py --sweep`, 4-bit, 128K tokens, batch 1 / 8;
+# benchmarks/results/kvquant_h200/s31_*), FOLD took the loop from 689 to 544 SASS instructions a tile and the
+# registers from 236 to 188 (Triton 3.6), the time not at all (0.262 -> 0.261 ms); it let a cap fit more programs
+# without spilling: 168 registers (3 programs) 0.217 / 1.615 ms, 128 (4; 12 bytes spilled) 0.208 / 1.533, 96 (5)
+# 0.243 / 1.770; 1% outliers (190 registers uncapped): 168 0.295 / 2.225, 128 0.307 / 2.330. FOLD off, capped at
+# 168: 0.251 (spills). Float caches keep their registers (64) and WAVES alone (bound by bytes: twice the splits
+# at batch 8 did not help them, H200, 2026-11-28)
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
 # PTX: numpy's trig and a gathered LUT there
 
@@ -281,11 +291,13 @@ def _pv(p, v, acc):
 @triton.jit
 def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, t, tmask, cos,
                 sin, E: tl.constexpr, R: tl.constexpr, HP: tl.constexpr, PP: tl.constexpr, FLOAT: tl.constexpr,
-                BITS: tl.constexpr, ASM: tl.constexpr):
+                BITS: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr):
     """(GP, len(t)) scores of the (pre-scaled, float16) query rows qa, qb, qp (the rotary halves, the pass-through
     channels) against the keys at ``rows`` (T, 1 pointers) rotated by their positions: R_t k = (ka cos - kb sin,
     kb cos + ka sin, kp); without the sparse outliers (``_key_outlier_kernel`` adds their terms). (ma, ha), (mb,
-    hb), (mp, hp): the three tiles' scales (``_scales``). FLOAT: a float tile (the scales unused)."""
+    hb), (mp, hp): the three tiles' scales (``_scales``). FLOAT: a float tile (the scales unused). FOLD: the
+    per-channel scales folded into the rotation, float16 tables (T, r/2) of ``_fold_tables``: ma, mb the rotated
+    mids, ha, hb the halves times cos, cos and sin the halves a and b times sin; mp, hp float16 (1, PP)."""
     ch = tl.arange(0, HP)
     cp = tl.arange(0, PP)
     s = tl.zeros((qa.shape[0], t.shape[0]), tl.float32)
@@ -295,21 +307,41 @@ def _key_scores(qa, qb, qp, rows, ma, ha, mb, hb, mp, hp, lut, kw0, kw1, kw2, kw
             ka = tl.load(rows + ch[None, :], mask=tmask[:, None] & hm[None, :], other=0.0).to(tl.float32)
             kb = tl.load(rows + R // 2 + ch[None, :], mask=tmask[:, None] & hm[None, :], other=0.0).to(tl.float32)
         else:
-            ka = ma + ha * _book(rows, 0, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                                 ASM, E).to(tl.float32)
-            kb = mb + hb * _book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                                 ASM, E).to(tl.float32)
-        s = _qk(qa, ka * cos - kb * sin, s)
-        s = _qk(qb, kb * cos + ka * sin, s)
+            ka = _book(rows, 0, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM, E)
+            kb = _book(rows, R // 2, R // 2, HP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM, E)
+            if not FOLD:
+                ka = ma + ha * ka.to(tl.float32)
+                kb = mb + hb * kb.to(tl.float32)
+        if FOLD:  # float16 multiply-adds, two entries an instruction (HFMA2), no conversions
+            s = _qk(qa, ma + ka * ha - kb * sin, s)
+            s = _qk(qb, mb + kb * hb + ka * cos, s)
+        else:
+            s = _qk(qa, ka * cos - kb * sin, s)
+            s = _qk(qb, kb * cos + ka * sin, s)
     if R < E:
         pm = cp < E - R
         if FLOAT:
             kp = tl.load(rows + R + cp[None, :], mask=tmask[:, None] & pm[None, :], other=0.0)
         else:
-            kp = mp + hp * _book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS,
-                                 ASM, E).to(tl.float32)
+            kp = _book(rows, R, E - R, PP, tmask, lut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, BITS, ASM, E)
+            if FOLD:
+                kp = mp + hp * kp
+            else:
+                kp = mp + hp * kp.to(tl.float32)
         s = _qk(qp, kp, s)
     return s
+
+
+@triton.jit
+def _fold_tables(ma, ha, mb, hb, cj, sj):
+    """The per-channel key scales folded into the within-tile rotation, float16 (T, r/2) tables the same every tile:
+    R(jθ)(mid + half ⊙ B) = (Ma + Ca ⊙ Ba - Sb ⊙ Bb, Mb + Cb ⊙ Bb + Sa ⊙ Ba) with Ma, Mb = R(jθ) mid, Ca = half_a
+    cos jθ, Sa = half_a sin jθ (b alike). Returns (Ma, Ca, Mb, Cb, Sa, Sb), ``_key_scores``' FOLD arguments. A
+    rotated key then costs two float16 multiply-adds a pair of entries (HFMA2) instead of a conversion, four float32
+    operations and a rounding an entry (the 4-bit loop: 689 -> 544 SASS instructions a tile, sm_90 build); its
+    entries are rounded three times instead of once (2^-11 relative each), far below what the codes change."""
+    return ((ma * cj - mb * sj).to(tl.float16), (ha * cj).to(tl.float16), (mb * cj + ma * sj).to(tl.float16),
+            (hb * cj).to(tl.float16), (ha * sj).to(tl.float16), (hb * sj).to(tl.float16))
 
 
 @triton.jit
@@ -355,7 +387,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
                    VSLOTS: tl.constexpr, BLOCK_T: tl.constexpr, ONE_SPLIT: tl.constexpr,
                    FAST: tl.constexpr,
                    KBITS: tl.constexpr, VBITS: tl.constexpr, KLEVELS: tl.constexpr, VLEVELS: tl.constexpr,
-                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, BS: tl.constexpr):
+                   ROPE_SPLIT: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr, BS: tl.constexpr):
     """BS > 0: a paged cache, the per-token buffers block pools read through ``table`` (slots, M) (``_page``)."""
     i, hk, sp, slot, n, lo, hi = _split_range(slots, lens, splits, BLOCK_T)
     KASM: tl.constexpr = ASM and FAST and KBITS <= 4  # PRMT lookups (else ``_codes`` + a gathered LUT)
@@ -395,7 +427,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
             cs, sn = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
             s = _key_scores(qa, qb, qp, ksink + slot * ks_s + t[:, None] * ks_t + hk * ks_h, 0.0, 1.0, 0.0, 1.0,
                             0.0, 1.0, klut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7, t, tmask, cs, sn, E, R, HP, PP,
-                            True, KBITS, KASM)
+                            True, KBITS, KASM, False)
             m, l, p, alpha = _softmax_step(m, l, tl.where(tmask[None, :], s, float("-inf")))
             v = tl.load(vsink + slot * vs_s + t[:, None] * vs_t + hk * vs_h + e[None, :], mask=tmask[:, None],
                         other=0.0)
@@ -408,6 +440,15 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
         kmp, khp = _scales(kmid, khalf, slot, hk, 0, True, R + cp, cp < E - R, 0, 0, E, False)
     if not FLOAT and not V_PER_TOKEN:
         vm, vh = _scales(vmid, vhalf, slot, hk, 0, True, e, e < E, 0, 0, E, False)
+    # FOLD: per-channel scales applied in float16 (``_fold_tables``; keys with the split rotation or none)
+    KFOLD: tl.constexpr = FOLD and not FLOAT and not K_PER_TOKEN and (ROPE_SPLIT or R == 0)
+    VFOLD: tl.constexpr = FOLD and not FLOAT and not V_PER_TOKEN
+    if KFOLD:
+        kmp, khp = kmp.to(tl.float16), khp.to(tl.float16)
+        if R > 0:
+            kma, kha, kmb, khb, fsa, fsb = _fold_tables(kma, kha, kmb, khb, cj, sj)
+    if VFOLD:
+        vm, vh = vm.to(tl.float16), vh.to(tl.float16)
     # blocks of whole tiles: a tile's block is one table entry, loaded a tile ahead (its latency, in front of the
     # tile's loads, hidden behind the tile before); H100, 2026-11-28 (bench_paged_decode.py, 4-bit, 128K tokens):
     # loaded in the tile itself, 0.307 ms (contiguous cache 0.258); an entry a token (16-token blocks) 0.313
@@ -426,6 +467,8 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
             ua = _as_operand(qa32 * c0[None, :] + qb32 * s0[None, :], kc)
             ub = _as_operand(qb32 * c0[None, :] - qa32 * s0[None, :], kc)
             cos, sin = cj, sj
+            if KFOLD:
+                cos, sin = fsa, fsb
         elif R > 0:
             ua, ub = qa, qb
             cos, sin = _cos_sin(t.to(tl.float32)[:, None] * freq[None, :], FAST)
@@ -437,10 +480,10 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
         if K_PER_TOKEN and not FLOAT:
             tm, th = _scales(kmid, khalf, pb, hk, pt, tmask, 0, True, k_ms, k_mt, E, True)
             s = _key_scores(ua, ub, qp, krows, tm, th, tm, th, tm, th, klut, kw0, kw1, kw2, kw3, kw4, kw5, kw6, kw7,
-                            t, tmask, cos, sin, E, R, HP, PP, FLOAT, KBITS, KASM)
+                            t, tmask, cos, sin, E, R, HP, PP, FLOAT, KBITS, KASM, False)
         else:
             s = _key_scores(ua, ub, qp, krows, kma, kha, kmb, khb, kmp, khp, klut, kw0, kw1, kw2, kw3, kw4, kw5, kw6,
-                            kw7, t, tmask, cos, sin, E, R, HP, PP, FLOAT, KBITS, KASM)
+                            kw7, t, tmask, cos, sin, E, R, HP, PP, FLOAT, KBITS, KASM, KFOLD)
         if KSLOTS > 0:  # the key outliers' score terms (``_key_outlier_kernel``)
             s += tl.load(cs, mask=rmask[:, None] & tmask[None, :], other=0.0)
         if VSLOTS > 0:  # the scores, in place of those terms, for the value outliers' pass (``_value_outlier_kernel``)
@@ -459,7 +502,10 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
                 acc = _pv(p * hv[None, :], B, acc)
             else:
                 lm = lm * alpha
-                acc = _pv(p, vm + vh * B.to(tl.float32), acc)
+                if VFOLD:
+                    acc = _pv(p, vm + vh * B, acc)
+                else:
+                    acc = _pv(p, vm + vh * B.to(tl.float32), acc)
         if AHEAD:
             pb, pt = nb, nt
 
@@ -586,7 +632,8 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink,
                 SP=max(16, triton.next_power_of_2(sink)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], FOLD=bool(CFG["FOLD"]),
+                **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
