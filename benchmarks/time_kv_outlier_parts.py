@@ -6,7 +6,7 @@ registers a thread and the bytes spilled of the kernel it compiled (a spilling k
 
     python benchmarks/time_kv_outlier_parts.py [--length 131072] [--kernels] [--cfg 'GP_MIN=16;BT_SPARSE=16,WARPS_OUTLIERS=4']
     ncu --section WarpStateStats --section SourceCounters -k regex:_decode_kernel -s 2 -c 1 \
-        python benchmarks/time_kv_outlier_parts.py --profile [--case 0-3]   (3 plain calls of one case, for ncu)
+        python benchmarks/time_kv_outlier_parts.py --profile [--case 0-4]   (3 plain calls of one case, for ncu)
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="3 untimed calls of one case (--case; --cfg: its first "
                     "setting), for a profiler")
     ap.add_argument("--case", type=int, default=1, help="--profile's case: 0 no outliers, 1 keys + values, 2 keys, "
-                    "3 values")
+                    "3 values, 4 a float16 cache (the same kernel's float path, for comparison)")
     ap.add_argument("--kernels", action="store_true", help="also each kernel's share (torch.profiler)")
     args = ap.parse_args()
     L = args.length
@@ -64,9 +64,14 @@ def main() -> None:
              ("1% values only", (0, vo)))
     if args.profile:
         b.set_cfg(args.cfg.split(";")[0])
-        K, V = b.quant_cache(1, L, *cases[args.case][1], gen, 4)
+        if args.case == 4:
+            K = torch.randn(1, L, b.HKV, b.E, generator=gen, device="cuda", dtype=torch.float16)
+            call = lambda: kv_decode_fast.float_kv_decode(q, slots, lens, K, K)  # noqa: E731
+        else:
+            K, V = b.quant_cache(1, L, *cases[args.case][1], gen, 4)
+            call = lambda: quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0)  # noqa: E731
         for _ in range(3):
-            quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0)
+            call()
         torch.cuda.synchronize()
         return
     for cfg in ["", *filter(None, args.cfg.split(";"))]:
