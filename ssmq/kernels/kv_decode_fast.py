@@ -52,13 +52,14 @@ Codes must be packed at 2, 3 or 4 bits (codebooks of <= 16 entries; the bits a s
 other formats take the reference.
 
 Accuracy (float16 products; the reference is float32; the outliers' passes are float32): q (rotated a tile), the
-rotated keys, B, p ⊙ h and the sink are rounded to float16 (relative error u = 2^-11 at most each), products
-accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the reference rounds fl(t θ) (about an ulp of t θ
-apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as the reference's own rounding is from t θ). A score
-then moves by about u·scale·sqrt(Σ_c (q_c k_c)²) (random rounding), the output by that times the spread of v: ~1e-3
-of |v| for unit-variance data; tests compare at rtol = atol = 3e-3 (the former 3xTF32 kernel: 1e-4), far below what
-2-4 bit codes change (KVQuant nuq4: ~1e-1 relative error a value). A float16 cache: q and p rounded to float16
-(as flash attention rounds them), within 3e-3 of the reference; a bfloat16 cache: to bfloat16 (u = 2^-8), 2e-2.
+rotated keys (three times with FOLD: ``_fold_tables``), B, p ⊙ h and the sink are rounded to float16 (relative
+error u = 2^-11 at most each), products accumulate in float32; the angles are fl(t0 θ) + fl(j θ) where the
+reference rounds fl(t θ) (about an ulp of t θ apart: 5e-4 rad at 4K tokens, 8e-3 at 128K for θ = 1, as far as
+the reference's own rounding is from t θ). A score then moves by about u·scale·sqrt(Σ_c (q_c k_c)²) (random
+rounding), the output by that times the spread of v: ~1e-3 of |v| for unit-variance data; tests compare at rtol =
+atol = 3e-3 (the former 3xTF32 kernel: 1e-4), far below what 2-4 bit codes change (KVQuant nuq4: ~1e-1 relative
+error a value). A float16 cache: q and p rounded to float16 (as flash attention rounds them), within 3e-3 of the
+reference; a bfloat16 cache: to bfloat16 (u = 2^-8), 2e-2.
 """
 
 from __future__ import annotations
@@ -102,10 +103,11 @@ MIN_DIM = 32
 # instructions: H200, 2026-11-29 (`bench_kvquant.py --sweep`, 4-bit, 128K tokens, batch 1 / 8;
 # benchmarks/results/kvquant_h200/s31_*), FOLD took the loop from 689 to 544 SASS instructions a tile and the
 # registers from 236 to 188 (Triton 3.6), the time not at all (0.262 -> 0.261 ms); it let a cap fit more programs
-# without spilling: 168 registers (3 programs) 0.217 / 1.615 ms, 128 (4; 12 bytes spilled) 0.208 / 1.533, 96 (5)
-# 0.243 / 1.770; 1% outliers (190 registers uncapped): 168 0.295 / 2.225, 128 0.307 / 2.330. FOLD off, capped at
-# 168: 0.251 (spills). Float caches keep their registers (64) and WAVES alone (bound by bytes: twice the splits
-# at batch 8 did not help them, H200, 2026-11-28)
+# with few spills: 168 registers (3 programs; 12 bytes spilled) 0.217 / 1.615 ms, 128 (4; ncu counts 2.2 M
+# local-memory requests a call, s31_ncu_decode_4bit.log) 0.208 / 1.533, 96 (5) 0.243 / 1.770; 1% outliers (190
+# registers uncapped): 168 0.295 / 2.225, 128 0.307 / 2.330. FOLD off, capped at 168: 0.251. Float caches keep
+# their registers (64) and WAVES alone (bound by bytes: twice the splits at batch 8 did not help them, H200,
+# 2026-11-28)
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
 # PTX: numpy's trig and a gathered LUT there
 
@@ -632,8 +634,8 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink,
                 SP=max(16, triton.next_power_of_2(sink)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
-                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"], FOLD=bool(CFG["FOLD"]),
-                **flags)
+                FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
+                FOLD=bool(CFG["FOLD"]), **flags)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
