@@ -14,9 +14,10 @@ full RoPE on keys cached before it), batch 1 (and --batch), one new token per ro
                      (pre-RoPE, RoPE on the fly), per-token values, sink 1; without outliers, and with 1% (20 key /
                      10 value outlier slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels);
                      every row also timed on the first-generation kernel ("... first gen")
-Times are medians of CUDA-graph replays with the L2 flushed before each (``timeit``; ms); "KV MB" the cache bytes read, "limit ms" the time those
-bytes take at HBM_TBPS (H100 SXM: 3.35 TB/s). The first length's rows also record the kernels' max |error|
-against ``quant_kv_decode_ref`` / ``attention_ref``. JSON and PNG to --out. --cfg overrides
+Times are medians of CUDA-graph replays with the L2 flushed before each (``timeit``; ms); "KV MB" the cache bytes
+read, "limit ms" the time those bytes take at the card's datasheet bandwidth (``hbm_tbps``: H100 SXM 3.35 TB/s,
+H200 4.8). The first length's rows also record the kernels' max |error| against ``quant_kv_decode_ref`` /
+``attention_ref``. JSON and PNG to --out. --cfg overrides
 ``kernels.kv_decode_fast.CFG`` (launch settings; --sweep times several).
 
     python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1] [--cfg num_warps=4,...]
@@ -44,7 +45,16 @@ HQ, HKV, E = 32, 8, 128
 ONE_PCT = (2 * round(0.01 * HKV * E), round(0.01 * HKV * E))  # key / value outlier slots of 1% (KVQuantizer's)
 QUANT_ROWS = [(f"kvquant {bits}-bit{' 1%' if o else ''}", bits, ONE_PCT if o else (0, 0))
               for bits in (4, 3, 2) for o in (False, True)]
-HBM_TBPS = 3.35
+HBM_TBPS = {"H100": 3.35, "H200": 4.8}  # datasheet bandwidths (SXM), TB/s
+
+
+def hbm_tbps(name: str) -> float:
+    """The datasheet memory bandwidth of the GPU named ``name`` (torch's device name), TB/s: the "limit" columns'.
+    Before 2026-11-29 every run used the H100's 3.35, the H200's runs included (their limits 1.4x too long)."""
+    for card, tbps in HBM_TBPS.items():
+        if card in name:
+            return tbps
+    raise SystemExit(f"bench_kvquant: no datasheet bandwidth for {name!r}; add it to HBM_TBPS")
 DEV = "cuda"  # --device cpu with TRITON_INTERPRET=1: a smoke run of this script (tiny lengths)
 
 
@@ -132,6 +142,7 @@ def run(lengths: list[int], batch: int) -> list[dict]:
 
     rows = []
     gen = torch.Generator(device=DEV).manual_seed(0)
+    tbps = hbm_tbps(torch.cuda.get_device_name()) if DEV == "cuda" else math.nan  # the CPU smoke run has no limit
     for L in lengths:
         q = torch.randn(batch, HQ, E, generator=gen, device=DEV, dtype=torch.float16)
         slots = torch.arange(batch, device=DEV)
@@ -139,7 +150,7 @@ def run(lengths: list[int], batch: int) -> list[dict]:
         k16 = torch.randn(batch, L, HKV, E, generator=gen, device=DEV, dtype=torch.float16)
         v16 = torch.randn_like(k16)
         kv_mb = 2 * k16.numel() * 2 / 1e6
-        r = {"context": L, "batch": batch, "fp16 KV MB": kv_mb, "fp16 limit ms": kv_mb / HBM_TBPS / 1e3}
+        r = {"context": L, "batch": batch, "tbps": tbps, "fp16 KV MB": kv_mb, "fp16 limit ms": kv_mb / tbps / 1e3}
         r["fp16 ours ms"] = timeit(lambda: float_kv_decode(q, slots, lens, k16, v16))
         r["fp16 fast ms"] = timeit(lambda: kv_decode_fast.float_kv_decode(q, slots, lens, k16, v16))
         qs, ks, vs = q[:, :, None], k16.transpose(1, 2), v16.transpose(1, 2)  # (b, h, T, e)
@@ -154,7 +165,7 @@ def run(lengths: list[int], batch: int) -> list[dict]:
         for label, bits, (ko, vo) in QUANT_ROWS:
             K, V = quant_cache(batch, L, ko, vo, gen, bits)
             r[f"{label} KV MB"] = nbytes(K, V) / 1e6
-            r[f"{label} limit ms"] = r[f"{label} KV MB"] / HBM_TBPS / 1e3
+            r[f"{label} limit ms"] = r[f"{label} KV MB"] / tbps / 1e3
             r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
             r[f"{label} first gen ms"] = timeit(lambda: kv_decode.quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
             if L == lengths[0]:
@@ -176,7 +187,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for key in ("fp16 ours", "fp16 fast", "fp16 sdpa", *(label for label, _, _ in QUANT_ROWS)):
         ax.plot(x, [r[f"{key} ms"] for r in rows], marker="o", label=key, ls=":" if key.endswith("1%") else "-")
     for key in ("fp16", "kvquant 4-bit", "kvquant 2-bit"):
-        ax.plot(x, [r[f"{key} limit ms"] for r in rows], ls="--", label=f"{key} bytes at {HBM_TBPS} TB/s")
+        ax.plot(x, [r[f"{key} limit ms"] for r in rows], ls="--", label=f"{key} bytes at {rows[0]['tbps']} TB/s")
     log_axes(ax, "context (tokens)", "decode attention, ms (one layer)",
              f"KV decode, {HQ} q / {HKV} kv heads x {E}, batch {rows[0]['batch']}", legend_size=10)
     ax.grid(alpha=0.3)

@@ -25,3 +25,15 @@ def test_benchmark_script_imports(path, monkeypatch):
         pytest.skip(f"{path.name} needs {e.name}")
     finally:
         sys.modules.pop(f"_bench_{path.stem}", None)
+
+
+def test_kv_bench_limit_takes_the_card_s_bandwidth(monkeypatch):
+    """bench_kvquant's "limit" columns: the datasheet bandwidth of the card it runs on (its H200 runs once took the
+    H100's), and a card it does not know stops the run rather than print a wrong limit."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_kvquant
+
+    assert bench_kvquant.hbm_tbps("NVIDIA H200") == 4.8
+    assert bench_kvquant.hbm_tbps("NVIDIA H100 80GB HBM3") == 3.35
+    with pytest.raises(SystemExit, match="no datasheet bandwidth"):
+        bench_kvquant.hbm_tbps("NVIDIA A100-SXM4-80GB")
