@@ -131,23 +131,14 @@ def test_state_update_compiles_as_launched(state, replay):
 
 
 def _compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps=4, num_stages=3, aligned=()):
-    """Compile one Triton kernel for sm_90 (returned): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the
-    other arguments i32 (those named in floats fp32); ``aligned``: arguments given as multiples of 16 (addresses in
-    bytes), as the launcher's specialization marks them at run time (vector loads and atomics depend on it)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    """``ssmq.kernels.build.compile_sm90`` (the cubin asserted), skipped where kernels are interpreted or there is no
+    ptxas."""
+    from ssmq.kernels.build import compile_sm90
 
     if not hasattr(kernel, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
-    missing = (set(pointers) | set(const) | set(floats)) - set(kernel.arg_names)
-    assert not missing, f"kernel arguments renamed: {missing}"
-    signature = {a: "constexpr" if a in const else "*" + pointers[a] if a in pointers else "fp32" if a in floats
-                 else "i32" for a in kernel.arg_names}
-    src = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()},
-                    attrs={(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        compiled = compile_sm90(kernel, pointers, const, floats, num_warps, num_stages, aligned)
     except (FileNotFoundError, RuntimeError) as e:
         if "ptxas" in str(e):
             pytest.skip(f"no ptxas: {e}")
@@ -406,11 +397,7 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots, bs):
     block, the serve cache)."""
     from ssmq.kernels import kv_decode_fast as kf
 
-    pointers = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "table": "i64", "sc": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32",
-                "klut": "fp32", "koi": "i16", "kov": "fp16",
-                "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
-                "vov": "fp16", "vsink": "fp16"}
+    pointers = kf.pointer_types()
     flags = dict(FLOAT=False, K_PER_TOKEN=False, V_PER_TOKEN=True, KSLOTS=slots, VSLOTS=slots, KBITS=bits,
                  VBITS=bits, KLEVELS=2 ** bits, VLEVELS=2 ** bits)
     const = dict(kf.constexprs(4, e, r, 1, flags, kf.CFG["BLOCK_T_OUTLIERS" if slots else "BLOCK_T"], False), BS=bs)
@@ -443,10 +430,7 @@ def test_fast_float_kv_decode_compiles_for_sm90(dtype):
     cache's dtype (bf16 MMAs for a bfloat16 cache, not a float16 round trip)."""
     from ssmq.kernels import kv_decode_fast as kf
 
-    pointers = {"q": dtype, "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
-                "table": "i64", "sc": dtype, "kc": dtype, "kmid": dtype, "khalf": dtype, "klut": dtype, "koi": dtype,
-                "kov": dtype, "ksink": dtype, "vc": dtype, "vmid": dtype, "vhalf": dtype, "vlut": dtype, "voi": dtype,
-                "vov": dtype, "vsink": dtype}
+    pointers = kf.pointer_types(dtype)
     flags = dict(FLOAT=True, K_PER_TOKEN=False, V_PER_TOKEN=False, KSLOTS=0, VSLOTS=0, KBITS=8, VBITS=8, KLEVELS=1,
                  VLEVELS=1)
     const = dict(kf.constexprs(4, 128, 0, 0, flags, kf.CFG["BLOCK_T"], False), BS=0)
@@ -498,3 +482,28 @@ def test_prefill_kernels_compile_for_sm90(dtype, e):
         _compile_sm90(kr._outlier_kernel, no_sink, dict(E=e, R=e, S=1, PER_TOKEN=False, SLOTS=20, P=32, BITS=bits,
                                                          BT=kr.CFG["BT_OUTLIERS"], BS=32, FAST=True, HAS_LENS=True),
                       num_warps=kr.CFG["OUTLIER_WARPS"])
+
+
+def test_folded_scales_shorten_the_quantized_decode_loop(monkeypatch):
+    """``benchmarks/sass_kv_decode.py``'s builds: with the per-channel scales folded into the rotation (FOLD) the 4-bit
+    decode's loop takes paired float16 multiply-adds instead of float32 arithmetic and conversions, fewer
+    instructions and fewer registers (what lets the register cap add programs an SM without many spills)."""
+    from pathlib import Path
+
+    from ssmq.kernels import kv_decode_fast as kf
+    from ssmq.kernels.build import main_loop, registers
+
+    if not hasattr(kf._decode_kernel, "arg_names"):
+        pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import sass_kv_decode
+
+    try:
+        plain, folded = (sass_kv_decode.build(4, fold, None) for fold in (False, True))
+        loops = main_loop(plain), main_loop(folded)
+    except (FileNotFoundError, RuntimeError) as e:  # no ptxas / cuobjdump in this Triton
+        pytest.skip(f"no NVIDIA tools: {e}")
+    assert loops[0]["HFMA2"] == 0 < loops[1]["HFMA2"]
+    assert loops[1]["HADD2"] + loops[1]["F2FP"] < loops[0]["HADD2"] + loops[0]["F2FP"]  # float16 <-> float32
+    assert sum(loops[1].values()) < 0.9 * sum(loops[0].values())
+    assert registers(folded)[0] < registers(plain)[0]

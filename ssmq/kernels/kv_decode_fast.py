@@ -638,6 +638,20 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
                 FOLD=bool(CFG["FOLD"]), **flags)
 
 
+def pointer_types(float_dtype: str | None = None) -> dict:
+    """_decode_kernel's pointer arguments' types as a launch passes them, over a quantized cache (None) or a float one
+    ("fp16" / "bf16": every cache pointer of that type): for ``ssmq.kernels.build.compile_sm90`` (the compile tests,
+    ``benchmarks/sass_kv_decode.py``)."""
+    index = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
+             "table": "i64"}
+    if float_dtype:
+        return {**{a: float_dtype for a in ("sc", "kc", "kmid", "khalf", "klut", "koi", "kov", "ksink", "vc", "vmid",
+                                            "vhalf", "vlut", "voi", "vov", "vsink")}, **index, "q": float_dtype}
+    return {**index, "sc": "fp32", "kc": "u8", "kmid": "fp32", "khalf": "fp32", "klut": "fp32", "koi": "i16",
+            "kov": "fp16", "ksink": "fp16", "vc": "u8", "vmid": "fp16", "vhalf": "fp16", "vlut": "fp32", "voi": "i16",
+            "vov": "fp16", "vsink": "fp16"}
+
+
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
     """Formats this kernel serves (exact on the H100): 2-4 bit codes, head dims that are multiples of 32 and rotary
     dims that are multiples of 16 (0 included: the lookups read whole bytes of codes), sparse outliers or none."""
