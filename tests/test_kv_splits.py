@@ -52,7 +52,8 @@ class _Recorder:
 
 def test_register_cap_sets_the_programs_an_sm_and_the_splits(monkeypatch):
     """The fast kernel's quantized launches take its register cap (MAXNREG, MAXNREG_OUTLIERS), and the split count
-    fills whole rounds of the programs an SM holds under that cap; float caches keep their own registers."""
+    fills whole rounds of the programs an SM holds under that cap; float caches keep their own registers, per-token
+    keys launch uncapped (``launch_cfg``: the caps were measured on the folded per-channel loop)."""
     import torch
 
     from ssmq.kernels import kv_decode
@@ -65,16 +66,19 @@ def test_register_cap_sets_the_programs_an_sm_and_the_splits(monkeypatch):
     q, slots, lens = torch.zeros(b, 4 * hkv, e), torch.arange(b), torch.full((b,), L)
     cache = torch.zeros(b, L, hkv, e, dtype=torch.float16)
     kt, ks, vt, vs, sinks, flags = kv_decode.float_args(cache, cache)
-    cfg = dict(kf.CFG, MAXNREG=128, MAXNREG_OUTLIERS=168)
+    cfg = dict(kf.CFG, MAXNREG=128, MAXNREG_OUTLIERS=168, RESIDENT=2)
+    monkeypatch.setattr(kf, "CFG", cfg)
     splits = []
-    for quantized, slots_k, regs in ((False, 0, None), (True, 0, 128), (True, 2, 168)):
+    for quantized, slots_k, keys_per_token, regs in ((False, 0, False, None), (True, 0, False, 128),
+                                                     (True, 2, False, 168), (True, 0, True, None)):
         decode = _Recorder()
-        launch_flags = dict(flags, FLOAT=not quantized, KSLOTS=slots_k)
+        launch_flags = dict(flags, FLOAT=not quantized, KSLOTS=slots_k, K_PER_TOKEN=keys_per_token)
         kv_decode._launch(q, slots, lens, kt, ks, vt, vs, sinks, launch_flags, 0, 1e4, None, None, kernel=decode,
-                          cfg=cfg, const=kf.constexprs, extra=(q, 0, 0))
+                          cfg=kf.launch_cfg(keys_per_token), const=kf.constexprs, extra=(q, 0, 0))
         (grid, options), = decode.launches
         assert options.get("maxnreg") == regs and grid[:2] == (b, hkv)
         splits.append(grid[2])
     # 64 (row, kv head) pairs: WAVES alone 9 splits (576 programs); 4 programs an SM (528 slots): 8 splits, one
-    # round of 512; 3 (396 slots): 6 splits, one round of 384
-    assert splits == [9, 8, 6]
+    # round of 512; 3 (396 slots): 6 splits, one round of 384; per-token keys uncapped, RESIDENT 2 (264 slots): 8
+    # splits, two rounds of 256
+    assert splits == [9, 8, 6, 8]

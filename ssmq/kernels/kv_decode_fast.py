@@ -85,7 +85,7 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16, FOLD=True, MAXNREG=128, MAXNREG_OUTLIERS=168)
+           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16, FOLD=True, MAXNREG=128, MAXNREG_OUTLIERS=168, RESIDENT=2)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
@@ -105,7 +105,8 @@ MIN_DIM = 32
 # registers from 236 to 188 (Triton 3.6), the time not at all (0.262 -> 0.261 ms); it let a cap fit more programs
 # with few spills: 168 registers (3 programs; 12 bytes spilled) 0.217 / 1.615 ms, 128 (4; ncu counts 2.2 M
 # local-memory requests a call, s31_ncu_decode_4bit.log) 0.208 / 1.533, 96 (5) 0.243 / 1.770; 1% outliers (190
-# registers uncapped): 168 0.295 / 2.225, 128 0.307 / 2.330. FOLD off, capped at 168: 0.251. Float caches keep
+# registers uncapped): 168 0.295 / 2.225, 128 0.307 / 2.330. FOLD off, capped at 168: 0.251. RESIDENT: programs an
+# SM of an uncapped launch (per-token keys, ``launch_cfg``: 2 at 236 registers, session 30). Float caches keep
 # their registers (64) and WAVES alone (bound by bytes: twice the splits at batch 8 did not help them, H200,
 # 2026-11-28)
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
@@ -715,9 +716,16 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
             BLOCK_T=CFG["BLOCK_T_OUTLIERS"], LEVELS=flags["VLEVELS"], BS=bs, num_warps=4)
 
     out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, CFG, constexprs, extra=(sc, *c_strides),
+                  _decode_kernel, launch_cfg(k.per_token), constexprs, extra=(sc, *c_strides),
                   before_combine=value_outliers if vo else None, block_table=block_table)
     return out
+
+
+def launch_cfg(keys_per_token: bool) -> dict:
+    """The launch settings of a quantized cache: ``CFG``, whose register caps were measured on per-channel keys (the
+    folded loop); per-token keys (the engine formats' int4 / int2 per token-head), whose loop the fold does not
+    shorten, launch uncapped, RESIDENT programs an SM."""
+    return {**CFG, "MAXNREG": None, "MAXNREG_OUTLIERS": None} if keys_per_token else CFG
 
 
 def float_eligible(k_cache: torch.Tensor) -> bool:
