@@ -34,12 +34,7 @@ def build(bits: int | None, fold: bool, cap: int | None, slots: int = 0):
         flags = dict(FLOAT=False, K_PER_TOKEN=False, V_PER_TOKEN=True, KSLOTS=2 * slots, VSLOTS=slots, KBITS=bits,
                      VBITS=bits, KLEVELS=2 ** bits, VLEVELS=2 ** bits)
         rotary, sink, pointers = E, 1, kf.pointer_types()
-    saved = kf.CFG["FOLD"]
-    kf.CFG["FOLD"] = fold
-    try:
-        const = dict(kf.constexprs(GROUP, E, rotary, sink, flags, kf.CFG["BLOCK_T"], False), BS=0)
-    finally:
-        kf.CFG["FOLD"] = saved
+    const = dict(kf.constexprs(GROUP, E, rotary, sink, flags, kf.CFG["BLOCK_T"], False), FOLD=fold, BS=0)
     return compile_sm90(kf._decode_kernel, pointers, const, floats=("scale",), num_warps=kf.CFG["num_warps"],
                         num_stages=kf.CFG["num_stages"], aligned=(*pointers, *STRIDES), maxnreg=cap)
 

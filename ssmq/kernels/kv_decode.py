@@ -471,12 +471,12 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     block_t = cfg["BLOCK_T_OUTLIERS"] if outliers else cfg["BLOCK_T"]
     warps = cfg.get("WARPS_OUTLIERS", cfg["num_warps"]) if outliers else cfg["num_warps"]
     stages = cfg.get("STAGES_OUTLIERS", cfg["num_stages"]) if outliers else cfg["num_stages"]
-    regs = cfg.get("MAXNREG_OUTLIERS", cfg.get("MAXNREG")) if outliers else cfg.get("MAXNREG")
-    regs = None if flags["FLOAT"] else regs
-    cap = {"maxnreg": regs} if regs else {}  # a register cap: more programs an SM, perhaps spills
-    # float caches are bound by bytes, not rounds (and keep their own registers); a capped kernel's programs an SM
-    # follow from the cap
-    resident = 0 if flags["FLOAT"] else resident_programs(regs, warps) if regs else cfg.get("RESIDENT", 0)
+    if flags["FLOAT"]:  # bound by bytes, not rounds; the float path keeps its own registers
+        regs, resident = None, 0
+    else:  # a register cap: more programs an SM (they follow from it), perhaps spills
+        regs = cfg.get("MAXNREG_OUTLIERS", cfg.get("MAXNREG")) if outliers else cfg.get("MAXNREG")
+        resident = resident_programs(regs, warps) if regs else cfg.get("RESIDENT", 0)
+    cap = {"maxnreg": regs} if regs else {}
     splits = splits or default_splits(b, hkv, capacity, q.device, block_t, cfg, resident)
     splits = max(splits, 2) if before_combine else splits
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
