@@ -9,11 +9,13 @@ full RoPE on keys cached before it), batch 1 (and --batch), one new token per ro
                      float16 row the kvquant rows are to be read against
     fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
     fp16 ref         ``ops.attention_ref`` (float32 copies, GQA by repeat_interleave): "fp16 ours" until issue 17
-    kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_fast`` for the formats it serves, every
-                     row here since 2026-11-26, else ``kv_decode``): codes packed at 4, 3, 2 bits, per-channel keys
+    kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_warp`` for the formats it serves, the
+                     4-bit row without outliers since 2026-11-29; ``kv_decode_fast`` for the others, every row
+                     here from 2026-11-26; else ``kv_decode``): codes packed at 4, 3, 2 bits, per-channel keys
                      (pre-RoPE, RoPE on the fly), per-token values, sink 1; without outliers, and with 1% (20 key /
                      10 value outlier slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels);
-                     every row also timed on the first-generation kernel ("... first gen")
+                     every row also timed on the first-generation kernel ("... first gen") and on
+                     ``kv_decode_fast`` ("... fast")
 Times are medians of CUDA-graph replays with the L2 flushed before each (``timeit``; ms); "KV MB" the cache bytes
 read, "limit ms" the time those bytes take at the card's datasheet bandwidth (``hbm_tbps``: H100 SXM 3.35 TB/s,
 H200 4.8). The first length's rows also record the kernels' max |error| against ``quant_kv_decode_ref`` /
@@ -168,6 +170,8 @@ def run(lengths: list[int], batch: int) -> list[dict]:
             r[f"{label} limit ms"] = r[f"{label} KV MB"] / tbps / 1e3
             r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
             r[f"{label} first gen ms"] = timeit(lambda: kv_decode.quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+            # the Triton fast kernel on every row (the dispatch sends the formats kv_decode_warp serves there)
+            r[f"{label} fast ms"] = timeit(lambda: kv_decode_fast.quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
             if L == lengths[0]:
                 want = quant_kv_decode_ref(q.float(), slots, lens, K, V, E, 10000.0)
                 r[f"{label} max err"] = float((quant_kv_decode(q, slots, lens, K, V, E, 10000.0) - want).abs().max())
@@ -275,6 +279,7 @@ def main():
               f"sdpa {r['fp16 sdpa ms']:.3f} | "
               f"ref {r['fp16 ref ms']:.3f} | fp16 limit {r['fp16 limit ms']:.3f} | "
               + " | ".join(f"{label.removeprefix('kvquant ')} {r[f'{label} ms']:.3f} "
+                           f"(fast {r[f'{label} fast ms']:.3f}) "
                            f"(limit {r[f'{label} limit ms']:.3f})" for label, _, _ in QUANT_ROWS) + " ms")
     for r in swept:
         print(f"sweep {r['context']:>7} | {r['row']:<18} | {r['cfg'] or 'CFG'}: {r['ms']:.3f} ms")

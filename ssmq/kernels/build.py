@@ -18,7 +18,8 @@ def compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps: int 
                  aligned=(), maxnreg: int | None = None):
     """Compile one ``@triton.jit`` kernel for sm_90 (returned; ``.asm`` holds ttgir / ptx / cubin, ``.metadata``
     the shared memory): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the other arguments i32 (those named
-    in ``floats`` fp32); ``aligned``: arguments given as multiples of 16 (addresses in bytes), as the launcher's
+    in ``floats`` fp32; ``const`` may also fix a run-time argument, as the launcher specializes one equal to 1);
+    ``aligned``: arguments given as multiples of 16 (addresses in bytes), as the launcher's
     specialization marks them at run time (vector loads and atomics depend on it); ``maxnreg``: a register cap.
     Raises what Triton raises (no ptxas: FileNotFoundError or a RuntimeError naming it)."""
     from triton.backends.compiler import GPUTarget
@@ -28,8 +29,11 @@ def compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps: int 
     assert not missing, f"kernel arguments renamed: {missing}"
     signature = {a: "constexpr" if a in const else "*" + pointers[a] if a in pointers else "fp32" if a in floats
                  else "i32" for a in kernel.arg_names}
-    src = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()},
-                    attrs={(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    source = ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():  # a Gluon kernel (explicit layouts): its own front end
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()},
+                 attrs={(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
     options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -333,6 +333,21 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
 # formats the fast kernel serves exactly (2-4 bit codes, head dims % 32, rotary dims % 16) and float16 / bfloat16
 # caches take it on CUDA.
 _KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
+# SSMQ_KV_WARP=0 keeps the formats the warp kernel serves (kv_decode_warp: 4-bit per-channel keys, per-token values,
+# head dim 128, full RoPE, no outliers) on kv_decode_fast (A/B timing); it needs Triton's Gluon (3.5+).
+_KV_WARP = os.environ.get("SSMQ_KV_WARP", "1") == "1"
+
+
+def _warp_decode(q, k, v, rotary_dim, block_table):
+    """``kv_decode_warp`` when it serves this launch, else None (also without Gluon)."""
+    if not _KV_WARP:
+        return None
+    try:
+        warp = _kernels("kv_decode_warp")
+    except ImportError:
+        return None
+    block = k.codes.shape[1] if block_table is not None else 0
+    return warp if warp.eligible(k, v, rotary_dim, q.shape[1] // k.codes.shape[2], block) else None
 
 
 def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, block_table=None):
@@ -405,11 +420,14 @@ def quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out
 
 def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None, block_table=None):
     """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA:
-    ``kv_decode_fast`` for the formats it is ``eligible`` for, else the first-generation ``kv_decode``).
+    ``kv_decode_warp`` for the formats it serves, ``kv_decode_fast`` for the others it is ``eligible`` for, else the
+    first-generation ``kv_decode``).
     ``block_table`` (s, M): the sides' per-token buffers are block pools (``ssmq.models.quant_kv``), which the fast
     kernel reads in place; the first-generation one reads a copy of the rows' blocks (``KVSideView.gathered``)."""
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
+    if _use_triton(q) and _KV_FAST and (warp := _warp_decode(q, k, v, rotary_dim, block_table)) is not None:
+        return warp.quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, block_table=block_table)
     if _use_triton(q) and _KV_FAST and _kernels("kv_decode_fast").eligible(k, v, rotary_dim):
         return _kernels("kv_decode_fast").quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
                                                           block_table=block_table)

@@ -680,10 +680,23 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     kt, ks, vt, vs, sinks, flags = quant_args(k, v)
     for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"
+    sc, c_strides, value_outliers = outlier_passes(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
+                                                   block_table)
+    out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
+                  _decode_kernel, launch_cfg(k.per_token), constexprs, extra=(sc, *c_strides),
+                  before_combine=value_outliers, block_table=block_table)
+    return out
+
+
+def outlier_passes(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int, theta: float,
+                   softmax_scale: float | None, block_table: torch.Tensor | None):
+    """The sparse outliers' own passes around a decode kernel (this module's and ``kv_decode_warp``'s): runs the key
+    pass now and returns (sc, (sc's row-or-block and kv-head strides), the value pass to run between the decode and
+    the combine as ``value_outliers(ws, splits)``, or None without value slots). sc is q (unused) without slots."""
     b, hq, e = q.shape
     group = hq // k.codes.shape[2]
     pages, bs, cap = paging(block_table, slots, k.codes)  # as ``_launch`` reads them for the decode
-    ko, vo = flags["KSLOTS"], flags["VSLOTS"]
+    ko, vo = k.out_idx.shape[-1], v.out_idx.shape[-1]
     # sparse outliers in their own passes: key score terms before the decode, value terms before the combine. One
     # buffer sc, a kv head's query heads contiguous: the key pass's terms, which the decode adds and overwrites with
     # the whole scores, which the value pass reads
@@ -699,6 +712,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
     # slot) costs a few programs, not capacity / BT empty ones
     grid = (b, max(1, min(triton.cdiv(cap, bt), CFG["SPARSE_PROGRAMS"] * _sm_count(q.device) // b)))
     gp2 = triton.next_power_of_2(group)
+    kt, ks, vt, vs, _, flags = quant_args(k, v)
     # the passes take a side's pointers and strides without the codes' (``kv_decode._side``'s first 1 and 3): they
     # read only scales, codebook ends and slots
     if ko:
@@ -715,10 +729,7 @@ def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int 
             GP2=gp2, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo), BT=bt,
             BLOCK_T=CFG["BLOCK_T_OUTLIERS"], LEVELS=flags["VLEVELS"], BS=bs, num_warps=4)
 
-    out = _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, softmax_scale, splits,
-                  _decode_kernel, launch_cfg(k.per_token), constexprs, extra=(sc, *c_strides),
-                  before_combine=value_outliers if vo else None, block_table=block_table)
-    return out
+    return sc, c_strides, value_outliers if vo else None
 
 
 def launch_cfg(keys_per_token: bool) -> dict:

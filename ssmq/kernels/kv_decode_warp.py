@@ -1,0 +1,386 @@
+"""The KVQuant decode as one warp a program, every tensor-core operand built in registers (Gluon; session 32,
+2026-11-29): no shared memory and no barrier in its loop, which the Triton kernels (``kv_decode_fast``) could not
+avoid (there each dequantized tile passed through shared memory to become an operand: 6 trips and 11-13 barriers a
+32-token tile, the profile's top stall).
+
+Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv (GROUP, padded to N = 8 columns), e head dim (E = 128),
+r rotary dim (= e: full RoPE), HP = r / 2 channels a rotary half, S sink tokens, T = 16 tokens a tile, P splits of a
+row, q (lane % 4) and g8 (lane // 4) a lane's place in the 8 x 4 grid of an m16n8k16 fragment.
+
+One warp per (row, kv head, split), tiles of T tokens, mma.sync m16n8k16 products with float32 accumulation:
+    scores   Sᵀ (T, N) = K_rot (T, HP) · U_aᵀ + K_rot_b · U_bᵀ: keys are the A operand (rows = tokens), the query group
+             the B operand, rotated back by the tile's t0 θ (U = R(t0 θ)ᵀ q, a float16 table of cos / sin of t0 θ
+             read a tile, ``tile_angles``); keys x = mid + half · B (per-channel scales), turned by their
+             within-tile angles j θ (a table in registers), in float16 multiply-adds
+    values   Oᵀ (e, N) += V_Bᵀ (e, T) · (p ⊙ h)ᵀ: the value codes B are the A operand (rows = channels), the
+             probabilities times the per-token halves the B operand; Σ p · mid is added at the end (as
+             ``kv_decode_fast``)
+    layouts  a thread's A fragment holds 2 tokens x 16 channels (keys) or 16 channels x 4 tokens (values). The
+             products' K (key channels) and M (value channels) orders are permuted so that these are the
+             channels of 8 contiguous bytes of codes a token, which one vector load brings and the PRMT lookup
+             (``kv_decode_fast._LUT4``) turns into the fragment's registers in place: key slot k holds channel
+             ``key_channel(k)``, value row m channel ``value_channel(m)``; the query and the tables are loaded in
+             slot order, the output stored by channel
+    sink     split 0 first takes the S float sink tokens as one tile (keys rotated by their own positions)
+Each split writes (m, l, acc) for ``kv_decode._combine_kernel`` (one split: the output).
+
+    outliers the sparse slots keep ``kv_decode_fast``'s own passes (``outlier_passes``): their key terms are added to
+             the scores from the buffer sc, the scores left there for the value pass before the combine
+Served (``eligible``): 4-bit codes on both sides, per-channel keys, per-token values, head dim 128 with full RoPE,
+sparse outliers or none, a sink of at most 16 tokens, contiguous or paged caches with blocks of whole tiles. The
+other formats keep ``kv_decode_fast``. Needs Triton's Gluon (3.5+) and an NVIDIA GPU of sm_80+ (mma.sync).
+
+Accuracy: as ``kv_decode_fast`` (float16 operands, float32 accumulation); the query's rotation by t0 θ is in float16
+(the angles' table rounded to float16: 2^-11 relative), the keys' within-tile rotation too: within 3e-3 of
+``quant_kv_decode_ref`` at unit-scale data (the tests' bound).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from ssmq.errors import SSMQError
+from ssmq.kernels.kv_decode import _combine_kernel, _inv_freq, _sm_count, paging, whole_rounds
+from ssmq.kernels.kv_decode_fast import _LUT4, _LUT4_CONSTRAINTS, outlier_passes
+from ssmq.ops.kv_quant import KVSideView
+
+TILE = 16  # tokens a tile: the m16 rows of the key product, the k16 of the value product
+T = gl.constexpr(TILE)
+E_SERVED = 128
+# Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM);
+# the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
+# 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
+RESIDENT = 8
+ROUNDS = 1  # rounds of resident programs a launch fills at least
+MIN_TILES = 2  # a split covers at least this many tiles of the cache's capacity
+
+
+@gluon.jit
+def key_channel(k):
+    """Channel of key slot k of a rotary half (64 slots): slot 32w + 16n + 8p + 2q + e holds channel
+    16q + 8w + 4p + 2e + n (byte 8q + 4w + 2p + e of the half, nibble n), so that lane q's 8 bytes (channels
+    16q .. 16q + 15) are its own fragment's K slots, and each lookup's float16 pair (one nibble of two adjacent
+    bytes) one fragment register. Plain arithmetic: ``key_channel.fn`` runs on torch tensors (the host tables)."""
+    return 16 * ((k // 2) % 4) + 8 * (k // 32) + 4 * ((k // 8) % 2) + 2 * (k % 2) + (k // 16) % 2
+
+
+@gluon.jit
+def value_channel(m):
+    """Channel of value row m (128 rows): row 16u + 8h + g8 holds channel 16 g8 + 2u + h (byte 8 g8 + u, nibble h),
+    so that lane g8's 8 bytes of a token are its fragment's 16 rows."""
+    return 16 * (m % 8) + 2 * (m // 16) + (m // 8) % 2
+
+
+@gluon.jit
+def _cos_sin(a):
+    """cos, sin of float32 angles (``kv_decode._cos_sin`` with its Cody-Waite reduction, on the GPU)."""
+    k = gl.floor(a * 0.15915494309189535 + 0.5)
+    r = gl.fma(k, -6.28125, a)
+    r = gl.fma(k, -0.0019353071693331003, r)
+    r = gl.fma(k, -1.0253131677018246e-11, r)
+    c = gl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=gl.float32, is_pure=True, pack=1)
+    s = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=gl.float32, is_pure=True, pack=1)
+    return c, s
+
+
+@gluon.jit
+def _word(x, grp, k):
+    return gl.sum(gl.where(grp == k, x, 0), 0)
+
+
+@gluon.jit
+def _lut_words(lut):
+    """The 16-entry codebook (float32) as ``_LUT4``'s 8 table words (low bytes of entries 4k .. 4k + 3, then their
+    high bytes), once a program."""
+    L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    i = gl.arange(0, 16, layout=L)
+    e = gl.load(lut + i).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    sh = (i % 4) * 8
+    lo = (e & 0xFF) << sh
+    hi = (e >> 8) << sh
+    grp = i // 4
+    return (_word(lo, grp, 0), _word(lo, grp, 1), _word(lo, grp, 2), _word(lo, grp, 3), _word(hi, grp, 0),
+            _word(hi, grp, 1), _word(hi, grp, 2), _word(hi, grp, 3))
+
+
+@gluon.jit
+def _lookup(w, w0, w1, w2, w3, w4, w5, w6, w7):
+    """Float16 codebook values of the low and the high nibbles of bytes w (PRMT lookups, 4 bytes a call)."""
+    return gl.inline_asm_elementwise(_LUT4, _LUT4_CONSTRAINTS, [w, w0, w1, w2, w3, w4, w5, w6, w7],
+                                     dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+
+
+@gluon.jit
+def _key_operand(w, w0, w1, w2, w3, w4, w5, w6, w7, HP: gl.constexpr, A: gl.constexpr):
+    """(T, HP) float16 key codebook values in slot order as the A fragment, from bytes w (T, HP / 2) that each lane
+    holds 8 of a token: the relabelling (``key_channel``) moves no data (asserted)."""
+    lo, hi = _lookup(w, w0, w1, w2, w3, w4, w5, w6, w7)
+    x = gl.reshape(gl.join(lo, hi), [T, HP])  # column 2 byte + nibble
+    x = gl.reshape(gl.permute(gl.reshape(x, [T, 4, HP // 32, 2, 2, 2]), [0, 2, 5, 3, 1, 4]), [T, HP])
+    return gl.convert_layout(x, A, assert_trivial=True)
+
+
+@gluon.jit
+def _value_operand(w, w0, w1, w2, w3, w4, w5, w6, w7, E: gl.constexpr, A: gl.constexpr, VB2: gl.constexpr):
+    """(E, T) float16 value codebook values, rows in ``value_channel`` order, as the A fragment; w: (T, E / 2) bytes,
+    regrouped within each lane (a token pair innermost) so that a lookup's float16 pair is two tokens of a channel."""
+    lo, hi = _lookup(gl.convert_layout(w, VB2), w0, w1, w2, w3, w4, w5, w6, w7)
+    x = gl.reshape(gl.join(lo, hi), [T, E])
+    x = gl.reshape(gl.permute(gl.reshape(x, [T, 8, E // 16, 2]), [0, 2, 3, 1]), [T, E])
+    return gl.convert_layout(gl.permute(x, [1, 0]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _softmax_step(m, l, st):
+    """Online softmax over the tokens (rows) of Sᵀ (T, N) (log2 units, -inf masked): m, l, p, alpha."""
+    m_new = gl.maximum(m, gl.max(st, 0))
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(st - m_ref[None, :])
+    alpha = gl.exp2(m - m_ref)
+    return m_new, l * alpha + gl.sum(p, 0), p, alpha
+
+
+@gluon.jit
+def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, out, ws, table, s_tab, sc, c_b, c_k,
+                   kc, vc, vmid, vhalf, ksink, vsink, s_qb, s_qh, k_s, k_t, k_h, v_s, v_t, v_h, v_ms, v_mt, ks_s, ks_t,
+                   ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
+                   GROUP: gl.constexpr, E: gl.constexpr, S: gl.constexpr, BS: gl.constexpr,
+                   ONE_SPLIT: gl.constexpr, KSLOTS: gl.constexpr, VSLOTS: gl.constexpr):
+    """BS > 0: a paged cache (blocks of BS tokens, a multiple of T: a tile is in one block, ``table`` (slots, M));
+    the sinks are never paged. KSLOTS / VSLOTS: sparse outliers, whose passes (``kv_decode_fast.outlier_passes``)
+    share the score buffer sc with this kernel: it adds the key pass's terms to its scores and leaves the scores
+    there for the value pass, as ``kv_decode_fast``'s decode does (offsets: ``kv_decode_fast._sc_token``)."""
+    HP: gl.constexpr = E // 2
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    KB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])  # key bytes: 8 a lane, tokens g8, g8 + 8
+    # value bytes: tokens 2q, 2q + 1, 2q + 8, 2q + 9 and bytes 8 g8 .. 8 g8 + 7 a lane, loaded bytes innermost (VB)
+    # and regrouped a token pair innermost (VB2)
+    VB: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
+                                                  [[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], [], [], [T, E // 2])
+    VB2: gl.constexpr = gl.DistributedLinearLayout([[1, 0], [0, 1], [0, 2], [0, 4], [8, 0]],
+                                                   [[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], [], [], [T, E // 2])
+    i = gl.program_id(0)
+    hk = gl.program_id(1)
+    sp = gl.program_id(2)
+    slot = gl.load(slots + i).to(gl.int64)
+    n = gl.load(lens + i).to(gl.int32)
+    chunk = gl.cdiv(gl.cdiv(n, splits), T) * T
+    lo = sp * chunk
+    hi = gl.minimum(lo + chunk, n)
+
+    # the query group as B fragments (HP slots, 8 columns), pre-scaled (log2 units), float16
+    kq = gl.arange(0, HP, layout=gl.SliceLayout(1, B))
+    nq = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
+    qptr = q + i * s_qb + (hk * GROUP + nq[None, :]) * s_qh + key_channel(kq)[:, None]
+    qmask = (nq < GROUP)[None, :] & (kq >= 0)[:, None]
+    qs = scale * 1.4426950408889634
+    qa = (gl.load(qptr, mask=qmask, other=0.0).to(gl.float32) * qs).to(gl.float16)
+    qb = (gl.load(qptr + HP, mask=qmask, other=0.0).to(gl.float32) * qs).to(gl.float16)
+    # loop-invariant A-fragment tables: cos / sin of j θ (``rope_table``), the key scales (``key_scale_table``)
+    jA = gl.arange(0, T, layout=gl.SliceLayout(1, A))
+    kA = gl.arange(0, HP, layout=gl.SliceLayout(0, A))
+    cj = gl.load(rope + jA[:, None] * HP + kA[None, :])
+    sj = gl.load(rope + T * HP + jA[:, None] * HP + kA[None, :])
+    ksc = kscales + hk * 4 * HP + kA
+    ma = gl.load(ksc)[None, :]
+    ha = gl.load(ksc + HP)[None, :]
+    mb = gl.load(ksc + 2 * HP)[None, :]
+    hb = gl.load(ksc + 3 * HP)[None, :]
+    k0, k1, k2, k3, k4, k5, k6, k7 = _lut_words(klut)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _lut_words(vlut)
+
+    m = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
+    l = gl.zeros([8], gl.float32, gl.SliceLayout(0, MMA))
+    lm = gl.zeros([8], gl.float32, gl.SliceLayout(0, MMA))  # Σ p · mid of the values: added to every channel
+    acc = gl.zeros([E, 8], gl.float32, MMA)
+    tS = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
+    nS = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    mo = gl.arange(0, E, layout=gl.SliceLayout(1, A))
+    if S > 0:
+        if sp == 0:  # the float sink tokens, positions [0, S), one tile: keys rotated by their own positions
+            ns = gl.minimum(n, S)
+            ck = key_channel(kA)
+            kp = ksink + slot * ks_s + jA[:, None] * ks_t + hk * ks_h + ck[None, :]
+            km = (jA < ns)[:, None] & (kA >= 0)[None, :]
+            ka = gl.load(kp, mask=km, other=0.0).to(gl.float32)
+            kb = gl.load(kp + HP, mask=km, other=0.0).to(gl.float32)
+            cs, sn = _cos_sin(jA.to(gl.float32)[:, None] * gl.load(inv_freq + ck)[None, :])
+            st = mma_v2((ka * cs - kb * sn).to(gl.float16), qa, gl.zeros([T, 8], gl.float32, MMA))
+            st = mma_v2((kb * cs + ka * sn).to(gl.float16), qb, st)
+            m, l, p, alpha = _softmax_step(m, l, gl.where((tS < ns)[:, None], st, float("-inf")))
+            tA = gl.arange(0, T, layout=gl.SliceLayout(0, A))
+            vp = vsink + slot * vs_s + tA[None, :] * vs_t + hk * vs_h + value_channel(mo)[:, None]
+            vt = gl.load(vp, mask=(tA < ns)[None, :] & (mo >= 0)[:, None], other=0.0).to(gl.float16)
+            acc = mma_v2(vt, gl.convert_layout(p.to(gl.float16), B), acc)
+
+    tk = gl.arange(0, T, layout=gl.SliceLayout(1, KB))
+    bk = gl.arange(0, HP // 2, layout=gl.SliceLayout(0, KB))
+    tv = gl.arange(0, T, layout=gl.SliceLayout(1, VB))
+    bv = gl.arange(0, E // 2, layout=gl.SliceLayout(0, VB))
+    pb = slot
+    row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
+    for start in range(lo, hi, T):
+        if BS > 0:  # the tile's block (blocks of whole tiles)
+            pb = gl.load(table + slot * s_tab + start // BS).to(gl.int64)
+            row_sc = pb
+            t0 = start % BS
+        else:
+            t0 = start
+        t = t0 + tk
+        km = (start + tk < hi)[:, None] & (bk >= 0)[None, :]
+        kp = kc + pb * k_s + hk * k_h + t[:, None] * k_t + bk[None, :]
+        wa = gl.load(kp, mask=km, other=0)
+        wb = gl.load(kp + HP // 2, mask=km, other=0)
+        u = t0 + tv
+        wv = gl.load(vc + pb * v_s + hk * v_h + u[:, None] * v_t + bv[None, :],
+                     mask=(start + tv < hi)[:, None] & (bv >= 0)[None, :], other=0)
+        ts = start + tS
+        live = (ts < hi) & (ts >= S)
+        sv = pb * v_ms + (t0 + tS) * v_mt + hk
+        mv = gl.load(vmid + sv, mask=live, other=0.0).to(gl.float32)
+        hv = gl.load(vhalf + sv, mask=live, other=0.0).to(gl.float32)
+        # keys: mid + half · B, then turned by j θ, all float16 (HFMA2)
+        xa = ma + ha * _key_operand(wa, k0, k1, k2, k3, k4, k5, k6, k7, HP, A)
+        xb = mb + hb * _key_operand(wb, k0, k1, k2, k3, k4, k5, k6, k7, HP, A)
+        ra = xa * cj - xb * sj
+        rb = xb * cj + xa * sj
+        # the query turned back by t0 θ (float16 cos / sin by slot, ``tile_angles``)
+        c0 = gl.load(angles + (start // T) * E + kq)
+        s0 = gl.load(angles + (start // T) * E + HP + kq)
+        ua = qa * c0[:, None] + qb * s0[:, None]
+        ub = qb * c0[:, None] - qa * s0[:, None]
+        st = mma_v2(ra, ua, gl.zeros([T, 8], gl.float32, MMA))
+        st = mma_v2(rb, ub, st)
+        if KSLOTS or VSLOTS:  # a token's GROUP terms together: (i or its block, kv head, position, query head)
+            cs = sc + row_sc * c_b + hk * c_k + (t0 + tS)[:, None] * GROUP + nS[None, :]
+            cm = live[:, None] & (nS < GROUP)[None, :]
+            if KSLOTS:
+                st += gl.load(cs, mask=cm, other=0.0)
+            if VSLOTS:
+                gl.store(cs, st, mask=cm)
+        m, l, p, alpha = _softmax_step(m, l, gl.where(live[:, None], st, float("-inf")))
+        lm = lm * alpha + gl.sum(p * mv[:, None], 0)
+        pv = gl.convert_layout((p * hv[:, None]).to(gl.float16), B)
+        acc = mma_v2(_value_operand(wv, v0, v1, v2, v3, v4, v5, v6, v7, E, A, VB2), pv, acc * alpha[None, :])
+
+    mo = gl.arange(0, E, layout=gl.SliceLayout(1, MMA))
+    no = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    channel = value_channel(mo)
+    heads = hk * GROUP + no
+    rmask = no < GROUP
+    o = acc + lm[None, :]
+    omask = rmask[None, :] & (mo >= 0)[:, None]
+    if ONE_SPLIT:
+        gl.store(out + i * s_ob + heads[None, :] * s_oh + channel[:, None], o / l[None, :], mask=omask)
+    else:
+        dst = ws + i * w_b + heads * w_h + sp * w_p
+        gl.store(dst[None, :] + channel[:, None] * w_e, o, mask=omask)
+        gl.store(dst + E * w_e, m, mask=rmask)
+        gl.store(dst + (E + 1) * w_e, l, mask=rmask)
+
+
+def eligible(k: KVSideView, v: KVSideView, rotary_dim: int, group: int, paged_block: int = 0) -> bool:
+    """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``."""
+    e = k.sink.shape[-1]
+    return (k.bits == 4 and v.bits == 4 and not k.per_token and v.per_token and e == E_SERVED and rotary_dim == e
+            and k.sink.shape[1] <= TILE and group <= 8
+            and k.codebook.numel() <= 16 and v.codebook.numel() <= 16 and paged_block % TILE == 0)
+
+
+def _slot_order_inverse(hp: int, device) -> torch.Tensor:
+    return key_channel.fn(torch.arange(hp, device=device))
+
+
+@functools.lru_cache(maxsize=16)
+def rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """(2, T, r/2) float16: cos, sin of j θ_c for the within-tile positions j, columns in slot order (float64 on the
+    host, then rounded)."""
+    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    a = torch.arange(TILE, dtype=torch.float64)[:, None] * inv[_slot_order_inverse(rotary_dim // 2, "cpu")][None, :]
+    return torch.stack([a.cos(), a.sin()]).half().contiguous().to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def tile_angles(capacity: int, rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """(ceil(capacity / T), r) float16: cos (first r/2 columns) and sin of t0 θ_c for the tiles' first positions t0,
+    columns in slot order (float64 on the host, then rounded; 4 MB at 128K tokens, read from L2)."""
+    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    a = torch.arange(0, capacity, TILE, dtype=torch.float64)[:, None] * inv[_slot_order_inverse(rotary_dim // 2,
+                                                                                              "cpu")][None, :]
+    return torch.cat([a.cos(), a.sin()], 1).half().contiguous().to(device)
+
+
+def key_scale_table(k: KVSideView) -> torch.Tensor:
+    """(hkv, 4, r/2) float16: mid_a, half_a, mid_b, half_b of the per-channel key scales in slot order (each side's
+    constant; cached on the view's scales)."""
+    cached = _SCALES.get(id(k.mid))
+    if cached is not None and cached[0] is k.mid:
+        return cached[1]
+    hp = k.mid.shape[1] // 2
+    ch = _slot_order_inverse(hp, k.mid.device)
+    table = torch.stack([k.mid[:, ch], k.half[:, ch], k.mid[:, hp + ch], k.half[:, hp + ch]], 1).half().contiguous()
+    if len(_SCALES) > 256:
+        _SCALES.clear()
+    _SCALES[id(k.mid)] = (k.mid, table)  # the reference keeps the id from being reused while cached
+    return table
+
+
+_SCALES: dict = {}
+
+
+def default_splits(b: int, hkv: int, capacity: int, device: torch.device) -> int:
+    """Splits filling whole rounds of RESIDENT programs an SM, at most one per MIN_TILES tiles of the capacity."""
+    slots = RESIDENT * _sm_count(device)
+    fill = whole_rounds(triton.cdiv(ROUNDS * slots, b * hkv), b * hkv, slots)
+    return max(1, min(fill, triton.cdiv(capacity, TILE * MIN_TILES)))
+
+
+def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
+                    rotary_dim: int = 0, theta: float = 10000.0, softmax_scale: float | None = None,
+                    splits: int | None = None, block_table: torch.Tensor | None = None) -> torch.Tensor:
+    """``quant_kv_decode_ref`` on the GPU for ``eligible`` formats: q (b, hq, e) → (b, hq, e) float32 (lengths stay
+    on the GPU; ``block_table`` (s, M): block pools read in place)."""
+    b, hq, e = q.shape
+    hkv = k.codes.shape[2]
+    (table, s_tab), bs, capacity = paging(block_table, slots, k.codes)
+    if not eligible(k, v, rotary_dim, hq // hkv, bs):
+        raise SSMQError("the warp KV decode kernel serves 4-bit per-channel keys and per-token values, "
+                        f"head dim {E_SERVED} with full RoPE, at most {TILE} sink tokens and 8 query heads a "
+                        f"kv head and blocks of whole {TILE}-token tiles; use ssmq.kernels.kv_decode_fast")
+    assert q.stride(-1) == 1 and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
+    sc, (c_b, c_k), value_outliers = outlier_passes(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
+                                                    block_table)
+    splits = splits or default_splits(b, hkv, capacity, q.device)
+    if value_outliers:  # the value pass adds into the splits' outputs: at least two
+        splits = max(splits, 2)
+    scale = e ** -0.5 if softmax_scale is None else softmax_scale
+    out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
+    ws = (torch.empty(b, splits, e + 2, hq, dtype=torch.float32, device=q.device).permute(0, 3, 1, 2) if splits > 1
+          else out[..., None])
+    kc, vc, ks, vs = k.codes, v.codes, k.sink, v.sink
+    _decode_kernel[(b, hkv, splits)](
+        q, slots, kv_lens, _inv_freq(rotary_dim, theta, q.device), tile_angles(capacity, rotary_dim, theta, q.device),
+        rope_table(rotary_dim, theta, q.device), key_scale_table(k), k.codebook.float().contiguous(),
+        v.codebook.float().contiguous(), out, ws, table, s_tab, sc, c_b, c_k, kc, vc, v.mid, v.half, ks, vs, q.stride(0),
+        q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+        v.mid.stride(0), v.mid.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1),
+        vs.stride(2), out.stride(0), out.stride(1), *ws.stride(), splits, scale, GROUP=hq // hkv, E=e,
+        S=k.sink.shape[1], BS=bs, ONE_SPLIT=splits == 1, KSLOTS=k.out_idx.shape[-1] > 0,
+        VSLOTS=v.out_idx.shape[-1] > 0, num_warps=1)
+    if value_outliers:
+        value_outliers(ws, splits)
+    if splits > 1:
+        hb = min(4, triton.next_power_of_2(hq))
+        eb = min(16, e)
+        _combine_kernel[(b, triton.cdiv(hq, hb), e // eb)](ws, out, splits, hq, *ws.stride(), out.stride(0),
+                                                           out.stride(1), E=e, PS=triton.next_power_of_2(splits),
+                                                           HB=hb, EB=eb, PC=32)
+    return out

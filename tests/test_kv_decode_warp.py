@@ -1,0 +1,209 @@
+"""The warp KV decode kernel (``ssmq.kernels.kv_decode_warp``, Gluon): its index algebra and its sm_90 build on CPU;
+on the GPU it equals ``quant_kv_decode_ref`` (contiguous and paged caches, sinks, splits, GQA groups, ragged rows)
+and the dispatch sends it the formats it serves. Gluon kernels do not run in Triton's interpreter: the numerics are
+GPU tests only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon (3.5+)")
+
+
+@pytest.fixture(scope="module")
+def w():
+    from ssmq.kernels import kv_decode_warp
+
+    return kv_decode_warp
+
+
+def _join_reshape(tokens: int, nbytes: int) -> torch.Tensor:
+    """The channel of each (token, byte, nibble) entry after ``gl.join(lo, hi)`` + reshape: 2 byte + nibble."""
+    byte = torch.arange(nbytes)[None, :, None].expand(tokens, nbytes, 2)
+    return (2 * byte + torch.arange(2)).reshape(tokens, 2 * nbytes)
+
+
+def test_key_relabelling_matches_the_slot_channels(w):
+    """``_key_operand``'s reshape / permute of the looked-up (token, channel) tile, done on channel numbers, puts
+    channel ``key_channel(k)`` at slot k (the host tables and the query use that map), a bijection; lane q's slots
+    (k // 2 % 4 == q in the m16n8k16 fragment) are the 16 channels of its own 8 bytes."""
+    hp = 64
+    x = _join_reshape(16, hp // 2)
+    x = x.reshape(16, 4, hp // 32, 2, 2, 2).permute(0, 2, 5, 3, 1, 4).reshape(16, hp)
+    k = torch.arange(hp)
+    assert torch.equal(x[0], w.key_channel.fn(k))
+    assert sorted(w.key_channel.fn(k).tolist()) == list(range(hp))
+    lane_q = (k // 2) % 4
+    assert torch.equal(w.key_channel.fn(k) // 16, lane_q)
+
+
+def test_value_relabelling_matches_the_row_channels(w):
+    """``_value_operand``'s relabelling puts channel ``value_channel(m)`` at row m (a bijection), and lane g8's rows
+    (m % 8 == g8 in the fragment) are the 16 channels of its bytes 8 g8 .. 8 g8 + 7."""
+    e = 128
+    x = _join_reshape(16, e // 2)
+    x = x.reshape(16, 8, e // 16, 2).permute(0, 2, 3, 1).reshape(16, e).T  # (rows, tokens)
+    m = torch.arange(e)
+    assert torch.equal(x[:, 0], w.value_channel.fn(m))
+    assert sorted(w.value_channel.fn(m).tolist()) == list(range(e))
+    assert torch.equal(w.value_channel.fn(m) // 16, m % 8)
+
+
+def test_host_tables_are_in_slot_order(w):
+    """The within-tile rotation table, the tiles' angles and the key scales, column k = channel key_channel(k)."""
+    from ssmq.ops.kv_quant import KVSideView
+
+    r, theta = 128, 10000.0
+    inv = 1.0 / theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
+    ch = w.key_channel.fn(torch.arange(r // 2))
+    rope = w.rope_table(r, theta, torch.device("cpu"))
+    torch.testing.assert_close(rope[1, 5].double(), torch.sin(5 * inv[ch]), rtol=1e-3, atol=1e-3)
+    ang = w.tile_angles(100, r, theta, torch.device("cpu"))
+    assert ang.shape == (7, r)  # ceil(100 / 16) tiles
+    torch.testing.assert_close(ang[3, : r // 2].double(), torch.cos(48 * inv[ch]), rtol=1e-3, atol=1e-3)
+    mid, half = torch.randn(2, 128), torch.rand(2, 128)
+    side = KVSideView(torch.zeros(1, 16, 2, 64, dtype=torch.uint8), torch.zeros(16), mid, half, False,
+                      torch.zeros(1, 16, 0, dtype=torch.int16), torch.zeros(1, 16, 0), torch.zeros(1, 1, 2, 128), 4)
+    t = w.key_scale_table(side)
+    assert t.shape == (2, 4, 64) and t.dtype == torch.float16
+    torch.testing.assert_close(t[1, 3].float(), half[1, 64 + ch].half().float())
+    assert w.key_scale_table(side) is t  # cached on the side's scales
+
+
+def test_eligible_formats(w):
+    from ssmq.ops.kv_quant import KVSideView
+
+    def view(bits=4, per_token=False, e=128, slots=0, sink=1):
+        return KVSideView(torch.zeros(1, 32, 2, e * bits // 8, dtype=torch.uint8), torch.zeros(2 ** bits),
+                          torch.zeros(1, 32, 2) if per_token else torch.zeros(2, e),
+                          torch.zeros(1, 32, 2) if per_token else torch.zeros(2, e), per_token,
+                          torch.zeros(1, 32, slots, dtype=torch.int16), torch.zeros(1, 32, slots),
+                          torch.zeros(1, sink, 2, e), bits)
+
+    K, V = view(), view(per_token=True)
+    assert w.eligible(K, V, 128, 4)
+    assert not w.eligible(K, V, 64, 4)  # partial RoPE
+    assert not w.eligible(view(bits=2), V, 128, 4)
+    assert not w.eligible(view(per_token=True), V, 128, 4)  # per-token keys (engine formats)
+    assert w.eligible(view(slots=20), view(per_token=True, slots=10), 128, 4)  # 1% outliers
+    assert not w.eligible(view(e=64), view(e=64, per_token=True), 64, 4)
+    assert not w.eligible(K, V, 128, 16)  # more than 8 query heads a kv head
+    assert not w.eligible(K, V, 128, 4, paged_block=8)
+    assert w.eligible(K, V, 128, 4, paged_block=32)
+
+
+@pytest.mark.parametrize("sink, paged, one, slots", [(1, 0, False, False), (0, 0, True, False), (3, 64, False, False),
+                                                     (1, 0, False, True), (1, 32, False, True)])
+def test_warp_decode_compiles_for_sm90_without_shared_memory(w, sink, paged, one, slots):
+    """sm_90 build as launched: no barrier and no shared memory, 16 tensor-core products a 16-token tile (keys: two
+    halves x 4 k-steps; values: 8 row tiles), no spills; with the outliers' score buffer too."""
+    from ssmq.kernels.build import compile_sm90, main_loop, registers
+
+    pointers = dict(q="fp16", slots="i64", lens="i32", inv_freq="fp32", angles="fp16", rope="fp16", kscales="fp16",
+                    klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
+                    vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
+    const = dict(GROUP=4, E=128, S=sink, BS=paged, ONE_SPLIT=one, KSLOTS=slots, VSLOTS=slots, w_h=1)
+    strides = [a for a in w._decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
+               and a not in ("v_mt", "s_tab", "w_h")]
+    try:
+        c = compile_sm90(w._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
+                         aligned=(*pointers, *strides))
+    except (FileNotFoundError, RuntimeError) as ex:
+        if "ptxas" in str(ex):
+            pytest.skip(f"no ptxas: {ex}")
+        raise
+    ptx = c.asm["ptx"]
+    assert "bar.sync" not in ptx and "barrier" not in ptx and ".shared" not in ptx
+    regs, stack = registers(c)
+    assert stack == 0 and regs <= 255
+    assert main_loop(c)["HMMA"] == 16
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------------
+
+WARP_CASES = [  # b, hq, hkv, L, sink: e = 128, full RoPE, 4-bit per-channel keys, per-token values
+    (2, 32, 8, 300, 1),     # Llama-3.1-8B's heads (GQA 4), one sink token
+    (3, 8, 2, 1000, 0),     # no sink, ragged rows (one of length 1)
+    (1, 12, 3, 5000, 3),    # a long row, 3 sink tokens
+    (3, 16, 2, 200, 2),     # GQA 8 (a whole n8 column block), a row shorter than the sink
+    (2, 2, 2, 100, 1),      # no GQA
+]
+
+
+def _gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (Gluon kernels do not run in Triton's interpreter)")
+
+
+def _case(case, gen, block=0, slots=(0, 0)):
+    from test_kvquant_kernels import side
+
+    b, hq, hkv, L, sink = case
+    s = b + 2
+    cap = -(-L // block) * block if block else L
+    K = side(s, cap, hkv, 128, False, slots[0], sink, gen, 16)
+    V = side(s, cap, hkv, 128, True, slots[1], sink, gen, 16)
+    q = torch.randn(b, hq, 128, generator=gen).cuda()
+    slots = torch.randperm(s, generator=gen)[:b].cuda()
+    lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).cuda()
+    lens[0] = L
+    if b > 2:
+        lens[-1] = 1
+    return K, V, q, slots, lens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WARP_CASES)
+@pytest.mark.parametrize("splits", [None, 1, 7])
+@pytest.mark.parametrize("outliers", [(0, 0), (20, 10), (3, 0), (0, 2)])  # none, 1% of 8 x 128, keys / values only
+def test_warp_kernel_equals_reference(w, case, splits, outliers):
+    """Within 3e-3 of the float32 reference (float16 operands and rotations: the module's accuracy note)."""
+    _gpu()
+    from test_kvquant_kernels import _cpu
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    K, V, q, slots, lens = _case(case, torch.Generator().manual_seed(1), slots=outliers)
+    got = w.quant_kv_decode(q, slots, lens, K, V, 128, 10000.0, splits=splits)
+    want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), _cpu(K), _cpu(V), 128, 10000.0)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("outliers", [(0, 0), (20, 10)])
+def test_warp_kernel_reads_a_paged_cache_in_place(w, block_size, splits, outliers):
+    _gpu()
+    from test_kvquant_kernels import _cpu
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    gen = torch.Generator().manual_seed(2)
+    K, V, q, slots, lens = _case((3, 32, 8, 300, 1), gen, block_size, outliers)
+    s, m = K.codes.shape[0], K.codes.shape[1] // block_size
+    table = (1 + torch.randperm(s * m, generator=gen)).view(s, m).cuda()
+    want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), _cpu(K), _cpu(V), 128, 10000.0)
+    got = w.quant_kv_decode(q, slots, lens, K.paged(table, block_size), V.paged(table, block_size), 128, 10000.0,
+                            splits=splits, block_table=table)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.gpu
+def test_dispatch_sends_served_formats_to_the_warp_kernel(w, monkeypatch):
+    """The dispatch takes the warp kernel for a format it serves (and not with SSMQ_KV_WARP=0's switch off); it
+    refuses the others with a clear error."""
+    _gpu()
+    from ssmq.errors import SSMQError
+    from ssmq.kernels import dispatch
+
+    K, V, q, slots, lens = _case((2, 32, 8, 300, 1), torch.Generator().manual_seed(3))
+    calls = []
+    real = w.quant_kv_decode
+    monkeypatch.setattr(w, "quant_kv_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    dispatch.quant_kv_decode(q, slots, lens, K, V, 128, 10000.0)
+    assert calls == [1]
+    monkeypatch.setattr(dispatch, "_KV_WARP", False)
+    dispatch.quant_kv_decode(q, slots, lens, K, V, 128, 10000.0)
+    assert calls == [1]
+    with pytest.raises(SSMQError, match="warp KV decode kernel serves"):
+        real(q, slots, lens, K, V, 64, 10000.0)
