@@ -481,11 +481,7 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
     splits = max(splits, 2) if before_combine else splits
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
-    out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
-    # the splits' (acc, m, l) with the heads innermost: a value slot adds to its kv head's query heads at once
-    # (one vector atomic in kv_decode_fast's value pass)
-    ws = (torch.empty(b, splits, e + 2, hq, dtype=torch.float32, device=q.device).permute(0, 3, 1, 2) if splits > 1
-          else out[..., None])
+    out, ws = split_outputs(b, hq, e, splits, q.device)
     ksink, vsink = sinks
     kernel[(b, hkv, splits)](
         q, slots, kv_lens, inv_freq, out, ws, *extra, *kt, ksink, *vt, vsink, q.stride(0), q.stride(1), *ks, *vs,
@@ -495,6 +491,22 @@ def _launch(q, slots, kv_lens, kt, ks, vt, vs, sinks, flags, rotary_dim, theta, 
         **const(hq // hkv, e, rotary_dim, ksink.shape[1], flags, block_t, splits == 1), BS=bs)
     if before_combine:
         before_combine(ws, splits)
+    return combine_splits(out, ws, splits)
+
+
+def split_outputs(b: int, hq: int, e: int, splits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (b, hq, e) float32, ws): the splits' (acc, m, l) for ``combine_splits``, (b, hq, P, e + 2) with the heads
+    innermost in memory (a value slot adds to its kv head's query heads at once: one vector atomic in
+    kv_decode_fast's value pass); one split writes out itself (ws a view of it)."""
+    out = torch.empty(b, hq, e, dtype=torch.float32, device=device)
+    ws = (torch.empty(b, splits, e + 2, hq, dtype=torch.float32, device=device).permute(0, 3, 1, 2) if splits > 1
+          else out[..., None])
+    return out, ws
+
+
+def combine_splits(out: torch.Tensor, ws: torch.Tensor, splits: int) -> torch.Tensor:
+    """out from the splits' outputs in ws (``_combine_kernel``; nothing to do for one split)."""
+    b, hq, e = out.shape
     if splits > 1:
         hb = min(4, triton.next_power_of_2(hq))
         eb = min(16, e)

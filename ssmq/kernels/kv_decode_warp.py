@@ -22,10 +22,10 @@ One warp per (row, kv head, split), tiles of T tokens, mma.sync m16n8k16 product
              ``key_channel(k)``, value row m channel ``value_channel(m)``; the query and the tables are loaded in
              slot order, the output stored by channel
     sink     split 0 first takes the S float sink tokens as one tile (keys rotated by their own positions)
-Each split writes (m, l, acc) for ``kv_decode._combine_kernel`` (one split: the output).
-
     outliers the sparse slots keep ``kv_decode_fast``'s own passes (``outlier_passes``): their key terms are added to
              the scores from the buffer sc, the scores left there for the value pass before the combine
+Each split writes (m, l, acc) for ``kv_decode.combine_splits`` (one split: the output).
+
 Served (``eligible``): 4-bit codes on both sides, per-channel keys, per-token values, head dim 128 with full RoPE,
 sparse outliers or none, a sink of at most 16 tokens, contiguous or paged caches with blocks of whole tiles. The
 other formats keep ``kv_decode_fast``. Needs Triton's Gluon (3.5+) and an NVIDIA GPU of sm_80+ (mma.sync).
@@ -46,7 +46,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import _combine_kernel, _inv_freq, _sm_count, paging, whole_rounds
+from ssmq.kernels.kv_decode import _inv_freq, _sm_count, combine_splits, paging, split_outputs, whole_rounds
 from ssmq.kernels.kv_decode_fast import _LUT4, _LUT4_CONSTRAINTS, outlier_passes
 from ssmq.ops.kv_quant import KVSideView
 
@@ -79,7 +79,8 @@ def value_channel(m):
 
 @gluon.jit
 def _cos_sin(a):
-    """cos, sin of float32 angles (``kv_decode._cos_sin`` with its Cody-Waite reduction, on the GPU)."""
+    """cos, sin of float32 angles: the Gluon twin of ``kv_decode._cos_sin`` (its Cody-Waite reduction and the
+    hardware's approximations; a Gluon kernel calls Gluon functions only)."""
     k = gl.floor(a * 0.15915494309189535 + 0.5)
     r = gl.fma(k, -6.28125, a)
     r = gl.fma(k, -0.0019353071693331003, r)
@@ -203,7 +204,6 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     acc = gl.zeros([E, 8], gl.float32, MMA)
     tS = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
     nS = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    mo = gl.arange(0, E, layout=gl.SliceLayout(1, A))
     if S > 0:
         if sp == 0:  # the float sink tokens, positions [0, S), one tile: keys rotated by their own positions
             ns = gl.minimum(n, S)
@@ -217,8 +217,9 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
             st = mma_v2((kb * cs + ka * sn).to(gl.float16), qb, st)
             m, l, p, alpha = _softmax_step(m, l, gl.where((tS < ns)[:, None], st, float("-inf")))
             tA = gl.arange(0, T, layout=gl.SliceLayout(0, A))
-            vp = vsink + slot * vs_s + tA[None, :] * vs_t + hk * vs_h + value_channel(mo)[:, None]
-            vt = gl.load(vp, mask=(tA < ns)[None, :] & (mo >= 0)[:, None], other=0.0).to(gl.float16)
+            mA = gl.arange(0, E, layout=gl.SliceLayout(1, A))
+            vp = vsink + slot * vs_s + tA[None, :] * vs_t + hk * vs_h + value_channel(mA)[:, None]
+            vt = gl.load(vp, mask=(tA < ns)[None, :] & (mA >= 0)[:, None], other=0.0).to(gl.float16)
             acc = mma_v2(vt, gl.convert_layout(p.to(gl.float16), B), acc)
 
     tk = gl.arange(0, T, layout=gl.SliceLayout(1, KB))
@@ -362,9 +363,7 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     if value_outliers:  # the value pass adds into the splits' outputs: at least two
         splits = max(splits, 2)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
-    out = torch.empty(b, hq, e, dtype=torch.float32, device=q.device)
-    ws = (torch.empty(b, splits, e + 2, hq, dtype=torch.float32, device=q.device).permute(0, 3, 1, 2) if splits > 1
-          else out[..., None])
+    out, ws = split_outputs(b, hq, e, splits, q.device)
     kc, vc, ks, vs = k.codes, v.codes, k.sink, v.sink
     _decode_kernel[(b, hkv, splits)](
         q, slots, kv_lens, _inv_freq(rotary_dim, theta, q.device), tile_angles(capacity, rotary_dim, theta, q.device),
@@ -377,10 +376,4 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
         VSLOTS=v.out_idx.shape[-1] > 0, num_warps=1)
     if value_outliers:
         value_outliers(ws, splits)
-    if splits > 1:
-        hb = min(4, triton.next_power_of_2(hq))
-        eb = min(16, e)
-        _combine_kernel[(b, triton.cdiv(hq, hb), e // eb)](ws, out, splits, hq, *ws.stride(), out.stride(0),
-                                                           out.stride(1), E=e, PS=triton.next_power_of_2(splits),
-                                                           HB=hb, EB=eb, PC=32)
-    return out
+    return combine_splits(out, ws, splits)
