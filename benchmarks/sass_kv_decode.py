@@ -1,7 +1,8 @@
 """The fast KV decode kernel's loop in SASS, built for sm_90 on this machine (no GPU): registers, spills and the
 instructions a thread issues a 32-token tile, by opcode, for the float16 path and the quantized formats of
 ``bench_kvquant.py``'s layer (32 query / 8 KV heads × 128, full RoPE, sink 1), with the per-channel scales folded
-or not (``CFG["FOLD"]``) and with the launches' register caps or none. Strides are taken as multiples of 16, as the
+or not (``CFG["FOLD"]``) and with the launches' register caps or none; and the warp kernel (``kv_decode_warp``,
+whose loop is a 16-token tile of one warp). Strides are taken as multiples of 16, as the
 launcher's specialization finds them at that shape. Registers come from this machine's Triton (the GPU machine's
 may differ by a few: ``bench_kvquant.py`` runs record theirs).
 
@@ -39,6 +40,20 @@ def build(bits: int | None, fold: bool, cap: int | None, slots: int = 0):
                         num_stages=kf.CFG["num_stages"], aligned=(*pointers, *STRIDES), maxnreg=cap)
 
 
+def build_warp(sink: int = 1, slots: bool = False):
+    """``kv_decode_warp``'s kernel as launched on the bench's layer (one warp, Gluon)."""
+    from ssmq.kernels import kv_decode_warp as kw
+
+    pointers = dict(q="fp16", slots="i64", lens="i32", inv_freq="fp32", angles="fp16", rope="fp16", kscales="fp16",
+                    klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
+                    vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
+    const = dict(GROUP=GROUP, E=E, S=sink, BS=0, ONE_SPLIT=False, KSLOTS=slots, VSLOTS=slots, w_h=1)
+    strides = [a for a in kw._decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
+               and a not in ("v_mt", "s_tab", "w_h")]
+    return compile_sm90(kw._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
+                        aligned=(*pointers, *strides))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="")
@@ -49,10 +64,13 @@ def main() -> None:
                  for bits in (4, 3, 2) for fold, cap in ((False, None), (True, None), (True, kf.CFG["MAXNREG"]))]
     variants += [(f"4-bit + 1%{', folded' if fold else ''}{f', cap {cap}' if cap else ''}", 4, fold, cap, ten)
                  for fold, cap in ((False, None), (True, None), (True, kf.CFG["MAXNREG_OUTLIERS"]))]
+    # the warp kernel (kv_decode_warp): its loop is a 16-token tile of one warp, not a 32-token tile of 4 warps
+    variants += [("4-bit, warp kernel", "warp", False, None, 0),
+                 ("4-bit + 1%, warp kernel", "warp", False, None, ten)]
     rows = []
     print(f"{'variant':28s} {'regs':>4s} {'stack':>5s} {'loop':>5s}  " + " ".join(f"{op:>5s}" for op in SHOWN))
     for name, bits, fold, cap, slots in variants:
-        compiled = build(bits, fold, cap, slots)
+        compiled = build_warp(slots=bool(slots)) if bits == "warp" else build(bits, fold, cap, slots)
         regs, stack = registers(compiled)
         ops = main_loop(compiled)
         rows.append({"variant": name, "registers": regs, "stack_bytes": stack, "loop_instructions": sum(ops.values()),
