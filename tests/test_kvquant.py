@@ -273,6 +273,26 @@ def test_packed_cache_bytes_of_3_and_2_bit_codes(e):
         assert (four, three, two) == tuple(2 * 2 * 10 * 2 * n for n in (6, 5, 3))
 
 
+def test_cache_view_derives_offline_scales_once():
+    """A decode step builds each layer's view: the per-channel (offline) key scales are the same tensors from call to
+    call, equal to the reference's, and derived again when the quantizer's range buffers change in place (a
+    calibration loaded after the cache was made)."""
+    from ssmq.models.kv_quantizer import KVQuantizer
+
+    q = KVQuantizer(KV_PRESETS["kvquant-nuq4"][0], 2, 16, 0)
+    st = QuantKVState(q, 2, 10, torch.float16, "cpu")
+    a, b = st.k.view(), st.k.view()
+    assert not a.per_token and a.mid is b.mid and a.half is b.half
+    mid, half = kq.scales_of(None, q.params("keys"), None)
+    torch.testing.assert_close(a.half, half.expand(2, 16).float())
+    with torch.no_grad():
+        q.k_hi.mul_(3.0)
+    c = st.k.view()
+    assert c.mid is not a.mid
+    torch.testing.assert_close(c.half, kq.scales_of(None, q.params("keys"), None)[1].expand(2, 16).float())
+    torch.testing.assert_close(c.mid, kq.scales_of(None, q.params("keys"), None)[0].expand(2, 16).float())
+
+
 def test_packing_leaves_the_quantized_values_unchanged(monkeypatch):
     """3-bit packing changes the storage only: a nuq3-1% cache read back (and the logits through it) equals the
     same cache stored as nibbles (the layout before 3-bit packing), on 3/4 of the code bytes."""

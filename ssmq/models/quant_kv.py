@@ -44,6 +44,7 @@ class QuantSide:
         self.out_idx = torch.full((*lead, k), -1, dtype=torch.int16, **z)
         self.out_val = torch.zeros(*lead, k, dtype=torch.float16, **z)
         self.sink = torch.zeros(max_batch, quantizer.kv.sink, hkv, e, dtype=dtype, **z)
+        self._offline = None  # (lo, hi, their versions, mid, half): ``view``'s offline scales, derived once
 
     @property
     def block_table(self) -> torch.Tensor | None:
@@ -120,10 +121,20 @@ class QuantSide:
             return None
         if self.mid is not None:
             mid, half = self.mid, self.half
-        else:  # offline scales, as the reference derives them, broadcast to (hkv, e)
-            mid, half = (t.expand(self.q.hkv, self.q.e).float().contiguous() for t in scales_of(None, p, None))
+        else:
+            mid, half = self._offline_scales(p)
         return KVSideView(self.codes, p.codebook, mid, half, self.mid is not None, self.out_idx, self.out_val,
                           self.sink, self.bits)
+
+    def _offline_scales(self, p) -> tuple[torch.Tensor, torch.Tensor]:
+        """Offline scales as the reference derives them, broadcast to (hkv, e) float32: the same tensors while the
+        quantizer's range buffers are (same objects, unmodified). A decode step builds every layer's view, and fresh
+        tensors each time would cost two copies a layer and a miss of ``kv_decode_warp``'s per-side scale table."""
+        c = self._offline
+        if c is None or c[0] is not p.lo or c[1] is not p.hi or c[2] != (p.lo._version, p.hi._version):
+            mid, half = (t.expand(self.q.hkv, self.q.e).float().contiguous() for t in scales_of(None, p, None))
+            self._offline = c = (p.lo, p.hi, (p.lo._version, p.hi._version), mid, half)
+        return c[3], c[4]
 
     def reset(self, slots) -> None:
         self.sink[_rows(slots)] = 0
