@@ -44,12 +44,8 @@ def build_warp(sink: int = 1, slots: bool = False):
     """``kv_decode_warp``'s kernel as launched on the bench's layer (one warp, Gluon)."""
     from ssmq.kernels import kv_decode_warp as kw
 
-    pointers = dict(q="fp16", slots="i64", lens="i32", inv_freq="fp32", angles="fp16", rope="fp16", kscales="fp16",
-                    klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
-                    vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
+    pointers, strides = kw.compile_signature()
     const = dict(GROUP=GROUP, E=E, S=sink, BS=0, ONE_SPLIT=False, KSLOTS=slots, VSLOTS=slots, w_h=1)
-    strides = [a for a in kw._decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
-               and a not in ("v_mt", "s_tab", "w_h")]
     return compile_sm90(kw._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
                         aligned=(*pointers, *strides))
 

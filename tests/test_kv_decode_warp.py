@@ -74,8 +74,8 @@ def test_host_tables_are_in_slot_order(w):
 def test_eligible_formats(w):
     from ssmq.ops.kv_quant import KVSideView
 
-    def view(bits=4, per_token=False, e=128, slots=0, sink=1):
-        return KVSideView(torch.zeros(1, 32, 2, e * bits // 8, dtype=torch.uint8), torch.zeros(2 ** bits),
+    def view(bits=4, per_token=False, e=128, slots=0, sink=1, levels=None):
+        return KVSideView(torch.zeros(1, 32, 2, e * bits // 8, dtype=torch.uint8), torch.zeros(levels or 2 ** bits),
                           torch.zeros(1, 32, 2) if per_token else torch.zeros(2, e),
                           torch.zeros(1, 32, 2) if per_token else torch.zeros(2, e), per_token,
                           torch.zeros(1, 32, slots, dtype=torch.int16), torch.zeros(1, 32, slots),
@@ -91,6 +91,7 @@ def test_eligible_formats(w):
     assert not w.eligible(K, V, 128, 16)  # more than 8 query heads a kv head
     assert not w.eligible(K, V, 128, 4, paged_block=8)
     assert w.eligible(K, V, 128, 4, paged_block=32)
+    assert not w.eligible(view(levels=15), V, 128, 4)  # the kernel reads 16 codebook entries
 
 
 @pytest.mark.parametrize("sink, paged, one, slots", [(1, 0, False, False), (0, 0, True, False), (3, 64, False, False),
@@ -100,12 +101,8 @@ def test_warp_decode_compiles_for_sm90_without_shared_memory(w, sink, paged, one
     halves x 4 k-steps; values: 8 row tiles), no spills; with the outliers' score buffer too."""
     from ssmq.kernels.build import compile_sm90, main_loop, registers
 
-    pointers = dict(q="fp16", slots="i64", lens="i32", inv_freq="fp32", angles="fp16", rope="fp16", kscales="fp16",
-                    klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
-                    vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
+    pointers, strides = w.compile_signature()
     const = dict(GROUP=4, E=128, S=sink, BS=paged, ONE_SPLIT=one, KSLOTS=slots, VSLOTS=slots, w_h=1)
-    strides = [a for a in w._decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
-               and a not in ("v_mt", "s_tab", "w_h")]
     try:
         c = compile_sm90(w._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
                          aligned=(*pointers, *strides))

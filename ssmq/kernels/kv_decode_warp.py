@@ -289,23 +289,37 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int, group: int, paged_block: int = 0) -> bool:
-    """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``."""
+    """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``. Codebooks of exactly 16
+    entries: ``_lut_words`` reads 16 unmasked (4-bit codes of fewer levels, as ``kv-int4-pth``'s 15, would read past
+    the codebook's end here; ``kv_decode_fast`` masks them)."""
     e = k.sink.shape[-1]
     return (k.bits == 4 and v.bits == 4 and not k.per_token and v.per_token and e == E_SERVED and rotary_dim == e
             and k.sink.shape[1] <= TILE and group <= 8
-            and k.codebook.numel() <= 16 and v.codebook.numel() <= 16 and paged_block % TILE == 0)
+            and k.codebook.numel() == 16 and v.codebook.numel() == 16 and paged_block % TILE == 0)
 
 
-def _slot_order_inverse(hp: int, device) -> torch.Tensor:
-    return key_channel.fn(torch.arange(hp, device=device))
+def compile_signature() -> tuple[dict, list]:
+    """(pointer types, strides given as multiples of 16) of ``_decode_kernel`` as a launch specializes it on the
+    bench's shapes: for ``ssmq.kernels.build.compile_sm90`` (the compile test, ``benchmarks/sass_kv_decode.py``)."""
+    pointers = dict(q="fp16", slots="i64", lens="i32", inv_freq="fp32", angles="fp16", rope="fp16", kscales="fp16",
+                    klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
+                    vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
+    strides = [a for a in _decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
+               and a not in ("v_mt", "s_tab", "w_h")]
+    return pointers, strides
+
+
+def _slot_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+    """(len(positions), r/2) float64 angles t θ_c of the positions, columns in key slot order (``key_channel``)."""
+    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    return positions.double()[:, None] * inv[key_channel.fn(torch.arange(rotary_dim // 2))][None, :]
 
 
 @functools.lru_cache(maxsize=16)
 def rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """(2, T, r/2) float16: cos, sin of j θ_c for the within-tile positions j, columns in slot order (float64 on the
     host, then rounded)."""
-    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    a = torch.arange(TILE, dtype=torch.float64)[:, None] * inv[_slot_order_inverse(rotary_dim // 2, "cpu")][None, :]
+    a = _slot_angles(torch.arange(TILE), rotary_dim, theta)
     return torch.stack([a.cos(), a.sin()]).half().contiguous().to(device)
 
 
@@ -313,9 +327,7 @@ def rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Ten
 def tile_angles(capacity: int, rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
     """(ceil(capacity / T), r) float16: cos (first r/2 columns) and sin of t0 θ_c for the tiles' first positions t0,
     columns in slot order (float64 on the host, then rounded; 4 MB at 128K tokens, read from L2)."""
-    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    a = torch.arange(0, capacity, TILE, dtype=torch.float64)[:, None] * inv[_slot_order_inverse(rotary_dim // 2,
-                                                                                              "cpu")][None, :]
+    a = _slot_angles(torch.arange(0, capacity, TILE), rotary_dim, theta)
     return torch.cat([a.cos(), a.sin()], 1).half().contiguous().to(device)
 
 
@@ -326,7 +338,7 @@ def key_scale_table(k: KVSideView) -> torch.Tensor:
     if cached is not None and cached[0] is k.mid:
         return cached[1]
     hp = k.mid.shape[1] // 2
-    ch = _slot_order_inverse(hp, k.mid.device)
+    ch = key_channel.fn(torch.arange(hp, device=k.mid.device))
     table = torch.stack([k.mid[:, ch], k.half[:, ch], k.mid[:, hp + ch], k.half[:, hp + ch]], 1).half().contiguous()
     if len(_SCALES) > 256:
         _SCALES.clear()
