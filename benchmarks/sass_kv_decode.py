@@ -40,12 +40,13 @@ def build(bits: int | None, fold: bool, cap: int | None, slots: int = 0):
                         num_stages=kf.CFG["num_stages"], aligned=(*pointers, *STRIDES), maxnreg=cap)
 
 
-def build_warp(sink: int = 1, slots: bool = False):
+def build_warp(bits: int = 4, sink: int = 1, slots: bool = False):
     """``kv_decode_warp``'s kernel as launched on the bench's layer (one warp, Gluon)."""
     from ssmq.kernels import kv_decode_warp as kw
 
     pointers, strides = kw.compile_signature()
-    const = dict(GROUP=GROUP, E=E, S=sink, BS=0, ONE_SPLIT=False, KSLOTS=slots, VSLOTS=slots, w_h=1)
+    const = dict(GROUP=GROUP, E=E, S=sink, BS=0, ONE_SPLIT=False, KSLOTS=slots, VSLOTS=slots, w_h=1, KBITS=bits,
+                 VBITS=bits)
     return compile_sm90(kw._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
                         aligned=(*pointers, *strides))
 
@@ -61,12 +62,13 @@ def main() -> None:
     variants += [(f"4-bit + 1%{', folded' if fold else ''}{f', cap {cap}' if cap else ''}", 4, fold, cap, ten)
                  for fold, cap in ((False, None), (True, None), (True, kf.CFG["MAXNREG_OUTLIERS"]))]
     # the warp kernel (kv_decode_warp): its loop is a 16-token tile of one warp, not a 32-token tile of 4 warps
-    variants += [("4-bit, warp kernel", "warp", False, None, 0),
-                 ("4-bit + 1%, warp kernel", "warp", False, None, ten)]
+    variants += [(f"{bits}-bit{' + 1%' if slots else ''}, warp kernel", ("warp", bits), False, None, slots)
+                 for bits in (4, 3, 2) for slots in (0, ten)]
     rows = []
     print(f"{'variant':28s} {'regs':>4s} {'stack':>5s} {'loop':>5s}  " + " ".join(f"{op:>5s}" for op in SHOWN))
     for name, bits, fold, cap, slots in variants:
-        compiled = build_warp(slots=bool(slots)) if bits == "warp" else build(bits, fold, cap, slots)
+        warp = isinstance(bits, tuple)
+        compiled = build_warp(bits[1], slots=bool(slots)) if warp else build(bits, fold, cap, slots)
         regs, stack = registers(compiled)
         ops = main_loop(compiled)
         rows.append({"variant": name, "registers": regs, "stack_bytes": stack, "loop_instructions": sum(ops.values()),

@@ -25,6 +25,26 @@ def test_whole_rounds_fills_the_last_round():
         p = whole_rounds(fill, pairs, slots)
         assert max(1, fill // 2) <= p <= 2 * fill
         assert _idle(pairs, p, slots) <= _idle(pairs, fill, slots) + 1e-12
+        wide = whole_rounds(fill, pairs, slots, most=max(2 * fill, 8))  # a wider search never idles more
+        assert _idle(pairs, wide, slots) <= _idle(pairs, p, slots) + 1e-12
+
+
+def test_warp_kernel_splits_fill_the_last_round_at_large_batch(monkeypatch):
+    """``kv_decode_warp.default_splits`` may go up to WIDEST splits where a round of 8 x 132 resident programs is
+    not a multiple of the (row, kv head) pairs: 113 rows of 8 kv heads take 7 splits (5.99 rounds), not 2 (1.71
+    rounds run as 2); the whole-round cases keep their counts and a short cache still caps them."""
+    import torch
+
+    pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon (3.5+)")
+    from ssmq.kernels import kv_decode_warp as w
+
+    monkeypatch.setattr(w, "_sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    assert w.default_splits(113, 8, 32768, dev) == 7
+    assert _idle(113 * 8, 7, 8 * 132) < 0.01
+    assert w.default_splits(1, 8, 131072, dev) == 132  # one row: one round exactly
+    assert w.default_splits(8, 8, 32768, dev) == 33  # two rounds exactly
+    assert w.default_splits(113, 8, 64, dev) == 2  # 4 tiles: at most one split per MIN_TILES
 
 
 def test_default_splits_moves_only_quantized_launches(monkeypatch):

@@ -47,33 +47,62 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ssmq.errors import SSMQError
 from ssmq.kernels.kv_decode import _inv_freq, _sm_count, combine_splits, paging, split_outputs, whole_rounds
-from ssmq.kernels.kv_decode_fast import _LUT4, _LUT4_CONSTRAINTS, outlier_passes
+from ssmq.kernels.kv_decode_fast import (_LUT2, _LUT2_CONSTRAINTS, _LUT3, _LUT3_CONSTRAINTS, _LUT4, _LUT4_CONSTRAINTS,
+                                         outlier_passes)
 from ssmq.ops.kv_quant import KVSideView
 
 TILE = 16  # tokens a tile: the m16 rows of the key product, the k16 of the value product
 T = gl.constexpr(TILE)
 E_SERVED = 128
+# The layouts of the codes' bytes as loaded, for E_SERVED channels (one warp). Keys (a rotary half, tokens g8 and
+# g8 + 8 a lane): KB4 8 bytes a lane (4 bits), KB2 4 bytes of the 2-bit plane, KB1 2 bytes of the 1-bit plane.
+# Values (tokens 2q, 2q + 1, 2q + 8, 2q + 9 a lane): loaded bytes innermost (VB4: bytes 8 g8 .. 8 g8 + 7; VB2: 4 g8 ..
+# 4 g8 + 3 of the 2-bit plane; VB1: 2 g8, 2 g8 + 1 of the 1-bit plane), then regrouped a token pair innermost for
+# the lookups (_PAIRS: a lookup's float16 pair is then two tokens of one channel, a register of the A fragment)
+KB4 = gl.constexpr(gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0]))
+KB2 = gl.constexpr(gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]))
+KB1 = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
+_LANES4 = [[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]]
+_LANES2 = [[2, 0], [4, 0], [0, 4], [0, 8], [0, 16]]
+VB4 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]], _LANES4, [], [],
+                                              [TILE, E_SERVED // 2]))
+VB4_PAIRS = gl.constexpr(gl.DistributedLinearLayout([[1, 0], [0, 1], [0, 2], [0, 4], [8, 0]], _LANES4, [], [],
+                                                    [TILE, E_SERVED // 2]))
+VB2 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [0, 2], [1, 0], [8, 0]], _LANES2, [], [],
+                                              [TILE, E_SERVED // 4]))
+VB2_PAIRS = gl.constexpr(gl.DistributedLinearLayout([[1, 0], [0, 1], [0, 2], [8, 0]], _LANES2, [], [],
+                                                    [TILE, E_SERVED // 4]))
+VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], [],
+                                              [], [TILE, E_SERVED // 8]))
 # Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM);
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
 # 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
 RESIDENT = 8
+MAXNREG = None  # a register cap a thread for the launch (None: the compiler's choice); RESIDENT must follow it
 ROUNDS = 1  # rounds of resident programs a launch fills at least
 MIN_TILES = 2  # a split covers at least this many tiles of the cache's capacity
+WIDEST = 8  # splits default_splits may take to fill the last round at large batch
 
 
 @gluon.jit
-def key_channel(k):
-    """Channel of key slot k of a rotary half (64 slots): slot 32w + 16n + 8p + 2q + e holds channel
-    16q + 8w + 4p + 2e + n (byte 8q + 4w + 2p + e of the half, nibble n), so that lane q's 8 bytes (channels
-    16q .. 16q + 15) are its own fragment's K slots, and each lookup's float16 pair (one nibble of two adjacent
-    bytes) one fragment register. Plain arithmetic: ``key_channel.fn`` runs on torch tensors (the host tables)."""
-    return 16 * ((k // 2) % 4) + 8 * (k // 32) + 4 * ((k // 8) % 2) + 2 * (k % 2) + (k // 16) % 2
+def key_channel(k, BITS: gl.constexpr):
+    """Channel of key slot k of a rotary half (64 slots), chosen so that lane q's bytes of a token are its own
+    fragment's K slots and each lookup's float16 pair one fragment register. 4 bits: slot 32w + 16n + 8p + 2q + e
+    holds channel 16q + 8w + 4p + 2e + n (byte 8q + 4w + 2p + e of the half, nibble n: the lookup pairs nibble n of
+    two adjacent bytes). 2 and 3 bits: slot 16i + 8h + 2q + e holds channel 16q + 8h + 4e + i (byte 4q + 2h + e of
+    the 2-bit plane, code i: the lookup pairs code i of two adjacent bytes; the 1-bit plane follows the 2-bit one).
+    Plain arithmetic: ``key_channel.fn`` runs on torch tensors (the host tables)."""
+    if BITS == 4:
+        return 16 * ((k // 2) % 4) + 8 * (k // 32) + 4 * ((k // 8) % 2) + 2 * (k % 2) + (k // 16) % 2
+    else:
+        return 16 * ((k // 2) % 4) + 8 * ((k // 8) % 2) + 4 * (k % 2) + k // 16
 
 
 @gluon.jit
 def value_channel(m):
-    """Channel of value row m (128 rows): row 16u + 8h + g8 holds channel 16 g8 + 2u + h (byte 8 g8 + u, nibble h),
-    so that lane g8's 8 bytes of a token are its fragment's 16 rows."""
+    """Channel of value row m (128 rows): row 16u + 8h + g8 holds channel 16 g8 + 2u + h, so that lane g8's bytes of
+    a token (its 16 channels: 4 bits, byte 8 g8 + u, nibble h; 2 and 3 bits, byte 4 g8 + u // 2 of the 2-bit plane,
+    code 2 (u % 2) + h) are its fragment's 16 rows, at every width (a lookup pairs two tokens of one channel)."""
     return 16 * (m % 8) + 2 * (m // 16) + (m // 8) % 2
 
 
@@ -96,43 +125,115 @@ def _word(x, grp, k):
 
 
 @gluon.jit
-def _lut_words(lut):
-    """The 16-entry codebook (float32) as ``_LUT4``'s 8 table words (low bytes of entries 4k .. 4k + 3, then their
-    high bytes), once a program."""
+def _lut_words(lut, LEVELS: gl.constexpr):
+    """The codebook (float32, LEVELS = 16, 8 or 4 entries) as the lookups' 8 table words, once a program: 16 and 8
+    entries as ``_LUT4`` / ``_LUT3`` read them (low bytes of entries 4k .. 4k + 3, then their high bytes; 8 entries
+    fill words 0, 1, 4, 5), 4 entries as ``_LUT2``'s float16 pairs (entries (0, 1), (2, 3); the other words 0)."""
     L: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     i = gl.arange(0, 16, layout=L)
-    e = gl.load(lut + i).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-    sh = (i % 4) * 8
-    lo = (e & 0xFF) << sh
-    hi = (e >> 8) << sh
-    grp = i // 4
-    return (_word(lo, grp, 0), _word(lo, grp, 1), _word(lo, grp, 2), _word(lo, grp, 3), _word(hi, grp, 0),
-            _word(hi, grp, 1), _word(hi, grp, 2), _word(hi, grp, 3))
+    e = gl.load(lut + i, mask=i < LEVELS, other=0.0).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    if LEVELS == 4:
+        x = e << (i % 2) * 16
+        grp = i // 2
+        z = _word(x, grp, 8)
+        return _word(x, grp, 0), _word(x, grp, 1), z, z, z, z, z, z
+    else:
+        sh = (i % 4) * 8
+        lo = (e & 0xFF) << sh
+        hi = (e >> 8) << sh
+        grp = i // 4
+        return (_word(lo, grp, 0), _word(lo, grp, 1), _word(lo, grp, 2), _word(lo, grp, 3), _word(hi, grp, 0),
+                _word(hi, grp, 1), _word(hi, grp, 2), _word(hi, grp, 3))
 
 
 @gluon.jit
-def _lookup(w, w0, w1, w2, w3, w4, w5, w6, w7):
-    """Float16 codebook values of the low and the high nibbles of bytes w (PRMT lookups, 4 bytes a call)."""
-    return gl.inline_asm_elementwise(_LUT4, _LUT4_CONSTRAINTS, [w, w0, w1, w2, w3, w4, w5, w6, w7],
-                                     dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+def _codes(base, stride, live, off, NB: gl.constexpr, L: gl.constexpr):
+    """(T, NB) bytes [off, off + NB) of the tile's T rows of codes from ``base`` (rows from ``live`` on: 0), in L."""
+    t = gl.arange(0, T, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, NB, layout=gl.SliceLayout(0, L))
+    return gl.load(base + t[:, None] * stride + off + c[None, :], mask=(t < live)[:, None] & (c >= 0)[None, :],
+                   other=0)
 
 
 @gluon.jit
-def _key_operand(w, w0, w1, w2, w3, w4, w5, w6, w7, HP: gl.constexpr, A: gl.constexpr):
-    """(T, HP) float16 key codebook values in slot order as the A fragment, from bytes w (T, HP / 2) that each lane
-    holds 8 of a token: the relabelling (``key_channel``) moves no data (asserted)."""
-    lo, hi = _lookup(w, w0, w1, w2, w3, w4, w5, w6, w7)
-    x = gl.reshape(gl.join(lo, hi), [T, HP])  # column 2 byte + nibble
-    x = gl.reshape(gl.permute(gl.reshape(x, [T, 4, HP // 32, 2, 2, 2]), [0, 2, 5, 3, 1, 4]), [T, HP])
+def _lookup(w, h, w0, w1, w2, w3, w4, w5, w6, w7, BITS: gl.constexpr, N: gl.constexpr):
+    """(.., N) float16 codebook values of the codes in bytes w (and h, 3 bits: their high bits, a nibble a byte of w)
+    in w's layout, entries in channel order of the bytes (4 bits: 2 byte + nibble; 2 and 3 bits: 4 byte + code)."""
+    if BITS == 4:
+        lo, hi = gl.inline_asm_elementwise(_LUT4, _LUT4_CONSTRAINTS, [w, w0, w1, w2, w3, w4, w5, w6, w7],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        return gl.reshape(gl.join(lo, hi), [T, N])
+    else:
+        if BITS == 3:
+            b0, b1, b2, b3 = gl.inline_asm_elementwise(_LUT3, _LUT3_CONSTRAINTS, [w, h, w0, w1, w4, w5],
+                                                       dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                                       is_pure=True, pack=4)
+        else:
+            b0, b1, b2, b3 = gl.inline_asm_elementwise(_LUT2, _LUT2_CONSTRAINTS, [w, w0, w1, w2, w3, w4, w5, w6, w7],
+                                                       dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                                       is_pure=True, pack=4)
+        # join adds its axis last: join(join(b0, b2), join(b1, b3))[.., y, x] = b_(2y + x)
+        return gl.reshape(gl.join(gl.join(b0, b2), gl.join(b1, b3)), [T, N])
+
+
+@gluon.jit
+def _key_bytes(base, stride, live, HALF: gl.constexpr, E: gl.constexpr, BITS: gl.constexpr):
+    """A tile's codes of rotary half HALF as each lane holds them: its 16 channels of tokens g8 and g8 + 8 (8 bytes at
+    4 bits; 4 bytes of the 2-bit plane, and at 3 bits 2 of the 1-bit plane, else a copy of the first)."""
+    HP: gl.constexpr = E // 2
+    if BITS == 4:
+        w = _codes(base, stride, live, HALF * HP // 2, HP // 2, KB4)
+        return w, w
+    else:
+        w = _codes(base, stride, live, HALF * HP // 4, HP // 4, KB2)
+        if BITS == 3:
+            return w, _codes(base, stride, live, E // 4 + HALF * HP // 8, HP // 8, KB1)
+        else:
+            return w, w
+
+
+@gluon.jit
+def _key_operand(w, h, w0, w1, w2, w3, w4, w5, w6, w7, HP: gl.constexpr, A: gl.constexpr, BITS: gl.constexpr):
+    """(T, HP) float16 key codebook values in slot order (``key_channel``) as the A fragment, from ``_key_bytes``:
+    the relabelling moves no data (asserted)."""
+    if BITS == 4:
+        x = _lookup(w, w, w0, w1, w2, w3, w4, w5, w6, w7, BITS, HP)  # column 2 byte + nibble
+        x = gl.reshape(gl.permute(gl.reshape(x, [T, 4, HP // 32, 2, 2, 2]), [0, 2, 5, 3, 1, 4]), [T, HP])
+    else:
+        if BITS == 3:  # byte j's 4 high bits: nibble j % 2 of the 1-bit plane's byte j // 2
+            h = gl.convert_layout(gl.reshape(gl.join(h & 15, h >> 4), [T, HP // 4]), KB2, assert_trivial=True)
+        x = _lookup(w, h, w0, w1, w2, w3, w4, w5, w6, w7, BITS, HP)  # column 4 byte + code
+        x = gl.reshape(gl.permute(gl.reshape(x, [T, 4, 2, 2, 4]), [0, 4, 2, 1, 3]), [T, HP])
     return gl.convert_layout(x, A, assert_trivial=True)
 
 
 @gluon.jit
-def _value_operand(w, w0, w1, w2, w3, w4, w5, w6, w7, E: gl.constexpr, A: gl.constexpr, VB2: gl.constexpr):
-    """(E, T) float16 value codebook values, rows in ``value_channel`` order, as the A fragment; w: (T, E / 2) bytes,
-    regrouped within each lane (a token pair innermost) so that a lookup's float16 pair is two tokens of a channel."""
-    lo, hi = _lookup(gl.convert_layout(w, VB2), w0, w1, w2, w3, w4, w5, w6, w7)
-    x = gl.reshape(gl.join(lo, hi), [T, E])
+def _value_bytes(base, stride, live, E: gl.constexpr, BITS: gl.constexpr):
+    """A tile's value codes as each lane holds them: its 16 channels of tokens 2q, 2q + 1, 2q + 8, 2q + 9 (8 bytes a
+    token at 4 bits; 4 of the 2-bit plane, and at 3 bits 2 of the 1-bit plane, else a copy of the first)."""
+    if BITS == 4:
+        w = _codes(base, stride, live, 0, E // 2, VB4)
+        return w, w
+    else:
+        w = _codes(base, stride, live, 0, E // 4, VB2)
+        if BITS == 3:
+            return w, _codes(base, stride, live, E // 4, E // 8, VB1)
+        else:
+            return w, w
+
+
+@gluon.jit
+def _value_operand(w, h, w0, w1, w2, w3, w4, w5, w6, w7, E: gl.constexpr, A: gl.constexpr, BITS: gl.constexpr):
+    """(E, T) float16 value codebook values, rows in ``value_channel`` order, as the A fragment, from
+    ``_value_bytes``: regrouped within each lane (a token pair innermost) so that a lookup's float16 pair is two
+    tokens of a channel."""
+    if BITS == 4:
+        x = _lookup(gl.convert_layout(w, VB4_PAIRS), w, w0, w1, w2, w3, w4, w5, w6, w7, BITS, E)
+    else:
+        if BITS == 3:
+            h = gl.convert_layout(gl.reshape(gl.join(h & 15, h >> 4), [T, E // 4]), VB2_PAIRS)
+        x = _lookup(gl.convert_layout(w, VB2_PAIRS), h, w0, w1, w2, w3, w4, w5, w6, w7, BITS, E)
+    # x: column = channel 16 g8 + 2u + h -> row 16u + 8h + g8
     x = gl.reshape(gl.permute(gl.reshape(x, [T, 8, E // 16, 2]), [0, 2, 3, 1]), [T, E])
     return gl.convert_layout(gl.permute(x, [1, 0]), A, assert_trivial=True)
 
@@ -152,7 +253,8 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
                    kc, vc, vmid, vhalf, ksink, vsink, s_qb, s_qh, k_s, k_t, k_h, v_s, v_t, v_h, v_ms, v_mt, ks_s, ks_t,
                    ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
                    GROUP: gl.constexpr, E: gl.constexpr, S: gl.constexpr, BS: gl.constexpr,
-                   ONE_SPLIT: gl.constexpr, KSLOTS: gl.constexpr, VSLOTS: gl.constexpr):
+                   ONE_SPLIT: gl.constexpr, KSLOTS: gl.constexpr, VSLOTS: gl.constexpr, KBITS: gl.constexpr,
+                   VBITS: gl.constexpr):
     """BS > 0: a paged cache (blocks of BS tokens, a multiple of T: a tile is in one block, ``table`` (slots, M));
     the sinks are never paged. KSLOTS / VSLOTS: sparse outliers, whose passes (``kv_decode_fast.outlier_passes``)
     share the score buffer sc with this kernel: it adds the key pass's terms to its scores and leaves the scores
@@ -161,13 +263,6 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    KB: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [1, 1], [1, 0])  # key bytes: 8 a lane, tokens g8, g8 + 8
-    # value bytes: tokens 2q, 2q + 1, 2q + 8, 2q + 9 and bytes 8 g8 .. 8 g8 + 7 a lane, loaded bytes innermost (VB)
-    # and regrouped a token pair innermost (VB2)
-    VB: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [0, 2], [0, 4], [1, 0], [8, 0]],
-                                                  [[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], [], [], [T, E // 2])
-    VB2: gl.constexpr = gl.DistributedLinearLayout([[1, 0], [0, 1], [0, 2], [0, 4], [8, 0]],
-                                                   [[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]], [], [], [T, E // 2])
     i = gl.program_id(0)
     hk = gl.program_id(1)
     sp = gl.program_id(2)
@@ -180,7 +275,7 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     # the query group as B fragments (HP slots, 8 columns), pre-scaled (log2 units), float16
     kq = gl.arange(0, HP, layout=gl.SliceLayout(1, B))
     nq = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
-    qptr = q + i * s_qb + (hk * GROUP + nq[None, :]) * s_qh + key_channel(kq)[:, None]
+    qptr = q + i * s_qb + (hk * GROUP + nq[None, :]) * s_qh + key_channel(kq, KBITS)[:, None]
     qmask = (nq < GROUP)[None, :] & (kq >= 0)[:, None]
     qs = scale * 1.4426950408889634
     qa = (gl.load(qptr, mask=qmask, other=0.0).to(gl.float32) * qs).to(gl.float16)
@@ -195,8 +290,8 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     ha = gl.load(ksc + HP)[None, :]
     mb = gl.load(ksc + 2 * HP)[None, :]
     hb = gl.load(ksc + 3 * HP)[None, :]
-    k0, k1, k2, k3, k4, k5, k6, k7 = _lut_words(klut)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _lut_words(vlut)
+    k0, k1, k2, k3, k4, k5, k6, k7 = _lut_words(klut, 2 ** KBITS)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _lut_words(vlut, 2 ** VBITS)
 
     m = gl.full([8], float("-inf"), gl.float32, gl.SliceLayout(0, MMA))
     l = gl.zeros([8], gl.float32, gl.SliceLayout(0, MMA))
@@ -207,7 +302,7 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     if S > 0:
         if sp == 0:  # the float sink tokens, positions [0, S), one tile: keys rotated by their own positions
             ns = gl.minimum(n, S)
-            ck = key_channel(kA)
+            ck = key_channel(kA, KBITS)
             kp = ksink + slot * ks_s + jA[:, None] * ks_t + hk * ks_h + ck[None, :]
             km = (jA < ns)[:, None] & (kA >= 0)[None, :]
             ka = gl.load(kp, mask=km, other=0.0).to(gl.float32)
@@ -222,10 +317,6 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
             vt = gl.load(vp, mask=(tA < ns)[None, :] & (mA >= 0)[:, None], other=0.0).to(gl.float16)
             acc = mma_v2(vt, gl.convert_layout(p.to(gl.float16), B), acc)
 
-    tk = gl.arange(0, T, layout=gl.SliceLayout(1, KB))
-    bk = gl.arange(0, HP // 2, layout=gl.SliceLayout(0, KB))
-    tv = gl.arange(0, T, layout=gl.SliceLayout(1, VB))
-    bv = gl.arange(0, E // 2, layout=gl.SliceLayout(0, VB))
     pb = slot
     row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
     for start in range(lo, hi, T):
@@ -235,22 +326,19 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
             t0 = start % BS
         else:
             t0 = start
-        t = t0 + tk
-        km = (start + tk < hi)[:, None] & (bk >= 0)[None, :]
-        kp = kc + pb * k_s + hk * k_h + t[:, None] * k_t + bk[None, :]
-        wa = gl.load(kp, mask=km, other=0)
-        wb = gl.load(kp + HP // 2, mask=km, other=0)
-        u = t0 + tv
-        wv = gl.load(vc + pb * v_s + hk * v_h + u[:, None] * v_t + bv[None, :],
-                     mask=(start + tv < hi)[:, None] & (bv >= 0)[None, :], other=0)
+        live_t = hi - start
+        kbase = kc + pb * k_s + hk * k_h + t0 * k_t
+        wa, wa1 = _key_bytes(kbase, k_t, live_t, 0, E, KBITS)
+        wb, wb1 = _key_bytes(kbase, k_t, live_t, 1, E, KBITS)
+        wv, wv1 = _value_bytes(vc + pb * v_s + hk * v_h + t0 * v_t, v_t, live_t, E, VBITS)
         ts = start + tS
         live = (ts < hi) & (ts >= S)
         sv = pb * v_ms + (t0 + tS) * v_mt + hk
         mv = gl.load(vmid + sv, mask=live, other=0.0).to(gl.float32)
         hv = gl.load(vhalf + sv, mask=live, other=0.0).to(gl.float32)
         # keys: mid + half · B, then turned by j θ, all float16 (HFMA2)
-        xa = ma + ha * _key_operand(wa, k0, k1, k2, k3, k4, k5, k6, k7, HP, A)
-        xb = mb + hb * _key_operand(wb, k0, k1, k2, k3, k4, k5, k6, k7, HP, A)
+        xa = ma + ha * _key_operand(wa, wa1, k0, k1, k2, k3, k4, k5, k6, k7, HP, A, KBITS)
+        xb = mb + hb * _key_operand(wb, wb1, k0, k1, k2, k3, k4, k5, k6, k7, HP, A, KBITS)
         ra = xa * cj - xb * sj
         rb = xb * cj + xa * sj
         # the query turned back by t0 θ (float16 cos / sin by slot, ``tile_angles``)
@@ -270,7 +358,8 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
         m, l, p, alpha = _softmax_step(m, l, gl.where(live[:, None], st, float("-inf")))
         lm = lm * alpha + gl.sum(p * mv[:, None], 0)
         pv = gl.convert_layout((p * hv[:, None]).to(gl.float16), B)
-        acc = mma_v2(_value_operand(wv, v0, v1, v2, v3, v4, v5, v6, v7, E, A, VB2), pv, acc * alpha[None, :])
+        acc = mma_v2(_value_operand(wv, wv1, v0, v1, v2, v3, v4, v5, v6, v7, E, A, VBITS), pv,
+                     acc * alpha[None, :])
 
     mo = gl.arange(0, E, layout=gl.SliceLayout(1, MMA))
     no = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -289,13 +378,13 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int, group: int, paged_block: int = 0) -> bool:
-    """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``. Codebooks of exactly 16
-    entries: ``_lut_words`` reads 16 unmasked (4-bit codes of fewer levels, as ``kv-int4-pth``'s 15, would read past
-    the codebook's end here; ``kv_decode_fast`` masks them)."""
+    """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``. Codebooks of exactly 2^bits
+    entries: the lookups' tables hold 16 / 8 / 4 and a code indexes them unmasked (codes of fewer levels, as
+    ``kv-int4-pth``'s 15 or int3's 7, keep ``kv_decode_fast``, which masks them)."""
     e = k.sink.shape[-1]
-    return (k.bits == 4 and v.bits == 4 and not k.per_token and v.per_token and e == E_SERVED and rotary_dim == e
-            and k.sink.shape[1] <= TILE and group <= 8
-            and k.codebook.numel() == 16 and v.codebook.numel() == 16 and paged_block % TILE == 0)
+    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and not k.per_token and v.per_token and e == E_SERVED
+            and rotary_dim == e and k.sink.shape[1] <= TILE and group <= 8 and k.codebook.numel() == 2 ** k.bits
+            and v.codebook.numel() == 2 ** v.bits and paged_block % TILE == 0)
 
 
 def compile_signature() -> tuple[dict, list]:
@@ -309,25 +398,26 @@ def compile_signature() -> tuple[dict, list]:
     return pointers, strides
 
 
-def _slot_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
-    """(len(positions), r/2) float64 angles t θ_c of the positions, columns in key slot order (``key_channel``)."""
+def _slot_angles(positions: torch.Tensor, rotary_dim: int, theta: float, bits: int) -> torch.Tensor:
+    """(len(positions), r/2) float64 angles t θ_c of the positions, columns in the key slot order of ``bits``-bit
+    codes (``key_channel``)."""
     inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    return positions.double()[:, None] * inv[key_channel.fn(torch.arange(rotary_dim // 2))][None, :]
+    return positions.double()[:, None] * inv[key_channel.fn(torch.arange(rotary_dim // 2), bits)][None, :]
 
 
 @functools.lru_cache(maxsize=16)
-def rope_table(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def rope_table(rotary_dim: int, theta: float, bits: int, device: torch.device) -> torch.Tensor:
     """(2, T, r/2) float16: cos, sin of j θ_c for the within-tile positions j, columns in slot order (float64 on the
     host, then rounded)."""
-    a = _slot_angles(torch.arange(TILE), rotary_dim, theta)
+    a = _slot_angles(torch.arange(TILE), rotary_dim, theta, bits)
     return torch.stack([a.cos(), a.sin()]).half().contiguous().to(device)
 
 
 @functools.lru_cache(maxsize=16)
-def tile_angles(capacity: int, rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+def tile_angles(capacity: int, rotary_dim: int, theta: float, bits: int, device: torch.device) -> torch.Tensor:
     """(ceil(capacity / T), r) float16: cos (first r/2 columns) and sin of t0 θ_c for the tiles' first positions t0,
     columns in slot order (float64 on the host, then rounded; 4 MB at 128K tokens, read from L2)."""
-    a = _slot_angles(torch.arange(0, capacity, TILE), rotary_dim, theta)
+    a = _slot_angles(torch.arange(0, capacity, TILE), rotary_dim, theta, bits)
     return torch.cat([a.cos(), a.sin()], 1).half().contiguous().to(device)
 
 
@@ -338,7 +428,7 @@ def key_scale_table(k: KVSideView) -> torch.Tensor:
     if cached is not None and cached[0] is k.mid:
         return cached[1]
     hp = k.mid.shape[1] // 2
-    ch = key_channel.fn(torch.arange(hp, device=k.mid.device))
+    ch = key_channel.fn(torch.arange(hp, device=k.mid.device), k.bits)
     table = torch.stack([k.mid[:, ch], k.half[:, ch], k.mid[:, hp + ch], k.half[:, hp + ch]], 1).half().contiguous()
     if len(_SCALES) > 256:
         _SCALES.clear()
@@ -350,9 +440,13 @@ _SCALES: dict = {}
 
 
 def default_splits(b: int, hkv: int, capacity: int, device: torch.device) -> int:
-    """Splits filling whole rounds of RESIDENT programs an SM, at most one per MIN_TILES tiles of the capacity."""
+    """Splits filling whole rounds of RESIDENT programs an SM, at most one per MIN_TILES tiles of the capacity. Up
+    to WIDEST splits when a round is not a multiple of the b · hkv (row, kv head) pairs: there a few more splits can
+    fill the last round (113 rows x 8 kv heads, 1056 resident programs: 2 splits are 1.71 rounds run as 2, 7 are
+    5.99)."""
     slots = RESIDENT * _sm_count(device)
-    fill = whole_rounds(triton.cdiv(ROUNDS * slots, b * hkv), b * hkv, slots)
+    fill = triton.cdiv(ROUNDS * slots, b * hkv)
+    fill = whole_rounds(fill, b * hkv, slots, most=max(2 * fill, WIDEST))
     return max(1, min(fill, triton.cdiv(capacity, TILE * MIN_TILES)))
 
 
@@ -365,7 +459,8 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     hkv = k.codes.shape[2]
     (table, s_tab), bs, capacity = paging(block_table, slots, k.codes)
     if not eligible(k, v, rotary_dim, hq // hkv, bs):
-        raise SSMQError("the warp KV decode kernel serves 4-bit per-channel keys and per-token values, "
+        raise SSMQError("the warp KV decode kernel serves 2-, 3- and 4-bit per-channel keys and per-token values "
+                        "(codebooks of 2^bits entries), "
                         f"head dim {E_SERVED} with full RoPE, at most {TILE} sink tokens and 8 query heads a "
                         f"kv head and blocks of whole {TILE}-token tiles; use ssmq.kernels.kv_decode_fast")
     assert q.stride(-1) == 1 and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
@@ -378,14 +473,16 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     out, ws = split_outputs(b, hq, e, splits, q.device)
     kc, vc, ks, vs = k.codes, v.codes, k.sink, v.sink
     _decode_kernel[(b, hkv, splits)](
-        q, slots, kv_lens, _inv_freq(rotary_dim, theta, q.device), tile_angles(capacity, rotary_dim, theta, q.device),
-        rope_table(rotary_dim, theta, q.device), key_scale_table(k), k.codebook.float().contiguous(),
+        q, slots, kv_lens, _inv_freq(rotary_dim, theta, q.device),
+        tile_angles(capacity, rotary_dim, theta, k.bits, q.device), rope_table(rotary_dim, theta, k.bits, q.device),
+        key_scale_table(k), k.codebook.float().contiguous(),
         v.codebook.float().contiguous(), out, ws, table, s_tab, sc, c_b, c_k, kc, vc, v.mid, v.half, ks, vs, q.stride(0),
         q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
         v.mid.stride(0), v.mid.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1),
         vs.stride(2), out.stride(0), out.stride(1), *ws.stride(), splits, scale, GROUP=hq // hkv, E=e,
         S=k.sink.shape[1], BS=bs, ONE_SPLIT=splits == 1, KSLOTS=k.out_idx.shape[-1] > 0,
-        VSLOTS=v.out_idx.shape[-1] > 0, num_warps=1)
+        VSLOTS=v.out_idx.shape[-1] > 0, KBITS=k.bits, VBITS=v.bits, num_warps=1,
+        **({'maxnreg': MAXNREG} if MAXNREG else {}))
     if value_outliers:
         value_outliers(ws, splits)
     return combine_splits(out, ws, splits)
