@@ -22,7 +22,7 @@ E, GROUP = 128, 4
 STRIDES = ("s_qb", "s_qh", "k_s", "k_t", "k_h", "k_ms", "k_mt", "k_os", "k_ot", "v_s", "v_t", "v_h", "v_ms", "v_mt",
            "v_os", "v_ot", "ks_s", "ks_t", "ks_h", "vs_s", "vs_t", "vs_h", "s_ob", "s_oh", "w_b", "w_p", "w_e", "c_b",
            "c_k", "s_tab")
-SHOWN = ("HMMA", "PRMT", "HFMA2", "FFMA", "FMUL", "HADD2", "F2FP", "IMAD", "MOV", "LDS", "STS", "BAR")
+SHOWN = ("HMMA", "PRMT", "HFMA2", "FFMA", "FMUL", "HADD2", "F2FP", "IMAD", "MOV", "LDG", "LDGSTS", "LDS", "STS", "BAR")
 
 
 def build(bits: int | None, fold: bool, cap: int | None, slots: int = 0):
@@ -46,7 +46,7 @@ def build_warp(bits: int = 4, sink: int = 1, slots: bool = False):
 
     pointers, strides = kw.compile_signature()
     const = dict(GROUP=GROUP, E=E, S=sink, BS=0, ONE_SPLIT=False, KSLOTS=slots, VSLOTS=slots, w_h=1, KBITS=bits,
-                 VBITS=bits)
+                 VBITS=bits, STAGES=kw.STAGES)
     return compile_sm90(kw._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
                         aligned=(*pointers, *strides))
 

@@ -43,7 +43,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ssmq.errors import SSMQError
 from ssmq.kernels.kv_decode import _inv_freq, _sm_count, combine_splits, paging, split_outputs, whole_rounds
@@ -81,6 +81,7 @@ RESIDENT = 8
 MAXNREG = None  # a register cap a thread for the launch (None: the compiler's choice); RESIDENT must follow it
 ROUNDS = 1  # rounds of resident programs a launch fills at least
 MIN_TILES = 2  # a split covers at least this many tiles of the cache's capacity
+STAGES = 3  # tiles of codes a program has in flight (cp.async), at least 2 (H200: 3 and 4 alike, 2 a little slower)
 WIDEST = 8  # splits default_splits may take to fill the last round at large batch
 
 
@@ -147,15 +148,6 @@ def _lut_words(lut, LEVELS: gl.constexpr):
 
 
 @gluon.jit
-def _codes(base, stride, live, off, NB: gl.constexpr, L: gl.constexpr):
-    """(T, NB) bytes [off, off + NB) of the tile's T rows of codes from ``base`` (rows from ``live`` on: 0), in L."""
-    t = gl.arange(0, T, layout=gl.SliceLayout(1, L))
-    c = gl.arange(0, NB, layout=gl.SliceLayout(0, L))
-    return gl.load(base + t[:, None] * stride + off + c[None, :], mask=(t < live)[:, None] & (c >= 0)[None, :],
-                   other=0)
-
-
-@gluon.jit
 def _lookup(w, h, w0, w1, w2, w3, w4, w5, w6, w7, BITS: gl.constexpr, N: gl.constexpr):
     """(.., N) float16 codebook values of the codes in bytes w (and h, 3 bits: their high bits, a nibble a byte of w)
     in w's layout, entries in channel order of the bytes (4 bits: 2 byte + nibble; 2 and 3 bits: 4 byte + code)."""
@@ -177,22 +169,6 @@ def _lookup(w, h, w0, w1, w2, w3, w4, w5, w6, w7, BITS: gl.constexpr, N: gl.cons
 
 
 @gluon.jit
-def _key_bytes(base, stride, live, HALF: gl.constexpr, E: gl.constexpr, BITS: gl.constexpr):
-    """A tile's codes of rotary half HALF as each lane holds them: its 16 channels of tokens g8 and g8 + 8 (8 bytes at
-    4 bits; 4 bytes of the 2-bit plane, and at 3 bits 2 of the 1-bit plane, else a copy of the first)."""
-    HP: gl.constexpr = E // 2
-    if BITS == 4:
-        w = _codes(base, stride, live, HALF * HP // 2, HP // 2, KB4)
-        return w, w
-    else:
-        w = _codes(base, stride, live, HALF * HP // 4, HP // 4, KB2)
-        if BITS == 3:
-            return w, _codes(base, stride, live, E // 4 + HALF * HP // 8, HP // 8, KB1)
-        else:
-            return w, w
-
-
-@gluon.jit
 def _key_operand(w, h, w0, w1, w2, w3, w4, w5, w6, w7, HP: gl.constexpr, A: gl.constexpr, BITS: gl.constexpr):
     """(T, HP) float16 key codebook values in slot order (``key_channel``) as the A fragment, from ``_key_bytes``:
     the relabelling moves no data (asserted)."""
@@ -208,18 +184,77 @@ def _key_operand(w, h, w0, w1, w2, w3, w4, w5, w6, w7, HP: gl.constexpr, A: gl.c
 
 
 @gluon.jit
-def _value_bytes(base, stride, live, E: gl.constexpr, BITS: gl.constexpr):
-    """A tile's value codes as each lane holds them: its 16 channels of tokens 2q, 2q + 1, 2q + 8, 2q + 9 (8 bytes a
-    token at 4 bits; 4 of the 2-bit plane, and at 3 bits 2 of the 1-bit plane, else a copy of the first)."""
+def _copy_rows(ring, stage, base, stride, live, off, N: gl.constexpr):
+    """Start copying bytes [off, off + N) of the tile's T rows of codes from ``base`` into ring[stage] (cp.async, 16
+    bytes a lane where the tile has them; rows from ``live`` on: zeros)."""
+    VEC: gl.constexpr = 16 if N * T >= 512 else N * T // 32
+    L: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (N // VEC), N // VEC], [1, 1], [1, 0])
+    t = gl.arange(0, T, layout=gl.SliceLayout(1, L))
+    c = gl.arange(0, N, layout=gl.SliceLayout(0, L))
+    async_copy.async_copy_global_to_shared(ring.index(stage), base + t[:, None] * stride + off + c[None, :],
+                                           mask=(t < live)[:, None] & (c >= 0)[None, :])
+
+
+@gluon.jit
+def _copy_tile(k_ring, k_ring1, v_ring, v_ring1, stage, kbase, k_t, vbase, v_t, live, E: gl.constexpr,
+               KBITS: gl.constexpr, VBITS: gl.constexpr):
+    """Start copying a tile's key and value codes (each side's planes) into stage ``stage`` of the rings."""
+    if KBITS == 4:
+        _copy_rows(k_ring, stage, kbase, k_t, live, 0, E // 2)
+    else:
+        _copy_rows(k_ring, stage, kbase, k_t, live, 0, E // 4)
+        if KBITS == 3:
+            _copy_rows(k_ring1, stage, kbase, k_t, live, E // 4, E // 8)
+    if VBITS == 4:
+        _copy_rows(v_ring, stage, vbase, v_t, live, 0, E // 2)
+    else:
+        _copy_rows(v_ring, stage, vbase, v_t, live, 0, E // 4)
+        if VBITS == 3:
+            _copy_rows(v_ring1, stage, vbase, v_t, live, E // 4, E // 8)
+
+
+@gluon.jit
+def _key_bytes(ring, ring1, stage, HALF: gl.constexpr, E: gl.constexpr, BITS: gl.constexpr):
+    """A tile's codes of rotary half HALF from stage ``stage`` of the rings, as each lane holds them: its 16 channels
+    of tokens g8 and g8 + 8 (8 bytes at 4 bits; 4 bytes of the 2-bit plane, and at 3 bits 2 of the 1-bit plane, else
+    a copy of the first)."""
+    HP: gl.constexpr = E // 2
     if BITS == 4:
-        w = _codes(base, stride, live, 0, E // 2, VB4)
+        w = ring.index(stage).slice(HALF * HP // 2, HP // 2, 1).load(KB4)
         return w, w
     else:
-        w = _codes(base, stride, live, 0, E // 4, VB2)
+        w = ring.index(stage).slice(HALF * HP // 4, HP // 4, 1).load(KB2)
         if BITS == 3:
-            return w, _codes(base, stride, live, E // 4, E // 8, VB1)
+            return w, ring1.index(stage).slice(HALF * HP // 8, HP // 8, 1).load(KB1)
         else:
             return w, w
+
+
+@gluon.jit
+def _value_bytes(ring, ring1, stage, E: gl.constexpr, BITS: gl.constexpr):
+    """A tile's value codes from stage ``stage`` of the rings, as each lane holds them: its 16 channels of tokens 2q,
+    2q + 1, 2q + 8, 2q + 9 (8 bytes a token at 4 bits; 4 of the 2-bit plane, and at 3 bits 2 of the 1-bit plane,
+    else a copy of the first)."""
+    if BITS == 4:
+        w = ring.index(stage).load(VB4)
+        return w, w
+    else:
+        w = ring.index(stage).load(VB2)
+        if BITS == 3:
+            return w, ring1.index(stage).load(VB1)
+        else:
+            return w, w
+
+
+@gluon.jit
+def _tile_place(table, s_tab, slot, start, hi, BS: gl.constexpr):
+    """(block or row, position in it) of the tile at ``start``: paged, the row's block from the table (none past
+    hi: the null block 0)."""
+    if BS > 0:
+        pb = gl.load(table + slot * s_tab + start // BS, mask=start < hi, other=0).to(gl.int64)
+        return pb, start % BS
+    else:
+        return slot, start
 
 
 @gluon.jit
@@ -254,7 +289,7 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
                    ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
                    GROUP: gl.constexpr, E: gl.constexpr, S: gl.constexpr, BS: gl.constexpr,
                    ONE_SPLIT: gl.constexpr, KSLOTS: gl.constexpr, VSLOTS: gl.constexpr, KBITS: gl.constexpr,
-                   VBITS: gl.constexpr):
+                   VBITS: gl.constexpr, STAGES: gl.constexpr):
     """BS > 0: a paged cache (blocks of BS tokens, a multiple of T: a tile is in one block, ``table`` (slots, M));
     the sinks are never paged. KSLOTS / VSLOTS: sparse outliers, whose passes (``kv_decode_fast.outlier_passes``)
     share the score buffer sc with this kernel: it adds the key pass's terms to its scores and leaves the scores
@@ -317,20 +352,38 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
             vt = gl.load(vp, mask=(tA < ns)[None, :] & (mA >= 0)[:, None], other=0.0).to(gl.float16)
             acc = mma_v2(vt, gl.convert_layout(p.to(gl.float16), B), acc)
 
-    pb = slot
     row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
+    # the codes of the next STAGES - 1 tiles in flight (cp.async rings; the loop's other loads are small), each
+    # tile read from its stage: without them the warp waited on its own loads (H200, 2026-11-29, 128K tokens x 8
+    # rows: 2-bit 0.80 -> 0.67 ms, 4-bit 0.96 -> 0.92; ``s33_stages_sweep.json``)
+    SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    KN: gl.constexpr = E // 2 if KBITS == 4 else E // 4  # bytes of a token's first plane
+    VN: gl.constexpr = E // 2 if VBITS == 4 else E // 4
+    k_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, T, KN], SH)
+    v_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, T, VN], SH)
+    k_ring1 = gl.allocate_shared_memory(gl.uint8, [STAGES, T, E // 8], SH)  # the 1-bit planes (3 bits; else unused)
+    v_ring1 = gl.allocate_shared_memory(gl.uint8, [STAGES, T, E // 8], SH)
+    for j in gl.static_range(STAGES - 1):
+        pj, tj = _tile_place(table, s_tab, slot, lo + j * T, hi, BS)
+        _copy_tile(k_ring, k_ring1, v_ring, v_ring1, j, kc + pj * k_s + hk * k_h + tj * k_t, k_t,
+                   vc + pj * v_s + hk * v_h + tj * v_t, v_t, hi - lo - j * T, E, KBITS, VBITS)
+        async_copy.commit_group()
     for start in range(lo, hi, T):
-        if BS > 0:  # the tile's block (blocks of whole tiles)
-            pb = gl.load(table + slot * s_tab + start // BS).to(gl.int64)
+        pb, t0 = _tile_place(table, s_tab, slot, start, hi, BS)
+        if BS > 0:
             row_sc = pb
-            t0 = start % BS
-        else:
-            t0 = start
-        live_t = hi - start
-        kbase = kc + pb * k_s + hk * k_h + t0 * k_t
-        wa, wa1 = _key_bytes(kbase, k_t, live_t, 0, E, KBITS)
-        wb, wb1 = _key_bytes(kbase, k_t, live_t, 1, E, KBITS)
-        wv, wv1 = _value_bytes(vc + pb * v_s + hk * v_h + t0 * v_t, v_t, live_t, E, VBITS)
+        it = (start - lo) // T
+        nxt = start + (STAGES - 1) * T
+        pn, tn = _tile_place(table, s_tab, slot, nxt, hi, BS)
+        # this tile's copy done, and (the barrier: one warp) every lane's; the stage refilled next was read by all
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        _copy_tile(k_ring, k_ring1, v_ring, v_ring1, (it + STAGES - 1) % STAGES, kc + pn * k_s + hk * k_h + tn * k_t,
+                   k_t, vc + pn * v_s + hk * v_h + tn * v_t, v_t, hi - nxt, E, KBITS, VBITS)
+        async_copy.commit_group()
+        wa, wa1 = _key_bytes(k_ring, k_ring1, it % STAGES, 0, E, KBITS)
+        wb, wb1 = _key_bytes(k_ring, k_ring1, it % STAGES, 1, E, KBITS)
+        wv, wv1 = _value_bytes(v_ring, v_ring1, it % STAGES, E, VBITS)
         ts = start + tS
         live = (ts < hi) & (ts >= S)
         sv = pb * v_ms + (t0 + tS) * v_mt + hk
@@ -361,6 +414,7 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
         acc = mma_v2(_value_operand(wv, wv1, v0, v1, v2, v3, v4, v5, v6, v7, E, A, VBITS), pv,
                      acc * alpha[None, :])
 
+    async_copy.wait_group(0)  # no copy outlives the program (a split past its row's end issued some)
     mo = gl.arange(0, E, layout=gl.SliceLayout(1, MMA))
     no = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     channel = value_channel(mo)
@@ -481,7 +535,7 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
         v.mid.stride(0), v.mid.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1),
         vs.stride(2), out.stride(0), out.stride(1), *ws.stride(), splits, scale, GROUP=hq // hkv, E=e,
         S=k.sink.shape[1], BS=bs, ONE_SPLIT=splits == 1, KSLOTS=k.out_idx.shape[-1] > 0,
-        VSLOTS=v.out_idx.shape[-1] > 0, KBITS=k.bits, VBITS=v.bits, num_warps=1,
+        VSLOTS=v.out_idx.shape[-1] > 0, KBITS=k.bits, VBITS=v.bits, STAGES=STAGES, num_warps=1,
         **({'maxnreg': MAXNREG} if MAXNREG else {}))
     if value_outliers:
         value_outliers(ws, splits)
