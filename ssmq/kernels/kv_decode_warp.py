@@ -1,7 +1,8 @@
 """The KVQuant decode as one warp a program, every tensor-core operand built in registers (Gluon; session 32,
-2026-11-29): no shared memory and no barrier in its loop, which the Triton kernels (``kv_decode_fast``) could not
-avoid (there each dequantized tile passed through shared memory to become an operand: 6 trips and 11-13 barriers a
-32-token tile, the profile's top stall).
+2026-11-29; 3- and 2-bit codes and the cp.async rings, session 33): no operand passes through shared memory, which
+the Triton kernels (``kv_decode_fast``) could not avoid (there each dequantized tile passed through shared memory to
+become an operand: 6 trips and 11-13 barriers a 32-token tile, the profile's top stall). Shared memory holds only
+the codes in flight: each tile's bytes arrive by cp.async STAGES - 1 tiles ahead and each lane reads its own once.
 
 Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv (GROUP, padded to N = 8 columns), e head dim (E = 128),
 r rotary dim (= e: full RoPE), HP = r / 2 channels a rotary half, S sink tokens, T = 16 tokens a tile, P splits of a
@@ -17,16 +18,18 @@ One warp per (row, kv head, split), tiles of T tokens, mma.sync m16n8k16 product
              ``kv_decode_fast``)
     layouts  a thread's A fragment holds 2 tokens x 16 channels (keys) or 16 channels x 4 tokens (values). The
              products' K (key channels) and M (value channels) orders are permuted so that these are the
-             channels of 8 contiguous bytes of codes a token, which one vector load brings and the PRMT lookup
-             (``kv_decode_fast._LUT4``) turns into the fragment's registers in place: key slot k holds channel
-             ``key_channel(k)``, value row m channel ``value_channel(m)``; the query and the tables are loaded in
-             slot order, the output stored by channel
+             channels of a lane's contiguous bytes of codes a token (8 at 4 bits; 4 of the 2-bit plane, and 2 of
+             the 1-bit plane at 3 bits), which the PRMT lookups (``kv_decode_fast._LUT4`` / ``_LUT3`` / ``_LUT2``)
+             turn into the fragment's registers in place: key slot k holds channel ``key_channel(k, bits)``, value
+             row m channel ``value_channel(m)``; the query and the tables are loaded in slot order, the output
+             stored by channel
     sink     split 0 first takes the S float sink tokens as one tile (keys rotated by their own positions)
     outliers the sparse slots keep ``kv_decode_fast``'s own passes (``outlier_passes``): their key terms are added to
              the scores from the buffer sc, the scores left there for the value pass before the combine
 Each split writes (m, l, acc) for ``kv_decode.combine_splits`` (one split: the output).
 
-Served (``eligible``): 4-bit codes on both sides, per-channel keys, per-token values, head dim 128 with full RoPE,
+Served (``eligible``): 2-, 3- or 4-bit codes on each side (codebooks of 2^bits entries), per-channel keys,
+per-token values, head dim 128 with full RoPE,
 sparse outliers or none, a sink of at most 16 tokens, contiguous or paged caches with blocks of whole tiles. The
 other formats keep ``kv_decode_fast``. Needs Triton's Gluon (3.5+) and an NVIDIA GPU of sm_80+ (mma.sync).
 
@@ -51,6 +54,11 @@ from ssmq.kernels.kv_decode_fast import (_LUT2, _LUT2_CONSTRAINTS, _LUT3, _LUT3_
                                          outlier_passes)
 from ssmq.ops.kv_quant import KVSideView
 
+# Names that changed after the GPU machine's Triton 3.6 (this machine's 3.9 has the new ones): cp.async from global to
+# shared memory (``async_load``, was ``async_copy_global_to_shared``) and the CTA barrier (``barrier``, was
+# ``thread_barrier``)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 TILE = 16  # tokens a tile: the m16 rows of the key product, the k16 of the value product
 T = gl.constexpr(TILE)
 E_SERVED = 128
@@ -74,7 +82,9 @@ VB2_PAIRS = gl.constexpr(gl.DistributedLinearLayout([[1, 0], [0, 1], [0, 2], [8,
                                                     [TILE, E_SERVED // 4]))
 VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], [],
                                               [], [TILE, E_SERVED // 8]))
-# Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM);
+# Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM;
+# 212-224 in the sm_90 build since the cp.async rings, 9 could reside, but neither a cap nor 9 was faster:
+# ``benchmarks/sweep_kv_warp.py regcap``);
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
 # 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
 RESIDENT = 8
@@ -191,8 +201,8 @@ def _copy_rows(ring, stage, base, stride, live, off, N: gl.constexpr):
     L: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (N // VEC), N // VEC], [1, 1], [1, 0])
     t = gl.arange(0, T, layout=gl.SliceLayout(1, L))
     c = gl.arange(0, N, layout=gl.SliceLayout(0, L))
-    async_copy.async_copy_global_to_shared(ring.index(stage), base + t[:, None] * stride + off + c[None, :],
-                                           mask=(t < live)[:, None] & (c >= 0)[None, :])
+    _async_load(ring.index(stage), base + t[:, None] * stride + off + c[None, :],
+                mask=(t < live)[:, None] & (c >= 0)[None, :])
 
 
 @gluon.jit
@@ -377,7 +387,7 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
         pn, tn = _tile_place(table, s_tab, slot, nxt, hi, BS)
         # this tile's copy done, and (the barrier: one warp) every lane's; the stage refilled next was read by all
         async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
+        _barrier()
         _copy_tile(k_ring, k_ring1, v_ring, v_ring1, (it + STAGES - 1) % STAGES, kc + pn * k_s + hk * k_h + tn * k_t,
                    k_t, vc + pn * v_s + hk * v_h + tn * v_t, v_t, hi - nxt, E, KBITS, VBITS)
         async_copy.commit_group()
@@ -529,14 +539,13 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     _decode_kernel[(b, hkv, splits)](
         q, slots, kv_lens, _inv_freq(rotary_dim, theta, q.device),
         tile_angles(capacity, rotary_dim, theta, k.bits, q.device), rope_table(rotary_dim, theta, k.bits, q.device),
-        key_scale_table(k), k.codebook.float().contiguous(),
-        v.codebook.float().contiguous(), out, ws, table, s_tab, sc, c_b, c_k, kc, vc, v.mid, v.half, ks, vs, q.stride(0),
-        q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-        v.mid.stride(0), v.mid.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1),
-        vs.stride(2), out.stride(0), out.stride(1), *ws.stride(), splits, scale, GROUP=hq // hkv, E=e,
-        S=k.sink.shape[1], BS=bs, ONE_SPLIT=splits == 1, KSLOTS=k.out_idx.shape[-1] > 0,
-        VSLOTS=v.out_idx.shape[-1] > 0, KBITS=k.bits, VBITS=v.bits, STAGES=STAGES, num_warps=1,
-        **({'maxnreg': MAXNREG} if MAXNREG else {}))
+        key_scale_table(k), k.codebook.float().contiguous(), v.codebook.float().contiguous(), out, ws, table, s_tab,
+        sc, c_b, c_k, kc, vc, v.mid, v.half, ks, vs, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
+        kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), v.mid.stride(0), v.mid.stride(1), ks.stride(0),
+        ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), out.stride(0), out.stride(1),
+        *ws.stride(), splits, scale, GROUP=hq // hkv, E=e, S=k.sink.shape[1], BS=bs, ONE_SPLIT=splits == 1,
+        KSLOTS=k.out_idx.shape[-1] > 0, VSLOTS=v.out_idx.shape[-1] > 0, KBITS=k.bits, VBITS=v.bits, STAGES=STAGES,
+        num_warps=1, **({"maxnreg": MAXNREG} if MAXNREG else {}))
     if value_outliers:
         value_outliers(ws, splits)
     return combine_splits(out, ws, splits)

@@ -1,0 +1,84 @@
+"""Launch settings of the warp KV decode kernel (``ssmq.kernels.kv_decode_warp``) swept on ``bench_kvquant.py``'s
+layer (32 query / 8 KV heads x 128, full RoPE, sink 1; random codes, as that bench), one GPU, ms a call
+(``bench_kvquant.timeit``: CUDA-graph replays, L2 flushed). One JSON row a (batch, context, width, setting):
+
+    regcap   MAXNREG (a register cap a thread: more programs an SM) with RESIDENT = the programs it allows, and at 8
+    splits   the split count, around the default (whole rounds of 8 programs an SM)
+    stages   STAGES, the tiles of codes in flight (cp.async), with and without 1% outliers; the float16 decode
+             (``kv_decode_fast.float_kv_decode``) of the same shape timed first, for the ratio
+
+    python benchmarks/sweep_kv_warp.py regcap|splits|stages [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kvquant as bk  # noqa: E402
+
+from ssmq.kernels import kv_decode_warp as w  # noqa: E402
+from ssmq.kernels.kv_decode_fast import float_kv_decode  # noqa: E402
+
+SHAPES = {"regcap": ((1, 131072), (8, 32768), (1, 16384)), "splits": ((1, 131072), (8, 32768)),
+          "stages": ((1, 131072), (8, 32768), (1, 16384), (1, 4096), (8, 131072))}
+SPLITS = {1: (33, 66, 132, 264), 8: (17, 33, 66)}
+
+
+def settings(what: str, b: int, outliers: bool) -> list[dict]:
+    """The kernel settings one (batch, width, outliers) case is timed under (module attributes, or a split count)."""
+    if what == "regcap":
+        return [dict(MAXNREG=cap, RESIDENT=r) for cap in (None, 224, 200, 184, 168)
+                for r in sorted({65536 // (32 * cap) if cap else 8, 8})]
+    if what == "splits":
+        return [dict(splits=p) for p in SPLITS[b]]
+    return [dict(STAGES=s) for s in ((2, 3, 4) if not outliers else (3,))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=sorted(SHAPES))
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    gen = torch.Generator(device=bk.DEV).manual_seed(0)
+    defaults = dict(MAXNREG=w.MAXNREG, RESIDENT=w.RESIDENT, STAGES=w.STAGES)
+    rows = []
+    for b, L in SHAPES[args.what]:
+        q = torch.randn(b, bk.HQ, bk.E, generator=gen, device=bk.DEV, dtype=torch.float16)
+        slots = torch.arange(b, device=bk.DEV)
+        lens = torch.full((b,), L, device=bk.DEV, dtype=torch.int32)
+        base = {}
+        if args.what == "stages":
+            kf, vf = (torch.randn(b, L, bk.HKV, bk.E, generator=gen, device=bk.DEV, dtype=torch.float16) for _ in "kv")
+            base = {"fp16 ms": bk.timeit(lambda: float_kv_decode(q, slots, lens, kf, vf))}
+            del kf, vf
+        for bits in (4, 3, 2):
+            for outliers in ((False, True) if args.what == "stages" else (False,)):
+                K, V = bk.quant_cache(b, L, *(bk.ONE_PCT if outliers else (0, 0)), gen, bits)
+                for s in settings(args.what, b, outliers):
+                    for name, value in {**defaults, **s}.items():
+                        if name != "splits":
+                            setattr(w, name, value)
+                    ms = bk.timeit(lambda: w.quant_kv_decode(q, slots, lens, K, V, bk.E, 10000.0,
+                                                             splits=s.get("splits")))
+                    row = dict(batch=b, context=L, bits=bits, outliers=outliers, **s, ms=ms, **base,
+                               default_splits=w.default_splits(b, bk.HKV, L, q.device))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                del K, V
+    for name, value in defaults.items():
+        setattr(w, name, value)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"kv_warp_{args.what}_sweep.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name() if bk.DEV == "cuda" else "cpu", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
