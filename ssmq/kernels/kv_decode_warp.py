@@ -206,21 +206,23 @@ def _copy_rows(ring, stage, base, stride, live, off, N: gl.constexpr):
 
 
 @gluon.jit
+def _copy_side(ring, ring1, stage, base, stride, live, E: gl.constexpr, BITS: gl.constexpr):
+    """Start copying one side's codes of a tile (its planes: the 4-bit row, or the 2-bit plane and at 3 bits the
+    1-bit one) into stage ``stage`` of its rings."""
+    if BITS == 4:
+        _copy_rows(ring, stage, base, stride, live, 0, E // 2)
+    else:
+        _copy_rows(ring, stage, base, stride, live, 0, E // 4)
+        if BITS == 3:
+            _copy_rows(ring1, stage, base, stride, live, E // 4, E // 8)
+
+
+@gluon.jit
 def _copy_tile(k_ring, k_ring1, v_ring, v_ring1, stage, kbase, k_t, vbase, v_t, live, E: gl.constexpr,
                KBITS: gl.constexpr, VBITS: gl.constexpr):
-    """Start copying a tile's key and value codes (each side's planes) into stage ``stage`` of the rings."""
-    if KBITS == 4:
-        _copy_rows(k_ring, stage, kbase, k_t, live, 0, E // 2)
-    else:
-        _copy_rows(k_ring, stage, kbase, k_t, live, 0, E // 4)
-        if KBITS == 3:
-            _copy_rows(k_ring1, stage, kbase, k_t, live, E // 4, E // 8)
-    if VBITS == 4:
-        _copy_rows(v_ring, stage, vbase, v_t, live, 0, E // 2)
-    else:
-        _copy_rows(v_ring, stage, vbase, v_t, live, 0, E // 4)
-        if VBITS == 3:
-            _copy_rows(v_ring1, stage, vbase, v_t, live, E // 4, E // 8)
+    """Start copying a tile's key and value codes into stage ``stage`` of the rings."""
+    _copy_side(k_ring, k_ring1, stage, kbase, k_t, live, E, KBITS)
+    _copy_side(v_ring, v_ring1, stage, vbase, v_t, live, E, VBITS)
 
 
 @gluon.jit
