@@ -10,9 +10,9 @@ full RoPE on keys cached before it), batch 1 (and --batch), one new token per ro
     fp16 sdpa        torch's fused ``scaled_dot_product_attention`` over the same fp16 cache (a strong baseline)
     fp16 ref         ``ops.attention_ref`` (float32 copies, GQA by repeat_interleave): "fp16 ours" until issue 17
     kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_warp`` for the formats it serves, the
-                     4-bit row without outliers since 2026-11-29; ``kv_decode_fast`` for the others, every row
-                     here from 2026-11-26; else ``kv_decode``): codes packed at 4, 3, 2 bits, per-channel keys
-                     (pre-RoPE, RoPE on the fly), per-token values, sink 1; without outliers, and with 1% (20 key /
+                     4-bit rows since session 32 and every row here since session 33, 2026-11-29;
+                     ``kv_decode_fast`` before, every row from 2026-11-26; else ``kv_decode``): codes packed at
+                     4, 3, 2 bits, per-channel keys (pre-RoPE, RoPE on the fly), per-token values, sink 1; without outliers, and with 1% (20 key /
                      10 value outlier slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels);
                      every row also timed on the first-generation kernel ("... first gen") and on
                      ``kv_decode_fast`` ("... fast")

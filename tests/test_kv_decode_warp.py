@@ -145,7 +145,8 @@ def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged
 
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
-WARP_CASES = [  # b, hq, hkv, L, sink: e = 128, full RoPE, 4-bit per-channel keys, per-token values
+WARP_CASES = [  # b, hq, hkv, L, sink: e = 128, full RoPE, per-channel keys, per-token values (4 bits unless a
+    # test gives the widths)
     (2, 32, 8, 300, 1),     # Llama-3.1-8B's heads (GQA 4), one sink token
     (3, 8, 2, 1000, 0),     # no sink, ragged rows (one of length 1)
     (1, 12, 3, 5000, 3),    # a long row, 3 sink tokens

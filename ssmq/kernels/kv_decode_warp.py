@@ -367,7 +367,7 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
     # the codes of the next STAGES - 1 tiles in flight (cp.async rings; the loop's other loads are small), each
     # tile read from its stage: without them the warp waited on its own loads (H200, 2026-11-29, 128K tokens x 8
-    # rows: 2-bit 0.80 -> 0.67 ms, 4-bit 0.96 -> 0.92; ``s33_stages_sweep.json``)
+    # rows: 2-bit 0.80 -> 0.67 ms, 4-bit 0.96 -> 0.92; ``benchmarks/results/kvquant_h200/s33_stages_sweep.json``)
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     KN: gl.constexpr = E // 2 if KBITS == 4 else E // 4  # bytes of a token's first plane
     VN: gl.constexpr = E // 2 if VBITS == 4 else E // 4
