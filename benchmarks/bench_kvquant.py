@@ -12,8 +12,9 @@ full RoPE on keys cached before it), batch 1 (and --batch), one new token per ro
     kvquant X-bit    ``kernels.quant_kv_decode`` (the dispatch: ``kv_decode_warp`` for the formats it serves, the
                      4-bit rows since session 32 and every row here since session 33, 2026-11-29;
                      ``kv_decode_fast`` before, every row from 2026-11-26; else ``kv_decode``): codes packed at
-                     4, 3, 2 bits, per-channel keys (pre-RoPE, RoPE on the fly), per-token values, sink 1; without outliers, and with 1% (20 key /
-                     10 value outlier slots per token, as ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels);
+                     4, 3, 2 bits, per-channel keys (pre-RoPE, RoPE on the fly), per-token values, sink 1;
+                     without outliers, and with 1% (20 key / 10 value outlier slots per token, as
+                     ``KVQuantizer.outlier_slots`` gives for 8 x 128 channels);
                      every row also timed on the first-generation kernel ("... first gen") and on
                      ``kv_decode_fast`` ("... fast")
 Times are medians of CUDA-graph replays with the L2 flushed before each (``timeit``; ms); "KV MB" the cache bytes
