@@ -2,7 +2,8 @@
 layer (32 query / 8 KV heads x 128, full RoPE, sink 1; random codes, as that bench), one GPU, ms a call
 (``bench_kvquant.timeit``: CUDA-graph replays, L2 flushed). One JSON row a (batch, context, width, setting):
 
-    regcap   MAXNREG (a register cap a thread: more programs an SM) with RESIDENT = the programs it allows, and at 8
+    regcap   MAXNREG (a register cap a thread: more programs an SM), the splits filling whole rounds of the programs
+             it allows, and the uncapped launch's splits (8 programs an SM)
     splits   the split count, around the default (whole rounds of 8 programs an SM)
     stages   STAGES, the tiles of codes in flight (cp.async), with and without 1% outliers; the float16 decode
              (``kv_decode_fast.float_kv_decode``) of the same shape timed first, for the ratio
@@ -34,8 +35,8 @@ SPLITS = {1: (33, 66, 132, 264), 8: (17, 33, 66)}
 def settings(what: str, b: int, outliers: bool) -> list[dict]:
     """The kernel settings one (batch, width, outliers) case is timed under (module attributes, or a split count)."""
     if what == "regcap":
-        return [dict(MAXNREG=cap, RESIDENT=r) for cap in (None, 224, 200, 184, 168)
-                for r in sorted({65536 // (32 * cap) if cap else 8, 8})]
+        return [dict(MAXNREG=cap, uncapped_splits=u) for cap in (None, 224, 200, 184, 168)
+                for u in ((False, True) if cap else (False,))]
     if what == "splits":
         return [dict(splits=p) for p in SPLITS[b]]
     return [dict(STAGES=s) for s in ((2, 3, 4) if not outliers else (3,))]
@@ -47,7 +48,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     gen = torch.Generator(device=bk.DEV).manual_seed(0)
-    defaults = dict(MAXNREG=w.MAXNREG, RESIDENT=w.RESIDENT, STAGES=w.STAGES)
+    defaults = dict(MAXNREG=w.MAXNREG, STAGES=w.STAGES)
     rows = []
     for b, L in SHAPES[args.what]:
         q = torch.randn(b, bk.HQ, bk.E, generator=gen, device=bk.DEV, dtype=torch.float16)
@@ -61,19 +62,20 @@ def main() -> None:
         for bits in (4, 3, 2):
             for outliers in ((False, True) if args.what == "stages" else (False,)):
                 K, V = bk.quant_cache(b, L, *(bk.ONE_PCT if outliers else (0, 0)), gen, bits)
+                uncapped = w.default_splits(b, bk.HKV, L, q.device)  # the module's defaults are in place here
                 for s in settings(args.what, b, outliers):
-                    for name, value in {**defaults, **s}.items():
-                        if name != "splits":
-                            setattr(w, name, value)
-                    ms = bk.timeit(lambda: w.quant_kv_decode(q, slots, lens, K, V, bk.E, 10000.0,
-                                                             splits=s.get("splits")))
-                    row = dict(batch=b, context=L, bits=bits, outliers=outliers, **s, ms=ms, **base,
-                               default_splits=w.default_splits(b, bk.HKV, L, q.device))
+                    for name in defaults:
+                        setattr(w, name, s.get(name, defaults[name]))
+                    splits = uncapped if s.get("uncapped_splits") else s.get("splits")
+                    splits = splits or w.default_splits(b, bk.HKV, L, q.device)
+                    ms = bk.timeit(lambda: w.quant_kv_decode(q, slots, lens, K, V, bk.E, 10000.0, splits=splits))
+                    row = dict(batch=b, context=L, bits=bits, outliers=outliers, **s, ms=ms, **base)
+                    row["splits"] = splits
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+                    for name, value in defaults.items():
+                        setattr(w, name, value)
                 del K, V
-    for name, value in defaults.items():
-        setattr(w, name, value)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"kv_warp_{args.what}_sweep.json").write_text(json.dumps(

@@ -45,6 +45,8 @@ def test_warp_kernel_splits_fill_the_last_round_at_large_batch(monkeypatch):
     assert w.default_splits(1, 8, 131072, dev) == 132  # one row: one round exactly
     assert w.default_splits(8, 8, 32768, dev) == 33  # two rounds exactly
     assert w.default_splits(113, 8, 64, dev) == 2  # 4 tiles: at most one split per MIN_TILES
+    monkeypatch.setattr(w, "MAXNREG", 168)  # a register cap: 12 programs an SM (``resident_programs``), one round
+    assert w.default_splits(1, 8, 131072, dev) == 12 * 132 // 8
 
 
 def test_default_splits_moves_only_quantized_launches(monkeypatch):

@@ -49,7 +49,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import _inv_freq, _sm_count, combine_splits, paging, split_outputs, whole_rounds
+from ssmq.kernels.kv_decode import (_inv_freq, _sm_count, combine_splits, paging, resident_programs, split_outputs,
+                                    whole_rounds)
 from ssmq.kernels.kv_decode_fast import (_LUT2, _LUT2_CONSTRAINTS, _LUT3, _LUT3_CONSTRAINTS, _LUT4, _LUT4_CONSTRAINTS,
                                          outlier_passes)
 from ssmq.ops.kv_quant import KVSideView
@@ -88,7 +89,7 @@ VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0],
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
 # 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
 RESIDENT = 8
-MAXNREG = None  # a register cap a thread for the launch (None: the compiler's choice); RESIDENT must follow it
+MAXNREG = None  # a register cap a thread for the launch (None: the compiler's choice); RESIDENT then follows it
 ROUNDS = 1  # rounds of resident programs a launch fills at least
 MIN_TILES = 2  # a split covers at least this many tiles of the cache's capacity
 STAGES = 3  # tiles of codes a program has in flight (cp.async), at least 2 (H200: 3 and 4 alike, 2 a little slower)
@@ -506,11 +507,12 @@ _SCALES: dict = {}
 
 
 def default_splits(b: int, hkv: int, capacity: int, device: torch.device) -> int:
-    """Splits filling whole rounds of RESIDENT programs an SM, at most one per MIN_TILES tiles of the capacity. Up
+    """Splits filling whole rounds of RESIDENT programs an SM (under a MAXNREG cap: the programs it allows), at most one per MIN_TILES tiles of the capacity. Up
     to WIDEST splits when a round is not a multiple of the b · hkv (row, kv head) pairs: there a few more splits can
     fill the last round (113 rows x 8 kv heads, 1056 resident programs: 2 splits are 1.71 rounds run as 2, 7 are
     5.99)."""
-    slots = RESIDENT * _sm_count(device)
+    resident = resident_programs(MAXNREG, 1) if MAXNREG else RESIDENT  # as ``kv_decode._launch`` derives it
+    slots = resident * _sm_count(device)
     fill = triton.cdiv(ROUNDS * slots, b * hkv)
     fill = whole_rounds(fill, b * hkv, slots, most=max(2 * fill, WIDEST))
     return max(1, min(fill, triton.cdiv(capacity, TILE * MIN_TILES)))
