@@ -8,7 +8,7 @@ engine's default, 32 since 2026-11-28) shuffled in the pool, every row at --cont
 KVQuant codes (``BITS`` or ``BITS-1%``: random codes, codebooks, scales and 1% outlier slots, as
 ``bench_kvquant.quant_cache``; per-channel keys, per-token values, one sink token). ms per call as CUDA-graph
 replays with the L2 flushed (``bench_kvquant.timeit``); bytes per token of the layer's cache; KVQuant: the peak of
-a paged call's transient memory. JSON to --out.
+a paged call's transient memory. JSON and a PNG (in place / contiguous) to --out.
 
     python benchmarks/bench_paged_decode.py --cases 1:32768,1:131072,8:32768 --formats fp16,4,4-1%,3-1% --out DIR
 """
@@ -89,7 +89,7 @@ def case(rows: int, context: int, block: int) -> dict:
     return r
 
 
-def plot(runs: dict[int, list[dict]], path: Path) -> None:
+def plot(runs: dict[int, list[dict]], path: Path, device: str) -> None:
     """In place / contiguous per format and shape, one group of bars a block size (``runs``: block size → rows)."""
     plt = pyplot()
     if plt is None:
@@ -105,7 +105,7 @@ def plot(runs: dict[int, list[dict]], path: Path) -> None:
     ax.set_xticks([i + width * (len(runs) - 1) / 2 for i in range(len(labels))], labels, fontsize=6)
     ax.set_ylabel("in place / contiguous cache (time)")
     ax.set_ylim(0.9, max(r["in place ms"] / r["contiguous ms"] for rs in runs.values() for r in rs) + 0.05)
-    ax.set_title(f"Paged KV decode, one layer of {HQ} q / {HKV} kv heads x {E}, H100")
+    ax.set_title(f"Paged KV decode, one layer of {HQ} q / {HKV} kv heads x {E}, {device}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -122,12 +122,13 @@ def main() -> None:
                     "block size) to --out/paged_decode.png")
     args = ap.parse_args()
     if args.plot:
-        runs = {}
+        runs, devices = {}, set()
         for f in args.plot:
-            rows = json.loads(Path(f).read_text())["rows"]
-            runs[rows[0]["block"]] = rows
+            d = json.loads(Path(f).read_text())
+            runs[d["rows"][0]["block"]] = d["rows"]
+            devices.add(d.get("meta", {}).get("device", "GPU"))
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        plot(runs, Path(args.out) / "paged_decode.png")
+        plot(runs, Path(args.out) / "paged_decode.png", " / ".join(sorted(devices)))
         return
     rows = []
     for c in args.cases.split(","):
@@ -141,6 +142,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "paged_decode.json").write_text(json.dumps({"meta": {"device": torch.cuda.get_device_name()},
                                                        "rows": rows}, indent=1))
+    plot({args.block_size: rows}, out / "paged_decode.png", torch.cuda.get_device_name())
     print("| format | bytes / token | batch | context | in place | gathered copy | contiguous | peak MiB |\n"
           "|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
