@@ -24,7 +24,7 @@ H200 4.8). The first length's rows also record the kernels' max |error| against 
 ``kernels.kv_decode_fast.CFG`` (launch settings; --sweep times several).
 
     python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1] [--cfg num_warps=4,...]
-        [--sweep "GP_MIN=8;BT_SPARSE=16" --sweep-lengths 16384,131072 --sweep-bits 4,3,2]
+        [--sweep "GP_MIN=8;SPARSE_SLOTS=256" --sweep-lengths 16384,131072 --sweep-bits 4,3,2]
 """
 
 from __future__ import annotations

@@ -411,10 +411,11 @@ def test_fast_kv_decode_compiles_for_sm90(e, r, bits, slots, bs):
     # multiply-adds on pairs
     assert "fma.rn.f16x2" in compiled.asm["ptx"]
     if slots:  # the outliers' own passes: key score terms before the decode, value terms before the combine
-        side = dict(E=e, S=1, BT=cfg["BT_SPARSE"], GROUP=4, GP2=4, BS=bs)
-        for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=4, R=r, PER_TOKEN=False, KSLOTS=slots, KP=16,
+        side = dict(E=e, S=1, N=cfg["SPARSE_SLOTS"], GROUP=4, GP2=4, BS=bs)
+        tp = 1 << (cfg["SPARSE_SLOTS"] // slots - 1).bit_length()  # tokens an iteration, to a power of two
+        for kernel, const in ((kf._key_outlier_kernel, dict(side, HKVP=4, R=r, PER_TOKEN=False, KSLOTS=slots, TP=tp,
                                                              LEVELS=2 ** bits, FAST=True)),
-                              (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, VP=16, w_h=1,
+                              (kf._value_outlier_kernel, dict(side, PER_TOKEN=True, VSLOTS=slots, w_h=1,
                                                               BLOCK_T=cfg["BLOCK_T_OUTLIERS"], LEVELS=2 ** bits))):
             own = {a: t for a, t in pointers.items() if a in kernel.arg_names}
             aligned = [*own, *(a for a in ("c_b", "c_k", "w_b", "w_p", "w_e") if a in kernel.arg_names)]

@@ -85,13 +85,18 @@ from ssmq.ops.kv_quant import KVSideView
 # keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
 # t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, BT_SPARSE=16, SPARSE_PROGRAMS=16, FOLD=True, MAXNREG=128, MAXNREG_OUTLIERS=168, RESIDENT=2)
+           GP_MIN=4, SPARSE_SLOTS=512, SPARSE_PROGRAMS=16, FOLD=True, MAXNREG=128, MAXNREG_OUTLIERS=168, RESIDENT=2)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
 # decode kernel 0.416 ms, 4 / 3 uncapped 0.345 (keys only: 0.381 -> 0.268; no outliers 0.254).
-# BT_SPARSE: tokens a program of the outliers' passes (H100, 2026-11-28, `time_kv_outlier_parts.py --kernels --cfg`,
-# 128K tokens: key pass 0.044 ms at 16, 0.047 at 32; value pass 0.024-0.025 either).
+# SPARSE_SLOTS: slot positions an iteration of an outlier pass's program takes, whole tokens' slots flattened (the
+# last SPARSE_SLOTS % slots positions idle). H200, 2026-11-29 (`time_kv_outlier_parts.py --kernels`, 128K tokens,
+# 4-bit, 20 key / 10 value slots a token): as (tokens, slots padded to a power of two) tiles, 16 tokens (512 and 256
+# positions, 37.5% of them padding) took the key pass 0.045 ms and the value pass 0.025, 32 tokens 0.059 / 0.022,
+# 8 tokens 0.052 / 0.030 (`benchmarks/results/kvquant_h200/s34/s34_sparse_cfg.log`); flattened, 512 positions 0.045
+# / 0.021 (25 and 51 tokens), 256 0.044 / 0.022, 1024 0.058 / 0.027 (`s34_flat_parts.log`): the value pass gained, the
+# key pass is not bound by its idle lanes.
 # `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
@@ -518,20 +523,23 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
 
 @triton.jit
 def _outlier_tile(slots, lens, table, s_tab, oidx, oval, mid, half, lut, s_ms, s_mt, s_os, s_ot, E: tl.constexpr,
-                  S: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, P: tl.constexpr, BT: tl.constexpr,
+                  S: tl.constexpr, PER_TOKEN: tl.constexpr, SLOTS: tl.constexpr, N: tl.constexpr,
                   LEVELS: tl.constexpr, BS: tl.constexpr, start):
-    """The outlier slots (BT, P) of an outlier pass's program (row i, tokens t = start + [0, BT)): the row, t, the
-    tokens that hold slots (live: below the row's length, past the sink; the decode reads no others), each slot's
-    kv head h and channel c, its correction d = val - x̂ (``kv_decode._slot_residual``), the mask of the slots
-    that hold one, and where the tokens sit (``_page``)."""
+    """The outlier slots of an iteration of an outlier pass's program (row i, the N // SLOTS tokens from ``start``),
+    flattened: N positions, token-major, each a (token, slot) pair, so that no position is padding but the last
+    N % SLOTS (a (tokens, slots) tile pads the slots to a power of two: 20 to 32). Returns the row, each position's
+    token t and whether it is live (below the row's length, past the sink; the decode reads no others), and as (N, 1)
+    its slot's kv head h and channel c, its correction d = val - x̂ (``kv_decode._slot_residual``) and whether it
+    holds one (hit); and where the tokens sit (``_page``)."""
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
-    t = start + tl.arange(0, BT)
-    live = (t < tl.load(lens + i).to(tl.int32)) & (t >= S)
-    jj = tl.arange(0, P)
+    j = tl.arange(0, N)
+    k = j // SLOTS  # the position's token within the iteration's
+    t = start + k
+    live = (k < N // SLOTS) & (t < tl.load(lens + i).to(tl.int32)) & (t >= S)
     pb, pt = _page(table, s_tab, slot, t, live, BS)
-    ob = (pb * s_os + pt * s_ot)[:, None] + jj[None, :]
-    om = live[:, None] & (jj < SLOTS)[None, :]
+    ob = (pb * s_os + pt * s_ot + (j - k * SLOTS))[:, None]
+    om = live[:, None]
     f = tl.load(oidx + ob, mask=om, other=-1).to(tl.int32)
     hit = om & (f >= 0)
     f = tl.where(hit, f, 0)
@@ -546,29 +554,37 @@ def _outlier_tile(slots, lens, table, s_tab, oidx, oval, mid, half, lut, s_ms, s
 def _key_outlier_kernel(q, slots, lens, table, s_tab, inv_freq, sc, kmid, khalf, klut, koi, kov, s_qb, s_qh, k_ms,
                         k_mt, k_os, k_ot, c_b, c_k, scale, HKV, GROUP: tl.constexpr, GP2: tl.constexpr,
                         HKVP: tl.constexpr, E: tl.constexpr, R: tl.constexpr, S: tl.constexpr,
-                        PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                        PER_TOKEN: tl.constexpr, KSLOTS: tl.constexpr, N: tl.constexpr, TP: tl.constexpr,
                         LEVELS: tl.constexpr, FAST: tl.constexpr, BS: tl.constexpr):
     """sc (b, hkv, L, GROUP) float32 (paged: ``_sc_token``): what each token's key outliers add to the scores of each of
     its kv head's query heads (log2 units, as the decode kernel's), Σ_slots (val - x̂) · w_h(c, t), w_h(c, t) the
-    coefficient of key channel c in q_h · R_t k. One program per (row, BT tokens): it zeroes its block, then adds each
+    coefficient of key channel c in q_h · R_t k. A program per row and share of its tokens, N // KSLOTS tokens an
+    iteration (``_outlier_tile``; TP: that count rounded up to a power of two): it zeroes their terms, then adds each
     slot's terms for the GROUP query heads of the slot's kv head (atomics: a token's slots may share a head; they are
     ordered by index, ``ssmq.ops.kv_quant.order_slots``, so a head's follow each other), the GROUP terms of a slot
     contiguous (one vector atomic). Every slot once, not once per kv head. H100, 128K tokens, 20 slots a token: 0.044 ms
     (BT 16; 0.047 at 32); summing each kv head's run of slots by a segmented scan and storing it once, without atomics,
     0.068. H200: the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing by kv head with a compare and
     select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
-    for blk in range(tl.program_id(1), tl.cdiv(tl.load(lens + tl.program_id(0)).to(tl.int32), BT), tl.num_programs(1)):
+    TOK: tl.constexpr = N // KSLOTS
+    n = tl.load(lens + tl.program_id(0)).to(tl.int32)
+    for blk in range(tl.program_id(1), tl.cdiv(n, TOK), tl.num_programs(1)):
         i, t, live, h, c, d, hit, pb, pt = _outlier_tile(slots, lens, table, s_tab, koi, kov, kmid, khalf, klut, k_ms,
-                                                         k_mt, k_os, k_ot, E, S, PER_TOKEN, KSLOTS, KP, BT, LEVELS, BS,
-                                                         blk * BT)
+                                                         k_mt, k_os, k_ot, E, S, PER_TOKEN, KSLOTS, N, LEVELS, BS,
+                                                         blk * TOK)
         tok = _sc_token(i, pb, pt, c_b, GROUP, BS)
         g = tl.arange(0, GP2)[None, None, :]  # (1, 1, GP2): the query heads of a kv head
+        # the iteration's tokens' terms zeroed, every kv head's (once a token, not once a slot position)
+        tz = tl.arange(0, TP)
+        zt = blk * TOK + tz
+        zl = (tz < TOK) & (zt < n) & (zt >= S)
+        zb, zp = _page(table, s_tab, tl.load(slots + i).to(tl.int64), zt, zl, BS)
         kv = tl.arange(0, HKVP)[:, None, None]
-        tl.store(sc + tok[None, :, None] + kv * c_k + g, tl.zeros((HKVP, BT, GP2), tl.float32),
-                 mask=(kv < HKV) & live[None, :, None] & (g < GROUP))
+        tl.store(sc + _sc_token(i, zb, zp, c_b, GROUP, BS)[None, :, None] + kv * c_k + g,
+                 tl.zeros((HKVP, TP, GP2), tl.float32), mask=(kv < HKV) & zl[None, :, None] & (g < GROUP))
         tl.debug_barrier()  # the zeros stored before any thread's atomics
         m3 = _group_mask(hit, g, GROUP, GP2)
-        qrow = q + i * s_qb + (h[:, :, None] * GROUP + g) * s_qh  # (BT, KP, GP2)
+        qrow = q + i * s_qb + (h[:, :, None] * GROUP + g) * s_qh  # (N, 1, GP2)
         qc = tl.load(qrow + c[:, :, None], mask=m3, other=0.0).to(tl.float32)
         if R > 0:
             a, b, partner, rot = _rope_terms(d, c, hit, t, inv_freq, R, FAST)
@@ -582,7 +598,7 @@ def _key_outlier_kernel(q, slots, lens, table, s_tab, inv_freq, sc, kmid, khalf,
 
 @triton.jit
 def _group_mask(hit, g, GROUP: tl.constexpr, GP2: tl.constexpr):
-    """(BT, K, GP2) mask of the slots' query heads: constant along g when GROUP is a power of two, so that loads
+    """(N, K, GP2) mask of the slots' query heads: constant along g when GROUP is a power of two, so that loads
     and atomics over a kv head's GROUP contiguous heads vectorize."""
     if GROUP == GP2:
         return tl.broadcast_to(hit[:, :, None], (hit.shape[0], hit.shape[1], GP2))
@@ -594,27 +610,28 @@ def _group_mask(hit, g, GROUP: tl.constexpr, GP2: tl.constexpr):
 def _value_outlier_kernel(ws, sc, slots, lens, table, s_tab, vmid, vhalf, vlut, voi, vov, w_b, w_h, w_p, w_e, v_ms,
                           v_mt, v_os, v_ot, c_b, c_k, splits, GROUP: tl.constexpr, GP2: tl.constexpr,
                           E: tl.constexpr, S: tl.constexpr, PER_TOKEN: tl.constexpr, VSLOTS: tl.constexpr,
-                          VP: tl.constexpr, BT: tl.constexpr, BLOCK_T: tl.constexpr, LEVELS: tl.constexpr,
-                          BS: tl.constexpr):
+                          N: tl.constexpr, BLOCK_T: tl.constexpr, LEVELS: tl.constexpr, BS: tl.constexpr):
     """The value outliers' correction of the attention output, between the decode and the combine: each value slot
     adds 2^(s_h(t) - m) (val - x̂) at its channel of the split workspace ws (b, hq, P, e + 2; heads innermost), for
     the query heads h of its kv head, m the running max that split p's unnormalized output is relative to
     (ws[.., p, e], stored by the decode kernel; scores sc (b, hkv, L, GROUP), log2 units); the combine then
-    normalizes it with the rest. One program per (row, BT tokens), relaxed atomics: the splits spread them over
+    normalizes it with the rest. A program per row and share of its tokens, N // VSLOTS tokens an iteration
+    (``_outlier_tile``), relaxed atomics: the splits spread them over
     hq · P · e addresses, a slot's GROUP heads contiguous in sc and ws (one vector load and one vector atomic a slot;
     added to the final output, 4K addresses took 0.17 ms at 128K tokens on the H200, stalled on their contention;
     a tensor-core product a tile, P (hq, slots) @ one-hot (slots, e), 0.44 ms)."""
+    TOK: tl.constexpr = N // VSLOTS
     n = tl.load(lens + tl.program_id(0)).to(tl.int32)
-    for blk in range(tl.program_id(1), tl.cdiv(n, BT), tl.num_programs(1)):
+    for blk in range(tl.program_id(1), tl.cdiv(n, TOK), tl.num_programs(1)):
         i, t, live, h, c, d, hit, pb, pt = _outlier_tile(slots, lens, table, s_tab, voi, vov, vmid, vhalf, vlut, v_ms,
-                                                         v_mt, v_os, v_ot, E, S, PER_TOKEN, VSLOTS, VP, BT, LEVELS, BS,
-                                                         blk * BT)
+                                                         v_mt, v_os, v_ot, E, S, PER_TOKEN, VSLOTS, N, LEVELS, BS,
+                                                         blk * TOK)
         sp = t // _split_chunk(n, splits, BLOCK_T)  # the token's split
         g = tl.arange(0, GP2)[None, None, :]
         m3 = _group_mask(hit, g, GROUP, GP2)
         s = tl.load(sc + _sc_token(i, pb, pt, c_b, GROUP, BS)[:, None, None] + h[:, :, None] * c_k + g, mask=m3,
                     other=float("-inf"))
-        dst = ws + i * w_b + (h[:, :, None] * GROUP + g) * w_h + sp[:, None, None] * w_p  # (BT, VP, GP2)
+        dst = ws + i * w_b + (h[:, :, None] * GROUP + g) * w_h + sp[:, None, None] * w_p  # (N, 1, GP2)
         p = tl.exp2(s - tl.load(dst + E * w_e, mask=m3, other=0.0))
         tl.atomic_add(dst + c[:, :, None] * w_e, p * d[:, :, None], mask=m3, sem="relaxed")
 
@@ -706,27 +723,34 @@ def outlier_passes(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: 
                          device=q.device)
     c_strides = (sc.stride(0), sc.stride(1)) if ko or vo else (0, 0)  # sc's (row or block, kv head)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
-    bt = CFG["BT_SPARSE"]
-    # programs a row: the blocks of BT tokens of its capacity, at most SPARSE_PROGRAMS an SM over the rows; each
-    # loops over the blocks below its row's length (read on the device), so a short row in a long cache (a serving
-    # slot) costs a few programs, not capacity / BT empty ones
-    grid = (b, max(1, min(triton.cdiv(cap, bt), CFG["SPARSE_PROGRAMS"] * _sm_count(q.device) // b)))
+
+    def grid(slots_a_token):
+        """(the positions an iteration takes, tokens an iteration) and the grid of a pass over ``slots_a_token``
+        slots: programs a row, the iterations of its capacity at most, SPARSE_PROGRAMS an SM over the rows; each
+        loops over the iterations below its row's length (read on the device), so a short row in a long cache (a
+        serving slot) costs a few programs, not one an iteration of the capacity."""
+        n = max(CFG["SPARSE_SLOTS"], triton.next_power_of_2(slots_a_token))
+        tok = n // slots_a_token
+        return n, tok, (b, max(1, min(triton.cdiv(cap, tok), CFG["SPARSE_PROGRAMS"] * _sm_count(q.device) // b)))
+
     gp2 = triton.next_power_of_2(group)
     kt, ks, vt, vs, _, flags = quant_args(k, v)
     # the passes take a side's pointers and strides without the codes' (``kv_decode._side``'s first 1 and 3): they
     # read only scales, codebook ends and slots
     if ko:
         inv_freq = _inv_freq(max(rotary_dim, 2), theta, q.device)
-        _key_outlier_kernel[grid](
+        n, tok, kgrid = grid(ko)
+        _key_outlier_kernel[kgrid](
             q, slots, kv_lens, *pages, inv_freq, sc, *kt[1:], q.stride(0), q.stride(1), *ks[3:], *c_strides, scale,
             hq // group, GROUP=group, GP2=gp2, HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
-            S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, KP=triton.next_power_of_2(ko), BT=bt,
+            S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, N=n, TP=triton.next_power_of_2(tok),
             LEVELS=flags["KLEVELS"], FAST=FAST_TRIG, BS=bs, num_warps=4)
 
     def value_outliers(ws, splits):
-        _value_outlier_kernel[grid](
+        n, _, vgrid = grid(vo)
+        _value_outlier_kernel[vgrid](
             ws, sc, slots, kv_lens, *pages, *vt[1:], *ws.stride(), *vs[3:], *c_strides, splits, GROUP=group,
-            GP2=gp2, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, VP=triton.next_power_of_2(vo), BT=bt,
+            GP2=gp2, E=e, S=v.sink.shape[1], PER_TOKEN=v.per_token, VSLOTS=vo, N=n,
             BLOCK_T=CFG["BLOCK_T_OUTLIERS"], LEVELS=flags["VLEVELS"], BS=bs, num_warps=4)
 
     return sc, c_strides, value_outliers if vo else None
