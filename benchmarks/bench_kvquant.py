@@ -61,9 +61,11 @@ def hbm_tbps(name: str) -> float:
 DEV = "cuda"  # --device cpu with TRITON_INTERPRET=1: a smoke run of this script (tiny lengths)
 
 
-def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) -> tuple[KVSideView, KVSideView]:
+def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4,
+                key_live: float = 1.0) -> tuple[KVSideView, KVSideView]:
     """Random ``bits``-bit codes (packed at their width), codebooks, scales and outliers of a (b, L) cache (the
-    kernels' speed does not depend on the values)."""
+    kernels' speed does not depend on the values). Every outlier slot holds one, or a random ``key_live`` share of
+    each token's key slots (per-channel thresholds fill their 2 × 1% slots about half on average; the rest -1)."""
     levels = 2 ** bits
 
     def side(per_token, slots):
@@ -79,6 +81,8 @@ def quant_cache(b: int, L: int, k_slots: int, v_slots: int, gen, bits: int = 4) 
         first = torch.randint(0, HKV * E, (b, L, 1), generator=gen, device=DEV)
         idx = ((first + torch.arange(slots, device=DEV) * (HKV * E // max(slots, 1))) % (HKV * E)).to(torch.int16)
         val = torch.randn(b, L, slots, generator=gen, device=DEV).half()
+        if not per_token and key_live < 1.0:
+            idx = torch.where(torch.rand(idx.shape, generator=gen, device=DEV) < key_live, idx, -1).to(torch.int16)
         idx, val = order_slots(idx, val)  # slots and the codes under them as quantization stores them
         codes = pack_codes(outlier_codes(codes, idx, val, mid.float()[..., None] if per_token else mid, levels), bits)
         sink = torch.randn(b, 1, HKV, E, generator=gen, device=DEV)

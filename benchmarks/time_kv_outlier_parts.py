@@ -4,7 +4,7 @@ outliers only and with value outliers only (CUDA-graph replays, L2 flushed: ``be
 registers a thread and the bytes spilled of the kernel it compiled (a spilling kernel pays for every live value);
 ``--kernels`` also splits each case's time among its kernels (torch.profiler, eager calls, L2 flushed before each).
 
-    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--kernels] [--cfg 'GP_MIN=16;SPARSE_SLOTS=256,SPARSE_PROGRAMS=8']
+    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--kernels] [--key-live 0.5] [--cfg 'GP_MIN=16;SPARSE_SLOTS=256,SPARSE_PROGRAMS=8']
     ncu --section WarpStateStats --section SourceCounters -k regex:_decode_kernel -s 2 -c 1 \
         python benchmarks/time_kv_outlier_parts.py --profile [--case 0-4]   (3 plain calls of one case, for ncu)
 """
@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--case", type=int, default=1, help="--profile's case: 0 no outliers, 1 keys + values, 2 keys, "
                     "3 values, 4 a float16 cache (the same kernel's float path, for comparison)")
     ap.add_argument("--kernels", action="store_true", help="also each kernel's share (torch.profiler)")
+    ap.add_argument("--key-live", type=float, default=1.0, help="share of the key slots holding an outlier (1%% "
+                    "per-channel thresholds leave about half of their 2 x 1%% slots live)")
     args = ap.parse_args()
     L = args.length
     ko, vo = b.ONE_PCT
@@ -68,7 +70,7 @@ def main() -> None:
             K = torch.randn(1, L, b.HKV, b.E, generator=gen, device="cuda", dtype=torch.float16)
             call = lambda: kv_decode_fast.float_kv_decode(q, slots, lens, K, K)  # noqa: E731
         else:
-            K, V = b.quant_cache(1, L, *cases[args.case][1], gen, 4)
+            K, V = b.quant_cache(1, L, *cases[args.case][1], gen, 4, args.key_live)
             call = lambda: quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0)  # noqa: E731
         for _ in range(3):
             call()
@@ -79,7 +81,7 @@ def main() -> None:
         kv_decode_fast.CFG.update(base)
         b.set_cfg(cfg)
         for name, slots_kv in cases:
-            K, V = b.quant_cache(1, L, *slots_kv, gen, 4)
+            K, V = b.quant_cache(1, L, *slots_kv, gen, 4, args.key_live)
             before = _compiled()
             ms = b.timeit(lambda: quant_kv_decode(q, slots, lens, K, V, b.E, 10000.0))  # noqa: B023
             new = [k for i, k in _compiled().items() if i not in before]
