@@ -122,8 +122,10 @@ def test_fast_kernel_with_several_value_outliers_a_head(kf, case, splits):
 @pytest.mark.parametrize("case", OUTLIER_CASES[:1] + SPLIT_CASES[:1])
 def test_outlier_passes_loop_over_their_row_s_blocks(kf, case, monkeypatch):
     """The outlier passes run a few programs a row (``SPARSE_PROGRAMS`` an SM over the rows), each looping over the
-    row's blocks of BT tokens below its length: with one program an SM, every program takes several blocks."""
+    row's iterations (``SPARSE_SLOTS`` slot positions, whole tokens) below its length: with one program an SM and 8
+    positions an iteration (2 tokens of 3 value slots, the last 2 positions idle), every program takes several."""
     monkeypatch.setitem(kf.CFG, "SPARSE_PROGRAMS", 1)
+    monkeypatch.setitem(kf.CFG, "SPARSE_SLOTS", 8)
     _check(kf, case, False, None, v_outliers=3, tol=3e-3)
 
 
