@@ -37,3 +37,39 @@ def test_kv_bench_limit_takes_the_card_s_bandwidth(monkeypatch):
     assert bench_kvquant.hbm_tbps("NVIDIA H100 80GB HBM3") == 3.35
     with pytest.raises(SystemExit, match="no datasheet bandwidth"):
         bench_kvquant.hbm_tbps("NVIDIA A100-SXM4-80GB")
+
+
+def test_kv_bench_cache_keeps_a_share_of_key_slots_live(monkeypatch):
+    """bench_kvquant.quant_cache(key_live=): a random share of each token's key slots holds an outlier (1% per-channel
+    thresholds fill about half of their 2 x 1% slots), stored as quantization stores them (index order, empty slots
+    -1 last); value slots all live; key_live=1 fills every slot."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_kvquant
+
+    monkeypatch.setattr(bench_kvquant, "DEV", "cpu")
+    gen = torch.Generator().manual_seed(0)
+    k, v = bench_kvquant.quant_cache(2, 64, 20, 10, gen, 4, key_live=0.5)
+    live = k.out_idx >= 0
+    assert 0.4 < live.float().mean() < 0.6 and (v.out_idx >= 0).all()
+    assert not (live[..., 1:] & ~live[..., :-1]).any()  # the empty ones last
+    idx = torch.where(live, k.out_idx.long(), 10 ** 6)
+    assert (idx[..., 1:] >= idx[..., :-1]).all()
+    k, _ = bench_kvquant.quant_cache(2, 64, 20, 10, gen, 4)
+    assert (k.out_idx >= 0).all()
+
+
+def test_paged_decode_plot_names_the_device(tmp_path, monkeypatch):
+    """bench_paged_decode writes its PNG beside the JSON, titled with the GPU it ran on (it once said H100 for an
+    H200 run)."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_paged_decode
+
+    rows = [{"format": f, "batch": 1, "context": 32768, "in place ms": 1.05, "contiguous ms": 1.0} for f in ("fp16", "4")]
+    titles = []
+    real = bench_paged_decode.pyplot()
+    monkeypatch.setattr(real.Axes, "set_title", lambda self, t, *a, **k: titles.append(t), raising=False)
+    bench_paged_decode.plot({32: rows}, tmp_path / "p.png", "NVIDIA H200")
+    assert (tmp_path / "p.png").stat().st_size > 0 and titles and "NVIDIA H200" in titles[0]
