@@ -4,7 +4,8 @@ outliers only and with value outliers only (CUDA-graph replays, L2 flushed: ``be
 registers a thread and the bytes spilled of the kernel it compiled (a spilling kernel pays for every live value);
 ``--kernels`` also splits each case's time among its kernels (torch.profiler, eager calls, L2 flushed before each).
 
-    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--kernels] [--key-live 0.5] [--cfg 'GP_MIN=16;SPARSE_SLOTS=256,SPARSE_PROGRAMS=8']
+    python benchmarks/time_kv_outlier_parts.py [--length 131072] [--kernels] [--key-live 0.5]
+        [--cfg 'GP_MIN=16;SPARSE_SLOTS=256,SPARSE_PROGRAMS=8']
     ncu --section WarpStateStats --section SourceCounters -k regex:_decode_kernel -s 2 -c 1 \
         python benchmarks/time_kv_outlier_parts.py --profile [--case 0-4]   (3 plain calls of one case, for ncu)
 """

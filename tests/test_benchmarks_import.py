@@ -67,7 +67,8 @@ def test_paged_decode_plot_names_the_device(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_paged_decode
 
-    rows = [{"format": f, "batch": 1, "context": 32768, "in place ms": 1.05, "contiguous ms": 1.0} for f in ("fp16", "4")]
+    rows = [{"format": f, "batch": 1, "context": 32768, "in place ms": 1.05, "contiguous ms": 1.0}
+            for f in ("fp16", "4")]
     titles = []
     real = bench_paged_decode.pyplot()
     monkeypatch.setattr(real.Axes, "set_title", lambda self, t, *a, **k: titles.append(t), raising=False)
