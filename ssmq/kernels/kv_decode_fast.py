@@ -564,8 +564,8 @@ def _key_outlier_kernel(q, slots, lens, table, s_tab, inv_freq, sc, kmid, khalf,
     ordered by index, ``ssmq.ops.kv_quant.order_slots``, so a head's follow each other), the GROUP terms of a slot
     contiguous (one vector atomic). Every slot once, not once per kv head. H100, 128K tokens, 20 slots a token, as
     (tokens, 32 slots) tiles: 0.044 ms (16 tokens; 0.047 at 32); summing each kv head's run of slots by a segmented
-    scan and storing it once, without atomics, 0.068. H200: the query heads apart ((b, hq, L): an atomic each) 0.102 ms; summing by kv head with a compare and
-    select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
+    scan and storing it once, without atomics, 0.068. H200: the query heads apart ((b, hq, L): an atomic each)
+    0.102 ms; summing by kv head with a compare and select per slot and kv head 0.196 ms; (b, L, hq) 0.134 ms."""
     TOK: tl.constexpr = N // KSLOTS
     n = tl.load(lens + tl.program_id(0)).to(tl.int32)
     for blk in range(tl.program_id(1), tl.cdiv(n, TOK), tl.num_programs(1)):
