@@ -1,19 +1,36 @@
 #!/usr/bin/env bash
-# KVQuant on a GPU machine, in one call (< 400 s on one H100): the GPU tests of the quantized-KV decode kernels (vs
-# their CPU references, and a tiny hybrid decoding through them), then the kernel benchmark (FP16 attention decode,
-# ours and torch SDPA, vs the LUT kernels; 32 q / 8 kv heads x 128; 4K..128K tokens; batch 1 and 8).
-# Usage (on the GPU machine, repo root): bash benchmarks/device_kvquant.sh [LENGTHS]   Logs, JSON and PNG go to $OUT.
-# KV_CFG=BLOCK_T=32,num_warps=4 (say) overrides kernels.kv_decode.CFG for the benchmark (bench_kvquant.py --cfg).
+# KVQuant on a GPU machine, each mode one device call (< 600 s on one H200; logs, JSON and PNG go to $OUT):
+#   tests   the GPU tests of the quantized-KV decode kernels against their CPU references: the warp kernel
+#           (tests/test_kv_decode_warp.py, ~150 s), the Triton kernels and their outlier passes
+#           (tests/test_kvquant_kernels.py, ~200 s), the paged cache and the model-level decode (~60 s)
+#   bench   the kernel benchmark (FP16 attention decode, ours and torch SDPA, against the quantized formats; 32 q / 8
+#           kv heads x 128) at batch 1 (4K..128K tokens, ~110 s) and batch 8 (32K, 128K, ~100 s), the README's runs
+# Usage (on the GPU machine, repo root): bash benchmarks/device_kvquant.sh tests|bench
+# KV_CFG=GP_MIN=8 (say) overrides kernels.kv_decode_fast.CFG for the benchmark (bench_kvquant.py --cfg).
 set -uo pipefail
-lengths=${1:-4096,8192,16384,32768,65536,131072}
+mode=${1:-tests}
+case "$mode" in tests|bench) ;; *) echo "device_kvquant.sh: unknown mode '$mode' (tests or bench)"; exit 2 ;; esac
 out=${OUT:-out}
 mkdir -p "$out"
-export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export PYTHONPATH=.:benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 rc=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$out/kvquant_gpu.txt"
-timeout 120 python3 -m pytest -q -m gpu tests/test_kvquant_kernels.py 2>&1 | tail -15 | tee "$out/kvquant_gpu_tests.log" || rc=1
-timeout 130 python3 benchmarks/bench_kvquant.py --out "$out" --lengths "$lengths" --batch 1 ${KV_CFG:+--cfg "$KV_CFG"} 2>&1 \
-  | tee "$out/kvquant_bench_b1.log" || rc=1
-timeout 130 python3 benchmarks/bench_kvquant.py --out "$out" --lengths "$lengths" --batch 8 ${KV_CFG:+--cfg "$KV_CFG"} 2>&1 \
-  | tee "$out/kvquant_bench_b8.log" || rc=1
+case "$mode" in
+  tests)
+    # within one call's 600 s: each file its own limit (warp ~150 s, kernels ~200 s, paged + model ~60 s)
+    for t in "200 tests/test_kv_decode_warp.py" "250 tests/test_kvquant_kernels.py" \
+             "120 tests/test_paged_kv.py tests/test_kvquant.py"; do
+      set -- $t
+      limit=$1; shift
+      name=$(basename "$1" .py)
+      timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" > "$out/gpu_$name.log" 2>&1 || rc=1
+      echo "$*: $(tail -1 "$out/gpu_$name.log")"
+    done ;;
+  bench)
+    timeout 200 python3 benchmarks/bench_kvquant.py --out "$out/b1" --lengths 4096,16384,65536,131072 --batch 1 \
+      ${KV_CFG:+--cfg "$KV_CFG"} > "$out/kvquant_bench_b1.log" 2>&1 || rc=1
+    timeout 200 python3 benchmarks/bench_kvquant.py --out "$out/b8" --lengths 32768,131072 --batch 8 \
+      ${KV_CFG:+--cfg "$KV_CFG"} > "$out/kvquant_bench_b8.log" 2>&1 || rc=1
+    tail -4 "$out/kvquant_bench_b1.log" "$out/kvquant_bench_b8.log" ;;
+esac
 exit $rc
