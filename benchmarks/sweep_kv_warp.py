@@ -1,6 +1,7 @@
 """Launch settings of the warp KV decode kernel (``ssmq.kernels.kv_decode_warp``) swept on ``bench_kvquant.py``'s
 layer (32 query / 8 KV heads x 128, full RoPE, sink 1; random codes, as that bench), one GPU, ms a call
-(``bench_kvquant.timeit``: CUDA-graph replays, L2 flushed). One JSON row a (batch, context, width, setting):
+(``bench_kvquant.timeit``: CUDA-graph replays, L2 flushed; a case's settings timed in turn, --rounds times, the
+median of the rounds). One JSON row a (batch, context, width, setting):
 
     regcap   MAXNREG (a register cap a thread: more programs an SM), the splits filling whole rounds of the programs
              it allows, and the uncapped launch's splits (8 programs an SM)
@@ -8,7 +9,7 @@ layer (32 query / 8 KV heads x 128, full RoPE, sink 1; random codes, as that ben
     stages   STAGES, the tiles of codes in flight (cp.async), with and without 1% outliers; the float16 decode
              (``kv_decode_fast.float_kv_decode``) of the same shape timed first, for the ratio
 
-    python benchmarks/sweep_kv_warp.py regcap|splits|stages [--out DIR]
+    python benchmarks/sweep_kv_warp.py regcap|splits|stages [--rounds 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=sorted(SHAPES))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rounds", type=int, default=3, help="passes over a case's settings, in turn; ms = their median")
     args = ap.parse_args()
     gen = torch.Generator(device=bk.DEV).manual_seed(0)
     defaults = dict(MAXNREG=w.MAXNREG, STAGES=w.STAGES)
@@ -63,18 +66,28 @@ def main() -> None:
             for outliers in ((False, True) if args.what == "stages" else (False,)):
                 K, V = bk.quant_cache(b, L, *(bk.ONE_PCT if outliers else (0, 0)), gen, bits)
                 uncapped = w.default_splits(b, bk.HKV, L, q.device)  # the module's defaults are in place here
-                for s in settings(args.what, b, outliers):
-                    for name in defaults:
-                        setattr(w, name, s.get(name, defaults[name]))
-                    splits = uncapped if s.get("uncapped_splits") else s.get("splits")
-                    splits = splits or w.default_splits(b, bk.HKV, L, q.device)
-                    ms = bk.timeit(lambda: w.quant_kv_decode(q, slots, lens, K, V, bk.E, 10000.0, splits=splits))
-                    row = dict(batch=b, context=L, bits=bits, outliers=outliers, **s, ms=ms, **base)
+                cases = settings(args.what, b, outliers)
+                times = [[] for _ in cases]
+                used = [0] * len(cases)
+                # the settings in turn, --rounds times: a drift of the card's clocks during the sweep then spreads over
+                # every setting instead of favouring the ones timed early (one pass once measured two identical
+                # launches 9% apart)
+                for _ in range(args.rounds):
+                    for j, s in enumerate(cases):
+                        for name in defaults:
+                            setattr(w, name, s.get(name, defaults[name]))
+                        splits = uncapped if s.get("uncapped_splits") else s.get("splits")
+                        used[j] = splits = splits or w.default_splits(b, bk.HKV, L, q.device)
+                        times[j].append(bk.timeit(
+                            lambda: w.quant_kv_decode(q, slots, lens, K, V, bk.E, 1e4, splits=splits)))  # noqa: B023
+                        for name, value in defaults.items():
+                            setattr(w, name, value)
+                for s, ms, splits in zip(cases, times, used):
+                    row = dict(batch=b, context=L, bits=bits, outliers=outliers, **s, ms=statistics.median(ms),
+                               **{"ms rounds": ms}, **base)
                     row["splits"] = splits
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-                    for name, value in defaults.items():
-                        setattr(w, name, value)
                 del K, V
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
