@@ -711,17 +711,17 @@ def outlier_passes(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: 
     pass now and returns (sc, (sc's row-or-block and kv-head strides), the value pass to run between the decode and
     the combine as ``value_outliers(ws, splits)``, or None without value slots). sc is q (unused) without slots."""
     b, hq, e = q.shape
+    ko, vo = k.out_idx.shape[-1], v.out_idx.shape[-1]
+    if not (ko or vo):  # no passes and no score buffer: nothing to build on the decode's path
+        return q, (0, 0), None
     group = hq // k.codes.shape[2]
     pages, bs, cap = paging(block_table, slots, k.codes)  # as ``_launch`` reads them for the decode
-    ko, vo = k.out_idx.shape[-1], v.out_idx.shape[-1]
     # sparse outliers in their own passes: key score terms before the decode, value terms before the combine. One
     # buffer sc, a kv head's query heads contiguous: the key pass's terms, which the decode adds and overwrites with
     # the whole scores, which the value pass reads
-    sc = q
-    if ko or vo:
-        sc = torch.empty(outlier_workspace_shape(k.codes, b, hq, block_table is not None), dtype=torch.float32,
-                         device=q.device)
-    c_strides = (sc.stride(0), sc.stride(1)) if ko or vo else (0, 0)  # sc's (row or block, kv head)
+    sc = torch.empty(outlier_workspace_shape(k.codes, b, hq, block_table is not None), dtype=torch.float32,
+                     device=q.device)
+    c_strides = (sc.stride(0), sc.stride(1))  # sc's (row or block, kv head)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
 
     def grid(slots_a_token):
