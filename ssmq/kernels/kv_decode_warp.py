@@ -85,7 +85,8 @@ VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0],
                                               [], [TILE, E_SERVED // 8]))
 # Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM;
 # 212-224 in the sm_90 build since the cp.async rings, 9 could reside, but neither a cap nor 9 was faster:
-# ``benchmarks/sweep_kv_warp.py regcap``);
+# ``benchmarks/sweep_kv_warp.py regcap``; session 34's run: 2-bit capped at 168 faster at 128K tokens, slower at 16K,
+# one run, not adopted);
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
 # 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
 RESIDENT = 8
@@ -507,10 +508,10 @@ _SCALES: dict = {}
 
 
 def default_splits(b: int, hkv: int, capacity: int, device: torch.device) -> int:
-    """Splits filling whole rounds of RESIDENT programs an SM (under a MAXNREG cap: the programs it allows), at most one per MIN_TILES tiles of the capacity. Up
-    to WIDEST splits when a round is not a multiple of the b · hkv (row, kv head) pairs: there a few more splits can
-    fill the last round (113 rows x 8 kv heads, 1056 resident programs: 2 splits are 1.71 rounds run as 2, 7 are
-    5.99)."""
+    """Splits filling whole rounds of RESIDENT programs an SM (under a MAXNREG cap: the programs it allows), at most
+    one per MIN_TILES tiles of the capacity. Up to WIDEST splits when a round is not a multiple of the b · hkv
+    (row, kv head) pairs: there a few more splits can fill the last round (113 rows x 8 kv heads, 1056 resident
+    programs: 2 splits are 1.71 rounds run as 2, 7 are 5.99)."""
     resident = resident_programs(MAXNREG, 1) if MAXNREG else RESIDENT  # as ``kv_decode._launch`` derives it
     slots = resident * _sm_count(device)
     fill = triton.cdiv(ROUNDS * slots, b * hkv)
