@@ -45,8 +45,7 @@ def build_warp(bits: int = 4, sink: int = 1, slots: bool = False):
     from ssmq.kernels import kv_decode_warp as kw
 
     pointers, strides = kw.compile_signature()
-    const = dict(GROUP=GROUP, E=E, S=sink, BS=0, ONE_SPLIT=False, KSLOTS=slots, VSLOTS=slots, w_h=1, KBITS=bits,
-                 VBITS=bits, STAGES=kw.STAGES)
+    const = dict(kw.constexprs(GROUP, E, E, sink, 0, False, slots, slots, bits, bits, 16), w_h=1)
     return compile_sm90(kw._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
                         aligned=(*pointers, *strides))
 

@@ -65,27 +65,57 @@ def test_value_relabelling_matches_the_row_channels(w, bits):
     assert torch.equal(w.value_channel.fn(m) // 16, m % 8)
 
 
+@pytest.mark.parametrize("e, r", [(128, 128), (64, 64), (64, 32), (128, 64), (128, 32), (128, 0), (64, 0)])
+@pytest.mark.parametrize("bits", [4, 3, 2])
+def test_slots_pair_rotary_partners_within_a_head(w, e, r, bits):
+    """Half a's slot k and half b's slot k hold one head's channels c and c + r / 2 (RoPE's pairs, c < r / 2) or two
+    channels RoPE leaves (≥ r); across the slots and halves every channel of the E = 128 (128 / e heads) once; slot
+    k's channel is in the 16-channel chunk of the lane whose fragment holds slot k (lane q = (k % 8) // 2), the
+    chunk the load layout gives lane q in that half."""
+    head, ch = w.slot_channels(e, r, bits)
+    pair = 16 << w.rotary_bit(e, r)
+    partner = ch + pair
+    rotated = ch < r // 2
+    assert torch.equal(partner[rotated], ch[rotated] + r // 2)
+    assert bool((ch[~rotated] >= r).all()) and bool((partner < e).all())
+    flat = torch.cat([head * e + ch, head * e + partner])
+    assert sorted(flat.tolist()) == list(range(128))
+    k = torch.arange(64)
+    lane = (k % 8) // 2
+    hbit = w.rotary_bit(e, r)
+    for half, c in ((0, head * e + ch), (1, head * e + partner)):
+        want = ((lane >> hbit) << (hbit + 1)) | (half << hbit) | (lane & ((1 << hbit) - 1))  # bit inserted at hbit
+        assert torch.equal(c // 16, want)
+
+
+@pytest.mark.parametrize("e, r", [(128, 128), (64, 64), (64, 32)])
 @pytest.mark.parametrize("bits", [4, 3])
-def test_host_tables_are_in_slot_order(w, bits):
-    """The within-tile rotation table, the tiles' angles and the key scales, column k = channel key_channel(k) of
-    the keys' width."""
+def test_host_tables_are_in_slot_order(w, e, r, bits):
+    """The within-tile rotation table, the tiles' angles and the key scales, column k = the channels
+    ``slot_channels`` gives slot k: inverse frequency θ^(-2c / r) where RoPE turns c, else 0; a program's heads side
+    by side, a missing last head's scales zero."""
     from ssmq.ops.kv_quant import KVSideView
 
-    r, theta = 128, 10000.0
-    inv = 1.0 / theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r)
-    ch = w.key_channel.fn(torch.arange(r // 2), bits)
-    rope = w.rope_table(r, theta, bits, torch.device("cpu"))
-    torch.testing.assert_close(rope[1, 5].double(), torch.sin(5 * inv[ch]), rtol=1e-3, atol=1e-3)
-    ang = w.tile_angles(100, r, theta, bits, torch.device("cpu"))
-    assert ang.shape == (7, r)  # ceil(100 / 16) tiles
-    torch.testing.assert_close(ang[3, : r // 2].double(), torch.cos(48 * inv[ch]), rtol=1e-3, atol=1e-3)
-    mid, half = torch.randn(2, 128), torch.rand(2, 128)
-    side = KVSideView(torch.zeros(1, 16, 2, 64, dtype=torch.uint8), torch.zeros(2 ** bits), mid, half, False,
-                      torch.zeros(1, 16, 0, dtype=torch.int16), torch.zeros(1, 16, 0), torch.zeros(1, 1, 2, 128), bits)
-    t = w.key_scale_table(side)
-    assert t.shape == (2, 4, 64) and t.dtype == torch.float16
-    torch.testing.assert_close(t[1, 3].float(), half[1, 64 + ch].half().float())
-    assert w.key_scale_table(side) is t  # cached on the side's scales
+    theta, hkv = 10000.0, 3
+    head, ch = w.slot_channels(e, r, bits)
+    inv = torch.where(ch < r // 2, 1.0 / theta ** (2 * ch.double() / r), 0.0)
+    rope = w.rope_table(e, r, theta, bits, torch.device("cpu"))
+    torch.testing.assert_close(rope[1, 5].double(), torch.sin(5 * inv), rtol=1e-3, atol=1e-3)
+    ang = w.tile_angles(100, e, r, theta, bits, torch.device("cpu"))
+    assert ang.shape == (7, 128)  # ceil(100 / 16) tiles
+    torch.testing.assert_close(ang[3, :64].double(), torch.cos(48 * inv), rtol=1e-3, atol=1e-3)
+    mid, half = torch.randn(hkv, e), torch.rand(hkv, e)
+    side = KVSideView(torch.zeros(1, 16, hkv, e // 2, dtype=torch.uint8), torch.zeros(2 ** bits), mid, half, False,
+                      torch.zeros(1, 16, 0, dtype=torch.int16), torch.zeros(1, 16, 0), torch.zeros(1, 1, hkv, e), bits)
+    t = w.key_scale_table(side, r)
+    heads = 128 // e
+    assert t.shape == (-(-hkv // heads), 4, 64) and t.dtype == torch.float16
+    kv = heads * (t.shape[0] - 1) + head  # the last program's heads
+    live = kv < hkv
+    pb = ch + (16 << w.rotary_bit(e, r))
+    torch.testing.assert_close(t[-1, 3][live].float(), half[kv[live], pb[live]].half().float())
+    assert bool((t[-1, :, ~live] == 0).all())
+    assert w.key_scale_table(side, r) is t  # cached on the side's scales
 
 
 def test_eligible_formats(w):
@@ -100,24 +130,32 @@ def test_eligible_formats(w):
 
     K, V = view(), view(per_token=True)
     assert w.eligible(K, V, 128, 4)
-    assert not w.eligible(K, V, 64, 4)  # partial RoPE
+    assert w.eligible(K, V, 64, 4) and w.eligible(K, V, 32, 4) and w.eligible(K, V, 0, 4)  # partial RoPE, none
+    assert not w.eligible(K, V, 96, 4) and not w.eligible(K, V, 16, 4)  # rotary halves not whole chunk pairs
     assert w.eligible(view(bits=3), view(bits=3, per_token=True), 128, 4)  # nuq3
     assert w.eligible(view(bits=2), view(bits=4, per_token=True), 128, 4)  # widths may differ a side
     assert not w.eligible(view(bits=3, levels=7), V, 128, 4)  # int3 (symmetric): 7 levels
     assert not w.eligible(view(bits=8), V, 128, 4)
     assert not w.eligible(view(per_token=True), V, 128, 4)  # per-token keys (engine formats)
     assert w.eligible(view(slots=20), view(per_token=True, slots=10), 128, 4)  # 1% outliers
-    assert not w.eligible(view(e=64), view(e=64, per_token=True), 64, 4)
+    K64, V64 = view(e=64), view(e=64, per_token=True)
+    assert w.eligible(K64, V64, 64, 4) and w.eligible(K64, V64, 32, 3)  # SmolLM2, the hybrid
+    assert not w.eligible(K64, V64, 128, 4)  # a rotary dim past the head
+    assert not w.eligible(K64, V64, 64, 5)  # two heads' groups fill at most the 8 columns
+    assert not w.eligible(view(e=32), view(e=32, per_token=True), 32, 2)
     assert not w.eligible(K, V, 128, 16)  # more than 8 query heads a kv head
     assert not w.eligible(K, V, 128, 4, paged_block=8)
     assert w.eligible(K, V, 128, 4, paged_block=32)
     assert not w.eligible(view(levels=15), V, 128, 4)  # the kernel reads 16 codebook entries
 
 
-@pytest.mark.parametrize("sink, paged, one, slots, bits", [(1, 0, False, False, (4, 4)), (0, 0, True, False, (4, 4)),
-                                                           (3, 64, False, False, (3, 3)), (1, 0, False, True, (3, 3)),
-                                                           (1, 32, False, True, (2, 2)), (1, 0, False, False, (2, 4))])
-def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged, one, slots, bits):
+@pytest.mark.parametrize("sink, paged, one, slots, bits, e, r",
+                         [(1, 0, False, False, (4, 4), 128, 128), (0, 0, True, False, (4, 4), 128, 128),
+                          (3, 64, False, False, (3, 3), 128, 128), (1, 0, False, True, (3, 3), 128, 128),
+                          (1, 32, False, True, (2, 2), 128, 128), (1, 0, False, False, (2, 4), 128, 128),
+                          (1, 0, False, True, (3, 3), 64, 64), (1, 32, False, False, (4, 2), 64, 32),
+                          (1, 0, False, False, (4, 4), 128, 0)])
+def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged, one, slots, bits, e, r):
     """sm_90 build as launched: the tiles' codes arrive by cp.async (LDGSTS) into the STAGES-deep rings and are read
     once (LDS); no operand passes through shared memory (no STS in the loop), the loop's barriers are the one warp's
     own (at most 2); 16 tensor-core products a 16-token tile (keys: two halves x 4 k-steps; values: 8 row tiles), no
@@ -125,11 +163,14 @@ def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged
     from ssmq.kernels.build import compile_sm90, main_loop, registers
 
     pointers, strides = w.compile_signature()
-    const = dict(GROUP=4, E=128, S=sink, BS=paged, ONE_SPLIT=one, KSLOTS=slots, VSLOTS=slots, w_h=1, KBITS=bits[0],
-                 VBITS=bits[1], STAGES=w.STAGES)
+    const = dict(w.constexprs(4 * e // 128, e, r, sink, paged, one, slots, slots, *bits, 16 if e == 128 else 8),
+                 w_h=1)
     try:
+        # head dim 64: the codes' strides in 8-byte units unaligned, as SmolLM2's 3-bit cache gives them (72 bytes
+        # a token = 9 units)
+        code = ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h") if e == 64 else ()
         c = compile_sm90(w._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
-                         aligned=(*pointers, *strides))
+                         aligned=(*pointers, *(x for x in strides if x not in code)))
     except (FileNotFoundError, RuntimeError) as ex:
         if "ptxas" in str(ex):
             pytest.skip(f"no ptxas: {ex}")
@@ -139,7 +180,8 @@ def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged
     loop = main_loop(c)
     assert loop["HMMA"] == 16
     assert loop["LDGSTS"] >= 2 and loop["STS"] == 0 and loop["BAR"] <= 2
-    assert loop["LDS"] <= 16  # each lane's bytes of a tile, once
+    # each lane's bytes of a tile, once (at head dim 64 and 3 bits a lane's chunks of a half are apart: more pieces)
+    assert loop["LDS"] <= (16 if e == 128 else 20)
     assert c.metadata.shared <= 8 * 1024  # the rings: 8 programs an SM take at most 64 KB
 
 
@@ -160,15 +202,15 @@ def _gpu():
         pytest.skip("needs CUDA (Gluon kernels do not run in Triton's interpreter)")
 
 
-def _case(case, gen, block=0, slots=(0, 0), levels=(16, 16)):
+def _case(case, gen, block=0, slots=(0, 0), levels=(16, 16), e=128):
     from test_kvquant_kernels import side
 
     b, hq, hkv, L, sink = case
     s = b + 2
     cap = -(-L // block) * block if block else L
-    K = side(s, cap, hkv, 128, False, slots[0], sink, gen, levels[0])
-    V = side(s, cap, hkv, 128, True, slots[1], sink, gen, levels[1])
-    q = torch.randn(b, hq, 128, generator=gen).cuda()
+    K = side(s, cap, hkv, e, False, slots[0], sink, gen, levels[0])
+    V = side(s, cap, hkv, e, True, slots[1], sink, gen, levels[1])
+    q = torch.randn(b, hq, e, generator=gen).cuda()
     slots = torch.randperm(s, generator=gen)[:b].cuda()
     lens = torch.randint(max(L // 2, 1), L + 1, (b,), generator=gen).cuda()
     lens[0] = L
@@ -230,6 +272,53 @@ def test_warp_kernel_reads_a_paged_cache_in_place(w, block_size, splits, outlier
     torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
 
 
+HEAD64_CASES = [  # b, hq, hkv, L, sink, e, r: two kv heads a program at head dim 64; partial or no RoPE
+    (2, 9, 3, 300, 1, 64, 64),      # SmolLM2-135M's heads: an odd kv head count (the last program's second absent)
+    (3, 6, 2, 1000, 1, 64, 32),     # the hybrid's: partial RoPE (half the channels), ragged rows
+    (1, 16, 4, 2000, 2, 64, 64),    # GQA 4: the two heads' groups fill the 8 columns
+    (2, 4, 1, 200, 0, 64, 0),       # one kv head, no RoPE, no sink
+    (2, 32, 8, 300, 1, 128, 64),    # head dim 128, RoPE on half (partial_rotary_factor 0.5, as Bamba's)
+    (1, 8, 2, 700, 3, 128, 32),     # a quarter
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HEAD64_CASES)
+@pytest.mark.parametrize("splits", [None, 1])
+@pytest.mark.parametrize("outliers", [(0, 0), (6, 3)])
+@pytest.mark.parametrize("levels", [(16, 16), (8, 8), (4, 4), (16, 8)])
+def test_warp_kernel_at_head_dim_64_and_partial_rope(w, case, splits, outliers, levels):
+    _gpu()
+    from test_kvquant_kernels import _cpu
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    *head, e, r = case
+    K, V, q, slots, lens = _case(tuple(head), torch.Generator().manual_seed(5), slots=outliers, levels=levels, e=e)
+    assert w.eligible(K, V, r, q.shape[1] // K.codes.shape[2])
+    got = w.quant_kv_decode(q, slots, lens, K, V, r, 10000.0, splits=splits)
+    want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), _cpu(K), _cpu(V), r, 10000.0)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levels", [(16, 16), (8, 8)])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_warp_kernel_reads_a_paged_head_dim_64_cache(w, levels, block_size):
+    """SmolLM2's heads, paged: 3-bit heads of 24 bytes (the 8-byte stride units)."""
+    _gpu()
+    from test_kvquant_kernels import _cpu
+    from ssmq.ops.kv_quant import quant_kv_decode_ref
+
+    gen = torch.Generator().manual_seed(6)
+    K, V, q, slots, lens = _case((3, 9, 3, 300, 1), gen, block_size, (6, 3), levels, e=64)
+    s, m = K.codes.shape[0], K.codes.shape[1] // block_size
+    table = (1 + torch.randperm(s * m, generator=gen)).view(s, m).cuda()
+    want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), _cpu(K), _cpu(V), 64, 10000.0)
+    got = w.quant_kv_decode(q, slots, lens, K.paged(table, block_size), V.paged(table, block_size), 64, 10000.0,
+                            block_table=table)
+    torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+
+
 @pytest.mark.gpu
 def test_dispatch_sends_served_formats_to_the_warp_kernel(w, monkeypatch):
     """The dispatch takes the warp kernel for a format it serves (and not with SSMQ_KV_WARP=0's switch off); it
@@ -248,4 +337,4 @@ def test_dispatch_sends_served_formats_to_the_warp_kernel(w, monkeypatch):
     dispatch.quant_kv_decode(q, slots, lens, K, V, 128, 10000.0)
     assert calls == [1]
     with pytest.raises(SSMQError, match="warp KV decode kernel serves"):
-        real(q, slots, lens, K, V, 64, 10000.0)
+        real(q, slots, lens, K, V, 96, 10000.0)

@@ -334,8 +334,8 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
 # caches take it on CUDA.
 _KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
 # SSMQ_KV_WARP=0 keeps the formats the warp kernel serves (kv_decode_warp: 2-4 bit per-channel keys, per-token
-# values, head dim 128, full RoPE, with or without outliers) on kv_decode_fast (A/B timing); it needs Triton's
-# Gluon (3.5+).
+# values, head dim 128 or 64, RoPE on 0, 32, 64 or 128 channels, with or without outliers) on kv_decode_fast (A/B
+# timing); it needs Triton's Gluon (3.5+).
 _KV_WARP = os.environ.get("SSMQ_KV_WARP", "1") == "1"
 
 

@@ -4,11 +4,21 @@ the Triton kernels (``kv_decode_fast``) could not avoid (there each dequantized 
 become an operand: 6 trips and 11-13 barriers a 32-token tile, the profile's top stall). Shared memory holds only
 the codes in flight: each tile's bytes arrive by cp.async STAGES - 1 tiles ahead and each lane reads its own once.
 
-Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv (GROUP, padded to N = 8 columns), e head dim (E = 128),
-r rotary dim (= e: full RoPE), HP = r / 2 channels a rotary half, S sink tokens, T = 16 tokens a tile, P splits of a
-row, q (lane % 4) and g8 (lane // 4) a lane's place in the 8 x 4 grid of an m16n8k16 fragment.
+Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv (GROUP), e head dim (EH: 128 or 64), HEADS = 128 / e
+kv heads a program, whose channels side by side are the E = 128 channels of the products (the columns: their
+HEADS · g query heads, padded to N = 8), r rotary dim (0, 32, 64 or 128, at most e), HP = 64 slots a rotary half,
+S sink tokens, T = 16 tokens a tile, P splits of a row, q (lane % 4) and g8 (lane // 4) a lane's place in the 8 x 4
+grid of an m16n8k16 fragment.
 
-One warp per (row, kv head, split), tiles of T tokens, mma.sync m16n8k16 products with float32 accumulation:
+Head dim 64, partial RoPE (session 35, 2026-11-29): the E channels are 8 chunks of 16, in the cache's byte order
+(the HEADS kv heads one after the other); a lane's bytes a token are always one chunk. The two rotary halves are
+the chunks whose bit HBIT is 0 / 1 (``ring_channel``; HBIT = log2(r / 32), or log2(e / 32) without RoPE): chunk
+pairs 16 · 2^HBIT = r / 2 channels apart, each in one head, so channel c < r / 2 meets its partner c + r / 2; the
+channels RoPE leaves pair among themselves at angle 0. A column's query is zero on the other head's channels, and a
+value row is stored only for its own head's columns: the products' cross terms are computed and dropped (SmolLM2's
+3 kv heads make two programs, the second with one head live).
+
+One warp per (row, HEADS kv heads, split), tiles of T tokens, mma.sync m16n8k16 products with float32 accumulation:
     scores   Sᵀ (T, N) = K_rot (T, HP) · U_aᵀ + K_rot_b · U_bᵀ: keys are the A operand (rows = tokens), the query group
              the B operand, rotated back by the tile's t0 θ (U = R(t0 θ)ᵀ q, a float16 table of cos / sin of t0 θ
              read a tile, ``tile_angles``); keys x = mid + half · B (per-channel scales), turned by their
@@ -18,9 +28,9 @@ One warp per (row, kv head, split), tiles of T tokens, mma.sync m16n8k16 product
              ``kv_decode_fast``)
     layouts  a thread's A fragment holds 2 tokens x 16 channels (keys) or 16 channels x 4 tokens (values). The
              products' K (key channels) and M (value channels) orders are permuted so that these are the
-             channels of a lane's contiguous bytes of codes a token (8 at 4 bits; 4 of the 2-bit plane, and 2 of
-             the 1-bit plane at 3 bits), which the PRMT lookups (``kv_decode_fast._LUT4`` / ``_LUT3`` / ``_LUT2``)
-             turn into the fragment's registers in place: key slot k holds channel ``key_channel(k, bits)``, value
+             channels of a lane's contiguous bytes of codes a token, one chunk (8 at 4 bits; 4 of the 2-bit
+             plane, and 2 of the 1-bit plane at 3 bits), which the PRMT lookups (``kv_decode_fast._LUT4`` /
+             ``_LUT3`` / ``_LUT2``) turn into the fragment's registers in place: key slot k holds channel ``key_channel(k, bits)``, value
              row m channel ``value_channel(m)``; the query and the tables are loaded in slot order, the output
              stored by channel
     sink     split 0 first takes the S float sink tokens as one tile (keys rotated by their own positions)
@@ -29,7 +39,7 @@ One warp per (row, kv head, split), tiles of T tokens, mma.sync m16n8k16 product
 Each split writes (m, l, acc) for ``kv_decode.combine_splits`` (one split: the output).
 
 Served (``eligible``): 2-, 3- or 4-bit codes on each side (codebooks of 2^bits entries), per-channel keys,
-per-token values, head dim 128 with full RoPE,
+per-token values, head dim 128 (query groups of at most 8) or 64 (at most 4), RoPE on 0, 32, 64 or 128 channels,
 sparse outliers or none, a sink of at most 16 tokens, contiguous or paged caches with blocks of whole tiles. The
 other formats keep ``kv_decode_fast``. Needs Triton's Gluon (3.5+) and an NVIDIA GPU of sm_80+ (mma.sync).
 
@@ -49,7 +59,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ssmq.errors import SSMQError
-from ssmq.kernels.kv_decode import (_inv_freq, _sm_count, combine_splits, paging, resident_programs, split_outputs,
+from ssmq.kernels.kv_decode import (_sm_count, combine_splits, paging, resident_programs, split_outputs,
                                     whole_rounds)
 from ssmq.kernels.kv_decode_fast import (_LUT2, _LUT2_CONSTRAINTS, _LUT3, _LUT3_CONSTRAINTS, _LUT4, _LUT4_CONSTRAINTS,
                                          outlier_passes)
@@ -117,6 +127,15 @@ def value_channel(m):
     a token (its 16 channels: 4 bits, byte 8 g8 + u, nibble h; 2 and 3 bits, byte 4 g8 + u // 2 of the 2-bit plane,
     code 2 (u % 2) + h) are its fragment's 16 rows, at every width (a lookup pairs two tokens of one channel)."""
     return 16 * (m % 8) + 2 * (m // 16) + (m // 8) % 2
+
+
+@gluon.jit
+def ring_channel(c, HALF: gl.constexpr, HBIT: gl.constexpr):
+    """Channel among the E of the program's kv heads (byte order) of channel c of rotary half HALF: chunk c // 16 of
+    the half with bit HALF inserted at HBIT (the module docstring). Plain arithmetic, as ``key_channel``."""
+    q = c // 16
+    lo = q % (1 << HBIT)
+    return 16 * ((q - lo) * 2 + HALF * (1 << HBIT) + lo) + c % 16
 
 
 @gluon.jit
@@ -195,53 +214,89 @@ def _key_operand(w, h, w0, w1, w2, w3, w4, w5, w6, w7, HP: gl.constexpr, A: gl.c
     return gl.convert_layout(x, A, assert_trivial=True)
 
 
+@gluon.constexpr_function
+def copy_layout(n, heads):
+    """cp.async layout of a plane's (T, n) bytes of a tile: 16 bytes a lane where each kv head's n / heads bytes
+    (at least 8: ``eligible``'s widths) and the tile allow."""
+    vec = min(16, n // heads, n * TILE // 32)
+    return gl.BlockedLayout([1, vec], [32 // (n // vec), n // vec], [1, 1], [1, 0])
+
+
 @gluon.jit
-def _copy_rows(ring, stage, base, stride, live, off, N: gl.constexpr):
-    """Start copying bytes [off, off + N) of the tile's T rows of codes from ``base`` into ring[stage] (cp.async, 16
-    bytes a lane where the tile has them; rows from ``live`` on: zeros)."""
-    VEC: gl.constexpr = 16 if N * T >= 512 else N * T // 32
-    L: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // (N // VEC), N // VEC], [1, 1], [1, 0])
+def _copy_rows(ring, stage, base, stride, head_stride, heads, live, off, N: gl.constexpr, HEADS: gl.constexpr):
+    """Start copying one plane of the tile's T rows of codes from ``base`` into ring[stage] (cp.async): N bytes a
+    row, N / HEADS of each of the program's kv heads (``head_stride`` apart) from byte ``off`` of the head; heads
+    from ``heads`` on and rows from ``live`` on: zeros."""
+    L: gl.constexpr = copy_layout(N, HEADS)
     t = gl.arange(0, T, layout=gl.SliceLayout(1, L))
     c = gl.arange(0, N, layout=gl.SliceLayout(0, L))
-    _async_load(ring.index(stage), base + t[:, None] * stride + off + c[None, :],
-                mask=(t < live)[:, None] & (c >= 0)[None, :])
+    if HEADS == 1:
+        col = off + c
+        mask = (t < live)[:, None] & (c >= 0)[None, :]
+    else:
+        PN: gl.constexpr = N // HEADS
+        col = (c // PN) * head_stride + off + c % PN
+        mask = (t < live)[:, None] & (c // PN < heads)[None, :]
+    _async_load(ring.index(stage), base + t[:, None] * stride + col[None, :], mask=mask)
 
 
 @gluon.jit
-def _copy_side(ring, ring1, stage, base, stride, live, E: gl.constexpr, BITS: gl.constexpr):
+def _copy_side(ring, ring1, stage, base, stride, head_stride, heads, live, E: gl.constexpr, EH: gl.constexpr,
+               BITS: gl.constexpr):
     """Start copying one side's codes of a tile (its planes: the 4-bit row, or the 2-bit plane and at 3 bits the
-    1-bit one) into stage ``stage`` of its rings."""
+    1-bit one, which follows it in each head) into stage ``stage`` of its rings."""
     if BITS == 4:
-        _copy_rows(ring, stage, base, stride, live, 0, E // 2)
+        _copy_rows(ring, stage, base, stride, head_stride, heads, live, 0, E // 2, E // EH)
     else:
-        _copy_rows(ring, stage, base, stride, live, 0, E // 4)
+        _copy_rows(ring, stage, base, stride, head_stride, heads, live, 0, E // 4, E // EH)
         if BITS == 3:
-            _copy_rows(ring1, stage, base, stride, live, E // 4, E // 8)
+            _copy_rows(ring1, stage, base, stride, head_stride, heads, live, EH // 4, E // 8, E // EH)
 
 
 @gluon.jit
-def _copy_tile(k_ring, k_ring1, v_ring, v_ring1, stage, kbase, k_t, vbase, v_t, live, E: gl.constexpr,
-               KBITS: gl.constexpr, VBITS: gl.constexpr):
+def _copy_tile(k_ring, k_ring1, v_ring, v_ring1, stage, kbase, k_t, k_h, vbase, v_t, v_h, heads, live,
+               E: gl.constexpr, EH: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr):
     """Start copying a tile's key and value codes into stage ``stage`` of the rings."""
-    _copy_side(k_ring, k_ring1, stage, kbase, k_t, live, E, KBITS)
-    _copy_side(v_ring, v_ring1, stage, vbase, v_t, live, E, VBITS)
+    _copy_side(k_ring, k_ring1, stage, kbase, k_t, k_h, heads, live, E, EH, KBITS)
+    _copy_side(v_ring, v_ring1, stage, vbase, v_t, v_h, heads, live, E, EH, VBITS)
+
+
+@gluon.constexpr_function
+def key_plane_layout(cb, hbit):
+    """Layout of a tile's (T, 8 cb) plane of key codes (cb bytes a 16-channel chunk) loaded for both rotary halves:
+    lane (g8, q) holds tokens g8 and g8 + 8 of the two chunks whose bits other than ``hbit`` spell q, so that each
+    half split off along chunk bit ``hbit`` (``_halves``) is KB4 / KB2 / KB1."""
+    others = [b for b in range(3) if b != hbit]
+    regs = [[0, 1 << i] for i in range(cb.bit_length() - 1)] + [[8, 0], [0, cb << hbit]]
+    lanes = [[0, cb << others[0]], [0, cb << others[1]], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(regs, lanes, [], [], [TILE, 8 * cb])
 
 
 @gluon.jit
-def _key_bytes(ring, ring1, stage, HALF: gl.constexpr, E: gl.constexpr, BITS: gl.constexpr):
-    """A tile's codes of rotary half HALF from stage ``stage`` of the rings, as each lane holds them: its 16 channels
-    of tokens g8 and g8 + 8 (8 bytes at 4 bits; 4 bytes of the 2-bit plane, and at 3 bits 2 of the 1-bit plane, else
-    a copy of the first)."""
-    HP: gl.constexpr = E // 2
+def _halves(x, CB: gl.constexpr, HBIT: gl.constexpr, KB: gl.constexpr):
+    """The rotary halves (chunk bit HBIT 0, 1) of a plane loaded in ``key_plane_layout``, each (T, 4 CB) in layout
+    KB: the relabelling moves no data (asserted)."""
+    HI: gl.constexpr = 4 >> HBIT
+    a, b = gl.split(gl.permute(gl.reshape(x, [T, HI, 2, CB << HBIT]), [0, 1, 3, 2]))
+    return (gl.convert_layout(gl.reshape(a, [T, 4 * CB]), KB, assert_trivial=True),
+            gl.convert_layout(gl.reshape(b, [T, 4 * CB]), KB, assert_trivial=True))
+
+
+@gluon.jit
+def _key_bytes(ring, ring1, stage, HBIT: gl.constexpr, E: gl.constexpr, BITS: gl.constexpr):
+    """A tile's key codes from stage ``stage`` of the rings as each lane holds them, for rotary halves a and b:
+    (wa, ha, wb, hb), its chunk of tokens g8 and g8 + 8 (8 bytes at 4 bits; 4 bytes of the 2-bit plane, and at 3
+    bits h: 2 of the 1-bit plane, else a copy of w)."""
     if BITS == 4:
-        w = ring.index(stage).slice(HALF * HP // 2, HP // 2, 1).load(KB4)
-        return w, w
+        wa, wb = _halves(ring.index(stage).load(key_plane_layout(E // 16, HBIT)), E // 16, HBIT, KB4)
+        return wa, wa, wb, wb
     else:
-        w = ring.index(stage).slice(HALF * HP // 4, HP // 4, 1).load(KB2)
+        wa, wb = _halves(ring.index(stage).load(key_plane_layout(E // 32, HBIT)), E // 32, HBIT, KB2)
         if BITS == 3:
-            return w, ring1.index(stage).slice(HALF * HP // 8, HP // 8, 1).load(KB1)
+            ha, hb = _halves(ring1.index(stage).load(key_plane_layout(E // 64, HBIT)), E // 64, HBIT, KB1)
+            return wa, ha, wb, hb
         else:
-            return w, w
+            return wa, wa, wb, wb
 
 
 @gluon.jit
@@ -298,43 +353,64 @@ def _softmax_step(m, l, st):
 
 
 @gluon.jit
-def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, out, ws, table, s_tab, sc, c_b, c_k,
+def _token_scales(ptr, rows, h0, kvh, live, colok, HEADS: gl.constexpr):
+    """A tile's per-token value scale (mid or half) of each column's kv head: (T, 1) with one head a program, else
+    (T, N)."""
+    if HEADS == 1:
+        return gl.load(ptr + rows + h0, mask=live, other=0.0).to(gl.float32)[:, None]
+    else:
+        return gl.load(ptr + rows[:, None] + kvh[None, :], mask=live[:, None] & colok[None, :],
+                       other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _decode_kernel(q, slots, lens, sinv, angles, rope, kscales, klut, vlut, out, ws, table, s_tab, sc, c_b, c_k,
                    kc, vc, vmid, vhalf, ksink, vsink, s_qb, s_qh, k_s, k_t, k_h, v_s, v_t, v_h, v_ms, v_mt, ks_s, ks_t,
-                   ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, scale,
-                   GROUP: gl.constexpr, E: gl.constexpr, S: gl.constexpr, BS: gl.constexpr,
-                   ONE_SPLIT: gl.constexpr, KSLOTS: gl.constexpr, VSLOTS: gl.constexpr, KBITS: gl.constexpr,
-                   VBITS: gl.constexpr, STAGES: gl.constexpr):
+                   ks_h, vs_s, vs_t, vs_h, s_ob, s_oh, w_b, w_h, w_p, w_e, splits, hkv, scale,
+                   GROUP: gl.constexpr, E: gl.constexpr, EH: gl.constexpr, HBIT: gl.constexpr, SU: gl.constexpr,
+                   S: gl.constexpr, BS: gl.constexpr, ONE_SPLIT: gl.constexpr, KSLOTS: gl.constexpr,
+                   VSLOTS: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr, STAGES: gl.constexpr):
     """BS > 0: a paged cache (blocks of BS tokens, a multiple of T: a tile is in one block, ``table`` (slots, M));
     the sinks are never paged. KSLOTS / VSLOTS: sparse outliers, whose passes (``kv_decode_fast.outlier_passes``)
     share the score buffer sc with this kernel: it adds the key pass's terms to its scores and leaves the scores
-    there for the value pass, as ``kv_decode_fast``'s decode does (offsets: ``kv_decode_fast._sc_token``)."""
+    there for the value pass, as ``kv_decode_fast``'s decode does (offsets: ``kv_decode_fast._sc_token``).
+    The codes' strides (k_s .. v_h) come in units of SU bytes (16, or 8 where a stride is not a multiple of 16: a
+    3-bit head of 64 channels is 24 bytes), which tells the compiler how far the copies' addresses are aligned.
+    ``sinv``: the inverse frequencies in slot order (0 where RoPE leaves a channel)."""
     HP: gl.constexpr = E // 2
+    HEADS: gl.constexpr = E // EH
+    PAIR: gl.constexpr = 16 << HBIT  # channels from a slot's channel in half a to its partner in half b
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
     A: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     i = gl.program_id(0)
-    hk = gl.program_id(1)
+    h0 = gl.program_id(1) * HEADS  # the program's first kv head
     sp = gl.program_id(2)
+    k_s, k_t, k_h = k_s * SU, k_t * SU, k_h * SU
+    v_s, v_t, v_h = v_s * SU, v_t * SU, v_h * SU
     slot = gl.load(slots + i).to(gl.int64)
     n = gl.load(lens + i).to(gl.int32)
     chunk = gl.cdiv(gl.cdiv(n, splits), T) * T
     lo = sp * chunk
     hi = gl.minimum(lo + chunk, n)
 
-    # the query group as B fragments (HP slots, 8 columns), pre-scaled (log2 units), float16
+    # the query groups as B fragments (HP slots, 8 columns: column c is query head h0 · GROUP + c, of kv head
+    # h0 + c // GROUP, zero on the other head's channels), pre-scaled (log2 units), float16
     kq = gl.arange(0, HP, layout=gl.SliceLayout(1, B))
     nq = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
-    qptr = q + i * s_qb + (hk * GROUP + nq[None, :]) * s_qh + key_channel(kq, KBITS)[:, None]
-    qmask = (nq < GROUP)[None, :] & (kq >= 0)[:, None]
+    cq = ring_channel(key_channel(kq, KBITS), 0, HBIT)
+    qptr = q + i * s_qb + (h0 * GROUP + nq[None, :]) * s_qh + (cq % EH)[:, None]
+    qmask = (((nq < HEADS * GROUP) & (h0 + nq // GROUP < hkv))[None, :]
+             & ((cq // EH)[:, None] == (nq // GROUP)[None, :]))
     qs = scale * 1.4426950408889634
     qa = (gl.load(qptr, mask=qmask, other=0.0).to(gl.float32) * qs).to(gl.float16)
-    qb = (gl.load(qptr + HP, mask=qmask, other=0.0).to(gl.float32) * qs).to(gl.float16)
+    qb = (gl.load(qptr + PAIR, mask=qmask, other=0.0).to(gl.float32) * qs).to(gl.float16)
     # loop-invariant A-fragment tables: cos / sin of j θ (``rope_table``), the key scales (``key_scale_table``)
     jA = gl.arange(0, T, layout=gl.SliceLayout(1, A))
     kA = gl.arange(0, HP, layout=gl.SliceLayout(0, A))
     cj = gl.load(rope + jA[:, None] * HP + kA[None, :])
     sj = gl.load(rope + T * HP + jA[:, None] * HP + kA[None, :])
-    ksc = kscales + hk * 4 * HP + kA
+    ksc = kscales + gl.program_id(1) * 4 * HP + kA
     ma = gl.load(ksc)[None, :]
     ha = gl.load(ksc + HP)[None, :]
     mb = gl.load(ksc + 2 * HP)[None, :]
@@ -348,22 +424,25 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     acc = gl.zeros([E, 8], gl.float32, MMA)
     tS = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
     nS = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    kvh = h0 + nS // GROUP  # each column's kv head
+    colok = (nS < HEADS * GROUP) & (kvh < hkv)
     if S > 0:
         if sp == 0:  # the float sink tokens, positions [0, S), one tile: keys rotated by their own positions
             ns = gl.minimum(n, S)
-            ck = key_channel(kA, KBITS)
-            kp = ksink + slot * ks_s + jA[:, None] * ks_t + hk * ks_h + ck[None, :]
-            km = (jA < ns)[:, None] & (kA >= 0)[None, :]
+            ck = ring_channel(key_channel(kA, KBITS), 0, HBIT)
+            kp = ksink + slot * ks_s + jA[:, None] * ks_t + ((h0 + ck // EH) * ks_h + ck % EH)[None, :]
+            km = (jA < ns)[:, None] & (h0 + ck // EH < hkv)[None, :]
             ka = gl.load(kp, mask=km, other=0.0).to(gl.float32)
-            kb = gl.load(kp + HP, mask=km, other=0.0).to(gl.float32)
-            cs, sn = _cos_sin(jA.to(gl.float32)[:, None] * gl.load(inv_freq + ck)[None, :])
+            kb = gl.load(kp + PAIR, mask=km, other=0.0).to(gl.float32)
+            cs, sn = _cos_sin(jA.to(gl.float32)[:, None] * gl.load(sinv + kA)[None, :])
             st = mma_v2((ka * cs - kb * sn).to(gl.float16), qa, gl.zeros([T, 8], gl.float32, MMA))
             st = mma_v2((kb * cs + ka * sn).to(gl.float16), qb, st)
             m, l, p, alpha = _softmax_step(m, l, gl.where((tS < ns)[:, None], st, float("-inf")))
             tA = gl.arange(0, T, layout=gl.SliceLayout(0, A))
-            mA = gl.arange(0, E, layout=gl.SliceLayout(1, A))
-            vp = vsink + slot * vs_s + tA[None, :] * vs_t + hk * vs_h + value_channel(mA)[:, None]
-            vt = gl.load(vp, mask=(tA < ns)[None, :] & (mA >= 0)[:, None], other=0.0).to(gl.float16)
+            cv = value_channel(gl.arange(0, E, layout=gl.SliceLayout(1, A)))
+            vp = vsink + slot * vs_s + tA[None, :] * vs_t + ((h0 + cv // EH) * vs_h + cv % EH)[:, None]
+            vm = (tA < ns)[None, :] & (h0 + cv // EH < hkv)[:, None]
+            vt = gl.load(vp, mask=vm, other=0.0).to(gl.float16)
             acc = mma_v2(vt, gl.convert_layout(p.to(gl.float16), B), acc)
 
     row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
@@ -377,10 +456,12 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
     v_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, T, VN], SH)
     k_ring1 = gl.allocate_shared_memory(gl.uint8, [STAGES, T, E // 8], SH)  # the 1-bit planes (3 bits; else unused)
     v_ring1 = gl.allocate_shared_memory(gl.uint8, [STAGES, T, E // 8], SH)
+    kbase = kc + h0 * k_h
+    vbase = vc + h0 * v_h
     for j in gl.static_range(STAGES - 1):
         pj, tj = _tile_place(table, s_tab, slot, lo + j * T, hi, BS)
-        _copy_tile(k_ring, k_ring1, v_ring, v_ring1, j, kc + pj * k_s + hk * k_h + tj * k_t, k_t,
-                   vc + pj * v_s + hk * v_h + tj * v_t, v_t, hi - lo - j * T, E, KBITS, VBITS)
+        _copy_tile(k_ring, k_ring1, v_ring, v_ring1, j, kbase + pj * k_s + tj * k_t, k_t, k_h,
+                   vbase + pj * v_s + tj * v_t, v_t, v_h, hkv - h0, hi - lo - j * T, E, EH, KBITS, VBITS)
         async_copy.commit_group()
     for start in range(lo, hi, T):
         pb, t0 = _tile_place(table, s_tab, slot, start, hi, BS)
@@ -392,17 +473,16 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
         # this tile's copy done, and (the barrier: one warp) every lane's; the stage refilled next was read by all
         async_copy.wait_group(STAGES - 2)
         _barrier()
-        _copy_tile(k_ring, k_ring1, v_ring, v_ring1, (it + STAGES - 1) % STAGES, kc + pn * k_s + hk * k_h + tn * k_t,
-                   k_t, vc + pn * v_s + hk * v_h + tn * v_t, v_t, hi - nxt, E, KBITS, VBITS)
+        _copy_tile(k_ring, k_ring1, v_ring, v_ring1, (it + STAGES - 1) % STAGES, kbase + pn * k_s + tn * k_t, k_t,
+                   k_h, vbase + pn * v_s + tn * v_t, v_t, v_h, hkv - h0, hi - nxt, E, EH, KBITS, VBITS)
         async_copy.commit_group()
-        wa, wa1 = _key_bytes(k_ring, k_ring1, it % STAGES, 0, E, KBITS)
-        wb, wb1 = _key_bytes(k_ring, k_ring1, it % STAGES, 1, E, KBITS)
+        wa, wa1, wb, wb1 = _key_bytes(k_ring, k_ring1, it % STAGES, HBIT, E, KBITS)
         wv, wv1 = _value_bytes(v_ring, v_ring1, it % STAGES, E, VBITS)
         ts = start + tS
         live = (ts < hi) & (ts >= S)
-        sv = pb * v_ms + (t0 + tS) * v_mt + hk
-        mv = gl.load(vmid + sv, mask=live, other=0.0).to(gl.float32)
-        hv = gl.load(vhalf + sv, mask=live, other=0.0).to(gl.float32)
+        rows = pb * v_ms + (t0 + tS) * v_mt
+        mv = _token_scales(vmid, rows, h0, kvh, live, colok, HEADS)
+        hv = _token_scales(vhalf, rows, h0, kvh, live, colok, HEADS)
         # keys: mid + half · B, then turned by j θ, all float16 (HFMA2)
         xa = ma + ha * _key_operand(wa, wa1, k0, k1, k2, k3, k4, k5, k6, k7, HP, A, KBITS)
         xb = mb + hb * _key_operand(wb, wb1, k0, k1, k2, k3, k4, k5, k6, k7, HP, A, KBITS)
@@ -416,49 +496,67 @@ def _decode_kernel(q, slots, lens, inv_freq, angles, rope, kscales, klut, vlut, 
         st = mma_v2(ra, ua, gl.zeros([T, 8], gl.float32, MMA))
         st = mma_v2(rb, ub, st)
         if KSLOTS or VSLOTS:  # a token's GROUP terms together: (i or its block, kv head, position, query head)
-            cs = sc + row_sc * c_b + hk * c_k + (t0 + tS)[:, None] * GROUP + nS[None, :]
-            cm = live[:, None] & (nS < GROUP)[None, :]
+            cs = sc + row_sc * c_b + (t0 + tS)[:, None] * GROUP + (kvh * c_k + nS % GROUP)[None, :]
+            cm = live[:, None] & colok[None, :]
             if KSLOTS:
                 st += gl.load(cs, mask=cm, other=0.0)
             if VSLOTS:
                 gl.store(cs, st, mask=cm)
         m, l, p, alpha = _softmax_step(m, l, gl.where(live[:, None], st, float("-inf")))
-        lm = lm * alpha + gl.sum(p * mv[:, None], 0)
-        pv = gl.convert_layout((p * hv[:, None]).to(gl.float16), B)
+        lm = lm * alpha + gl.sum(p * mv, 0)
+        pv = gl.convert_layout((p * hv).to(gl.float16), B)
         acc = mma_v2(_value_operand(wv, wv1, v0, v1, v2, v3, v4, v5, v6, v7, E, A, VBITS), pv,
                      acc * alpha[None, :])
 
     async_copy.wait_group(0)  # no copy outlives the program (a split past its row's end issued some)
     mo = gl.arange(0, E, layout=gl.SliceLayout(1, MMA))
     no = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    channel = value_channel(mo)
-    heads = hk * GROUP + no
-    rmask = no < GROUP
+    cv = value_channel(mo)  # row mo's channel among the E: channel cv % EH of the program's head cv // EH
+    channel = cv % EH
+    heads = h0 * GROUP + no
+    rmask = (no < HEADS * GROUP) & (h0 + no // GROUP < hkv)
     o = acc + lm[None, :]
-    omask = rmask[None, :] & (mo >= 0)[:, None]
+    omask = rmask[None, :] & ((cv // EH)[:, None] == (no // GROUP)[None, :])  # a head's rows of its own columns
     if ONE_SPLIT:
         gl.store(out + i * s_ob + heads[None, :] * s_oh + channel[:, None], o / l[None, :], mask=omask)
     else:
         dst = ws + i * w_b + heads * w_h + sp * w_p
         gl.store(dst[None, :] + channel[:, None] * w_e, o, mask=omask)
-        gl.store(dst + E * w_e, m, mask=rmask)
-        gl.store(dst + (E + 1) * w_e, l, mask=rmask)
+        gl.store(dst + EH * w_e, m, mask=rmask)
+        gl.store(dst + (EH + 1) * w_e, l, mask=rmask)
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int, group: int, paged_block: int = 0) -> bool:
     """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``. Codebooks of exactly 2^bits
     entries: the lookups' tables hold 16 / 8 / 4 and a code indexes them unmasked (codes of fewer levels, as
-    ``kv-int4-pth``'s 15 or int3's 7, keep ``kv_decode_fast``, which masks them)."""
+    ``kv-int4-pth``'s 15 or int3's 7, keep ``kv_decode_fast``, which masks them). Head dim 64 puts two kv heads'
+    query groups in the 8 columns: at most 4 query heads a kv head."""
     e = k.sink.shape[-1]
-    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and not k.per_token and v.per_token and e == E_SERVED
-            and rotary_dim == e and k.sink.shape[1] <= TILE and group <= 8 and k.codebook.numel() == 2 ** k.bits
+    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and not k.per_token and v.per_token and e in (64, 128)
+            and rotary_dim in (0, 32, 64, 128) and rotary_dim <= e and k.sink.shape[1] <= TILE
+            and group * (E_SERVED // e) <= 8 and k.codebook.numel() == 2 ** k.bits
             and v.codebook.numel() == 2 ** v.bits and paged_block % TILE == 0)
+
+
+def rotary_bit(head_dim: int, rotary_dim: int) -> int:
+    """The chunk bit that tells the rotary halves apart (HBIT, module docstring): log2(r / 32), or without RoPE
+    log2(e / 32) (any pairing within a head)."""
+    return (rotary_dim or head_dim).bit_length() - 6
+
+
+def constexprs(group: int, head_dim: int, rotary_dim: int, sink: int, paged_block: int, one_split: bool,
+               key_slots: bool, value_slots: bool, key_bits: int, value_bits: int, stride_unit: int) -> dict:
+    """``_decode_kernel``'s compile-time arguments for a launch (``quant_kv_decode``, the compile test and
+    ``benchmarks/sass_kv_decode.py`` build the same kernel)."""
+    return dict(GROUP=group, E=E_SERVED, EH=head_dim, HBIT=rotary_bit(head_dim, rotary_dim), SU=stride_unit, S=sink,
+                BS=paged_block, ONE_SPLIT=one_split, KSLOTS=key_slots, VSLOTS=value_slots, KBITS=key_bits,
+                VBITS=value_bits, STAGES=STAGES)
 
 
 def compile_signature() -> tuple[dict, list]:
     """(pointer types, strides given as multiples of 16) of ``_decode_kernel`` as a launch specializes it on the
     bench's shapes: for ``ssmq.kernels.build.compile_sm90`` (the compile test, ``benchmarks/sass_kv_decode.py``)."""
-    pointers = dict(q="fp16", slots="i64", lens="i32", inv_freq="fp32", angles="fp16", rope="fp16", kscales="fp16",
+    pointers = dict(q="fp16", slots="i64", lens="i32", sinv="fp32", angles="fp16", rope="fp16", kscales="fp16",
                     klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
                     vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
     strides = [a for a in _decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
@@ -466,52 +564,83 @@ def compile_signature() -> tuple[dict, list]:
     return pointers, strides
 
 
-def _slot_angles(positions: torch.Tensor, rotary_dim: int, theta: float, bits: int) -> torch.Tensor:
-    """(len(positions), r/2) float64 angles t θ_c of the positions, columns in the key slot order of ``bits``-bit
-    codes (``key_channel``)."""
-    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    return positions.double()[:, None] * inv[key_channel.fn(torch.arange(rotary_dim // 2), bits)][None, :]
+def slot_channels(head_dim: int, rotary_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head, channel) of the key slots of rotary half a, (HP,) each: the program's kv head (0 or 1) and the
+    channel in it; slot k of half b holds channel + 16 · 2^HBIT of the same head (r / 2: its rotary partner)."""
+    ring = ring_channel.fn(key_channel.fn(torch.arange(E_SERVED // 2), bits), 0, rotary_bit(head_dim, rotary_dim))
+    return ring // head_dim, ring % head_dim
+
+
+def slot_inv_freq(head_dim: int, rotary_dim: int, theta: float, bits: int) -> torch.Tensor:
+    """(HP,) float64 inverse frequencies θ^(-2c / r) of the key slots (half a's channel c), 0 where RoPE leaves the
+    channel (c ≥ r / 2, or no RoPE)."""
+    c = slot_channels(head_dim, rotary_dim, bits)[1].double()
+    if not rotary_dim:
+        return torch.zeros_like(c)
+    return torch.where(c < rotary_dim // 2, 1.0 / theta ** (2 * c / rotary_dim), 0.0)
+
+
+def _slot_angles(positions: torch.Tensor, head_dim: int, rotary_dim: int, theta: float, bits: int) -> torch.Tensor:
+    """(len(positions), HP) float64 angles t θ_c of the positions, columns in key slot order."""
+    return positions.double()[:, None] * slot_inv_freq(head_dim, rotary_dim, theta, bits)[None, :]
 
 
 @functools.lru_cache(maxsize=16)
-def rope_table(rotary_dim: int, theta: float, bits: int, device: torch.device) -> torch.Tensor:
-    """(2, T, r/2) float16: cos, sin of j θ_c for the within-tile positions j, columns in slot order (float64 on the
+def rope_table(head_dim: int, rotary_dim: int, theta: float, bits: int, device: torch.device) -> torch.Tensor:
+    """(2, T, HP) float16: cos, sin of j θ_c for the within-tile positions j, columns in slot order (float64 on the
     host, then rounded)."""
-    a = _slot_angles(torch.arange(TILE), rotary_dim, theta, bits)
+    a = _slot_angles(torch.arange(TILE), head_dim, rotary_dim, theta, bits)
     return torch.stack([a.cos(), a.sin()]).half().contiguous().to(device)
 
 
 @functools.lru_cache(maxsize=16)
-def tile_angles(capacity: int, rotary_dim: int, theta: float, bits: int, device: torch.device) -> torch.Tensor:
-    """(ceil(capacity / T), r) float16: cos (first r/2 columns) and sin of t0 θ_c for the tiles' first positions t0,
+def tile_angles(capacity: int, head_dim: int, rotary_dim: int, theta: float, bits: int,
+                device: torch.device) -> torch.Tensor:
+    """(ceil(capacity / T), 2 HP) float16: cos (first HP columns) and sin of t0 θ_c for the tiles' first positions t0,
     columns in slot order (float64 on the host, then rounded; 4 MB at 128K tokens, read from L2)."""
-    a = _slot_angles(torch.arange(0, capacity, TILE), rotary_dim, theta, bits)
+    a = _slot_angles(torch.arange(0, capacity, TILE), head_dim, rotary_dim, theta, bits)
     return torch.cat([a.cos(), a.sin()], 1).half().contiguous().to(device)
 
 
-def key_scale_table(k: KVSideView) -> torch.Tensor:
-    """(hkv, 4, r/2) float16: mid_a, half_a, mid_b, half_b of the per-channel key scales in slot order (each side's
-    constant; cached on the view's scales)."""
-    cached = _SCALES.get(id(k.mid))
+@functools.lru_cache(maxsize=16)
+def _slot_inv_freq_on(head_dim: int, rotary_dim: int, theta: float, bits: int, device: torch.device) -> torch.Tensor:
+    return slot_inv_freq(head_dim, rotary_dim, theta, bits).float().to(device)
+
+
+def key_scale_table(k: KVSideView, rotary_dim: int) -> torch.Tensor:
+    """(programs, 4, HP) float16: mid_a, half_a, mid_b, half_b of the per-channel key scales in slot order, a
+    program's HEADS kv heads side by side (zeros for a missing last head; each side's constant: cached on the view's
+    scales)."""
+    cached = _SCALES.get((id(k.mid), rotary_dim))
     if cached is not None and cached[0] is k.mid:
         return cached[1]
-    hp = k.mid.shape[1] // 2
-    ch = key_channel.fn(torch.arange(hp, device=k.mid.device), k.bits)
-    table = torch.stack([k.mid[:, ch], k.half[:, ch], k.mid[:, hp + ch], k.half[:, hp + ch]], 1).half().contiguous()
+    hkv, e = k.mid.shape
+    heads = E_SERVED // e
+    head, ch = (x.to(k.mid.device) for x in slot_channels(e, rotary_dim, k.bits))
+    kv = (torch.arange(-(-hkv // heads), device=k.mid.device)[:, None] * heads + head).clamp(max=hkv)
+    mid, half = (torch.cat([x, x.new_zeros(1, e)]) for x in (k.mid, k.half))  # row hkv: the missing head
+    pb = ch + (16 << rotary_bit(e, rotary_dim))
+    table = torch.stack([mid[kv, ch], half[kv, ch], mid[kv, pb], half[kv, pb]], 1).half().contiguous()
     if len(_SCALES) > 256:
         _SCALES.clear()
-    _SCALES[id(k.mid)] = (k.mid, table)  # the reference keeps the id from being reused while cached
+    _SCALES[(id(k.mid), rotary_dim)] = (k.mid, table)  # the reference keeps the id from being reused while cached
     return table
 
 
 _SCALES: dict = {}
 
 
+def programs(hkv: int, head_dim: int) -> int:
+    """Programs a row (and split): one a kv head at head dim 128, one a pair of them at 64."""
+    return -(-hkv // (E_SERVED // head_dim))
+
+
 def default_splits(b: int, hkv: int, capacity: int, device: torch.device) -> int:
     """Splits filling whole rounds of RESIDENT programs an SM (under a MAXNREG cap: the programs it allows), at most
-    one per MIN_TILES tiles of the capacity. Up to WIDEST splits when a round is not a multiple of the b · hkv
-    (row, kv head) pairs: there a few more splits can fill the last round (113 rows x 8 kv heads, 1056 resident
-    programs: 2 splits are 1.71 rounds run as 2, 7 are 5.99)."""
+    one per MIN_TILES tiles of the capacity. ``hkv``: the programs a row (kv heads, or head pairs at head dim 64).
+    Up to WIDEST splits when a round is not a multiple of the b · hkv (row, program) pairs: there a few more splits
+    can fill the last round (113 rows x 8 kv heads, 1056 resident programs: 2 splits are 1.71 rounds run as 2, 7 are
+    5.99)."""
     resident = resident_programs(MAXNREG, 1) if MAXNREG else RESIDENT  # as ``kv_decode._launch`` derives it
     slots = resident * _sm_count(device)
     fill = triton.cdiv(ROUNDS * slots, b * hkv)
@@ -529,27 +658,32 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     (table, s_tab), bs, capacity = paging(block_table, slots, k.codes)
     if not eligible(k, v, rotary_dim, hq // hkv, bs):
         raise SSMQError("the warp KV decode kernel serves 2-, 3- and 4-bit per-channel keys and per-token values "
-                        "(codebooks of 2^bits entries), "
-                        f"head dim {E_SERVED} with full RoPE, at most {TILE} sink tokens and 8 query heads a "
-                        f"kv head and blocks of whole {TILE}-token tiles; use ssmq.kernels.kv_decode_fast")
+                        "(codebooks of 2^bits entries), head dim 128 or 64 with RoPE on 0, 32, 64 or 128 channels, "
+                        f"at most {TILE} sink tokens, 8 query heads a kv head (4 at head dim 64) and blocks of whole "
+                        f"{TILE}-token tiles; use ssmq.kernels.kv_decode_fast")
     assert q.stride(-1) == 1 and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
+    code_strides = (*k.codes.stride()[:3], *v.codes.stride()[:3])
+    su = 16 if all(x % 16 == 0 for x in code_strides) else 8
+    assert all(x % su == 0 for x in code_strides), code_strides  # whole 8-byte heads: eligible's widths
     sc, (c_b, c_k), value_outliers = outlier_passes(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
                                                     block_table)
-    splits = splits or default_splits(b, hkv, capacity, q.device)
+    grid = (b, programs(hkv, e))
+    splits = splits or default_splits(*grid, capacity, q.device)
     if value_outliers:  # the value pass adds into the splits' outputs: at least two
         splits = max(splits, 2)
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     out, ws = split_outputs(b, hq, e, splits, q.device)
-    kc, vc, ks, vs = k.codes, v.codes, k.sink, v.sink
-    _decode_kernel[(b, hkv, splits)](
-        q, slots, kv_lens, _inv_freq(rotary_dim, theta, q.device),
-        tile_angles(capacity, rotary_dim, theta, k.bits, q.device), rope_table(rotary_dim, theta, k.bits, q.device),
-        key_scale_table(k), k.codebook.float().contiguous(), v.codebook.float().contiguous(), out, ws, table, s_tab,
-        sc, c_b, c_k, kc, vc, v.mid, v.half, ks, vs, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1),
-        kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), v.mid.stride(0), v.mid.stride(1), ks.stride(0),
-        ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1), vs.stride(2), out.stride(0), out.stride(1),
-        *ws.stride(), splits, scale, GROUP=hq // hkv, E=e, S=k.sink.shape[1], BS=bs, ONE_SPLIT=splits == 1,
-        KSLOTS=k.out_idx.shape[-1] > 0, VSLOTS=v.out_idx.shape[-1] > 0, KBITS=k.bits, VBITS=v.bits, STAGES=STAGES,
+    ks, vs = k.sink, v.sink
+    _decode_kernel[(*grid, splits)](
+        q, slots, kv_lens, _slot_inv_freq_on(e, rotary_dim, theta, k.bits, q.device),
+        tile_angles(capacity, e, rotary_dim, theta, k.bits, q.device),
+        rope_table(e, rotary_dim, theta, k.bits, q.device), key_scale_table(k, rotary_dim),
+        k.codebook.float().contiguous(), v.codebook.float().contiguous(), out, ws, table, s_tab, sc, c_b, c_k,
+        k.codes, v.codes, v.mid, v.half, ks, vs, q.stride(0), q.stride(1), *(x // su for x in code_strides),
+        v.mid.stride(0), v.mid.stride(1), ks.stride(0), ks.stride(1), ks.stride(2), vs.stride(0), vs.stride(1),
+        vs.stride(2), out.stride(0), out.stride(1), *ws.stride(), splits, hkv, scale,
+        **constexprs(hq // hkv, e, rotary_dim, k.sink.shape[1], bs, splits == 1, k.out_idx.shape[-1] > 0,
+                     v.out_idx.shape[-1] > 0, k.bits, v.bits, su),
         num_warps=1, **({"maxnreg": MAXNREG} if MAXNREG else {}))
     if value_outliers:
         value_outliers(ws, splits)
