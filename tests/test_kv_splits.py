@@ -104,3 +104,45 @@ def test_register_cap_sets_the_programs_an_sm_and_the_splits(monkeypatch):
     # round of 512; 3 (396 slots): 6 splits, one round of 384; per-token keys uncapped, RESIDENT 2 (264 slots): 8
     # splits, two rounds of 256
     assert splits == [9, 8, 6, 8]
+
+
+def test_combine_tiling_widens_the_grid_of_few_heads(monkeypatch):
+    """One row of few heads (SmolLM2's 9 at head dim 64, 528 splits) takes 4-channel blocks (48 programs, not 12)
+    and 128 splits a loop step; a grid already of two programs an SM keeps 16 channels; a step's tile is 2048
+    elements, never more splits than the launch has."""
+    import torch
+
+    from ssmq.kernels import kv_decode
+
+    monkeypatch.setattr(kv_decode, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert kv_decode.combine_tiling(1, 9, 64, 528, cpu) == (4, 4, 128)
+    assert kv_decode.combine_tiling(1, 32, 128, 132, cpu) == (4, 4, 128)
+    assert kv_decode.combine_tiling(8, 32, 128, 33, cpu) == (4, 16, 32)
+    assert kv_decode.combine_tiling(1, 2, 64, 3, cpu) == (2, 4, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, hq, e, splits", [(1, 9, 64, 37), (2, 6, 32, 5), (1, 3, 16, 130)])
+@pytest.mark.parametrize("tiling", [None, (4, 16, 32), (2, 4, 8)])
+def test_combine_equals_the_softmax_merge(b, hq, e, splits, tiling):
+    """The combine (any tiling) merges the splits' (acc, m, l) as the log2-softmax algebra says: Σ 2^m acc / Σ 2^m l
+    (empty splits, m = -inf, weigh nothing)."""
+    import torch
+    from test_kernels import DEV, kernel_module
+
+    kd = kernel_module("kv_decode")
+    if tiling and (tiling[0] > hq or tiling[1] > e):
+        pytest.skip("tiling wider than the shape")
+    gen = torch.Generator().manual_seed(0)
+    out, ws = kd.split_outputs(b, hq, e, splits, DEV)
+    acc = torch.randn(b, hq, splits, e, generator=gen)
+    m = torch.randn(b, hq, splits, generator=gen) * 4
+    m[:, :, 1] = float("-inf")  # an empty split
+    l = torch.rand(b, hq, splits, generator=gen) + 0.5
+    ws[..., :e] = acc.to(DEV)
+    ws[..., e] = m.to(DEV)
+    ws[..., e + 1] = l.to(DEV)
+    w = torch.exp2(m - m.max(-1, keepdim=True).values)
+    want = (w[..., None] * acc).sum(2) / (w * l).sum(2)[..., None]
+    torch.testing.assert_close(kd.combine_splits(out, ws, splits, tiling).cpu(), want, rtol=1e-5, atol=1e-5)

@@ -504,15 +504,28 @@ def split_outputs(b: int, hq: int, e: int, splits: int, device) -> tuple[torch.T
     return out, ws
 
 
-def combine_splits(out: torch.Tensor, ws: torch.Tensor, splits: int) -> torch.Tensor:
-    """out from the splits' outputs in ws (``_combine_kernel``; nothing to do for one split)."""
+def combine_tiling(b: int, hq: int, e: int, splits: int, device: torch.device) -> tuple[int, int, int]:
+    """(HB heads, EB channels, PC splits) a ``_combine_kernel`` program and loop step takes. Each program's loop over
+    the splits is latency-bound, so a grid of few programs (one row, few heads: SmolLM2's 9 at head dim 64, 528
+    splits, 12 programs) takes narrower channel blocks, down to 4, for at least two programs an SM, and every
+    program steps over as many splits as a 2048-element tile holds (a step's loads in flight together)."""
+    hb = min(4, triton.next_power_of_2(hq))
+    eb = min(16, e)
+    while eb > 4 and b * triton.cdiv(hq, hb) * (e // eb) < 2 * _sm_count(device):
+        eb //= 2
+    return hb, eb, min(triton.next_power_of_2(splits), 2048 // (hb * eb))
+
+
+def combine_splits(out: torch.Tensor, ws: torch.Tensor, splits: int, tiling: tuple[int, int, int] | None = None
+                   ) -> torch.Tensor:
+    """out from the splits' outputs in ws (``_combine_kernel``; nothing to do for one split); ``tiling`` overrides
+    ``combine_tiling`` (the sweep)."""
     b, hq, e = out.shape
     if splits > 1:
-        hb = min(4, triton.next_power_of_2(hq))
-        eb = min(16, e)
+        hb, eb, pc = tiling or combine_tiling(b, hq, e, splits, out.device)
         _combine_kernel[(b, triton.cdiv(hq, hb), e // eb)](ws, out, splits, hq, *ws.stride(), out.stride(0),
                                                            out.stride(1), E=e, PS=triton.next_power_of_2(splits),
-                                                           HB=hb, EB=eb, PC=32)
+                                                           HB=hb, EB=eb, PC=pc)
     return out
 
 
