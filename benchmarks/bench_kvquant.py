@@ -1,7 +1,9 @@
 """KVQuant decode kernels vs our FP16 attention decode (one GPU), 4K-128K tokens of context.
 
-Shape: a hybrid's attention layer (Bamba-9B / Nemotron-H-8B style: 32 query heads, 8 KV heads, head dim 128,
-full RoPE on keys cached before it), batch 1 (and --batch), one new token per row. Rows per context length:
+Shape (--shape): a hybrid's attention layer (8b, the default: Bamba-9B / Nemotron-H-8B style, 32 query heads, 8 KV
+heads, head dim 128, full RoPE on keys cached before it), SmolLM2-135M's (smollm2: 9 / 3 x 64, full RoPE) or our
+trained hybrid's (hybrid: 6 / 2 x 64, RoPE on 32 channels); batch 1 (and --batch), one new token per row. Rows per
+context length:
     fp16 ours        ``kernels.kv_decode.float_kv_decode``: the first-generation kernel's float path over the fp16
                      cache (keys post-RoPE; float32-exact 3xTF32 products): the models' float16 decode until session 30
     fp16 fast        ``kernels.kv_decode_fast.float_kv_decode``: the fast kernel's float path (float16 tensor-core
@@ -23,7 +25,8 @@ H200 4.8). The first length's rows also record the kernels' max |error| against 
 ``attention_ref``. JSON and PNG to --out. --cfg overrides
 ``kernels.kv_decode_fast.CFG`` (launch settings; --sweep times several).
 
-    python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1] [--cfg num_warps=4,...]
+    python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1] [--shape 8b|smollm2|hybrid]
+        [--cfg num_warps=4,...]
         [--sweep "GP_MIN=8;SPARSE_SLOTS=256" --sweep-lengths 16384,131072 --sweep-bits 4,3,2]
 """
 
@@ -44,10 +47,22 @@ from plotting import log_axes, pyplot  # noqa: E402
 from ssmq.ops.attention import attention_ref  # noqa: E402
 from ssmq.ops.kv_quant import KVSideView, order_slots, outlier_codes, pack_codes, quant_kv_decode_ref  # noqa: E402
 
-HQ, HKV, E = 32, 8, 128
-ONE_PCT = (2 * round(0.01 * HKV * E), round(0.01 * HKV * E))  # key / value outlier slots of 1% (KVQuantizer's)
-QUANT_ROWS = [(f"kvquant {bits}-bit{' 1%' if o else ''}", bits, ONE_PCT if o else (0, 0))
-              for bits in (4, 3, 2) for o in (False, True)]
+SHAPES = {"8b": (32, 8, 128, 128), "smollm2": (9, 3, 64, 64), "hybrid": (6, 2, 64, 32)}  # hq, hkv, e, rotary dim
+
+
+def set_shape(name: str) -> None:
+    """The attention shape the rows run at (module globals, as --device's DEV): heads, head dim, rotary dim, and
+    the 1% outlier slots of hkv x e channels (``KVQuantizer.outlier_slots``: 2 x 1% for keys, 1% for values)."""
+    global HQ, HKV, E, R, ONE_PCT, QUANT_ROWS
+    if name not in SHAPES:
+        raise SystemExit(f"bench_kvquant: unknown --shape {name!r}; one of {', '.join(SHAPES)}")
+    HQ, HKV, E, R = SHAPES[name]
+    ONE_PCT = (2 * round(0.01 * HKV * E), round(0.01 * HKV * E))
+    QUANT_ROWS = [(f"kvquant {bits}-bit{' 1%' if o else ''}", bits, ONE_PCT if o else (0, 0))
+                  for bits in (4, 3, 2) for o in (False, True)]
+
+
+set_shape("8b")
 HBM_TBPS = {"H100": 3.35, "H200": 4.8}  # datasheet bandwidths (SXM), TB/s
 
 
@@ -173,13 +188,13 @@ def run(lengths: list[int], batch: int) -> list[dict]:
             K, V = quant_cache(batch, L, ko, vo, gen, bits)
             r[f"{label} KV MB"] = nbytes(K, V) / 1e6
             r[f"{label} limit ms"] = r[f"{label} KV MB"] / tbps / 1e3
-            r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
-            r[f"{label} first gen ms"] = timeit(lambda: kv_decode.quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+            r[f"{label} ms"] = timeit(lambda: quant_kv_decode(q, slots, lens, K, V, R, 10000.0))
+            r[f"{label} first gen ms"] = timeit(lambda: kv_decode.quant_kv_decode(q, slots, lens, K, V, R, 10000.0))
             # the Triton fast kernel on every row (the dispatch sends the formats kv_decode_warp serves there)
-            r[f"{label} fast ms"] = timeit(lambda: kv_decode_fast.quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+            r[f"{label} fast ms"] = timeit(lambda: kv_decode_fast.quant_kv_decode(q, slots, lens, K, V, R, 10000.0))
             if L == lengths[0]:
-                want = quant_kv_decode_ref(q.float(), slots, lens, K, V, E, 10000.0)
-                r[f"{label} max err"] = float((quant_kv_decode(q, slots, lens, K, V, E, 10000.0) - want).abs().max())
+                want = quant_kv_decode_ref(q.float(), slots, lens, K, V, R, 10000.0)
+                r[f"{label} max err"] = float((quant_kv_decode(q, slots, lens, K, V, R, 10000.0) - want).abs().max())
             del K, V
         torch.cuda.empty_cache()
         print(json.dumps(r), flush=True)
@@ -198,7 +213,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for key in ("fp16", "kvquant 4-bit", "kvquant 2-bit"):
         ax.plot(x, [r[f"{key} limit ms"] for r in rows], ls="--", label=f"{key} bytes at {rows[0]['tbps']} TB/s")
     log_axes(ax, "context (tokens)", "decode attention, ms (one layer)",
-             f"KV decode, {HQ} q / {HKV} kv heads x {E}, batch {rows[0]['batch']}", legend_size=10)
+             f"KV decode, {HQ} q / {HKV} kv heads x {E} (RoPE {R}), batch {rows[0]['batch']}", legend_size=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -229,7 +244,7 @@ def sweep(cfgs: list[str], lengths: list[int], batch: int, bits: tuple[int, ...]
         cases = [("fp16 fast", lambda: (k16, torch.randn_like(k16)), lambda K, V: kv_decode.float_kv_decode(
             q, slots, lens, K, V))]
         cases += [(label, lambda b=b, ko=ko, vo=vo: quant_cache(batch, L, ko, vo, gen, b),
-                   lambda K, V: quant_kv_decode(q, slots, lens, K, V, E, 10000.0))
+                   lambda K, V: quant_kv_decode(q, slots, lens, K, V, R, 10000.0))
                   for label, b, (ko, vo) in QUANT_ROWS if b in bits]
         for label, make, fn in cases:
             K, V = make()
@@ -256,6 +271,7 @@ def main():
     ap.add_argument("--out", default="out")
     ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--shape", default="8b", help=f"attention shape: {', '.join(SHAPES)}")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cfg", default="", help="kv_decode_fast.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,ROPE=direct")
     ap.add_argument("--sweep", default="", help="launch settings to time the kvquant rows under, ';'-separated "
@@ -265,6 +281,7 @@ def main():
     args = ap.parse_args()
     global DEV
     DEV = args.device
+    set_shape(args.shape)
     from ssmq.kernels import kv_decode, kv_decode_fast
 
     set_cfg(args.cfg)
@@ -274,11 +291,12 @@ def main():
     swept = sweep(["", *filter(None, args.sweep.split(";"))], [int(x) for x in args.sweep_lengths.split(",")],
                   args.batch, tuple(int(x) for x in args.sweep_bits.split(","))) if args.sweep else []
     meta = {"device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (Triton interpreter)",
-            "torch": torch.__version__, "shape": {"hq": HQ, "hkv": HKV, "e": E}, "cfg": kv_decode.CFG,
+            "torch": torch.__version__, "shape": {"name": args.shape, "hq": HQ, "hkv": HKV, "e": E, "rotary_dim": R},
+            "cfg": kv_decode.CFG,
             "fast_cfg": kv_decode_fast.CFG}
-    (out / f"kvquant_kernels_b{args.batch}.json").write_text(
-        json.dumps({"meta": meta, "rows": rows, "sweep": swept}, indent=2))
-    plot(rows, out / f"kvquant_kernels_b{args.batch}.png")
+    stem = f"kvquant_kernels{'' if args.shape == '8b' else '_' + args.shape}_b{args.batch}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "sweep": swept}, indent=2))
+    plot(rows, out / f"{stem}.png")
     for r in rows:
         print(f"{r['context']:>7} | ours {r['fp16 ours ms']:.3f} | fast {r['fp16 fast ms']:.3f} | "
               f"sdpa {r['fp16 sdpa ms']:.3f} | "

@@ -5,11 +5,16 @@
 #           (tests/test_kvquant_kernels.py, ~200 s), the paged cache and the model-level decode (~60 s)
 #   bench   the kernel benchmark (FP16 attention decode, ours and torch SDPA, against the quantized formats; 32 q / 8
 #           kv heads x 128) at batch 1 (4K..128K tokens, ~110 s) and batch 8 (32K, 128K, ~100 s), the README's runs
-# Usage (on the GPU machine, repo root): bash benchmarks/device_kvquant.sh tests|bench
+#   bench64 the same at head dim 64: SmolLM2-135M's heads (9 / 3, full RoPE) and our hybrid's (6 / 2, RoPE on 32),
+#           batch 1 (4K..128K) and batch 8 (32K, 128K)
+# Usage (on the GPU machine, repo root): bash benchmarks/device_kvquant.sh tests|bench|bench64
 # KV_CFG=GP_MIN=8 (say) overrides kernels.kv_decode_fast.CFG for the benchmark (bench_kvquant.py --cfg).
 set -uo pipefail
 mode=${1:-tests}
-case "$mode" in tests|bench) ;; *) echo "device_kvquant.sh: unknown mode '$mode' (tests or bench)"; exit 2 ;; esac
+case "$mode" in
+  tests|bench|bench64) ;;
+  *) echo "device_kvquant.sh: unknown mode '$mode' (tests, bench or bench64)"; exit 2 ;;
+esac
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=.:benchmarks:${PYTHONPATH:-} PYTHONUNBUFFERED=1
@@ -32,5 +37,13 @@ case "$mode" in
     timeout 200 python3 benchmarks/bench_kvquant.py --out "$out/b8" --lengths 32768,131072 --batch 8 \
       ${KV_CFG:+--cfg "$KV_CFG"} > "$out/kvquant_bench_b8.log" 2>&1 || rc=1
     tail -4 "$out/kvquant_bench_b1.log" "$out/kvquant_bench_b8.log" ;;
+  bench64)
+    for shape in smollm2 hybrid; do
+      timeout 140 python3 benchmarks/bench_kvquant.py --out "$out/$shape" --shape $shape \
+        --lengths 4096,16384,65536,131072 --batch 1 > "$out/kvquant_bench_${shape}_b1.log" 2>&1 || rc=1
+      timeout 140 python3 benchmarks/bench_kvquant.py --out "$out/$shape" --shape $shape --lengths 32768,131072 \
+        --batch 8 > "$out/kvquant_bench_${shape}_b8.log" 2>&1 || rc=1
+      tail -4 "$out/kvquant_bench_${shape}_b1.log" "$out/kvquant_bench_${shape}_b8.log"
+    done ;;
 esac
 exit $rc

@@ -39,6 +39,25 @@ def test_kv_bench_limit_takes_the_card_s_bandwidth(monkeypatch):
         bench_kvquant.hbm_tbps("NVIDIA A100-SXM4-80GB")
 
 
+def test_kv_bench_shapes(monkeypatch):
+    """bench_kvquant --shape: SmolLM2's and the hybrid's heads at head dim 64 with their 1% outlier slots (2 x 1% /
+    1% of hkv x e channels, as ``KVQuantizer.outlier_slots``); an unknown shape stops the run."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_kvquant
+
+    try:
+        bench_kvquant.set_shape("smollm2")
+        assert (bench_kvquant.HQ, bench_kvquant.HKV, bench_kvquant.E, bench_kvquant.R) == (9, 3, 64, 64)
+        assert bench_kvquant.ONE_PCT == (4, 2) and bench_kvquant.QUANT_ROWS[1][2] == (4, 2)
+        bench_kvquant.set_shape("hybrid")
+        assert bench_kvquant.R == 32 and bench_kvquant.ONE_PCT == (2, 1)
+        with pytest.raises(SystemExit, match="unknown --shape"):
+            bench_kvquant.set_shape("llama")
+    finally:
+        bench_kvquant.set_shape("8b")
+    assert bench_kvquant.ONE_PCT == (20, 10)
+
+
 def test_kv_bench_cache_keeps_a_share_of_key_slots_live(monkeypatch):
     """bench_kvquant.quant_cache(key_live=): a random share of each token's key slots holds an outlier (1% per-channel
     thresholds fill about half of their 2 x 1% slots), stored as quantization stores them (index order, empty slots
