@@ -2,9 +2,11 @@
 instructions a thread issues a 32-token tile, by opcode, for the float16 path and the quantized formats of
 ``bench_kvquant.py``'s layer (32 query / 8 KV heads × 128, full RoPE, sink 1), with the per-channel scales folded
 or not (``CFG["FOLD"]``) and with the launches' register caps or none; and the warp kernel (``kv_decode_warp``,
-whose loop is a 16-token tile of one warp). Strides are taken as multiples of 16, as the
-launcher's specialization finds them at that shape. Registers come from this machine's Triton (the GPU machine's
-may differ by a few: ``bench_kvquant.py`` runs record theirs).
+whose loop is a 16-token tile of one warp), also at head dim 64 (SmolLM2's 9 / 3 heads, full RoPE; the hybrid's
+6 / 2, RoPE on 32: two kv heads a program). Strides are taken as multiples of 16, as the launcher's specialization
+finds them at that shape (at head dim 64 the codes' strides in 8-byte units, unaligned: SmolLM2's 3-bit cache).
+Registers come from this machine's Triton (the GPU machine's may differ by a few: ``bench_kvquant.py`` runs record
+theirs).
 
     python benchmarks/sass_kv_decode.py [--out benchmarks/results/kvquant_sass.json]
 """
@@ -40,14 +42,17 @@ def build(bits: int | None, fold: bool, cap: int | None, slots: int = 0):
                         num_stages=kf.CFG["num_stages"], aligned=(*pointers, *STRIDES), maxnreg=cap)
 
 
-def build_warp(bits: int = 4, sink: int = 1, slots: bool = False):
-    """``kv_decode_warp``'s kernel as launched on the bench's layer (one warp, Gluon)."""
+def build_warp(bits: int = 4, sink: int = 1, slots: bool = False, e: int = E, rotary: int = E,
+               group: int = GROUP):
+    """``kv_decode_warp``'s kernel as launched on the bench's layer (one warp, Gluon), or at head dim 64."""
     from ssmq.kernels import kv_decode_warp as kw
 
     pointers, strides = kw.compile_signature()
-    const = dict(kw.constexprs(GROUP, E, E, sink, 0, False, slots, slots, bits, bits, 16), w_h=1)
+    unit = 16 if e == E else 8
+    const = dict(kw.constexprs(group, e, rotary, sink, 0, False, slots, slots, bits, bits, unit), w_h=1)
+    code = () if e == E else ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h")
     return compile_sm90(kw._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
-                        aligned=(*pointers, *strides))
+                        aligned=(*pointers, *(x for x in strides if x not in code)))
 
 
 def main() -> None:
@@ -63,11 +68,13 @@ def main() -> None:
     # the warp kernel (kv_decode_warp): its loop is a 16-token tile of one warp, not a 32-token tile of 4 warps
     variants += [(f"{bits}-bit{' + 1%' if slots else ''}, warp kernel", ("warp", bits), False, None, slots)
                  for bits in (4, 3, 2) for slots in (0, ten)]
+    variants += [(f"{bits}-bit, warp, {name}", ("warp", bits, 64, rotary, group), False, None, 0)
+                 for name, rotary, group in (("SmolLM2", 64, 3), ("hybrid", 32, 3)) for bits in (4, 3, 2)]
     rows = []
     print(f"{'variant':28s} {'regs':>4s} {'stack':>5s} {'loop':>5s}  " + " ".join(f"{op:>5s}" for op in SHOWN))
     for name, bits, fold, cap, slots in variants:
         warp = isinstance(bits, tuple)
-        compiled = build_warp(bits[1], slots=bool(slots)) if warp else build(bits, fold, cap, slots)
+        compiled = build_warp(bits[1], 1, bool(slots), *bits[2:]) if warp else build(bits, fold, cap, slots)
         regs, stack = registers(compiled)
         ops = main_loop(compiled)
         rows.append({"variant": name, "registers": regs, "stack_bytes": stack, "loop_instructions": sum(ops.values()),
