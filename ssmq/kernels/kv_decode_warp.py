@@ -95,8 +95,8 @@ VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0],
                                               [], [TILE, E_SERVED // 8]))
 # Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM;
 # 212-224 in the sm_90 build since the cp.async rings, 9 could reside, but neither a cap nor 9 was faster:
-# ``benchmarks/sweep_kv_warp.py regcap``; session 34's run: 2-bit capped at 168 faster at 128K tokens, slower at 16K,
-# one run, not adopted);
+# ``benchmarks/sweep_kv_warp.py regcap``; 2-bit capped at 168, session 35's three interleaved rounds: 6% faster at
+# 1 x 128K tokens, 2% at 8 x 32K, 14% slower at 1 x 16K; not adopted, a cap by context would be a second build);
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
 # 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
 RESIDENT = 8
