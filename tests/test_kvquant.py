@@ -627,3 +627,35 @@ def test_quantized_kv_graph_prefill_then_graph_decode():
     got, want = torch.cat(got), torch.cat(want)
     assert ((got - want).norm() / want.norm()).item() < 1e-2
     assert int(dec.cache.seqlens[1]) == 29
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, kv_heads, rotary", [("llama", 3, 64), ("hybrid", 2, 32)])
+@pytest.mark.parametrize("preset", ["kvquant-nuq4", "kvquant-nuq3-1%"])
+def test_head_dim_64_decode_step_takes_the_warp_kernel(arch, kv_heads, rotary, preset, monkeypatch):
+    """SmolLM2's attention shape (9 query / 3 kv heads x 64, full RoPE) and the trained hybrid's (6 / 2 x 64, RoPE
+    on 32 channels) decode through ``kv_decode_warp`` on CUDA, from the model's own quantized cache; the step's
+    logits equal the read path's (the cache dequantized, then ``attention_ref``) within the kernel's float16
+    operands."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (Gluon kernels do not run in Triton's interpreter)")
+    pytest.importorskip("triton.experimental.gluon", reason="Triton without Gluon (3.5+)")
+    from ssmq.kernels import kv_decode_warp
+    from ssmq.models import SSMLM, ModelConfig
+
+    torch.manual_seed(0)
+    extra = dict(attn_layer_idx=(1,), d_state=16, headdim=16, chunk_size=16) if arch == "hybrid" else {}
+    m = SSMLM(ModelConfig(arch=arch, d_model=64, n_layer=2, vocab_size=256, attn_heads=3 * kv_heads,
+                          attn_kv_heads=kv_heads, attn_head_dim=64, rotary_dim=rotary, mlp_hidden=96, **extra)).eval()
+    quantize(m, preset, tiny_calib(4, 32), progress=False)
+    m = m.cuda()
+    cache, slots, tokens = _ragged_cache(m, "cuda")
+    ref_cache = copy.deepcopy(cache)
+    calls, real = [], kv_decode_warp.quant_kv_decode
+    monkeypatch.setattr(kv_decode_warp, "quant_kv_decode", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    with torch.no_grad():
+        got = m.step(tokens, cache, slots)[:3]
+        assert calls  # every attention layer's decode took the warp kernel
+        monkeypatch.setattr(QuantKVState, "decode", lambda self, *a: None)  # the read path
+        want = m.step(tokens, ref_cache, slots)[:3]
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
