@@ -30,9 +30,9 @@ One warp per (row, HEADS kv heads, split), tiles of T tokens, mma.sync m16n8k16 
              products' K (key channels) and M (value channels) orders are permuted so that these are the
              channels of a lane's contiguous bytes of codes a token, one chunk (8 at 4 bits; 4 of the 2-bit
              plane, and 2 of the 1-bit plane at 3 bits), which the PRMT lookups (``kv_decode_fast._LUT4`` /
-             ``_LUT3`` / ``_LUT2``) turn into the fragment's registers in place: key slot k holds channel ``key_channel(k, bits)``, value
-             row m channel ``value_channel(m)``; the query and the tables are loaded in slot order, the output
-             stored by channel
+             ``_LUT3`` / ``_LUT2``) turn into the fragment's registers in place: key slot k of half h holds
+             channel ``ring_channel(key_channel(k, bits), h, HBIT)``, value row m channel ``value_channel(m)``;
+             the query and the tables are loaded in slot order, the output stored by channel
     sink     split 0 first takes the S float sink tokens as one tile (keys rotated by their own positions)
     outliers the sparse slots keep ``kv_decode_fast``'s own passes (``outlier_passes``): their key terms are added to
              the scores from the buffer sc, the scores left there for the value pass before the combine
