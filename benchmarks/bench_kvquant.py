@@ -1,7 +1,7 @@
 """KVQuant decode kernels vs our FP16 attention decode (one GPU), 4K-128K tokens of context.
 
-Shape (--shape): a hybrid's attention layer (8b, the default: Bamba-9B / Nemotron-H-8B style, 32 query heads, 8 KV
-heads, head dim 128, full RoPE on keys cached before it), SmolLM2-135M's (smollm2: 9 / 3 x 64, full RoPE) or our
+Shape (--shape): a hybrid's attention layer (8b, the default: the heads of Llama-3.1-8B, Bamba-9B and Nemotron-H-8B,
+32 query heads, 8 KV heads, head dim 128, with Llama's full RoPE on keys cached before it), SmolLM2-135M's (smollm2: 9 / 3 x 64, full RoPE) or our
 trained hybrid's (hybrid: 6 / 2 x 64, RoPE on 32 channels); batch 1 (and --batch), one new token per row. Rows per
 context length:
     fp16 ours        ``kernels.kv_decode.float_kv_decode``: the first-generation kernel's float path over the fp16
