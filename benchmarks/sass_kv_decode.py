@@ -3,7 +3,7 @@ instructions a thread issues a 32-token tile, by opcode, for the float16 path an
 ``bench_kvquant.py``'s layer (32 query / 8 KV heads × 128, full RoPE, sink 1), with the per-channel scales folded
 or not (``CFG["FOLD"]``) and with the launches' register caps or none; and the warp kernel (``kv_decode_warp``,
 whose loop is a 16-token tile of one warp), also at head dim 64 (SmolLM2's 9 / 3 heads, full RoPE; the hybrid's
-6 / 2, RoPE on 32: two kv heads a program). Strides are taken as multiples of 16, as the launcher's specialization
+6 / 2, RoPE on 32: two kv heads a program) and with Bamba-9B's RoPE on 64 of 128 channels. Strides are taken as multiples of 16, as the launcher's specialization
 finds them at that shape (at head dim 64 the codes' strides in 8-byte units, unaligned: SmolLM2's 3-bit cache).
 Registers come from this machine's Triton (the GPU machine's may differ by a few: ``bench_kvquant.py`` runs record
 theirs).
@@ -68,8 +68,9 @@ def main() -> None:
     # the warp kernel (kv_decode_warp): its loop is a 16-token tile of one warp, not a 32-token tile of 4 warps
     variants += [(f"{bits}-bit{' + 1%' if slots else ''}, warp kernel", ("warp", bits), False, None, slots)
                  for bits in (4, 3, 2) for slots in (0, ten)]
-    variants += [(f"{bits}-bit, warp, {name}", ("warp", bits, 64, rotary, group), False, None, 0)
-                 for name, rotary, group in (("SmolLM2", 64, 3), ("hybrid", 32, 3)) for bits in (4, 3, 2)]
+    variants += [(f"{bits}-bit, warp, {name}", ("warp", bits, e, rotary, group), False, None, 0)
+                 for name, e, rotary, group in (("SmolLM2", 64, 64, 3), ("hybrid", 64, 32, 3), ("Bamba-9B", E, 64, 4))
+                 for bits in (4, 3, 2)]
     rows = []
     print(f"{'variant':28s} {'regs':>4s} {'stack':>5s} {'loop':>5s}  " + " ".join(f"{op:>5s}" for op in SHOWN))
     for name, bits, fold, cap, slots in variants:
