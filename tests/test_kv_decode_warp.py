@@ -88,6 +88,33 @@ def test_slots_pair_rotary_partners_within_a_head(w, e, r, bits):
         assert torch.equal(c // 16, want)
 
 
+@pytest.mark.parametrize("hbit", [0, 1, 2])
+@pytest.mark.parametrize("cb", [8, 4, 2])  # bytes a chunk: 4 bits, the 2-bit plane, the 1-bit plane
+def test_key_plane_layout_hands_each_lane_its_chunks(w, hbit, cb):
+    """The load layout of a key plane, (T, 8 cb) bytes: lane (g8, q) holds tokens g8 and g8 + 8 of chunk
+    ``ring_channel``'s chunk for q in half 0 and in half 1 (the register bit that ``_halves`` splits off), each
+    chunk's cb bytes in order: the bytes ``slot_channels`` assigns the lane's slots."""
+    L = w.key_plane_layout(cb, hbit)
+
+    def where(lane, reg):  # (token, byte) of a lane's register: XOR of the bases of its set bits
+        t = b = 0
+        for bases, x in ((L.lane_bases, lane), (L.reg_bases, reg)):
+            for i, (dt, db) in enumerate(bases):
+                if x >> i & 1:
+                    t, b = t ^ dt, b ^ db
+        return t, b
+
+    nbytes = cb.bit_length() - 1  # register bits of a chunk's bytes; then the token bit, then the half bit
+    for lane in range(32):
+        q, g8 = lane % 4, lane // 4
+        for half in (0, 1):
+            chunk = w.ring_channel.fn(torch.tensor(16 * q), half, hbit).item() // 16
+            for byte in range(cb):
+                for tok in (0, 1):
+                    reg = byte | tok << nbytes | half << (nbytes + 1)
+                    assert where(lane, reg) == (g8 + 8 * tok, chunk * cb + byte)
+
+
 @pytest.mark.parametrize("e, r", [(128, 128), (64, 64), (64, 32)])
 @pytest.mark.parametrize("bits", [4, 3])
 def test_host_tables_are_in_slot_order(w, e, r, bits):
