@@ -47,12 +47,10 @@ def build_warp(bits: int = 4, sink: int = 1, slots: bool = False, e: int = E, ro
     """``kv_decode_warp``'s kernel as launched on the bench's layer (one warp, Gluon), or at head dim 64."""
     from ssmq.kernels import kv_decode_warp as kw
 
-    pointers, strides = kw.compile_signature()
-    unit = 16 if e == E else 8
+    pointers, strides, unit = kw.compile_signature(e)
     const = dict(kw.constexprs(group, e, rotary, sink, 0, False, slots, slots, bits, bits, unit), w_h=1)
-    code = () if e == E else ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h")
     return compile_sm90(kw._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
-                        aligned=(*pointers, *(x for x in strides if x not in code)))
+                        aligned=(*pointers, *strides))
 
 
 def main() -> None:

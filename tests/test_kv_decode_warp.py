@@ -189,15 +189,11 @@ def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged
     spills; with the outliers' score buffer too."""
     from ssmq.kernels.build import compile_sm90, main_loop, registers
 
-    pointers, strides = w.compile_signature()
-    const = dict(w.constexprs(4 * e // 128, e, r, sink, paged, one, slots, slots, *bits, 16 if e == 128 else 8),
-                 w_h=1)
+    pointers, strides, unit = w.compile_signature(e)
+    const = dict(w.constexprs(4 * e // 128, e, r, sink, paged, one, slots, slots, *bits, unit), w_h=1)
     try:
-        # head dim 64: the codes' strides in 8-byte units unaligned, as SmolLM2's 3-bit cache gives them (72 bytes
-        # a token = 9 units)
-        code = ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h") if e == 64 else ()
         c = compile_sm90(w._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
-                         aligned=(*pointers, *(x for x in strides if x not in code)))
+                         aligned=(*pointers, *strides))
     except (FileNotFoundError, RuntimeError) as ex:
         if "ptxas" in str(ex):
             pytest.skip(f"no ptxas: {ex}")

@@ -553,15 +553,20 @@ def constexprs(group: int, head_dim: int, rotary_dim: int, sink: int, paged_bloc
                 VBITS=value_bits, STAGES=STAGES)
 
 
-def compile_signature() -> tuple[dict, list]:
-    """(pointer types, strides given as multiples of 16) of ``_decode_kernel`` as a launch specializes it on the
-    bench's shapes: for ``ssmq.kernels.build.compile_sm90`` (the compile test, ``benchmarks/sass_kv_decode.py``)."""
+CODE_STRIDES = ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h")  # the codes' strides, in SU-byte units
+
+
+def compile_signature(head_dim: int = E_SERVED) -> tuple[dict, list, int]:
+    """(pointer types, strides given as multiples of 16, the codes' stride unit SU) of ``_decode_kernel`` as a launch
+    specializes it on the bench's shapes: for ``ssmq.kernels.build.compile_sm90`` (the compile test,
+    ``benchmarks/sass_kv_decode.py``). Head dim 64: the codes' strides in 8-byte units and not multiples of 16, as
+    SmolLM2's 3-bit cache gives them (72 bytes a token = 9 units)."""
     pointers = dict(q="fp16", slots="i64", lens="i32", sinv="fp32", angles="fp16", rope="fp16", kscales="fp16",
                     klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
                     vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
     strides = [a for a in _decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
-               and a not in ("v_mt", "s_tab", "w_h")]
-    return pointers, strides
+               and a not in ("v_mt", "s_tab", "w_h") and (head_dim == E_SERVED or a not in CODE_STRIDES)]
+    return pointers, strides, 16 if head_dim == E_SERVED else 8
 
 
 def slot_channels(head_dim: int, rotary_dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -617,7 +622,7 @@ def key_scale_table(k: KVSideView, rotary_dim: int) -> torch.Tensor:
     hkv, e = k.mid.shape
     heads = E_SERVED // e
     head, ch = (x.to(k.mid.device) for x in slot_channels(e, rotary_dim, k.bits))
-    kv = (torch.arange(-(-hkv // heads), device=k.mid.device)[:, None] * heads + head).clamp(max=hkv)
+    kv = (torch.arange(programs(hkv, e), device=k.mid.device)[:, None] * heads + head).clamp(max=hkv)
     mid, half = (torch.cat([x, x.new_zeros(1, e)]) for x in (k.mid, k.half))  # row hkv: the missing head
     pb = ch + (16 << rotary_bit(e, rotary_dim))
     table = torch.stack([mid[kv, ch], half[kv, ch], mid[kv, pb], half[kv, pb]], 1).half().contiguous()
@@ -662,7 +667,7 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
                         f"at most {TILE} sink tokens, 8 query heads a kv head (4 at head dim 64) and blocks of whole "
                         f"{TILE}-token tiles; use ssmq.kernels.kv_decode_fast")
     assert q.stride(-1) == 1 and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
-    code_strides = (*k.codes.stride()[:3], *v.codes.stride()[:3])
+    code_strides = (*k.codes.stride()[:3], *v.codes.stride()[:3])  # CODE_STRIDES' order
     su = 16 if all(x % 16 == 0 for x in code_strides) else 8
     assert all(x % su == 0 for x in code_strides), code_strides  # whole 8-byte heads: eligible's widths
     sc, (c_b, c_k), value_outliers = outlier_passes(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
