@@ -1,9 +1,9 @@
 """KVQuant decode kernels vs our FP16 attention decode (one GPU), 4K-128K tokens of context.
 
-Shape (--shape): a hybrid's attention layer (8b, the default: the heads of Llama-3.1-8B, Bamba-9B and Nemotron-H-8B,
-32 query heads, 8 KV heads, head dim 128, with Llama's full RoPE on keys cached before it), SmolLM2-135M's (smollm2: 9 / 3 x 64, full RoPE) or our
-trained hybrid's (hybrid: 6 / 2 x 64, RoPE on 32 channels); batch 1 (and --batch), one new token per row. Rows per
-context length:
+Shape (--shape): a hybrid's attention layer (8b, the default: the heads of Llama-3.1-8B and Nemotron-H-8B, 32 query
+heads, 8 KV heads, head dim 128, with Llama's full RoPE on keys cached before it), Bamba-9B's (bamba: the same heads,
+RoPE on 64 of the 128 channels), SmolLM2-135M's (smollm2: 9 / 3 x 64, full RoPE) or our trained hybrid's (hybrid:
+6 / 2 x 64, RoPE on 32 channels); batch 1 (and --batch), one new token per row. Rows per context length:
     fp16 ours        ``kernels.kv_decode.float_kv_decode``: the first-generation kernel's float path over the fp16
                      cache (keys post-RoPE; float32-exact 3xTF32 products): the models' float16 decode until session 30
     fp16 fast        ``kernels.kv_decode_fast.float_kv_decode``: the fast kernel's float path (float16 tensor-core
@@ -25,7 +25,8 @@ H200 4.8). The first length's rows also record the kernels' max |error| against 
 ``attention_ref``. JSON and PNG to --out. --cfg overrides
 ``kernels.kv_decode_fast.CFG`` (launch settings; --sweep times several).
 
-    python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1] [--shape 8b|smollm2|hybrid]
+    python benchmarks/bench_kvquant.py --out out/ [--lengths 4096,8192,...] [--batch 1]
+        [--shape 8b|bamba|smollm2|hybrid]
         [--cfg num_warps=4,...]
         [--sweep "GP_MIN=8;SPARSE_SLOTS=256" --sweep-lengths 16384,131072 --sweep-bits 4,3,2]
 """
@@ -47,7 +48,8 @@ from plotting import log_axes, pyplot  # noqa: E402
 from ssmq.ops.attention import attention_ref  # noqa: E402
 from ssmq.ops.kv_quant import KVSideView, order_slots, outlier_codes, pack_codes, quant_kv_decode_ref  # noqa: E402
 
-SHAPES = {"8b": (32, 8, 128, 128), "smollm2": (9, 3, 64, 64), "hybrid": (6, 2, 64, 32)}  # hq, hkv, e, rotary dim
+# hq, hkv, e, rotary dim
+SHAPES = {"8b": (32, 8, 128, 128), "bamba": (32, 8, 128, 64), "smollm2": (9, 3, 64, 64), "hybrid": (6, 2, 64, 32)}
 
 
 def set_shape(name: str) -> None:
@@ -273,7 +275,8 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--shape", default="8b", help=f"attention shape: {', '.join(SHAPES)}")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--cfg", default="", help="kv_decode_fast.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,ROPE=direct")
+    ap.add_argument("--cfg", default="",
+                    help="kv_decode_fast.CFG overrides, e.g. BLOCK_T=32,num_warps=4,WAVES=4,ROPE=direct")
     ap.add_argument("--sweep", default="", help="launch settings to time the kvquant rows under, ';'-separated "
                     "--cfg strings (e.g. 'num_warps=4;BLOCK_T=32'), at --sweep-lengths; to JSON 'sweep'")
     ap.add_argument("--sweep-lengths", default="131072")

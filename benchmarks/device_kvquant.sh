@@ -5,15 +5,17 @@
 #           (tests/test_kvquant_kernels.py, ~200 s), the paged cache and the model-level decode (~60 s)
 #   bench   the kernel benchmark (FP16 attention decode, ours and torch SDPA, against the quantized formats; 32 q / 8
 #           kv heads x 128) at batch 1 (4K..128K tokens, ~110 s) and batch 8 (32K, 128K, ~100 s), the README's runs
-#   bench64 the same at head dim 64: SmolLM2-135M's heads (9 / 3, full RoPE) and our hybrid's (6 / 2, RoPE on 32),
-#           batch 1 (4K..128K) and batch 8 (32K, 128K)
-# Usage (on the GPU machine, repo root): bash benchmarks/device_kvquant.sh tests|bench|bench64
+#   bench64 the same at head dim 64, SmolLM2-135M's heads (9 / 3, full RoPE) and our hybrid's (6 / 2, RoPE on 32),
+#           and at Bamba-9B's partial RoPE (32 / 8 x 128, RoPE on 64): batch 1 (4K..128K), batch 8 (32K, 128K)
+#   e2e64   a whole model's decode step (bench_kv_e2e.py, random weights) at SmolLM2-135M's config (30 attention
+#           layers of 9 / 3 x 64) and Bamba-9B's (3 attention layers of 32 / 8 x 128 among 29 Mamba-2 layers)
+# Usage (on the GPU machine, repo root): bash benchmarks/device_kvquant.sh tests|bench|bench64|e2e64
 # KV_CFG=GP_MIN=8 (say) overrides kernels.kv_decode_fast.CFG for the benchmark (bench_kvquant.py --cfg).
 set -uo pipefail
 mode=${1:-tests}
 case "$mode" in
-  tests|bench|bench64) ;;
-  *) echo "device_kvquant.sh: unknown mode '$mode' (tests, bench or bench64)"; exit 2 ;;
+  tests|bench|bench64|e2e64) ;;
+  *) echo "device_kvquant.sh: unknown mode '$mode' (tests, bench, bench64 or e2e64)"; exit 2 ;;
 esac
 out=${OUT:-out}
 mkdir -p "$out"
@@ -38,12 +40,20 @@ case "$mode" in
       ${KV_CFG:+--cfg "$KV_CFG"} > "$out/kvquant_bench_b8.log" 2>&1 || rc=1
     tail -4 "$out/kvquant_bench_b1.log" "$out/kvquant_bench_b8.log" ;;
   bench64)
-    for shape in smollm2 hybrid; do
+    for shape in smollm2 hybrid bamba; do
       timeout 140 python3 benchmarks/bench_kvquant.py --out "$out/$shape" --shape $shape \
         --lengths 4096,16384,65536,131072 --batch 1 > "$out/kvquant_bench_${shape}_b1.log" 2>&1 || rc=1
       timeout 140 python3 benchmarks/bench_kvquant.py --out "$out/$shape" --shape $shape --lengths 32768,131072 \
         --batch 8 > "$out/kvquant_bench_${shape}_b8.log" 2>&1 || rc=1
       tail -4 "$out/kvquant_bench_${shape}_b1.log" "$out/kvquant_bench_${shape}_b8.log"
+    done ;;
+  e2e64)
+    kvs=fp16,nuq4,nuq3,nuq2,nuq4-1%,nuq3-1%,nuq2-1%
+    for mc in smollm2-135m:1:131072,8:32768,8:131072 bamba-9b:1:131072,8:131072; do
+      model=${mc%%:*}
+      timeout 280 python3 benchmarks/bench_kv_e2e.py --model "$model" --cases "${mc#*:}" --kv "$kvs" \
+        --out "$out/e2e_$model" > "$out/kv_e2e_$model.log" 2>&1 || rc=1
+      tail -3 "$out/kv_e2e_$model.log"
     done ;;
 esac
 exit $rc
