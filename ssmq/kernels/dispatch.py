@@ -351,6 +351,14 @@ def _warp_decode(q, k, v, rotary_dim, block_table):
     return warp if warp.eligible(k, v, rotary_dim, q.shape[1] // k.codes.shape[2], block) else None
 
 
+def rope(x, positions, rotary_dim, base=10000.0):
+    """``ops.rope_ref``: x (b, l, heads, e) rotated at ``positions`` (b, l) on its first ``rotary_dim`` channels of
+    each head; one launch on CUDA (``kernels.rotary``), where the reference's dozen elementwise launches weighed on
+    a decode step."""
+    impl = _kernels("rotary").rope if _use_triton(x) else ops.rope_ref
+    return impl(x, positions, rotary_dim, base)
+
+
 def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, block_table=None):
     """Decode attention of one query per row, q (b, hq, e), over a float KV cache k_cache, v_cache (s, L, hkv, e)
     (keys post-RoPE), rows ``slots`` valid up to ``kv_lens`` (b,): (b, hq, e) float32; or over block pools

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.ops.attention import rotary_inv_freq
+from ssmq.kernels.rotary import inv_freq_on as _inv_freq  # cached: no per-call table building
 from ssmq.ops.kv_quant import KVSideView
 
 # Launch settings (the bench's --cfg overrides them). Picked by compiling for sm_90 (ptxas register use), not yet
@@ -387,11 +387,6 @@ def _combine_kernel(ws, out, splits, hq, w_b, w_h, w_p, w_e, s_ob, s_oh, E: tl.c
         part = tl.load((src + pc * w_p)[:, None, :] + e[None, :, None] * w_e, mask=cm[:, None, :], other=0.0)
         acc += tl.sum(w[:, None, :] * part, 0)  # (EB, HB)
     tl.store(out + i * s_ob + h * s_oh + e[:, None], acc / tl.where(h < hq, den, 1.0), mask=h < hq)
-
-
-@functools.lru_cache(maxsize=16)
-def _inv_freq(rotary_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    return rotary_inv_freq(rotary_dim, theta, device)  # cached: no per-call table building
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ssmq import kernels, ops
+from ssmq import kernels
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.state import KVState, RopeAtRead
@@ -63,10 +63,7 @@ class Attention(nn.Module):
 
     def _rotate(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """t: (b, l, heads, e); positions: (b, l) → RoPE of the first rotary_dim channels of each head."""
-        if not self.rotary_dim:
-            return t
-        cos, sin = ops.rotary_cos_sin(positions, self.rotary_dim, self.rope_theta)
-        return ops.apply_rotary_ref(t, cos, sin)
+        return kernels.rope(t, positions, self.rotary_dim, self.rope_theta)
 
     def _cached_view(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Keys (post-RoPE) and values as a cache would hand them back: k, v (b, l, hkv, e) through the KV

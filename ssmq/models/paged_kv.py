@@ -86,12 +86,9 @@ class PagedKVState:
         end = read_extent(kv_lens, self.max_seqlen)
         keys, values = self.table.gather(self.k, slots, end), self.table.gather(self.v, slots, end)
         if self.rope is not None:
-            from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
-
             b, t = keys.shape[:2]
-            pos = torch.arange(t, device=keys.device).expand(b, t)
-            cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
-            keys = apply_rotary_ref(keys, cos, sin)
+            keys = kernels.rope(keys, torch.arange(t, device=keys.device).expand(b, t), self.rope.rotary_dim,
+                                self.rope.theta)
         return keys, values
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:

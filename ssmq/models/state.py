@@ -292,11 +292,8 @@ class KVState:
         end = read_extent(kv_lens, self.max_seqlen)
         keys, values = self.k[slots, :end], self.v[slots, :end]
         if self.rope is not None:
-            from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
-
-            pos = torch.arange(end, device=keys.device).expand(keys.shape[0], end)
-            cos, sin = rotary_cos_sin(pos, self.rope.rotary_dim, self.rope.theta)
-            keys = apply_rotary_ref(keys, cos, sin)
+            keys = kernels.rope(keys, torch.arange(end, device=keys.device).expand(keys.shape[0], end),
+                                self.rope.rotary_dim, self.rope.theta)
         return keys, values
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ Glossary (used in every docstring of this package):
     T  SSD chunk size   c  number of chunks     s  cache slots (max batch)
 """
 
-from ssmq.ops.attention import apply_rotary_ref, attention_ref, rotary_cos_sin
+from ssmq.ops.attention import apply_rotary_ref, attention_ref, rope_ref, rotary_cos_sin
 from ssmq.ops.conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from ssmq.ops.mamba2_decode import mamba2_decode_step_ref
 from ssmq.ops.quant_linear import dequantize_weight, quant_linear_act_ref, quant_linear_ref, quantize_act_ref
@@ -22,6 +22,7 @@ from ssmq.ops.state_update import selective_state_update_ref
 __all__ = [
     "apply_rotary_ref",
     "attention_ref",
+    "rope_ref",
     "rotary_cos_sin",
     "causal_conv1d_ref",
     "causal_conv1d_update_ref",

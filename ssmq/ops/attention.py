@@ -55,6 +55,15 @@ def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat([out.to(x.dtype), xpass], dim=-1)
 
 
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float = 10000.0) -> torch.Tensor:
+    """x (b, l, heads, e) rotated at ``positions`` (b, l) int: the first r = ``rotary_dim`` channels of each head by
+    NeoX RoPE (halves), the rest as they are; x itself when r = 0. Angles, products and sums in float32, the result
+    rounded once to x's dtype."""
+    if not rotary_dim:
+        return x
+    return apply_rotary_ref(x, *rotary_cos_sin(positions, rotary_dim, base))
+
+
 def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,

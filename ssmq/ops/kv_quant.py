@@ -366,11 +366,7 @@ def quant_kv_read_ref(side: KVSideView, slots: torch.Tensor, end: int, rotary_di
     """One side of a quantized cache, the rows ``slots`` (b,) up to ``end``, as (b, end, hkv, e) in ``dtype``:
     dequantized (``KVSideView.dequantize``), then the first ``rotary_dim`` channels rotated by their positions
     (keys cached before RoPE; 0: as stored), in float32."""
-    from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
+    from ssmq.ops.attention import rope_ref
 
     x = side.dequantize(slots, end)
-    if rotary_dim:
-        pos = torch.arange(end, device=x.device).expand(x.shape[0], end)
-        cos, sin = rotary_cos_sin(pos, rotary_dim, theta)
-        x = apply_rotary_ref(x, cos, sin)
-    return x.to(dtype)
+    return rope_ref(x, torch.arange(end, device=x.device).expand(x.shape[0], end), rotary_dim, theta).to(dtype)

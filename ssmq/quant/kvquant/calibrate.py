@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ssmq.models.hybrid import Attention
 from ssmq.models.kv_format import KVSpec
 from ssmq.models.kv_quantizer import KVQuantizer
-from ssmq.ops.attention import apply_rotary_ref, rotary_cos_sin
+from ssmq.ops.attention import rope_ref
 from ssmq.ops.kv_quant import rotate_heads, scales_of, select_outliers, token_scales
 from ssmq.quant.kvquant.kmeans import q_norm, weighted_kmeans
 
@@ -87,11 +87,7 @@ def capture_kv(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> 
 def _post_rope(x: torch.Tensor, mixer) -> torch.Tensor:
     """x (B, l, hkv, e) at positions 0..l-1 rotated by RoPE. Applied to a key's gradient too: RoPE is orthogonal
     per position, so the gradient w.r.t. the rotated key is the rotated gradient (its Fisher needs no new pass)."""
-    if not mixer.rotary_dim:
-        return x
-    pos = torch.arange(x.shape[1]).expand(x.shape[0], -1)
-    cos, sin = rotary_cos_sin(pos, mixer.rotary_dim, mixer.rope_theta)
-    return apply_rotary_ref(x, cos, sin)
+    return rope_ref(x, torch.arange(x.shape[1]).expand(x.shape[0], -1), mixer.rotary_dim, mixer.rope_theta)
 
 
 def normalized(kvq: KVQuantizer, which: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
