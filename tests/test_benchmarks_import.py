@@ -40,8 +40,9 @@ def test_kv_bench_limit_takes_the_card_s_bandwidth(monkeypatch):
 
 
 def test_kv_bench_shapes(monkeypatch):
-    """bench_kvquant --shape: SmolLM2's and the hybrid's heads at head dim 64 with their 1% outlier slots (2 x 1% /
-    1% of hkv x e channels, as ``KVQuantizer.outlier_slots``); an unknown shape stops the run."""
+    """bench_kvquant --shape: SmolLM2's and the hybrid's heads at head dim 64 and Bamba-9B's partial RoPE, with their
+    1% outlier slots (2 x 1% / 1% of hkv x e channels, as ``KVQuantizer.outlier_slots``); an unknown shape stops
+    the run."""
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_kvquant
 
@@ -51,6 +52,9 @@ def test_kv_bench_shapes(monkeypatch):
         assert bench_kvquant.ONE_PCT == (4, 2) and bench_kvquant.QUANT_ROWS[1][2] == (4, 2)
         bench_kvquant.set_shape("hybrid")
         assert bench_kvquant.R == 32 and bench_kvquant.ONE_PCT == (2, 1)
+        bench_kvquant.set_shape("bamba")  # Bamba-9B: Llama-8B's heads, RoPE on 64 of the 128 channels
+        assert (bench_kvquant.HQ, bench_kvquant.HKV, bench_kvquant.E, bench_kvquant.R) == (32, 8, 128, 64)
+        assert bench_kvquant.ONE_PCT == (20, 10)
         with pytest.raises(SystemExit, match="unknown --shape"):
             bench_kvquant.set_shape("llama")
     finally:
