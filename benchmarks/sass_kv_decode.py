@@ -4,8 +4,8 @@ instructions a thread issues a 32-token tile, by opcode, for the float16 path an
 or not (``CFG["FOLD"]``) and with the launches' register caps or none; and the warp kernel (``kv_decode_warp``,
 whose loop is a 16-token tile of one warp), also at head dim 64 (SmolLM2's 9 / 3 heads, full RoPE; the hybrid's
 6 / 2, RoPE on 32: two kv heads a program) and with Bamba-9B's RoPE on 64 of 128 channels. Strides are taken as
-multiples of 16, as the launcher's specialization finds them at that shape (at head dim 64 the codes' strides in
-8-byte units, unaligned: SmolLM2's 3-bit cache, ``kv_decode_warp.compile_signature``).
+multiples of 16, as the launcher's specialization finds them at that shape, but for the warp kernel's codes' strides,
+which it passes in 8- or 16-byte units (``kv_decode_warp.compile_signature``).
 Registers come from this machine's Triton (the GPU machine's may differ by a few: ``bench_kvquant.py`` runs record
 theirs).
 

@@ -559,13 +559,14 @@ CODE_STRIDES = ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h")  # the codes' strides,
 def compile_signature(head_dim: int = E_SERVED) -> tuple[dict, list, int]:
     """(pointer types, strides given as multiples of 16, the codes' stride unit SU) of ``_decode_kernel`` as a launch
     specializes it on the bench's shapes: for ``ssmq.kernels.build.compile_sm90`` (the compile test,
-    ``benchmarks/sass_kv_decode.py``). Head dim 64: the codes' strides in 8-byte units and not multiples of 16, as
-    SmolLM2's 3-bit cache gives them (72 bytes a token = 9 units)."""
+    ``benchmarks/sass_kv_decode.py``). The codes' strides (``CODE_STRIDES``, in SU-byte units) are not marked: a
+    launch does not find them multiples of 16 (a kv head of 128 channels is 2-4 units of 16 bytes; SmolLM2's 3-bit
+    token of 3 heads x 64 channels 9 units of 8), so the copies' alignment comes from SU alone."""
     pointers = dict(q="fp16", slots="i64", lens="i32", sinv="fp32", angles="fp16", rope="fp16", kscales="fp16",
                     klut="fp32", vlut="fp32", out="fp32", ws="fp32", table="i64", kc="u8", vc="u8", vmid="fp16",
                     vhalf="fp16", ksink="fp32", vsink="fp32", sc="fp32")
     strides = [a for a in _decode_kernel.arg_names if a.startswith(("s_", "k_", "v_", "ks_", "vs_", "w_", "c_"))
-               and a not in ("v_mt", "s_tab", "w_h") and (head_dim == E_SERVED or a not in CODE_STRIDES)]
+               and a not in ("v_mt", "s_tab", "w_h", *CODE_STRIDES)]
     return pointers, strides, 16 if head_dim == E_SERVED else 8
 
 
