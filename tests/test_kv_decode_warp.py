@@ -176,6 +176,20 @@ def test_eligible_formats(w):
     assert not w.eligible(view(levels=15), V, 128, 4)  # the kernel reads 16 codebook entries
 
 
+def test_int32_lengths_reads_int64_words_in_place(w):
+    """An int64 tensor's lengths are read in place from its low words (no copy: the same storage); int32 ones as
+    they are; a strided int64 view, which has no such words at a fixed stride, is copied to int32."""
+    lens = torch.tensor([1, 300, 2**31 - 1])
+    words, lw = w.int32_lengths(lens)
+    assert lw == 2 and words.dtype == torch.int32 and words.data_ptr() == lens.data_ptr()
+    assert words[::lw].tolist() == lens.tolist()
+    short = lens.int()
+    assert w.int32_lengths(short) == (short, 1)
+    strided = torch.tensor([[5, 0], [7, 0]])[:, 0]
+    words, lw = w.int32_lengths(strided)
+    assert lw == 1 and words.tolist() == [5, 7]
+
+
 @pytest.mark.parametrize("sink, paged, one, slots, bits, e, r",
                          [(1, 0, False, False, (4, 4), 128, 128), (0, 0, True, False, (4, 4), 128, 128),
                           (3, 64, False, False, (3, 3), 128, 128), (1, 0, False, True, (3, 3), 128, 128),
@@ -256,6 +270,19 @@ def test_warp_kernel_equals_reference(w, case, splits, outliers):
     got = w.quant_kv_decode(q, slots, lens, K, V, 128, 10000.0, splits=splits)
     want = quant_kv_decode_ref(q.cpu(), slots.cpu(), lens.cpu(), _cpu(K), _cpu(V), 128, 10000.0)
     torch.testing.assert_close(got.cpu(), want, rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [4, 2])
+def test_warp_kernel_takes_lengths_of_any_integer_dtype(w, bits):
+    """int64 lengths (the models'), int32 ones and a strided int64 view give the same bits: the kernel reads a
+    length a word at stride LW."""
+    _gpu()
+    K, V, q, slots, lens = _case((5, 32, 8, 300, 1), torch.Generator().manual_seed(6), levels=(2**bits, 2**bits))
+    want = w.quant_kv_decode(q, slots, lens.int(), K, V, 128, 10000.0)
+    strided = torch.stack([lens, lens], 1)[:, 0]
+    for given in (lens.long(), strided):
+        assert torch.equal(w.quant_kv_decode(q, slots, given, K, V, 128, 10000.0), want)
 
 
 @pytest.mark.gpu
