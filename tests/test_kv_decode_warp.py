@@ -222,6 +222,27 @@ def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged
     assert c.metadata.shared <= 8 * 1024  # the rings: 8 programs an SM take at most 64 KB
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_int64_lengths_build_the_int32_loop(w, bits):
+    """The launch for int64 lengths (LW = 2, the models' dtype) builds the loop of the int32 build, opcode for opcode:
+    a kernel built for an int64 pointer had the same instructions in another order and ran 15% slower (session 37)."""
+    from ssmq.kernels.build import compile_sm90, loop_instructions
+
+    pointers, strides, unit = w.compile_signature()
+    loops = []
+    for words in (1, 2):
+        const = dict(w.constexprs(4, 128, 128, 1, 0, False, False, False, bits, bits, unit, words), w_h=1)
+        try:
+            c = compile_sm90(w._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
+                             aligned=(*pointers, *strides))
+        except (FileNotFoundError, RuntimeError) as ex:
+            if "ptxas" in str(ex):
+                pytest.skip(f"no ptxas: {ex}")
+            raise
+        loops.append(loop_instructions(c))
+    assert len(loops[0]) > 500 and loops[0] == loops[1]
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 WARP_CASES = [  # b, hq, hkv, L, sink: e = 128, full RoPE, per-channel keys, per-token values (4 bits unless a

@@ -55,11 +55,12 @@ def registers(compiled) -> tuple[int, int]:
 
 _LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _BRANCH = re.compile(r"BRA\s.*?0x([0-9a-f]+)")
+_LINE_OP = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
 
-def main_loop(compiled) -> collections.Counter:
-    """The SASS opcodes of a kernel's main loop (the body of its widest backward branch), counted: a thread's
-    instructions an iteration, by opcode (HMMA, PRMT, BAR, ...)."""
+def loop_instructions(compiled) -> list[str]:
+    """The SASS instructions of a kernel's main loop (the body of its widest backward branch), in order, without
+    their addresses, encodings or branch targets (so two builds' loops compare as code)."""
     lines = [(int(m.group(1), 16), m.group(2), line) for line in _cuobjdump(compiled, "-sass").splitlines()
              if (m := _LINE.match(line))]
     widest = None
@@ -69,4 +70,10 @@ def main_loop(compiled) -> collections.Counter:
             widest = (addr - int(b.group(1), 16), int(b.group(1), 16), i)
     assert widest, "no loop in this kernel"
     start = next(i for i, (addr, _, _) in enumerate(lines) if addr >= widest[1])
-    return collections.Counter(op for _, op, _ in lines[start:widest[2] + 1])
+    return [re.sub(r"/\*[0-9a-f]+\*/|0x[0-9a-f]+|;.*", "", line).strip() for _, _, line in lines[start:widest[2] + 1]]
+
+
+def main_loop(compiled) -> collections.Counter:
+    """The SASS opcodes of a kernel's main loop (``loop_instructions``), counted: a thread's instructions an
+    iteration, by opcode (HMMA, PRMT, BAR, ...)."""
+    return collections.Counter(_LINE_OP.match(line).group(1) for line in loop_instructions(compiled))
