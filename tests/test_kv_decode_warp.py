@@ -190,6 +190,21 @@ def test_int32_lengths_reads_int64_words_in_place(w):
     assert lw == 1 and words.tolist() == [5, 7]
 
 
+def _build_sm90(w, const: dict, head_dim: int = 128):
+    """``_decode_kernel`` built for sm_90 as a launch specializes it (``compile_signature``), or the test skipped
+    where Triton has no ptxas."""
+    from ssmq.kernels.build import compile_sm90
+
+    pointers, strides, _ = w.compile_signature(head_dim)
+    try:
+        return compile_sm90(w._decode_kernel, pointers, dict(const, w_h=1), floats=("scale",), num_warps=1,
+                            aligned=(*pointers, *strides))
+    except (FileNotFoundError, RuntimeError) as ex:
+        if "ptxas" in str(ex):
+            pytest.skip(f"no ptxas: {ex}")
+        raise
+
+
 @pytest.mark.parametrize("sink, paged, one, slots, bits, e, r",
                          [(1, 0, False, False, (4, 4), 128, 128), (0, 0, True, False, (4, 4), 128, 128),
                           (3, 64, False, False, (3, 3), 128, 128), (1, 0, False, True, (3, 3), 128, 128),
@@ -201,17 +216,10 @@ def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged
     once (LDS); no operand passes through shared memory (no STS in the loop), the loop's barriers are the one warp's
     own (at most 2); 16 tensor-core products a 16-token tile (keys: two halves x 4 k-steps; values: 8 row tiles), no
     spills; with the outliers' score buffer too."""
-    from ssmq.kernels.build import compile_sm90, main_loop, registers
+    from ssmq.kernels.build import main_loop, registers
 
-    pointers, strides, unit = w.compile_signature(e)
-    const = dict(w.constexprs(4 * e // 128, e, r, sink, paged, one, slots, slots, *bits, unit), w_h=1)
-    try:
-        c = compile_sm90(w._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
-                         aligned=(*pointers, *strides))
-    except (FileNotFoundError, RuntimeError) as ex:
-        if "ptxas" in str(ex):
-            pytest.skip(f"no ptxas: {ex}")
-        raise
+    unit = w.compile_signature(e)[2]
+    c = _build_sm90(w, w.constexprs(4 * e // 128, e, r, sink, paged, one, slots, slots, *bits, unit), e)
     regs, stack = registers(c)
     assert stack == 0 and regs <= 255
     loop = main_loop(c)
@@ -226,20 +234,12 @@ def test_warp_decode_compiles_for_sm90_with_operands_in_registers(w, sink, paged
 def test_int64_lengths_build_the_int32_loop(w, bits):
     """The launch for int64 lengths (LW = 2, the models' dtype) builds the loop of the int32 build, opcode for opcode:
     a kernel built for an int64 pointer had the same instructions in another order and ran 15% slower (session 37)."""
-    from ssmq.kernels.build import compile_sm90, loop_instructions
+    from ssmq.kernels.build import loop_instructions
 
-    pointers, strides, unit = w.compile_signature()
-    loops = []
-    for words in (1, 2):
-        const = dict(w.constexprs(4, 128, 128, 1, 0, False, False, False, bits, bits, unit, words), w_h=1)
-        try:
-            c = compile_sm90(w._decode_kernel, pointers, const, floats=("scale",), num_warps=1,
-                             aligned=(*pointers, *strides))
-        except (FileNotFoundError, RuntimeError) as ex:
-            if "ptxas" in str(ex):
-                pytest.skip(f"no ptxas: {ex}")
-            raise
-        loops.append(loop_instructions(c))
+    unit = w.compile_signature()[2]
+    loops = [loop_instructions(_build_sm90(w, w.constexprs(4, 128, 128, 1, 0, False, False, False, bits, bits, unit,
+                                                           words)))
+             for words in (1, 2)]
     assert len(loops[0]) > 500 and loops[0] == loops[1]
 
 
