@@ -13,6 +13,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 fisherclip --calib-seed 1   # k-means weights clipped
     python benchmarks/diag_kvquant.py --model smollm2 books      # a codebook per kv head / per channel
     python benchmarks/diag_kvquant.py --model smollm2 wide       # 64 windows spread over the whole test set
+    python benchmarks/diag_kvquant.py --model smollm2 vrot       # values rotated per head (Hadamard), no outliers
     python benchmarks/diag_kvquant.py --model hybrid split --windows 64   # any experiment on such windows
 
 ``wide`` evaluates float KV, nuq4-1% and nuq3-1% on --windows (64) windows evenly spaced over the whole WikiText-2
@@ -174,6 +175,10 @@ def variants(experiment: str, full: KVSpec):
     if experiment == "wide":
         return [("float KV", None, none()), ("nuq4-1%", spec_of("kvquant-nuq4-1%"), none()),
                 ("nuq3-1%", spec_of("kvquant-nuq3-1%"), none())]
+    if experiment == "vrot":
+        rotated = full.with_changes(values={"rotate": True, "outliers": 0.0})
+        return [("as it is", full, none()), ("values rotated, no value outliers", rotated, none()),
+                ("values rotated, uniform", rotated.with_changes(values={"dtype": "int"}), none())]
     if experiment == "calib":
         return [("float KV", None, none()), ("all", full, none())]
     if experiment == "pin":
@@ -213,7 +218,7 @@ def one_layer_at_a_time(formats, spec: KVSpec, ids, seqlen: int, limit: int, arg
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers",
-                                           "tokens", "fisherclip", "books", "wide"])
+                                           "tokens", "fisherclip", "books", "wide", "vrot"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)

@@ -52,6 +52,26 @@ def test_pinned_kmeans_keeps_the_ends_and_serves_min_max_vectors_better():
         assert weighted_error(u[ends], w[ends], pinned) == 0 < weighted_error(u[ends], w[ends], free)
 
 
+def test_rotated_nuq_side_weights_tokens_by_their_mean_fisher():
+    """A rotated side's k-means weights are each (token, head)'s mean Fisher (the rotated Fisher's diagonal in
+    expectation over the signs): tokens with no Fisher leave the codebook as fitted on the others alone."""
+    from ssmq.models.kv_quantizer import KVQuantizer
+    from ssmq.quant.kvquant.calibrate import fit_side
+
+    g = torch.Generator().manual_seed(3)
+    spec = KVSpec(KVSideSpec(4, "int", "per_token"), KVSideSpec(3, "nuq", "per_token", rotate=True), sink=0)
+    weighted = torch.randn(3000, 2, 16, generator=g)
+    ignored = torch.randn(3000, 2, 16, generator=g).sign() * 0.5  # two-valued: another codebook entirely
+    fisher = torch.rand(3000, 2, 16, generator=g)
+    both, alone = KVQuantizer(spec, 2, 16), KVQuantizer(spec, 2, 16)
+    fit_side(both, "values", torch.cat([weighted, ignored]), torch.cat([fisher, torch.zeros_like(fisher)]))
+    fit_side(alone, "values", weighted, fisher)
+    torch.testing.assert_close(both.v_codebook, alone.v_codebook, atol=1e-4, rtol=0)
+    flat = KVQuantizer(spec, 2, 16)
+    fit_side(flat, "values", torch.cat([weighted, ignored]), torch.ones(6000, 2, 16))
+    assert (flat.v_codebook - alone.v_codebook).abs().max() > 0.05
+
+
 def test_sparse_outliers_round_trip_exactly():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(50, 2, 16, generator=g).half().float()

@@ -109,7 +109,9 @@ def fit_side(kvq: KVQuantizer, which: str, x: torch.Tensor, fisher: torch.Tensor
     side, tag = kvq.side(which), which[0]
     if side.rotate:
         x = rotate_heads(x, getattr(kvq, f"{tag}_signs"))
-        fisher = torch.ones_like(x)  # the rotated Fisher is not diagonal; rotated formats use uniform levels
+        # the rotated Fisher is not diagonal; its diagonal's expectation over the random signs is each (token, head)'s
+        # mean over channels (the cross terms cancel), which keeps the tokens' weights for a nuq codebook
+        fisher = fisher.mean(-1, keepdim=True).expand_as(x)
     f = side.outliers
     if side.granularity == "per_channel":
         lo, hi = (x.quantile(f / 2, 0), x.quantile(1 - f / 2, 0)) if f else (x.amin(0), x.amax(0))
