@@ -8,7 +8,7 @@ Glossary: b rows, hq query heads, hkv kv heads, g = hq / hkv (GROUP), e head dim
 kv heads a program, whose channels side by side are the E = 128 channels of the products (the columns: their
 HEADS · g query heads, padded to N = 8), r rotary dim (0, 32, 64 or 128, at most e), HP = 64 slots a rotary half,
 S sink tokens, T = 16 tokens a tile, P splits of a row, q (lane % 4) and g8 (lane // 4) a lane's place in the 8 x 4
-grid of an m16n8k16 fragment.
+grid of an m16n8k16 fragment, LW int32 words from one row's length to the next (2: an int64 tensor read in place).
 
 Head dim 64, partial RoPE (session 35, 2026-11-29): the E channels are 8 chunks of 16, in the cache's byte order
 (the HEADS kv heads one after the other); a lane's bytes a token are always one chunk. The two rotary halves are
