@@ -56,6 +56,7 @@ def registers(compiled) -> tuple[int, int]:
 _LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _BRANCH = re.compile(r"BRA\s.*?0x([0-9a-f]+)")
 _LINE_OP = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_BRANCH_TARGET = re.compile(r"BRA\s.*$")
 
 
 def loop_instructions(compiled) -> list[str]:
@@ -70,7 +71,8 @@ def loop_instructions(compiled) -> list[str]:
             widest = (addr - int(b.group(1), 16), int(b.group(1), 16), i)
     assert widest, "no loop in this kernel"
     start = next(i for i, (addr, _, _) in enumerate(lines) if addr >= widest[1])
-    return [re.sub(r"/\*[0-9a-f]+\*/|0x[0-9a-f]+|;.*", "", line).strip() for _, _, line in lines[start:widest[2] + 1]]
+    code = [re.sub(r"/\*[0-9a-f]+\*/|;.*", "", line).strip() for _, _, line in lines[start:widest[2] + 1]]
+    return [_BRANCH_TARGET.sub("BRA", c) for c in code]
 
 
 def main_loop(compiled) -> collections.Counter:
