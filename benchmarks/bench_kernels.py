@@ -12,7 +12,12 @@ Each row also gives the fewest bytes the op must move (inputs read once, outputs
 over the measured device-to-device copy bandwidth: the time no kernel can beat.
 
     PYTHONPATH=/path/to/mamba_ssm_src python benchmarks/bench_kernels.py [--json out.json] [--dtype float16] \
-        [--only gemv]
+        [--only gemv] [--index-dtype int64]
+
+``--index-dtype int64`` times the state update with the models' int64 slot indices (the default int32 is the build
+the kernel tests compile; session 37 found the KV warp kernel 15% slower in its int64 build, and this kernel's int64
+build reorders its loop too: ``python benchmarks/bench_kernels.py --only state_update --index-dtype int32`` and
+``int64`` side by side tell whether it matters here; not yet run).
 
 mamba_ssm is optional (its rows are blank without it); it is a peer to compare with, never imported by ssmq.
 """
@@ -33,6 +38,8 @@ from ssmq.kernels import conv1d, gemv, mamba2_decode, norm, scan, ssd, state_upd
 from ssmq.ops.layout import mamba2_in_proj_segments
 
 DEV = "cuda"
+# the state update's slot indices: int32 as the kernel tests build it; the models pass int64 (--index-dtype)
+INDEX_DTYPE = torch.int32
 D_MODEL, D_INNER, H, P, N, G, T, W = 2560, 5120, 80, 64, 128, 1, 256, 4
 CONV_DIM = D_INNER + 2 * G * N
 VOCAB = 50288  # Mamba2-2.7B's padded vocabulary
@@ -123,7 +130,7 @@ def cases(dtype, pk):
         A = (-torch.rand(H, device=DEV))[:, None, None].expand(H, P, N)  # a view: the per-head path
         Bs, Cs = r(b, G, N), r(b, G, N)
         Dv, dtb = torch.randn(H, device=DEV)[:, None].expand(H, P), torch.randn(H, device=DEV)[:, None].expand(H, P)
-        idx = torch.arange(b, device=DEV, dtype=torch.int32)
+        idx = torch.arange(b, device=DEV, dtype=INDEX_DTYPE)
         args = (xs, dt, A, Bs, Cs, Dv, zs, dtb, True)
         out.append((f"state_update m2 b={b}", 2 * nbytes(st) + nbytes(xs, zs, xs), True,
                     bind(state_update.selective_state_update, st, *args, state_batch_indices=idx),
@@ -347,7 +354,11 @@ def main():
                     help="--sweep with the ssd default only; 'final': the scan default only too")
     ap.add_argument("--old", default=None, help="folder with ssd_orig.py / scan_orig.py to time as 'old' in --sweep")
     ap.add_argument("--only", default="", help="time only the rows whose name contains this (e.g. gemv)")
+    ap.add_argument("--index-dtype", default="int32", choices=["int32", "int64"],
+                    help="the state update's slot indices (the models pass int64; Triton builds a kernel per dtype)")
     args = ap.parse_args()
+    global INDEX_DTYPE
+    INDEX_DTYPE = getattr(torch, args.index_dtype)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     if args.sweep:
