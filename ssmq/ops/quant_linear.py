@@ -101,24 +101,31 @@ def int_matmul_ref(
         raise SSMQError(f"int_matmul_ref takes int8 codes, got {a_q.dtype} and {w_q.dtype}")
     m, k = a_q.shape
     n = w_q.shape[0]
+    if group_size is not None and k % group_size:
+        raise SSMQError(f"group size {group_size} does not divide k = {k}")
     # int32 GEMM is CPU-only in torch; float64 gives the same integers wherever it runs
     # (every partial sum is an integer below 2^53), so CUDA tensors take that route.
     acc_dtype = torch.float64 if a_q.is_cuda else torch.int32
-    a32, w32 = a_q.to(acc_dtype), w_q.to(acc_dtype)
+    w32 = w_q.to(acc_dtype)
     a_s = a_scale.float().reshape(-1, 1) if a_scale.numel() > 1 else a_scale.float().reshape(1, 1)  # (m|1, 1)
-    if group_size is None:
-        w_s = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(1, 1)
-        out = (a32 @ w32.T).float() * (a_s * w_s)
-    else:
-        if k % group_size:
-            raise SSMQError(f"group size {group_size} does not divide k = {k}")
-        out = torch.zeros(m, n, dtype=torch.float32, device=a_q.device)
+    out = torch.empty(m, n, dtype=torch.float32, device=a_q.device)
+    # rows a block: the epilogue's (rows, n) temporaries stay ~256 MB each (an lm_head of 50K columns over 32K
+    # tokens would hold four of 6.6 GB); every element's arithmetic is the same, so the blocks change no bit
+    rows = max(1, (1 << 26) // max(n, 1))
+    for r in range(0, m, rows):
+        a32 = a_q[r:r + rows].to(acc_dtype)
+        s_a = a_s[r:r + rows] if a_s.shape[0] > 1 else a_s
+        if group_size is None:
+            w_s = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(1, 1)
+            out[r:r + rows] = (a32 @ w32.T).float() * (s_a * w_s)
+            continue
+        block = out[r:r + rows].zero_()
         for t in range(k // group_size):
             cols = slice(t * group_size, (t + 1) * group_size)
-            acc = a32[:, cols] @ w32[:, cols].T  # (m, n) integers
-            out += acc.float() * (a_s * w_scale[:, t].float().reshape(1, n))
+            acc = a32[:, cols] @ w32[:, cols].T  # (rows, n) integers
+            block += acc.float() * (s_a * w_scale[:, t].float().reshape(1, n))
     if bias is not None:
-        out = out + bias.float()
+        out += bias.float()
     return out
 
 
