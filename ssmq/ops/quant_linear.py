@@ -108,6 +108,10 @@ def int_matmul_ref(
     acc_dtype = torch.float64 if a_q.is_cuda else torch.int32
     w32 = w_q.to(acc_dtype)
     a_s = a_scale.float().reshape(-1, 1) if a_scale.numel() > 1 else a_scale.float().reshape(1, 1)  # (m|1, 1)
+    if group_size is None:  # (1, n|1)
+        w_s = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(1, 1)
+    else:  # (groups, 1, n)
+        w_s = w_scale.float().T.reshape(k // group_size, 1, n)
     out = torch.empty(m, n, dtype=torch.float32, device=a_q.device)
     # rows a block: the epilogue's (rows, n) temporaries stay ~256 MB each (an lm_head of 50K columns over 32K
     # tokens would hold four of 6.6 GB); every element's arithmetic is the same, so the blocks change no bit
@@ -116,14 +120,13 @@ def int_matmul_ref(
         a32 = a_q[r:r + rows].to(acc_dtype)
         s_a = a_s[r:r + rows] if a_s.shape[0] > 1 else a_s
         if group_size is None:
-            w_s = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(1, 1)
             out[r:r + rows] = (a32 @ w32.T).float() * (s_a * w_s)
-            continue
-        block = out[r:r + rows].zero_()
-        for t in range(k // group_size):
-            cols = slice(t * group_size, (t + 1) * group_size)
-            acc = a32[:, cols] @ w32[:, cols].T  # (rows, n) integers
-            block += acc.float() * (s_a * w_scale[:, t].float().reshape(1, n))
+        else:
+            block = out[r:r + rows].zero_()
+            for t in range(k // group_size):
+                cols = slice(t * group_size, (t + 1) * group_size)
+                acc = a32[:, cols] @ w32[:, cols].T  # (rows, n) integers
+                block += acc.float() * (s_a * w_s[t])
     if bias is not None:
         out += bias.float()
     return out
