@@ -60,6 +60,25 @@ def _launch_args(su, call):
     return got["args"], got["kwargs"]
 
 
+def test_int32_words_reads_int64_in_place():
+    """An int64 index tensor is read in place as its low int32 words (the same storage, 2 words an entry); int32 as it
+    is; a strided int64 view, which has no such words at a fixed stride, and other dtypes are copied to int32."""
+    import torch
+
+    from ssmq.kernels._common import int32_words
+
+    lens = torch.tensor([1, 300, 2**31 - 1, -1])
+    words, lw = int32_words(lens)
+    assert lw == 2 and words.dtype == torch.int32 and words.data_ptr() == lens.data_ptr()
+    assert words[::lw].tolist() == lens.tolist()
+    short = lens.int()
+    assert int32_words(short) == (short, 1)
+    strided = torch.tensor([[5, 0], [7, 0]])[:, 0]
+    words, lw = int32_words(strided)
+    assert lw == 1 and words.dtype == torch.int32 and words.tolist() == [5, 7]
+    assert int32_words(None) == (None, 1)
+
+
 @pytest.mark.parametrize("state", ["fp16", "int8", "int8rows"])
 @pytest.mark.parametrize("replay", [False, True])
 def test_state_update_compiles_as_launched(state, replay):

@@ -176,20 +176,6 @@ def test_eligible_formats(w):
     assert not w.eligible(view(levels=15), V, 128, 4)  # the kernel reads 16 codebook entries
 
 
-def test_int32_lengths_reads_int64_words_in_place(w):
-    """An int64 tensor's lengths are read in place from its low words (no copy: the same storage); int32 ones as
-    they are; a strided int64 view, which has no such words at a fixed stride, is copied to int32."""
-    lens = torch.tensor([1, 300, 2**31 - 1])
-    words, lw = w.int32_lengths(lens)
-    assert lw == 2 and words.dtype == torch.int32 and words.data_ptr() == lens.data_ptr()
-    assert words[::lw].tolist() == lens.tolist()
-    short = lens.int()
-    assert w.int32_lengths(short) == (short, 1)
-    strided = torch.tensor([[5, 0], [7, 0]])[:, 0]
-    words, lw = w.int32_lengths(strided)
-    assert lw == 1 and words.tolist() == [5, 7]
-
-
 def _build_sm90(w, const: dict, head_dim: int = 128):
     """``_decode_kernel`` built for sm_90 as a launch specializes it (``compile_signature``), or the test skipped
     where Triton has no ptxas."""

@@ -150,6 +150,25 @@ def sm_count(device: torch.device) -> int:
         if device.type == "cuda" else 132
 
 
+def int32_words(index: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """A kernel's (b,) index or length tensor (values in [-2^31, 2^31)) as int32 words and the words from one entry
+    to the next: an int64 tensor's own storage read in place (2: the low word of each, little-endian as every CUDA
+    GPU), else int32 (1; a strided or other-dtype tensor is copied). None stays None (1). Reading the words in place
+    adds no cast launch to a decode step (nor to a graph).
+
+    Why: Triton builds a kernel once for each pointer dtype, and ptxas may schedule the int64 build's code
+    differently, with the same instructions. The models pass int64 lengths and slots. The warp KV decode's int64 build
+    ran 15% slower (2-bit, 166 rows x 32K tokens, H200), so it reads its lengths through this. Measure before using
+    it elsewhere: the int8 state update's int64 build was 7-8% slower in ``bench_int8_ssm.py``'s micro-benchmark, but
+    inside Mamba2-2.7B's decode graph it was the faster one (81.8 against 84.1 us a layer with these words at batch
+    128, H200, 2026-11-29: ``benchmarks/results/index_dtype_h200/``), so the state update keeps its int64 slots."""
+    if index is None:
+        return None, 1
+    if index.dtype == torch.int64 and index.dim() == 1 and index.stride(0) == 1:
+        return index.view(torch.int32), 2
+    return index.to(torch.int32).contiguous(), 1
+
+
 def pow2(x: int, lo: int = 1) -> int:
     """Smallest power of two >= max(x, lo): Triton block shapes must be powers of two."""
     return max(lo, triton.next_power_of_2(int(x)))

@@ -59,6 +59,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ssmq.errors import SSMQError
+from ssmq.kernels._common import int32_words
 from ssmq.kernels.kv_decode import (_sm_count, combine_splits, paging, resident_programs, split_outputs,
                                     whole_rounds)
 from ssmq.kernels.kv_decode_fast import (_LUT2, _LUT2_CONSTRAINTS, _LUT3, _LUT3_CONSTRAINTS, _LUT4, _LUT4_CONSTRAINTS,
@@ -378,7 +379,7 @@ def _decode_kernel(q, slots, lens, sinv, angles, rope, kscales, klut, vlut, out,
     The codes' strides (k_s .. v_h) come in units of SU bytes (16, or 8 where a stride is not a multiple of 16: a
     3-bit head of 64 channels is 24 bytes), which tells the compiler how far the copies' addresses are aligned.
     ``sinv``: the inverse frequencies in slot order (0 where RoPE leaves a channel). ``lens``: int32 words, a row's
-    length every LW of them (``int32_lengths``)."""
+    length every LW of them (``ssmq.kernels._common.int32_words``)."""
     HP: gl.constexpr = E // 2
     HEADS: gl.constexpr = E // EH
     PAIR: gl.constexpr = 16 << HBIT  # channels from a slot's channel in half a to its partner in half b
@@ -556,17 +557,6 @@ def constexprs(group: int, head_dim: int, rotary_dim: int, sink: int, paged_bloc
                 VBITS=value_bits, STAGES=STAGES, LW=length_words)
 
 
-def int32_lengths(kv_lens: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``kv_lens`` (b,) as int32 words and LW, the words from one row's length to the next: an int64 tensor's own
-    words read in place (LW = 2: the low word of each, little-endian; lengths < 2^31), else int32 (LW = 1).
-    So the launch never builds the kernel for an int64 pointer, and adds no cast launch to a step. Why: ptxas
-    schedules the loop of that build differently, and it ran 15% slower (2-bit, 166 rows x 32K tokens on the H200:
-    3.79 against 3.28 ms a layer; the models pass int64 lengths), though it has the same loop instructions."""
-    if kv_lens.dtype == torch.int64 and kv_lens.stride(0) == 1:
-        return kv_lens.view(torch.int32), 2
-    return kv_lens.to(torch.int32).contiguous(), 1
-
-
 CODE_STRIDES = ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h")  # the codes' strides, in SU-byte units
 
 
@@ -694,7 +684,7 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
     out, ws = split_outputs(b, hq, e, splits, q.device)
     ks, vs = k.sink, v.sink
-    lens, words = int32_lengths(kv_lens)
+    lens, words = int32_words(kv_lens)
     _decode_kernel[(*grid, splits)](
         q, slots, lens, _slot_inv_freq_on(e, rotary_dim, theta, k.bits, q.device),
         tile_angles(capacity, e, rotary_dim, theta, k.bits, q.device),
