@@ -44,6 +44,10 @@ H, P, N, G = 80, 64, 128, 1  # Mamba2-2.7B: 80 heads of 64, d_state 128, one B/C
 STATE_GROUPS = 16  # Quamba2's m x n = 4 x 4 scale groups of x (and of the state)
 HBM_BPS = 3.35e12
 SPAN_BYTES = 256 << 20  # the states one graph walks through: larger than L2 (50 MB)
+# the slot indices' dtype (--index-dtype; the state table's index is int64, as the models'): Triton builds a kernel
+# per pointer dtype. The models pass int64; int32 by default, as the README's figures ran. H200, 2026-11-29: the int8
+# int64 build 7-8% slower here at batch 32-256, not inside Mamba2-2.7B's decode graph (results/index_dtype_h200/)
+INDEX_DTYPE = torch.int32
 
 
 def peer():
@@ -82,7 +86,7 @@ def micro_row(b: int, pk, only_int8: bool = False) -> dict:
     row_fp16 = H * P * N * 2
     blocks = max(1, math.ceil(SPAN_BYTES / (b * row_fp16)))
     s = blocks * b
-    slots = [torch.arange(k * b, (k + 1) * b, device=DEV, dtype=torch.int32) for k in range(blocks)]
+    slots = [torch.arange(k * b, (k + 1) * b, device=DEV, dtype=INDEX_DTYPE) for k in range(blocks)]
     codes = lambda *shape: torch.randint(-128, 128, shape, device=DEV, dtype=torch.int8, generator=gen)  # noqa: E731
     state16 = torch.randn(s, H, P, N, device=DEV, dtype=torch.float16, generator=gen) * 0.1
     state8 = codes(s, H, P, N)
@@ -285,13 +289,17 @@ def main() -> None:
                          "-1: dynamic row scales, RowScales (s, h, p))")
     ap.add_argument("--state-scales", choices=STATE_SCALES, default="x_groups",
                     help="--e2e: the int8 state's calibrated scale table (recipe cache.state_scales)")
+    ap.add_argument("--index-dtype", default="int32", choices=["int32", "int64"],
+                    help="the micro's slot indices (the models pass int64; Triton builds a kernel per pointer dtype)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/int8_ssm"))
     args = ap.parse_args()
     globals()["STATE_GROUPS"] = args.state_groups
+    globals()["INDEX_DTYPE"] = getattr(torch, args.index_dtype)
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-           "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS), "hbm_Bps": HBM_BPS, "micro": [], "sweep": [], "e2e": {}}
+           "shape": dict(h=H, p=P, n=N, g=G, state_groups=STATE_GROUPS),
+           "index_dtype": args.index_dtype, "hbm_Bps": HBM_BPS, "micro": [], "sweep": [], "e2e": {}}
 
     def save():
         (outdir / "int8_ssm.json").write_text(json.dumps(out, indent=2))

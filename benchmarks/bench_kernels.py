@@ -14,10 +14,10 @@ over the measured device-to-device copy bandwidth: the time no kernel can beat.
     PYTHONPATH=/path/to/mamba_ssm_src python benchmarks/bench_kernels.py [--json out.json] [--dtype float16] \
         [--only gemv] [--index-dtype int64]
 
-``--index-dtype int64`` times the state update with the models' int64 slot indices (the default int32 is the build
-the kernel tests compile; session 37 found the KV warp kernel 15% slower in its int64 build, and this kernel's int64
-build reorders its loop too: ``python benchmarks/bench_kernels.py --only state_update --index-dtype int32`` and
-``int64`` side by side tell whether it matters here; not yet run).
+``--index-dtype int64`` times the state update with the models' int64 slot indices (default int32, the build the
+kernel tests compile; Triton builds one kernel per pointer dtype). Measured on the H200 (2026-11-29, session 38,
+``benchmarks/results/index_dtype_h200/``): the fp16 state update the same either way; the int8 one (``bench_int8_ssm.py
+--index-dtype``) 7-8% slower in its int64 build in the micro-benchmark, but not inside the model's decode graph.
 
 mamba_ssm is optional (its rows are blank without it); it is a peer to compare with, never imported by ssmq.
 """
