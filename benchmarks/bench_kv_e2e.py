@@ -16,7 +16,8 @@ quantize-and-append kernel (``kernels.kv_append``) and decodes through the LUT k
 2026-11-28). A case
 B:C fills B rows of the cache to C tokens with random contents (the kernels' speed does not depend on the values;
 every outlier slot filled, distinct and in index order, as ``bench_kvquant.py`` does: an upper bound on their
-work) and times ``--steps`` graph replays (median ms a step, CUDA events); ``--profile`` prints the kernels of one
+work; ``--key-live 0.5`` leaves a random half of the keys' slots empty, about what the 1% per-channel thresholds
+leave of their 2 x 1% slots) and times ``--steps`` graph replays (median ms a step, CUDA events); ``--profile`` prints the kernels of one
 eager step a row. "KV GB" is the cache's attention bytes
 for the B rows. Writes kv_e2e.json, kv_e2e.md and kv_e2e.png to --out.
 """
@@ -43,6 +44,7 @@ from random_model import random_model  # noqa: E402
 from ssmq.kernels import dispatch  # noqa: E402
 from ssmq.models.quant_kv import QuantKVState  # noqa: E402
 from ssmq.models.state import KVState  # noqa: E402
+from ssmq.ops.kv_quant import order_slots  # noqa: E402
 from ssmq.quant.kv_formats import kv_format  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
 
@@ -58,9 +60,10 @@ def set_kv(model, kv: str) -> None:
 
 
 @torch.no_grad()
-def fill(cache, rows: int, context: int) -> int:
-    """Random contents for the attention states of ``cache``, the first ``rows`` slots at ``context`` tokens; their
-    attention bytes."""
+def fill(cache, rows: int, context: int, key_live: float = 1.0) -> int:
+    """Random contents for the attention states of ``cache``, the first ``rows`` slots at ``context`` tokens (a
+    random ``key_live`` share of the keys' outlier slots holding one, the rest empty and last); their attention
+    bytes."""
     nbytes = 0
     for st in cache.states:
         if isinstance(st, KVState):
@@ -76,7 +79,10 @@ def fill(cache, rows: int, context: int) -> int:
                 n, width = side.out_idx.shape[-1], side.sink.shape[-2] * side.sink.shape[-1]
                 if n:  # n distinct indices a token, spread over the row, ascending
                     first = torch.randint(0, width // n, side.out_idx.shape[:-1] + (1,), device=side.codes.device)
-                    side.out_idx.copy_(first + torch.arange(n, device=side.codes.device) * (width // n))
+                    idx = first + torch.arange(n, device=side.codes.device) * (width // n)
+                    if side is st.k and key_live < 1.0:
+                        idx = torch.where(torch.rand(idx.shape, device=idx.device) < key_live, idx, -1)
+                    side.out_idx.copy_(order_slots(idx))
                     side.out_val.normal_()
                 side.sink.normal_()
             nbytes += st.nbytes() * rows // st.k.codes.shape[0]
@@ -115,7 +121,8 @@ def profile_step(model, cache, rows: int, top: int = 12) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=60)
 
 
-def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, prof: bool = False) -> list[dict]:
+def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, prof: bool = False,
+        key_live: float = 1.0) -> list[dict]:
     cfg = PUBLISHED[name]
     model = random_model(cfg, dtype=torch.float16)
     rows = []
@@ -127,10 +134,10 @@ def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, pro
             dispatch._KV_FUSED_APPEND = not kv.endswith("+ref")
             dispatch._KV_FAST = kv != "fp16-first"
             KVState.decode = kernel if kv != "fp16-ref" else (lambda self, *a: None)
-            r = {"model": name, "batch": rows_, "context": context, "kv": kv}
+            r = {"model": name, "batch": rows_, "context": context, "kv": kv, "key_live": key_live}
             try:
                 dec = CudaGraphDecoder(model, max_batch=rows_, max_seqlen=context + 2 * steps + 8, buckets=(rows_,))
-                r["kv_GB"] = fill(dec.cache, rows_, context) / 1e9
+                r["kv_GB"] = fill(dec.cache, rows_, context, key_live) / 1e9
                 r["ms_per_step"] = time_steps(dec, rows_, steps)
                 r["tokens_per_s"] = rows_ * 1e3 / r["ms_per_step"]
                 if prof:
@@ -188,10 +195,15 @@ def main() -> None:
     ap.add_argument("--kv", default="fp16,fp16-ref,nuq4,nuq4-1%,nuq3-1%,nuq2-1%")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--profile", action="store_true", help="also print the GPU kernels of one eager step a row")
+    ap.add_argument("--key-live", type=float, default=1.0,
+                    help="share of the keys' outlier slots holding one (1: all, the upper bound; calibrated 1%% "
+                         "thresholds fill about half)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out/kv_e2e"))
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
-    rows = run(args.model, cases, args.kv.split(","), args.steps, args.profile)
+    if not 0.0 <= args.key_live <= 1.0:
+        raise SystemExit(f"bench_kv_e2e: --key-live must be in [0, 1], got {args.key_live}")
+    rows = run(args.model, cases, args.kv.split(","), args.steps, args.profile, args.key_live)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
