@@ -14,6 +14,7 @@
     python benchmarks/diag_kvquant.py --model smollm2 books      # a codebook per kv head / per channel
     python benchmarks/diag_kvquant.py --model smollm2 wide       # 64 windows spread over the whole test set
     python benchmarks/diag_kvquant.py --model smollm2 vrot       # values rotated per head (Hadamard), no outliers
+    python benchmarks/diag_kvquant.py --model smollm2 perhead    # outlier slots split among the kv heads
     python benchmarks/diag_kvquant.py --model hybrid split --windows 64   # any experiment on such windows
 
 ``wide`` evaluates float KV, nuq4-1% and nuq3-1% on --windows (64) windows evenly spaced over the whole WikiText-2
@@ -34,6 +35,7 @@ import torch
 from run_kvquant_table import WINDOWS, evaluate, load_calibrated, spec_of, spread_windows
 
 import ssmq.models.kv_format as kv_format
+import ssmq.ops.kv_quant as kv_quant
 import ssmq.quant.kvquant.calibrate as calibrate
 from ssmq.eval.perplexity import wikitext2_path
 from ssmq.models.kv_format import KVSideSpec, KVSpec
@@ -41,6 +43,7 @@ from ssmq.models.kv_quantizer import KVQuantizer
 
 ORIG_SLOTS, ORIG_FIT, ORIG_KMEANS = kv_format.KVSideSpec.outlier_slots, calibrate.fit_side, calibrate.weighted_kmeans
 ORIG_FAKE_QUANT = KVQuantizer.fake_quant
+ORIG_SELECT = kv_quant.select_outliers
 
 
 @contextlib.contextmanager
@@ -141,6 +144,29 @@ def grouped_fake_quant(self, x, positions, which):
     return out
 
 
+def per_head_outliers(rounding):
+    """select_outliers with a token's k slots split among its hkv kv heads: each (token, kv head) keeps its own
+    rounding(k / hkv) (at least 1) by the same rule, as a decode that reads one kv head's slots with its codes would
+    store them (fixed slots by kv head instead of by token). Per-channel thresholds then clip a head's excess even
+    where another head of the token has slots to spare."""
+    import dataclasses
+
+    def select(x, p):
+        if p.k == 0:
+            return ORIG_SELECT(x, p)
+        t, hkv, e = x.shape
+        kh = max(1, rounding(p.k / hkv))
+        parts = []
+        for h in range(hkv):
+            ph = dataclasses.replace(p, k=kh, lo=None if p.lo is None else p.lo[h:h + 1],
+                                     hi=None if p.hi is None else p.hi[h:h + 1])
+            idx, val, mask = ORIG_SELECT(x[:, h:h + 1], ph)
+            parts.append((torch.where(idx >= 0, idx + h * e, -1), val, mask))
+        idx, val = kv_quant.order_slots(torch.cat([q[0] for q in parts], 1), torch.cat([q[1] for q in parts], 1))
+        return idx.to(torch.int16), val, torch.cat([q[2] for q in parts], 1)
+    return select
+
+
 def variants(experiment: str, full: KVSpec):
     """(label, spec, patch context) rows of one experiment."""
     none = contextlib.nullcontext
@@ -181,6 +207,16 @@ def variants(experiment: str, full: KVSpec):
                 ("values rotated, uniform", rotated.with_changes(values={"dtype": "int"}), none())]
     if experiment == "calib":
         return [("float KV", None, none()), ("all", full, none())]
+    if experiment == "perhead":
+        import math
+
+        def rows(label, rounding):
+            sel = per_head_outliers(rounding)
+            return (label, full, _stack(patched(kv_quant, "select_outliers", sel),
+                                        patched(calibrate, "select_outliers", sel)))
+        return [("slots by token (the default)", full, none()),
+                ("slots by kv head, ceil(k / hkv) each", *rows("", math.ceil)[1:]),
+                ("slots by kv head, floor(k / hkv) each (>= 1)", *rows("", math.floor)[1:])]
     if experiment == "pin":
         return [("key ends free (the default)", full, none()),
                 ("key ends pinned at -1 / 1", full, patched(calibrate, "weighted_kmeans", pinned_kmeans))]
@@ -218,7 +254,7 @@ def one_layer_at_a_time(formats, spec: KVSpec, ids, seqlen: int, limit: int, arg
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiment", choices=["split", "dtypes", "slots", "fisher", "calib", "knobs", "pin", "layers",
-                                           "tokens", "fisherclip", "books", "wide", "vrot"])
+                                           "tokens", "fisherclip", "books", "wide", "vrot", "perhead"])
     ap.add_argument("--model", default="smollm2", choices=list(WINDOWS))
     ap.add_argument("--preset", default="kvquant-nuq3-1%")
     ap.add_argument("--calib-seqlen", type=int, default=512)
