@@ -17,9 +17,8 @@ quantize-and-append kernel (``kernels.kv_append``) and decodes through the LUT k
 B:C fills B rows of the cache to C tokens with random contents (the kernels' speed does not depend on the values;
 every outlier slot filled, distinct and in index order, as ``bench_kvquant.py`` does: an upper bound on their
 work; ``--key-live 0.5`` leaves a random half of the keys' slots empty, about what the 1% per-channel thresholds
-leave of their 2 x 1% slots) and times ``--steps`` graph replays (median ms a step, CUDA events); ``--profile`` prints the kernels of one
-eager step a row. "KV GB" is the cache's attention bytes
-for the B rows. Writes kv_e2e.json, kv_e2e.md and kv_e2e.png to --out.
+leave of their 2 x 1% slots) and times ``--steps`` graph replays (median ms a step, CUDA events); ``--profile``
+prints the kernels of one eager step a row. "KV GB" is the cache's attention bytes for the B rows. Writes kv_e2e.json, kv_e2e.md and kv_e2e.png to --out.
 """
 
 from __future__ import annotations

@@ -210,13 +210,13 @@ def variants(experiment: str, full: KVSpec):
     if experiment == "perhead":
         import math
 
-        def rows(label, rounding):
-            sel = per_head_outliers(rounding)
+        def by_head(label, rounding):
+            sel = per_head_outliers(rounding)  # calibration imports the name: patch both
             return (label, full, _stack(patched(kv_quant, "select_outliers", sel),
                                         patched(calibrate, "select_outliers", sel)))
         return [("slots by token (the default)", full, none()),
-                ("slots by kv head, ceil(k / hkv) each", *rows("", math.ceil)[1:]),
-                ("slots by kv head, floor(k / hkv) each (>= 1)", *rows("", math.floor)[1:])]
+                by_head("slots by kv head, ceil(k / hkv) each", math.ceil),
+                by_head("slots by kv head, floor(k / hkv) each (>= 1)", math.floor)]
     if experiment == "pin":
         return [("key ends free (the default)", full, none()),
                 ("key ends pinned at -1 / 1", full, patched(calibrate, "weighted_kmeans", pinned_kmeans))]
