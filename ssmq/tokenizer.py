@@ -56,7 +56,11 @@ def _from_gguf(path: Path) -> Tokenizer:
                         "pip install -e \".[kv]\"") from None
     from gguf import GGUFReader
 
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError) as e:
+        raise SSMQError(f"cannot read the tokenizer of {path}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     # the file's own EOS (SmolLM2: 2, <|im_end|>, what transformers' generate stops at); transformers 5.17's
     # tokenizer reports the BOS id as eos_token_id for this file
     field = GGUFReader(str(path)).fields.get("tokenizer.ggml.eos_token_id")
@@ -75,7 +79,10 @@ def load_tokenizer(where: str | os.PathLike | None = None) -> Tokenizer:
         return _from_gguf(Path(where))
     for path in _candidates(where):
         if path.is_file() and path.name.endswith(".json"):
-            backend = _Backend.from_file(str(path))
+            try:
+                backend = _Backend.from_file(str(path))
+            except Exception as e:  # the Rust library raises plain Exceptions: truncated / not a tokenizer
+                raise SSMQError(f"cannot read the tokenizer {path}: {str(e).splitlines()[0][:200]}") from None
             eos = backend.token_to_id("<|endoftext|>")
             return Tokenizer(backend, eos_id=0 if eos is None else eos)
     raise SSMQError(

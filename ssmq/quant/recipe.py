@@ -65,10 +65,20 @@ class Transform:
     def validate(self) -> "Transform":
         if self.name not in TRANSFORMS:
             raise SSMQError(f"unknown transform {self.name!r}; known: {', '.join(TRANSFORMS)}")
+        if not isinstance(self.params, dict):
+            raise SSMQError(f"transform {self.name} field 'params' must be an object, got {self.params!r}")
         unknown = set(self.params) - set(TRANSFORMS[self.name])
         if unknown:
             raise SSMQError(f"unknown parameter(s) {sorted(unknown)} of transform {self.name}; "
                             f"known: {sorted(TRANSFORMS[self.name])}")
+        for key, value in self.params.items():  # each parameter has the JSON type of its default
+            default = TRANSFORMS[self.name][key]
+            ok = isinstance(value, bool) if isinstance(default, bool) else (
+                isinstance(value, (int, float) if isinstance(default, float) else type(default))
+                and not isinstance(value, bool))
+            if not ok:
+                kind = {bool: "true or false", int: "an integer", float: "a number"}[type(default)]
+                raise SSMQError(f"transform {self.name} parameter {key!r} must be {kind}, got {value!r}")
         alpha = self.get("alpha") if self.name == "smoothquant" else 0.5
         if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0):
             raise SSMQError(f"smoothquant alpha must be in [0, 1], got {alpha!r}")
@@ -96,8 +106,10 @@ class Rule:
     def from_dict(cls, d: dict) -> "Rule":
         if isinstance(d, dict) and ("modules" not in d or "weight" not in d):
             raise SSMQError("a rule needs 'modules' (patterns) and 'weight'")
+        if isinstance(d, dict) and isinstance(d["modules"], str):  # one pattern
+            d = {**d, "modules": [d["modules"]]}
         r = _from(cls, d, "rule")
-        r.modules = [r.modules] if isinstance(r.modules, str) else list(r.modules)
+        r.modules = list(r.modules)
         r.weight = WeightSpec.from_dict(r.weight)
         r.act = None if r.act is None else ActSpec.from_dict(r.act)
         validate_pair(r.weight, r.act)
@@ -183,6 +195,12 @@ class Calibration:
     state_chunk: int = 128
     kv_windows: int = 16  # windows whose keys, values and gradients calibrate a KV format
 
+    def validate(self) -> "Calibration":
+        for name in ("state_windows", "state_chunk", "kv_windows"):
+            if getattr(self, name) < 1:
+                raise SSMQError(f"calibration field {name!r} must be >= 1, got {getattr(self, name)}")
+        return self
+
 
 @dataclass
 class Search:
@@ -200,6 +218,12 @@ class Search:
         r = list(self.a8_to_a16)
         if len(r) != 2 or min(r) < 0 or sum(r) == 0:
             raise SSMQError(f"a8_to_a16 must be two non-negative counts, got {r}")
+        for name in ("population", "generations", "heldout_windows", "heldout_seqlen"):
+            if getattr(self, name) < 1:
+                raise SSMQError(f"search field {name!r} must be >= 1, got {getattr(self, name)}")
+        for name in ("mutations", "crossovers", "seed"):
+            if getattr(self, name) < 0:
+                raise SSMQError(f"search field {name!r} must be >= 0, got {getattr(self, name)}")
         return self
 
 
@@ -232,7 +256,8 @@ class Recipe:
         if ssm_parts and other:
             raise SSMQError(f"recipe {self.name!r}: SSM taps, transforms and caches are for "
                             f"{', '.join(SSM_ARCHS)}, not {', '.join(other)}")
-        for part in (*self.transforms, *self.taps, self.cache, *([self.search] if self.search else [])):
+        for part in (*self.transforms, *self.taps, self.cache, self.calibration,
+                     *([self.search] if self.search else [])):
             part.validate()
         for r in self.linears:
             validate_pair(r.weight, r.act)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from ssmq.errors import SSMQError
+from ssmq.errors import SSMQError, check_field_types
 from ssmq.quant.observers import OBSERVERS
 from ssmq.quant.primitives import (
     QTYPES,
@@ -27,12 +27,18 @@ from ssmq.quant.primitives import (
 
 
 def _from_dict(cls, d: dict, what: str):
+    if not isinstance(d, dict):
+        raise SSMQError(f"a {what} is a JSON object, not {type(d).__name__}")
     known = {f.name for f in fields(cls)}
     unknown = set(d) - known
     if unknown:
         raise SSMQError(f"unknown {what} field(s) {sorted(unknown)}; known: {sorted(known)}")
+    check_field_types(cls, d, what)
     d = dict(d)
-    if "granularity" in d and isinstance(d["granularity"], str):
+    if "granularity" in d:
+        if not isinstance(d["granularity"], str):
+            raise SSMQError(f"{what} field 'granularity' must be a string (per_tensor, per_channel, per_token, "
+                            f"per_group:G), got {d['granularity']!r}")
         d["granularity"] = granularity_from_str(d["granularity"])
     return cls(**d)
 

@@ -35,6 +35,14 @@ def load_from_args(args, load=None):
     from ssmq.tokenizer import load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise SSMQError(f"--device {device!r} is not a device ssmq runs on: cpu, cuda or cuda:N")
+    if kind == "cuda" and torch.cuda.is_available() and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        raise SSMQError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SSMQError(f"--device {device} asked for, but CUDA is not available on this machine")
     default_dtype = "bfloat16" if device.startswith("cuda") else "float32"

@@ -133,6 +133,9 @@ def make_plan(cfg: ModelConfig, model: str, fmt: CacheFormat, gpu_mem: int, rese
         weights = float_weight_bytes(cfg, fmt.act_dtype)
         weights_source = (f"{parameter_count(cfg)['total'] / 1e6:.1f} M parameters × {DTYPE_BYTES[fmt.act_dtype]} B, "
                           f"{fmt.act_dtype}")
+    if weights + reserve >= gpu_mem:
+        raise SSMQError(f"--gpu-mem {human(gpu_mem)} does not hold the weights ({human(weights)}) and the reserve "
+                        f"({human(reserve)}): nothing fits")
     plan = Plan(model, cfg.arch, layers_text(cfg), weights, weights_source, fmt, gpu_mem, reserve, batch, context,
                 state_bytes(cfg, fmt), kv_bytes_per_token(cfg, fmt.kv))
     plan.max_context, plan.max_batch = fit(plan.budget, sum(plan.state.values()), plan.kv_per_token, batch, context)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
+from ssmq.paths import check_output_location
 from ssmq.runtime.plan import (CacheFormat, Plan, cache_bytes, fit, human, kv_bytes_per_token, make_plan,
                                parse_bytes, parse_reserve, state_bytes)
 
@@ -181,8 +182,6 @@ def report(plan: Plan, rows: list[dict]) -> str:
         + f" at batch {plan.batch}",
         f"{'largest batch':<26} {plan.max_batch:,} at context {plan.context:,}",
     ]
-    if plan.budget <= 0:
-        lines.append("the weights and the reserve alone exceed --gpu-mem: nothing fits")
     head = f"{'format':<30} {'KV/token':>11} {'state/seq':>11} {'ctx @ b=' + str(plan.batch):>24} " \
            f"{'batch @ ' + str(plan.context):>12} {'mem @ b, ctx':>12}"
     lines += ["", head, "-" * len(head)]
@@ -197,6 +196,11 @@ def run(args) -> None:
     from ssmq.runtime.plan_plot import contexts, plot
 
     gpu_mem = parse_bytes(args.gpu_mem, "--gpu-mem")
+    if args.out is not None:  # before any work: a folder that cannot be written is told at once
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise SSMQError(f"--out {out} is a file, not a folder")
+        check_output_location(out / "plan.json", what="--out")
     cfg, name, fmt, weights = resolve(args)
     plan = make_plan(cfg, name, fmt, gpu_mem, parse_reserve(args.reserve, gpu_mem), args.batch, args.context,
                      **weights)
@@ -205,9 +209,6 @@ def run(args) -> None:
     print(report(plan, rows))
     if args.out is None:
         return
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise SSMQError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     xs = contexts(plan, formats, cfg)
     curves = {f.label(cfg): [plan.memory(plan.batch, x, cfg, f) for x in xs] for f in formats}

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ssmq.runtime.sampling import seed_problem
+
 MAX_N = 16  # choices per prompt
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 5, vLLM 20)
 MAX_STOPS = 4  # stop strings (as OpenAI)
@@ -125,8 +127,8 @@ def check(req: CompletionRequest, prompts: list[Prompt], vocab_size: int, max_mo
         raise APIError(400, f"top_k must be -1 (off) or >= 0, got {req.top_k}", "top_k")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in 0..{MAX_LOGPROBS}, got {req.logprobs}", "logprobs")
-    if req.seed is not None and not 0 <= req.seed < 2**63:
-        raise APIError(400, f"seed must be in [0, 2**63), got {req.seed}", "seed")
+    if seed_problem(req.seed):
+        raise APIError(400, seed_problem(req.seed), "seed")
     stops = stop_strings(req)
     if len(stops) > MAX_STOPS or any(s == "" for s in stops):
         raise APIError(400, f"stop takes at most {MAX_STOPS} non-empty strings", "stop")

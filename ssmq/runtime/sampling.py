@@ -9,6 +9,16 @@ import torch
 from ssmq.errors import SSMQError
 
 
+SEED_LIMIT = 2**63  # seeds are torch.Generator seeds: [0, 2**63)
+
+
+def seed_problem(seed) -> str | None:
+    """Why ``seed`` is refused (one line), or None: the one rule ``ssmq generate`` and the server apply."""
+    if seed is None or (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < SEED_LIMIT):
+        return None
+    return f"seed must be an integer in [0, 2**63), got {seed!r}"
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
@@ -29,6 +39,8 @@ class SamplingParams:
             raise SSMQError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise SSMQError(f"top_k must be >= 0, got {self.top_k}")
+        if seed_problem(self.seed):
+            raise SSMQError(seed_problem(self.seed))
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

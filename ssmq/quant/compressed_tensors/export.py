@@ -10,7 +10,9 @@
 
 Only quantization that lives in linear layers has a representation in the format. Recipes that
 quantize inside the SSM (Quamba / Quamba2 tap scales, the int8 state), a quantized embedding, or
-an online Hadamard are refused with one line before anything is written. (The format's
+an online Hadamard are refused with one line before anything is written. A pack-quantized (4-bit) out_proj of a
+Mamba-1 / Mamba-2 mixer is written int-quantized (int8 codes, ``NEEDS_WEIGHT_NAME``): transformers reads
+that module's ``weight`` while loading. (The format's
 ``transform_config`` can state a power-of-two Sylvester Hadamard on a linear's input, but
 transformers 5.17 does not apply transform configs, so such a folder would run wrong there.)
 """
@@ -71,11 +73,25 @@ def name_of(manifest: dict) -> str:
     return manifest.get("recipe", {}).get("name", "?")
 
 
-def _groups(qlinears: dict[str, QuantLinear]) -> list[tuple[dict, list[str]]]:
-    """[(spec key, paths)] of the distinct (weight, act) specs, in order of first appearance."""
+# transformers' Mamba-1 / Mamba-2 ``_init_weights`` reads ``mixer.out_proj.weight`` of every mixer while loading, and
+# a pack-quantized module holds ``weight_packed`` in its place (AttributeError). Such an out_proj is written in
+# int-quantized format instead: the same codes and scales, one int8 per code, under the name ``weight``.
+NEEDS_WEIGHT_NAME = {"mamba1": ("mixer.out_proj",), "mamba2": ("mixer.out_proj",)}
+
+
+def _format_override(path: str, arch: str, fmt: str) -> str | None:
+    if fmt == "pack-quantized" and path.endswith(NEEDS_WEIGHT_NAME.get(arch, ())):
+        return "int-quantized"
+    return None
+
+
+def _groups(qlinears: dict[str, QuantLinear], arch: str) -> list[tuple[str, list[str]]]:
+    """[(key, paths)] of the distinct (weight, act, format override) triples, in order of first appearance."""
     groups: dict[str, list[str]] = {}
     for path, m in qlinears.items():
-        key = json.dumps([m.wspec.to_dict(), None if m.act is None else m.act.to_dict()], sort_keys=True)
+        fmt = scheme_of(m, ["Linear"]).format
+        key = json.dumps([m.wspec.to_dict(), None if m.act is None else m.act.to_dict(),
+                          _format_override(path, arch, fmt)], sort_keys=True)
         groups.setdefault(key, []).append(path)
     return list(groups.items())
 
@@ -105,13 +121,14 @@ def export_compressed_tensors(model_dir: str | os.PathLike, out: str | os.PathLi
     if not qlinears:
         raise SSMQError(f"{src}: no quantized linear layer to export")
     hf = {p: rename_to_hf(p, cfg) for p in qlinears}
-    groups = _groups(qlinears)
+    groups = _groups(qlinears, cfg.arch)
     tensors: dict[str, torch.Tensor] = {}
     config_groups, formats = {}, set()
-    for i, (_, paths) in enumerate(groups):
+    for i, (key, paths) in enumerate(groups):
         # one scheme: llm-compressor's spelling (class target + ignore list); several: exact names
         targets = ["Linear"] if len(groups) == 1 else [hf[p] for p in paths]
         scheme = scheme_of(qlinears[paths[0]], targets)
+        scheme.format = json.loads(key)[2] or scheme.format
         config_groups[f"group_{i}"] = scheme
         formats.add(scheme.format)
         for p in paths:
