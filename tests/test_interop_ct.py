@@ -70,16 +70,22 @@ def test_export_decompresses_to_ssmq_weights(tmp_path, recipe, fmt, names):
     raw = json.loads((out / "config.json").read_text())
     assert raw["architectures"] == ["Mamba2ForCausalLM"] and (out / "tokenizer.json").is_file()
     qc = QuantizationConfig.model_validate(raw["quantization_config"])
-    assert qc.quant_method == "compressed-tensors" and qc.format == fmt and qc.ignore == ["lm_head"]
-    (scheme,) = qc.config_groups.values()
+    # a pack-quantized Mamba out_proj is written int-quantized (transformers' init reads its .weight): two groups
+    packed = fmt == "pack-quantized"
+    assert qc.quant_method == "compressed-tensors" and qc.ignore == ["lm_head"]
+    assert qc.format == ("mixed-precision" if packed else fmt)
+    schemes = {t: s for s in qc.config_groups.values() for t in s.targets}
     tensors = _module_tensors(out)
     model = ssmq.load_model(src)
     checked = 0
     for path, m in model.named_modules():
         if isinstance(m, QuantLinear):
             local = tensors[f"backbone.{path}"]
-            assert set(local) == names
-            weight = BaseCompressor.get_value_from_registry(fmt).decompress(local, scheme)["weight"]
+            scheme = schemes.get(f"backbone.{path}") or schemes["Linear"]
+            as_int = packed and path.endswith("out_proj")
+            assert set(local) == ({"weight", "weight_scale"} if as_int else names)
+            assert scheme.format == ("int-quantized" if as_int else fmt)
+            weight = BaseCompressor.get_value_from_registry(scheme.format).decompress(local, scheme)["weight"]
             assert torch.equal(weight, m.dequantized_weight())
             checked += 1
     assert checked == 2 * model.config.n_layer
