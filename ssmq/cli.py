@@ -260,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if getattr(args, "tp", 1) <= 1:
             raise
-        from ssmq.runtime.tp_launch import failure_line  # a tensor-parallel rank: one line, then torchrun stops the rest
+        # a tensor-parallel rank: one line, then torchrun stops the rest
+        from ssmq.runtime.tp_launch import failure_line
 
         print(failure_line(e, int(os.environ.get("RANK", 0))), file=sys.stderr)
         return 1
