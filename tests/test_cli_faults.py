@@ -179,3 +179,14 @@ def test_plan_out_unwritable_is_one_line(tmp_path):
     r = run(["plan", "--model", "mamba2-130m", "--out", str(tmp_path / "ro")], READ_ONLY,
             env={"FAULT_DIR": str(tmp_path / "ro")})
     one_line(r, 1, "read-only file system")
+
+
+@pytest.mark.parametrize("args", [
+    ["eval", "--tasks", "wikitext2", "--limit", "1", "--out", "{ro}/r.json"],
+    ["export", "--model", "{ro}/none", "--format", "compressed-tensors", "--out", "{ro}/ct"],
+])
+def test_unwritable_outputs_of_other_commands_are_refused_before_any_work(tmp_path, args):
+    ro = tmp_path / "ro"
+    r = run([a.format(ro=ro) for a in args], READ_ONLY, env={"FAULT_DIR": str(ro)})
+    one_line(r, 1, "read-only file system", str(ro))
+    assert list(tmp_path.iterdir()) == []

@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise SSMQError(f"{name} must be positive, got {v}")
     task_names = suite.parse_tasks(args.tasks)
+    if args.out:  # a results path that cannot be written is told before the (long) evaluation
+        from ssmq.paths import check_output_location
+
+        check_output_location(args.out)
     if any(not n.startswith("ppl:") for n in task_names):
         suite.data_dir()  # fail before loading any model when the data folder is missing
     kwargs = dict(limit=args.limit, batch_size=args.batch_size, seqlen=args.seqlen, max_length=args.max_length,

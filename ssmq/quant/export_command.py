@@ -16,7 +16,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> None:
+    from ssmq.paths import check_output_location
     from ssmq.quant.compressed_tensors import export_compressed_tensors
 
+    check_output_location(args.out)  # writable, before the checkpoint loads
     out = export_compressed_tensors(args.model, args.out, overwrite=args.overwrite)
     print(f"exported {args.model} -> {out} ({args.format})")
