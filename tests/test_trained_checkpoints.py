@@ -70,3 +70,9 @@ def test_export_of_trained_model_matches_in_transformers(tmp_path, arch, recipe)
         assert torch.equal(ssmq.load_model(out, dtype=torch.float32)(ids), ref)
         theirs = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
     assert (theirs - ref).abs().max() < 1e-5 * ref.abs().max()
+    from ssmq.runtime.info import describe
+
+    info = describe(out)  # ssmq info on the export: the recipe it came from and its groups
+    assert info["model"]["architecture"] == arch and info["quantization"]["recipe"] == recipe
+    assert info["quantization"]["compressed-tensors format"].startswith(
+        "mixed-precision" if arch != "hybrid" else "pack-quantized")
