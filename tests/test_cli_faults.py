@@ -157,6 +157,7 @@ def test_malformed_recipe_file_is_refused_naming_the_field(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["generate", "--seed", "-1"], "seed must be an integer in [0, 2**63)"),
     (["generate", "--device", "tpu:0"], "--device 'tpu:0' is not a device"),
+    (["eval", "--device", "tpu", "--tasks", "wikitext2", "--limit", "1"], "--device 'tpu' is not a device"),
     (["generate", "--prompt-file", "/nonexistent/p.txt"], "--prompt-file /nonexistent/p.txt"),
     (["plan", "--model", "mamba2-130m", "--gpu-mem", "1KiB"], "does not hold the weights"),
 ])

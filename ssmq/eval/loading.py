@@ -75,7 +75,9 @@ def resolve_device(device: str | None) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SSMQError(f"device {device!r} requested but CUDA is not available")
-    return device
+    from ssmq.runtime.model_args import check_device
+
+    return check_device(device)
 
 
 def load_for_eval(spec: ModelSpec, dtype: torch.dtype, device: str, tp_comm=None):

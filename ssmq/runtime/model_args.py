@@ -23,6 +23,21 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 
+def check_device(device: str) -> str:
+    """``device`` when it names a device ssmq runs on (cpu, cuda, cuda:N of this machine); one line otherwise."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise SSMQError(f"--device {device!r} is not a device ssmq runs on: cpu, cuda or cuda:N")
+    if kind == "cuda" and torch.cuda.is_available() and (torch.device(device).index or 0) >= torch.cuda.device_count():
+        raise SSMQError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def load_from_args(args, load=None):
     """(model, tokenizer, model path) from the --model/--dtype/--device arguments; float or quantized folders.
 
@@ -34,15 +49,7 @@ def load_from_args(args, load=None):
     from ssmq.quant import load_model
     from ssmq.tokenizer import load_tokenizer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise SSMQError(f"--device {device!r} is not a device ssmq runs on: cpu, cuda or cuda:N")
-    if kind == "cuda" and torch.cuda.is_available() and (torch.device(device).index or 0) >= torch.cuda.device_count():
-        raise SSMQError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    device = check_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SSMQError(f"--device {device} asked for, but CUDA is not available on this machine")
     default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
