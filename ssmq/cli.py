@@ -127,12 +127,12 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--recipe", required=True, help="a recipe name (below), A+B (a recipe plus a KV-only one, e.g. "
                    "ssdi8-w8a8+kvquant-nuq3-1%%) or a recipe JSON file")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--calib", default=None, help="calibration text (.txt/.txt.gz, or a name in ../shared/data/train/; "
-                   "default wikitext2_train.txt.gz)")
+    p.add_argument("--calib", default=None, help="calibration text: a .txt or .txt.gz file, or a "
+                   "file name in data/train/ of the data folder $SSMQ_SHARED (default wikitext2_train.txt.gz there)")
     p.add_argument("--calib-samples", type=int, default=512, help="calibration windows (default 512)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--calib-seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
+    p.add_argument("--calib-seed", type=int, default=0, help="seed of the windows drawn (default 0)")
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (atomically)")
     p.set_defaults(func=cmd_quantize)
 

@@ -148,6 +148,13 @@ def _run(name: str):
                 raise SSMQError(f"--{key.replace('_', '-')} must be >= {0 if key == 'warmup' else 1}, got {value}")
         if getattr(args, "peers", None) == ["none"]:
             args.peers = []
+        if getattr(args, "recipes", None):  # an unknown recipe stops before any model is built
+            from ssmq.bench.models import FLOAT
+            from ssmq.quant import get_recipe
+
+            for recipe in args.recipes:
+                if recipe != FLOAT:
+                    get_recipe(recipe)
         importlib.import_module(f"ssmq.bench.{name}").run(args)
 
     return run

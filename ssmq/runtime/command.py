@@ -14,17 +14,26 @@ from pathlib import Path
 
 from ssmq.errors import SSMQError
 
+DESCRIPTION = """An OpenAI-compatible HTTP server (/v1/completions, /v1/models) with continuous batching.
+
+  ssmq serve --model MODEL --port 8000
+  curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
+       -d '{"prompt": "The history of", "max_tokens": 32, "temperature": 0}'
+"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ssmq.runtime.model_args import add_model_args
 
     add_model_args(p)
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks: launch as torchrun --nproc_per_node N -m ssmq serve ... --tp N")
+                   help="tensor-parallel ranks: launch as torchrun --nproc_per_node N -m ssmq serve ... --tp N "
+                        "(default 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--max-batch", type=int, default=64, help="cache slots: sequences decoded together (default 64)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per sequence")
+    p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per sequence "
+                   "(default 2048)")
     p.add_argument("--prefill-tokens", type=int, default=512,
                    help="prompt tokens prefilled per engine step, interleaved with decode (default 512)")
     p.add_argument("--kv-block-size", type=int, default=32, help="tokens per KV block (hybrids; default 32)")
@@ -36,15 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-blocks", type=int, help="KV blocks per attention layer (in place of --kv-cache-memory)")
     p.add_argument("--served-model-name", help="name in /v1/models and requests (default: the model folder's name)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get 413")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies are refused "
+                   "with 413 (default 4194304)")
     p.add_argument("--eager", action="store_true", help="on CUDA, run without CUDA graphs")
     add_state_checkpoint_arg(p)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level (default info)")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible completions server (continuous batching)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
