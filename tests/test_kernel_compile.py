@@ -505,17 +505,14 @@ def test_prefill_kernels_compile_for_sm90(dtype, e):
 
 
 def test_folded_scales_shorten_the_quantized_decode_loop(monkeypatch):
-    """``benchmarks/sass_kv_decode.py``'s builds: with the per-channel scales folded into the rotation (FOLD) the 4-bit
+    """``sass_kv_decode.py``'s builds: with the per-channel scales folded into the rotation (FOLD) the 4-bit
     decode's loop takes paired float16 multiply-adds instead of float32 arithmetic and conversions, fewer
     instructions and fewer registers (what lets the register cap add programs an SM without many spills)."""
-    from pathlib import Path
-
     from ssmq.kernels import kv_decode_fast as kf
     from ssmq.kernels.build import main_loop, registers
 
     if not hasattr(kf._decode_kernel, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import sass_kv_decode
 
     try:

@@ -33,8 +33,8 @@ def default_source() -> Path:
 
     p = shared_path("data", "train", DEFAULT_SOURCE)
     if p is None:
-        raise SSMQError(f"default calibration data data/train/{DEFAULT_SOURCE} not found in the data folder ($SSMQ_SHARED); "
-                        "pass a text file (--calib FILE)")
+        raise SSMQError(f"default calibration data data/train/{DEFAULT_SOURCE} not found in the data folder "
+                        "($SSMQ_SHARED); pass a text file (--calib FILE)")
     return p
 
 

@@ -178,8 +178,8 @@ class _Mailbox:
     """Engine thread → one event loop, with one wake-up per engine step for all the events of the step.
 
     ``call_soon_threadsafe`` per event writes to the loop's self-pipe each time (a syscall, which also hands the
-    GIL to the loop thread mid-step): ~60% of the engine's host time per step at 64 streams, measured with
-    benchmarks/engine_overhead.py. Here ``put`` only appends; the engine calls ``flush`` once per step (see
+    GIL to the loop thread mid-step): ~60% of the engine's host time per step at 64 streams, measured on the
+    engine. Here ``put`` only appends; the engine calls ``flush`` once per step (see
     ssmq.runtime.engine).
     """
 

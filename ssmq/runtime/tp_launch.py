@@ -133,7 +133,8 @@ def add_tp_args(p) -> None:
     p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "oneshot"],
                    help="TP all-reduce: auto = one-shot over peer memory for small messages, else NCCL (default auto)")
     p.add_argument("--allreduce-payload", default="none", choices=["none", "bf16", "int8"],
-                   help="quantize what the TP all-reduce sends: bf16, or int8 with a scale per 128 values (default none)")
+                   help="quantize what the TP all-reduce sends: bf16, or int8 with a scale per 128 values "
+                        "(default none)")
     p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds before a collective that a rank never joins fails the job (default %(default)s)")
 
