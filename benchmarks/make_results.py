@@ -2,6 +2,7 @@
 
     python benchmarks/make_results.py            # rewrite docs/results.md
     python benchmarks/make_results.py --check    # exit 1 when docs/results.md differs from what the JSON gives
+    python benchmarks/make_results.py --recipes  # the README's recipe table, from the recipe registry
 
 Each result file is one table: {"title", "capability", "command", "gpu", "date", "commit", "setup", ["rerun"],
 "columns", "rows"}, the cells stored as printed. The README's headline tables quote these numbers;
@@ -70,10 +71,37 @@ def render(docs: list[dict]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+ARCH_COLUMNS = {"mamba1": "Mamba-1", "mamba2": "Mamba-2", "hybrid": "hybrid", "llama": "Llama"}
+
+
+def recipes_table() -> str:
+    """The README's recipe table, from the recipe registry: where each built-in recipe applies (the KV-cache
+    presets, which apply to the attention layers of hybrid and Llama models, on two lines)."""
+    from ssmq.quant import RECIPES
+
+    kv = [n for n, r in RECIPES.items() if r.cache.kv and not r.linears and not r.taps]
+    lines = ["| recipe | " + " | ".join(ARCH_COLUMNS.values()) + " |", "|---|" + ":---:|" * len(ARCH_COLUMNS)]
+
+    def row(label: str, archs) -> str:
+        return f"| {label} | " + " | ".join("✓" if a in archs else "—" for a in ARCH_COLUMNS) + " |"
+
+    lines += [row(f"`{n}`", r.supported_archs) for n, r in RECIPES.items() if n not in kv]
+    groups = [[n for n in kv if n.startswith("kvquant-")], [n for n in kv if not n.startswith("kvquant-")]]
+    for names in groups:
+        archs = set.intersection(*(set(RECIPES[n].supported_archs) for n in names))
+        lines.append(row(", ".join(f"`{n}`" for n in names) if len(names) < 6 else
+                         f"`kvquant-{{nuq,int}}{{4,3,2}}[-1%]` ({len(names)} KV presets)", archs))
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare with docs/results.md instead of writing it")
+    ap.add_argument("--recipes", action="store_true", help="print the README's recipe table (from the registry)")
     args = ap.parse_args(argv)
+    if args.recipes:
+        print(recipes_table(), end="")
+        return 0
     text = render(load())
     if args.check:
         if not OUT.is_file() or OUT.read_text(encoding="utf-8") != text:
