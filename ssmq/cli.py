@@ -18,7 +18,7 @@ from ssmq.runtime.model_args import DTYPES, add_model_args, load_from_args  # no
 # Subcommands owned by other packages; each module has register(subparsers).
 PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.export_command", "ssmq.runtime.command",
                    "ssmq.runtime.plan_command", "ssmq.bench.command")
-DESCRIPTION = ("Quantize, run, evaluate, benchmark and serve Mamba-1, Mamba-2 and hybrid language models. "
+DESCRIPTION = ("Quantize, run, evaluate, benchmark and serve Mamba-1, Mamba-2, hybrid and Llama language models. "
                "Run 'ssmq COMMAND --help' for a command's options.")
 DEFAULT_PROMPT = "The song was released as a single"  # the register of WikiText, the reference models' training text
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -117,7 +117,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     _device_args(p)
     p.set_defaults(func=_run("kernels"))
 
-    p = sub.add_parser("accuracy", help="perplexity of a checkpoint in 16-bit and under each recipe",
+    p = sub.add_parser("accuracy", help="perplexity of a checkpoint unquantized and under each recipe",
                        description="Perplexity of a checkpoint unquantized and under each recipe, side by side, on "
                                    "one text (WikiText-2 test by default).")
     p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: as ssmq generate)")
