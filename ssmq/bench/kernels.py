@@ -158,17 +158,23 @@ def run(args) -> dict:
     cases = [(n, c) for n in names for c in KERNEL_BENCHES[n].fn(ctx)]
     for bench, case in tqdm(cases, desc="kernels", unit="case"):
         for impl, fn in case.fns.items():
-            t = time_fn(fn, device, args.warmup, args.reps, l2_flush=args.l2_flush)
-            row = {"bench": bench, "case": case.label, "impl": impl, "rows": case.rows, "us": t.median_ms * 1e3}
+            row = {"bench": bench, "case": case.label, "impl": impl, "rows": case.rows}
+            try:
+                t = time_fn(fn, device, args.warmup, args.reps, l2_flush=args.l2_flush)
+            except Exception as e:  # one case that cannot run is reported in its row, the others still run
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                result["rows"].append(row)
+                continue
+            row["us"] = t.median_ms * 1e3
             if case.nbytes and impl == "ssmq":
                 row["GB_s"] = case.nbytes / (t.median_ms * 1e-3) / 1e9
             result["rows"].append(row)
-    print(table(result["rows"], ["bench", "case", "impl", "us", "GB_s"]))
+    print(table(result["rows"], ["bench", "case", "impl", "us", "GB_s", "error"]))
     for path in write(result, args.out, plot=_plot):
         print(f"wrote {path}")
     return result
 
 
 def _plot(pyplot, result):
-    rows = [{**r, "series": f"{r['bench']} {r['impl']}"} for r in result["rows"] if r.get("rows")]
+    rows = [{**r, "series": f"{r['bench']} {r['impl']}"} for r in result["rows"] if r.get("rows") and "us" in r]
     return lines_plot(pyplot, {**result, "rows": rows}, "rows", "us", "series", "rows (batch)", "µs per call")

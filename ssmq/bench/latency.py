@@ -46,7 +46,7 @@ def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int) -> float:
     from ssmq.models.cache import calibrated_ssm_dtype
 
     dev = model.device
-    max_len = (warmup + reps) * steps + 8
+    max_len = (warmup + reps + 2) * steps + 16  # every step (graph capture and warm-up included) adds a token
     tokens = torch.randint(0, min(model.config.vocab_size, 50000), (batch,), device=dev)
     slots = torch.arange(batch, device=dev)
     if dev.type == "cuda":
