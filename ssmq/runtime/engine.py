@@ -39,7 +39,7 @@ class EngineConfig:
     max_batch: int = 64  # cache slots = sequences decoded together
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     prefill_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill budget)
-    # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, 2026-11-28, one Llama-8B layer
+    # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, one Llama-8B layer
     # at 128K tokens, in place / contiguous: 4-bit codes 1.08 at 32, 1.21 at 16; float16 1.04 / 1.08)
     kv_block_size: int = 32
     kv_blocks: int | None = None  # KV blocks per attention layer; None: from kv_cache_bytes, else a quarter of the slots
