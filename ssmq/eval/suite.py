@@ -50,7 +50,7 @@ def parse_tasks(spec: str | list[str] | None) -> list[str]:
 def data_dir() -> Path:
     d = shared_path("data", "eval")
     if d is None:
-        raise SSMQError("evaluation data not found: expected data/eval/ in the data folder "
+        raise SSMQError("evaluation data folder not found: expected data/eval/ in the data folder "
                         "(set $SSMQ_SHARED to it)")
     return d
 
