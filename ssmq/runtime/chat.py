@@ -30,6 +30,7 @@ class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
         try:
             import jinja2
+            import jinja2.ext
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
             raise SSMQError("chat templates need jinja2: pip install -e \".[serve]\"") from None

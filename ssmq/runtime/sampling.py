@@ -128,8 +128,10 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         logits[:, params.vocab_limit:] = float("-inf")
     if params.temperature == 0:
         return torch.where(ok, logits.argmax(dim=-1), -1)
-    # shifted to a maximum of 0 first: any temperature > 0 gives logits <= 0 (or -inf), never inf / inf
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
+    # shifted to a maximum of 0 first: any temperature > 0 gives logits <= 0 (or -inf), never inf / inf; one below
+    # float32's smallest normal number is that number (it would round to a division by 0)
+    t = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / t
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -138,6 +140,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         probs = sorted_logits.softmax(dim=-1)
         # drop a token once the mass before it already reaches top_p (the top token always stays)
         drop_sorted = probs.cumsum(dim=-1) - probs >= params.top_p
+        drop_sorted[:, 0] = False  # (a top_p below float32's smallest number rounds to 0 in the comparison)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     # a row that is not finite draws from a harmless distribution (multinomial raises on NaN, on CUDA
