@@ -94,9 +94,13 @@ class _Gate:
             self.state.inflight -= 1
 
 
+_SCHEMAS: dict = {}  # the models the request bodies refer to, for the OpenAPI components
+
+
 def _body_schema(model) -> dict:
     """An OpenAPI request body for a route that parses its body itself (``parse``), from its pydantic schema."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    _SCHEMAS.update(schema.pop("$defs", {}))
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -306,6 +310,16 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics: ServerM
 
         return await respond(request, req, prompts, choices, ids, events, head, render, whole)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(_SCHEMAS)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
     front = BodyLimit(app, config.max_body_bytes, config.body_timeout_s)
     return _Gate(front, state, config.api_key), app
 
