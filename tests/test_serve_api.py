@@ -141,6 +141,27 @@ def test_non_finite_logits_in_one_row_fail_that_request_alone(mamba2):
     assert again.json()["choices"][0]["text"] == offline_text(mamba2, prompts[0], 16)
 
 
+def test_a_fault_outside_any_request_fails_who_is_there_and_the_engine_goes_on(mamba2, monkeypatch):
+    """An exception in the engine's own bookkeeping (here: admission, once) fails the requests of that turn with a
+    500 naming it; the engine thread lives on and serves the next request."""
+    engine = _engine(mamba2)
+    admit, fired = engine._admit, []
+
+    def faulty():
+        if engine.waiting and not fired:
+            fired.append(1)
+            raise RuntimeError("injected bookkeeping fault")
+        admit()
+
+    monkeypatch.setattr(engine, "_admit", faulty)
+    with BackgroundServer(engine, TOK, ServerConfig((NAME,))) as url:
+        first = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4}, timeout=30)
+        again = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, "temperature": 0},
+                           timeout=30)
+    assert first.status_code == 500 and "injected bookkeeping fault" in first.json()["error"]["message"]
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == offline_text(mamba2, TOK.encode("ab"), 4)
+
+
 def test_sampling_is_finite_for_every_accepted_value():
     """Temperatures down to the smallest float act as greedy (no inf / inf); penalties and bias at their limits
     stay finite; a NaN row gives -1 while the other rows sample as alone; what check_sampling refuses it names."""

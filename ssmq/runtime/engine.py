@@ -289,11 +289,16 @@ class Engine:
                     new, self._inbox = list(self._inbox), collections.deque()
                     aborts, self._aborts = self._aborts, set()
                     fail, self._fail_all = self._fail_all, None
-                if fail is not None:
-                    self.waiting.extend(new)
-                    new = []
-                    self._finish_all(*fail)
-                self._tick(new, aborts)
+                try:
+                    if fail is not None:
+                        self.waiting.extend(new)
+                        new = []
+                        self._finish_all(*fail)
+                    self._tick(new, aborts)
+                except Exception as e:  # a bug outside any one request: fail who is here, keep the loop alive
+                    log.exception("engine turn failed")
+                    self._finish_all(f"engine error: {type(e).__name__}: {e}", 500)
+                    self._flush()
         self._finish_all("server shutting down", 503)
         self._flush()
         if hasattr(self.runner, "stop"):
