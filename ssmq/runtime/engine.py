@@ -1,7 +1,8 @@
 """Continuous-batching engine: requests join and leave the running decode batch at every step.
 
 Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for
-hybrids its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in one call; *step* one turn of the engine
+hybrids its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in
+one call; *step* one turn of the engine
 loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt tokens (so a long prompt
 does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call. With
 ``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step before, so the host
@@ -43,7 +44,8 @@ class EngineConfig:
     # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, 2026-11-28, one Llama-8B layer
     # at 128K tokens, in place / contiguous: 4-bit codes 1.08 at 32, 1.21 at 16; float16 1.04 / 1.08)
     kv_block_size: int = 32
-    kv_blocks: int | None = None  # KV blocks per attention layer; None: from kv_cache_bytes, else a quarter of the slots
+    # KV blocks per attention layer; None: from kv_cache_bytes, else a quarter of the slots
+    kv_blocks: int | None = None
     kv_cache_bytes: int | None = None  # KV memory (all attention layers) the blocks take, in the cache's format,
     # with the decode workspace that grows with them (kv_pool_bytes_per_token)
     max_waiting: int = 4096  # queued requests beyond which submit refuses
@@ -534,7 +536,8 @@ class Engine:
             r.slot = -1
         if self.metrics is not None:
             self.metrics.requests.labels(outcome=reason).inc()
-        self._emit(r, Event("error", message=message, status=status) if reason == "error" else Event("done", reason=reason))
+        self._emit(r, Event("error", message=message, status=status) if reason == "error"
+                   else Event("done", reason=reason))
 
     def _emit(self, r: Request, event: Event) -> None:
         try:
