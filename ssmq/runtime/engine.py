@@ -1,11 +1,11 @@
 """Continuous-batching engine: requests join and leave the running decode batch at every step.
 
-Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for
-hybrids its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in
-one call; *step* one turn of the engine loop: admit waiting requests into free slots, prefill up to
-``prefill_tokens`` prompt tokens (so a long prompt does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call. With
-``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step before, so the host
-work of a step (reporting, scheduling) runs while the device computes.
+Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for hybrids
+its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in one call;
+*step* one turn of the engine loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt
+tokens (so a long prompt does not stall everyone), then decode one token for every sequence past its prefill, all
+rows in one call. With ``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step
+before, so the host work of a step (reporting, scheduling) runs while the device computes.
 
 The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
 through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
