@@ -18,7 +18,7 @@ pytest.importorskip("fastapi", reason="ssmq serve needs fastapi (pip install -e 
 hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install -e '.[dev]')")
 
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
-from test_serve import NAME, TOK, offline_text, random_prompts, start  # noqa: E402
+from test_serve import NAME, offline_text, random_prompts, start  # noqa: E402
 from tiny_ssm import tiny_model  # noqa: E402
 
 from ssmq.runtime.chat import ChatTemplate  # noqa: E402
