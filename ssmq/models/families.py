@@ -1,0 +1,304 @@
+"""The SSM and hybrid families beyond Mamba / Bamba / Llama, read from their Hugging Face folders onto SSMLM.
+
+One model assembly (``SSMLM``: blocks of norm → mixer [→ norm → feed-forward]) reads each family's layer pattern
+from its config; a family here is data: how its config.json maps onto ``ModelConfig`` and how its tensor names map
+onto ssmq's (both ways, for loading and for writing HF folders).
+
+    family            HF class                       arch     mixers                 feed-forward
+    falcon_mamba      FalconMambaForCausalLM         mamba1   Mamba-1 + Δ/B/C norms  -
+    nemotron_h        NemotronHForCausalLM           hybrid   Mamba-2, attention     squared-ReLU MLP
+    granitemoehybrid  GraniteMoeHybridForCausalLM    hybrid   Mamba-2, attention     MoE + shared MLP, or MLP
+
+Nemotron-H lists mixers and MLPs as separate layers (pattern ``M-M*-``: M Mamba-2, * attention, - MLP); each MLP
+layer joins the mixer layer before it as that block's feed-forward (the same pre-norm residual sums), so ssmq's
+block j holds HF layers (i, i+1). A pattern with an MLP layer not right after a mixer layer is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ssmq.errors import SSMQError
+from ssmq.models.config import ModelConfig
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    label: str  # the name users know, e.g. "Nemotron-H"
+    hf_class: str
+    config: Callable[[dict], ModelConfig]  # HF config.json -> ModelConfig
+    to_ssmq: Callable[[Tensors, ModelConfig], Tensors]  # HF tensors -> ssmq tensors
+    to_hf: Callable[[Tensors, ModelConfig], Tensors]  # ssmq tensors -> HF tensors (the inverse)
+
+
+def _inf_limit(raw) -> tuple[float, float]:
+    from ssmq.models.loading import _dt_limit
+
+    return _dt_limit(raw)
+
+
+def _rename(state: Tensors, rules: list[tuple[str, str]]) -> Tensors:
+    out = {}
+    for name, t in state.items():
+        for pattern, repl in rules:
+            name, n = re.subn(pattern, repl, name)
+            if n:
+                break
+        out[name] = t
+    return out
+
+
+def _attention(c: dict, rotary: bool) -> dict:
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    rope = c.get("rope_parameters") or {}
+    if rotary and rope.get("rope_type", "default") != "default":
+        raise SSMQError(f"RoPE type {rope.get('rope_type')!r} is not supported (only 'default')")
+    return dict(attn_heads=heads, attn_kv_heads=c.get("num_key_value_heads") or heads, attn_head_dim=head_dim,
+                rotary_dim=head_dim if rotary else 0, rope_theta=rope.get("rope_theta", 10000.0),
+                max_position_embeddings=c.get("max_position_embeddings", 4096))
+
+
+# ---------------------------------------------------------------- Falcon-Mamba
+
+def _falcon_mamba_config(c: dict) -> ModelConfig:
+    if c.get("hidden_act", "silu") != "silu":
+        raise SSMQError(f"Falcon-Mamba with hidden_act={c.get('hidden_act')!r} is not supported (only silu)")
+    return ModelConfig(arch="mamba1", family="falcon_mamba", d_model=c["hidden_size"], n_layer=c["num_hidden_layers"],
+                       vocab_size=c["vocab_size"], d_state=c["state_size"], d_conv=c["conv_kernel"],
+                       expand=c["expand"], ssm_d_inner=c.get("intermediate_size", 0), dt_rank=c["time_step_rank"],
+                       conv_bias=c.get("use_conv_bias", True), proj_bias=c.get("use_bias", False),
+                       norm_eps=c.get("layer_norm_epsilon", 1e-5), residual_in_fp32=c.get("residual_in_fp32", True),
+                       tie_embeddings=c.get("tie_word_embeddings", True), bcdt_norm="weightless",
+                       bcdt_norm_eps=c.get("mixer_rms_eps", 1e-6))
+
+
+_BACKBONE_TO_SSMQ = [(r"^(backbone|model)\.embeddings?\.", "embedding."), (r"^(backbone|model)\.norm_f\.", "norm_f."),
+                     (r"^(backbone|model)\.layers\.(\d+)\.mixer\.dt_proj\.bias$", r"layers.\2.mixer.dt_bias"),
+                     (r"^(backbone|model)\.layers\.", "layers.")]
+_BACKBONE_TO_HF = [(r"^embedding\.", "backbone.embeddings."), (r"^norm_f\.", "backbone.norm_f."),
+                   (r"^layers\.(\d+)\.mixer\.dt_bias$", r"backbone.layers.\1.mixer.dt_proj.bias"),
+                   (r"^layers\.", "backbone.layers.")]
+
+
+# ---------------------------------------------------------------- Nemotron-H
+
+_NEMOTRON_KINDS = {"M": "M", "mamba": "M", "linear_attention": "M", "*": "*", "attention": "*",
+                   "full_attention": "*", "-": "-", "mlp": "-", "E": "E", "moe": "E"}
+
+
+def _nemotron_blocks(c: dict) -> list[tuple[str, bool]]:
+    """[(mixer 'M' | '*', followed by an MLP layer)] from layers_block_type or hybrid_override_pattern."""
+    types = c.get("layers_block_type") or c.get("layer_types") or list(c.get("hybrid_override_pattern") or "")
+    if not types:
+        raise SSMQError("Nemotron-H config has neither layers_block_type nor hybrid_override_pattern")
+    kinds = [_NEMOTRON_KINDS.get(t) for t in types]
+    if None in kinds:
+        raise SSMQError(f"Nemotron-H layer type {types[kinds.index(None)]!r} is unknown")
+    if "E" in kinds:
+        raise SSMQError("Nemotron-H MoE layers (pattern 'E') are not supported")
+    blocks: list[list] = []
+    for i, k in enumerate(kinds):
+        if k == "-":
+            if not blocks or blocks[-1][1]:
+                raise SSMQError(f"Nemotron-H pattern {''.join(kinds)}: the MLP layer {i} does not follow a mixer "
+                                "layer (not supported)")
+            blocks[-1][1] = True
+        else:
+            blocks.append([k, False])
+    return [(k, mlp) for k, mlp in blocks]
+
+
+def _nemotron_config(c: dict) -> ModelConfig:
+    if c.get("mlp_hidden_act", "relu2") != "relu2" or c.get("mlp_bias", False):
+        raise SSMQError(f"Nemotron-H with mlp_hidden_act={c.get('mlp_hidden_act')!r}, mlp_bias={c.get('mlp_bias')} "
+                        "is not supported (only the squared-ReLU MLP without biases)")
+    if c.get("mamba_hidden_act", "silu") != "silu":
+        raise SSMQError(f"Nemotron-H with mamba_hidden_act={c.get('mamba_hidden_act')!r} is not supported")
+    blocks = _nemotron_blocks(c)
+    heads, headdim = c["mamba_num_heads"], c["mamba_head_dim"]
+    attn = _attention(c, rotary=False) if any(k == "*" for k, _ in blocks) else {}
+    # transformers clamps Δ below at time_step_min in its chunked scan (dt_limit), with no upper limit
+    return ModelConfig(
+        arch="hybrid", family="nemotron_h", d_model=c["hidden_size"], n_layer=len(blocks), vocab_size=c["vocab_size"],
+        d_state=c["ssm_state_size"], d_conv=c.get("conv_kernel", 4), expand=c.get("expand", 2),
+        ssm_d_inner=heads * headdim, headdim=headdim, ngroups=c.get("n_groups", 1), chunk_size=c.get("chunk_size", 256),
+        dt_limit=(float(c.get("time_step_min", 0.0)), float("inf")), conv_bias=c.get("use_conv_bias", True),
+        proj_bias=c.get("use_bias", False), norm_eps=c.get("layer_norm_epsilon", 1e-5),
+        residual_in_fp32=c.get("residual_in_fp32", False), tie_embeddings=c.get("tie_word_embeddings", False),
+        attn_layer_idx=tuple(j for j, (k, _) in enumerate(blocks) if k == "*"), mlp_hidden=c["intermediate_size"],
+        mlp_layer_idx=tuple(j for j, (_, mlp) in enumerate(blocks) if mlp), mlp_act="relu2", **attn)
+
+
+def _nemotron_layers(cfg: ModelConfig) -> list[tuple[int, str]]:
+    """HF layer i -> (ssmq block j, "mixer" | "mlp")."""
+    out = []
+    for j in range(cfg.n_layer):
+        out.append((j, "mixer"))
+        if cfg.ffn_kind(j):
+            out.append((j, "mlp"))
+    return out
+
+
+def _nemotron_to_ssmq(state: Tensors, cfg: ModelConfig) -> Tensors:
+    layers = _nemotron_layers(cfg)
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"^(backbone|model)\.layers\.(\d+)\.(norm|mixer)\.(.*)$", name)
+        if m:
+            i = int(m.group(2))
+            if i >= len(layers):
+                raise SSMQError(f"tensor {name}: layer {i} beyond the config's {len(layers)} layers")
+            j, role = layers[i]
+            part = {("mixer", "norm"): "norm", ("mixer", "mixer"): "mixer", ("mlp", "norm"): "mlp_norm",
+                    ("mlp", "mixer"): "mlp"}[role, m.group(3)]
+            out[f"layers.{j}.{part}.{m.group(4)}"] = t
+        else:
+            out[_rename({name: t}, _BACKBONE_TO_SSMQ).popitem()[0]] = t
+    return out
+
+
+def _nemotron_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
+    index = {jr: i for i, jr in enumerate(_nemotron_layers(cfg))}
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"^layers\.(\d+)\.(norm|mixer|mlp_norm|mlp)\.(.*)$", name)
+        if m:
+            j, part = int(m.group(1)), m.group(2)
+            i = index[j, "mlp" if part.startswith("mlp") else "mixer"]
+            out[f"backbone.layers.{i}.{'norm' if part.endswith('norm') else 'mixer'}.{m.group(3)}"] = t
+        else:
+            out[_rename({name: t}, _BACKBONE_TO_HF).popitem()[0]] = t
+    return out
+
+
+# ---------------------------------------------------------------- Granite-4.0-H (GraniteMoeHybrid)
+
+def _granite_config(c: dict) -> ModelConfig:
+    if c.get("hidden_act", "silu") != "silu":
+        raise SSMQError(f"Granite-4.0-H with hidden_act={c.get('hidden_act')!r} is not supported (only silu)")
+    n = c["num_hidden_layers"]
+    types = c.get("layer_types") or ["mamba"] * n
+    attn_idx = tuple(i for i, t in enumerate(types) if t in ("attention", "full_attention"))
+    if any(t not in ("mamba", "linear_attention", "attention", "full_attention") for t in types) or len(types) != n:
+        raise SSMQError(f"Granite-4.0-H layer_types {types} not understood")
+    pos = c.get("position_embedding_type")
+    if pos not in (None, "nope", "rope"):
+        raise SSMQError(f"Granite-4.0-H position_embedding_type {pos!r} is not supported (rope or nope)")
+    d, expand = c["hidden_size"], c.get("mamba_expand", 2)
+    d_inner, heads = int(expand * d), c["mamba_n_heads"]
+    headdim = c.get("mamba_d_head", "auto")
+    headdim = d_inner // heads if headdim == "auto" else headdim
+    if heads * headdim != d_inner:
+        raise SSMQError(f"Granite-4.0-H mamba_n_heads {heads} x mamba_d_head {headdim} != mamba_expand x "
+                        f"hidden_size {d_inner}")
+    experts = c.get("num_local_experts") or 0
+    moe = dict(moe_layer_idx=tuple(range(n)), moe_experts=experts, moe_top_k=c["num_experts_per_tok"],
+               moe_hidden=c["intermediate_size"], moe_routing="topk_softmax", moe_shared=True) if experts else {}
+    attn = _attention(c, rotary=pos == "rope") if attn_idx else {}
+    return ModelConfig(
+        arch="hybrid", family="granitemoehybrid", d_model=d, n_layer=n, vocab_size=c["vocab_size"],
+        d_state=c["mamba_d_state"], d_conv=c.get("mamba_d_conv", 4), expand=expand, ssm_d_inner=d_inner,
+        headdim=headdim, ngroups=c.get("mamba_n_groups", 1), chunk_size=c.get("mamba_chunk_size", 256),
+        norm_group_size=d_inner, dt_limit=_inf_limit(c.get("time_step_limit")),
+        conv_bias=c.get("mamba_conv_bias", True), proj_bias=c.get("mamba_proj_bias", False),
+        norm_eps=c.get("rms_norm_eps", 1e-6), residual_in_fp32=False, tie_embeddings=c.get("tie_word_embeddings", False),
+        attn_layer_idx=attn_idx, attn_bias=c.get("attention_bias", False), mlp_hidden=c["shared_intermediate_size"],
+        embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(c.get("residual_multiplier", 1.0)),
+        logits_scaling=float(c.get("logits_scaling", 1.0)), attn_scale=float(c.get("attention_multiplier", 0.0)),
+        **attn, **moe)
+
+
+_GRANITE_TO_SSMQ = [(r"^model\.embed_tokens\.", "embedding."), (r"^model\.norm\.", "norm_f."),
+                    (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.norm."),
+                    (r"^model\.layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
+                    (r"^model\.layers\.(\d+)\.(mamba|self_attn)\.", r"layers.\1.mixer."),
+                    (r"^model\.layers\.(\d+)\.block_sparse_moe\.router\.layer\.", r"layers.\1.mlp.router.")]
+
+
+def _granite_to_ssmq(state: Tensors, cfg: ModelConfig) -> Tensors:
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"^model\.layers\.(\d+)\.(shared_mlp|block_sparse_moe)\.(input|output)_linear\.weight$", name)
+        if not m:
+            out.update(_rename({name: t}, _GRANITE_TO_SSMQ))
+            continue
+        j, which, io = m.groups()
+        if which == "shared_mlp":  # (2f, d) = [gate | up]; (d, f)
+            p = f"layers.{j}.mlp.shared." if cfg.ffn_kind(int(j)) == "moe" else f"layers.{j}.mlp."
+            if io == "input":
+                out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t.chunk(2, dim=0)
+            else:
+                out[p + "down_proj.weight"] = t
+        else:  # experts stacked: (E, 2F, d) = [gate | up] per expert; (E, d, F)
+            for e in range(t.shape[0]):
+                p = f"layers.{j}.mlp.experts.{e}."
+                if io == "input":
+                    out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t[e].chunk(2, dim=0)
+                else:
+                    out[p + "down_proj.weight"] = t[e]
+    return out
+
+
+def _granite_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
+    out, experts = {}, {}
+    for name, t in state.items():
+        m = re.match(r"^layers\.(\d+)\.mlp\.(?:(shared)\.|experts\.(\d+)\.)?(gate|up|down)_proj\.weight$", name)
+        if m:
+            j, _, e, proj = m.groups()
+            key = (int(j), "block_sparse_moe" if e is not None else "shared_mlp")
+            experts.setdefault(key, {})[(int(e) if e is not None else 0, proj)] = t
+            continue
+        rules = [(r"^embedding\.", "model.embed_tokens."), (r"^norm_f\.", "model.norm."),
+                 (r"^layers\.(\d+)\.norm\.", r"model.layers.\1.input_layernorm."),
+                 (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.post_attention_layernorm."),
+                 (r"^layers\.(\d+)\.mlp\.router\.", r"model.layers.\1.block_sparse_moe.router.layer.")]
+        m = re.match(r"^layers\.(\d+)\.mixer\.", name)
+        if m:
+            kind = "self_attn" if int(m.group(1)) in cfg.attn_layer_idx else "mamba"
+            out[f"model.layers.{m.group(1)}.{kind}.{name[m.end():]}"] = t
+        else:
+            out.update(_rename({name: t}, rules))
+    for (j, which), parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        gate_up = [torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)]
+        down = [parts[e, "down"] for e in range(n)]
+        p = f"model.layers.{j}.{which}."
+        out[p + "input_linear.weight"] = gate_up[0] if which == "shared_mlp" else torch.stack(gate_up)
+        out[p + "output_linear.weight"] = down[0] if which == "shared_mlp" else torch.stack(down)
+    return out
+
+
+FAMILIES = {f.model_type: f for f in [
+    Family("falcon_mamba", "Falcon-Mamba", "FalconMambaForCausalLM", _falcon_mamba_config,
+           lambda s, cfg: _rename(s, _BACKBONE_TO_SSMQ), lambda s, cfg: _rename(s, _BACKBONE_TO_HF)),
+    Family("nemotron_h", "Nemotron-H", "NemotronHForCausalLM", _nemotron_config, _nemotron_to_ssmq, _nemotron_to_hf),
+    Family("granitemoehybrid", "Granite-4.0-H", "GraniteMoeHybridForCausalLM", _granite_config, _granite_to_ssmq,
+           _granite_to_hf),
+]}
+
+
+def family_of(cfg: ModelConfig) -> Family | None:
+    return FAMILIES.get(cfg.family)
+
+
+def layer_pattern(cfg: ModelConfig) -> str:
+    """One character per mixer and per feed-forward, in order: M Mamba, * attention, - MLP, E MoE
+    (Nemotron-H's alphabet), e.g. 'M-M*-' or 'MEME*E'."""
+    ffn = {"": "", "mlp": "-", "moe": "E"}
+    return "".join(("*" if cfg.layer_kind(i) == "attention" else "M") + ffn[cfg.ffn_kind(i)]
+                   for i in range(cfg.n_layer))
+
+
+def describe(cfg: ModelConfig) -> str:
+    """'Nemotron-H: M-M*-M-' — the family's name (or the architecture's) and its layer pattern."""
+    f = family_of(cfg)
+    return f"{f.label if f else cfg.arch}: {layer_pattern(cfg)}"

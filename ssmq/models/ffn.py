@@ -1,0 +1,90 @@
+"""Feed-forward layers beyond the gated MLP: the squared-ReLU MLP (Nemotron-H) and a mixture of experts with top-k
+routing (Granite-4.0-H, Jamba).
+
+Glossary: t tokens (b·l flattened), d d_model, f hidden size, E experts, k experts per token.
+
+``MoE`` is the plain reference: each expert a ``GatedMLP`` (so recipes quantize experts as any linear, by name
+``layers.i.mlp.experts.j.{gate,up,down}_proj``), run on the tokens routed to it and summed with the routing
+weights. The router is not an ``nn.Linear``: no recipe quantizes the routing decision.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ssmq.models.config import ModelConfig
+from ssmq.models.hybrid import GatedMLP
+from ssmq.models.linear import Linear
+
+
+class MLP(nn.Module):
+    """down(relu(up(x))²): Nemotron-H's feed-forward, no gate."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
+        super().__init__()
+        hidden = hidden or cfg.mlp_hidden
+        self.up_proj = Linear(cfg.d_model, hidden, bias=False)
+        self.down_proj = Linear(hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class Router(nn.Module):
+    """Routing logits x @ weightᵀ (weight (E, d)), in float32; a parameter, not a linear, so it stays float."""
+
+    def __init__(self, d: int, n_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight).float()
+
+
+def route(logits: torch.Tensor, top_k: int, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (t, E) float32 -> (weights (t, k) float32, expert indices (t, k)).
+
+    topk_softmax: softmax over the k largest logits (weights sum to 1; Granite); softmax_topk: the k largest of the
+    softmax over all E (no renormalisation; Jamba, Mixtral-style without norm_topk_prob)."""
+    if routing == "topk_softmax":
+        top, idx = logits.topk(top_k, dim=-1)
+        return top.softmax(dim=-1), idx
+    return logits.softmax(dim=-1).topk(top_k, dim=-1)
+
+
+class MoE(nn.Module):
+    """Σ_k w_k · expert_k(x) over the top-k experts of each token [+ shared(x), an always-on gated MLP]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.routing = cfg.moe_top_k, cfg.moe_routing
+        self.router = Router(cfg.d_model, cfg.moe_experts)
+        self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_hidden) for _ in range(cfg.moe_experts))
+        self.shared = GatedMLP(cfg) if cfg.moe_shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., d) -> (..., d)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (t, d)
+        weights, idx = route(self.router(x), self.top_k, self.routing)  # (t, k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(idx == e)  # the tokens routed to expert e, and at which of their k places
+            if token.numel():
+                y = expert(x[token]) * weights[token, slot, None].to(x.dtype)
+                out.index_add_(0, token, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+
+def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module | None:
+    """Block ``layer_idx``'s feed-forward as ``cfg.ffn_kind`` says: MoE, GatedMLP (silu), MLP (relu2) or None."""
+    kind = cfg.ffn_kind(layer_idx)
+    if kind == "moe":
+        return MoE(cfg)
+    if kind == "mlp":
+        return MLP(cfg) if cfg.mlp_act == "relu2" else GatedMLP(cfg)
+    return None
