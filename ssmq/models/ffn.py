@@ -88,3 +88,17 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module | None:
     if kind == "mlp":
         return MLP(cfg) if cfg.mlp_act == "relu2" else GatedMLP(cfg)
     return None
+
+
+def ffn_linears(mlp: nn.Module) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """The linears of a feed-forward, as paths relative to it, for transforms that fold into them (SmoothQuant,
+    Hadamard rotation): (readers of the norm before it, writers into the residual stream, [(up, down)] pairs of
+    gated MLPs, where up's output rows scale down's input columns linearly). A MoE's router reads the norm too: it
+    is a reader (it has a (E, d) weight) though no linear."""
+    if isinstance(mlp, MoE):
+        parts = [f"experts.{e}." for e in range(len(mlp.experts))] + (["shared."] if mlp.shared is not None else [])
+        return (["router"] + [p + n for p in parts for n in ("gate_proj", "up_proj")],
+                [p + "down_proj" for p in parts], [(p + "up_proj", p + "down_proj") for p in parts])
+    if isinstance(mlp, MLP):  # relu² is not linear in up's rows: no pair
+        return ["up_proj"], ["down_proj"], []
+    return ["gate_proj", "up_proj"], ["down_proj"], [("up_proj", "down_proj")]

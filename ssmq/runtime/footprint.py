@@ -8,6 +8,7 @@ Element counts, from the config alone, equal to what ``SSMLM.allocate_cache`` al
 from __future__ import annotations
 
 from ssmq.models.config import ModelConfig
+from ssmq.models.families import describe
 
 
 def parameter_count(cfg: ModelConfig) -> dict[str, int]:
@@ -54,6 +55,7 @@ def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "",
         "format": format_name,
         "architecture": cfg.arch,
         "layers": layers_text(cfg),
+        "family: layer pattern": describe(cfg),  # M Mamba, * attention, - MLP, E mixture of experts
         "d_model / d_inner / d_state": f"{cfg.d_model} / {cfg.d_inner} / {cfg.d_state}" if n_mamba else "",
         "d_model / MLP hidden": f"{cfg.d_model} / {cfg.mlp_hidden}" if not n_mamba else "",
         "attn heads (q / kv) x dim": f"({cfg.attn_heads} / {cfg.attn_kv_heads}) x {cfg.attn_head_dim}"

@@ -96,6 +96,10 @@ def export_compressed_tensors(model_dir: str | os.PathLike, out: str | os.PathLi
                         "output folder of `ssmq quantize`")
     manifest = read_manifest(src)
     check_exportable(manifest, str(src))
+    family = manifest.get("model_config", {}).get("family")
+    if family:  # the layout below writes the four base architectures' HF names and config only
+        raise SSMQError(f"{src}: compressed-tensors export of a {family} model is not supported (ssmq writes the "
+                        "Mamba, Bamba and Llama layouts only)")
     out = Path(out).expanduser()
     if out.exists() and not overwrite:
         raise SSMQError(f"output folder {out} already exists (pass --overwrite to replace it)")
