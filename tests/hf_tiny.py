@@ -59,7 +59,7 @@ def save_tiny(arch: str, folder, seed: int = 0, ngroups: int = 2, tie: bool = Tr
     return model
 
 
-FAMILIES = ["falcon_mamba", "nemotron_h", "granite_dense", "granite_moe"]
+FAMILIES = ["falcon_mamba", "nemotron_h", "granite_dense", "granite_moe", "jamba"]
 
 
 def tiny_family_model(family: str, seed: int = 0):
@@ -87,6 +87,13 @@ def tiny_family_model(family: str, seed: int = 0):
             logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.2, position_embedding_type="nope",
             tie_word_embeddings=False)
         model = tf.GraniteMoeHybridForCausalLM(cfg)
+    elif family == "jamba":  # attention at layers 1, 3; MoE at 1, 3 (top-2 of 4 experts), gated MLP at 0, 2
+        cfg = tf.JambaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                             expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                             mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, tie_word_embeddings=False,
+                             use_mamba_kernels=False)
+        model = tf.JambaForCausalLM(cfg)
     else:
         raise ValueError(family)
     _perturb(model, seed)

@@ -1,7 +1,7 @@
-"""Falcon-Mamba, Nemotron-H and Granite-4.0-H (dense and MoE) from tiny random transformers checkpoints: logits and
-greedy generation equal transformers', decode through the cache equals the full forward, quantized checkpoints
-round-trip, ``ssmq info`` names the family and its layer pattern, and tensor parallelism (gloo, 2 ranks) equals one
-process."""
+"""Falcon-Mamba, Nemotron-H, Granite-4.0-H (dense and MoE) and Jamba from tiny random transformers checkpoints:
+logits and greedy generation equal transformers', decode through the cache equals the full forward, quantized
+checkpoints round-trip, ``ssmq info`` names the family and its layer pattern, and tensor parallelism (gloo, 2 ranks)
+equals one process."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from ssmq.models.families import describe
 from ssmq.models.loading import read_state_dict
 
 PATTERNS = {"falcon_mamba": "Falcon-Mamba: MM", "nemotron_h": "Nemotron-H: M-*-MM-",
-            "granite_dense": "Granite-4.0-H: M-*-M-", "granite_moe": "Granite-4.0-H: ME*EME"}
+            "granite_dense": "Granite-4.0-H: M-*-M-", "granite_moe": "Granite-4.0-H: ME*EME",
+            "jamba": "Jamba: M-*EM-*E"}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -102,7 +103,11 @@ RECIPES = [("falcon_mamba", "rtn-w8a16", 0.06),  # 0.031
            ("granite_moe", "rtn-w8a16", 0.1),  # 0.050
            ("granite_moe", "hadamard-w8a8", 0.1),  # 0.046
            ("granite_moe", "ssdi8-w8a8", 0.15),  # 0.063
-           ("granite_moe", "int8-state", 1e-6)]
+           ("granite_moe", "int8-state", 1e-6),
+           ("jamba", "rtn-w8a16", 0.15),  # 0.086
+           ("jamba", "hadamard-w8a8", 0.2),  # 0.115
+           ("jamba", "kv-int8-pth", 0.02),  # 0.006
+           ("jamba", "int8-state", 1e-6)]
 
 
 @pytest.mark.parametrize("family, recipe, bound", RECIPES)
@@ -142,6 +147,14 @@ def test_hadamard_rotation_keeps_the_float_moe_model(tmp_path):
         ref = model(ids)
         rotate_model_(model)
         torch.testing.assert_close(model(ids), ref, atol=2e-5, rtol=0)
+
+
+def test_ssdi8_refuses_the_mamba1_hybrid(tmp_path):
+    from ssmq.quant import quantize
+
+    save_tiny_family("jamba", tmp_path)
+    with pytest.raises(SSMQError, match="SSM layers are Mamba-1"):
+        quantize(ssmq.load_model(tmp_path), "ssdi8-w8a8", None, progress=False)
 
 
 def test_moe_routes_tokens_to_different_experts(tmp_path):

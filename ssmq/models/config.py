@@ -52,6 +52,7 @@ class ModelConfig:
     mlp_hidden: int = 0
     max_position_embeddings: int = 4096
     # the families beyond Bamba / Llama (``ssmq.models.families`` reads their HF configs into these fields)
+    hybrid_ssm: str = "mamba2"  # the SSM layers of a hybrid: "mamba2" (Bamba and most) | "mamba1" (Jamba)
     family: str = ""  # the checkpoint family (HF model_type) when it is not one of the four base architectures
     ssm_d_inner: int = 0  # SSM inner width when it is not expand · d_model (0: expand · d_model)
     bcdt_norm: str = ""  # Mamba-1: RMSNorm on x_proj's Δ, B, C: "weightless" (Falcon-Mamba) | "weighted" (Jamba)
@@ -81,6 +82,8 @@ class ModelConfig:
         if self.moe_layer_idx and not (0 < self.moe_top_k <= self.moe_experts and self.moe_hidden > 0):
             raise ValueError(f"MoE blocks need 0 < top_k {self.moe_top_k} <= experts {self.moe_experts} and a hidden "
                              f"size ({self.moe_hidden})")
+        if self.hybrid_ssm not in ("mamba1", "mamba2"):
+            raise ValueError(f"unknown hybrid_ssm {self.hybrid_ssm!r}")
         if self.moe_routing not in ("topk_softmax", "softmax_topk"):
             raise ValueError(f"unknown moe_routing {self.moe_routing!r}")
         if self.arch == "llama":  # every layer attention: one source of truth for layer_kind and the cache
@@ -89,7 +92,7 @@ class ModelConfig:
             self.attn_layer_idx = tuple(range(self.n_layer))
         self.dt_limit = (float(self.dt_limit[0]), float(self.dt_limit[1]))
         if self.ssm_layers():  # the SSM layout is checked only where there are SSM layers
-            if self.arch != "mamba1" and self.d_inner % self.headdim:
+            if self.ssm_kind is LayerKind.MAMBA2 and self.d_inner % self.headdim:
                 raise ValueError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
             if self.ssm_kind is LayerKind.MAMBA2:
                 layout.heads_per_group(self.nheads, self.ngroups)
@@ -115,8 +118,9 @@ class ModelConfig:
 
     @property
     def ssm_kind(self) -> LayerKind:
-        """The kind of this model's SSM layers (hybrids: Mamba-2)."""
-        return LayerKind.MAMBA1 if self.arch == "mamba1" else LayerKind.MAMBA2
+        """The kind of this model's SSM layers (hybrids: Mamba-2 unless ``hybrid_ssm`` says Mamba-1)."""
+        mamba1 = self.arch == "mamba1" or self.arch == "hybrid" and self.hybrid_ssm == "mamba1"
+        return LayerKind.MAMBA1 if mamba1 else LayerKind.MAMBA2
 
     @property
     def has_mlp(self) -> bool:

@@ -8,6 +8,7 @@ onto ssmq's (both ways, for loading and for writing HF folders).
     falcon_mamba      FalconMambaForCausalLM         mamba1   Mamba-1 + Δ/B/C norms  -
     nemotron_h        NemotronHForCausalLM           hybrid   Mamba-2, attention     squared-ReLU MLP
     granitemoehybrid  GraniteMoeHybridForCausalLM    hybrid   Mamba-2, attention     MoE + shared MLP, or MLP
+    jamba             JambaForCausalLM               hybrid   Mamba-1 + Δ/B/C norms, attention   MLP or MoE
 
 Nemotron-H lists mixers and MLPs as separate layers (pattern ``M-M*-``: M Mamba-2, * attention, - MLP); each MLP
 layer joins the mixer layer before it as that block's feed-forward (the same pre-norm residual sums), so ssmq's
@@ -209,8 +210,9 @@ def _granite_config(c: dict) -> ModelConfig:
         headdim=headdim, ngroups=c.get("mamba_n_groups", 1), chunk_size=c.get("mamba_chunk_size", 256),
         norm_group_size=d_inner, dt_limit=_inf_limit(c.get("time_step_limit")),
         conv_bias=c.get("mamba_conv_bias", True), proj_bias=c.get("mamba_proj_bias", False),
-        norm_eps=c.get("rms_norm_eps", 1e-6), residual_in_fp32=False, tie_embeddings=c.get("tie_word_embeddings", False),
-        attn_layer_idx=attn_idx, attn_bias=c.get("attention_bias", False), mlp_hidden=c["shared_intermediate_size"],
+        norm_eps=c.get("rms_norm_eps", 1e-6), residual_in_fp32=False,
+        tie_embeddings=c.get("tie_word_embeddings", False), attn_layer_idx=attn_idx,
+        attn_bias=c.get("attention_bias", False), mlp_hidden=c["shared_intermediate_size"],
         embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(c.get("residual_multiplier", 1.0)),
         logits_scaling=float(c.get("logits_scaling", 1.0)), attn_scale=float(c.get("attention_multiplier", 0.0)),
@@ -277,12 +279,65 @@ def _granite_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
     return out
 
 
+# ---------------------------------------------------------------- Jamba
+
+def _jamba_config(c: dict) -> ModelConfig:
+    if c.get("hidden_act", "silu") != "silu":
+        raise SSMQError(f"Jamba with hidden_act={c.get('hidden_act')!r} is not supported (only silu)")
+    n, d = c["num_hidden_layers"], c["hidden_size"]
+    rank = c.get("mamba_dt_rank", "auto")
+    period = lambda key: (c.get(f"{key}_layer_period", 1), c.get(f"{key}_layer_offset", 0))  # noqa: E731
+    (ap, ao), (ep, eo) = period("attn"), period("expert")
+    attn_idx = tuple(i for i in range(n) if i % ap == ao)
+    experts = c.get("num_experts", 1)
+    moe_idx = tuple(i for i in range(n) if i % ep == eo) if experts > 1 else ()
+    moe = dict(moe_layer_idx=moe_idx, moe_experts=experts, moe_top_k=c["num_experts_per_tok"],
+               moe_hidden=c["intermediate_size"], moe_routing="softmax_topk") if moe_idx else {}
+    return ModelConfig(
+        arch="hybrid", hybrid_ssm="mamba1", family="jamba", d_model=d, n_layer=n, vocab_size=c["vocab_size"],
+        d_state=c.get("mamba_d_state", 16), d_conv=c.get("mamba_d_conv", 4), expand=c.get("mamba_expand", 2),
+        dt_rank=None if rank == "auto" else int(rank), conv_bias=c.get("mamba_conv_bias", True),
+        proj_bias=c.get("mamba_proj_bias", False), norm_eps=c.get("rms_norm_eps", 1e-6), residual_in_fp32=False,
+        tie_embeddings=c.get("tie_word_embeddings", False), bcdt_norm="weighted",
+        bcdt_norm_eps=c.get("rms_norm_eps", 1e-6),
+        attn_layer_idx=attn_idx, mlp_hidden=c["intermediate_size"], **(_attention(c, rotary=False) if attn_idx else {}),
+        **moe)
+
+
+# HF (Bamba's naming and Jamba's): norms, mixers (mamba | self_attn), feed_forward (an MLP, or router + experts)
+_JAMBA_TO_SSMQ = [(r"^model\.embed_tokens\.", "embedding."), (r"^model\.final_layernorm\.", "norm_f."),
+                  (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.norm."),
+                  (r"^model\.layers\.(\d+)\.pre_ff_layernorm\.", r"layers.\1.mlp_norm."),
+                  (r"^model\.layers\.(\d+)\.mamba\.dt_proj\.bias$", r"layers.\1.mixer.dt_bias"),
+                  (r"^model\.layers\.(\d+)\.(mamba|self_attn)\.", r"layers.\1.mixer."),
+                  (r"^model\.layers\.(\d+)\.feed_forward\.", r"layers.\1.mlp.")]
+
+
+def _jamba_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
+    rules = [(r"^embedding\.", "model.embed_tokens."), (r"^norm_f\.", "model.final_layernorm."),
+             (r"^layers\.(\d+)\.norm\.", r"model.layers.\1.input_layernorm."),
+             (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.pre_ff_layernorm."),
+             (r"^layers\.(\d+)\.mixer\.dt_bias$", r"model.layers.\1.mamba.dt_proj.bias"),
+             (r"^layers\.(\d+)\.mlp\.", r"model.layers.\1.feed_forward.")]
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"^layers\.(\d+)\.mixer\.(?!dt_bias$)", name)
+        if m:
+            kind = "self_attn" if int(m.group(1)) in cfg.attn_layer_idx else "mamba"
+            out[f"model.layers.{m.group(1)}.{kind}.{name[m.end():]}"] = t
+        else:
+            out.update(_rename({name: t}, rules))
+    return out
+
+
 FAMILIES = {f.model_type: f for f in [
     Family("falcon_mamba", "Falcon-Mamba", "FalconMambaForCausalLM", _falcon_mamba_config,
            lambda s, cfg: _rename(s, _BACKBONE_TO_SSMQ), lambda s, cfg: _rename(s, _BACKBONE_TO_HF)),
     Family("nemotron_h", "Nemotron-H", "NemotronHForCausalLM", _nemotron_config, _nemotron_to_ssmq, _nemotron_to_hf),
     Family("granitemoehybrid", "Granite-4.0-H", "GraniteMoeHybridForCausalLM", _granite_config, _granite_to_ssmq,
            _granite_to_hf),
+    Family("jamba", "Jamba", "JambaForCausalLM", _jamba_config, lambda s, cfg: _rename(s, _JAMBA_TO_SSMQ),
+           _jamba_to_hf),
 ]}
 
 

@@ -40,7 +40,7 @@ def kv_vector_pairs(cfg: ModelConfig) -> int:
 def layers_text(cfg: ModelConfig) -> str:
     """'8 (6 Mamba-2 + 2 attention)', '30 (30 attention)'."""
     n_mamba, n_attn = len(cfg.ssm_layers()), len(cfg.attention_layers())
-    ssm_part = f"{n_mamba} {'Mamba-1' if cfg.arch == 'mamba1' else 'Mamba-2'}" if n_mamba else ""
+    ssm_part = f"{n_mamba} {'Mamba-1' if cfg.ssm_kind == 'mamba1' else 'Mamba-2'}" if n_mamba else ""
     return f"{cfg.n_layer} ({' + '.join(p for p in (ssm_part, f'{n_attn} attention' if n_attn else '') if p)})"
 
 
