@@ -157,6 +157,19 @@ def test_ssdi8_refuses_the_mamba1_hybrid(tmp_path):
         quantize(ssmq.load_model(tmp_path), "ssdi8-w8a8", None, progress=False)
 
 
+def test_moe_static_shapes_equal_routed(tmp_path):
+    """The capture-safe MoE (every expert on every token, unchosen weighted 0) equals the routed one."""
+    from ssmq.models.ffn import static_shapes_
+
+    save_tiny_family("granite_moe", tmp_path)
+    model = ssmq.load_model(tmp_path)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(ids)
+        static_shapes_(model)
+        torch.testing.assert_close(model(ids), ref, atol=1e-6, rtol=0)
+
+
 def test_moe_routes_tokens_to_different_experts(tmp_path):
     """The tiny MoE is a real test of routing: tokens reach every expert, and each takes top-k distinct ones."""
     from ssmq.models.ffn import route

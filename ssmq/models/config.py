@@ -12,6 +12,15 @@ ARCHS = ("mamba1", "mamba2", "hybrid", "llama")
 ATTENTION_ARCHS = ("hybrid", "llama")  # architectures with attention layers and a gated MLP in every block
 
 
+def dt_limit_from_json(raw) -> tuple[float, float]:
+    """A config.json's Δ limit, [lo, hi] with hi a number or transformers' {"__float__": "Infinity"}; None: none."""
+    if raw is None:
+        return (0.0, math.inf)
+    lo, hi = raw
+    hi = float(hi["__float__"]) if isinstance(hi, dict) else float(hi)
+    return (float(lo), hi)
+
+
 @dataclass
 class ModelConfig:
     """Architecture of an SSM language model (the vocabulary size is the padded embedding size).

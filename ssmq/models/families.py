@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.config import ModelConfig
+from ssmq.models.config import ModelConfig, dt_limit_from_json
 
 Tensors = dict[str, torch.Tensor]
 
@@ -37,12 +37,6 @@ class Family:
     config: Callable[[dict], ModelConfig]  # HF config.json -> ModelConfig
     to_ssmq: Callable[[Tensors, ModelConfig], Tensors]  # HF tensors -> ssmq tensors
     to_hf: Callable[[Tensors, ModelConfig], Tensors]  # ssmq tensors -> HF tensors (the inverse)
-
-
-def _inf_limit(raw) -> tuple[float, float]:
-    from ssmq.models.loading import _dt_limit
-
-    return _dt_limit(raw)
 
 
 def _rename(state: Tensors, rules: list[tuple[str, str]]) -> Tensors:
@@ -208,7 +202,7 @@ def _granite_config(c: dict) -> ModelConfig:
         arch="hybrid", family="granitemoehybrid", d_model=d, n_layer=n, vocab_size=c["vocab_size"],
         d_state=c["mamba_d_state"], d_conv=c.get("mamba_d_conv", 4), expand=expand, ssm_d_inner=d_inner,
         headdim=headdim, ngroups=c.get("mamba_n_groups", 1), chunk_size=c.get("mamba_chunk_size", 256),
-        norm_group_size=d_inner, dt_limit=_inf_limit(c.get("time_step_limit")),
+        norm_group_size=d_inner, dt_limit=dt_limit_from_json(c.get("time_step_limit")),
         conv_bias=c.get("mamba_conv_bias", True), proj_bias=c.get("mamba_proj_bias", False),
         norm_eps=c.get("rms_norm_eps", 1e-6), residual_in_fp32=False,
         tie_embeddings=c.get("tie_word_embeddings", False), attn_layer_idx=attn_idx,

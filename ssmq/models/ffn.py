@@ -64,20 +64,37 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_hidden) for _ in range(cfg.moe_experts))
         self.shared = GatedMLP(cfg) if cfg.moe_shared else None
 
+    # static_shapes: every expert runs on every token, weighted by its routing weight (0 where not chosen): no
+    # data-dependent shapes nor host syncs, so a CUDA graph can capture it (``static_shapes_``), at E / k times the
+    # expert work; else each expert runs on the tokens routed to it
+    static_shapes = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., d) -> (..., d)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (t, d)
         weights, idx = route(self.router(x), self.top_k, self.routing)  # (t, k)
+        out = self._static(x, weights, idx) if self.static_shapes else self._routed(x, weights, idx)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             token, slot = torch.where(idx == e)  # the tokens routed to expert e, and at which of their k places
             if token.numel():
                 y = expert(x[token]) * weights[token, slot, None].to(x.dtype)
                 out.index_add_(0, token, y)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out.view(shape)
+        return out
+
+    def _static(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        combine = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
+        combine.scatter_(1, idx, weights)  # (t, E): each token's weight for every expert, 0 for the unchosen
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x) * combine[:, e, None].to(x.dtype)
+        return out
 
 
 def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module | None:
@@ -88,6 +105,14 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module | None:
     if kind == "mlp":
         return MLP(cfg) if cfg.mlp_act == "relu2" else GatedMLP(cfg)
     return None
+
+
+def static_shapes_(model: nn.Module) -> None:
+    """Run the model's mixtures of experts with static shapes (``MoE.static_shapes``): what a CUDA-graph capture
+    needs."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.static_shapes = True
 
 
 def ffn_linears(mlp: nn.Module) -> tuple[list[str], list[str], list[tuple[str, str]]]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.config import ModelConfig
+from ssmq.models.config import ModelConfig, dt_limit_from_json
 from ssmq.models.families import FAMILIES
 from ssmq.models.gguf import is_gguf, read_gguf_config, read_gguf_state_dict
 from ssmq.models.hf_layout import SSMQ_CONFIG_KEY
@@ -38,12 +38,7 @@ def _round_up(v: int, multiple: int) -> int:
     return v if multiple <= 1 else multiple * math.ceil(v / multiple)
 
 
-def _dt_limit(raw) -> tuple[float, float]:
-    if raw is None:
-        return (0.0, math.inf)
-    lo, hi = raw
-    hi = float(hi["__float__"]) if isinstance(hi, dict) else float(hi)
-    return (float(lo), hi)
+_dt_limit = dt_limit_from_json
 
 
 def config_from_mamba_ssm(c: dict) -> ModelConfig:
