@@ -238,3 +238,31 @@ def test_tp2_equals_single_process(tmp_path):
             assert err <= 1e-5, f"{family} {key}: max |TP - single| / max |logit| = {err:.2e}"
             assert torch.equal(results[1][i][key], got[key]), f"{family} {key}: ranks disagree"
         assert got["generated"] == ref["generated"], f"{family}: greedy generation differs"
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "granite_moe", "jamba"])
+def test_served_through_the_paged_kv_cache_equal_offline(family, tmp_path):
+    """ssmq serve: concurrent greedy requests (max batch 3, 20 KV blocks of 4 tokens, chunked prefill of 8) answer
+    what offline generate does."""
+    pytest.importorskip("fastapi", reason="ssmq serve needs fastapi (pip install -e '.[dev]')")
+    from test_serve import offline_text, random_prompts, run_concurrently, start
+
+    save_tiny_family(family, tmp_path)
+    model = ssmq.load_model(tmp_path)
+    prompts = random_prompts(6, seed=1)
+    with start(model, max_batch=3, max_model_len=96, prefill_tokens=8, kv_blocks=20) as url:
+        bodies = [{"prompt": p, "max_tokens": 6 + i, "temperature": 0, "stream": i % 2 == 1}
+                  for i, p in enumerate(prompts)]
+        texts = run_concurrently(url, bodies, [False] * len(bodies))
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        assert text == offline_text(model, p, 6 + i), f"request {i}"
+
+
+@pytest.mark.parametrize("name, billions", [("falcon-mamba-7b", 7.27), ("nemotron-h-8b", 8.10),
+                                            ("granite-4.0-h-tiny", 6.94), ("granite-4.0-h-1b", 1.46),
+                                            ("jamba-mini", 51.57)])
+def test_published_family_configs_have_their_parameter_counts(name, billions):
+    from ssmq.models.published import PUBLISHED
+    from ssmq.runtime.footprint import parameter_count
+
+    assert parameter_count(PUBLISHED[name])["total"] / 1e9 == pytest.approx(billions, abs=0.01)
