@@ -70,7 +70,7 @@ def tiny_family_model(family: str, seed: int = 0):
     torch.manual_seed(seed)
     if family == "falcon_mamba":
         cfg = tf.FalconMambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
-                                   conv_kernel=4, time_step_rank=4, mixer_rms_eps=1e-6, tie_word_embeddings=True)
+                                   conv_kernel=4, time_step_rank=4, mixer_rms_eps=1e-6, tie_word_embeddings=False)
         model = tf.FalconMambaForCausalLM(cfg)
     elif family == "nemotron_h":  # pattern M-*-MM- : Mamba-2 with MLP, attention with MLP, bare Mamba-2
         cfg = tf.NemotronHConfig(vocab_size=96, hidden_size=32, hybrid_override_pattern="M-*-MM-",

@@ -280,3 +280,56 @@ def test_published_family_configs_have_their_parameter_counts(name, billions):
     from ssmq.runtime.footprint import parameter_count
 
     assert parameter_count(PUBLISHED[name])["total"] / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+# per family a recipe transformers 5.17 loads back and runs as ssmq does: it initialises Mamba-1 out_proj weights that
+# pack-quantized checkpoints do not have (Mamba and Falcon-Mamba alike) and runs dynamic activations otherwise than
+# the checkpoint states (Mamba-1 alike); static W8A8 and weight-only int4 it runs exactly. Jamba: transformers 5.17
+# does not fuse the per-expert tensors of a compressed-tensors checkpoint into its experts (it initialises them at
+# random, saying so in its load report), so only ssmq's reading is checked
+CT_RECIPES = {"falcon_mamba": ("static-w8a8", []), "nemotron_h": ("rtn-w4a16-g128", []),
+              "jamba": ("rtn-w4a16-g128", [])}
+
+
+@pytest.mark.parametrize("family", list(CT_RECIPES))
+def test_compressed_tensors_export_loads_back_and_runs_in_transformers(family, tmp_path):
+    """ssmq export writes the family's own config.json and names: ssmq loads it back bit-identical, transformers
+    (with compressed-tensors) runs it to the same logits."""
+    pytest.importorskip("compressed_tensors")
+    import transformers as tf
+    from tiny_ssm import synthetic_calibration
+
+    from ssmq.quant import quantize, save_quantized
+    from ssmq.quant.compressed_tensors import export_compressed_tensors
+    from ssmq.quant.recipe import Recipe
+
+    name, exclude = CT_RECIPES[family]
+    recipe = _small_groups(name).to_dict()
+    recipe["linears"][0]["exclude"] += exclude
+    save_tiny_family(family, tmp_path / "hf")
+    model = quantize(ssmq.load_model(tmp_path / "hf"), Recipe.from_dict(recipe),
+                     synthetic_calibration(96, n=4, seqlen=32), progress=False)
+    save_quantized(model, tmp_path / "q")
+    out = export_compressed_tensors(tmp_path / "q", tmp_path / "ct")
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == TABLE[model.config.family].model_type
+    ids = torch.randint(0, 96, (2, 15), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = model(ids)
+        assert torch.equal(ssmq.load_model(out)(ids), ref)
+        if family == "jamba":
+            return
+        theirs = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+    assert (theirs - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_compressed_tensors_export_refuses_granite(tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from ssmq.quant import quantize, save_quantized
+    from ssmq.quant.compressed_tensors import export_compressed_tensors
+
+    save_tiny_family("granite_dense", tmp_path / "hf")
+    save_quantized(quantize(ssmq.load_model(tmp_path / "hf"), "rtn-w8a16", None, progress=False), tmp_path / "q")
+    with pytest.raises(SSMQError, match="do not map name for name"):
+        export_compressed_tensors(tmp_path / "q", tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()

@@ -37,6 +37,9 @@ class Family:
     config: Callable[[dict], ModelConfig]  # HF config.json -> ModelConfig
     to_ssmq: Callable[[Tensors, ModelConfig], Tensors]  # HF tensors -> ssmq tensors
     to_hf: Callable[[Tensors, ModelConfig], Tensors]  # ssmq tensors -> HF tensors (the inverse)
+    # ModelConfig -> the family's config.json, for writers of HF folders whose tensors map name for name
+    # (compressed-tensors export); None where a tensor of one side is several of the other (Granite's fused ones)
+    config_to_hf: Callable[[ModelConfig], dict] | None = None
 
 
 def _rename(state: Tensors, rules: list[tuple[str, str]]) -> Tensors:
@@ -324,19 +327,92 @@ def _jamba_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
     return out
 
 
+# ---------------------------------------------------------------- config.json writers
+
+def _common_hf(cfg: ModelConfig, model_type: str, cls: str) -> dict:
+    return {"model_type": model_type, "architectures": [cls], "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "tie_word_embeddings": cfg.tie_embeddings}
+
+
+def _attention_hf(cfg: ModelConfig) -> dict:
+    return {"num_attention_heads": cfg.attn_heads, "num_key_value_heads": cfg.attn_kv_heads,
+            "head_dim": cfg.attn_head_dim, "max_position_embeddings": cfg.max_position_embeddings}
+
+
+def _falcon_mamba_to_hf(cfg: ModelConfig) -> dict:
+    return {**_common_hf(cfg, "falcon_mamba", "FalconMambaForCausalLM"), "num_hidden_layers": cfg.n_layer,
+            "state_size": cfg.d_state, "conv_kernel": cfg.d_conv, "expand": cfg.expand,
+            "intermediate_size": cfg.d_inner, "time_step_rank": cfg.dt_rank_, "use_conv_bias": cfg.conv_bias,
+            "use_bias": cfg.proj_bias, "layer_norm_epsilon": cfg.norm_eps, "mixer_rms_eps": cfg.bcdt_norm_eps,
+            "residual_in_fp32": cfg.residual_in_fp32}
+
+
+def _nemotron_config_to_hf(cfg: ModelConfig) -> dict:
+    pattern = layer_pattern(cfg)
+    return {**_common_hf(cfg, "nemotron_h", "NemotronHForCausalLM"), "num_hidden_layers": len(pattern),
+            "hybrid_override_pattern": pattern, "ssm_state_size": cfg.d_state, "mamba_num_heads": cfg.nheads,
+            "mamba_head_dim": cfg.headdim, "n_groups": cfg.ngroups, "conv_kernel": cfg.d_conv, "expand": cfg.expand,
+            "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_limit[0], "use_conv_bias": cfg.conv_bias,
+            "use_bias": cfg.proj_bias, "layer_norm_epsilon": cfg.norm_eps, "residual_in_fp32": cfg.residual_in_fp32,
+            "intermediate_size": cfg.mlp_hidden, "mlp_hidden_act": "relu2", "mlp_bias": False,
+            "attention_bias": False, **(_attention_hf(cfg) if cfg.attn_layer_idx else {})}
+
+
+def _period(layers: tuple[int, ...], n: int, what: str) -> tuple[int, int]:
+    """(period, offset) with layers = {i < n: i % period == offset}; SSMQError when there is none."""
+    for period in range(1, n + 1):
+        for offset in range(period):
+            if tuple(i for i in range(n) if i % period == offset) == tuple(layers):
+                return period, offset
+    raise SSMQError(f"Jamba's config states {what} layers by a period and an offset; {list(layers)} has none")
+
+
+def _jamba_config_to_hf(cfg: ModelConfig) -> dict:
+    ap, ao = _period(cfg.attn_layer_idx, cfg.n_layer, "attention")
+    ep, eo = _period(cfg.moe_layer_idx, cfg.n_layer, "expert") if cfg.moe_layer_idx else (1, 0)
+    return {**_common_hf(cfg, "jamba", "JambaForCausalLM"), "num_hidden_layers": cfg.n_layer,
+            "intermediate_size": cfg.mlp_hidden, "num_experts": cfg.moe_experts if cfg.moe_layer_idx else 1,
+            "num_experts_per_tok": cfg.moe_top_k or 1, "expert_layer_period": ep, "expert_layer_offset": eo,
+            "attn_layer_period": ap, "attn_layer_offset": ao, "mamba_d_state": cfg.d_state,
+            "mamba_d_conv": cfg.d_conv, "mamba_expand": cfg.expand, "mamba_dt_rank": cfg.dt_rank_,
+            "mamba_conv_bias": cfg.conv_bias, "mamba_proj_bias": cfg.proj_bias, "rms_norm_eps": cfg.norm_eps,
+            "use_mamba_kernels": False, **_attention_hf(cfg)}
+
+
 FAMILIES = {f.model_type: f for f in [
     Family("falcon_mamba", "Falcon-Mamba", "FalconMambaForCausalLM", _falcon_mamba_config,
-           lambda s, cfg: _rename(s, _BACKBONE_TO_SSMQ), lambda s, cfg: _rename(s, _BACKBONE_TO_HF)),
-    Family("nemotron_h", "Nemotron-H", "NemotronHForCausalLM", _nemotron_config, _nemotron_to_ssmq, _nemotron_to_hf),
+           lambda s, cfg: _rename(s, _BACKBONE_TO_SSMQ), lambda s, cfg: _rename(s, _BACKBONE_TO_HF),
+           _falcon_mamba_to_hf),
+    Family("nemotron_h", "Nemotron-H", "NemotronHForCausalLM", _nemotron_config, _nemotron_to_ssmq, _nemotron_to_hf,
+           _nemotron_config_to_hf),
     Family("granitemoehybrid", "Granite-4.0-H", "GraniteMoeHybridForCausalLM", _granite_config, _granite_to_ssmq,
            _granite_to_hf),
     Family("jamba", "Jamba", "JambaForCausalLM", _jamba_config, lambda s, cfg: _rename(s, _JAMBA_TO_SSMQ),
-           _jamba_to_hf),
+           _jamba_to_hf, _jamba_config_to_hf),
 ]}
 
 
 def family_of(cfg: ModelConfig) -> Family | None:
     return FAMILIES.get(cfg.family)
+
+
+def name_to_hf(name: str, cfg: ModelConfig) -> str:
+    """One ssmq tensor or module name -> the family's HF name (families whose tensors map name for name)."""
+    return _one_name(FAMILIES[cfg.family].to_hf, name, cfg)
+
+
+def name_to_ssmq(name: str, cfg: ModelConfig) -> str:
+    """One HF tensor or module name of the family -> ssmq's."""
+    return _one_name(FAMILIES[cfg.family].to_ssmq, name, cfg)
+
+
+def _one_name(rename: Callable[[Tensors, ModelConfig], Tensors], name: str, cfg: ModelConfig) -> str:
+    family = FAMILIES[cfg.family]
+    if family.config_to_hf is None:
+        raise SSMQError(f"{family.label}'s checkpoint tensors do not map name for name onto ssmq's (fused or stacked "
+                        "in the checkpoint)")
+    (out,) = rename({name: torch.empty(0)}, cfg)  # prefix rules: module paths map as their tensors do
+    return out
 
 
 def layer_pattern(cfg: ModelConfig) -> str:
