@@ -59,7 +59,7 @@ def save_tiny(arch: str, folder, seed: int = 0, ngroups: int = 2, tie: bool = Tr
     return model
 
 
-FAMILIES = ["falcon_mamba", "nemotron_h", "granite_dense", "granite_moe", "jamba"]
+FAMILIES = ["falcon_mamba", "nemotron_h", "nemotron_moe", "granite_dense", "granite_moe", "jamba"]
 
 
 def tiny_family_model(family: str, seed: int = 0):
@@ -77,6 +77,14 @@ def tiny_family_model(family: str, seed: int = 0):
                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
                                  ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
                                  expand=2, tie_word_embeddings=False)
+        model = tf.NemotronHForCausalLM(cfg)
+    elif family == "nemotron_moe":  # pattern ME*-ME: MoE blocks (sigmoid routing in 2 groups, 1 kept), an MLP block
+        cfg = tf.NemotronHConfig(vocab_size=96, hidden_size=32, hybrid_override_pattern="ME*-ME",
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                                 ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
+                                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                 moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+                                 routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)
         model = tf.NemotronHForCausalLM(cfg)
     elif family in ("granite_dense", "granite_moe"):
         cfg = tf.GraniteMoeHybridConfig(

@@ -18,6 +18,7 @@ from ssmq.models.families import describe
 from ssmq.models.loading import read_state_dict
 
 PATTERNS = {"falcon_mamba": "Falcon-Mamba: MM", "nemotron_h": "Nemotron-H: M-*-MM-",
+            "nemotron_moe": "Nemotron-H: ME*-ME",
             "granite_dense": "Granite-4.0-H: M-*-M-", "granite_moe": "Granite-4.0-H: ME*EME",
             "jamba": "Jamba: M-*EM-*E"}
 
@@ -108,6 +109,9 @@ RECIPES = [("falcon_mamba", "rtn-w8a16", 0.06),  # 0.031
            ("jamba", "hadamard-w8a8", 0.2),  # 0.115
            ("jamba", "kv-int8-pth", 0.02),  # 0.006
            ("jamba", "int8-state", 1e-6),
+           ("nemotron_moe", "rtn-w8a16", 0.07),  # 0.035
+           ("nemotron_moe", "hadamard-w8a8", 0.4),  # 0.227 (static per-tensor inputs of relu² experts)
+           ("nemotron_moe", "int8-state", 1e-6),
            ("falcon_mamba", "quamba2-w8a8", 0.3),  # 0.191 (its int4/int8 groups of 8 here, as below)
            ("granite_moe", "gptq-w4a16-g128", 0.6)]  # 0.359; RTN int4 at the same groups 0.4-0.75 on these models
 
@@ -149,11 +153,12 @@ def test_quantized_checkpoint_loads_and_runs(family, recipe, bound, tmp_path):
     assert generate(loaded, [[5, 17, 33]], params) == generate(model, [[5, 17, 33]], params)
 
 
-def test_hadamard_rotation_keeps_the_float_moe_model(tmp_path):
+@pytest.mark.parametrize("family", ["granite_moe", "nemotron_moe", "jamba"])
+def test_hadamard_rotation_keeps_the_float_moe_model(family, tmp_path):
     """The rotation reaches the router (a norm reader) and every expert: float logits unchanged."""
     from ssmq.quant.rotation import rotate_model_
 
-    save_tiny_family("granite_moe", tmp_path)
+    save_tiny_family(family, tmp_path)
     model = ssmq.load_model(tmp_path)
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -191,7 +196,7 @@ def test_moe_routes_tokens_to_different_experts(tmp_path):
     model = ssmq.load_model(tmp_path)
     moe = model.layers[0].mlp
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
-    weights, idx = route(moe.router(x), moe.top_k, moe.routing)
+    weights, idx = route(moe.router(x), moe.cfg)
     assert set(idx.flatten().tolist()) == set(range(len(moe.experts)))
     assert torch.allclose(weights.sum(-1), torch.ones(64)) and (idx[:, 0] != idx[:, 1]).all()
 
@@ -210,7 +215,9 @@ def _config(family: str, **changes) -> dict:
 
 
 @pytest.mark.parametrize("family, changes, message", [
-    ("nemotron_h", {"hybrid_override_pattern": "M*E"}, "MoE layers"),
+    ("nemotron_h", {"hybrid_override_pattern": "M*E", "moe_latent_size": 16, "n_routed_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 8, "moe_shared_expert_intermediate_size": 8},
+     "latent projections"),
     ("nemotron_h", {"hybrid_override_pattern": "-M*"}, "does not follow a mixer"),
     ("nemotron_h", {"hybrid_override_pattern": "M--"}, "does not follow a mixer"),
     ("nemotron_h", {"mlp_hidden_act": "gelu"}, "squared-ReLU"),
@@ -288,6 +295,7 @@ def test_published_family_configs_have_their_parameter_counts(name, billions):
 # does not fuse the per-expert tensors of a compressed-tensors checkpoint into its experts (it initialises them at
 # random, saying so in its load report), so only ssmq's reading is checked
 CT_RECIPES = {"falcon_mamba": ("static-w8a8", []), "nemotron_h": ("rtn-w4a16-g128", []),
+              "nemotron_moe": ("rtn-w4a16-g128", []),
               "jamba": ("rtn-w4a16-g128", [])}
 
 

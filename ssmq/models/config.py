@@ -72,8 +72,16 @@ class ModelConfig:
     moe_experts: int = 0
     moe_top_k: int = 0
     moe_hidden: int = 0
-    moe_routing: str = "topk_softmax"  # softmax over the top-k logits | "softmax_topk": top-k of the softmax
-    moe_shared: bool = False  # a MoE block also runs a gated MLP of mlp_hidden on every token (Granite)
+    moe_routing: str = "topk_softmax"  # softmax over the top-k logits | "softmax_topk": top-k of the softmax |
+    # "sigmoid_group": sigmoid scores + a correction bias, top-k among the best moe_topk_groups of moe_groups
+    # groups, weights normalised (moe_norm_topk) and scaled by moe_scale (Nemotron-H)
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_norm_topk: bool = True
+    moe_scale: float = 1.0
+    moe_act: str = "silu"  # the experts: "silu" gated MLPs | "relu2" squared-ReLU MLPs (as mlp_act)
+    moe_shared: bool = False  # a MoE block also runs an always-on expert on every token (Granite, Nemotron-H)
+    moe_shared_hidden: int = 0  # its hidden size (0: mlp_hidden)
     embedding_multiplier: float = 1.0  # embeddings scaled by it (Granite)
     residual_multiplier: float = 1.0  # each mixer / feed-forward output scaled by it before the residual add
     logits_scaling: float = 1.0  # logits divided by it
@@ -93,7 +101,10 @@ class ModelConfig:
                              f"size ({self.moe_hidden})")
         if self.hybrid_ssm not in ("mamba1", "mamba2"):
             raise ValueError(f"unknown hybrid_ssm {self.hybrid_ssm!r}")
-        if self.moe_routing not in ("topk_softmax", "softmax_topk"):
+        if self.moe_act not in ("silu", "relu2") or self.moe_layer_idx and self.moe_experts % self.moe_groups:
+            raise ValueError(f"unknown moe_act {self.moe_act!r}, or {self.moe_experts} experts in {self.moe_groups} "
+                             "groups")
+        if self.moe_routing not in ("topk_softmax", "softmax_topk", "sigmoid_group"):
             raise ValueError(f"unknown moe_routing {self.moe_routing!r}")
         if self.arch == "llama":  # every layer attention: one source of truth for layer_kind and the cache
             if self.attn_layer_idx and self.attn_layer_idx != tuple(range(self.n_layer)):

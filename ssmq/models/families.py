@@ -92,26 +92,24 @@ _NEMOTRON_KINDS = {"M": "M", "mamba": "M", "linear_attention": "M", "*": "*", "a
                    "full_attention": "*", "-": "-", "mlp": "-", "E": "E", "moe": "E"}
 
 
-def _nemotron_blocks(c: dict) -> list[tuple[str, bool]]:
-    """[(mixer 'M' | '*', followed by an MLP layer)] from layers_block_type or hybrid_override_pattern."""
+def _nemotron_blocks(c: dict) -> list[tuple[str, str]]:
+    """[(mixer 'M' | '*', its feed-forward layer '-' | 'E' | '')] from layers_block_type or hybrid_override_pattern."""
     types = c.get("layers_block_type") or c.get("layer_types") or list(c.get("hybrid_override_pattern") or "")
     if not types:
         raise SSMQError("Nemotron-H config has neither layers_block_type nor hybrid_override_pattern")
     kinds = [_NEMOTRON_KINDS.get(t) for t in types]
     if None in kinds:
         raise SSMQError(f"Nemotron-H layer type {types[kinds.index(None)]!r} is unknown")
-    if "E" in kinds:
-        raise SSMQError("Nemotron-H MoE layers (pattern 'E') are not supported")
     blocks: list[list] = []
     for i, k in enumerate(kinds):
-        if k == "-":
+        if k in "-E":
             if not blocks or blocks[-1][1]:
-                raise SSMQError(f"Nemotron-H pattern {''.join(kinds)}: the MLP layer {i} does not follow a mixer "
-                                "layer (not supported)")
-            blocks[-1][1] = True
+                raise SSMQError(f"Nemotron-H pattern {''.join(kinds)}: the feed-forward layer {i} does not follow a "
+                                "mixer layer (not supported)")
+            blocks[-1][1] = k
         else:
-            blocks.append([k, False])
-    return [(k, mlp) for k, mlp in blocks]
+            blocks.append([k, ""])
+    return [(k, ffn) for k, ffn in blocks]
 
 
 def _nemotron_config(c: dict) -> ModelConfig:
@@ -123,6 +121,17 @@ def _nemotron_config(c: dict) -> ModelConfig:
     blocks = _nemotron_blocks(c)
     heads, headdim = c["mamba_num_heads"], c["mamba_head_dim"]
     attn = _attention(c, rotary=False) if any(k == "*" for k, _ in blocks) else {}
+    moe_idx = tuple(j for j, (_, ffn) in enumerate(blocks) if ffn == "E")
+    moe = {}
+    if moe_idx:
+        if c.get("moe_latent_size") is not None or c.get("n_shared_experts", 1) != 1:
+            raise SSMQError("Nemotron-H MoE with latent projections (moe_latent_size) or other than one shared expert "
+                            "is not supported")
+        moe = dict(moe_layer_idx=moe_idx, moe_experts=c.get("n_routed_experts", c.get("num_local_experts")),
+                   moe_top_k=c["num_experts_per_tok"], moe_hidden=c["moe_intermediate_size"],
+                   moe_routing="sigmoid_group", moe_groups=c.get("n_group", 1), moe_topk_groups=c.get("topk_group", 1),
+                   moe_norm_topk=c.get("norm_topk_prob", True), moe_scale=float(c.get("routed_scaling_factor", 1.0)),
+                   moe_act="relu2", moe_shared=True, moe_shared_hidden=c["moe_shared_expert_intermediate_size"])
     # transformers clamps Δ below at time_step_min in its chunked scan (dt_limit), with no upper limit
     return ModelConfig(
         arch="hybrid", family="nemotron_h", d_model=c["hidden_size"], n_layer=len(blocks), vocab_size=c["vocab_size"],
@@ -131,8 +140,14 @@ def _nemotron_config(c: dict) -> ModelConfig:
         dt_limit=(float(c.get("time_step_min", 0.0)), float("inf")), conv_bias=c.get("use_conv_bias", True),
         proj_bias=c.get("use_bias", False), norm_eps=c.get("layer_norm_epsilon", 1e-5),
         residual_in_fp32=c.get("residual_in_fp32", False), tie_embeddings=c.get("tie_word_embeddings", False),
-        attn_layer_idx=tuple(j for j, (k, _) in enumerate(blocks) if k == "*"), mlp_hidden=c["intermediate_size"],
-        mlp_layer_idx=tuple(j for j, (_, mlp) in enumerate(blocks) if mlp), mlp_act="relu2", **attn)
+        attn_layer_idx=tuple(j for j, (k, _) in enumerate(blocks) if k == "*"),
+        mlp_hidden=c.get("intermediate_size", 0) if any(ffn == "-" for _, ffn in blocks) else 0,
+        mlp_layer_idx=tuple(j for j, (_, ffn) in enumerate(blocks) if ffn == "-"), mlp_act="relu2",
+        **attn, **moe)
+
+
+# inside a Nemotron-H MoE layer: HF names after "mixer." -> ssmq's after "mlp."
+_NEMOTRON_MOE = [(r"^gate\.", "router."), (r"^shared_experts\.", "shared.")]
 
 
 def _nemotron_layers(cfg: ModelConfig) -> list[tuple[int, str]]:
@@ -157,7 +172,10 @@ def _nemotron_to_ssmq(state: Tensors, cfg: ModelConfig) -> Tensors:
             j, role = layers[i]
             part = {("mixer", "norm"): "norm", ("mixer", "mixer"): "mixer", ("mlp", "norm"): "mlp_norm",
                     ("mlp", "mixer"): "mlp"}[role, m.group(3)]
-            out[f"layers.{j}.{part}.{m.group(4)}"] = t
+            rest = m.group(4)
+            if part == "mlp":
+                rest = _rename({rest: t}, _NEMOTRON_MOE).popitem()[0]
+            out[f"layers.{j}.{part}.{rest}"] = t
         else:
             out[_rename({name: t}, _BACKBONE_TO_SSMQ).popitem()[0]] = t
     return out
@@ -169,9 +187,11 @@ def _nemotron_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
     for name, t in state.items():
         m = re.match(r"^layers\.(\d+)\.(norm|mixer|mlp_norm|mlp)\.(.*)$", name)
         if m:
-            j, part = int(m.group(1)), m.group(2)
+            j, part, rest = int(m.group(1)), m.group(2), m.group(3)
             i = index[j, "mlp" if part.startswith("mlp") else "mixer"]
-            out[f"backbone.layers.{i}.{'norm' if part.endswith('norm') else 'mixer'}.{m.group(3)}"] = t
+            if part == "mlp":
+                rest = _rename({rest: t}, [(r"^router\.", "gate."), (r"^shared\.", "shared_experts.")]).popitem()[0]
+            out[f"backbone.layers.{i}.{'norm' if part.endswith('norm') else 'mixer'}.{rest}"] = t
         else:
             out[_rename({name: t}, _BACKBONE_TO_HF).popitem()[0]] = t
     return out
@@ -355,7 +375,12 @@ def _nemotron_config_to_hf(cfg: ModelConfig) -> dict:
             "chunk_size": cfg.chunk_size, "time_step_min": cfg.dt_limit[0], "use_conv_bias": cfg.conv_bias,
             "use_bias": cfg.proj_bias, "layer_norm_epsilon": cfg.norm_eps, "residual_in_fp32": cfg.residual_in_fp32,
             "intermediate_size": cfg.mlp_hidden, "mlp_hidden_act": "relu2", "mlp_bias": False,
-            "attention_bias": False, **(_attention_hf(cfg) if cfg.attn_layer_idx else {})}
+            "attention_bias": False, **(_attention_hf(cfg) if cfg.attn_layer_idx else {}),
+            **({"n_routed_experts": cfg.moe_experts, "num_experts_per_tok": cfg.moe_top_k,
+                "moe_intermediate_size": cfg.moe_hidden, "moe_shared_expert_intermediate_size": cfg.moe_shared_hidden,
+                "n_shared_experts": 1, "n_group": cfg.moe_groups, "topk_group": cfg.moe_topk_groups,
+                "norm_topk_prob": cfg.moe_norm_topk, "routed_scaling_factor": cfg.moe_scale}
+               if cfg.moe_layer_idx else {})}
 
 
 def _period(layers: tuple[int, ...], n: int, what: str) -> tuple[int, int]:

@@ -33,36 +33,56 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Routing logits x @ weightᵀ (weight (E, d)), in float32; a parameter, not a linear, so it stays float."""
+    """Routing logits x @ weightᵀ (weight (E, d)), in float32; a parameter, not a linear, so it stays float. With
+    sigmoid-group routing, also the per-expert correction bias added to the scores when choosing."""
 
-    def __init__(self, d: int, n_experts: int):
+    def __init__(self, d: int, n_experts: int, correction_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(n_experts, d))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts)) if correction_bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight).float()
+        return F.linear(x.float(), self.weight.float())
 
 
-def route(logits: torch.Tensor, top_k: int, routing: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (t, E) float32 -> (weights (t, k) float32, expert indices (t, k)).
+def route(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (t, E) float32 -> (weights (t, k) float32, expert indices (t, k)), by ``cfg.moe_routing``:
 
     topk_softmax: softmax over the k largest logits (weights sum to 1; Granite); softmax_topk: the k largest of the
-    softmax over all E (no renormalisation; Jamba, Mixtral-style without norm_topk_prob)."""
-    if routing == "topk_softmax":
-        top, idx = logits.topk(top_k, dim=-1)
+    softmax over all E (no renormalisation; Jamba); sigmoid_group: sigmoid scores, chosen with ``bias`` (E,) added
+    among the experts of the moe_topk_groups groups whose two best scores sum highest, weighted by their scores
+    (without the bias), normalised (moe_norm_topk) and times moe_scale (Nemotron-H, DeepSeek-V3)."""
+    k = cfg.moe_top_k
+    if cfg.moe_routing == "topk_softmax":
+        top, idx = logits.topk(k, dim=-1)
         return top.softmax(dim=-1), idx
-    return logits.softmax(dim=-1).topk(top_k, dim=-1)
+    if cfg.moe_routing == "softmax_topk":
+        return logits.softmax(dim=-1).topk(k, dim=-1)
+    scores = logits.sigmoid()
+    choice = scores + bias.float()
+    t, e, g = logits.shape[0], logits.shape[1], cfg.moe_groups
+    group = choice.view(t, g, e // g).topk(min(2, e // g), dim=-1)[0].sum(dim=-1)  # (t, g)
+    keep = torch.zeros_like(group).scatter_(1, group.topk(cfg.moe_topk_groups, dim=-1, sorted=False)[1], 1)
+    choice = choice.masked_fill(keep.repeat_interleave(e // g, dim=1) == 0, float("-inf"))
+    idx = choice.topk(k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, idx)
+    if cfg.moe_norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.moe_scale, idx
 
 
 class MoE(nn.Module):
-    """Σ_k w_k · expert_k(x) over the top-k experts of each token [+ shared(x), an always-on gated MLP]."""
+    """Σ_k w_k · expert_k(x) over the top-k experts of each token [+ shared(x), an always-on expert]; experts are
+    gated MLPs or squared-ReLU MLPs (``cfg.moe_act``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.top_k, self.routing = cfg.moe_top_k, cfg.moe_routing
-        self.router = Router(cfg.d_model, cfg.moe_experts)
-        self.experts = nn.ModuleList(GatedMLP(cfg, cfg.moe_hidden) for _ in range(cfg.moe_experts))
-        self.shared = GatedMLP(cfg) if cfg.moe_shared else None
+        self.cfg = cfg
+        self.router = Router(cfg.d_model, cfg.moe_experts, correction_bias=cfg.moe_routing == "sigmoid_group")
+        expert = MLP if cfg.moe_act == "relu2" else GatedMLP
+        self.experts = nn.ModuleList(expert(cfg, cfg.moe_hidden) for _ in range(cfg.moe_experts))
+        self.shared = expert(cfg, cfg.moe_shared_hidden or cfg.mlp_hidden) if cfg.moe_shared else None
 
     # static_shapes: every expert runs on every token, weighted by its routing weight (0 where not chosen): no
     # data-dependent shapes nor host syncs, so a CUDA graph can capture it (``static_shapes_``), at E / k times the
@@ -73,7 +93,7 @@ class MoE(nn.Module):
         """x: (..., d) -> (..., d)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (t, d)
-        weights, idx = route(self.router(x), self.top_k, self.routing)  # (t, k)
+        weights, idx = route(self.router(x), self.cfg, self.router.e_score_correction_bias)  # (t, k)
         out = self._static(x, weights, idx) if self.static_shapes else self._routed(x, weights, idx)
         if self.shared is not None:
             out = out + self.shared(x)
@@ -118,12 +138,18 @@ def static_shapes_(model: nn.Module) -> None:
 def ffn_linears(mlp: nn.Module) -> tuple[list[str], list[str], list[tuple[str, str]]]:
     """The linears of a feed-forward, as paths relative to it, for transforms that fold into them (SmoothQuant,
     Hadamard rotation): (readers of the norm before it, writers into the residual stream, [(up, down)] pairs of
-    gated MLPs, where up's output rows scale down's input columns linearly). A MoE's router reads the norm too: it
-    is a reader (it has a (E, d) weight) though no linear."""
+    gated MLPs, where up's output rows scale down's input columns linearly; not so under relu²). A MoE's router reads
+    the norm too: it is a reader (it has a (E, d) weight) though no linear."""
     if isinstance(mlp, MoE):
-        parts = [f"experts.{e}." for e in range(len(mlp.experts))] + (["shared."] if mlp.shared is not None else [])
-        return (["router"] + [p + n for p in parts for n in ("gate_proj", "up_proj")],
-                [p + "down_proj" for p in parts], [(p + "up_proj", p + "down_proj") for p in parts])
-    if isinstance(mlp, MLP):  # relu² is not linear in up's rows: no pair
+        parts = [(f"experts.{e}.", m) for e, m in enumerate(mlp.experts)]
+        parts += [("shared.", mlp.shared)] if mlp.shared is not None else []
+        readers, writers, pairs = ["router"], [], []
+        for prefix, m in parts:
+            r, w, g = ffn_linears(m)
+            readers += [prefix + n for n in r]
+            writers += [prefix + n for n in w]
+            pairs += [(prefix + up, prefix + down) for up, down in g]
+        return readers, writers, pairs
+    if isinstance(mlp, MLP):
         return ["up_proj"], ["down_proj"], []
     return ["gate_proj", "up_proj"], ["down_proj"], [("up_proj", "down_proj")]
