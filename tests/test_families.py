@@ -280,6 +280,7 @@ def test_served_through_the_paged_kv_cache_equal_offline(family, tmp_path):
 
 
 @pytest.mark.parametrize("name, billions", [("falcon-mamba-7b", 7.27), ("nemotron-h-8b", 8.10),
+                                            ("nemotron-3-nano-30b-a3b", 31.58),
                                             ("granite-4.0-h-tiny", 6.94), ("granite-4.0-h-1b", 1.46),
                                             ("jamba-mini", 51.57)])
 def test_published_family_configs_have_their_parameter_counts(name, billions):

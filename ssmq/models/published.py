@@ -55,6 +55,15 @@ PUBLISHED = {
          "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
          "max_position_embeddings": 8192,
          "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"}),
+    # Nemotron 3 Nano 30B-A3B: MoE blocks of 128 squared-ReLU experts (6 active) and a shared expert
+    "nemotron-3-nano-30b-a3b": FAMILIES["nemotron_h"].config(
+        {"hidden_size": 2688, "vocab_size": 131072, "tie_word_embeddings": False, "num_attention_heads": 32,
+         "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856, "ssm_state_size": 128,
+         "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+         "max_position_embeddings": 262144, "n_routed_experts": 128, "num_experts_per_tok": 6,
+         "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_shared_experts": 1,
+         "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+         "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"}),
     # Granite-4.0-H-Tiny (7B, 64 experts, 6 active) and its dense twin Granite-4.0-H-1B: attention at layers 5, 15,
     # 25, 35, no RoPE; the µP multipliers change no size and are left at 1 here
     **{name: FAMILIES["granitemoehybrid"].config(
