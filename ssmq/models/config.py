@@ -30,6 +30,9 @@ class ModelConfig:
     every hybrid layer has a gated MLP when ``mlp_hidden > 0``.
     Llama: the degenerate hybrid — every layer attention (``attn_layer_idx`` is set to all of them; the SSM
     fields are unused), full RoPE (``rotary_dim = attn_head_dim``), GQA, SwiGLU MLP, RMSNorm.
+    The families of ``ssmq.models.families`` are these architectures with more fields set: which blocks have a
+    feed-forward and of which kind (``ffn_kind``: gated or squared-ReLU MLP, mixture of experts), Mamba-1 hybrids
+    (``hybrid_ssm``), norms on Mamba-1's Δ/B/C, scalar multipliers.
     """
 
     arch: str

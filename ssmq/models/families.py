@@ -6,13 +6,14 @@ onto ssmq's (both ways, for loading and for writing HF folders).
 
     family            HF class                       arch     mixers                 feed-forward
     falcon_mamba      FalconMambaForCausalLM         mamba1   Mamba-1 + Δ/B/C norms  -
-    nemotron_h        NemotronHForCausalLM           hybrid   Mamba-2, attention     squared-ReLU MLP
+    nemotron_h        NemotronHForCausalLM           hybrid   Mamba-2, attention     squared-ReLU MLP or MoE
     granitemoehybrid  GraniteMoeHybridForCausalLM    hybrid   Mamba-2, attention     MoE + shared MLP, or MLP
     jamba             JambaForCausalLM               hybrid   Mamba-1 + Δ/B/C norms, attention   MLP or MoE
 
-Nemotron-H lists mixers and MLPs as separate layers (pattern ``M-M*-``: M Mamba-2, * attention, - MLP); each MLP
-layer joins the mixer layer before it as that block's feed-forward (the same pre-norm residual sums), so ssmq's
-block j holds HF layers (i, i+1). A pattern with an MLP layer not right after a mixer layer is refused.
+Nemotron-H lists mixers and feed-forwards as separate layers (pattern ``M-M*-``: M Mamba-2, * attention, - MLP, E
+MoE); each feed-forward layer joins the mixer layer before it as that block's feed-forward (the same pre-norm residual
+sums), so ssmq's block j holds HF layers (i, i+1). A pattern with a feed-forward layer not right after a mixer layer
+is refused.
 """
 
 from __future__ import annotations
