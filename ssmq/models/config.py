@@ -9,7 +9,7 @@ from ssmq.ops import layout
 from ssmq.ops.layout import LayerKind, Segments
 
 ARCHS = ("mamba1", "mamba2", "hybrid", "llama")
-ATTENTION_ARCHS = ("hybrid", "llama")  # architectures with attention layers and a gated MLP in every block
+ATTENTION_ARCHS = ("hybrid", "llama")  # architectures with attention layers and MLPs
 
 
 def dt_limit_from_json(raw) -> tuple[float, float]:
