@@ -113,7 +113,7 @@ def run(args) -> dict:
         del model
     if peer:
         cfg = published_config(args.model, args.layers)
-        if cfg is not None and cfg.arch in ("mamba1", "mamba2"):
+        if cfg is not None and cfg.arch in ("mamba1", "mamba2") and not getattr(cfg, "family", ""):  # its models
             _free(device)
             try:
                 result["rows"] += mamba_ssm_rows(cfg, device, dtype, prompt_lens, batches, args.steps, args.warmup,
