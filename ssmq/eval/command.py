@@ -1,7 +1,7 @@
 """``ssmq eval``: perplexity and the zero-shot suite for one model, or a side-by-side comparison of several.
 
-    ssmq eval --model ../shared/models/mamba2 --tasks wikitext2,lambada --limit 100 --out results.json
-    ssmq eval --compare fp16=../shared/models/mamba2 w4a8=out/mamba2-w4a8 --tasks all --out cmp.json
+    ssmq eval --model MODEL --tasks wikitext2,lambada --limit 100 --out results.json
+    ssmq eval --compare fp16=MODEL w4a8=out/mamba2-w4a8 --tasks all --out cmp.json
 
 Wire-up: ``ssmq.eval.command.register(subparsers)`` adds the subcommand with ``func=run`` (``run(args) -> int``).
 Standalone: ``python -m ssmq.eval.command ...`` (same arguments).

@@ -1,6 +1,6 @@
 """``ssmq serve``: an OpenAI-compatible HTTP server with continuous batching.
 
-    ssmq serve --model ../shared/models/mamba2 --port 8000
+    ssmq serve --model MODEL --port 8000
     curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
          -d '{"prompt": "The history of", "max_tokens": 32, "temperature": 0}'
 
