@@ -163,7 +163,7 @@ def run_sweep(batches, bw: float, out: dict) -> None:
             for t, w, nt, pf in itertools.product((4096, 8192), (4, 8), (1, 2, 4, 8, 16), (True, False))
             if nt > 1 or not pf]
     for kind, b in itertools.product(KINDS, batches):
-        key = "float" if kind == "fp16" else "int8"
+        key = {"fp16": "float", "int8rows": "int8_rows", "int8table": "int8_table"}[kind]
         for cfg in grid:
             su.STEP_CFG[key] = {**saved[key], **cfg}
             try:
