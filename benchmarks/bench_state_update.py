@@ -154,26 +154,45 @@ def run_micro(batches, baseline, bw: float, out: dict) -> None:
         print(json.dumps(r), flush=True)
 
 
-def run_sweep(batches, bw: float, out: dict) -> None:
-    """STEP_CFG variants (tile, warps, programs an SM, prefetch) on Mamba2-2.7B's layer."""
+KEYS = {"fp16": "float", "int8rows": "int8_rows", "int8table": "int8_table"}  # STEP_CFG's entry of each kind
+
+
+def run_sweep(batches, bw: float, out: dict) -> dict:
+    """STEP_CFG variants (tile, warps, NT tiles a program, prefetch) on Mamba2-2.7B's layer at the batches given
+    (small, large); returns the settings they select: a kind's fastest variant at the large batch, with
+    programs_per_sm from its fastest NT at the small one (the programs an SM that NT gave)."""
     rows = out.setdefault("sweep", [])
     saved = {k: dict(v) for k, v in su.STEP_CFG.items()}
-    # NT tiles a program set directly (few programs an SM asked for, NT capped): 1 .. 16
+    h, p, n, _ = SHAPES["mamba2-2.7b"]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # NT set directly: few programs an SM asked for, NT capped
     grid = [dict(tile=t, num_warps=w, programs_per_sm=1e-3, max_tiles=nt, prefetch=pf)
-            for t, w, nt, pf in itertools.product((4096, 8192), (4, 8), (1, 2, 4, 8, 16), (True, False))
+            for (t, w), nt, pf in itertools.product(((8192, 4), (8192, 8), (4096, 4)), (1, 4, 16), (True, False))
             if nt > 1 or not pf]
-    for kind, b in itertools.product(KINDS, batches):
-        key = {"fp16": "float", "int8rows": "int8_rows", "int8table": "int8_table"}[kind]
-        for cfg in grid:
+    best = {}
+    for kind in KINDS:
+        key = KEYS[kind]
+        timed = {}
+        for b, cfg in itertools.product(batches, grid):
             su.STEP_CFG[key] = {**saved[key], **cfg}
             try:
                 ms, nbytes = time_impl(su, SHAPES["mamba2-2.7b"], b, kind)
                 r = {"kind": kind, "batch": b, **cfg, "us": ms * 1e3, "of_copy": nbytes / (ms * 1e-3) / bw}
+                timed[(b, cfg["tile"], cfg["num_warps"], cfg["max_tiles"], cfg["prefetch"])] = ms
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
                 r = {"kind": kind, "batch": b, **cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"}
             rows.append(r)
             print(json.dumps(r), flush=True)
         su.STEP_CFG[key] = saved[key]
+        small, large = min(batches), max(batches)
+        bl, tile, warps, nt, pf = min((k for k in timed if k[0] == large), key=timed.get)
+        small_nt = min((k for k in timed if k[0] == small and k[1:3] == (tile, warps) and (k[4] == pf or k[3] == 1)),
+                       key=timed.get)[3]
+        tiles = h * -(-p // min(p, tile // n))
+        best[key] = {**saved[key], "tile": tile, "num_warps": warps, "prefetch": pf, "max_tiles": nt,
+                     "programs_per_sm": round(small * tiles / small_nt / sms, 2)}
+    out["selected"] = best
+    return best
 
 
 def run_e2e(batches, steps: int, out: dict) -> None:
@@ -221,6 +240,8 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="batches to sweep STEP_CFG at (e.g. 128)")
     ap.add_argument("--e2e", default="", help="batches for Mamba2-2.7B TPOT (e.g. 32,128,256)")
     ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="time the rest with the sweep's selection (step_cfg.json)")
+    ap.add_argument("--step-cfg", default="", help="STEP_CFG entries to use (a step_cfg.json)")
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -232,9 +253,17 @@ def main() -> None:
     bw = copy_bandwidth()
     out["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {out['device']}", flush=True)
+    if args.step_cfg:
+        su.STEP_CFG.update(json.loads(Path(args.step_cfg).read_text()))
+        out["step_cfg"] = su.STEP_CFG
     if args.sweep:
-        run_sweep([int(b) for b in args.sweep.split(",")], bw, out)
+        best = run_sweep([int(b) for b in args.sweep.split(",")], bw, out)
         (path / "state_update.json").write_text(json.dumps(out, indent=1))
+        if args.tune:
+            su.STEP_CFG.update(best)
+            out["step_cfg"] = su.STEP_CFG
+            (path / "step_cfg.json").write_text(json.dumps(best, indent=1))
+            print("selected", json.dumps(best), flush=True)
     if not args.skip_micro:
         run_micro([int(b) for b in args.batches.split(",")], load_baseline(args.baseline) if args.baseline else None,
                   bw, out)
