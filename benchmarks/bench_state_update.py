@@ -166,8 +166,10 @@ def run_sweep(batches, bw: float, out: dict) -> dict:
     h, p, n, _ = SHAPES["mamba2-2.7b"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     # NT set directly: few programs an SM asked for, NT capped
-    grid = [dict(tile=t, num_warps=w, programs_per_sm=1e-3, max_tiles=nt, prefetch=pf)
-            for (t, w), nt, pf in itertools.product(((8192, 4), (8192, 8), (4096, 4)), (1, 4, 16), (True, False))
+    # (8 warps: a 128-register cap, two programs an SM; no spills at these tiles)
+    grid = [dict(tile=t, num_warps=w, maxnreg=r, programs_per_sm=1e-3, max_tiles=nt, prefetch=pf)
+            for (t, w, r), nt, pf in itertools.product(((8192, 4, None), (8192, 8, 128), (4096, 4, None)), (1, 4, 16),
+                                                      (True, False))
             if nt > 1 or not pf]
     best = {}
     for kind in KINDS:
@@ -178,18 +180,18 @@ def run_sweep(batches, bw: float, out: dict) -> dict:
             try:
                 ms, nbytes = time_impl(su, SHAPES["mamba2-2.7b"], b, kind)
                 r = {"kind": kind, "batch": b, **cfg, "us": ms * 1e3, "of_copy": nbytes / (ms * 1e-3) / bw}
-                timed[(b, cfg["tile"], cfg["num_warps"], cfg["max_tiles"], cfg["prefetch"])] = ms
+                timed[(b, cfg["tile"], cfg["num_warps"], cfg["max_tiles"], cfg["prefetch"], cfg["maxnreg"])] = ms
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
                 r = {"kind": kind, "batch": b, **cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"}
             rows.append(r)
             print(json.dumps(r), flush=True)
         su.STEP_CFG[key] = saved[key]
         small, large = min(batches), max(batches)
-        bl, tile, warps, nt, pf = min((k for k in timed if k[0] == large), key=timed.get)
+        bl, tile, warps, nt, pf, cap = min((k for k in timed if k[0] == large), key=timed.get)
         small_nt = min((k for k in timed if k[0] == small and k[1:3] == (tile, warps) and (k[4] == pf or k[3] == 1)),
                        key=timed.get)[3]
         tiles = h * -(-p // min(p, tile // n))
-        best[key] = {**saved[key], "tile": tile, "num_warps": warps, "prefetch": pf, "max_tiles": nt,
+        best[key] = {**saved[key], "tile": tile, "num_warps": warps, "maxnreg": cap, "prefetch": pf, "max_tiles": nt,
                      "programs_per_sm": round(small * tiles / small_nt / sms, 2)}
     out["selected"] = best
     return best

@@ -374,14 +374,14 @@ def _state_update(
 # state (Δ, softplus, exp, x, B, C, D) is a few dozen instructions a thread, a handful of them a state value fewer
 # than a program of one tile paid (its launch setup, the slot, the index). Settings by state format (float: fp16,
 # bf16, fp32; int8: codes with a table or with row scales): tile, state values a tile (rows = tile / n, at most p);
-# num_warps; programs_per_sm, the programs the grid aims at an SM (NT = the row's tiles · batch / that, at most
+# num_warps; maxnreg, a register cap (None: ptxas's choice); programs_per_sm, the programs the grid aims at an SM (NT = the row's tiles · batch / that, at most
 # max_tiles, rounded down to a divisor of the row's tiles); prefetch. Chosen by bench_state_update.py --sweep.
 STEP_CFG = {
-    "float": {"tile": 8192, "num_warps": 8, "programs_per_sm": 4, "max_tiles": 16, "prefetch": True},
-    "int8_rows": {"tile": 8192, "num_warps": 8, "programs_per_sm": 4, "max_tiles": 16, "prefetch": True,
-                  "words": True},
-    "int8_table": {"tile": 8192, "num_warps": 8, "programs_per_sm": 4, "max_tiles": 16, "prefetch": False,
-                   "words": False},
+    "float": {"tile": 8192, "num_warps": 8, "maxnreg": 128, "programs_per_sm": 4, "max_tiles": 16, "prefetch": True},
+    "int8_rows": {"tile": 8192, "num_warps": 8, "maxnreg": 128, "programs_per_sm": 4, "max_tiles": 16,
+                  "prefetch": True, "words": True},
+    "int8_table": {"tile": 8192, "num_warps": 8, "maxnreg": 128, "programs_per_sm": 4, "max_tiles": 16,
+                   "prefetch": False, "words": False},
 }
 
 
@@ -648,7 +648,7 @@ def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
         FAST_RCP=CFG["fast_rcp"] and state.is_cuda, PTX_CODES=CFG["ptx_codes"] and state.is_cuda,
         EVEN=even, WORDS=words, PREFETCH=cfg["prefetch"] and NT > 1,
         ONE_GROUP=(rep * TP) % NT == 0, HPG=rep, TP=TP, BP=BP, BN=BN,
-        num_warps=cfg["num_warps"], **pdl_args(x),
+        num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **pdl_args(x),
     )
     return out
 
