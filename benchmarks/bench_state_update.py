@@ -197,6 +197,42 @@ def run_sweep(batches, bw: float, out: dict) -> dict:
     return best
 
 
+def run_order(batches, bw: float, out: dict, repeats: int = 2) -> None:
+    """The grid's order (batch rows first, or one slot's tiles first) at a few settings, each timed ``repeats``
+    times (the spread between repeats is the noise), beside the baseline when given."""
+    rows = out.setdefault("order", [])
+    saved = {k: dict(v) for k, v in su.STEP_CFG.items()}
+    variants = [dict(tile=4096, num_warps=4, maxnreg=None, programs_per_sm=1e-3, max_tiles=nt, prefetch=False,
+                     tiles_first=tf) for nt in (1, 4) for tf in (False, True)]
+    for kind, b in itertools.product(KINDS, batches):
+        key = KEYS[kind]
+        for rep in range(repeats):
+            for cfg in variants:
+                su.STEP_CFG[key] = {**saved[key], **cfg}
+                ms, nbytes = time_impl(su, SHAPES["mamba2-2.7b"], b, kind)
+                r = {"kind": kind, "batch": b, "rep": rep, **cfg, "us": ms * 1e3, "of_copy": nbytes / (ms * 1e-3) / bw}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+            su.STEP_CFG[key] = saved[key]
+            if BASELINE is not None:
+                ms, nbytes = time_impl(BASELINE, SHAPES["mamba2-2.7b"], b, kind)
+                r = {"kind": kind, "batch": b, "rep": rep, "impl": "old", "us": ms * 1e3,
+                     "of_copy": nbytes / (ms * 1e-3) / bw}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    print(f"{'kind':10s} {'b':>4s} {'NT':>3s} {'order':>6s} " + " ".join(f"{'rep' + str(i):>7s}" for i in range(repeats)))
+    groups = {}
+    for r in rows:
+        k = (r["kind"], r["batch"], r.get("max_tiles", "-"), "old" if r.get("impl") else
+             ("tiles" if r["tiles_first"] else "rows"))
+        groups.setdefault(k, []).append(100 * r["of_copy"])
+    for (kind, b, nt, order), v in groups.items():
+        print(f"{kind:10s} {b:4d} {nt!s:>3s} {order:>6s} " + " ".join(f"{x:7.1f}" for x in v))
+
+
+BASELINE = None
+
+
 def run_e2e(batches, steps: int, out: dict) -> None:
     """TPOT of Mamba2-2.7B (random weights) FP16 and FP16 + int8 state (the ``int8-state`` recipe) from replays of
     one captured decode graph a batch."""
@@ -242,6 +278,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="batches to sweep STEP_CFG at (e.g. 128)")
     ap.add_argument("--e2e", default="", help="batches for Mamba2-2.7B TPOT (e.g. 32,128,256)")
     ap.add_argument("--skip-micro", action="store_true")
+    ap.add_argument("--order", default="", help="batches to time the grid's order at (e.g. 32,128)")
     ap.add_argument("--tune", action="store_true", help="time the rest with the sweep's selection (step_cfg.json)")
     ap.add_argument("--step-cfg", default="", help="STEP_CFG entries to use (a step_cfg.json)")
     ap.add_argument("--steps", type=int, default=32)
@@ -255,6 +292,12 @@ def main() -> None:
     bw = copy_bandwidth()
     out["copy_bandwidth_TBps"] = bw / 1e12
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s on {out['device']}", flush=True)
+    global BASELINE
+    if args.baseline:
+        BASELINE = load_baseline(args.baseline)
+    if args.order:
+        run_order([int(b) for b in args.order.split(",")], bw, out)
+        (path / "state_update.json").write_text(json.dumps(out, indent=1))
     if args.step_cfg:
         su.STEP_CFG.update(json.loads(Path(args.step_cfg).read_text()))
         out["step_cfg"] = su.STEP_CFG
@@ -267,8 +310,7 @@ def main() -> None:
             (path / "step_cfg.json").write_text(json.dumps(best, indent=1))
             print("selected", json.dumps(best), flush=True)
     if not args.skip_micro:
-        run_micro([int(b) for b in args.batches.split(",")], load_baseline(args.baseline) if args.baseline else None,
-                  bw, out)
+        run_micro([int(b) for b in args.batches.split(",")], BASELINE, bw, out)
         (path / "state_update.json").write_text(json.dumps(out, indent=1))
     if args.e2e:
         run_e2e([int(b) for b in args.e2e.split(",")], args.steps, out)

@@ -375,7 +375,8 @@ def test_step_walks_several_tiles(SU, state_fmt, input_fmt, max_tiles, prefetch,
     in a program), equal to the reference, as one tile a program is."""
     for key in SU.STEP_CFG:
         monkeypatch.setitem(SU.STEP_CFG, key, {**SU.STEP_CFG[key], "programs_per_sm": 1e-3, "max_tiles": max_tiles,
-                                                "prefetch": prefetch, "words": prefetch})
+                                                "prefetch": prefetch, "words": prefetch,
+                                                "tiles_first": max_tiles == 8})
     args = _case("mamba2", state_fmt, input_fmt, seed=5)
     ref_args = _clone(args)
     y_ref = quant_state_update_ref(*ref_args)

@@ -529,13 +529,17 @@ def _step(
     SOFTPLUS: tl.constexpr, Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr,
     Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr,
     EVEN: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ONE_GROUP: tl.constexpr, HPG: tl.constexpr,
-    TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, USE_GDC: tl.constexpr = False,
+    TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, TILES_FIRST: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
-    """Grid (b, tiles // NT): program (row, j) steps tiles j·NT .. j·NT + NT - 1 of the row (tile t: head t // TP,
+    """Grid (b, tiles // NT) (TILES_FIRST: (tiles // NT, b)): program (row, j) steps tiles j·NT .. j·NT + NT - 1 of the row (tile t: head t // TP,
     channels (t % TP)·BP .. + BP of it, all n states)."""
     gdc_enter(USE_GDC)
-    pid_b = tl.program_id(0)
-    t0 = tl.program_id(1) * NT
+    if TILES_FIRST:  # grid (tiles // NT, b): programs launched together walk one slot's state in address order
+        pid_b = tl.program_id(1)
+        t0 = tl.program_id(0) * NT
+    else:
+        pid_b = tl.program_id(0)
+        t0 = tl.program_id(1) * NT
     if HAS_IDX:
         slot = tl.load(idx_ptr + pid_b).to(tl.int64)
     else:
@@ -629,7 +633,8 @@ def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
     if words:  # the slot stride in bytes (applied before the cast), the others in int32 words
         st = (st[0], st[1] // 4, st[2] // 4, 1)
     dummy = out
-    _step[(b, h * TP // NT)](
+    order = cfg.get("tiles_first", False)
+    _step[(h * TP // NT, b) if order else (b, h * TP // NT)](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
         state_batch_indices if state_batch_indices is not None else x, out,
@@ -647,7 +652,7 @@ def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
         Q_X=xs is not None, Q_B=Bs is not None, Q_C=Cs is not None,
         FAST_RCP=CFG["fast_rcp"] and state.is_cuda, PTX_CODES=CFG["ptx_codes"] and state.is_cuda,
         EVEN=even, WORDS=words, PREFETCH=cfg["prefetch"] and NT > 1,
-        ONE_GROUP=(rep * TP) % NT == 0, HPG=rep, TP=TP, BP=BP, BN=BN,
+        ONE_GROUP=(rep * TP) % NT == 0, HPG=rep, TP=TP, BP=BP, BN=BN, TILES_FIRST=order,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **pdl_args(x),
     )
     return out
