@@ -157,42 +157,37 @@ def run_micro(batches, baseline, bw: float, out: dict) -> None:
 KEYS = {"fp16": "float", "int8rows": "int8_rows", "int8table": "int8_table"}  # STEP_CFG's entry of each kind
 
 
-def run_sweep(batches, bw: float, out: dict) -> dict:
-    """STEP_CFG variants (tile, warps, NT tiles a program, prefetch) on Mamba2-2.7B's layer at the batches given
-    (small, large); returns the settings they select: a kind's fastest variant at the large batch, with
-    programs_per_sm from its fastest NT at the small one (the programs an SM that NT gave)."""
+def run_sweep(batch: int, bw: float, out: dict) -> dict:
+    """STEP_CFG variants (tile, warps, NT tiles a program, prefetch; one slot's tiles first) on Mamba2-2.7B's layer at
+    one batch; returns the settings they select: each kind's fastest, with programs_per_sm the programs an SM its NT
+    gave (the rule that sets NT at other batches)."""
     rows = out.setdefault("sweep", [])
     saved = {k: dict(v) for k, v in su.STEP_CFG.items()}
     h, p, n, _ = SHAPES["mamba2-2.7b"]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # NT set directly: few programs an SM asked for, NT capped
-    # (8 warps: a 128-register cap, two programs an SM; no spills at these tiles)
-    grid = [dict(tile=t, num_warps=w, maxnreg=r, programs_per_sm=1e-3, max_tiles=nt, prefetch=pf)
-            for (t, w, r), nt, pf in itertools.product(((8192, 4, None), (8192, 8, 128), (4096, 4, None)), (1, 4, 16),
-                                                      (True, False))
-            if nt > 1 or not pf]
+    # NT set directly: few programs an SM asked for, NT capped. 8 warps: a 128-register cap, two programs an SM
+    grid = [dict(tile=t, num_warps=w, maxnreg=r, programs_per_sm=1e-3, max_tiles=nt, prefetch=pf, tiles_first=True)
+            for (t, w, r), (nt, pf) in itertools.product(((4096, 4, None), (2048, 2, None), (8192, 8, 128)),
+                                                         ((1, False), (2, False), (4, False), (8, False), (4, True)))]
     best = {}
     for kind in KINDS:
         key = KEYS[kind]
-        timed = {}
-        for b, cfg in itertools.product(batches, grid):
+        timed = []
+        for cfg in grid:
             su.STEP_CFG[key] = {**saved[key], **cfg}
             try:
-                ms, nbytes = time_impl(su, SHAPES["mamba2-2.7b"], b, kind)
-                r = {"kind": kind, "batch": b, **cfg, "us": ms * 1e3, "of_copy": nbytes / (ms * 1e-3) / bw}
-                timed[(b, cfg["tile"], cfg["num_warps"], cfg["max_tiles"], cfg["prefetch"], cfg["maxnreg"])] = ms
+                ms, nbytes = time_impl(su, SHAPES["mamba2-2.7b"], batch, kind)
+                r = {"kind": kind, "batch": batch, **cfg, "us": ms * 1e3, "of_copy": nbytes / (ms * 1e-3) / bw}
+                timed.append((ms, cfg))
             except Exception as e:  # noqa: BLE001 - a variant that fails to build is reported, not fatal
-                r = {"kind": kind, "batch": b, **cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+                r = {"kind": kind, "batch": batch, **cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"}
             rows.append(r)
             print(json.dumps(r), flush=True)
         su.STEP_CFG[key] = saved[key]
-        small, large = min(batches), max(batches)
-        bl, tile, warps, nt, pf, cap = min((k for k in timed if k[0] == large), key=timed.get)
-        small_nt = min((k for k in timed if k[0] == small and k[1:3] == (tile, warps) and (k[4] == pf or k[3] == 1)),
-                       key=timed.get)[3]
-        tiles = h * -(-p // min(p, tile // n))
-        best[key] = {**saved[key], "tile": tile, "num_warps": warps, "maxnreg": cap, "prefetch": pf, "max_tiles": nt,
-                     "programs_per_sm": round(small * tiles / small_nt / sms, 2)}
+        ms, cfg = min(timed, key=lambda m: m[0])
+        tiles = h * -(-p // min(p, cfg["tile"] // n))
+        best[key] = {**saved[key], **cfg, "max_tiles": 16,
+                     "programs_per_sm": round(batch * tiles / cfg["max_tiles"] / sms, 2)}
     out["selected"] = best
     return best
 
@@ -275,7 +270,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "out/state_update"))
     ap.add_argument("--batches", default="32,64,128,256")
     ap.add_argument("--baseline", default="", help="another state_update.py to time beside this one")
-    ap.add_argument("--sweep", default="", help="batches to sweep STEP_CFG at (e.g. 128)")
+    ap.add_argument("--sweep", default="", help="the batch to sweep STEP_CFG at (e.g. 128)")
     ap.add_argument("--e2e", default="", help="batches for Mamba2-2.7B TPOT (e.g. 32,128,256)")
     ap.add_argument("--skip-micro", action="store_true")
     ap.add_argument("--order", default="", help="batches to time the grid's order at (e.g. 32,128)")
@@ -302,7 +297,7 @@ def main() -> None:
         su.STEP_CFG.update(json.loads(Path(args.step_cfg).read_text()))
         out["step_cfg"] = su.STEP_CFG
     if args.sweep:
-        best = run_sweep([int(b) for b in args.sweep.split(",")], bw, out)
+        best = run_sweep(int(args.sweep), bw, out)
         (path / "state_update.json").write_text(json.dumps(out, indent=1))
         if args.tune:
             su.STEP_CFG.update(best)

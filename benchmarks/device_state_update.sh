@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The state update on a GPU machine, in one call: its GPU tests against the CPU references, the STEP_CFG sweep
-# (batches 32 and 128, Mamba2-2.7B's layer) whose selection the rest then runs with, old (BASELINE: another
-# state_update.py) vs new at Mamba2-2.7B's and 8B's layers, batches 32-256, and Mamba2-2.7B TPOT FP16 and FP16 +
-# int8 state, new and (BASELINE_ROOT: another checkout's PYTHONPATH) old.
-# Usage (repo root): BASELINE=... BASELINE_ROOT=... bash benchmarks/device_state_update.sh [STEPS]
+# The state update on a GPU machine, in one call: its GPU tests against the CPU references, the STEP_CFG sweep at
+# batch 128 (Mamba2-2.7B's layer) whose selection the rest then runs with, old (BASELINE: another state_update.py)
+# vs new at Mamba2-2.7B's and 8B's layers, batches 32-256, and Mamba2-2.7B TPOT FP16 and FP16 + int8 state (new;
+# BASELINE_ROOT: also another checkout's, on PYTHONPATH).
+# Usage (repo root): BASELINE=... [BASELINE_ROOT=...] bash benchmarks/device_state_update.sh [STEPS]
 # STEPS: comma list of tests,micro,e2e (default all). Logs and JSON go to $OUT.
 set -uo pipefail
 steps=${1:-tests,micro,e2e}
@@ -18,15 +18,15 @@ if [[ $steps == *tests* ]]; then
     | tail -6 | tee "$out/gpu_tests.log" || rc=1
 fi
 if [[ $steps == *micro* ]]; then
-  timeout 150 python3 benchmarks/bench_state_update.py --sweep 32,128 --tune ${BASELINE:+--baseline "$BASELINE"} \
-    --out "$out" 2>&1 | tee "$out/micro.log" | tail -28 || rc=1
+  timeout 150 python3 benchmarks/bench_state_update.py --sweep 128 --tune ${BASELINE:+--baseline "$BASELINE"} \
+    --out "$out" 2>&1 | tee "$out/micro.log" | grep -v '^{' | tail -28 || rc=1
 fi
 if [[ $steps == *e2e* ]]; then
   cfg=(); [[ -f $out/step_cfg.json ]] && cfg=(--step-cfg "$out/step_cfg.json")
-  timeout 75 python3 benchmarks/bench_state_update.py --skip-micro "${cfg[@]}" --e2e 32,128,256 --out "$out/e2e_new" \
+  timeout 90 python3 benchmarks/bench_state_update.py --skip-micro "${cfg[@]}" --e2e 32,128,256 --out "$out/e2e_new" \
     2>&1 | grep -v "it/s\]\|s/it\]" | tail -7 || rc=1
   if [[ -n ${BASELINE_ROOT:-} ]]; then
-    PYTHONPATH=$BASELINE_ROOT timeout 75 python3 benchmarks/bench_state_update.py --skip-micro --e2e 32,128,256 \
+    PYTHONPATH=$BASELINE_ROOT timeout 90 python3 benchmarks/bench_state_update.py --skip-micro --e2e 32,128,256 \
       --out "$out/e2e_old" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -7 || rc=1
   fi
 fi

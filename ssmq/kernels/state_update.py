@@ -377,11 +377,12 @@ def _state_update(
 # num_warps; maxnreg, a register cap (None: ptxas's choice); programs_per_sm, the programs the grid aims at an SM (NT = the row's tiles · batch / that, at most
 # max_tiles, rounded down to a divisor of the row's tiles); prefetch. Chosen by bench_state_update.py --sweep.
 STEP_CFG = {
-    "float": {"tile": 8192, "num_warps": 8, "maxnreg": 128, "programs_per_sm": 4, "max_tiles": 16, "prefetch": True},
-    "int8_rows": {"tile": 8192, "num_warps": 8, "maxnreg": 128, "programs_per_sm": 4, "max_tiles": 16,
-                  "prefetch": True, "words": True},
-    "int8_table": {"tile": 8192, "num_warps": 8, "maxnreg": 128, "programs_per_sm": 4, "max_tiles": 16,
-                   "prefetch": False, "words": False},
+    "float": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
+              "prefetch": False, "tiles_first": True},
+    "int8_rows": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
+                  "prefetch": False, "tiles_first": True, "words": True},
+    "int8_table": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
+                   "prefetch": False, "tiles_first": True, "words": False},
 }
 
 
