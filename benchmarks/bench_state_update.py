@@ -215,7 +215,8 @@ def run_order(batches, bw: float, out: dict, repeats: int = 2) -> None:
                      "of_copy": nbytes / (ms * 1e-3) / bw}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    print(f"{'kind':10s} {'b':>4s} {'NT':>3s} {'order':>6s} " + " ".join(f"{'rep' + str(i):>7s}" for i in range(repeats)))
+    print(f"{'kind':10s} {'b':>4s} {'NT':>3s} {'order':>6s} "
+          + " ".join(f"{'rep' + str(i):>7s}" for i in range(repeats)))
     groups = {}
     for r in rows:
         k = (r["kind"], r["batch"], r.get("max_tiles", "-"), "old" if r.get("impl") else

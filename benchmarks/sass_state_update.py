@@ -18,11 +18,12 @@ from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 
 from ssmq.kernels import state_update as su
-from ssmq.kernels.build import _cuobjdump, registers
+from ssmq.kernels.build import _cuobjdump, main_loop, registers
 from ssmq.ops.quant_ssm import RowScales
 
 B_, H, P, N = 128, 80, 64, 128
-SHOWN = ("LDG", "STG", "FFMA", "FMUL", "FADD", "FMNMX", "PRMT", "MUFU", "HADD2", "F2FP", "IMAD", "SHFL", "LOP3", "IADD3")
+SHOWN = ("LDG", "STG", "FFMA", "FMUL", "FADD", "FMNMX", "PRMT", "MUFU", "HADD2", "F2FP", "IMAD", "SHFL", "LOP3",
+         "IADD3")
 
 
 def capture(call):
@@ -100,12 +101,9 @@ def inputs(mode):
                                          out_dtype=torch.float16, **kw)
 
 
-def values_per_thread(kernel, grid, kwargs, options):
-    """State values one thread owns over its program (the grid covers B_ x H x P x N)."""
-    progs = 1
-    for gdim in grid:
-        progs *= gdim
-    return B_ * H * P * N / (progs * 32 * options.get("num_warps", 4))
+def values_per_thread(kernel, kwargs, options) -> float:
+    """State values one thread owns in one tile (BP x BN)."""
+    return kwargs["BP"] * kwargs["BN"] / (32 * options.get("num_warps", 4))
 
 
 def main():
@@ -115,9 +113,12 @@ def main():
         kernel, grid, args, kwargs = capture(inputs(mode))
         compiled, options = build(kernel, args, kwargs)
         regs, stack = registers(compiled)
-        c = ops(compiled)
+        try:  # the tile loop of ``_step`` (a tile an iteration), else the whole one-tile kernel
+            c = main_loop(compiled)
+        except AssertionError:
+            c = ops(compiled)
         total = sum(v for k, v in c.items() if k not in ("NOP", "BRA", "EXIT"))
-        vpt = values_per_thread(kernel, grid, kwargs, options)
+        vpt = values_per_thread(kernel, kwargs, options)
         print(f"{mode:10s} {kernel.fn.__name__:14s} {regs:4d} {stack:5d} {total:6d} {total / vpt:6.2f}  "
               + " ".join(f"{c.get(o, 0):5d}" for o in SHOWN), flush=True)
 

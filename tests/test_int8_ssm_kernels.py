@@ -371,8 +371,9 @@ def test_fake_quantize_is_bit_exact(dtype, scale_kind):
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_step_walks_several_tiles(SU, state_fmt, input_fmt, max_tiles, prefetch, monkeypatch):
     """The plain Mamba-2 step with several tiles a program (``STEP_CFG``: few programs an SM): with the next tile
-    prefetched (and an int8 state read as int32 words) or not, its B / C once a program (the tiles in one group) or a tile (max_tiles 8: tiles of two groups
-    in a program), equal to the reference, as one tile a program is."""
+    prefetched (and an int8 state read as int32 words) or not, its B / C once a program (the tiles in one group) or a
+    tile (max_tiles 8: tiles of two groups in a program; the grid then one slot's tiles first), equal to the
+    reference, as one tile a program is."""
     for key in SU.STEP_CFG:
         monkeypatch.setitem(SU.STEP_CFG, key, {**SU.STEP_CFG[key], "programs_per_sm": 1e-3, "max_tiles": max_tiles,
                                                 "prefetch": prefetch, "words": prefetch,

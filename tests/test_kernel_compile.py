@@ -103,7 +103,9 @@ def test_state_update_compiles_as_launched(state, replay):
 
     if not hasattr(su._state_update, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
-    b, h, p, n = 4, 80, 64, 128  # 4 rows: enough programs that the tile heuristic keeps its large-batch tiles
+    # 4 rows: enough programs that the tile heuristic keeps its large-batch tiles; the plain step at 128 rows: several
+    # tiles a program (``_step``)
+    b, h, p, n = (4 if replay else 128), 80, 64, 128
     int8 = state != "fp16"
     x, B, C = torch.randn(b, h, p), torch.randn(b, 1, n), torch.randn(b, 1, n)
     dt = torch.randn(b, h)[:, :, None].expand(b, h, p)

@@ -367,15 +367,18 @@ def _state_update(
         tl.store(done_ptr + slot + offs_p * 0, offs_p * 0, mask=last)
 
 
-# The plain Mamba-2 step (Δ and A one scalar a head, no checkpoint ring): ``_step``. A program walks NT consecutive
-# (head, row block) tiles of one batch row and loads tile t + 1 before it computes tile t (prefetch), so that a
-# program's next state bytes are in flight while it computes: a decode step moves the state and little else, and
-# an SM must keep ~20-30 KB of loads in flight to stream at HBM speed (H100 / H200). The per-tile work beside the
-# state (Δ, softplus, exp, x, B, C, D) is a few dozen instructions a thread, a handful of them a state value fewer
-# than a program of one tile paid (its launch setup, the slot, the index). Settings by state format (float: fp16,
-# bf16, fp32; int8: codes with a table or with row scales): tile, state values a tile (rows = tile / n, at most p);
-# num_warps; maxnreg, a register cap (None: ptxas's choice); programs_per_sm, the programs the grid aims at an SM (NT = the row's tiles · batch / that, at most
-# max_tiles, rounded down to a divisor of the row's tiles); prefetch. Chosen by bench_state_update.py --sweep.
+# The plain Mamba-2 step (Δ and A one scalar a head, no checkpoint ring) with several tiles a program: ``_step``. A
+# program walks NT consecutive (head, row block) tiles of one batch row: Δ, A and the slot read once a tile, B and C
+# once a program when its tiles share a group, optionally the next tile's state loaded before the current one is
+# computed (prefetch), an int8 state with row scales read and written as int32 words of 4 codes (words: a prefetched
+# tile stays 4 codes a register). Settings by state format (float: fp16 / bf16 / fp32; int8_rows; int8_table):
+# tile, state values a tile (rows = tile / n, at most p); num_warps; maxnreg, a register cap (None: ptxas's choice);
+# programs_per_sm: NT = the row's tiles · batch / (that · SMs), at most max_tiles, rounded down to a divisor of the
+# row's tiles; NT = 1 launches the one-tile kernel above instead. tiles_first: grid (tiles / NT, batch), so programs
+# launched together read one slot's state in address order. H100, 2026-12-05 (bench_state_update.py --sweep / --order,
+# Mamba2-2.7B's layer, % of the copy bandwidth): the order decides most; fp16 at batch 128 93-94% tiles first vs 79-85%
+# rows first and 89% for the one-tile kernel; int8 table 66.5 vs 62.7; int8 rows 74.0 for both; at batch 32 (NT 1)
+# the one-tile kernel was 1.5-2.4 points faster. Prefetch, 8 warps and 8192-value tiles measured no better.
 STEP_CFG = {
     "float": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
               "prefetch": False, "tiles_first": True},
@@ -532,8 +535,8 @@ def _step(
     EVEN: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ONE_GROUP: tl.constexpr, HPG: tl.constexpr,
     TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, TILES_FIRST: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
-    """Grid (b, tiles // NT) (TILES_FIRST: (tiles // NT, b)): program (row, j) steps tiles j·NT .. j·NT + NT - 1 of the row (tile t: head t // TP,
-    channels (t % TP)·BP .. + BP of it, all n states)."""
+    """Grid (b, tiles // NT) (TILES_FIRST: (tiles // NT, b)): program (row, j) steps tiles j·NT .. j·NT + NT - 1 of
+    the row (tile t: head t // TP, channels (t % TP)·BP .. + BP of it, all n states)."""
     gdc_enter(USE_GDC)
     if TILES_FIRST:  # grid (tiles // NT, b): programs launched together walk one slot's state in address order
         pid_b = tl.program_id(1)
@@ -620,12 +623,12 @@ def _step_grid(b: int, h: int, p: int, n: int, fmt: str, device) -> tuple[dict, 
 
 
 def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, sidx, s_ssg, rs,
-                 xs, Bs, Cs, out, rep):
-    """The plain Mamba-2 step through ``_step`` (arguments as ``_launch`` has checked and shaped them)."""
+                 xs, Bs, Cs, out, rep, step):
+    """The plain Mamba-2 step through ``_step`` (arguments as ``_launch`` has checked and shaped them; ``step``:
+    ``_step_grid``'s)."""
     b, h, p = x.shape
     n = state.shape[-1]
-    fmt = "float" if state.dtype != torch.int8 else "int8_rows" if rs is not None else "int8_table"
-    cfg, BP, TP, NT = _step_grid(b, h, p, n, fmt, x.device)
+    cfg, BP, TP, NT = step
     BN = pow2(n, 16)
     even = p % BP == 0 and n == BN
     st = state.stride()
@@ -802,9 +805,12 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     tie = (dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
            and (dt_bias is None or dt_bias.stride(1) == 0))
     if ring is None and tie and not (ss is not None and CFG["rcp_table"]):
-        _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, sidx, s_ssg, rs,
-                     xs, Bs, Cs, out, rep)
-        return out if multihead else out.squeeze(1)
+        fmt = "float" if state.dtype != torch.int8 else "int8_rows" if rs is not None else "int8_table"
+        step = _step_grid(b, h, p, n, fmt, x.device)
+        if step[3] > 1:  # NT: one tile a program is this kernel's (below), which measured as fast or faster there
+            _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, sidx, s_ssg, rs,
+                         xs, Bs, Cs, out, rep, step)
+            return out if multihead else out.squeeze(1)
     BN = pow2(n, 16)
     cfg = CFG["replay"] if ring is not None else CFG
     if state.dtype == torch.int8:
