@@ -1,6 +1,7 @@
 """The plain state update's SASS as launched on Mamba2-2.7B's layer, built for sm_90 on this machine (no GPU):
-registers, spills and the instructions a thread issues a state value (the kernel's static instruction count, its
-loop bodies counted once a trip, over the values a thread owns), for the fp16 state, the int8 state with row
+registers, spills and the
+instructions a thread issues a state value (the tile loop's of ``_step``, else the one-tile kernel's static count,
+over the values a thread owns in a tile), for the fp16 state, the int8 state with row
 scales on fp16 inputs, and the int8 state with a 16-group table on int8 inputs (Quamba2).
 
     python benchmarks/sass_state_update.py
