@@ -373,7 +373,7 @@ def _state_update(
 # computed (prefetch), an int8 state with row scales read and written as int32 words of 4 codes (words: a prefetched
 # tile stays 4 codes a register). Settings by state format (float: fp16 / bf16 / fp32; int8_rows; int8_table):
 # tile, state values a tile (rows = tile / n, at most p); num_warps; maxnreg, a register cap (None: ptxas's choice);
-# programs_per_sm: NT = the row's tiles · batch / (that · SMs), at most max_tiles, rounded down to a divisor of the
+# programs_per_sm: NT = the row's tiles · batch / (that · SMs) rounded, at most max_tiles, down to a divisor of the
 # row's tiles; NT = 1 launches the one-tile kernel above instead. tiles_first: grid (tiles / NT, batch), so programs
 # launched together read one slot's state in address order. H100, 2026-12-05 (bench_state_update.py --sweep / --order,
 # Mamba2-2.7B's layer, % of the copy bandwidth): the order decides most; fp16 at batch 128 93-94% tiles first vs 79-85%
@@ -616,7 +616,7 @@ def _step_grid(b: int, h: int, p: int, n: int, fmt: str, device) -> tuple[dict, 
         BP //= 2
     TP = triton.cdiv(p, BP)
     tiles = h * TP
-    nt = max(1, min(cfg["max_tiles"], int(b * tiles / (cfg["programs_per_sm"] * sms))))
+    nt = max(1, min(cfg["max_tiles"], round(b * tiles / (cfg["programs_per_sm"] * sms))))
     while tiles % nt:
         nt -= 1
     return cfg, BP, TP, nt
