@@ -45,19 +45,26 @@ def test_state_update_compiles_for_sm90(variant, ring_stages):
 
 
 def _launch_args(su, call):
-    """The arguments ``call`` (a public state-update function on CPU tensors) would launch ``su._state_update`` with."""
+    """(kernel, arguments) ``call`` (a public state-update function on CPU tensors) would launch: ``su._step`` (the
+    plain Mamba-2 step) or ``su._state_update``."""
     got = {}
 
     class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: got.update(args=args, kwargs=kwargs)
+        def __init__(self, kernel):
+            self.kernel = kernel
 
-    real, su._state_update = su._state_update, Capture()
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: got.update(kernel=self.kernel, args=args, kwargs=kwargs)
+
+    real = {name: getattr(su, name) for name in ("_state_update", "_step")}
+    for name, kernel in real.items():
+        setattr(su, name, Capture(kernel))
     try:
         call()
     finally:
-        su._state_update = real
-    return got["args"], got["kwargs"]
+        for name, kernel in real.items():
+            setattr(su, name, kernel)
+    return got["kernel"], got["args"], got["kwargs"]
 
 
 def test_int32_words_reads_int64_in_place():
@@ -96,7 +103,9 @@ def test_state_update_compiles_as_launched(state, replay):
 
     if not hasattr(su._state_update, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
-    b, h, p, n = 4, 80, 64, 128  # 4 rows: enough programs that the tile heuristic keeps its large-batch tiles
+    # 4 rows: enough programs that the tile heuristic keeps its large-batch tiles; the plain step at 128 rows: several
+    # tiles a program (``_step``)
+    b, h, p, n = (4 if replay else 128), 80, 64, 128
     int8 = state != "fp16"
     x, B, C = torch.randn(b, h, p), torch.randn(b, 1, n), torch.randn(b, 1, n)
     dt = torch.randn(b, h)[:, :, None].expand(b, h, p)
@@ -116,10 +125,10 @@ def test_state_update_compiles_as_launched(state, replay):
     kw = dict(D=per_head, dt_bias=per_head, dt_softplus=True, state_batch_indices=torch.arange(b, dtype=torch.int32))
     if replay:
         ring = StateRing.allocate(b, 16, h, p, 1, n, per_head_dt=True, device="cpu")
-        args, kwargs = _launch_args(su, lambda: su.replay_state_update(st, table, index, ring, *inputs, **kw))
+        kernel, args, kwargs = _launch_args(su, lambda: su.replay_state_update(st, table, index, ring, *inputs, **kw))
     else:
-        args, kwargs = _launch_args(su, lambda: su.quant_state_update(st, table, index, *inputs, **kw))
-    kernel = su._state_update
+        kernel, args, kwargs = _launch_args(su, lambda: su.quant_state_update(st, table, index, *inputs, **kw))
+    assert (kernel is su._state_update) == replay  # the plain Mamba-2 step: ``_step``
     kwargs.update(FAST_RCP=su.CFG["fast_rcp"], PTX_CODES=su.CFG["ptx_codes"])  # as launched on CUDA tensors
     options = {k: kwargs.pop(k) for k in ("num_warps", "maxnreg") if k in kwargs}
     values = {**dict(zip(kernel.arg_names, args)), **kwargs}
