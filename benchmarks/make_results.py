@@ -21,7 +21,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "docs" / "results.md"
 KEYS = ("title", "capability", "command", "gpu", "date", "commit", "setup", "columns", "rows")
 SECTIONS = {"accuracy": "Quantization accuracy", "decode": "Decode speed", "prefill": "Prefill",
-            "memory": "Memory", "tp": "Tensor parallelism", "serving": "Serving"}
+            "memory": "Memory", "tp": "Tensor parallelism", "serving": "Serving", "kernels": "Kernels"}
 
 HEADER = """# Measured results
 

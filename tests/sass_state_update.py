@@ -4,7 +4,7 @@ instructions a thread issues a state value (the tile loop's of ``_step``, else t
 over the values a thread owns in a tile), for the fp16 state, the int8 state with row
 scales on fp16 inputs, and the int8 state with a 16-group table on int8 inputs (Quamba2).
 
-    python benchmarks/sass_state_update.py
+    python tests/sass_state_update.py
 """
 
 from __future__ import annotations
