@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The low-bit decode GEMV (ssmq.kernels.qgemv) on a GPU machine: its GPU tests, a launch-setting sweep at
+# Mamba2-2.7B's shapes, the old-vs-new table at Mamba2-2.7B and 8B shapes, and (e2e) batch-1 TPOT old vs new.
+# Usage (repo root): bash benchmarks/device_gemv.sh [STEPS]   STEPS: comma list of tests,sweep,table,e2e
+set -uo pipefail
+steps=${1:-tests,sweep,table}
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
+if [[ $steps == *tests* ]]; then
+  timeout 150 python3 -m pytest -q -x tests/test_qgemv.py 2>&1 | tail -15 | tee "$out/tests.log"
+  SSMQ_GPU_QUICK=1 timeout 100 python3 -m pytest -q -x tests/test_quant_kernels.py \
+    -k "weight_only or decode_paths or word or fp8 or graph or split" 2>&1 | tail -8 | tee -a "$out/tests.log"
+fi
+if [[ $steps == *sweep* ]]; then
+  sweep='{"old": {"QGEMV_MAX_ROWS": 0}, "new": {}, "bn32": {"QGEMV": {"BN_FMA": 32, "BN_DOT": 32}},
+    "bn128": {"QGEMV": {"BN_FMA": 128, "BN_DOT": 128}}, "kt512": {"QGEMV": {"KT_FMA": 512, "KT_DOT": 512}},
+    "w3": {"QGEMV": {"WAVES": 3}}, "w12": {"QGEMV": {"WAVES": 12}}, "fma4": {"QGEMV": {"FMA_MAX_ROWS": 4}}}'
+  timeout 150 python3 -m ssmq.runtime.bench_gemv --models mamba2-2.7b --formats w4a16-g128,w8a16,fp8-w8a8 \
+    --rows 1,4,8 --no-stream --reps 20 --variants "$sweep" --json "$out/sweep.json" 2>&1 \
+    | grep -v '^{' | tee "$out/sweep.log"
+fi
+if [[ $steps == *table* ]]; then
+  timeout 200 python3 -m ssmq.runtime.bench_gemv --json "$out/gemv.json" 2>&1 | grep -v '^{' | tee "$out/table.log"
+fi
+if [[ $steps == *e2e* ]]; then
+  for v in new old; do
+    cfg='{}'; [[ $v == old ]] && cfg='{"QGEMV_MAX_ROWS": 0}'
+    timeout 200 python3 benchmarks/bench_quant.py --models mamba2-2.7b --recipes fp16,rtn-w4a16-g128,fp8-w8a8 \
+      --batches 1 --via-disk none --prompt-len 64 --steps 32 --cfg "$cfg" --out "$out/e2e_$v" 2>&1 \
+      | grep -v "it/s\]\|s/it\]" | tail -12 | tee "$out/e2e_$v.log"
+  done
+fi

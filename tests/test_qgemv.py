@@ -1,0 +1,136 @@
+"""The low-bit decode GEMV (``ssmq.kernels.qgemv``) equals ``ops.quant_linear_ref``: within fp16 / bf16 rounding of
+the float64 result for float x, to float32 rounding for fp8 x; both paths (FMA, DOT), K split or not, and the
+default routing of ``quant_gemm.quant_linear`` to it. ``gpu`` tests; ``SSMQ_TRITON_INTERPRET=1`` runs a smaller
+sweep on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ssmq import ops
+from ssmq.ops.quant_linear import weight_format
+from test_kernels import DEV, INTERPRET, kernel_module, rel
+from test_quant_kernels import make_weight
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def QG():
+    return kernel_module("qgemv")
+
+
+def _weight(n, k, fmt):
+    bits, group = fmt
+    if group == "tensor":
+        w_q, _, _ = make_weight(n, k, bits, None, False)
+        return w_q, torch.tensor(0.01, device=DEV)
+    w_q, w_s, _ = make_weight(n, k, bits, group, False)
+    return w_q, w_s
+
+
+FMTS = [(4, 128), (4, 32), (8, None), (8, "tensor")]
+ROWS = [1, 2, 3, 4, 8] if INTERPRET else [1, 2, 3, 4, 5, 8]
+SHAPES = [(40, 1024)] if INTERPRET else [(40, 1024), (10576, 2560), (2560, 5120)]
+# FMA (1-4 rows) / DOT (3-8 rows) x (K split in 4 with one tile each, one program a column tile looping over 4)
+PATHS = {"fma": {"FMA_MAX_ROWS": 4}, "dot": {"FMA_MAX_ROWS": 2}}
+SPLITS = {"split": {"MAX_ITERS": 1}, "loop": {"MAX_SPLIT_FMA": 1, "MAX_SPLIT_DOT": 1}, "default": {}}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_weight_only(QG, n, k, fmt, rows, path, split):
+    if (path == "fma") != (rows <= 4) and rows not in (3, 4):
+        pytest.skip("the FMA path serves 1-4 rows")
+    torch.manual_seed(rows + n)
+    w_q, w_s = _weight(n, k, fmt)
+    f = weight_format(w_q, w_s)
+    cfg = {**QG.CFG, **PATHS[path], **SPLITS[split]}
+    plan = QG._plan(rows, n, k, f, 132, cfg)
+    assert plan["DOT"] == (rows > cfg["FMA_MAX_ROWS"])
+    if split != "default" and n == 40:
+        assert (plan["split"], plan["iters"]) == ((4, 1) if split == "split" else (1, 4))
+    for dtype in [torch.float16] if INTERPRET else [torch.float16, torch.bfloat16]:
+        x = torch.randn(rows, k, device=DEV).to(dtype)
+        bias = torch.randn(n, device=DEV).to(dtype)
+        assert QG.eligible(x, w_q, w_s, None, f, cfg)
+        out = QG.quant_gemv(x, w_q, w_s, f, None, bias, cfg=cfg)
+        exact = ops.quant_linear_ref(x.double(), w_q, w_s, None, None, bias.double())
+        eps = 2e-3 if dtype == torch.float16 else 1.6e-2
+        assert out.dtype == dtype and out.shape == (rows, n)
+        assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s, None, None, bias), exact) + eps
+
+
+@pytest.mark.skipif(INTERPRET, reason="fp8 needs a GPU (the interpreter has no e4m3 arithmetic)")
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("n,k", [(200, 512), (10576, 2560), (2560, 5120)])
+def test_fp8(QG, n, k, rows, path):
+    # fp8 x codes (FP8 W8A8) and float x (fp8 weight-only): e4m3 products exact in float32
+    torch.manual_seed(rows)
+    w_q, w_s, _ = make_weight(n, k, 8, None, False, fp8=True)
+    f = weight_format(w_q, w_s)
+    cfg = {**QG.CFG, **PATHS[path]}
+    x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
+    x_q, x_s = ops.quantize_act_ref(x, None, True, torch.float8_e4m3fn)
+    bias = torch.randn(n, device=DEV)
+    assert QG.eligible(x_q, w_q, w_s, None, f, cfg)
+    out = QG.quant_gemv(x_q, w_q, w_s, f, x_s, bias, torch.float32, cfg=cfg)
+    assert rel(out, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, bias, torch.float32)) < 1e-5
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s)
+    out16 = QG.quant_gemv(x, w_q, w_s, f, cfg=cfg)
+    assert rel(out16, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
+
+
+def test_routing_and_fallbacks(QG, monkeypatch):
+    # quant_gemm.quant_linear sends eligible decode calls here (leading dims kept); zero points, float32 x, int8 x,
+    # k without a whole tile and more than MAX_ROWS rows go to quant_gemm's kernels
+    QK = kernel_module("quant_gemm")
+    calls = []
+    real = QG.quant_gemv
+    monkeypatch.setattr(QG, "quant_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w_q, w_s = _weight(24, 256, (4, 128))
+    x = torch.randn(1, 2, 256, device=DEV).half()
+    out = QK.quant_linear(x, w_q, w_s)
+    assert calls and out.shape == (1, 2, 24)
+    assert rel(out, ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
+    calls.clear()
+    w_z = torch.zeros(w_s.shape, device=DEV, dtype=torch.int32)
+    assert rel(QK.quant_linear(x, w_q, w_s, w_z), ops.quant_linear_ref(x.double(), w_q, w_s, w_z)) < 3e-3
+    assert rel(QK.quant_linear(x.float(), w_q, w_s), ops.quant_linear_ref(x.double(), w_q, w_s)) < 1e-5
+    x_q = torch.randint(-128, 128, (2, 256), device=DEV, dtype=torch.int8)
+    x_s = torch.rand(2, device=DEV)
+    assert torch.equal(QK.quant_linear(x_q, w_q, w_s, None, x_s), ops.quant_linear_ref(x_q, w_q, w_s, None, x_s))
+    w8, s8 = _weight(24, 200, (8, None))  # k = 200: no 16-byte tile divides it
+    x8 = torch.randn(1, 200, device=DEV).half()
+    assert rel(QK.quant_linear(x8, w8, s8), ops.quant_linear_ref(x8.double(), w8, s8)) < 3e-3
+    x9 = torch.randn(9, 256, device=DEV).half()
+    assert rel(QK.quant_linear(x9, w_q, w_s), ops.quant_linear_ref(x9.double(), w_q, w_s)) < 3e-3
+    assert not calls
+
+
+@pytest.mark.skipif(INTERPRET or DEV != "cuda", reason="CUDA graphs")
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("fmt", [(4, 128), (8, None)])
+def test_split_under_graph_replays(QG, fmt, rows):
+    # the K-split counters reset themselves: replays of a captured call stay right for new x each time
+    n, k = 2560, 5120
+    torch.manual_seed(1)
+    w_q, w_s = _weight(n, k, fmt)
+    f = weight_format(w_q, w_s)
+    x = torch.randn(rows, k, device=DEV).half()
+    assert QG._plan(rows, n, k, f, QG.sm_count(x.device), QG.CFG)["split"] > 1
+    QG.quant_gemv(x, w_q, w_s, f)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = QG.quant_gemv(x, w_q, w_s, f)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        exact = ops.quant_linear_ref(x.double(), w_q, w_s)
+        assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
