@@ -34,7 +34,7 @@ def _weight(n, k, fmt):
 FMTS = [(4, 128), (4, 32), (8, None), (8, "tensor")]
 ROWS = [1, 2, 3, 4, 8] if INTERPRET else [1, 2, 3, 4, 5, 8]
 SHAPES = [(40, 1024)] if INTERPRET else [(40, 1024), (10576, 2560), (2560, 5120)]
-# FMA (1-4 rows) / DOT (3-8 rows) x (K split in 4 with one tile each, one program a column tile looping over 4)
+# FMA (1-4 rows) / DOT (3-8 rows) x (K split with one tile a program, one program a column tile looping over k)
 PATHS = {"fma": {"FMA_MAX_ROWS": 4}, "dot": {"FMA_MAX_ROWS": 2}}
 SPLITS = {"split": {"MAX_ITERS": 1}, "loop": {"MAX_SPLIT_FMA": 1, "MAX_SPLIT_DOT": 1}, "default": {}}
 
@@ -54,7 +54,8 @@ def test_weight_only(QG, n, k, fmt, rows, path, split):
     plan = QG._plan(rows, n, k, f, 132, cfg)
     assert plan["DOT"] == (rows > cfg["FMA_MAX_ROWS"])
     if split != "default" and n == 40:
-        assert (plan["split"], plan["iters"]) == ((4, 1) if split == "split" else (1, 4))
+        tiles = k // plan["KT"]
+        assert tiles > 1 and (plan["split"], plan["iters"]) == ((tiles, 1) if split == "split" else (1, tiles))
     for dtype in [torch.float16] if INTERPRET else [torch.float16, torch.bfloat16]:
         x = torch.randn(rows, k, device=DEV).to(dtype)
         bias = torch.randn(n, device=DEV).to(dtype)

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels._common import gdc_enter, int8_to_float, pdl_args, pow2, sm_count
-from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_words, _row_step, _rows_tile, \
-    _split_gather
+from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_words, _fp8_f32, _rows_tile, \
+    _split_gather, _x_f32
 
 # Launch settings, data (tests and the benchmark override entries):
 #   MAX_ROWS: rows this GEMV serves (more rows: quant_gemm's tensor-core GEMM).
@@ -42,46 +42,84 @@ from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_wo
 #   WAVES: programs wanted per SM; ITERS (tiles a program) grows until the grid is about WAVES x SMs programs,
 #     at most MAX_ITERS; the K split is what remains (at most MAX_SPLIT_*: the last program of a tile loads
 #     every split's partial at once).
-CFG = dict(MAX_ROWS=8, FMA_MAX_ROWS=2, BN_FMA=64, KT_FMA=256, warps_fma=4, BN_DOT=64, KT_DOT=256, warps_dot=4,
+CFG = dict(MAX_ROWS=8, FMA_MAX_ROWS=2, BN_FMA=64, KT_FMA=256, warps_fma=4, BN_DOT=64, KT_DOT=128, warps_dot=4,
            WAVES=6, MAX_ITERS=8, MAX_SPLIT_FMA=32, MAX_SPLIT_DOT=16)
+
+
+@triton.jit
+def _pair_fma(q, xp, mx, ca, cb, PA: tl.constexpr, PB: tl.constexpr, XBF16: tl.constexpr):
+    """q + x_a * ca + x_b * cb for one row: x_a, x_b its columns of a code pair, read as one int32 of two 16-bit
+    floats at xp (NG, GW), scaled by 2^-PA, 2^-PB (exact: _code_f32's 2^P)."""
+    xv = tl.load(xp, mask=mx, other=0)
+    xa = _x_f32(xv, False, True, XBF16) * (1.0 / (1 << PA))
+    xb = _x_f32(xv, True, True, XBF16) * (1.0 / (1 << PB))
+    return q + xa[None, :, :] * ca + xb[None, :, :] * cb
+
+
+@triton.jit
+def _fp8_fma(q, xv, c, J: tl.constexpr):
+    return q + _fp8_f32(xv, J)[None, :, :] * c
 
 
 @triton.jit
 def _fma_tile(w, s_ptrs, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3,
               A_MODE: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
-              X16: tl.constexpr, XBF16: tl.constexpr, PTX: tl.constexpr, BLOCK_M: tl.constexpr, mn):
-    """One (BLOCK_N, NG, GW) tile of code words w applied to up to 4 rows: per-group sums scaled into p_r
-    (BLOCK_N, NG), or products kept elementwise in p_r (BLOCK_N, NG, GW) for per-channel / per-tensor scales."""
-    lo, hi = _code_halves(w, W4)  # dead code for fp8 weights
-    xk = tl.zeros(x_ptrs.shape, dtype=tl.float32)  # no zero points: unused
+              XBF16: tl.constexpr, BLOCK_M: tl.constexpr, mn):
+    """One (BLOCK_N, NG, GW) tile of code words w applied to up to 4 rows: each group's sum (per-group scales:
+    times its scales) added into p_r (BLOCK_N, NG).
+    Codes outer, rows inner: each converted code meets every row while it is live (rows outer kept a whole tile
+    of converted codes in registers, 230 of them at 2 rows)."""
+    q0 = tl.zeros(w.shape, dtype=tl.float32)
+    q1, q2, q3 = q0, q0, q0
+    if A_MODE == 2:  # e4m3 x codes, one int32 word (4 codes) a weight word
+        xv0 = tl.load(x_ptrs, mask=mx0, other=0)
+        xv1, xv2, xv3 = xv0, xv0, xv0
+        if BLOCK_M > 1:
+            xv1 = tl.load(x_ptrs + s_xm, mask=mx1, other=0)
+        if BLOCK_M > 2:
+            xv2 = tl.load(x_ptrs + 2 * s_xm, mask=mx2, other=0)
+            xv3 = tl.load(x_ptrs + 3 * s_xm, mask=mx3, other=0)
+        for j in tl.static_range(4):
+            c = _fp8_f32(w, j)
+            q0 = _fp8_fma(q0, xv0, c, j)
+            if BLOCK_M > 1:
+                q1 = _fp8_fma(q1, xv1, c, j)
+            if BLOCK_M > 2:
+                q2 = _fp8_fma(q2, xv2, c, j)
+                q3 = _fp8_fma(q3, xv3, c, j)
+    else:
+        BITS: tl.constexpr = 4 if W4 else 8
+        H: tl.constexpr = 16 // BITS
+        lo, hi = _code_halves(w, W4)  # dead code for fp8 weights
+        for i in tl.static_range(4 if W4 else 2):  # code pairs 2i, 2i + 1: one x load (two 16-bit x) a row
+            if W_FP8:
+                ca = _fp8_f32(w, 2 * i)
+                cb = _fp8_f32(w, 2 * i + 1)
+            else:
+                ca = _code_f32(lo, hi, 2 * i, W4)
+                cb = _code_f32(lo, hi, 2 * i + 1, W4)
+            # _code_f32's 2^P moved onto x (exact); fp8 codes come unscaled
+            PA = 0 if W_FP8 else BITS * ((2 * i) % H)
+            PB = 0 if W_FP8 else BITS * ((2 * i + 1) % H)
+            q0 = _pair_fma(q0, x_ptrs + i, mx0, ca, cb, PA, PB, XBF16)
+            if BLOCK_M > 1:
+                q1 = _pair_fma(q1, x_ptrs + s_xm + i, mx1, ca, cb, PA, PB, XBF16)
+            if BLOCK_M > 2:
+                q2 = _pair_fma(q2, x_ptrs + 2 * s_xm + i, mx2, ca, cb, PA, PB, XBF16)
+                q3 = _pair_fma(q3, x_ptrs + 3 * s_xm + i, mx3, ca, cb, PA, PB, XBF16)
+    # the tile's products summed over its words at once (per channel too: elementwise sums over the K loop held a
+    # tile of float32 a row, 255 registers at 2 rows), per group times the group's scales
     if WS_MODE == 2:
         s = tl.load(s_ptrs, mask=mn[:, None], other=0.0)
-        z = tl.zeros(w.shape, dtype=tl.float32)
-        q0, _ = _row_step(z, xk, w, lo, hi, x_ptrs, mx0, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
-        p0 += tl.sum(q0, axis=2) * s
-        if BLOCK_M > 1:
-            q1, _ = _row_step(z, xk, w, lo, hi, x_ptrs + s_xm, mx1, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
-            p1 += tl.sum(q1, axis=2) * s
-        if BLOCK_M > 2:
-            q2, _ = _row_step(z, xk, w, lo, hi, x_ptrs + 2 * s_xm, mx2, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
-            p2 += tl.sum(q2, axis=2) * s
-            q3, _ = _row_step(z, xk, w, lo, hi, x_ptrs + 3 * s_xm, mx3, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
-            p3 += tl.sum(q3, axis=2) * s
     else:
-        p0, _ = _row_step(p0, xk, w, lo, hi, x_ptrs, mx0, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
-        if BLOCK_M > 1:
-            p1, _ = _row_step(p1, xk, w, lo, hi, x_ptrs + s_xm, mx1, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
-        if BLOCK_M > 2:
-            p2, _ = _row_step(p2, xk, w, lo, hi, x_ptrs + 2 * s_xm, mx2, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
-            p3, _ = _row_step(p3, xk, w, lo, hi, x_ptrs + 3 * s_xm, mx3, A_MODE, W4, False, X16, XBF16, PTX, W_FP8)
+        s = tl.full(p0.shape, 1.0, dtype=tl.float32)
+    p0 += tl.sum(q0, axis=2) * s
+    if BLOCK_M > 1:
+        p1 += tl.sum(q1, axis=2) * s
+    if BLOCK_M > 2:
+        p2 += tl.sum(q2, axis=2) * s
+        p3 += tl.sum(q3, axis=2) * s
     return p0, p1, p2, p3
-
-
-@triton.jit
-def _row_sum(p, WS_MODE: tl.constexpr):
-    if WS_MODE == 2:
-        return tl.sum(p, axis=1)
-    return tl.sum(tl.sum(p, axis=2), axis=1)
 
 
 @triton.jit
@@ -89,8 +127,8 @@ def _qgemv_fma(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, k_tiles, iters, n_groups, s_xm, s_wn, s_om,
     A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NSP: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr,
-    PTX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NSP: tl.constexpr, XBF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
     USE_GDC: tl.constexpr = False,
 ):
     # program (pid_n, pid_k): columns [pid_n * BLOCK_N, +BLOCK_N), tiles [pid_k * iters, +iters) of KW words
@@ -99,7 +137,7 @@ def _qgemv_fma(
     gdc_enter(USE_GDC)
     WPW: tl.constexpr = 8 if W4 else 4
     KW: tl.constexpr = NG * GW
-    XE: tl.constexpr = 4 if A_MODE != 0 else 2 if X16 else 1  # x columns a pointer unit
+    XE: tl.constexpr = 4 if A_MODE != 0 else 2  # x columns a pointer unit
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,10 +153,7 @@ def _qgemv_fma(
     s_ptrs = ws_ptr + cols[:, None] * n_groups + t0 * NG + offs_g[None, :]
     on = wk >= 0
     mx0, mx1, mx2, mx3 = on & (0 < M), on & (1 < M), on & (2 < M), on & (3 < M)
-    if WS_MODE == 2:
-        p0 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)
-    else:
-        p0 = tl.zeros((BLOCK_N, NG, GW), dtype=tl.float32)
+    p0 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)  # per row: sums of each group (per channel: of the tile)
     p1, p2, p3 = p0, p0, p0
     mw = mn[:, None, None]
     w_next = tl.load(w_ptrs, mask=mw, other=0)
@@ -127,12 +162,11 @@ def _qgemv_fma(
         # the next tile's words are requested before this tile's arithmetic: two tiles in flight
         w_next = tl.load(w_ptrs + KW, mask=mw & (i + 1 < n_it), other=0)
         p0, p1, p2, p3 = _fma_tile(w, s_ptrs, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3, A_MODE, W4,
-                                   W_FP8, WS_MODE, X16, XBF16, PTX, BLOCK_M, mn)
+                                   W_FP8, WS_MODE, XBF16, BLOCK_M, mn)
         w_ptrs += KW
         x_ptrs += KW * (WPW // XE)
         s_ptrs += NG
-    tot = _rows_tile(_row_sum(p0, WS_MODE), _row_sum(p1, WS_MODE), _row_sum(p2, WS_MODE), _row_sum(p3, WS_MODE),
-                     offs_m)
+    tot = _rows_tile(tl.sum(p0, axis=1), tl.sum(p1, axis=1), tl.sum(p2, axis=1), tl.sum(p3, axis=1), offs_m)
     if A_MODE != 0:
         xs = tl.load(xs_ptr + (offs_m if XS_ROWS else offs_m * 0), mask=mm, other=0.0)
     else:
@@ -285,7 +319,7 @@ def quant_gemv(x, w_q, w_scale, f: dict, x_scale=None, bias=None, out_dtype=None
     xs = x_scale.reshape(-1) if x_scale is not None and x_scale.dim() else x_scale
     common = dict(A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, W_FP8=f["fp8"],
                   WS_MODE=2 if w_scale.dim() == 2 else int(w_scale.dim() == 1), HAS_BIAS=bias is not None,
-                  SPLIT=split > 1, NSP=pow2(split), PTX=x.is_cuda, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+                  SPLIT=split > 1, NSP=pow2(split), BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
                   NG=c["NG"], num_warps=c["num_warps"], **pdl_args(x2))
     n_groups = w_scale.shape[1] if w_scale.dim() == 2 else 1
     dummy = w_scale
@@ -297,13 +331,12 @@ def quant_gemv(x, w_q, w_scale, f: dict, x_scale=None, bias=None, out_dtype=None
         wd = w_q.view(torch.int8) if f["fp8"] else w_q
         _qgemv_dot[c["grid"]](xd, xs_arg, wd, w_scale, b_arg, o2, part, cnt, M, N, c["k_tiles"], c["iters"],
                               n_groups, xd.stride(0), wd.stride(0), N,
-                              GB=c["GK"] // 2 if f["bits"] == 4 else c["GK"], **common)
+                              GB=c["GK"] // 2 if f["bits"] == 4 else c["GK"], PTX=x.is_cuda, **common)
     else:
         wpw = 8 if f["bits"] == 4 else 4
-        x16 = a_mode == 0
         xw = (x2.view(torch.int8) if a_mode else x2).view(torch.int32)
         ww = (w_q.view(torch.int8) if f["fp8"] else w_q).view(torch.int32)
         _qgemv_fma[c["grid"]](xw, xs_arg, ww, w_scale, b_arg, o2, part, cnt, M, N, c["k_tiles"], c["iters"],
-                              n_groups, xw.stride(0), ww.stride(0), N, X16=x16,
+                              n_groups, xw.stride(0), ww.stride(0), N,
                               XBF16=x.dtype == torch.bfloat16, GW=c["GK"] // wpw, **common)
     return out
