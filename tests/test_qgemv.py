@@ -32,8 +32,8 @@ def _weight(n, k, fmt):
 
 
 FMTS = [(4, 128), (4, 32), (8, None), (8, "tensor")]
-ROWS = [1, 2, 3, 4, 8] if INTERPRET else [1, 2, 3, 4, 5, 8]
-SHAPES = [(40, 1024)] if INTERPRET else [(40, 1024), (10576, 2560), (2560, 5120)]
+ROWS = [1, 2, 3, 4, 8]
+SHAPES = [(40, 1024)] if INTERPRET else [(40, 1024), (10576, 2560)]  # 10576 x 2560: Mamba2-2.7B in_proj
 # FMA (1-4 rows) / DOT (3-8 rows) x (K split with one tile a program, one program a column tile looping over k)
 PATHS = {"fma": {"FMA_MAX_ROWS": 4}, "dot": {"FMA_MAX_ROWS": 2}}
 SPLITS = {"split": {"MAX_ITERS": 1}, "loop": {"MAX_SPLIT_FMA": 1, "MAX_SPLIT_DOT": 1}, "default": {}}
@@ -56,7 +56,7 @@ def test_weight_only(QG, n, k, fmt, rows, path, split):
     if split != "default" and n == 40:
         tiles = k // plan["KT"]
         assert tiles > 1 and (plan["split"], plan["iters"]) == ((tiles, 1) if split == "split" else (1, tiles))
-    for dtype in [torch.float16] if INTERPRET else [torch.float16, torch.bfloat16]:
+    for dtype in [torch.float16] if INTERPRET or n > 40 else [torch.float16, torch.bfloat16]:
         x = torch.randn(rows, k, device=DEV).to(dtype)
         bias = torch.randn(n, device=DEV).to(dtype)
         assert QG.eligible(x, w_q, w_s, None, f, cfg)
@@ -70,7 +70,7 @@ def test_weight_only(QG, n, k, fmt, rows, path, split):
 @pytest.mark.skipif(INTERPRET, reason="fp8 needs a GPU (the interpreter has no e4m3 arithmetic)")
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("rows", [1, 2, 4, 8])
-@pytest.mark.parametrize("n,k", [(200, 512), (10576, 2560), (2560, 5120)])
+@pytest.mark.parametrize("n,k", [(200, 512), (2560, 5120)])
 def test_fp8(QG, n, k, rows, path):
     # fp8 x codes (FP8 W8A8) and float x (fp8 weight-only): e4m3 products exact in float32
     torch.manual_seed(rows)
