@@ -21,7 +21,8 @@ if [[ $steps == *sweep* ]]; then
     | tee "$out/sweep.log" | grep -v '^{'
 fi
 if [[ $steps == *table* ]]; then
-  timeout 120 python3 -m ssmq.runtime.bench_gemv --reps 20 --json "$out/gemv.json" 2>&1 | tee "$out/table.log" \
+  timeout ${TABLE_S:-120} python3 -m ssmq.runtime.bench_gemv --reps 20 --models "${MODELS:-mamba2-2.7b,mamba2-8b}" \
+    --json "$out/gemv.json" 2>&1 | tee "$out/table.log" \
     | grep -v '^{'
 fi
 if [[ $steps == *e2e* ]]; then

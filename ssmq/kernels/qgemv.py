@@ -62,7 +62,7 @@ def _fp8_fma(q, xv, c, J: tl.constexpr):
 
 
 @triton.jit
-def _fma_tile(w, s_ptrs, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3,
+def _fma_tile(w, s, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3,
               A_MODE: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
               XBF16: tl.constexpr, BLOCK_M: tl.constexpr, mn):
     """One (BLOCK_N, NG, GW) tile of code words w applied to up to 4 rows: each group's sum (per-group scales:
@@ -109,9 +109,7 @@ def _fma_tile(w, s_ptrs, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3,
                 q3 = _pair_fma(q3, x_ptrs + 3 * s_xm + i, mx3, ca, cb, PA, PB, XBF16)
     # the tile's products summed over its words at once (per channel too: elementwise sums over the K loop held a
     # tile of float32 a row, 255 registers at 2 rows), per group times the group's scales
-    if WS_MODE == 2:
-        s = tl.load(s_ptrs, mask=mn[:, None], other=0.0)
-    else:
+    if WS_MODE != 2:
         s = tl.full(p0.shape, 1.0, dtype=tl.float32)
     p0 += tl.sum(q0, axis=2) * s
     if BLOCK_M > 1:
@@ -120,6 +118,16 @@ def _fma_tile(w, s_ptrs, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3,
         p2 += tl.sum(q2, axis=2) * s
         p3 += tl.sum(q3, axis=2) * s
     return p0, p1, p2, p3
+
+
+@triton.jit
+def _group_scales(s_ptrs, mn, valid, WS_MODE: tl.constexpr):
+    """A tile's (BLOCK_N, NG) per-group scales (WS_MODE 2), else a placeholder (no load)."""
+    if WS_MODE == 2:
+        s = tl.load(s_ptrs, mask=mn[:, None] & valid, other=0.0)
+    else:
+        s = tl.zeros(s_ptrs.shape, dtype=tl.float32)
+    return s
 
 
 @triton.jit
@@ -157,11 +165,15 @@ def _qgemv_fma(
     p1, p2, p3 = p0, p0, p0
     mw = mn[:, None, None]
     w_next = tl.load(w_ptrs, mask=mw, other=0)
+    s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
     for i in range(n_it):
         w = w_next
-        # the next tile's words are requested before this tile's arithmetic: two tiles in flight
+        s = s_next
+        # the next tile's words and scales are requested before this tile's arithmetic: two tiles in flight (a
+        # scale load issued after the arithmetic left a round trip to HBM a tile exposed)
         w_next = tl.load(w_ptrs + KW, mask=mw & (i + 1 < n_it), other=0)
-        p0, p1, p2, p3 = _fma_tile(w, s_ptrs, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3, A_MODE, W4,
+        s_next = _group_scales(s_ptrs + NG, mn, i + 1 < n_it, WS_MODE)
+        p0, p1, p2, p3 = _fma_tile(w, s, x_ptrs, s_xm, mx0, mx1, mx2, mx3, p0, p1, p2, p3, A_MODE, W4,
                                    W_FP8, WS_MODE, XBF16, BLOCK_M, mn)
         w_ptrs += KW
         x_ptrs += KW * (WPW // XE)
@@ -214,10 +226,16 @@ def _qgemv_dot(
     mw = mn[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_next = tl.load(w_ptrs, mask=mw, other=0)
+    x_next = tl.load(x_ptrs, mask=mm[:, None], other=0)
+    s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
     for i in range(n_it):
         w = w_next
-        w_next = tl.load(w_ptrs + KB, mask=mw & (i + 1 < n_it), other=0)
-        xv = tl.load(x_ptrs, mask=mm[:, None], other=0)
+        xv = x_next
+        s = s_next
+        more = i + 1 < n_it
+        w_next = tl.load(w_ptrs + KB, mask=mw & more, other=0)
+        x_next = tl.load(x_ptrs + KT, mask=mm[:, None] & more, other=0)
+        s_next = _group_scales(s_ptrs + NG, mn, more, WS_MODE)
         if A_MODE == 2:
             xv = xv.to(tl.float8e4nv, bitcast=True)
         if W_FP8:
@@ -229,7 +247,7 @@ def _qgemv_dot(
         else:
             wf = int8_to_float(w.to(tl.int8, bitcast=True), PTX)
         if WS_MODE == 2:  # the reference's weight: (q * s) in float32, rounded once to the operand type
-            wf = wf * tl.load(s_ptrs, mask=mn[:, None], other=0.0)[:, :, None]
+            wf = wf * s[:, :, None]
         wt = tl.reshape(wf.to(OP), (BLOCK_N, KT))
         acc = tl.dot(xv.to(OP), tl.trans(wt), acc)
         w_ptrs += KB
