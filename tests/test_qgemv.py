@@ -95,12 +95,17 @@ def test_routing_and_fallbacks(QG, monkeypatch):
     calls = []
     real = QG.quant_gemv
     monkeypatch.setattr(QG, "quant_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setitem(QG.CFG, "ROUTE_ROWS", QG.ALL_ROWS)
     w_q, w_s = _weight(24, 256, (4, 128))
     x = torch.randn(1, 2, 256, device=DEV).half()
     out = QK.quant_linear(x, w_q, w_s)
     assert calls and out.shape == (1, 2, 24)
     assert rel(out, ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
     calls.clear()
+    monkeypatch.setitem(QG.CFG, "ROUTE_ROWS", dict(QG.ALL_ROWS, int4=1))  # 2 rows of int4: not routed here
+    assert rel(QK.quant_linear(x, w_q, w_s), ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
+    assert not calls
+    monkeypatch.setitem(QG.CFG, "ROUTE_ROWS", QG.ALL_ROWS)
     w_z = torch.zeros(w_s.shape, device=DEV, dtype=torch.int32)
     assert rel(QK.quant_linear(x, w_q, w_s, w_z), ops.quant_linear_ref(x.double(), w_q, w_s, w_z)) < 3e-3
     assert rel(QK.quant_linear(x.float(), w_q, w_s), ops.quant_linear_ref(x.double(), w_q, w_s)) < 1e-5

@@ -36,14 +36,17 @@ from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_wo
     _split_gather, _x_f32
 
 # Launch settings, data (tests and the benchmark override entries):
-#   MAX_ROWS: rows this GEMV serves (more rows: quant_gemm's tensor-core GEMM).
+#   MAX_ROWS: rows this GEMV can serve (more rows: quant_gemm's tensor-core GEMM).
+#   ROUTE_ROWS: rows up to which quant_gemm.quant_linear sends a call here by default, per code type (``route``),
+#     where it measured faster than quant_gemm's decode kernels (see ROUTE_ROWS below).
 #   FMA_MAX_ROWS: rows up to which the FMA path runs (<= 4); the DOT path above.
 #   BN_* / KT_* / warps_*: output columns and codes of a tile, warps of a program.
 #   WAVES: programs wanted per SM; ITERS (tiles a program) grows until the grid is about WAVES x SMs programs,
 #     at most MAX_ITERS; the K split is what remains (at most MAX_SPLIT_*: the last program of a tile loads
 #     every split's partial at once).
-CFG = dict(MAX_ROWS=8, FMA_MAX_ROWS=2, BN_FMA=64, KT_FMA=256, warps_fma=4, BN_DOT=64, KT_DOT=128, warps_dot=4,
-           WAVES=6, MAX_ITERS=8, MAX_SPLIT_FMA=32, MAX_SPLIT_DOT=16)
+CFG = dict(MAX_ROWS=8, ROUTE_ROWS=dict(int4=0, int8=1, fp8=1), FMA_MAX_ROWS=2, BN_FMA=64, KT_FMA=256, warps_fma=4,
+           BN_DOT=64, KT_DOT=128, warps_dot=4, WAVES=6, MAX_ITERS=8, MAX_SPLIT_FMA=32, MAX_SPLIT_DOT=16)
+ALL_ROWS = dict(int4=8, int8=8, fp8=8)  # ROUTE_ROWS that sends every call it can serve here (tests, benchmark)
 
 
 @triton.jit
@@ -289,6 +292,13 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict | None:
     gk = g if g is not None else kt  # codes a group (per channel: the tile)
     return dict(DOT=dot, BLOCK_M=BM, BLOCK_N=BN, KT=kt, NG=kt // gk, GK=gk, k_tiles=k_tiles, iters=iters,
                 split=split, grid=(n_tiles, split), num_warps=cfg["warps_dot" if dot else "warps_fma"])
+
+
+def route(M: int, f: dict, cfg=None) -> bool:
+    """Whether quant_gemm.quant_linear sends an M-row call with weight format f here (ROUTE_ROWS)."""
+    cfg = CFG if cfg is None else cfg
+    kind = "fp8" if f["fp8"] else f"int{f['bits']}"
+    return M <= cfg["ROUTE_ROWS"][kind]
 
 
 def eligible(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_zero, f: dict, cfg=None) -> bool:

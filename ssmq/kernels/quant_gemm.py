@@ -1150,7 +1150,7 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
         from ssmq.kernels import qgemv  # imports this module: imported on first use
 
         qcfg = {**qgemv.CFG, **(cfg["QGEMV"] or {})}
-        if qgemv.eligible(x2, w_q, w_scale, w_zero, f, qcfg):
+        if qgemv.route(M, f, qcfg) and qgemv.eligible(x2, w_q, w_scale, w_zero, f, qcfg):
             return qgemv.quant_gemv(x2, w_q, w_scale, f, x_scale, bias, out_dtype, qcfg).view(out_shape)
     if M > DECODE_ROWS:
         int_mm = cfg["PREFILL_A8"] == "int_mm" or (cfg["PREFILL_A8"] == "auto" and M < cfg["A8_TRITON_ROWS"])

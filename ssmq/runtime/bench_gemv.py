@@ -6,7 +6,8 @@ Each op (in_proj and out_proj of each model; fp16 weights on the float GEMV, W4A
 FP8 W8A8 with fp8 x codes on the low-bit kernels; random weights) is timed two ways, both from CUDA-graph replays
 with CUDA events: ``flushed_us``, one call after a 256 MB write that evicts L2 (median of --reps), and
 ``stream_us``, calls back to back over weight copies larger than L2 (a decode step's situation). ``variants``
-maps a name to ``quant_gemm.CFG`` overrides (``old``: the kernels before ``qgemv``). Achieved bandwidth counts the
+maps a name to ``quant_gemm.CFG`` overrides (``old``: quant_gemm's decode kernels, ``new``: ``qgemv`` wherever it
+can serve the call). Achieved bandwidth counts the
 weight bytes (codes and scales) over the flushed time, against the device-to-device copy bandwidth measured in the
 same run (bytes read plus written). Needs a CUDA GPU.
 """
@@ -25,7 +26,8 @@ import torch
 from ssmq.models.published import PUBLISHED
 
 FORMATS = ("fp16", "w4a16-g128", "w8a16", "fp8-w8a8")
-VARIANTS = {"old": {"QGEMV_MAX_ROWS": 0}, "new": {}}
+# old: quant_gemm's decode kernels; new: every call qgemv can serve sent there; default: the shipped routing
+VARIANTS = {"old": {"QGEMV_MAX_ROWS": 0}, "new": {"QGEMV": {"ROUTE_ROWS": dict(int4=8, int8=8, fp8=8)}}}
 
 
 def copy_bandwidth() -> float:
