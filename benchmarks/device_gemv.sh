@@ -13,9 +13,10 @@ if [[ $steps == *tests* ]]; then
     | tail -15 | tee "$out/tests.log"
 fi
 if [[ $steps == *sweep* ]]; then
-  sweep='{"old": {"QGEMV_MAX_ROWS": 0}, "new": {},
-    "bn128": {"QGEMV": {"BN_FMA": 128, "BN_DOT": 128}}, "kt512": {"QGEMV": {"KT_FMA": 512, "KT_DOT": 256}},
-    "w3": {"QGEMV": {"WAVES": 3}}, "w12": {"QGEMV": {"WAVES": 12}}}'
+  all='"ROUTE_ROWS": {"int4": 8, "int8": 8, "fp8": 8}'
+  sweep="{\"old\": {\"ROUTE_ROWS\": {\"int4\": 0, \"int8\": 0, \"fp8\": 0}}, \"new\": {$all},
+    \"bn128\": {$all, \"BN_FMA\": 128, \"BN_DOT\": 128}, \"kt512\": {$all, \"KT_FMA\": 512, \"KT_DOT\": 256},
+    \"w3\": {$all, \"WAVES\": 3}, \"w12\": {$all, \"WAVES\": 12}}"
   timeout 60 python3 -m ssmq.runtime.bench_gemv --models mamba2-2.7b --formats w4a16-g128,w8a16 \
     --rows 1,8 --no-stream --reps 20 --variants "$sweep" --json "$out/sweep.json" 2>&1 \
     | tee "$out/sweep.log" | grep -v '^{'
@@ -26,10 +27,13 @@ if [[ $steps == *table* ]]; then
     | grep -v '^{'
 fi
 if [[ $steps == *e2e* ]]; then
+  # the shipped routing against quant_gemm's kernels only (qgemv.CFG's ROUTE_ROWS zeroed by a sitecustomize)
   for v in new old; do
-    cfg='{}'; [[ $v == old ]] && cfg='{"QGEMV_MAX_ROWS": 0}'
-    timeout 200 python3 benchmarks/bench_quant.py --models mamba2-2.7b --recipes fp16,rtn-w4a16-g128,fp8-w8a8 \
-      --batches 1 --via-disk none --prompt-len 64 --steps 32 --cfg "$cfg" --out "$out/e2e_$v" 2>&1 \
-      | grep -v "it/s\]\|s/it\]" | tail -12 | tee "$out/e2e_$v.log"
+    site=$(mktemp -d)
+    [[ $v == old ]] && printf '%s\n' 'from ssmq.kernels import qgemv' \
+      'qgemv.CFG["ROUTE_ROWS"] = dict(int4=0, int8=0, fp8=0)' > "$site/sitecustomize.py"
+    PYTHONPATH="$site:$PYTHONPATH" timeout 200 python3 benchmarks/bench_quant.py --models mamba2-2.7b \
+      --recipes fp16,rtn-w8a16,rtn-w4a16-g128,fp8-w8a8 --batches 1 --via-disk none --prompt-len 64 --steps 32 \
+      --out "$out/e2e_$v" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -12 | tee "$out/e2e_$v.log"
   done
 fi

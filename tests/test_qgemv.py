@@ -1,6 +1,6 @@
 """The low-bit decode GEMV (``ssmq.kernels.qgemv``) equals ``ops.quant_linear_ref``: within fp16 / bf16 rounding of
 the float64 result for float x, to float32 rounding for fp8 x; both paths (FMA, DOT), K split or not, and the
-default routing of ``quant_gemm.quant_linear`` to it. ``gpu`` tests; ``SSMQ_TRITON_INTERPRET=1`` runs a smaller
+routing of ``kernels.dispatch.quant_linear`` to it. ``gpu`` tests; ``SSMQ_TRITON_INTERPRET=1`` runs a smaller
 sweep on CPU.
 """
 
@@ -88,36 +88,46 @@ def test_fp8(QG, n, k, rows, path):
     assert rel(out16, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
 
 
-def test_routing_and_fallbacks(QG, monkeypatch):
-    # quant_gemm.quant_linear sends eligible decode calls here (leading dims kept); zero points, float32 x, int8 x,
-    # k without a whole tile and more than MAX_ROWS rows go to quant_gemm's kernels
-    QK = kernel_module("quant_gemm")
-    calls = []
-    real = QG.quant_gemv
-    monkeypatch.setattr(QG, "quant_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+def test_serves(QG, monkeypatch):
+    # kernels.dispatch.quant_linear sends a call here when ``serves`` returns its weight format: routed rows
+    # (ROUTE_ROWS) of a format the kernel serves; zero points, float32 x, int8 x, fp8 x without its scale, k without
+    # a whole tile and more than MAX_ROWS rows go to quant_gemm's kernels
     monkeypatch.setitem(QG.CFG, "ROUTE_ROWS", QG.ALL_ROWS)
     w_q, w_s = _weight(24, 256, (4, 128))
     x = torch.randn(1, 2, 256, device=DEV).half()
-    out = QK.quant_linear(x, w_q, w_s)
-    assert calls and out.shape == (1, 2, 24)
-    assert rel(out, ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
-    calls.clear()
-    monkeypatch.setitem(QG.CFG, "ROUTE_ROWS", dict(QG.ALL_ROWS, int4=1))  # 2 rows of int4: not routed here
-    assert rel(QK.quant_linear(x, w_q, w_s), ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
-    assert not calls
-    monkeypatch.setitem(QG.CFG, "ROUTE_ROWS", QG.ALL_ROWS)
-    w_z = torch.zeros(w_s.shape, device=DEV, dtype=torch.int32)
-    assert rel(QK.quant_linear(x, w_q, w_s, w_z), ops.quant_linear_ref(x.double(), w_q, w_s, w_z)) < 3e-3
-    assert rel(QK.quant_linear(x.float(), w_q, w_s), ops.quant_linear_ref(x.double(), w_q, w_s)) < 1e-5
-    x_q = torch.randint(-128, 128, (2, 256), device=DEV, dtype=torch.int8)
-    x_s = torch.rand(2, device=DEV)
-    assert torch.equal(QK.quant_linear(x_q, w_q, w_s, None, x_s), ops.quant_linear_ref(x_q, w_q, w_s, None, x_s))
+    f = QG.serves(x, w_q, w_s)
+    assert f is not None and f["group_size"] == 128
+    out = QG.quant_gemv(x, w_q, w_s, f)
+    assert out.shape == (1, 2, 24) and rel(out, ops.quant_linear_ref(x.double(), w_q, w_s)) < 3e-3
+    assert QG.serves(x, w_q, w_s, torch.zeros(w_s.shape, device=DEV, dtype=torch.int32)) is None
+    assert QG.serves(x.float(), w_q, w_s) is None
+    assert QG.serves(torch.zeros(2, 256, device=DEV, dtype=torch.int8), w_q, w_s, None, torch.ones(())) is None
+    assert QG.serves(torch.randn(9, 256, device=DEV).half(), w_q, w_s) is None
     w8, s8 = _weight(24, 200, (8, None))  # k = 200: no 16-byte tile divides it
-    x8 = torch.randn(1, 200, device=DEV).half()
-    assert rel(QK.quant_linear(x8, w8, s8), ops.quant_linear_ref(x8.double(), w8, s8)) < 3e-3
-    x9 = torch.randn(9, 256, device=DEV).half()
-    assert rel(QK.quant_linear(x9, w_q, w_s), ops.quant_linear_ref(x9.double(), w_q, w_s)) < 3e-3
-    assert not calls
+    assert QG.serves(torch.randn(1, 200, device=DEV).half(), w8, s8) is None
+    monkeypatch.setitem(QG.CFG, "ROUTE_ROWS", dict(QG.ALL_ROWS, int4=1))  # 2 rows of int4: not routed here
+    assert QG.serves(x, w_q, w_s) is None
+
+
+@pytest.mark.skipif(INTERPRET, reason="kernels.dispatch runs the references on CPU tensors")
+def test_dispatch_routes_here(QG, monkeypatch):
+    # the shipped routing: 8-bit codes at one row through kernels.quant_linear / quant_linear_act come here
+    from ssmq import kernels
+
+    calls = []
+    real = QG.quant_gemv
+    monkeypatch.setattr(QG, "quant_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    w8, s8 = _weight(64, 512, (8, None))
+    x = torch.randn(1, 512, device=DEV).half()
+    assert rel(kernels.quant_linear(x, w8, s8), ops.quant_linear_ref(x.double(), w8, s8)) < 3e-3
+    assert len(calls) == 1
+    wf, sf, _ = make_weight(64, 512, 8, None, False, fp8=True)
+    out = kernels.quant_linear_act(x, wf, sf, None, True, torch.float8_e4m3fn)
+    ref = ops.quant_linear_act_ref(x, wf, sf, None, True, torch.float8_e4m3fn)
+    assert len(calls) == 2 and out.dtype == x.dtype and rel(out, ref) < 2e-3
+    x2 = torch.randn(2, 512, device=DEV).half()
+    assert rel(kernels.quant_linear(x2, w8, s8), ops.quant_linear_ref(x2.double(), w8, s8)) < 3e-3
+    assert len(calls) == 2  # 2 rows: quant_gemm's kernels
 
 
 @pytest.mark.skipif(INTERPRET or DEV != "cuda", reason="CUDA graphs")

@@ -142,11 +142,10 @@ def test_fp8_word_gemv(QK, rows, k):
     x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
     x_q, x_s = ops.quantize_act_ref(x, None, True, torch.float8_e4m3fn)
     bias = torch.randn(n, device=DEV)
-    old = {"QGEMV_MAX_ROWS": 0}  # the word GEMV itself (qgemv serves these calls by default)
-    out = QK.quant_linear(x_q, w_q, w_s, None, x_s, bias, torch.float32, cfg=old)
+    out = QK.quant_linear(x_q, w_q, w_s, None, x_s, bias, torch.float32)
     assert rel(out, ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, bias, torch.float32)) < 1e-5
     exact = ops.quant_linear_ref(x.double(), w_q, w_s)
-    assert rel(QK.quant_linear(x, w_q, w_s, cfg=old), exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
+    assert rel(QK.quant_linear(x, w_q, w_s), exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
@@ -196,10 +195,8 @@ def test_leading_dims_and_empty(QK):
     assert QK.quant_linear(x[:0], w_q, w_s, w_z).shape == (0, 3, 40)
 
 
-@pytest.mark.parametrize("path", [{"FMA_MAX_ROWS": 2, "WORD_MAX_ROWS": 0, "QGEMV_MAX_ROWS": 0},
-                                  {"FMA_MAX_ROWS": 0, "WORD_MAX_ROWS": 0, "QGEMV_MAX_ROWS": 0},
-                                  {"WORD_MAX_ROWS": 4, "QGEMV_MAX_ROWS": 0}, {}],
-                         ids=["cuda-core", "tensor-core", "words", "default"])
+@pytest.mark.parametrize("path", [{"FMA_MAX_ROWS": 2, "WORD_MAX_ROWS": 0}, {"FMA_MAX_ROWS": 0, "WORD_MAX_ROWS": 0},
+                                  {"WORD_MAX_ROWS": 4}], ids=["cuda-core", "tensor-core", "words"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("fmt", [(8, None, False), (4, 128, True), (4, 32, False)])
 def test_decode_paths(QK, path, rows, fmt):
@@ -266,7 +263,7 @@ def test_int4_strided_x(QK, rows, fmt):
 # The word-load decode GEMV (_qgemv_words, 1-4 rows, CFG's WORD_MAX_ROWS): codes read as 32-bit words, converted by
 # bit assembly (float x) or multiplied by dp4a (int8 x); SPLIT_CFG splits k over as many programs as it allows,
 # the partial sums added by the last program of each output tile.
-SPLIT_CFG = {"WAVES_W": 10 ** 6, "MIN_SPLIT_K_W": 32, "KW_W": 4, "PREFETCH_W": True, "QGEMV_MAX_ROWS": 0}
+SPLIT_CFG = {"WAVES_W": 10 ** 6, "MIN_SPLIT_K_W": 32, "KW_W": 4, "PREFETCH_W": True}
 WORD_ROWS = [1, 3, 4] if INTERPRET else [1, 4] if QUICK else [1, 2, 3, 4]
 WORD_N = [37] if INTERPRET else [10576] if QUICK else [37, 2560, 10576]  # 2560 x 5120, 10576 x 2560: Mamba2-2.7B
 
@@ -292,8 +289,7 @@ def test_word_gemv(QK, monkeypatch, fmt, rows, n, split):
     x = torch.randn(rows, k, device=DEV).half()
     bias = torch.randn(n, device=DEV).half()
     # the kernel itself at every row count and shape it can serve (CFG routes fewer to it by default)
-    cfg = {**(SPLIT_CFG if split else {"MAX_SPLIT_W": 1}), "WORD_MAX_ROWS": 4, "WORD_8BIT_UNDERFILLED": False,
-           "QGEMV_MAX_ROWS": 0}
+    cfg = {**(SPLIT_CFG if split else {"MAX_SPLIT_W": 1}), "WORD_MAX_ROWS": 4, "WORD_8BIT_UNDERFILLED": False}
     calls = _spy_words(QK, monkeypatch)
     out = QK.quant_linear(x, w_q, w_s, w_z, None, bias, cfg=cfg)
     assert calls, "the word GEMV did not serve this call"
@@ -346,12 +342,11 @@ def test_split_under_graph_replays(QK, fmt, rows):
     f = {"bits": fmt[0], "fp8": False, "n": n, "k": k, "group_size": fmt[1]}
     plan = QK._plan_words if rows <= QK.CFG["WORD_MAX_ROWS"] else QK._plan
     assert plan(rows, n, k, f, 0, QK.sm_count(x.device), QK.CFG)["split"] > 1
-    old = {"QGEMV_MAX_ROWS": 0}  # this module's kernels (tests/test_qgemv.py replays qgemv's)
-    QK.quant_linear(x, w_q, w_s, cfg=old)  # compile and allocate outside the capture
+    QK.quant_linear(x, w_q, w_s)  # compile and allocate outside the capture
     QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = QK.quant_linear(x, w_q, w_s, cfg=old)
+        out = QK.quant_linear(x, w_q, w_s)
         out_i = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float32)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
@@ -373,8 +368,7 @@ def test_qmm_split_sums(QK, in_kernel, rows, fmt):
     w_q, w_s, w_z = _weight(n, k, fmt)
     x = torch.randn(rows, k, device=DEV).half()
     bias = torch.randn(n, device=DEV).half()
-    cfg = {"WORD_MAX_ROWS": 0, "FMA_MAX_ROWS": 0, "MIN_SPLIT_K": 128, "SPLIT_IN_KERNEL": in_kernel,
-           "QGEMV_MAX_ROWS": 0}
+    cfg = {"WORD_MAX_ROWS": 0, "FMA_MAX_ROWS": 0, "MIN_SPLIT_K": 128, "SPLIT_IN_KERNEL": in_kernel}
     assert QK._plan(rows, n, k, {"bits": fmt[0], "fp8": False, "n": n, "k": k, "group_size": fmt[1]}, 0, 132,
                     {**QK.CFG, **cfg})["split"] > 1
     out = QK.quant_linear(x, w_q, w_s, w_z, None, bias, cfg=cfg)

@@ -34,10 +34,11 @@ import triton.language as tl
 from ssmq.kernels._common import gdc_enter, int8_to_float, pdl_args, pow2, sm_count
 from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_words, _fp8_f32, _rows_tile, \
     _split_gather, _x_f32
+from ssmq.ops.quant_linear import weight_format
 
 # Launch settings, data (tests and the benchmark override entries):
 #   MAX_ROWS: rows this GEMV can serve (more rows: quant_gemm's tensor-core GEMM).
-#   ROUTE_ROWS: rows up to which quant_gemm.quant_linear sends a call here, per code type (``route``): where it
+#   ROUTE_ROWS: rows up to which kernels.dispatch.quant_linear sends a call here, per code type (``route``): where it
 #     measured faster than quant_gemm's decode kernels. H100, 2026-12-05, Mamba2-2.7B shapes, back to back over
 #     weights past L2 (docs/gemv.md): 1 row W8A16 in_proj 15.0 -> 13.6 us, out_proj 10.7 -> 10.3, FP8 W8A8 13.9
 #     -> 13.6, 10.0 -> 8.6; W4A16 lost (11.0 -> 12.7, with the scales loaded after each tile's arithmetic), and
@@ -298,14 +299,32 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict | None:
 
 
 def route(M: int, f: dict, cfg=None) -> bool:
-    """Whether quant_gemm.quant_linear sends an M-row call with weight format f here (ROUTE_ROWS)."""
+    """Whether an M-row call with weight format f is sent here by default (ROUTE_ROWS)."""
     cfg = CFG if cfg is None else cfg
     kind = "fp8" if f["fp8"] else f"int{f['bits']}"
     return M <= cfg["ROUTE_ROWS"][kind]
 
 
+def serves(x: torch.Tensor, w_q, w_scale, w_zero=None, x_scale=None) -> dict | None:
+    """``weight_format(w_q, w_scale, w_zero)`` when ``kernels.dispatch.quant_linear`` sends this call here (``route``
+    and ``eligible``), else None (quant_gemm's kernels take it, and raise its errors)."""
+    f = weight_format(w_q, w_scale, w_zero)
+    M = math.prod(x.shape[:-1])
+    if x.shape[-1] != f["k"] or (x.dtype == torch.float8_e4m3fn and x_scale is None) or not route(M, f):
+        return None
+    return f if eligible(x, w_q, w_scale, w_zero, f) else None
+
+
+def serves_codes(x: torch.Tensor, w_q, w_scale, act_dtype) -> bool:
+    """Whether x (..., k) float, quantized to ``act_dtype`` codes, would be served here (``quant_linear_act``)."""
+    f = weight_format(w_q, w_scale)
+    M = math.prod(x.shape[:-1])
+    return (act_dtype == torch.float8_e4m3fn and f["fp8"] and x.shape[-1] == f["k"] and route(M, f)
+            and 0 < M <= CFG["MAX_ROWS"] and _plan(M, f["n"], f["k"], f, 132, CFG) is not None)
+
+
 def eligible(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_zero, f: dict, cfg=None) -> bool:
-    """Whether ``quant_gemv`` serves this call (else quant_gemm's kernels do): 1..MAX_ROWS rows of float16 /
+    """Whether ``quant_gemv`` can serve this call (else quant_gemm's kernels do): 1..MAX_ROWS rows of float16 /
     bfloat16 x (weight-only, symmetric int4 / int8 / fp8 codes) or of fp8 x with fp8 codes, per-group scales for
     integer codes only, rows of codes 16-byte aligned, and a tile that divides k."""
     cfg = CFG if cfg is None else cfg

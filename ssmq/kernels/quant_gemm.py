@@ -133,9 +133,7 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     reaches the weight-bandwidth limit (in_proj W8 9.2 us, W4 4.9 us): the CUDA-core loop is bound by
 #     int -> float conversions (16 a clock per SM on Hopper: 7 us for in_proj's 27 M weights), the tensor-core
 #     one by its serial K loop (about 0.8 us an iteration, 20 iterations at K = 2560 without a K split).
-#   QGEMV_MAX_ROWS: decode calls of up to this many rows that ``ssmq.kernels.qgemv`` serves (``qgemv.eligible``)
-#     run there (0: the kernels of this module only, as before it); QGEMV: overrides of qgemv.CFG (tuning).
-CFG = dict(QGEMV_MAX_ROWS=8, QGEMV=None, FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
+CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
            BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=3,
            BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, BK_PRE_A8=128, warps_pre=8, stages_pre=3,
            WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="auto", A8_TRITON_ROWS=512, PREFILL_A16="auto",
@@ -1146,12 +1144,6 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     out_shape = (*lead, N)
     if M == 0 or N == 0:
         return torch.empty(out_shape, device=x.device, dtype=out_dtype)
-    if M <= cfg["QGEMV_MAX_ROWS"]:
-        from ssmq.kernels import qgemv  # imports this module: imported on first use
-
-        qcfg = {**qgemv.CFG, **(cfg["QGEMV"] or {})}
-        if qgemv.route(M, f, qcfg) and qgemv.eligible(x2, w_q, w_scale, w_zero, f, qcfg):
-            return qgemv.quant_gemv(x2, w_q, w_scale, f, x_scale, bias, out_dtype, qcfg).view(out_shape)
     if M > DECODE_ROWS:
         int_mm = cfg["PREFILL_A8"] == "int_mm" or (cfg["PREFILL_A8"] == "auto" and M < cfg["A8_TRITON_ROWS"])
         if a_mode == 1 and f["bits"] == 8 and f["group_size"] is None and int_mm \

@@ -6,8 +6,8 @@ Each op (in_proj and out_proj of each model; fp16 weights on the float GEMV, W4A
 FP8 W8A8 with fp8 x codes on the low-bit kernels; random weights) is timed two ways, both from CUDA-graph replays
 with CUDA events: ``flushed_us``, one call after a 256 MB write that evicts L2 (median of --reps), and
 ``stream_us``, calls back to back over weight copies larger than L2 (a decode step's situation). ``variants``
-maps a name to ``quant_gemm.CFG`` overrides (``old``: quant_gemm's decode kernels, ``new``: ``qgemv`` wherever it
-can serve the call). Achieved bandwidth counts the
+maps a name to ``kernels.qgemv.CFG`` overrides, in force while the op is captured (``old``: quant_gemm's decode
+kernels only, ``new``: ``qgemv`` wherever it can serve the call). Achieved bandwidth counts the
 weight bytes (codes and scales) over the flushed time, against the device-to-device copy bandwidth measured in the
 same run (bytes read plus written). Needs a CUDA GPU.
 """
@@ -15,6 +15,7 @@ same run (bytes read plus written). Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -26,8 +27,8 @@ import torch
 from ssmq.models.published import PUBLISHED
 
 FORMATS = ("fp16", "w4a16-g128", "w8a16", "fp8-w8a8")
-# old: quant_gemm's decode kernels; new: every call qgemv can serve sent there; default: the shipped routing
-VARIANTS = {"old": {"QGEMV_MAX_ROWS": 0}, "new": {"QGEMV": {"ROUTE_ROWS": dict(int4=8, int8=8, fp8=8)}}}
+# qgemv.CFG overrides. old: quant_gemm's decode kernels only; new: qgemv for every call it can serve
+VARIANTS = {"old": {"ROUTE_ROWS": dict(int4=0, int8=0, fp8=0)}, "new": {"ROUTE_ROWS": dict(int4=8, int8=8, fp8=8)}}
 
 
 def copy_bandwidth() -> float:
@@ -61,31 +62,41 @@ def shapes(name: str) -> dict[str, tuple[int, int]]:
 
 
 def make_op(fmt: str, n: int, k: int):
-    """(weights factory, op(x, weights, cfg)) of one format; x is float16 (fp8-w8a8: its e4m3 codes, quantized
+    """(weights factory, op(x, weights)) of one format, through ``kernels``' dispatch; x is float16 (fp8-w8a8: its e4m3 codes, quantized
     outside the timed op as the fused norm hands them over)."""
     from ssmq import kernels
     from ssmq.ops.quant_linear import pack_int4
 
-    ql = kernels.dispatch._kernels("quant_gemm").quant_linear
+    ql = kernels.quant_linear
     dev = "cuda"
     if fmt == "fp16":
-        return (lambda: (torch.randn(n, k, device=dev, dtype=torch.float16),)), \
-            lambda x, w, cfg: kernels.linear(x, w[0])
+        return (lambda: (torch.randn(n, k, device=dev, dtype=torch.float16),)), lambda x, w: kernels.linear(x, w[0])
     if fmt == "w4a16-g128":
         return (lambda: (pack_int4(torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8)),
-                         torch.rand(n, k // 128, device=dev) * 0.01 + 1e-3)), \
-            lambda x, w, cfg: ql(x, w[0], w[1], cfg=cfg)
+                         torch.rand(n, k // 128, device=dev) * 0.01 + 1e-3)), lambda x, w: ql(x, w[0], w[1])
     if fmt == "w8a16":
         return (lambda: (torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8),
-                         torch.rand(n, device=dev) * 0.01 + 1e-3)), lambda x, w, cfg: ql(x, w[0], w[1], cfg=cfg)
+                         torch.rand(n, device=dev) * 0.01 + 1e-3)), lambda x, w: ql(x, w[0], w[1])
     if fmt == "fp8-w8a8":
         return (lambda: (torch.randn(n, k, device=dev).clamp(-400, 400).to(torch.float8_e4m3fn),
                          torch.rand(n, device=dev) * 0.01 + 1e-3)), \
-            lambda x, w, cfg: ql(x[0], w[0], w[1], None, x[1], None, torch.float16, cfg=cfg)
+            lambda x, w: ql(x[0], w[0], w[1], None, x[1], None, torch.float16)
     raise ValueError(fmt)
 
 
-def time_op(make_w, op, fmt: str, rows: int, k: int, cfg: dict, flush, reps: int, stream: bool = True) -> dict:
+@contextlib.contextmanager
+def _overrides(cfg: dict, new: dict):
+    """``cfg`` updated with ``new`` inside the block, restored after."""
+    old = dict(cfg)
+    cfg.update(new)
+    try:
+        yield
+    finally:
+        cfg.clear()
+        cfg.update(old)
+
+
+def time_op(make_w, op, fmt: str, rows: int, k: int, flush, reps: int, stream: bool = True) -> dict:
     """{"flushed_us", "stream_us", "bytes"} of op at ``rows`` rows (see the module docstring)."""
     from ssmq.ops.quant_linear import quantize_act_ref
 
@@ -94,11 +105,11 @@ def time_op(make_w, op, fmt: str, rows: int, k: int, cfg: dict, flush, reps: int
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
     if fmt == "fp8-w8a8":
         x = quantize_act_ref(x, None, True, torch.float8_e4m3fn)
-    op(x, w0, cfg)  # compile outside the captures
+    op(x, w0)  # compile outside the captures
     torch.cuda.synchronize()
     g1 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g1):
-        op(x, w0, cfg)
+        op(x, w0)
     flushed = _median_ms(g1.replay, flush, reps) * 1e3
     if not stream:
         return {"flushed_us": flushed, "bytes": wbytes}
@@ -106,13 +117,15 @@ def time_op(make_w, op, fmt: str, rows: int, k: int, cfg: dict, flush, reps: int
     g2 = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g2):
         for w in copies:
-            op(x, w, cfg)
+            op(x, w)
     stream_us = _median_ms(g2.replay, None, 10) * 1e3 / len(copies)
     del g1, g2, copies
     return {"flushed_us": flushed, "stream_us": stream_us, "bytes": wbytes}
 
 
 def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, linears=None) -> dict:
+    from ssmq.kernels import qgemv
+
     bw = copy_bandwidth()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -126,7 +139,8 @@ def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, l
                 for rows in rows_list:
                     for vname, cfg in (variants.items() if fmt != "fp16" else [("old", {})]):
                         try:
-                            r = time_op(make_w, op, fmt, rows, k, cfg, flush, reps, stream)
+                            with _overrides(qgemv.CFG, cfg):
+                                r = time_op(make_w, op, fmt, rows, k, flush, reps, stream)
                             r["GBps"] = r["bytes"] / r["flushed_us"] / 1e3
                             r["bw_share"] = r["GBps"] * 1e9 / bw
                         except Exception as e:  # one op that cannot run is reported, not fatal
@@ -163,7 +177,7 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="mamba2-2.7b,mamba2-8b")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--rows", default="1,2,4,8")
-    ap.add_argument("--variants", default="", help="JSON {name: quant_gemm.CFG overrides} (default: old, new)")
+    ap.add_argument("--variants", default="", help="JSON {name: kernels.qgemv.CFG overrides} (default: old, new)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--linears", default="", help="comma list of in_proj, out_proj (default: both)")
     ap.add_argument("--no-stream", action="store_true", help="the flushed timing only")
