@@ -4,11 +4,12 @@ Serves weight-only float x (float16 / bfloat16) with int4 per-group, int8 per-ch
 per-channel / per-tensor codes, and fp8 x (FP8 W8A8) with fp8 codes; symmetric weights (no zero points), codes in
 the stored layout of ``ssmq.quant.linear`` (int4: (n, k // 2) uint8, low nibble = even column).
 
-Why it is faster than a K loop: at decode a linear is a few MB of codes, a few microseconds of HBM time, so the
-time goes to latency (dependent K steps, each a round trip to memory), ramp and tail, not bytes. Here the grid is
-sized once per shape to about WAVES programs per SM (one wave: no program waits for a free SM), each program
-owns a (BLOCK_N, ITERS x KT) block of the weight and keeps two (BLOCK_N, KT) tiles in flight (the next tile is
-loaded before the current one's arithmetic), each thread loading 16 bytes along k at a time. The K split that
+Design: at decode a linear is a few MB of codes, a few microseconds of HBM time, so latency (dependent K steps,
+each a round trip to memory), ramp and tail weigh as much as bytes. The grid is sized once per shape to about
+WAVES programs per SM (one wave: no program waits for a free SM), each program owns a (BLOCK_N, ITERS x KT) block
+of the weight and keeps two (BLOCK_N, KT) tiles in flight (the next tile's codes and scales are requested before
+the current one's arithmetic), each thread loading 16 bytes of codes along k at a time. Where it beats
+``quant_gemm``'s decode kernels, and where not, is CFG's ROUTE_ROWS below. The K split that
 fills the grid is summed inside the kernel by the last program of each output tile in a fixed order (the
 counters of ``quant_gemm._split_gather``: deterministic, no second kernel, CUDA-graph safe).
 
