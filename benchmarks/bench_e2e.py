@@ -154,8 +154,7 @@ def bench_hf(cfg, prompt_lens, batches, dtype, steps) -> dict:
 
     out = {}
     with torch.device("cuda"):
-        cls = tf.MambaForCausalLM if cfg.arch == "mamba1" else tf.Mamba2ForCausalLM
-        model = cls(hf_config(cfg)).to(dtype).eval()
+        model = tf.AutoModelForCausalLM.from_config(hf_config(cfg)).to(dtype).eval()  # the family's class
     for L in prompt_lens:
         ids = torch.randint(0, 50000, (1, L), device="cuda")
         with torch.inference_mode():
