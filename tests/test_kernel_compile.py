@@ -535,3 +535,36 @@ def test_folded_scales_shorten_the_quantized_decode_loop(monkeypatch):
     assert loops[1]["HADD2"] + loops[1]["F2FP"] < loops[0]["HADD2"] + loops[0]["F2FP"]  # float16 <-> float32
     assert sum(loops[1].values()) < 0.9 * sum(loops[0].values())
     assert registers(folded)[0] < registers(plain)[0]
+
+
+# The low-bit decode GEMV (ssmq.kernels.qgemv): each path and code type at the shipped tiles, for the launch's
+# 16-byte-aligned pointers and row strides; the code words must load 16 bytes at a time (LDG.E.128)
+QGEMV = {  # name: (kernel, pointers, constexprs)
+    "fma-w4g128-1row": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                        dict(A_MODE=0, W4=True, W_FP8=False, WS_MODE=2, BLOCK_M=1, NG=2, GW=16, XBF16=False)),
+    "fma-w4g128-2rows-bf16": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                              dict(A_MODE=0, W4=True, W_FP8=False, WS_MODE=2, BLOCK_M=2, NG=2, GW=16, XBF16=True)),
+    "fma-w8-4rows": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                     dict(A_MODE=0, W4=False, W_FP8=False, WS_MODE=1, BLOCK_M=4, NG=1, GW=64, XBF16=False)),
+    "fma-fp8-fp8x": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                     dict(A_MODE=2, W4=False, W_FP8=True, WS_MODE=1, BLOCK_M=1, NG=1, GW=64, XBF16=False)),
+    "dot-w4g128": ("_qgemv_dot", {"x_ptr": "fp16", "w_ptr": "u8"},
+                   dict(A_MODE=0, W4=True, W_FP8=False, WS_MODE=2, BLOCK_M=16, NG=1, GB=64, PTX=True)),
+    "dot-w8-bf16": ("_qgemv_dot", {"x_ptr": "bf16", "w_ptr": "i8"},
+                    dict(A_MODE=0, W4=False, W_FP8=False, WS_MODE=0, BLOCK_M=16, NG=1, GB=128, PTX=True)),
+    "dot-fp8-fp8x": ("_qgemv_dot", {"x_ptr": "i8", "w_ptr": "i8"},
+                     dict(A_MODE=2, W4=False, W_FP8=True, WS_MODE=1, BLOCK_M=16, NG=1, GB=128, PTX=True)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(QGEMV))
+def test_qgemv_compiles_for_sm90(variant):
+    from ssmq.kernels import build, qgemv
+
+    name, ptrs, const = QGEMV[variant]
+    pointers = {"xs_ptr": "fp32", "ws_ptr": "fp32", "b_ptr": "fp16", "out_ptr": "fp16", "part_ptr": "fp32",
+                "cnt_ptr": "i32", **ptrs}
+    const = dict(const, XS_ROWS=True, HAS_BIAS=True, SPLIT=True, NSP=8, BLOCK_N=64)
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "part_ptr", "s_xm", "s_wn")
+    compiled = _compile_sm90(getattr(qgemv, name), pointers, const, aligned=aligned)
+    assert "LDG.E.128" in build._cuobjdump(compiled, "-sass")
