@@ -88,8 +88,8 @@ def bench_linear(ctx: KernelContext) -> list[Case]:
     return cases
 
 
-@register("quant-linear", "int8 and int4 (group 128) weight-only GEMV/GEMM at in_proj and out_proj shapes, against "
-                          "the 16-bit F.linear")
+@register("quant-linear", "int8 and int4 (group 128) weight-only and, on CUDA, FP8 W8A8 GEMV/GEMM at in_proj and "
+                          "out_proj shapes, against the 16-bit F.linear")
 def bench_quant_linear(ctx: KernelContext) -> list[Case]:
     from ssmq import kernels
     from ssmq.ops.quant_linear import pack_int4
@@ -110,6 +110,12 @@ def bench_quant_linear(ctx: KernelContext) -> list[Case]:
             cases.append(Case(f"{name} {n}x{k} w4a16-g128, {m} rows", {
                 "ssmq": lambda x=x, w=w4, s=s4: kernels.quant_linear(x, w, s),
                 "torch 16-bit": lambda x=x, w=w16: F.linear(x, w)}, _nbytes(w4, s4, x) + out, m))
+            if ctx.device.type == "cuda":  # fp8 codes in and out of the GEMV: CUDA only
+                w8f = w16.float().clamp(-400, 400).to(torch.float8_e4m3fn)
+                xf, xs = x.float().clamp(-400, 400).to(torch.float8_e4m3fn), torch.ones((), device=ctx.device)
+                cases.append(Case(f"{name} {n}x{k} fp8-w8a8, {m} rows", {
+                    "ssmq": lambda x=xf, xs=xs, w=w8f, s=s8: kernels.quant_linear(x, w, s, None, xs, None, ctx.dtype),
+                    "torch 16-bit": lambda x=x, w=w16: F.linear(x, w)}, _nbytes(w8f, s8, xf) + out, m))
     return cases
 
 

@@ -1,6 +1,6 @@
 """Decode GEMV micro-benchmark: the linears of a decode step at published shapes, per weight format and batch.
 
-    python -m ssmq.runtime.bench_gemv --models mamba2-2.7b,mamba2-8b --rows 1,2,4,8 --json out/gemv.json
+    python -m ssmq.bench.gemv --models mamba2-2.7b,mamba2-8b --rows 1,2,4,8 --json out/gemv.json
 
 Each op (in_proj and out_proj of each model; fp16 weights on the float GEMV, W4A16 g128, W8A16 per channel and
 FP8 W8A8 with fp8 x codes on the low-bit kernels; random weights) is timed two ways, both from CUDA-graph replays
@@ -62,8 +62,8 @@ def shapes(name: str) -> dict[str, tuple[int, int]]:
 
 
 def make_op(fmt: str, n: int, k: int):
-    """(weights factory, op(x, weights)) of one format, through ``kernels``' dispatch; x is float16 (fp8-w8a8: its e4m3 codes, quantized
-    outside the timed op as the fused norm hands them over)."""
+    """(weights factory, op(x, weights)) of one format, through ``kernels``' dispatch; x is float16 (fp8-w8a8: its
+    e4m3 codes, quantized outside the timed op as the fused norm hands them over)."""
     from ssmq import kernels
     from ssmq.ops.quant_linear import pack_int4
 
@@ -188,7 +188,7 @@ def main(argv=None) -> None:
     variants = json.loads(args.variants) if args.variants else VARIANTS
     res = run(args.models.split(","), args.formats.split(","), [int(r) for r in args.rows.split(",")], variants,
               args.reps, stream=not args.no_stream, linears=[x for x in args.linears.split(",") if x])
-    res["command"] = "python -m ssmq.runtime.bench_gemv " + " ".join(argv if argv is not None else sys.argv[1:])
+    res["command"] = "python -m ssmq.bench.gemv " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(res, fh, indent=1)
