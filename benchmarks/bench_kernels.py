@@ -34,7 +34,8 @@ import torch.nn.functional as F
 import triton.testing as tt
 
 from ssmq import ops
-from ssmq.kernels import conv1d, gemv, mamba2_decode, norm, scan, ssd, state_update
+from ssmq.kernels import conv1d, gemv, norm, scan, ssd, state_update
+from ssmq.prototype import mamba2_decode
 from ssmq.ops.layout import mamba2_in_proj_segments
 
 DEV = "cuda"

@@ -48,7 +48,7 @@ def test_norm_quant_kernels_compile_for_sm90(static, dtype, fp8):
 def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
     from test_kernel_compile import _compile_sm90
 
-    from ssmq.kernels import hadamard
+    from ssmq.prototype import hadamard_quant as hadamard
 
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "l_ptr": work,
                                              "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype,

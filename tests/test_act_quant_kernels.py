@@ -25,7 +25,7 @@ def N():
 
 @pytest.fixture(scope="module")
 def H():
-    return kernel_module("hadamard")
+    return kernel_module("ssmq.prototype.hadamard_quant")
 
 
 def _scale(static):

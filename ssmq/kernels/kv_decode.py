@@ -24,12 +24,12 @@ other formats take the reference.
 from __future__ import annotations
 
 import functools
-import os
 from fractions import Fraction
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from ssmq.kernels.rotary import inv_freq_on as _inv_freq  # cached: no per-call table building
 from ssmq.ops.kv_quant import KVSideView
@@ -44,7 +44,7 @@ from ssmq.ops.kv_quant import KVSideView
 CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=2, MIN_TILES=4, dot="tf32x3")
 # cos.approx / sin.approx on the GPU (tl.cos is libdevice's precise cosf, ~20 instructions with a slow path for
 # large angles); the interpreter runs no PTX: numpy's there
-FAST_TRIG = os.environ.get("TRITON_INTERPRET") != "1"
+FAST_TRIG = not knobs.runtime.interpret
 
 
 @triton.jit

@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
+from ssmq.kernels.dispatch import FLOAT_KV_DECODE, QUANT_KV_DECODE, float_kv_launch, quant_kv_view_launch, serves
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
                                     _slot_residual, _sm_count, _split_chunk, _split_range, _store_split, float_args,
                                     paging, quant_args)
@@ -671,10 +672,8 @@ def pointer_types(float_dtype: str | None = None) -> dict:
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
-    """Formats this kernel serves (exact on the H100): 2-4 bit codes, head dims that are multiples of 32 and rotary
-    dims that are multiples of 16 (0 included: the lookups read whole bytes of codes), sparse outliers or none."""
-    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and k.sink.shape[-1] % 32 == 0
-            and rotary_dim % 16 == 0)
+    """Formats this kernel serves exactly: its row of ``dispatch.QUANT_KV_DECODE``."""
+    return serves(QUANT_KV_DECODE, "kv_decode_fast", quant_kv_view_launch(k, v, rotary_dim, 1))
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
@@ -764,10 +763,8 @@ def launch_cfg(keys_per_token: bool) -> dict:
 
 
 def float_eligible(k_cache: torch.Tensor) -> bool:
-    """Float caches this kernel serves: float16 / bfloat16, head dims that are powers of two from 32 (``MIN_DIM``-wide
-    products). float32 caches keep the first kernel's float32-exact products."""
-    e = k_cache.shape[-1]
-    return k_cache.dtype in (torch.float16, torch.bfloat16) and e >= MIN_DIM and e & (e - 1) == 0
+    """Float caches this kernel serves: its row of ``dispatch.FLOAT_KV_DECODE``."""
+    return serves(FLOAT_KV_DECODE, "kv_decode_fast", float_kv_launch(k_cache.dtype, k_cache.shape[-1]))
 
 
 def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k_cache: torch.Tensor,

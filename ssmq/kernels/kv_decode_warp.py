@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import int32_words
+from ssmq.kernels.dispatch import QUANT_KV_DECODE, quant_kv_view_launch, serves
 from ssmq.kernels.kv_decode import (_sm_count, combine_splits, paging, resident_programs, split_outputs,
                                     whole_rounds)
 from ssmq.kernels.kv_decode_fast import (_LUT2, _LUT2_CONSTRAINTS, _LUT3, _LUT3_CONSTRAINTS, _LUT4, _LUT4_CONSTRAINTS,
@@ -530,15 +531,9 @@ def _decode_kernel(q, slots, lens, sinv, angles, rope, kscales, klut, vlut, out,
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int, group: int, paged_block: int = 0) -> bool:
-    """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``. Codebooks of exactly 2^bits
-    entries: the lookups' tables hold 16 / 8 / 4 and a code indexes them unmasked (codes of fewer levels, as
-    ``kv-int4-pth``'s 15 or int3's 7, keep ``kv_decode_fast``, which masks them). Head dim 64 puts two kv heads'
-    query groups in the 8 columns: at most 4 query heads a kv head."""
-    e = k.sink.shape[-1]
-    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and not k.per_token and v.per_token and e in (64, 128)
-            and rotary_dim in (0, 32, 64, 128) and rotary_dim <= e and k.sink.shape[1] <= TILE
-            and group * (E_SERVED // e) <= 8 and k.codebook.numel() == 2 ** k.bits
-            and v.codebook.numel() == 2 ** v.bits and paged_block % TILE == 0)
+    """Formats this kernel serves: its row of ``dispatch.QUANT_KV_DECODE`` (module docstring); the rest go to
+    ``kv_decode_fast``."""
+    return serves(QUANT_KV_DECODE, "kv_decode_warp", quant_kv_view_launch(k, v, rotary_dim, group, paged_block))
 
 
 def rotary_bit(head_dim: int, rotary_dim: int) -> int:

@@ -91,6 +91,7 @@ class MambaState:
         if scales is not None and scales.rows and (row_scale is None or row_scale.shape != ssm.shape[:-1]):
             raise SSMQError(f"an int8 state with row scales needs a {tuple(ssm.shape[:-1])} scale buffer")
         self.conv, self.ssm, self.scales, self.ring, self.row_scale = conv, ssm, scales, ring, row_scale
+        self.plan = None  # the layer's LayerPlan, set by the mixer that allocates the state
 
     @classmethod
     def allocate(cls, max_batch: int, conv_channels: int, d_conv: int, state_shape: tuple[int, ...], dtype, device,
