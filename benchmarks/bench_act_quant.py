@@ -33,7 +33,8 @@ from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
 from ssmq import kernels  # noqa: E402
-from ssmq.kernels import dispatch  # noqa: E402
+from ssmq.kernels import policy  # noqa: E402
+from ssmq.prototype import hadamard_quant  # noqa: E402
 from ssmq.ops.hadamard import hadamard_transform_gemm  # noqa: E402
 from ssmq.quant import CalibrationData, quantize  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
@@ -55,7 +56,7 @@ def graph_ms(fn, reps: int = 20) -> float:
 
 
 def micro(args) -> dict:
-    hk = dispatch._kernels("hadamard")
+    hk = hadamard_quant
     out = {}
     d_model, d_inner = 2560, 5120
     for rows in map(int, args.micro_rows.split(",")):
@@ -121,7 +122,7 @@ def e2e(args, results, save) -> None:
         entry = results["e2e"].setdefault(recipe, {"quantize_s": round(time.time() - t0, 1)})
         ids = torch.randint(0, 50000, (1, args.prompt_len), device="cuda")
         for fused in (False, True):
-            dispatch.ACT_QUANT_FUSION = fused
+            policy.set_policy(policy.KernelPolicy(act_quant_fusion=fused))
             key = "fused" if fused else "unfused"
             with torch.inference_mode():
                 cache = model.allocate_cache(1, args.prompt_len + 1)
@@ -134,7 +135,7 @@ def e2e(args, results, save) -> None:
             entry[key] = r
             print(recipe, key, json.dumps({k: v for k, v in r.items() if k != "profile_b1"}), flush=True)
             save()
-        dispatch.ACT_QUANT_FUSION = True
+        policy.set_policy(policy.KernelPolicy())
         del model
 
 

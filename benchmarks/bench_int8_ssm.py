@@ -1,6 +1,6 @@
 """int8 SSM decode benchmark (one GPU): the int8-state selective state update vs our FP16 kernel vs mamba_ssm's,
 and (``--e2e``) TPOT of Mamba2-2.7B (random weights) FP16 vs Quamba2 W8A8 with the int8 state cache, on the int8
-decode path and on the earlier fake-quant path (``SSMQ_INT8_DECODE=0``).
+decode path and on the fake-quant path (the mixers' ``float`` executor, asked for explicitly).
 
     PYTHONPATH=.:/tmp/peer python benchmarks/bench_int8_ssm.py --out out/int8_ssm [--e2e] [--batches 1,32,128,256]
 
@@ -30,7 +30,7 @@ from bench_e2e import time_ms  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
-from ssmq.kernels import dispatch, state_update  # noqa: E402
+from ssmq.kernels import state_update  # noqa: E402
 from ssmq.kernels.state_update import quant_state_update, selective_state_update  # noqa: E402
 from ssmq.quant import CalibrationData, quantize  # noqa: E402
 from ssmq.ops.quant_ssm import RowScales  # noqa: E402
@@ -187,14 +187,19 @@ def run_micro(batches, out: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ end to end
 
-def tpot(model, b: int, steps: int, ssm_dtype, state_checkpoint: int | None = None) -> dict:
+def tpot(model, b: int, steps: int, ssm_dtype, state_checkpoint: int | None = None,
+         executor: str | None = None) -> dict:
     """ms per decode step at batch b from replays of one captured CUDA graph, peak memory, SSM bytes per sequence
-    (a ReplaySSM ring included when ``state_checkpoint`` = K, else the state is written every step)."""
+    (a ReplaySSM ring included when ``state_checkpoint`` = K, else the state is written every step); ``executor``:
+    the mixers' decode executor asked for explicitly (``ssmq.models.layer_plan``), else each layer's plan."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     dec = CudaGraphDecoder(model, max_batch=b, max_seqlen=steps + 64, buckets=(b,), ssm_dtype=ssm_dtype,
                            state_checkpoint=state_checkpoint)
+    if executor is not None:
+        for layer, st in zip(model.layers, dec.cache.states):
+            st.plan = layer.mixer.plan(st, executor)
     tokens = torch.randint(0, 50000, (b,), device=DEV)
     dec(tokens, torch.arange(b, device=DEV))
     graph = dec.graphs[b][0]
@@ -238,16 +243,14 @@ def run_e2e(batches, steps: int, out: dict, save, skip_fake_quant: bool = False,
             ("quamba2-w8a8 fp16 state, int8 kernels", True, None),
             ("quamba2-w8a8 int8 state, fake-quant path", False, torch.int8)]
     for label, new_path, ssm_dtype in rows[:2] if skip_fake_quant else rows:
-        dispatch.INT8_DECODE = new_path
         e2e[label] = {"weight_bytes": weight_bytes(model)}
         for b in batches:
             try:
-                e2e[label][f"b{b}"] = tpot(model, b, steps, ssm_dtype)
+                e2e[label][f"b{b}"] = tpot(model, b, steps, ssm_dtype, executor=None if new_path else "float")
             except Exception as e:  # noqa: BLE001 - report, go on
                 e2e[label][f"b{b}"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             print(label, b, e2e[label][f"b{b}"], flush=True)
             save()
-    dispatch.INT8_DECODE = True
 
 
 def plot(out: dict, path: Path) -> None:

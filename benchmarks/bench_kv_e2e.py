@@ -6,14 +6,12 @@ with the float16 KV cache against quantized KV formats, at a published config wi
 
 Rows (``--kv``): ``fp16`` the float16 cache, decoded by our flash-decoding kernel (``KVState.decode``: the fast
 kernel's float path, float16 tensor-core products);
-``fp16-first`` the same cache on the first-generation kernel (float32-exact 3xTF32 products: the float16
-decode before session 30, 2026-11-28; as SSMQ_KV_FAST=0); ``fp16-ref`` the same cache through the prefix read +
-``attention_ref`` (the model's float16 decode before 2026-11-28); any KV preset name (``ssmq.quant.kv_formats``):
+``fp16-first`` the same cache on the first-generation kernel (float32-exact 3xTF32 products; as
+SSMQ_KV_FAST=0); ``fp16-ref`` the same cache through the prefix read + ``attention_ref``; any KV preset name (``ssmq.quant.kv_formats``):
 every attention layer gets a ``KVQuantizer`` of the format with placeholder codebooks and scales (speed, not
 accuracy), writes the new tokens with the fused
 quantize-and-append kernel (``kernels.kv_append``) and decodes through the LUT kernels; a name ending in ``+ref``
-(``nuq4-1%+ref``) writes them with the reference ops instead (as SSMQ_KV_FUSED_APPEND=0, the write before
-2026-11-28). A case
+(``nuq4-1%+ref``) writes them with the reference ops instead (as SSMQ_KV_FUSED_APPEND=0). A case
 B:C fills B rows of the cache to C tokens with random contents (the kernels' speed does not depend on the values;
 every outlier slot filled, distinct and in index order, as ``bench_kvquant.py`` does: an upper bound on their
 work; ``--key-live 0.5`` leaves a random half of the keys' slots empty, about what the 1% per-channel thresholds
@@ -40,7 +38,7 @@ from plotting import pyplot  # noqa: E402
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
-from ssmq.kernels import dispatch  # noqa: E402
+from ssmq.kernels import policy  # noqa: E402
 from ssmq.models.quant_kv import QuantKVState  # noqa: E402
 from ssmq.models.state import KVState  # noqa: E402
 from ssmq.ops.kv_quant import order_slots  # noqa: E402
@@ -125,13 +123,13 @@ def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, pro
     cfg = PUBLISHED[name]
     model = random_model(cfg, dtype=torch.float16)
     rows = []
-    kernel, fused, fast = KVState.decode, dispatch._KV_FUSED_APPEND, dispatch._KV_FAST
+    kernel, before = KVState.decode, policy.active()
     for rows_, context in cases:
         for kv in tqdm(kvs, desc=f"{name} b{rows_} ctx {context}"):
             fmt = kv.removesuffix("+ref")
             set_kv(model, fmt)
-            dispatch._KV_FUSED_APPEND = not kv.endswith("+ref")
-            dispatch._KV_FAST = kv != "fp16-first"
+            policy.set_policy(before.with_changes(kv_fused_append=not kv.endswith("+ref"),
+                                                  kv_decode=("kv_decode",) if kv == "fp16-first" else before.kv_decode))
             KVState.decode = kernel if kv != "fp16-ref" else (lambda self, *a: None)
             r = {"model": name, "batch": rows_, "context": context, "kv": kv, "key_live": key_live}
             try:
@@ -146,8 +144,7 @@ def run(name: str, cases: list[tuple[int, int]], kvs: list[str], steps: int, pro
                 r["error"] = f"OutOfMemoryError: {str(e)[:200]}"
             finally:
                 KVState.decode = kernel
-                dispatch._KV_FUSED_APPEND = fused
-                dispatch._KV_FAST = fast
+                policy.set_policy(before)
                 dec = None
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -27,6 +27,7 @@ import torch
 
 import ssmq
 from ssmq import kernels, ops
+from ssmq.kernels import policy
 from ssmq.eval.perplexity import decode_perplexity_of_ids, perplexity_of_ids, wikitext2_path
 from ssmq.models.cache import calibrated_ssm_dtype
 from ssmq.paths import shared_path
@@ -40,7 +41,7 @@ RECIPES = "rtn-w8a16,rtn-w4a16-g128,dynamic-w8a8,fp8-w8a8"
 def reference_ops(on: bool, everything: bool = False) -> None:
     """Route QuantLinear (``ssmq.kernels.quant_gemm`` / ``quantize_act``) to the references or the kernels;
     ``everything``: every dispatched op."""
-    kernels.dispatch._FORCE_REF = on and everything
+    policy.set_policy(policy.KernelPolicy(reference_ops=on and everything))
     if on:
         kernels.quant_linear = ops.quant_linear_ref
         kernels.quantize_act = ops.quantize_act_ref

@@ -24,26 +24,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ssmq  # noqa: E402
 from check_quant_accuracy import paired, quantized_model, reference_ops  # noqa: E402
 from ssmq import kernels  # noqa: E402
+from ssmq.kernels import policy  # noqa: E402
 from ssmq.eval.perplexity import perplexity_of_ids, wikitext2_path  # noqa: E402
 from ssmq.paths import shared_path  # noqa: E402
 from ssmq.quant.recipe import get_recipe  # noqa: E402
 
 # the ops a quantized Mamba model dispatches (those it does not use leave the number unchanged)
 OPS = ("conv1d_silu_quant", "causal_conv1d", "quant_ssd", "ssd_chunk_scan", "ssd_int8", "quant_selective_scan",
-       "selective_scan", "hadamard_quant", "rms_norm", "rms_norm_quant", "rmsnorm_gated", "rmsnorm_gated_quant",
+       "selective_scan", "rms_norm", "rms_norm_quant", "rmsnorm_gated", "rmsnorm_gated_quant",
        "quant_linear")
-FUSION_FLAGS = ("act_quant_fusion_enabled", "hadamard_quant_fusion_enabled")
+FUSION_FLAGS = ("act_quant_fusion_enabled",)
 
 
 def on_reference(fn):
     """``fn`` with the dispatcher forced to its reference for the duration of the call."""
     @functools.wraps(fn)
     def run(*a, **k):
-        old, kernels.dispatch._FORCE_REF = kernels.dispatch._FORCE_REF, True
-        try:
+        with policy.using(policy.active().with_changes(reference_ops=True)):
             return fn(*a, **k)
-        finally:
-            kernels.dispatch._FORCE_REF = old
     return run
 
 

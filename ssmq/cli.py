@@ -50,11 +50,9 @@ def cmd_generate(args) -> None:
                             stop_at_eos=not args.ignore_eos)
     ids = tok.encode_batch(prompts)
     if model.device.type == "cuda" and not args.eager:  # decode from CUDA graphs over the decoder's cache
-        from ssmq.models.cache import calibrated_ssm_dtype
         from ssmq.runtime.cuda_graph import CudaGraphDecoder
 
         dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + args.max_new_tokens,
-                               ssm_dtype=calibrated_ssm_dtype(model),  # an int8-state model decodes on int8
                                state_checkpoint=run["state_checkpoint"])
         run = {"cache": dec.cache, "decode_fn": dec}
     if len(prompts) == 1:  # stream: print the new text as each token arrives
@@ -171,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from ssmq.kernels.policy import set_policy
+        from ssmq.runtime.kernel_policy import policy_from_env
+
+        set_policy(policy_from_env())  # the kernels' policy, once, before any model runs
         args.func(args)
     except SSMQError as e:
         print(f"ssmq: error: {e}", file=sys.stderr)
