@@ -1,5 +1,4 @@
-"""The KVQuant decode as one warp a program, every tensor-core operand built in registers (Gluon; session 32,
-2026-11-29; 3- and 2-bit codes and the cp.async rings, session 33): no operand passes through shared memory, which
+"""The KVQuant decode as one warp a program, every tensor-core operand built in registers (Gluon): no operand passes through shared memory, which
 the Triton kernels (``kv_decode_fast``) could not avoid (there each dequantized tile passed through shared memory to
 become an operand: 6 trips and 11-13 barriers a 32-token tile, the profile's top stall). Shared memory holds only
 the codes in flight: each tile's bytes arrive by cp.async STAGES - 1 tiles ahead and each lane reads its own once.
@@ -10,7 +9,7 @@ HEADS · g query heads, padded to N = 8), r rotary dim (0, 32, 64 or 128, at mos
 S sink tokens, T = 16 tokens a tile, P splits of a row, q (lane % 4) and g8 (lane // 4) a lane's place in the 8 x 4
 grid of an m16n8k16 fragment, LW int32 words from one row's length to the next (2: an int64 tensor read in place).
 
-Head dim 64, partial RoPE (session 35, 2026-11-29): the E channels are 8 chunks of 16, in the cache's byte order
+Head dim 64, partial RoPE: the E channels are 8 chunks of 16, in the cache's byte order
 (the HEADS kv heads one after the other); a lane's bytes a token are always one chunk. The two rotary halves are
 the chunks whose bit HBIT is 0 / 1 (``ring_channel``; HBIT = log2(r / 32), or log2(e / 32) without RoPE): chunk
 pairs 16 · 2^HBIT = r / 2 channels apart, each in one head, so channel c < r / 2 meets its partner c + r / 2; the
@@ -95,9 +94,9 @@ VB2_PAIRS = gl.constexpr(gl.DistributedLinearLayout([[1, 0], [0, 1], [0, 2], [8,
                                                     [TILE, E_SERVED // 4]))
 VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], [],
                                               [], [TILE, E_SERVED // 8]))
-# Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM;
+# Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6: 230 registers, 8 resident a SM;
 # 212-224 in the sm_90 build since the cp.async rings, 9 could reside, but neither a cap nor 9 was faster:
-# ``benchmarks/sweep_kv_warp.py regcap``; 2-bit capped at 168, session 35's three interleaved rounds: 6% faster at
+# ``benchmarks/sweep_kv_warp.py regcap``; 2-bit capped at 168, three interleaved rounds: 6% faster at
 # 1 x 128K tokens, 2% at 8 x 32K, 14% slower at 1 x 16K; not adopted, a cap by context would be a second build);
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
 # 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
@@ -451,7 +450,7 @@ def _decode_kernel(q, slots, lens, sinv, angles, rope, kscales, klut, vlut, out,
 
     row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
     # the codes of the next STAGES - 1 tiles in flight (cp.async rings; the loop's other loads are small), each
-    # tile read from its stage: without them the warp waited on its own loads (H200, 2026-11-29, 128K tokens x 8
+    # tile read from its stage: without them the warp waited on its own loads (H200, 128K tokens x 8
     # rows: 2-bit 0.80 -> 0.67 ms, 4-bit 0.96 -> 0.92; ``benchmarks/results/kvquant_h200/s33_stages_sweep.json``)
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     KN: gl.constexpr = E // 2 if KBITS == 4 else E // 4  # bytes of a token's first plane

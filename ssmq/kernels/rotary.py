@@ -3,7 +3,7 @@
 Why a kernel: the reference builds the cos / sin tables and rotates with about a dozen elementwise launches (cat,
 chunk, products, casts). At a decode step (one token a row) each is a launch of a few microseconds, twice a layer
 (queries, and keys post-RoPE for a float cache): on SmolLM2-135M's 30 layers they were a sixth of a CUDA-graph step
-at 128K tokens (H200, session 36). One program here rotates HB heads of one token.
+at 128K tokens (H200). One program here rotates HB heads of one token.
 
 Glossary: b rows, l tokens a row, H heads, e head dim, r rotary dim (the first r channels of each head are rotated,
 NeoX halves: channel c < r / 2 pairs with c + r / 2 at frequency inv_freq[c]).

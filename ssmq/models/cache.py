@@ -17,7 +17,7 @@ from ssmq.models.state import KVState, MambaState
 
 def int8_state_note(model, state_checkpoint: int | None) -> str | None:
     """A one-line caution for decoding ``model`` on its int8 SSM state written every step, else None: re-quantized at
-    every token the state drifts (trained mamba2, CPU reference path, 2026-11-26, perplexity at 2048 tokens: Quamba2's
+    every token the state drifts (trained mamba2, CPU reference path, perplexity at 2048 tokens: Quamba2's
     x-group table +2.7%, dynamic row scales +1.5%), where a checkpoint re-quantized once per K steps (+0.08%), or a
     per-channel table (+0.10%), do not."""
     if state_checkpoint is not None or calibrated_ssm_dtype(model) != torch.int8:

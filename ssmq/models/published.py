@@ -34,7 +34,7 @@ PUBLISHED = {
     "mamba-130m": ModelConfig(arch="mamba1", d_model=768, n_layer=24, vocab_size=50280, d_state=16),
     "mamba-2.8b": ModelConfig(arch="mamba1", d_model=2560, n_layer=64, vocab_size=50280, d_state=16),
     # IBM Bamba-9B (v1): Mamba-2 with attention at layers 9, 18, 27 (32 query / 8 KV heads of 128, RoPE on the first
-    # 64 channels of a head: its config's attn_rotary_emb, partial_rotary_factor 0.5; was 128 until 2026-11-29)
+    # 64 channels of a head: its config's attn_rotary_emb, partial_rotary_factor 0.5)
     "bamba-9b": ModelConfig(arch="hybrid", d_model=4096, n_layer=32, vocab_size=128256, d_state=128, headdim=64,
                             chunk_size=256, attn_layer_idx=(9, 18, 27), attn_heads=32, attn_kv_heads=8,
                             attn_head_dim=128, rotary_dim=64, mlp_hidden=14336, tie_embeddings=False,
