@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import math
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -330,11 +332,11 @@ LINEAR = (Row("gemv", dict(dtype=_HALF, same_dtype=Need((True,)), rows=Need(leas
 
 @functools.lru_cache(maxsize=None)
 def has_gluon() -> bool:
-    try:
-        importlib.import_module("triton.experimental.gluon")
-    except ImportError:
+    """Whether the installed Triton has Gluon (3.5+), read from its metadata (no import of triton)."""
+    if not _HAS_TRITON:
         return False
-    return True
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", importlib.metadata.version("triton")).groups())
+    return (major, minor) >= (3, 5)
 
 
 def select(table: tuple[Row, ...], launch: dict, policy: KernelPolicy | None = None, gluon: bool | None = None) -> str:
