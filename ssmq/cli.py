@@ -30,6 +30,13 @@ def cmd_info(args) -> None:
     bytes_per = {"float32": 4, "float16": 2, "bfloat16": 2}[DTYPES[args.dtype or "bfloat16"]]
     for key, value in footprint(cfg, bytes_per, format_name=fmt, path=str(path)).items():
         print(f"{key:<28} {value}")
+    if args.plan:  # the decode plan per layer: needs the weights (quantizers, state scales)
+        import torch
+
+        from ssmq.runtime.layer_plans import plan_lines
+
+        dtype = getattr(torch, DTYPES[args.dtype or "bfloat16"])
+        print("\n".join(plan_lines(load_from_args(args)[0], dtype)))
 
 
 def cmd_generate(args) -> None:
@@ -138,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="architecture, parameters, weight/state/KV bytes of a model")
     add_model_args(p)
+    p.add_argument("--plan", action="store_true", help="also load the model and print each layer's decode plan "
+                   "(executor, kernels on CUDA, state / KV and linear formats)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="continue a prompt (streams tokens)")

@@ -169,3 +169,22 @@ def test_the_cuda_graph_decoder_allocates_the_models_formats(which, monkeypatch)
         assert {st.plan.executor for st in dec.cache.states} == {"int8"}
     else:
         assert isinstance(dec.cache.states[1], QuantKVState)
+
+
+def test_plan_lines_of_an_int8_state_model():
+    from ssmq.runtime.layer_plans import plan_lines
+
+    model = quantized("mamba2", "quamba2-w8a8", 8)
+    lines = plan_lines(model, torch.float16)
+    assert lines[0].startswith("kernel policy: default") and len(lines) == 1 + model.config.n_layer
+    assert all(" int8 " in line and "quant_state_update" in line and "state int8" in line for line in lines[1:])
+
+
+def test_info_prints_the_plan(capsys):
+    from conftest import shared_or_skip
+
+    from ssmq.cli import main
+
+    assert main(["info", "--model", str(shared_or_skip("models", "hybrid")), "--plan", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "layer   0 mamba2    fused" in out and "layer   3 attention kv-float kv_decode_fast" in out

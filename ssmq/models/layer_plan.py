@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 class LayerPlan:
     """executor: the decode path's name; decode: the mixer's executor, ``decode(mixer, *in_proj outputs, state,
     slots)`` -> out_proj's input; kernels: what it launches on CUDA (the ``ssmq.ops`` references elsewhere);
-    formats: the layer's state / cache and activation formats, by name."""
+    formats: the layer's state / cache and activation formats, by name; prefill: the scan a prefill runs."""
 
     executor: str
     decode: Callable | None
     kernels: tuple[str, ...]
     formats: dict[str, str] = field(default_factory=dict)
+    prefill: str = ""
 
     def describe(self) -> str:
         formats = ", ".join(f"{k} {v}" for k, v in self.formats.items())
-        return f"{self.executor:<6} {' + '.join(self.kernels)}" + (f"  [{formats}]" if formats else "")
+        return f"{self.executor:<6} {' + '.join(self.kernels)}" + (f"  [{formats}]" if formats else "") + \
+            (f"  prefill: {self.prefill}" if self.prefill else "")

@@ -81,10 +81,11 @@ class Mamba1Mixer(SSMMixer):
         plain_state = state.format is StateFormat.FLOAT and state.ring is None
         name = executor or ("int8" if self.quantizing("act_x", "act_B", "act_C") or not plain_state else "float")
         if name == "float":
-            return LayerPlan(name, self.EXECUTORS[name], ("causal_conv1d_update", "selective_state_update"), formats)
-        conv = "conv1d_update_silu_quant" if is_quantizer(self.act_x) else "causal_conv1d_update"
-        update = "replay_state_update" if state.ring is not None else "quant_state_update"
-        return LayerPlan(name, self.EXECUTORS[name], (conv, update), formats)
+            kernels = ("causal_conv1d_update", "selective_state_update")
+        else:
+            update = "replay_state_update" if state.ring is not None else "quant_state_update"
+            kernels = ("conv1d_update_silu_quant" if is_quantizer(self.act_x) else "causal_conv1d_update", update)
+        return LayerPlan(name, self.EXECUTORS[name], kernels, formats, "selective_scan")
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots`` by the state's

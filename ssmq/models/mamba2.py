@@ -152,7 +152,8 @@ class Mamba2Mixer(SSMMixer):
         conv = "conv1d_update_silu_quant" if name == "int8" and len(code_taps) == 3 else "causal_conv1d_update"
         update = {"int8": "replay_state_update" if state.ring is not None else "quant_state_update"}.get(
             name, "selective_state_update")
-        return LayerPlan(name, self.EXECUTORS[name], (conv, update, norm), formats)
+        prefill = "ssd_chunk_scan" if type(self.ssd) is ChunkScan else type(self.ssd).__name__
+        return LayerPlan(name, self.EXECUTORS[name], (conv, update, norm), formats, prefill)
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
         """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots`` by the state's
