@@ -25,7 +25,7 @@ from bench_kvquant import timeit  # noqa: E402
 from ssmq.kernels import kv_append  # noqa: E402
 from ssmq.models.kv_quantizer import KVQuantizer  # noqa: E402
 from ssmq.models.quant_kv import QuantKVState  # noqa: E402
-from ssmq.quant.kv_formats import kv_format  # noqa: E402
+from ssmq.models.kv_format import kv_format  # noqa: E402
 
 HKV, E, LAYERS = 8, 128, 32
 SPREADS = {"tight": 1.0, "wide": 5.0}

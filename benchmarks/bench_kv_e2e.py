@@ -7,7 +7,7 @@ with the float16 KV cache against quantized KV formats, at a published config wi
 Rows (``--kv``): ``fp16`` the float16 cache, decoded by our flash-decoding kernel (``KVState.decode``: the fast
 kernel's float path, float16 tensor-core products);
 ``fp16-first`` the same cache on the first-generation kernel (float32-exact 3xTF32 products; as
-SSMQ_KV_FAST=0); ``fp16-ref`` the same cache through the prefix read + ``attention_ref``; any KV preset name (``ssmq.quant.kv_formats``):
+SSMQ_KV_FAST=0); ``fp16-ref`` the same cache through the prefix read + ``attention_ref``; any KV preset name (``ssmq.models.kv_format``):
 every attention layer gets a ``KVQuantizer`` of the format with placeholder codebooks and scales (speed, not
 accuracy), writes the new tokens with the fused
 quantize-and-append kernel (``kernels.kv_append``) and decodes through the LUT kernels; a name ending in ``+ref``
@@ -42,7 +42,7 @@ from ssmq.kernels import policy  # noqa: E402
 from ssmq.models.quant_kv import QuantKVState  # noqa: E402
 from ssmq.models.state import KVState  # noqa: E402
 from ssmq.ops.kv_quant import order_slots  # noqa: E402
-from ssmq.quant.kv_formats import kv_format  # noqa: E402
+from ssmq.models.kv_format import kv_format  # noqa: E402
 from ssmq.runtime.cuda_graph import CudaGraphDecoder  # noqa: E402
 
 

@@ -82,7 +82,7 @@ def build_model(args):
     if args.kv:  # every attention layer caches in this KV format, placeholder codebooks and scales (speed, not accuracy)
         from check_plan_memory import quantize_kv
 
-        from ssmq.quant.kv_formats import kv_format
+        from ssmq.models.kv_format import kv_format
 
         quantize_kv(model, kv_format(args.kv))
     return model

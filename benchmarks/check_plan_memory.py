@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published_configs import PUBLISHED  # noqa: E402
 from random_model import random_model  # noqa: E402
 
-from ssmq.quant.kv_formats import kv_format  # noqa: E402
+from ssmq.models.kv_format import kv_format  # noqa: E402
 from ssmq.runtime.plan import CacheFormat, cache_bytes, make_plan  # noqa: E402
 
 # (model, batch, context, state dtype[, KV format])

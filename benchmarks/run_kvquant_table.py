@@ -37,9 +37,8 @@ from pathlib import Path
 import torch
 
 from ssmq.eval.perplexity import perplexity_of_ids
-from ssmq.models.kv_format import KVSpec
+from ssmq.models.kv_format import KV_PRESETS, KVSpec
 from ssmq.quant.calibration import load_calibration
-from ssmq.quant.kv_presets import KV_PRESETS
 from ssmq.quant.kvquant.calibrate import attention_layers, calibrate_kv_, capture_kv
 
 # name -> what ssmq.load_model takes: our hybrid (../shared/models/hybrid) and SmolLM2-135M-Instruct (Llama

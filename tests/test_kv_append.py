@@ -11,7 +11,7 @@ from test_kernels import DEV
 
 from ssmq.models.kv_quantizer import KVQuantizer
 from ssmq.models.quant_kv import QuantKVState
-from ssmq.quant.kv_formats import kv_format
+from ssmq.models.kv_format import kv_format
 
 pytestmark = pytest.mark.gpu  # on CPU with SSMQ_TRITON_INTERPRET=1 (conftest)
 HKV, E = 4, 64  # 256 entries a token: 1% is 3 value / 6 key slots

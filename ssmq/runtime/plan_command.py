@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest context (default 1)")
     p.add_argument("--kv", default=None, help="KV format: fp16 / bf16 / fp32, a KV preset (kvquant-nuq3-1%%, "
                    "kv-fp8-e4m3, ...) or its short name (nuq3-1%%, fp8, int8, ...), costed as the quantized cache "
-                   "stores it (ssmq.quant.kv_formats; default: the recipe's, else the float cache of --dtype)")
+                   "stores it (ssmq.models.kv_format; default: the recipe's, else the float cache of --dtype)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="weights and activations (conv state) of a float model (default bfloat16)")
     p.add_argument("--state-dtype", default=None, choices=STATE_DTYPES,
@@ -113,7 +113,7 @@ def quantized_info(folder_arg: str) -> dict:
 def resolve(args) -> tuple[ModelConfig, str, CacheFormat, dict]:
     """(config, name, the plan's cache format, {weights, source} or {}) from the arguments."""
     from ssmq.paths import default_model
-    from ssmq.quant.kv_formats import kv_format
+    from ssmq.models.kv_format import kv_format
     from ssmq.runtime.model_args import DTYPES
 
     act = DTYPES[args.dtype]
@@ -132,7 +132,7 @@ def resolve(args) -> tuple[ModelConfig, str, CacheFormat, dict]:
 
 def compared_formats(cfg: ModelConfig, fmt: CacheFormat) -> list[CacheFormat]:
     """The plan's format first, then the 16-bit baseline, int8 state (SSM models), each KV format (attention)."""
-    from ssmq.quant.kv_formats import kv_format
+    from ssmq.models.kv_format import kv_format
 
     half = fmt.act_dtype if fmt.act_dtype != "float32" else "bfloat16"
     out = [fmt, CacheFormat(fmt.act_dtype, half, kv_format(FLOAT_KV[half]))]
