@@ -82,6 +82,10 @@ def test_float_kv_and_linear_tables():
     row = dict(dtype="float16", same_dtype=True)
     assert select(LINEAR, row | dict(rows=8)) == "gemv" and select(LINEAR, row | dict(rows=9)) == "torch"
     assert select(LINEAR, row | dict(rows=1, same_dtype=False)) == "torch"
+    q = torch.zeros(1, 4, 2, 64, dtype=torch.float16)
+    assert select(dispatch.PREFILL_ATTENTION, dispatch.prefill_launch(q, q, q)) == "attention_prefill"
+    assert select(dispatch.PREFILL_ATTENTION, dispatch.prefill_launch(q.float(), q, q)) == "reference"
+    assert select(dispatch.PREFILL_ATTENTION, dispatch.prefill_launch(q.transpose(2, 3), q, q)) == "reference"
 
 
 # ------------------------------------------------------------------------------------------------ layer plans

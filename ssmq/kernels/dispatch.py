@@ -237,7 +237,7 @@ def rstd_scale(red, group_size, eps, bias=None, out_dtype=None):
 
 
 def _gemv(x, weight, bias=None) -> bool:
-    launch = dict(dtype=str(x.dtype).removeprefix("torch."), rows=math.prod(x.shape[:-1]),
+    launch = dict(dtype=_name(x.dtype), rows=math.prod(x.shape[:-1]),
                   same_dtype=weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype))
     return _use_triton(x) and select(LINEAR, launch) == "gemv"
 
@@ -328,6 +328,14 @@ FLOAT_KV_DECODE = (Row("kv_decode_fast", dict(dtype=_HALF, head_dim=Need(least=3
 # Float linear: the GEMV serves decode-sized 16-bit inputs (one weight pass serves up to 8 rows); more rows are
 # GEMMs, cuBLAS's ground.
 LINEAR = (Row("gemv", dict(dtype=_HALF, same_dtype=Need((True,)), rows=Need(least=1, most=8))), Row("torch"))
+# Prefill attention: 16-bit q, k, v of one dtype (tensor cores would round float32), channels contiguous, head
+# dims up to 256 (the tile's registers). A quantized cache's read: 2-4 bit codes (the tile unpacking), even rotary
+# dims. Its fused append: 2-4 bit codes, unrotated, per-token or per-channel scales.
+PREFILL_ATTENTION = (Row("attention_prefill", dict(dtype=_HALF, same_dtype=Need((True,)), head_dim=Need(most=256),
+                                                   contiguous=Need((True,)))), Row("reference"))
+QUANT_KV_READ = (Row("kv_read", dict(bits=_BITS, rotary_dim=Need(multiple=2))), Row("reference"))
+QUANT_KV_APPEND = (Row("kv_append", dict(bits=_BITS, rotated=Need((False,)),
+                                         granularity=Need(("per_token", "per_channel")))), Row("reference"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -379,8 +387,25 @@ def _quant_kv_kernel(q, k, v, rotary_dim, block_table) -> str:
     return select(QUANT_KV_DECODE, quant_kv_view_launch(k, v, rotary_dim, q.shape[1] // k.codes.shape[2], block))
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def float_kv_launch(dtype: torch.dtype, head_dim: int) -> dict:
-    return dict(dtype=str(dtype).removeprefix("torch."), head_dim=head_dim)
+    return dict(dtype=_name(dtype), head_dim=head_dim)
+
+
+def prefill_launch(q, k, v) -> dict:
+    return dict(dtype=_name(q.dtype), same_dtype=k.dtype == q.dtype and v.dtype == q.dtype, head_dim=q.shape[-1],
+                contiguous=all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def read_launch(side, rotary_dim: int) -> dict:
+    return dict(bits=side.bits, rotary_dim=rotary_dim)
+
+
+def append_launch(p, bits: int) -> dict:
+    return dict(bits=bits, rotated=p.signs is not None, granularity=p.granularity)
 
 
 def rope(x, positions, rotary_dim, base=10000.0):
@@ -411,7 +436,7 @@ def prefill_attention(q, k, v, kv_lens=None, softmax_scale=None, slots=None, blo
     ``block_table`` (s, M) block pools (N, B, hkv, e). The flash-attention kernel of ``attention_prefill`` on CUDA
     for float16 / bfloat16 inputs (it reads a cache in place, up to each row's length); elsewhere the reference over
     the rows copied out."""
-    if _use_triton(q) and _kernels("attention_prefill").eligible(q, k, v):
+    if _use_triton(q) and select(PREFILL_ATTENTION, prefill_launch(q, k, v)) == "attention_prefill":
         return _kernels("attention_prefill").prefill_attention(q, k, v, kv_lens, softmax_scale, slots, block_table)
     if slots is not None:
         k, v = _cache_rows(k, slots, block_table), _cache_rows(v, slots, block_table)
@@ -430,7 +455,7 @@ def quant_kv_read(side, slots, end, rotary_dim=0, theta=10000.0, dtype=torch.flo
     ``end``, as (b, end, hkv, e) float keys (rotated) or values in ``dtype``; ``block_table``: the side's per-token
     buffers are block pools (the kernel reads them in place, the reference a copy of the rows' blocks); ``kv_lens``:
     the kernel may leave a row's tokens from its length on unwritten (the reference writes them all)."""
-    if _use_triton(side.codes) and _kernels("kv_read").eligible(side, rotary_dim):
+    if _use_triton(side.codes) and select(QUANT_KV_READ, read_launch(side, rotary_dim)) == "kv_read":
         return _kernels("kv_read").quant_kv_read(side, slots, end, rotary_dim, theta, dtype, block_table, kv_lens)
     from ssmq.ops.kv_quant import quant_kv_read_ref
 
@@ -444,12 +469,10 @@ def quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out
     fused kernel (``kv_append.quant_kv_append``; ``block_table``: the buffers are block pools) on CUDA when it serves
     the format (and ``KernelPolicy.kv_fused_append`` allows it); False when the caller should write with the
     reference ops instead."""
-    if not (active().kv_fused_append and _use_triton(x)):
+    if not (active().kv_fused_append and _use_triton(x)) or \
+            select(QUANT_KV_APPEND, append_launch(p, bits)) != "kv_append":
         return False
-    fused = _kernels("kv_append")
-    if not fused.eligible(p, bits):
-        return False
-    fused.quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink,
+    _kernels("kv_append").quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink,
                           block_table=block_table)
     return True
 
