@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from ssmq import ops
-from ssmq.errors import SSMQError
 from ssmq.kernels.policy import KernelPolicy, active
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -14,7 +14,7 @@ from ssmq.kernels.dispatch import FLOAT_KV_DECODE, QUANT_KV_DECODE, float_kv_lau
 from ssmq.models.config import ModelConfig
 from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.linear import Linear
-from ssmq.models.state import KVState, RopeAtRead
+from ssmq.models.state import KVState, RopeAtRead, kernel_decodes
 
 
 class Attention(nn.Module):
@@ -59,9 +59,8 @@ class Attention(nn.Module):
         formats = {"kv": str(state.k.dtype if self.kv_quant is None else self.kv_quant.extra_repr())
                    .removeprefix("torch.") + (", paged" if block else "") + (", keys before RoPE" if rope else "")}
         if self.kv_quant is None:
-            served = rope is None and state.k.dtype in (torch.float16, torch.bfloat16) and self.e >= 16 \
-                and not self.e & (self.e - 1)
-            kernel = select(FLOAT_KV_DECODE, float_kv_launch(state.k.dtype, self.e)) if served else "attention_ref"
+            kernel = select(FLOAT_KV_DECODE, float_kv_launch(state.k.dtype, self.e)) \
+                if kernel_decodes(state.k, rope, cuda=True) else "attention_ref"
             return LayerPlan("kv-float", None, (kernel,), formats)
         k, v = state.k.view(), state.v.view()
         kernel = "attention_ref" if k is None or v is None else select(
