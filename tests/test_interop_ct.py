@@ -85,8 +85,39 @@ def test_export_decompresses_to_ssmq_weights(tmp_path, recipe, fmt, names):
     assert checked == 2 * model.config.n_layer
 
 
+def _teacher_forced_logits(model, hf, ids, monkeypatch):
+    """transformers' logits with each quantized linear handed ssmq's input to it, once its own input is checked to
+    agree with that to float32 rounding; and ssmq's logits (its A8 linears fed float inputs, as transformers' are).
+
+    A static int8 input scale makes a linear a step function of its input: a float32 rounding difference of 1e-6 that
+    puts one value on the other side of a rounding tie (x / scale = k + 0.5) moves its code by one, and every logit
+    after it by a quantization step (1% of the max logit in the tiny hybrid). Handing over the input stops that step
+    from propagating; the check on transformers' own input still tests every module before the linear."""
+    from ssmq.kernels import dispatch
+    from ssmq.models.hf_layout import rename_to_hf
+
+    monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", False)  # float inputs, not producer-made codes, reach them
+    inputs, handed = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, QuantLinear):
+            m.register_forward_pre_hook(lambda _, args, name=name: inputs.__setitem__(name, args[0]))
+    ours = model(ids)
+
+    def hand_over(args, x):
+        assert args[0].shape == x.shape and (args[0] - x).abs().max() <= 1e-4 * x.abs().max()
+        handed.append(x)
+        return (x,)
+
+    for name, x in inputs.items():
+        hf_name = rename_to_hf(f"{name}.weight", model.config).removesuffix(".weight")
+        hf.get_submodule(hf_name).register_forward_pre_hook(lambda _, args, x=x: hand_over(args, x))
+    theirs = hf(ids).logits
+    assert len(handed) == len(inputs)
+    return ours, theirs
+
+
 @pytest.mark.parametrize("arch", ["mamba1", "mamba2", "hybrid", "llama"])
-def test_export_loads_back_bit_identical_and_runs_in_transformers(tmp_path, arch):
+def test_export_loads_back_bit_identical_and_runs_in_transformers(tmp_path, arch, monkeypatch):
     import transformers as tf
 
     src = _ssmq_checkpoint(tmp_path, arch, MIXED, **HF_SEMANTICS[arch])
@@ -97,7 +128,8 @@ def test_export_loads_back_bit_identical_and_runs_in_transformers(tmp_path, arch
         again = ssmq.load_model(out)
         assert torch.equal(again(IDS), ref)
         hf = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-        theirs = hf(IDS).logits
+        ours, theirs = _teacher_forced_logits(again, hf, IDS, monkeypatch)
+    assert torch.equal(ours, ref)  # the producers' int8 codes are the linears' own, bit for bit on CPU
     assert any(isinstance(m, QuantLinear) and m.wspec.dtype == "int4" for m in again.modules())
     # transformers + compressed-tensors: decompressed weights, fake-quantized inputs; float32 rounding apart
     assert (theirs - ref).abs().max() < 1e-4 * ref.abs().max()

@@ -91,7 +91,8 @@ def test_fp8_path():
     x_q, x_s = quantize_act_ref(torch.randn(3, 64), None, True, torch.float8_e4m3fn)
     out = quant_linear_ref(x_q, w_q, w_s, None, x_s)
     expect = (x_q.double() * x_s.double()[:, None]) @ (w_q.double() * w_s.double()[:, None]).T
-    assert torch.allclose(out.double(), expect, rtol=1e-5, atol=1e-6)
+    # float32 products of exact fp8 values: only the summation order (the BLAS build's) differs from float64
+    assert (out.double() - expect).norm() / expect.norm() < 1e-6
 
 
 def test_errors():

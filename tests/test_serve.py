@@ -7,6 +7,7 @@ offline ``generate`` or the ``ssmq eval`` scorer on the same model.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import math
 import socket
@@ -520,11 +521,13 @@ def test_kv_cache_memory_sizes_the_block_pools_in_the_model_s_kv_format():
         if name == "fp16":
             assert workspace == 0
         else:
-            from ssmq.kernels.kv_decode_fast import outlier_workspace_shape
-
             hq = model.config.attn_heads
-            shape = outlier_workspace_shape(states[0].k.codes, 2, hq, paged=True)
-            assert workspace == 4 * hq and math.prod(shape) * 4 == (n + 1) * 8 * workspace
+            assert workspace == 4 * hq
+            if importlib.util.find_spec("triton") is not None:  # the decode kernel's own sizing agrees
+                from ssmq.kernels.kv_decode_fast import outlier_workspace_shape
+
+                shape = outlier_workspace_shape(states[0].k.codes, 2, hq, paged=True)
+                assert math.prod(shape) * 4 == (n + 1) * 8 * workspace
     # the workspace, hq float32 a token, is a fifth of this 2-layer toy's quantized cache; 1/294 of Llama-3.1-8B's
     assert cache_bytes["fp16"] > 3 * cache_bytes["nuq4-1%"] and counts["nuq4-1%"] > 2 * counts["fp16"]
     with pytest.raises(SSMQError, match="holds no block"):
