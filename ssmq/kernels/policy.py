@@ -2,7 +2,8 @@
 
 The dispatch (``ssmq.kernels.dispatch``) reads the active policy; nothing in ``kernels/`` or ``models/`` reads the
 environment. The CLI builds the policy once at start (``ssmq.runtime.kernel_policy.policy_from_env``); a Python
-caller sets one with ``set_policy`` or, for a block of code, ``using``.
+caller sets one with ``set_policy`` or, for a block of code, ``using``. The layer plans of a cache are decided
+under the policy active when it is allocated (``ssmq.models.layer_plan``): set the policy first.
 """
 
 from __future__ import annotations
