@@ -1,5 +1,5 @@
 """A quantized model's decode step on the int8 path (the taps' codes into the conv / state-update ops, the state
-read and written as stored: ``Mamba*Mixer._int8_step``) equals the earlier path (fake-quantized taps, a float step
+read and written as stored: the mixers' ``int8`` executor) equals the earlier path (fake-quantized taps, a float step
 on a dequantized work copy: the mixers' ``float`` executor): bit for bit on CPU through the references, and within float
 tolerance with the Triton kernels (``gpu`` test: CUDA, or SSMQ_TRITON_INTERPRET=1 on CPU)."""
 

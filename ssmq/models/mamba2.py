@@ -130,7 +130,7 @@ class Mamba2Mixer(SSMMixer):
         return self.norm(y, self.act_z(z), codes)
 
     def plan(self, state, executor: str | None = None) -> LayerPlan:
-        """fused when no tap quantizes, the norm is the plain gated one, out_proj takes its input float or as int8
+        """fused when no module sits on a tap before the norm, the norm is the plain gated one, out_proj takes its input float or as int8
         codes and the state is float, written every step; int8 when x, B or C quantize or the state is int8 or
         checkpointed; float otherwise (``ssmq.models.layer_plan``). ``executor``: that one instead (int8 and float
         serve every state; fused only the states it would be chosen for)."""
@@ -143,7 +143,9 @@ class Mamba2Mixer(SSMMixer):
         if quantizing := self.quantizing("act_x", "act_B", "act_C", "act_dt", "act_z"):
             formats["quantized taps"] = " ".join(t.removeprefix("act_") for t in quantizing)
         plain_state = state.format is StateFormat.FLOAT and state.ring is None
-        fusable = plain_state and not quantizing and type(self.norm) is GatedRMSNorm and \
+        plain_taps = all(type(getattr(self, t)) is nn.Identity
+                         for t in ("act_x", "act_B", "act_C", "act_dt", "act_z"))
+        fusable = plain_state and plain_taps and type(self.norm) is GatedRMSNorm and \
             (codes is None or codes.dtype == torch.int8)
         name = executor or ("fused" if fusable else "int8" if code_taps or not plain_state else "float")
         if name == "fused" and not fusable:
