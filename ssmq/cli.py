@@ -17,7 +17,10 @@ from ssmq.runtime.model_args import DTYPES, add_model_args, load_from_args  # no
 
 # Subcommands owned by other packages; each module has register(subparsers).
 PLUGIN_COMMANDS = ("ssmq.eval.command", "ssmq.quant.export_command", "ssmq.runtime.command",
-                   "ssmq.runtime.plan_command")
+                   "ssmq.runtime.plan_command", "ssmq.bench.command")
+DESCRIPTION = ("Quantize, run, evaluate, benchmark and serve Mamba-1, Mamba-2, hybrid and Llama language models. "
+               "Run 'ssmq COMMAND --help' for a command's options.")
+DEFAULT_PROMPT = "The song was released as a single"  # the register of WikiText, the reference models' training text
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -51,7 +54,7 @@ def cmd_generate(args) -> None:
     note = int8_state_note(model, run["state_checkpoint"])
     if note:
         print(f"note: {note}", file=sys.stderr)
-    prompts = args.prompt or ["The history of"]
+    prompts = args.prompt or [DEFAULT_PROMPT]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, eos_id=tok.eos_id, vocab_limit=len(tok), seed=args.seed,
                             stop_at_eos=not args.ignore_eos)
@@ -129,18 +132,21 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--recipe", required=True, help="a recipe name (below), A+B (a recipe plus a KV-only one, e.g. "
                    "ssdi8-w8a8+kvquant-nuq3-1%%) or a recipe JSON file")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--calib", default=None, help="calibration text (.txt/.txt.gz, or a name in ../shared/data/train/; "
-                   "default wikitext2_train.txt.gz)")
+    p.add_argument("--calib", default=None, help="calibration text: a .txt or .txt.gz file, or a "
+                   "file name in data/train/ of the data folder $SSMQ_SHARED (default wikitext2_train.txt.gz there)")
     p.add_argument("--calib-samples", type=int, default=512, help="calibration windows (default 512)")
     p.add_argument("--calib-seqlen", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--calib-seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward")
+    p.add_argument("--calib-seed", type=int, default=0, help="seed of the windows drawn (default 0)")
+    p.add_argument("--batch-size", type=int, default=8, help="calibration windows per forward (default 8)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists (atomically)")
     p.set_defaults(func=cmd_quantize)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ssmq", description=__doc__.splitlines()[0])
+    from ssmq.version import __version__
+
+    parser = argparse.ArgumentParser(prog="ssmq", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"ssmq {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="architecture, parameters, weight/state/KV bytes of a model")
@@ -151,12 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue a prompt (streams tokens)")
     add_model_args(p)
-    p.add_argument("--prompt", action="append", help="prompt text; repeat for a batch (default: 'The history of')")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt", action="append", help=f"prompt text; repeat for a batch (default: '{DEFAULT_PROMPT}')")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default 48)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 = all (default 0)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling: the smallest set of tokens whose "
+                   "probability reaches p (default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     p.add_argument("--eager", action="store_true", help="on CUDA, decode without CUDA graphs")
     add_state_checkpoint_arg(p)

@@ -79,6 +79,7 @@ def load_tokenizer(where: str | os.PathLike | None = None) -> Tokenizer:
             eos = backend.token_to_id("<|endoftext|>")
             return Tokenizer(backend, eos_id=0 if eos is None else eos)
     raise SSMQError(
-        f"no tokenizer.json found (looked in {where or 'no model folder'}, $SSMQ_TOKENIZER, ../shared/tokenizers); "
+        f"no tokenizer.json found (looked in {where or 'no model folder'}, $SSMQ_TOKENIZER, tokenizers/ of the data "
+        "folder $SSMQ_SHARED); "
         "pass a folder that holds tokenizer.json"
     )

@@ -57,3 +57,58 @@ def save_tiny(arch: str, folder, seed: int = 0, ngroups: int = 2, tie: bool = Tr
     model = tiny_hf_model(arch, seed, ngroups, tie)
     model.save_pretrained(folder)
     return model
+
+
+FAMILIES = ["falcon_mamba", "nemotron_h", "nemotron_moe", "granite_dense", "granite_moe", "jamba"]
+
+
+def tiny_family_model(family: str, seed: int = 0):
+    """A transformers model of one of ``FAMILIES`` (ssmq.models.families) with random float32 weights: every layer
+    kind of the family, B/C groups, GQA, non-trivial multipliers."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    if family == "falcon_mamba":
+        cfg = tf.FalconMambaConfig(vocab_size=96, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                                   conv_kernel=4, time_step_rank=4, mixer_rms_eps=1e-6, tie_word_embeddings=False)
+        model = tf.FalconMambaForCausalLM(cfg)
+    elif family == "nemotron_h":  # pattern M-*-MM- : Mamba-2 with MLP, attention with MLP, bare Mamba-2
+        cfg = tf.NemotronHConfig(vocab_size=96, hidden_size=32, hybrid_override_pattern="M-*-MM-",
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                                 ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
+                                 expand=2, tie_word_embeddings=False)
+        model = tf.NemotronHForCausalLM(cfg)
+    elif family == "nemotron_moe":  # pattern ME*-ME: MoE blocks (sigmoid routing in 2 groups, 1 kept), an MLP block
+        cfg = tf.NemotronHConfig(vocab_size=96, hidden_size=32, hybrid_override_pattern="ME*-ME",
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                                 ssm_state_size=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=8,
+                                 n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                 moe_shared_expert_intermediate_size=40, n_group=2, topk_group=1,
+                                 routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)
+        model = tf.NemotronHForCausalLM(cfg)
+    elif family in ("granite_dense", "granite_moe"):
+        cfg = tf.GraniteMoeHybridConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=24, shared_intermediate_size=40, num_hidden_layers=3,
+            layer_types=["mamba", "attention", "mamba"], num_attention_heads=4, num_key_value_heads=2,
+            num_local_experts=4 if family == "granite_moe" else 0, num_experts_per_tok=2, mamba_n_heads=8,
+            mamba_d_head=8, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8, embedding_multiplier=3.0,
+            logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.2, position_embedding_type="nope",
+            tie_word_embeddings=False)
+        model = tf.GraniteMoeHybridForCausalLM(cfg)
+    elif family == "jamba":  # attention at layers 1, 3; MoE at 1, 3 (top-2 of 4 experts), gated MLP at 0, 2
+        cfg = tf.JambaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                             expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1,
+                             mamba_d_state=8, mamba_dt_rank=4, mamba_expand=2, tie_word_embeddings=False,
+                             use_mamba_kernels=False)
+        model = tf.JambaForCausalLM(cfg)
+    else:
+        raise ValueError(family)
+    _perturb(model, seed)
+    return model.eval()
+
+
+def save_tiny_family(family: str, folder, seed: int = 0):
+    model = tiny_family_model(family, seed)
+    model.save_pretrained(folder)
+    return model

@@ -363,3 +363,34 @@ def test_fake_quantize_is_bit_exact(dtype, scale_kind):
     got = fake_quantize(*_dev([x, scale]))
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(got.cpu(), fake_quantize_ref(x, scale))
+
+
+@pytest.mark.parametrize("state_fmt", ["int8_index", "int8_rows", "float"])
+@pytest.mark.parametrize("input_fmt", ["codes_per_channel", "float"])
+@pytest.mark.parametrize("max_tiles", [3, 8])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_step_walks_several_tiles(SU, state_fmt, input_fmt, max_tiles, prefetch, monkeypatch):
+    """The plain Mamba-2 step with several tiles a program (``STEP_CFG``: few programs an SM): with the next tile
+    prefetched (and an int8 state read as int32 words) or not, its B / C once a program (the tiles in one group) or a
+    tile (max_tiles 8: tiles of two groups in a program; the grid then one slot's tiles first), equal to the
+    reference, as one tile a program is."""
+    for key in SU.STEP_CFG:
+        monkeypatch.setitem(SU.STEP_CFG, key, {**SU.STEP_CFG[key], "programs_per_sm": 1e-3, "max_tiles": max_tiles,
+                                                "prefetch": prefetch, "words": prefetch,
+                                                "tiles_first": max_tiles == 8})
+    args = _case("mamba2", state_fmt, input_fmt, seed=5)
+    ref_args = _clone(args)
+    y_ref = quant_state_update_ref(*ref_args)
+    dev_args = _dev(args)
+    before = dev_args[0].clone()
+    s, b, h, p, g_, n = LAYOUTS["mamba2"]
+    fmt = {"int8_index": "int8_table", "int8_rows": "int8_rows", "float": "float"}[state_fmt]
+    _, BP, TP, NT = SU._step_grid(b, h, p, n, fmt, dev_args[0].device)
+    assert NT > 1 and ((h // g_) * TP % NT == 0) == (max_tiles == 3)  # the cases this test is for
+    assert rel(SU.quant_state_update(*dev_args), y_ref) < 1e-5
+    _assert_state_close(dev_args[0], ref_args[0], state_fmt)
+    others = torch.ones(s, dtype=torch.bool, device=DEV)
+    others[args[-1].long().to(DEV)] = False
+    assert torch.equal(dev_args[0][others], before[others])
+    if state_fmt == "int8_rows":
+        assert rel(dev_args[1].scale.cpu(), ref_args[1].scale) < 1e-5

@@ -45,19 +45,26 @@ def test_state_update_compiles_for_sm90(variant, ring_stages):
 
 
 def _launch_args(su, call):
-    """The arguments ``call`` (a public state-update function on CPU tensors) would launch ``su._state_update`` with."""
+    """(kernel, arguments) ``call`` (a public state-update function on CPU tensors) would launch: ``su._step`` (the
+    plain Mamba-2 step) or ``su._state_update``."""
     got = {}
 
     class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: got.update(args=args, kwargs=kwargs)
+        def __init__(self, kernel):
+            self.kernel = kernel
 
-    real, su._state_update = su._state_update, Capture()
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: got.update(kernel=self.kernel, args=args, kwargs=kwargs)
+
+    real = {name: getattr(su, name) for name in ("_state_update", "_step")}
+    for name, kernel in real.items():
+        setattr(su, name, Capture(kernel))
     try:
         call()
     finally:
-        su._state_update = real
-    return got["args"], got["kwargs"]
+        for name, kernel in real.items():
+            setattr(su, name, kernel)
+    return got["kernel"], got["args"], got["kwargs"]
 
 
 def test_int32_words_reads_int64_in_place():
@@ -96,7 +103,9 @@ def test_state_update_compiles_as_launched(state, replay):
 
     if not hasattr(su._state_update, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
-    b, h, p, n = 4, 80, 64, 128  # 4 rows: enough programs that the tile heuristic keeps its large-batch tiles
+    # 4 rows: enough programs that the tile heuristic keeps its large-batch tiles; the plain step at 128 rows: several
+    # tiles a program (``_step``)
+    b, h, p, n = (4 if replay else 128), 80, 64, 128
     int8 = state != "fp16"
     x, B, C = torch.randn(b, h, p), torch.randn(b, 1, n), torch.randn(b, 1, n)
     dt = torch.randn(b, h)[:, :, None].expand(b, h, p)
@@ -116,10 +125,10 @@ def test_state_update_compiles_as_launched(state, replay):
     kw = dict(D=per_head, dt_bias=per_head, dt_softplus=True, state_batch_indices=torch.arange(b, dtype=torch.int32))
     if replay:
         ring = StateRing.allocate(b, 16, h, p, 1, n, per_head_dt=True, device="cpu")
-        args, kwargs = _launch_args(su, lambda: su.replay_state_update(st, table, index, ring, *inputs, **kw))
+        kernel, args, kwargs = _launch_args(su, lambda: su.replay_state_update(st, table, index, ring, *inputs, **kw))
     else:
-        args, kwargs = _launch_args(su, lambda: su.quant_state_update(st, table, index, *inputs, **kw))
-    kernel = su._state_update
+        kernel, args, kwargs = _launch_args(su, lambda: su.quant_state_update(st, table, index, *inputs, **kw))
+    assert (kernel is su._state_update) == replay  # the plain Mamba-2 step: ``_step``
     kwargs.update(FAST_RCP=su.CFG["fast_rcp"], PTX_CODES=su.CFG["ptx_codes"])  # as launched on CUDA tensors
     options = {k: kwargs.pop(k) for k in ("num_warps", "maxnreg") if k in kwargs}
     values = {**dict(zip(kernel.arg_names, args)), **kwargs}
@@ -507,17 +516,14 @@ def test_prefill_kernels_compile_for_sm90(dtype, e):
 
 
 def test_folded_scales_shorten_the_quantized_decode_loop(monkeypatch):
-    """``benchmarks/sass_kv_decode.py``'s builds: with the per-channel scales folded into the rotation (FOLD) the 4-bit
+    """``sass_kv_decode.py``'s builds: with the per-channel scales folded into the rotation (FOLD) the 4-bit
     decode's loop takes paired float16 multiply-adds instead of float32 arithmetic and conversions, fewer
     instructions and fewer registers (what lets the register cap add programs an SM without many spills)."""
-    from pathlib import Path
-
     from ssmq.kernels import kv_decode_fast as kf
     from ssmq.kernels.build import main_loop, registers
 
     if not hasattr(kf._decode_kernel, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import sass_kv_decode
 
     try:
@@ -529,3 +535,36 @@ def test_folded_scales_shorten_the_quantized_decode_loop(monkeypatch):
     assert loops[1]["HADD2"] + loops[1]["F2FP"] < loops[0]["HADD2"] + loops[0]["F2FP"]  # float16 <-> float32
     assert sum(loops[1].values()) < 0.9 * sum(loops[0].values())
     assert registers(folded)[0] < registers(plain)[0]
+
+
+# The low-bit decode GEMV (ssmq.kernels.qgemv): each path and code type at the shipped tiles, for the launch's
+# 16-byte-aligned pointers and row strides; the code words must load 16 bytes at a time (LDG.E.128)
+QGEMV = {  # name: (kernel, pointers, constexprs)
+    "fma-w4g128-1row": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                        dict(A_MODE=0, W4=True, W_FP8=False, WS_MODE=2, BLOCK_M=1, NG=2, GW=16, XBF16=False)),
+    "fma-w4g128-2rows-bf16": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                              dict(A_MODE=0, W4=True, W_FP8=False, WS_MODE=2, BLOCK_M=2, NG=2, GW=16, XBF16=True)),
+    "fma-w8-4rows": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                     dict(A_MODE=0, W4=False, W_FP8=False, WS_MODE=1, BLOCK_M=4, NG=1, GW=64, XBF16=False)),
+    "fma-fp8-fp8x": ("_qgemv_fma", {"x_ptr": "i32", "w_ptr": "i32"},
+                     dict(A_MODE=2, W4=False, W_FP8=True, WS_MODE=1, BLOCK_M=1, NG=1, GW=64, XBF16=False)),
+    "dot-w4g128": ("_qgemv_dot", {"x_ptr": "fp16", "w_ptr": "u8"},
+                   dict(A_MODE=0, W4=True, W_FP8=False, WS_MODE=2, BLOCK_M=16, NG=1, GB=64, PTX=True)),
+    "dot-w8-bf16": ("_qgemv_dot", {"x_ptr": "bf16", "w_ptr": "i8"},
+                    dict(A_MODE=0, W4=False, W_FP8=False, WS_MODE=0, BLOCK_M=16, NG=1, GB=128, PTX=True)),
+    "dot-fp8-fp8x": ("_qgemv_dot", {"x_ptr": "i8", "w_ptr": "i8"},
+                     dict(A_MODE=2, W4=False, W_FP8=True, WS_MODE=1, BLOCK_M=16, NG=1, GB=128, PTX=True)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(QGEMV))
+def test_qgemv_compiles_for_sm90(variant):
+    from ssmq.kernels import build, qgemv
+
+    name, ptrs, const = QGEMV[variant]
+    pointers = {"xs_ptr": "fp32", "ws_ptr": "fp32", "b_ptr": "fp16", "out_ptr": "fp16", "part_ptr": "fp32",
+                "cnt_ptr": "i32", **ptrs}
+    const = dict(const, XS_ROWS=True, HAS_BIAS=True, SPLIT=True, NSP=8, BLOCK_N=64)
+    aligned = ("x_ptr", "w_ptr", "out_ptr", "part_ptr", "s_xm", "s_wn")
+    compiled = _compile_sm90(getattr(qgemv, name), pointers, const, aligned=aligned)
+    assert "LDG.E.128" in build._cuobjdump(compiled, "-sass")

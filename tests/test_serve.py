@@ -333,6 +333,26 @@ BAD = [  # (body, status, the error message contains)
     (b'{"prompt": "ab", "logprobs": 99}', 400, "logprobs"),
     (b'{"prompt": "ab", "stop": ["", "x"]}', 400, "stop"),
     (json.dumps({"prompt": "a" * 30_000}).encode(), 413, "exceeds the limit"),
+    # every field is served or refused by name
+    (b'{"prompt": "ab", "best_of": 2}', 400, "best_of"),
+    (b'{"prompt": "ab", "suffix": "x"}', 400, "suffix"),
+    (b'{"prompt": "ab", "min_tokens": 3}', 400, "min_tokens: this field is not supported"),
+    (b'{"prompt": "ab", "frequency_penalty": 2.5}', 400, "frequency_penalty"),
+    (b'{"prompt": "ab", "presence_penalty": -9}', 400, "presence_penalty"),
+    (b'{"prompt": "ab", "logit_bias": {"64": 1}}', 400, "logit_bias"),
+    (b'{"prompt": "ab", "logit_bias": {"1": 1000}}', 400, "logit_bias"),
+    (b'{"prompt": "ab", "logit_bias": {"-1": 1}}', 400, "logit_bias"),
+    # numbers and text the sampler or the encoder cannot hold
+    (b'{"prompt": "ab", "temperature": NaN}', 400, "NaN"),
+    (b'{"prompt": "ab", "top_p": Infinity}', 400, "Infinity"),
+    (b'{"prompt": "ab", "temperature": 1e400}', 400, "temperature"),
+    (b'{"prompt": "ab", "temperature": 3}', 400, "temperature"),
+    (b'{"prompt": "a\\ud800b"}', 400, "surrogate"),
+    (b'{"prompt": "ab", "stop": "\\udfff"}', 400, "surrogate"),
+    (b'{"prompt": "ab", "seed": 99999999999999999999999}', 400, "seed"),
+    (b'{"prompt": "ab", "top_k": -7}', 400, "top_k"),
+    (b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 413, "exceeds the limit"),
+    (b"[" * 9_000 + b"]" * 9_000, 400, "nested too deeply"),
 ]
 
 
@@ -378,7 +398,8 @@ def test_metrics_parse_as_prometheus_text(server):
     from prometheus_client.parser import text_string_to_metric_families
 
     httpx.post(f"{server}/v1/completions", json={"prompt": "abc", "max_tokens": 3}, timeout=30)
-    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)}
+    text = httpx.get(f"{server}/metrics", headers={"accept": "text/plain"}).text  # what a plain scraper asks for
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     for name in ("ssmq_queue_length", "ssmq_running_sequences", "ssmq_cache_slots_used", "ssmq_kv_blocks_used",
                  "ssmq_prompt_tokens", "ssmq_generation_tokens", "ssmq_time_to_first_token_seconds",
                  "ssmq_time_per_output_token_seconds"):

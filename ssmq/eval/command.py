@@ -1,7 +1,7 @@
 """``ssmq eval``: perplexity and the zero-shot suite for one model, or a side-by-side comparison of several.
 
-    ssmq eval --model ../shared/models/mamba2 --tasks wikitext2,lambada --limit 100 --out results.json
-    ssmq eval --compare fp16=../shared/models/mamba2 w4a8=out/mamba2-w4a8 --tasks all --out cmp.json
+    ssmq eval --model MODEL --tasks wikitext2,lambada --limit 100 --out results.json
+    ssmq eval --compare fp16=MODEL w4a8=out/mamba2-w4a8 --tasks all --out cmp.json
 
 Wire-up: ``ssmq.eval.command.register(subparsers)`` adds the subcommand with ``func=run`` (``run(args) -> int``).
 Standalone: ``python -m ssmq.eval.command ...`` (same arguments).
@@ -14,6 +14,14 @@ import sys
 
 from ssmq.errors import SSMQError
 
+DESCRIPTION = """Perplexity and zero-shot accuracy of one model, or several side by side.
+
+  ssmq eval --model MODEL --tasks wikitext2,lambada --limit 100 --out results.json
+  ssmq eval --compare fp16=MODEL w4a8=out/mamba2-w4a8 --tasks all --out cmp.json
+
+Evaluation data (WikiText-2, the zero-shot tasks) is read offline from data/eval/ of the data folder
+($SSMQ_SHARED); ppl:PATH scores any text file.
+"""
 HELP_TASKS = ("comma-separated: wikitext2, wikitext2-decode (through the decode path and the cache), lambada_openai "
               "(lambada), hellaswag, piqa, arc_easy, arc_challenge, winogrande, mmlu, ppl:PATH (perplexity of a text "
               "file), or all (default)")
@@ -33,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seqlen", type=int, default=2048, help="perplexity window length in tokens (default 2048)")
     p.add_argument("--max-length", type=int, default=2048,
                    help="zero-shot requests are left-truncated to this many tokens (lm-eval's default 2048)")
-    p.add_argument("--dtype", default="auto", help="float16 | bfloat16 | float32 (auto: float16 on CUDA, else float32)")
-    p.add_argument("--device", default="auto", help="cuda | cuda:N | cpu (auto: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="float16 | bfloat16 | float32 (default: bfloat16 on CUDA, "
+                   "float32 on the CPU, as every command)")
+    p.add_argument("--device", default="auto", help="cuda | cuda:N | cpu (default: cuda when available)")
     p.add_argument("--state-checkpoint", type=int, metavar="K",
                    help="wikitext2-decode: SSM states checkpointed every K decode steps (ReplaySSM) instead of written "
                         "every step")
@@ -47,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval", help="perplexity, zero-shot accuracy (lm-eval definitions), comparisons",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p

@@ -60,11 +60,11 @@ def parse_spec(spec: str, quantized: str | None = None) -> ModelSpec:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """Default: float16 on CUDA, float32 elsewhere."""
+    """Default: bfloat16 on CUDA, float32 elsewhere (as every command)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        return torch.float16 if str(device).startswith("cuda") else torch.float32
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     if dtype not in DTYPES:
         raise SSMQError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return DTYPES[dtype]

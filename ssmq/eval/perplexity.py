@@ -30,8 +30,8 @@ from ssmq.paths import shared_path
 def wikitext2_path(split: str = "test") -> Path:
     p = shared_path("data", "eval", "wikitext2", f"{split}.txt")
     if p is None:
-        raise SSMQError(f"WikiText-2 {split} not found: expected shared/data/eval/wikitext2/{split}.txt "
-                        "(set $SSMQ_SHARED)")
+        raise SSMQError(f"WikiText-2 {split} not found: expected data/eval/wikitext2/{split}.txt in "
+                        "the data folder (set $SSMQ_SHARED to it); ppl:PATH scores any text file")
     return p
 
 

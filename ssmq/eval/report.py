@@ -4,7 +4,7 @@ The first model is the baseline: every other column shows its value and the delt
 (accuracies in percentage points, perplexities in absolute units). The PNG needs matplotlib; without it the chart is
 skipped with a printed note.
 
-    python -m ssmq.eval.report --compare fp16=../shared/models/mamba2 w8a8=out/mamba2-w8a8 --tasks all --out cmp.json
+    python -m ssmq.eval.report --compare fp16=MODEL w8a8=out/mamba2-w8a8 --tasks all --out cmp.json
 """
 
 from __future__ import annotations

@@ -50,8 +50,8 @@ def parse_tasks(spec: str | list[str] | None) -> list[str]:
 def data_dir() -> Path:
     d = shared_path("data", "eval")
     if d is None:
-        raise SSMQError("evaluation data folder not found: expected shared/data/eval beside the checkout "
-                        "(or set $SSMQ_SHARED)")
+        raise SSMQError("evaluation data folder not found: expected data/eval/ in the data folder "
+                        "(set $SSMQ_SHARED to it)")
     return d
 
 

@@ -245,7 +245,7 @@ def resolve_task(name: str) -> Task:
 
 def load_items(task: Task, data_dir: Path, limit: int | None = None) -> list[Item]:
     if not (data_dir / task.data).exists():
-        raise SSMQError(f"task {task.name}: data file {data_dir / task.data} not found (see shared/data/README.md)")
+        raise SSMQError(f"task {task.name}: data file {data_dir / task.data} not found (the data folder: $SSMQ_SHARED)")
     items = task.load(data_dir, limit)
     if not items:
         raise SSMQError(f"task {task.name}: no documents in {data_dir / task.data}")

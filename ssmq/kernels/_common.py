@@ -161,7 +161,7 @@ def int32_words(index: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
     ran 15% slower (2-bit, 166 rows x 32K tokens, H200), so it reads its lengths through this. Measure before using
     it elsewhere: the int8 state update's int64 build was 7-8% slower in ``bench_int8_ssm.py``'s micro-benchmark, but
     inside Mamba2-2.7B's decode graph it was the faster one (81.8 against 84.1 us a layer with these words at batch
-    128, H200: ``benchmarks/results/index_dtype_h200/``), so the state update keeps its int64 slots."""
+    128, H200), so the state update keeps its int64 slots."""
     if index is None:
         return None, 1
     if index.dtype == torch.int64 and index.dim() == 1 and index.stride(0) == 1:

@@ -1,6 +1,6 @@
 """Building a Triton kernel for a GPU this machine does not have: the sm_90 (H100 / H200) cubin from Triton's NVIDIA
 backend and its bundled ptxas, and the SASS of it from the bundled cuobjdump. The compile tests check what only the
-compiler refuses without a GPU; ``benchmarks/sass_kv_decode.py`` counts a kernel's loop
+compiler refuses before a GPU run is spent; ``tests/sass_kv_decode.py`` counts a kernel's loop
 instructions. No GPU and no CUDA driver needed."""
 
 from __future__ import annotations

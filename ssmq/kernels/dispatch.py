@@ -259,15 +259,26 @@ def linear_into(x, weight, out):
 
 
 def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None):
-    """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear)."""
-    impl = _kernels("quant_gemm").quant_linear if _use_triton(w_q) else ops.quant_linear_ref
-    return impl(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
+    """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear): the
+    decode GEMV ``qgemv`` where it serves the call (``qgemv.CFG["ROUTE_ROWS"]``), else ``quant_gemm``'s kernels."""
+    if not _use_triton(w_q):
+        return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
+    gemv = _kernels("qgemv")
+    f = gemv.serves(x, w_q, w_scale, w_zero, x_scale)
+    if f is not None:
+        return gemv.quant_gemv(x, w_q, w_scale, f, x_scale, bias, out_dtype)
+    return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
 def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None):
-    """``ops.quant_linear_act_ref``: on CUDA, decode rows are quantized inside the GEMM (no kernel of their own)."""
-    impl = _kernels("quant_gemm").quant_linear_act if _use_triton(w_q) else ops.quant_linear_act_ref
-    return impl(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
+    """``ops.quant_linear_act_ref``: on CUDA, codes ``qgemv`` serves are quantized by ``quantize_act`` and multiplied
+    there; else ``quant_gemm.quant_linear_act``."""
+    if not _use_triton(w_q):
+        return ops.quant_linear_act_ref(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
+    if _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype):
+        x_q, xs = _kernels("quant_gemm").quantize_act(x, x_scale, per_token, act_dtype)
+        return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype)
+    return _kernels("quant_gemm").quant_linear_act(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
 
 
 def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):

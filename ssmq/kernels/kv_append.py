@@ -5,7 +5,7 @@ scales, outlier slots and sink entry, exactly as ``QuantSide.write`` does with t
 Why: the reference write is dozens of small torch kernels a layer and a step (top-k, where, amax / amin, bucketize,
 packing, scatters); end to end on the H100 they cost more than the quantized cache saves in attention (Llama-3.1-8B
 config, batch 1, 32K tokens: ~6 ms a step for nuq4, ~11 ms for nuq4-1%, against 3.5 ms of float16 attention;
-``benchmarks/bench_kv_e2e.py --profile``).
+profiled on the H100).
 
 Glossary: n tokens written (b rows × l), hkv kv heads, e head dim (HP, EP padded to powers of two), k outlier slots
 a token (KP padded), C codebook entries (LEVELS), S sink positions, NB packed bytes of a head's row.

@@ -3,9 +3,8 @@ serves that ``kv_decode_warp`` does not: 2-4 bit codes,
 head dims that are multiples of 32, rotary dims that are multiples of 16, with or without sparse outliers. Its
 products are never narrower than 32 (32-token tiles, ``MIN_DIM``-padded rotary halves and pass-through tiles):
 16-wide tensor-core products fed by the PRMT lookups came out wrong on the H100 with Triton 3.6 (16-channel
-rotary halves, 16-token tiles; ``benchmarks/diag_kv_decode.py``, logs ``benchmarks/results/kvquant_h100/
-diag_kv_decode_s1[57]*.log``). Other formats keep the first-generation kernel (``ssmq.kernels.kv_decode``), whose
-host helpers this one shares.
+rotary halves, 16-token tiles; ``decode_any`` isolates such failures on a GPU). Other formats keep the
+first-generation kernel (``ssmq.kernels.kv_decode``), whose host helpers this one shares.
 
 Triton flash-decoding attention over a quantized KV cache (KVQuant: LUT low-bit K and V), or a float one.
 
@@ -95,8 +94,8 @@ MIN_DIM = 32
 # last SPARSE_SLOTS % slots positions idle). H200 (`time_kv_outlier_parts.py --kernels`, 128K tokens,
 # 4-bit, 20 key / 10 value slots a token): as (tokens, slots padded to a power of two) tiles, 16 tokens (512 and 256
 # positions, 37.5% of them padding) took the key pass 0.045 ms and the value pass 0.025, 32 tokens 0.059 / 0.022,
-# 8 tokens 0.052 / 0.030 (`benchmarks/results/kvquant_h200/s34/s34_sparse_cfg.log`); flattened, 512 positions 0.045
-# / 0.021 (25 and 51 tokens), 256 0.044 / 0.022, 1024 0.058 / 0.027 (`s34_flat_parts.log`): the value pass gained, the
+# 8 tokens 0.052 / 0.030; flattened, 512 positions 0.045
+# / 0.021 (25 and 51 tokens), 256 0.044 / 0.022, 1024 0.058 / 0.027: the value pass gained, the
 # key pass is not bound by its idle lanes.
 # `bench_kvquant.py --sweep` (H100, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
@@ -106,9 +105,8 @@ MIN_DIM = 32
 # FOLD: per-channel scales applied in float16 (``_fold_tables``). MAXNREG, MAXNREG_OUTLIERS: the quantized decode's
 # register caps; the programs an SM holds follow (4 at 128 registers, 3 at 168: ``kv_decode.resident_programs``) and
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``). The loop is bound by latency, not by its
-# instructions: H200 (`bench_kvquant.py --sweep`, 4-bit, 128K tokens, batch 1 / 8;
-# benchmarks/results/kvquant_h200/s31_*), FOLD took the loop from 689 to 544 SASS instructions a tile and the
-# registers from 236 to 188 (Triton 3.6), the time not at all (0.262 -> 0.261 ms); it let a cap fit more programs
+# instructions: H200 (4-bit, 128K tokens, batch 1 / 8), FOLD took the loop from 689 to 544 SASS instructions a
+# tile and the registers from 236 to 188 (Triton 3.6), the time not at all (0.262 -> 0.261 ms); it let a cap fit more programs
 # with few spills: 168 registers (3 programs; 12 bytes spilled) 0.217 / 1.615 ms, 128 (4; ncu counts 2.2 M
 # local-memory requests a call, s31_ncu_decode_4bit.log) 0.208 / 1.533, 96 (5) 0.243 / 1.770; 1% outliers (190
 # registers uncapped): 168 0.295 / 2.225, 128 0.307 / 2.330. FOLD off, capped at 168: 0.251. RESIDENT: programs an
@@ -659,7 +657,7 @@ def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, bloc
 def pointer_types(float_dtype: str | None = None) -> dict:
     """_decode_kernel's pointer arguments' types as a launch passes them, over a quantized cache (None) or a float one
     ("fp16" / "bf16": every cache pointer of that type): for ``ssmq.kernels.build.compile_sm90`` (the compile tests,
-    ``benchmarks/sass_kv_decode.py``)."""
+    ``tests/sass_kv_decode.py``)."""
     index = {"q": "fp16", "slots": "i64", "lens": "i32", "inv_freq": "fp32", "out": "fp32", "ws": "fp32",
              "table": "i64"}
     if float_dtype:
@@ -690,8 +688,8 @@ def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
 def decode_any(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: int = 0, theta: float = 10000.0,
                softmax_scale: float | None = None, splits: int | None = None,
                block_table: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel on any format, the ones it gets wrong included (outliers, 16-channel rotary halves): the entry of
-    ``benchmarks/diag_kv_decode.py``, which isolates those failures on a GPU; the package calls ``quant_kv_decode``."""
+    """The kernel on any format, the ones it gets wrong included (outliers, 16-channel rotary halves), to isolate
+    such failures on a GPU; the package calls ``quant_kv_decode``."""
     kt, ks, vt, vs, sinks, flags = quant_args(k, v)
     for bits in (k.bits, v.bits):  # the byte lookups read whole bytes of a rotary half
         assert bits not in (2, 4) or (rotary_dim // 2) % (8 // bits) == 0, "rotary half not whole bytes of codes"

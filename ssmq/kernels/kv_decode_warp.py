@@ -1,4 +1,5 @@
-"""The KVQuant decode as one warp a program, every tensor-core operand built in registers (Gluon): no operand passes through shared memory, which
+"""The KVQuant decode as one warp a program, every tensor-core operand built in registers (Gluon; 4-, 3-
+and 2-bit codes, cp.async rings): no operand passes through shared memory, which
 the Triton kernels (``kv_decode_fast``) could not avoid (there each dequantized tile passed through shared memory to
 become an operand: 6 trips and 11-13 barriers a 32-token tile, the profile's top stall). Shared memory holds only
 the codes in flight: each tile's bytes arrive by cp.async STAGES - 1 tiles ahead and each lane reads its own once.
@@ -96,7 +97,7 @@ VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0],
                                               [], [TILE, E_SERVED // 8]))
 # Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6: 230 registers, 8 resident a SM;
 # 212-224 in the sm_90 build since the cp.async rings, 9 could reside, but neither a cap nor 9 was faster:
-# ``benchmarks/sweep_kv_warp.py regcap``; 2-bit capped at 168, three interleaved rounds: 6% faster at
+# 2-bit capped at 168, three interleaved rounds: 6% faster at
 # 1 x 128K tokens, 2% at 8 x 32K, 14% slower at 1 x 16K; not adopted, a cap by context would be a second build);
 # the split count fills whole rounds of them (``kv_decode.whole_rounds``): at 8 rows x 8 kv heads x 128K tokens,
 # 17 splits (1088 programs, 1.03 rounds run as 2) took 1.42 ms, 33 (2112, two full rounds) 0.88
@@ -451,7 +452,7 @@ def _decode_kernel(q, slots, lens, sinv, angles, rope, kscales, klut, vlut, out,
     row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
     # the codes of the next STAGES - 1 tiles in flight (cp.async rings; the loop's other loads are small), each
     # tile read from its stage: without them the warp waited on its own loads (H200, 128K tokens x 8
-    # rows: 2-bit 0.80 -> 0.67 ms, 4-bit 0.96 -> 0.92; ``benchmarks/results/kvquant_h200/s33_stages_sweep.json``)
+    # rows: 2-bit 0.80 -> 0.67 ms, 4-bit 0.96 -> 0.92)
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     KN: gl.constexpr = E // 2 if KBITS == 4 else E // 4  # bytes of a token's first plane
     VN: gl.constexpr = E // 2 if VBITS == 4 else E // 4
@@ -545,7 +546,7 @@ def constexprs(group: int, head_dim: int, rotary_dim: int, sink: int, paged_bloc
                key_slots: bool, value_slots: bool, key_bits: int, value_bits: int, stride_unit: int,
                length_words: int = 1) -> dict:
     """``_decode_kernel``'s compile-time arguments for a launch (``quant_kv_decode``, the compile test and
-    ``benchmarks/sass_kv_decode.py`` build the same kernel)."""
+    ``tests/sass_kv_decode.py`` build the same kernel)."""
     return dict(GROUP=group, E=E_SERVED, EH=head_dim, HBIT=rotary_bit(head_dim, rotary_dim), SU=stride_unit, S=sink,
                 BS=paged_block, ONE_SPLIT=one_split, KSLOTS=key_slots, VSLOTS=value_slots, KBITS=key_bits,
                 VBITS=value_bits, STAGES=STAGES, LW=length_words)
@@ -557,7 +558,7 @@ CODE_STRIDES = ("k_s", "k_t", "k_h", "v_s", "v_t", "v_h")  # the codes' strides,
 def compile_signature(head_dim: int = E_SERVED) -> tuple[dict, list, int]:
     """(pointer types, strides given as multiples of 16, the codes' stride unit SU) of ``_decode_kernel`` as a launch
     specializes it on the bench's shapes: for ``ssmq.kernels.build.compile_sm90`` (the compile test,
-    ``benchmarks/sass_kv_decode.py``). The codes' strides (``CODE_STRIDES``, in SU-byte units) are not marked: a
+    ``tests/sass_kv_decode.py``). The codes' strides (``CODE_STRIDES``, in SU-byte units) are not marked: a
     launch does not find them multiples of 16 (a kv head of 128 channels is 2-4 units of 16 bytes; SmolLM2's 3-bit
     token of 3 heads x 64 channels 9 units of 8), so the copies' alignment comes from SU alone."""
     pointers = dict(q="fp16", slots="i64", lens="i32", sinv="fp32", angles="fp16", rope="fp16", kscales="fp16",

@@ -25,9 +25,8 @@ from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _inv_freq, _page
 from ssmq.ops.kv_quant import KVSideView
 
 # BT tokens a program of the read, BT_OUTLIERS of the outlier pass. H200, one Llama-3.1-8B layer at 32K tokens, K + V
-# ms (``bench_prefill.py --parts sweep --prompt 32768``; benchmarks/results/prefill_h200/s25_read_sweep.jsonl,
-# s28_read_sweep.json): the read without outliers BT 16 0.199, 32 0.335, 64 0.342. The outlier pass,
-# nuq4-1% K / V: BT_OUTLIERS 16 0.159 / 0.110, 32 0.181 / 0.110, 64 0.197, 128 0.203; 1-2 warps and 8
+# ms: the read without outliers BT 16 0.199, 32 0.335, 64 0.342. The outlier pass
+# (H200), nuq4-1% K / V: BT_OUTLIERS 16 0.159 / 0.110, 32 0.181 / 0.110, 64 0.197, 128 0.203; 1-2 warps and 8
 # slower (0.19-0.21). Before it (the slots placed in the read's tiles) nuq4-1% took 0.436, nuq3-1% 0.735 for K + V.
 # A copy of the 134 MB written: 0.067
 CFG = {"BT": 16, "WARPS": 4, "BT_OUTLIERS": 16, "OUTLIER_WARPS": 4}

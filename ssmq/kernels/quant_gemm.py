@@ -101,7 +101,7 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     out_proj 2560 x 5120 W4A16 66.4 / 50.4 (Triton, 8 warps) -> 23.5 / 24.3 (cuBLAS), W8A16 45.4 / 62.7 -> 23.3 /
 #     24.1; in_proj 10576 x 2560 W4A16 51.2 / 49.4 -> 29.2 / 38.1 (4 warps; cuBLAS 51.5 / 52.8), W8A16 25.8 / 33.6
 #     kept (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). End to end (Mamba2-2.7B, against MID_FILL 0 and
-#     8 warps on the same machine): W4A16 TPOT at batch 128 15.12 -> 13.35 ms, W8A16 15.77 -> 13.57.
+#     8 warps in the same run): W4A16 TPOT at batch 128 15.12 -> 13.35 ms, W8A16 15.77 -> 13.57.
 #   WORD_FP8: fp8 weights (fp8-w8a8, fp8 weight-only) in the word GEMV rather than _qmm with rows padded to 16
 #     (_qmm 16.1 us + quantize 4.2 us a linear, FP8 TPOT 3.27 ms vs FP16 2.63 at batch 1).
 #   WORD_MAX_ROWS 2, WORD_8BIT_UNDERFILLED, ITERS_W 8: H100, `bench_quant.py --sweep words` (TILE_W x

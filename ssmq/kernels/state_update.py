@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import (gdc_enter, int8_to_float, pdl_args, pow2, rne_int8, rne_int8_of_product,
-                                   rne_int8_sat, silu, sm_count, softplus)
+from ssmq.kernels._common import (_MAGIC_RNE, _PACK_PTX, _UNPACK_PTX, gdc_enter, int8_to_float, pdl_args, pow2,
+                                   rne_int8, rne_int8_of_product, rne_int8_sat, silu, sm_count, softplus)
 from ssmq.ops.layout import heads_per_group
 from ssmq.ops.quant_ssm import RowScales
 
@@ -367,6 +367,301 @@ def _state_update(
         tl.store(done_ptr + slot + offs_p * 0, offs_p * 0, mask=last)
 
 
+# The plain Mamba-2 step (Δ and A one scalar a head, no checkpoint ring) with several tiles a program: ``_step``. A
+# program walks NT consecutive (head, row block) tiles of one batch row: Δ, A and the slot read once a tile, B and C
+# once a program when its tiles share a group, optionally the next tile's state loaded before the current one is
+# computed (prefetch), an int8 state with row scales read and written as int32 words of 4 codes (words: a prefetched
+# tile stays 4 codes a register). Settings by state format (float: fp16 / bf16 / fp32; int8_rows; int8_table):
+# tile, state values a tile (rows = tile / n, at most p); num_warps; maxnreg, a register cap (None: ptxas's choice);
+# programs_per_sm: NT = the row's tiles · batch / (that · SMs) rounded, at most max_tiles, down to a divisor of the
+# row's tiles; NT = 1 launches the one-tile kernel above instead. tiles_first: grid (tiles / NT, batch), so programs
+# launched together read one slot's state in address order. H100, 2026-12-05 (bench_state_update.py --sweep / --order,
+# Mamba2-2.7B's layer, % of the copy bandwidth): the order decides most; fp16 at batch 128 93-94% tiles first vs 79-85%
+# rows first and 89% for the one-tile kernel; int8 table 66.5 vs 62.7; int8 rows 74.0 for both; at batch 32 (NT 1)
+# the one-tile kernel was 1.5-2.4 points faster. Prefetch, 8 warps and 8192-value tiles measured no better.
+STEP_CFG = {
+    "float": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
+              "prefetch": False, "tiles_first": True},
+    "int8_rows": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
+                  "prefetch": False, "tiles_first": True, "words": True},
+    "int8_table": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
+                   "prefetch": False, "tiles_first": True, "words": False},
+}
+
+
+@triton.jit
+def _unwords(w, PTX: tl.constexpr):
+    """(R, W) int32 words of 4 int8 codes each (code 4j + k in byte k, little-endian) -> (R, 4 W) float32 codes.
+    PTX: by bit assembly (``ssmq.kernels._common.int8_to_float``), 4 outputs a word; else by shifts."""
+    if PTX:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(_UNPACK_PTX, "=r,=r,=r,=r,r", [w],
+                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                   is_pure=True, pack=1)
+    else:
+        f0, f1, f2, f3 = (w << 24) >> 24, (w << 16) >> 24, (w << 8) >> 24, w >> 24
+    v = tl.join(tl.join(f0, f2), tl.join(f1, f3))  # [j, k, m] = code 4j + 2k + m
+    v = tl.reshape(v, (w.shape[0], 4 * w.shape[1]))
+    if PTX:
+        return v - 8388736.0
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _words(v, r, PTX: tl.constexpr, CLAMP: tl.constexpr):
+    """int8 codes of v · r (rounded half to even; CLAMP: clamped to [-128, 127], else |v · r| <= 127), (R, N) ->
+    (R, N / 4) int32 words as ``_unwords`` reads them."""
+    R: tl.constexpr = v.shape[0]
+    W: tl.constexpr = v.shape[1] // 4
+    if PTX:
+        t = tl.fma(v, r, _MAGIC_RNE)  # the code in the low byte (rne_int8_of_product)
+        if CLAMP:
+            t = tl.minimum(tl.maximum(t, _MAGIC_RNE - 128.0), _MAGIC_RNE + 127.0)
+    else:
+        t = rne_int8(v * r).to(tl.int32) & 0xFF
+    a, b = tl.split(tl.reshape(t, (R, W, 2, 2)))
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    if PTX:
+        return tl.inline_asm_elementwise(_PACK_PTX, "=r,r,r,r,r", [t0, t1, t2, t3], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        return t0 | (t1 << 8) | (t2 << 16) | (t3 << 24)
+
+
+@triton.jit
+def _step_raw(base, t, offs_r, offs_n, p, n, s_sh, s_sp, s_sn, TP: tl.constexpr, BP: tl.constexpr,
+              EVEN: tl.constexpr):
+    """Tile t's state as stored (codes or the float dtype): (BP, BN)."""
+    rows = (t % TP) * BP + offs_r
+    ptrs = base + (t // TP) * s_sh + rows[:, None] * s_sp + offs_n[None, :] * s_sn
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(rows < p)[:, None] & (offs_n < n)[None, :], other=0)
+
+
+@triton.jit
+def _step_tile(
+    raw, t, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+    ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n,
+    s_sh, s_sp, s_sn, s_xb, s_xh, s_xp, s_dtb, s_dth, s_Ah, s_Dh, s_Dp,
+    s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn, s_sidx, s_rsb, s_rsh, s_rsp,
+    s_xsb, s_xsh, s_xsp,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
+    Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr,
+    FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr, TP: tl.constexpr,
+    BP: tl.constexpr,
+):
+    """Advance tile t (its stored values ``raw``; its group's B and C, float32 (BN,)), write it back and write its
+    rows of y."""
+    head = t // TP
+    rows = (t % TP) * BP + offs_r
+    if EVEN:
+        mp, mn = tl.full((BP,), 1, tl.int1), tl.full(offs_n.shape, 1, tl.int1)
+    else:
+        mp, mn = rows < p, offs_n < n
+    m2 = mp[:, None] & mn[None, :]
+    A = tl.load(A_ptr + head * s_Ah).to(tl.float32)
+    dt = tl.load(dt_ptr + pid_b * s_dtb + head * s_dth).to(tl.float32)
+    if HAS_DTB:
+        dt += tl.load(dtb_ptr + head * s_dbh).to(tl.float32)
+    if SOFTPLUS:
+        dt = softplus(dt)
+    dA = tl.exp(dt * A)  # one exp a head
+    x = tl.load(x_ptr + pid_b * s_xb + head * s_xh + rows * s_xp, mask=mp, other=0.0).to(tl.float32)
+    if Q_X:
+        x = x * tl.load(xs_ptr + pid_b * s_xsb + head * s_xsh + rows * s_xsp, mask=mp, other=0.0)
+    dBx = (x * dt)[:, None] * Bv[None, :]
+    s_ptrs = base + head * s_sh + rows[:, None] * s_sp + offs_s[None, :] * s_sn
+    if Q_STATE:
+        if WORDS:  # (EVEN)
+            codes = _unwords(raw, PTX_CODES)
+        else:
+            codes = int8_to_float(raw, PTX_CODES)
+    if Q_STATE and ROWS:
+        # each row's scale folded into the head's decay: code · (scale · exp(Δ·A)) + (Δ·x) B
+        rs_rows = rs_ptr + slot * s_rsb + head * s_rsh + rows * s_rsp
+        rsc = tl.load(rs_rows, mask=mp, other=0.0)
+        hs = codes * (rsc * dA)[:, None] + dBx
+        if WORDS:  # as _write_rows
+            amax = tl.max(tl.abs(hs), axis=1)
+            inv = tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.maximum(amax, 1e-30)),
+                           0.0)
+            tl.store(rs_rows, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)))
+            tl.store(s_ptrs, _words(hs, inv[:, None], PTX_CODES, False))
+        else:
+            _write_rows(s_ptrs, rs_rows, hs, mp, m2, PTX_CODES)
+    elif Q_STATE:
+        chan = head * p + rows
+        if HAS_SIDX:
+            row = tl.load(sidx_ptr + chan * s_sidx, mask=mp, other=0).to(tl.int64)
+        else:
+            row = chan.to(tl.int64)
+        sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
+        hs = codes * sc * dA + dBx
+        if WORDS:  # as _write_state
+            if FAST_RCP:
+                tl.store(s_ptrs, _words(hs, _rcp_approx(sc), PTX_CODES, True))
+            else:
+                tl.store(s_ptrs, _words(hs / sc, 1.0, PTX_CODES, True))
+        else:
+            _write_state(s_ptrs, hs, sc, m2, Q_STATE, FAST_RCP, PTX_CODES, False)
+    else:
+        hs = raw.to(tl.float32) * dA + dBx
+        if EVEN:
+            tl.store(s_ptrs, hs.to(s_ptrs.dtype.element_ty))
+        else:
+            tl.store(s_ptrs, hs.to(s_ptrs.dtype.element_ty), mask=m2)
+    y = tl.sum(hs * Cv[None, :], axis=1)
+    if HAS_D:
+        y += x * tl.load(D_ptr + head * s_Dh + rows * s_Dp, mask=mp, other=0.0).to(tl.float32)
+    if HAS_Z:
+        y *= silu(tl.load(z_ptr + pid_b * s_zb + head * s_zh + rows * s_zp, mask=mp, other=0.0).to(tl.float32))
+    tl.store(out_ptr + pid_b * s_ob + head * s_oh + rows * s_op, y.to(out_ptr.dtype.element_ty), mask=mp)
+
+
+@triton.jit
+def _step(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
+    ss_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr, rs_ptr,
+    p, n, NT,
+    s_sb, s_sh, s_sp, s_sn, s_xb, s_xh, s_xp, s_dtb, s_dth, s_Ah,
+    s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op,
+    s_ssg, s_ssn, s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, s_Bsb, s_Bsg, s_Bsn, s_Csb, s_Csg, s_Csn,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
+    SOFTPLUS: tl.constexpr, Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr,
+    Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr,
+    EVEN: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ONE_GROUP: tl.constexpr, HPG: tl.constexpr,
+    TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, TILES_FIRST: tl.constexpr, USE_GDC: tl.constexpr = False,
+):
+    """Grid (b, tiles // NT) (TILES_FIRST: (tiles // NT, b)): program (row, j) steps tiles j·NT .. j·NT + NT - 1 of
+    the row (tile t: head t // TP, channels (t % TP)·BP .. + BP of it, all n states)."""
+    gdc_enter(USE_GDC)
+    if TILES_FIRST:  # grid (tiles // NT, b): programs launched together walk one slot's state in address order
+        pid_b = tl.program_id(1)
+        t0 = tl.program_id(0) * NT
+    else:
+        pid_b = tl.program_id(0)
+        t0 = tl.program_id(1) * NT
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + pid_b).to(tl.int64)
+    else:
+        slot = pid_b.to(tl.int64)
+    base = state_ptr + slot * s_sb
+    offs_r, offs_n = tl.arange(0, BP), tl.arange(0, BN)
+    mn = offs_n < n
+    if WORDS:  # an int8 state read and written as int32 words of 4 codes (s_sh, s_sp in words)
+        base = base.to(tl.pointer_type(tl.int32))
+        offs_s = tl.arange(0, BN // 4)
+    else:
+        offs_s = offs_n
+    # B and C of the group: once a program when its tiles share one (ONE_GROUP), else a tile
+    grp = (t0 // TP) // HPG
+    Bv = _vec(B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg, offs_n, s_Bn, s_Bsn, mn, Q_B)
+    Cv = _vec(C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg, offs_n, s_Cn, s_Csn, mn, Q_C)
+    if PREFETCH:
+        cur = _step_raw(base, t0, offs_r, offs_s, p, n, s_sh, s_sp, s_sn, TP, BP, EVEN)
+        for i in range(1, NT):
+            nxt = _step_raw(base, t0 + i, offs_r, offs_s, p, n, s_sh, s_sp, s_sn, TP, BP, EVEN)
+            if not ONE_GROUP:
+                grp = ((t0 + i - 1) // TP) // HPG
+                Bv = _vec(B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg, offs_n, s_Bn,
+                          s_Bsn, mn, Q_B)
+                Cv = _vec(C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg, offs_n, s_Cn,
+                          s_Csn, mn, Q_C)
+            _step_tile(cur, t0 + i - 1, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+                       ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
+                       s_xp,
+                       s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
+                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, EVEN, WORDS, TP, BP)
+            cur = nxt
+        if not ONE_GROUP:
+            grp = ((t0 + NT - 1) // TP) // HPG
+            Bv = _vec(B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg, offs_n, s_Bn, s_Bsn,
+                      mn, Q_B)
+            Cv = _vec(C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg, offs_n, s_Cn, s_Csn,
+                      mn, Q_C)
+        _step_tile(cur, t0 + NT - 1, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+                       ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
+                       s_xp,
+                       s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
+                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, EVEN, WORDS, TP, BP)
+    else:
+        for i in range(0, NT):
+            raw = _step_raw(base, t0 + i, offs_r, offs_s, p, n, s_sh, s_sp, s_sn, TP, BP, EVEN)
+            if not ONE_GROUP:
+                grp = ((t0 + i) // TP) // HPG
+                Bv = _vec(B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg, offs_n, s_Bn,
+                          s_Bsn, mn, Q_B)
+                Cv = _vec(C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg, offs_n, s_Cn,
+                          s_Csn, mn, Q_C)
+            _step_tile(raw, t0 + i, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+                       ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
+                       s_xp,
+                       s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
+                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, EVEN, WORDS, TP, BP)
+
+
+def _step_grid(b: int, h: int, p: int, n: int, fmt: str, device) -> tuple[dict, int, int, int]:
+    """(settings, BP, TP, NT) of ``_step`` for b rows of h heads of (p, n) states: STEP_CFG's tile, halved (down to
+    16 rows) while the grid would give an SM fewer than two tiles (small batches), and NT tiles a program."""
+    cfg = STEP_CFG[fmt]
+    sms = sm_count(device)
+    BP = max(1, min(pow2(p), cfg["tile"] // pow2(n, 16)))
+    while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sms:
+        BP //= 2
+    TP = triton.cdiv(p, BP)
+    tiles = h * TP
+    nt = max(1, min(cfg["max_tiles"], round(b * tiles / (cfg["programs_per_sm"] * sms))))
+    while tiles % nt:
+        nt -= 1
+    return cfg, BP, TP, nt
+
+
+def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, sidx, s_ssg, rs,
+                 xs, Bs, Cs, out, rep, step):
+    """The plain Mamba-2 step through ``_step`` (arguments as ``_launch`` has checked and shaped them; ``step``:
+    ``_step_grid``'s)."""
+    b, h, p = x.shape
+    n = state.shape[-1]
+    cfg, BP, TP, NT = step
+    BN = pow2(n, 16)
+    even = p % BP == 0 and n == BN
+    st = state.stride()
+    words = (cfg.get("words", False) and state.dtype == torch.int8 and even and st[3] == 1
+             and all(v % 4 == 0 for v in st[:3]) and state.data_ptr() % 4 == 0)
+    if words:  # the slot stride in bytes (applied before the cast), the others in int32 words
+        st = (st[0], st[1] // 4, st[2] // 4, 1)
+    dummy = out
+    order = cfg.get("tiles_first", False)
+    _step[(h * TP // NT, b) if order else (b, h * TP // NT)](
+        state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
+        dt_bias if dt_bias is not None else x,
+        state_batch_indices if state_batch_indices is not None else x, out,
+        ss if ss is not None else dummy, sidx if sidx is not None else dummy,
+        xs if xs is not None else dummy, Bs if Bs is not None else dummy, Cs if Cs is not None else dummy,
+        rs if rs is not None else dummy,
+        p, n, NT,
+        *st, x.stride(0), x.stride(1), x.stride(2), dt.stride(0), dt.stride(1), A.stride(0),
+        *B.stride(), *C.stride(), *_strides(D, 2), *_strides(z, 3), _strides(dt_bias, 2)[0], *out.stride(),
+        s_ssg, ss.stride(1) if ss is not None else 0, sidx.stride(0) if sidx is not None else 0, *_strides(rs, 3),
+        *_strides(xs, 3), *_strides(Bs, 3), *_strides(Cs, 3),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_DTB=dt_bias is not None,
+        HAS_IDX=state_batch_indices is not None, SOFTPLUS=dt_softplus,
+        Q_STATE=ss is not None or rs is not None, ROWS=rs is not None, HAS_SIDX=sidx is not None,
+        Q_X=xs is not None, Q_B=Bs is not None, Q_C=Cs is not None,
+        FAST_RCP=CFG["fast_rcp"] and state.is_cuda, PTX_CODES=CFG["ptx_codes"] and state.is_cuda,
+        EVEN=even, WORDS=words, PREFETCH=cfg["prefetch"] and NT > 1,
+        ONE_GROUP=(rep * TP) % NT == 0, HPG=rep, TP=TP, BP=BP, BN=BN, TILES_FIRST=order,
+        num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **pdl_args(x),
+    )
+    return out
+
+
 def _strides(t, k):
     return t.stride() if t is not None else (0,) * k
 
@@ -509,6 +804,13 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     out = torch.empty((b, h, p), device=x.device, dtype=out_dtype)
     tie = (dt.stride(2) == 0 and A.stride(1) == 0 and A.stride(2) == 0
            and (dt_bias is None or dt_bias.stride(1) == 0))
+    if ring is None and tie and not (ss is not None and CFG["rcp_table"]):
+        fmt = "float" if state.dtype != torch.int8 else "int8_rows" if rs is not None else "int8_table"
+        step = _step_grid(b, h, p, n, fmt, x.device)
+        if step[3] > 1:  # NT: one tile a program is this kernel's (below), which measured as fast or faster there
+            _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, sidx, s_ssg, rs,
+                         xs, Bs, Cs, out, rep, step)
+            return out if multihead else out.squeeze(1)
     BN = pow2(n, 16)
     cfg = CFG["replay"] if ring is not None else CFG
     if state.dtype == torch.int8:

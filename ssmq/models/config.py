@@ -9,7 +9,16 @@ from ssmq.ops import layout
 from ssmq.ops.layout import LayerKind, Segments
 
 ARCHS = ("mamba1", "mamba2", "hybrid", "llama")
-ATTENTION_ARCHS = ("hybrid", "llama")  # architectures with attention layers and a gated MLP in every block
+ATTENTION_ARCHS = ("hybrid", "llama")  # architectures with attention layers and MLPs
+
+
+def dt_limit_from_json(raw) -> tuple[float, float]:
+    """A config.json's Δ limit, [lo, hi] with hi a number or transformers' {"__float__": "Infinity"}; None: none."""
+    if raw is None:
+        return (0.0, math.inf)
+    lo, hi = raw
+    hi = float(hi["__float__"]) if isinstance(hi, dict) else float(hi)
+    return (float(lo), hi)
 
 
 @dataclass
@@ -21,6 +30,9 @@ class ModelConfig:
     every hybrid layer has a gated MLP when ``mlp_hidden > 0``.
     Llama: the degenerate hybrid — every layer attention (``attn_layer_idx`` is set to all of them; the SSM
     fields are unused), full RoPE (``rotary_dim = attn_head_dim``), GQA, SwiGLU MLP, RMSNorm.
+    The families of ``ssmq.models.families`` are these architectures with more fields set: which blocks have a
+    feed-forward and of which kind (``ffn_kind``: gated or squared-ReLU MLP, mixture of experts), Mamba-1 hybrids
+    (``hybrid_ssm``), norms on Mamba-1's Δ/B/C, scalar multipliers.
     """
 
     arch: str
@@ -51,18 +63,59 @@ class ModelConfig:
     attn_bias: bool = False
     mlp_hidden: int = 0
     max_position_embeddings: int = 4096
+    # the families beyond Bamba / Llama (``ssmq.models.families`` reads their HF configs into these fields)
+    hybrid_ssm: str = "mamba2"  # the SSM layers of a hybrid: "mamba2" (Bamba and most) | "mamba1" (Jamba)
+    family: str = ""  # the checkpoint family (HF model_type) when it is not one of the four base architectures
+    ssm_d_inner: int = 0  # SSM inner width when it is not expand · d_model (0: expand · d_model)
+    bcdt_norm: str = ""  # Mamba-1: RMSNorm on x_proj's Δ, B, C: "weightless" (Falcon-Mamba) | "weighted" (Jamba)
+    bcdt_norm_eps: float = 1e-6
+    mlp_layer_idx: tuple[int, ...] | None = None  # blocks with a feed-forward (None: every block, as Bamba/Llama)
+    mlp_act: str = "silu"  # "silu": gated SwiGLU (gate, up, down); "relu2": down(relu(up(x))²), no gate
+    moe_layer_idx: tuple[int, ...] = field(default_factory=tuple)  # blocks whose feed-forward is a MoE
+    moe_experts: int = 0
+    moe_top_k: int = 0
+    moe_hidden: int = 0
+    moe_routing: str = "topk_softmax"  # softmax over the top-k logits | "softmax_topk": top-k of the softmax |
+    # "sigmoid_group": sigmoid scores + a correction bias, top-k among the best moe_topk_groups of moe_groups
+    # groups, weights normalised (moe_norm_topk) and scaled by moe_scale (Nemotron-H)
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_norm_topk: bool = True
+    moe_scale: float = 1.0
+    moe_act: str = "silu"  # the experts: "silu" gated MLPs | "relu2" squared-ReLU MLPs (as mlp_act)
+    moe_shared: bool = False  # a MoE block also runs an always-on expert on every token (Granite, Nemotron-H)
+    moe_shared_hidden: int = 0  # its hidden size (0: mlp_hidden)
+    embedding_multiplier: float = 1.0  # embeddings scaled by it (Granite)
+    residual_multiplier: float = 1.0  # each mixer / feed-forward output scaled by it before the residual add
+    logits_scaling: float = 1.0  # logits divided by it
+    attn_scale: float = 0.0  # attention softmax scale; 0: 1 / sqrt(attn_head_dim)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"unknown architecture {self.arch!r}; expected one of {', '.join(ARCHS)}")
         self.attn_layer_idx = tuple(int(i) for i in self.attn_layer_idx)
+        self.moe_layer_idx = tuple(int(i) for i in self.moe_layer_idx)
+        if self.mlp_layer_idx is not None:
+            self.mlp_layer_idx = tuple(int(i) for i in self.mlp_layer_idx)
+        if self.mlp_act not in ("silu", "relu2") or self.bcdt_norm not in ("", "weightless", "weighted"):
+            raise ValueError(f"unknown mlp_act {self.mlp_act!r} or bcdt_norm {self.bcdt_norm!r}")
+        if self.moe_layer_idx and not (0 < self.moe_top_k <= self.moe_experts and self.moe_hidden > 0):
+            raise ValueError(f"MoE blocks need 0 < top_k {self.moe_top_k} <= experts {self.moe_experts} and a hidden "
+                             f"size ({self.moe_hidden})")
+        if self.hybrid_ssm not in ("mamba1", "mamba2"):
+            raise ValueError(f"unknown hybrid_ssm {self.hybrid_ssm!r}")
+        if self.moe_act not in ("silu", "relu2") or self.moe_layer_idx and self.moe_experts % self.moe_groups:
+            raise ValueError(f"unknown moe_act {self.moe_act!r}, or {self.moe_experts} experts in {self.moe_groups} "
+                             "groups")
+        if self.moe_routing not in ("topk_softmax", "softmax_topk", "sigmoid_group"):
+            raise ValueError(f"unknown moe_routing {self.moe_routing!r}")
         if self.arch == "llama":  # every layer attention: one source of truth for layer_kind and the cache
             if self.attn_layer_idx and self.attn_layer_idx != tuple(range(self.n_layer)):
                 raise ValueError(f"a llama model has attention in every layer, not only {list(self.attn_layer_idx)}")
             self.attn_layer_idx = tuple(range(self.n_layer))
         self.dt_limit = (float(self.dt_limit[0]), float(self.dt_limit[1]))
         if self.ssm_layers():  # the SSM layout is checked only where there are SSM layers
-            if self.arch != "mamba1" and self.d_inner % self.headdim:
+            if self.ssm_kind is LayerKind.MAMBA2 and self.d_inner % self.headdim:
                 raise ValueError(f"d_inner {self.d_inner} is not a multiple of headdim {self.headdim}")
             if self.ssm_kind is LayerKind.MAMBA2:
                 layout.heads_per_group(self.nheads, self.ngroups)
@@ -71,7 +124,7 @@ class ModelConfig:
 
     @property
     def d_inner(self) -> int:
-        return self.expand * self.d_model
+        return self.ssm_d_inner or self.expand * self.d_model
 
     @property
     def nheads(self) -> int:
@@ -88,13 +141,23 @@ class ModelConfig:
 
     @property
     def ssm_kind(self) -> LayerKind:
-        """The kind of this model's SSM layers (hybrids: Mamba-2)."""
-        return LayerKind.MAMBA1 if self.arch == "mamba1" else LayerKind.MAMBA2
+        """The kind of this model's SSM layers (hybrids: Mamba-2 unless ``hybrid_ssm`` says Mamba-1)."""
+        mamba1 = self.arch == "mamba1" or self.arch == "hybrid" and self.hybrid_ssm == "mamba1"
+        return LayerKind.MAMBA1 if mamba1 else LayerKind.MAMBA2
 
     @property
     def has_mlp(self) -> bool:
-        """Every block has a gated MLP after its mixer (hybrid and llama, when ``mlp_hidden > 0``)."""
+        """Blocks have a gated MLP after their mixer (hybrid and llama, when ``mlp_hidden > 0``: every block, or those
+        of ``mlp_layer_idx``; a MoE block's always-on expert when ``moe_shared``)."""
         return self.arch in ATTENTION_ARCHS and self.mlp_hidden > 0
+
+    def ffn_kind(self, i: int) -> str:
+        """The feed-forward after block i's mixer: "moe", "mlp" or "" (none)."""
+        if i in self.moe_layer_idx:
+            return "moe"
+        if self.has_mlp and (self.mlp_layer_idx is None or i in self.mlp_layer_idx):
+            return "mlp"
+        return ""
 
     def layer_kind(self, i: int) -> LayerKind:
         if self.arch != "mamba1" and i in self.attn_layer_idx:
@@ -138,6 +201,9 @@ class ModelConfig:
         d = asdict(self)
         d["dt_limit"] = [d["dt_limit"][0], "inf" if math.isinf(d["dt_limit"][1]) else d["dt_limit"][1]]
         d["attn_layer_idx"] = list(self.attn_layer_idx)
+        d["moe_layer_idx"] = list(self.moe_layer_idx)
+        if self.mlp_layer_idx is not None:
+            d["mlp_layer_idx"] = list(self.mlp_layer_idx)
         return d
 
     @classmethod

@@ -33,7 +33,12 @@ def _limit(cfg: ModelConfig) -> list[float]:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """config.json contents of the HF model class of ``cfg.arch`` (plus the ssmq config itself)."""
+    """config.json contents of the HF model class of ``cfg.arch`` or ``cfg.family`` (plus the ssmq config itself)."""
+    if cfg.family:
+        from ssmq.models.families import FAMILIES, name_to_hf
+
+        name_to_hf("lm_head", cfg)  # refuses a family whose tensors do not map name for name
+        return {**FAMILIES[cfg.family].config_to_hf(cfg), SSMQ_CONFIG_KEY: cfg.to_dict()}
     model_type, cls = HF_ARCHITECTURES[cfg.arch]
     common = {"model_type": model_type, "architectures": [cls], "vocab_size": cfg.vocab_size,
               "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "tie_word_embeddings": cfg.tie_embeddings}
@@ -88,7 +93,11 @@ _TO_HF = {  # ssmq prefix pattern -> HF, per naming family (inverse of loading._
 
 
 def rename_to_hf(name: str, cfg: ModelConfig) -> str:
-    """ssmq parameter / module name -> the HF name of ``cfg.arch`` (``lm_head`` is the same)."""
+    """ssmq parameter / module name -> the HF name of ``cfg.arch`` or ``cfg.family`` (``lm_head`` is the same)."""
+    if cfg.family:
+        from ssmq.models.families import name_to_hf
+
+        return name_to_hf(name, cfg)
     if cfg.arch == "hybrid":
         m = re.match(r"^layers\.(\d+)\.mixer\.", name)
         if m:

@@ -27,6 +27,9 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
         self.v_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
         self.o_proj = Linear(self.hq * self.e, cfg.d_model, bias=cfg.attn_bias)
+        # a softmax scale other than 1/sqrt(e) (Granite's attention_multiplier) is applied to the queries, so that every
+        # attention kernel keeps its 1/sqrt(e)
+        self.q_scale = cfg.attn_scale * self.e ** 0.5 if cfg.attn_scale else None
         self.kv_quant = None  # a calibrated KVQuantizer (ssmq.models.kv_quantizer) when the KV cache is quantized
 
     def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, kv_keys_before_rope: bool = False,
@@ -103,7 +106,8 @@ class Attention(nn.Module):
         b, l, _ = hidden.shape
         start = torch.zeros(b, dtype=torch.long, device=hidden.device) if cache is None else cache.seqlens[slots]
         positions = start[:, None] + torch.arange(l, device=hidden.device)
-        q = self._rotate(self.q_proj(hidden).view(b, l, self.hq, self.e), positions)
+        q = self.q_proj(hidden) if self.q_scale is None else self.q_proj(hidden) * self.q_scale
+        q = self._rotate(q.view(b, l, self.hq, self.e), positions)
         k = self.k_proj(hidden).view(b, l, self.hkv, self.e)
         v = self.v_proj(hidden).view(b, l, self.hkv, self.e)
         if cache is None:
@@ -129,11 +133,12 @@ class Attention(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) · up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        self.gate_proj = Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
-        self.up_proj = Linear(cfg.d_model, cfg.mlp_hidden, bias=False)
-        self.down_proj = Linear(cfg.mlp_hidden, cfg.d_model, bias=False)
+        hidden = hidden or cfg.mlp_hidden
+        self.gate_proj = Linear(cfg.d_model, hidden, bias=False)
+        self.up_proj = Linear(cfg.d_model, hidden, bias=False)
+        self.down_proj = Linear(hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -13,8 +13,9 @@ from ssmq import kernels
 from ssmq.models.act_codes import ActCodes, CodeInput, code_input
 from ssmq.models.cache import InferenceCache
 from ssmq.models.config import ModelConfig
+from ssmq.models.ffn import feed_forward
 from ssmq.models.linear import Linear
-from ssmq.models.hybrid import Attention, GatedMLP
+from ssmq.models.hybrid import Attention
 from ssmq.models.mamba1 import Mamba1Mixer
 from ssmq.models.mamba2 import Mamba2Mixer
 from ssmq.ops.layout import LayerKind
@@ -44,19 +45,22 @@ class Block(nn.Module):
         self.kind = cfg.layer_kind(layer_idx)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
         self.mixer = MIXERS[self.kind](cfg, layer_idx)
-        if cfg.has_mlp:
-            self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
-            self.mlp = GatedMLP(cfg)
-        else:
-            self.mlp_norm = self.mlp = None
+        self.mlp = feed_forward(cfg, layer_idx)  # GatedMLP, MLP, MoE or None (cfg.ffn_kind)
+        self.mlp_norm = None if self.mlp is None else RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
+        # Granite scales the mixer's and the feed-forward's outputs before each residual add
+        self.out_scale = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None
 
     def forward(self, hidden, residual, cache=None, slots=None, decode: bool = False):
         # an SSM mixer's in_proj is the norm's one reader: when it is an A8 linear, it gets the norm's int8 codes
         normed, residual = self.norm(hidden, residual, code_input(getattr(self.mixer, "in_proj", None)))
         hidden = self.mixer.step(normed, cache, slots) if decode else self.mixer(normed, cache, slots)
+        if self.out_scale is not None:
+            hidden = hidden * self.out_scale
         if self.mlp is not None:
             normed, residual = self.mlp_norm(hidden, residual)
             hidden = self.mlp(normed)
+            if self.out_scale is not None:
+                hidden = hidden * self.out_scale
         return hidden, residual
 
 
@@ -80,7 +84,13 @@ class SSMLM(nn.Module):
         if num_last_tokens:
             hidden, residual = hidden[:, -num_last_tokens:], residual[:, -num_last_tokens:]
         hidden, _ = self.norm_f(hidden, residual, code_input(self.lm_head))
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embedding(input_ids)
+        m = self.config.embedding_multiplier
+        return hidden if m == 1.0 else hidden * m
 
     def _slots(self, cache, slots, b, device):
         if cache is None:
@@ -95,7 +105,7 @@ class SSMLM(nn.Module):
         With a cache, continues the sequences in rows ``slots`` and leaves their states in it.
         """
         slots = self._slots(cache, slots, input_ids.shape[0], input_ids.device)
-        logits = self._run(self.embedding(input_ids), cache, slots, decode=False, num_last_tokens=num_last_tokens)
+        logits = self._run(self._embed(input_ids), cache, slots, decode=False, num_last_tokens=num_last_tokens)
         if cache is not None:
             cache.seqlens[slots] += input_ids.shape[1]
         return logits
@@ -103,7 +113,7 @@ class SSMLM(nn.Module):
     def step(self, input_ids: torch.Tensor, cache, slots=None) -> torch.Tensor:
         """input_ids: (b,) one new token per row → logits (b, vocab); advances the rows ``slots`` by one."""
         slots = self._slots(cache, slots, input_ids.shape[0], input_ids.device)
-        logits = self._run(self.embedding(input_ids), cache, slots, decode=True)
+        logits = self._run(self._embed(input_ids), cache, slots, decode=True)
         cache.seqlens[slots] += 1
         return logits
 

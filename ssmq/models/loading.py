@@ -4,7 +4,8 @@ Formats (a folder with ``config.json`` and weights):
 - mamba_ssm: config has ``d_model``, ``n_layer``, ``ssm_cfg``; weights ``pytorch_model.bin`` (or safetensors)
   named ``backbone.embedding.weight``, ``backbone.layers.N.mixer.*``, ``backbone.norm_f.weight``, ``lm_head.weight``.
 - Hugging Face: ``model_type`` mamba (MambaForCausalLM), mamba2 (Mamba2ForCausalLM), bamba
-  (BambaForCausalLM, the hybrid) or llama (LlamaForCausalLM, the hybrid with attention in every layer);
+  (BambaForCausalLM, the hybrid) or llama (LlamaForCausalLM, the hybrid with attention in every layer), and the
+  families of ``ssmq.models.families`` (falcon_mamba, nemotron_h, granitemoehybrid);
   safetensors (sharded or not) or ``pytorch_model.bin``.
 - GGUF: one ``.gguf`` file of a Llama model, read through transformers (``ssmq.models.gguf``).
 - A packaged name (``ssmq.paths.PACKAGED``, e.g. ``smollm2-135m``) resolves to the file its pip package ships.
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.config import ModelConfig
+from ssmq.models.config import ModelConfig, dt_limit_from_json
+from ssmq.models.families import FAMILIES
 from ssmq.models.gguf import is_gguf, read_gguf_config, read_gguf_state_dict
 from ssmq.models.hf_layout import SSMQ_CONFIG_KEY
 from ssmq.models.lm import SSMLM
@@ -36,12 +38,7 @@ def _round_up(v: int, multiple: int) -> int:
     return v if multiple <= 1 else multiple * math.ceil(v / multiple)
 
 
-def _dt_limit(raw) -> tuple[float, float]:
-    if raw is None:
-        return (0.0, math.inf)
-    lo, hi = raw
-    hi = float(hi["__float__"]) if isinstance(hi, dict) else float(hi)
-    return (float(lo), hi)
+_dt_limit = dt_limit_from_json
 
 
 def config_from_mamba_ssm(c: dict) -> ModelConfig:
@@ -71,6 +68,8 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
 
 
 def config_from_hf(c: dict) -> ModelConfig:
+    if c["model_type"] in FAMILIES:  # Falcon-Mamba, Nemotron-H, Granite-4.0-H (ssmq.models.families)
+        return FAMILIES[c["model_type"]].config(c)
     arch = HF_MODEL_TYPES[c["model_type"]]
     tie = c.get("tie_word_embeddings", True)
     if arch == "mamba1":
@@ -132,11 +131,12 @@ def detect_format(c: dict) -> str:
     """'mamba_ssm' or 'hf'; raises on anything else."""
     if "d_model" in c and "n_layer" in c:
         return "mamba_ssm"
-    if c.get("model_type") in HF_MODEL_TYPES:
+    if c.get("model_type") in HF_MODEL_TYPES or c.get("model_type") in FAMILIES:
         return "hf"
     what = c.get("model_type") or ",".join(c.get("architectures") or []) or "no model_type"
+    families = ", ".join(f.label for f in FAMILIES.values())
     raise SSMQError(f"unknown architecture ({what}); supported: Mamba-1, Mamba-2 (mamba_ssm or Hugging Face), "
-                    "Bamba-style hybrids and Llama (Hugging Face, or a Llama GGUF file)")
+                    f"Bamba-style hybrids, {families} and Llama (Hugging Face, or a Llama GGUF file)")
 
 
 # ---------------------------------------------------------------- weight names
@@ -251,7 +251,8 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float
         # the models layer does not know quantized modules
         raise SSMQError(f"{folder} is a quantized checkpoint: load it with ssmq.load_model (ssmq.quant.load_model)")
     cfg, _ = load_config(folder)
-    state = {rename_to_ssmq(k): v for k, v in read_state_dict(folder).items()}
+    state = read_state_dict(folder)
+    state = FAMILIES[cfg.family].to_ssmq(state, cfg) if cfg.family else {rename_to_ssmq(k): v for k, v in state.items()}
     with torch.device("meta"):
         model = SSMLM(cfg)
     load_weights(model, state, where=str(folder))

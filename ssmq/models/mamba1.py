@@ -20,6 +20,20 @@ from ssmq.models.state import StateFormat
 from ssmq.ops.quant_ssm import quantize_ref
 
 
+class ChannelRMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32, with a weight or without (``d`` 0): Falcon-Mamba's and Jamba's
+    norms on Δ (before dt_proj), B and C."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d)) if d else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y if self.weight is None else self.weight * y
+
+
 class Mamba1Mixer(SSMMixer):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -38,6 +52,12 @@ class Mamba1Mixer(SSMMixer):
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1, dtype=torch.float32)).repeat(d, 1))
         self.D = nn.Parameter(torch.ones(d))
         self.out_proj = Linear(d, cfg.d_model, bias=cfg.proj_bias)
+        if cfg.bcdt_norm:  # RMSNorms on x_proj's Δ, B, C (Falcon-Mamba without weights, Jamba with)
+            weighted = cfg.bcdt_norm == "weighted"
+            self.dt_layernorm, self.b_layernorm, self.c_layernorm = (
+                ChannelRMSNorm(k if weighted else 0, cfg.bcdt_norm_eps) for k in (r, n, n))
+        else:
+            self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
         self._f32 = FloatParamCache()
@@ -46,9 +66,17 @@ class Mamba1Mixer(SSMMixer):
     def state_shape(self) -> tuple[int, int]:
         return tuple(self.A_log.shape)  # (d, n) of this (maybe sharded) mixer
 
+    def _split_x_proj(self, x: torch.Tensor):
+        """x: (..., d) conv output → x_proj's Δ (..., r), B, C (..., n), through the Δ/B/C norms when the family has
+        them."""
+        dt, B, C = self.x_proj_segments.split(self.x_proj(x))
+        if self.dt_layernorm is None:
+            return dt, B, C
+        return self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+
     def _ssm_inputs(self, x: torch.Tensor):
         """x: (..., d) conv output → Δ (..., d) before bias/softplus, B, C (..., n), through the taps."""
-        dt, B, C = self.x_proj_segments.split(self.x_proj(x))
+        dt, B, C = self._split_x_proj(x)
         dt = self.act_dt(self.dt_proj(dt))
         return dt, self.act_B(B), self.act_C(C)
 
@@ -119,7 +147,7 @@ class Mamba1Mixer(SSMMixer):
         else:
             x = x_q = self.act_x(kernels.causal_conv1d_update(x, state.conv, weight, bias, "silu", slots))
             x_scale = None
-        dt, B, C = self.x_proj_segments.split(self.x_proj(x))
+        dt, B, C = self._split_x_proj(x)
         dt = self.act_dt(self.dt_proj(dt))
         (B, B_scale), (C, C_scale) = self._codes("act_B", B), self._codes("act_C", C)
         return state.step_ssm(slots, x_q, dt, self._f32.get(self, "A_log"), B, C, D=self._f32.get(self, "D"),

@@ -93,7 +93,8 @@ class PagedKVState:
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """``KVState.decode`` over blocks: the flash-decoding kernel reads the rows' blocks in place through the
-        block table (a gathered copy of their prefix would cost about what the kernel does), for the caches ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over
+        block table (a gathered copy of their prefix would cost about what the kernel
+        does), for the caches ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over
         ``read``)."""
         if not kernel_decodes(self.k, self.rope):
             return None

@@ -5,6 +5,7 @@ memory plans (``ssmq plan --model mamba2-2.7b``). Sizes are the public config.js
 from __future__ import annotations
 
 from ssmq.models.config import ModelConfig
+from ssmq.models.families import FAMILIES
 
 VOCAB_NEOX = 50288  # GPT-NeoX vocabulary padded to a multiple of 16, as the state-spaces checkpoints
 
@@ -44,4 +45,40 @@ PUBLISHED = {
     "smollm2-135m": llama(576, 30, 9, 3, 1536, 49152, tie=True, rope_theta=100000.0, max_positions=8192),
     "llama-2-7b": llama(4096, 32, 32, 32, 11008, 32000),
     "llama-3.1-8b": llama(4096, 32, 32, 8, 14336, 128256, rope_theta=500000.0, max_positions=131072),
+    # the families of ssmq.models.families, read from (the architecture fields of) their published config.json
+    "falcon-mamba-7b": FAMILIES["falcon_mamba"].config(
+        {"hidden_size": 4096, "num_hidden_layers": 64, "intermediate_size": 8192, "vocab_size": 65024,
+         "tie_word_embeddings": False, "state_size": 16, "conv_kernel": 4, "time_step_rank": 256, "expand": 16}),
+    "nemotron-h-8b": FAMILIES["nemotron_h"].config(
+        {"hidden_size": 4096, "vocab_size": 131072, "tie_word_embeddings": False, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "ssm_state_size": 128,
+         "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+         "max_position_embeddings": 8192,
+         "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"}),
+    # Nemotron 3 Nano 30B-A3B: MoE blocks of 128 squared-ReLU experts (6 active) and a shared expert
+    "nemotron-3-nano-30b-a3b": FAMILIES["nemotron_h"].config(
+        {"hidden_size": 2688, "vocab_size": 131072, "tie_word_embeddings": False, "num_attention_heads": 32,
+         "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856, "ssm_state_size": 128,
+         "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+         "max_position_embeddings": 262144, "n_routed_experts": 128, "num_experts_per_tok": 6,
+         "moe_intermediate_size": 1856, "moe_shared_expert_intermediate_size": 3712, "n_shared_experts": 1,
+         "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+         "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"}),
+    # Granite-4.0-H-Tiny (7B, 64 experts, 6 active) and its dense twin Granite-4.0-H-1B: attention at layers 5, 15,
+    # 25, 35, no RoPE; the µP multipliers change no size and are left at 1 here
+    **{name: FAMILIES["granitemoehybrid"].config(
+        {"hidden_size": 1536, "num_hidden_layers": 40, "num_attention_heads": 12, "num_key_value_heads": 4,
+         "intermediate_size": ffn, "shared_intermediate_size": shared, "num_local_experts": experts,
+         "num_experts_per_tok": 6 if experts else 0, "vocab_size": 100352, "tie_word_embeddings": True,
+         "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_expand": 2,
+         "mamba_chunk_size": 256, "max_position_embeddings": 131072, "position_embedding_type": "nope",
+         "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)]})
+       for name, ffn, shared, experts in [("granite-4.0-h-tiny", 512, 1024, 64), ("granite-4.0-h-1b", 4096, 4096, 0)]},
+    # Jamba (v0.1 and 1.5 Mini: 52B, 16 experts, 2 active): attention every 8th layer from 4, MoE every 2nd from 1
+    "jamba-mini": FAMILIES["jamba"].config(
+        {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
+         "num_key_value_heads": 8, "num_experts": 16, "num_experts_per_tok": 2, "expert_layer_period": 2,
+         "expert_layer_offset": 1, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16,
+         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 256, "vocab_size": 65536,
+         "tie_word_embeddings": False, "max_position_embeddings": 262144}),
 }

@@ -124,7 +124,7 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 def kron_factors(two: int, b: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """H_n = H_t1 (x) (H_t2 (x) H_b) with t1 * t2 = 2^s, t1 = min(2^s, 64): two small ±1 factors (5120: 64 and 80,
     8192: 64 and 128) instead of one n x n matrix (256 MB at 8192). t1 = 64 was the fastest split on the H100
-    (benchmarks/bench_hadamard.py, n = 5120, in a CUDA graph: 16 / 13 / 20 µs at batch 1 / 32 / 128 in float32 vs
+    (n = 5120, in a CUDA graph: 16 / 13 / 20 µs at batch 1 / 32 / 128 in float32 vs
     39 / 18 / 31 with t1 = 16, whose 16-row GEMM ran on 3 thread blocks)."""
     t1 = min(two, 64)
     right = _sylvester(two // t1)
@@ -140,7 +140,7 @@ def hadamard_transform_gemm(x: torch.Tensor) -> torch.Tensor:
 
     float16 x is transformed in float16 on tensor cores (float32 accumulation; ±1 factors exact, 1/sqrt(n) rounded
     to float16 in the right one): 4.8 / 5.3 / 6.3 µs at batch 1 / 32 / 128 on the H100, max error vs float64 1.8e-3
-    against 1.0e-3 for the float32 GEMMs, whose result is rounded to float16 all the same (bench_hadamard.py).
+    against 1.0e-3 for the float32 GEMMs, whose result is rounded to float16 all the same.
     bfloat16 and float32 go through float32 (bfloat16's 8-bit mantissa would scale every output by up to 0.4%).
     """
     two, b = split_order(x.shape[-1])

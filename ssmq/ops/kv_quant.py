@@ -239,7 +239,7 @@ def fake_quant_kv_ref(x: torch.Tensor, p: KVParams) -> torch.Tensor:
 #     bits 3: two bit planes: the codes' low 2 bits as a 2-bit row (ceil(e/4) bytes), then their bit 2 as a 1-bit
 #             row (channel 8j + i at bit i of byte ceil(e/4) + j; ceil(e/8) bytes)
 #     bits 8: one a byte (codebooks of more than 16 entries)
-# Why planes for 3 bits (until 2026-11-28 a little-endian bit string, 8 codes a 24-bit field): the fast kernel reads
+# Why planes for 3 bits (rather than a little-endian bit string, 8 codes a 24-bit field): the fast kernel reads
 # a tile's codes as contiguous byte vectors and looks them up by byte permutes; with planes a 3-bit tile is a 2-bit
 # tile and a 1-bit one, both whole bytes at the same channel offsets, where 24-bit fields had to be reassembled
 # from words and their 8 outputs interleaved through three levels of joins (layout conversions in shared memory:

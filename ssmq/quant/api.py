@@ -110,8 +110,8 @@ def _check_ssdi8(recipe: Recipe, cfg, name: str) -> None:
                         "keeps; add ssdi8")
     if not recipe.has("ssdi8"):
         return
-    if cfg.arch == "mamba1":
-        raise SSMQError(f"{name}: ssdi8 quantizes the Mamba-2 SSD; this model is Mamba-1")
+    if cfg.ssm_kind == "mamba1":
+        raise SSMQError(f"{name}: ssdi8 quantizes the Mamba-2 SSD; this model's SSM layers are Mamba-1")
     if [t.name for t in recipe.transforms if t.name != "mean_correction"][-1] != "ssdi8":
         raise SSMQError(f"{name}: ssdi8 must come after every other transform (they change the float model its "
                         "scales and the mean correction are calibrated on)")

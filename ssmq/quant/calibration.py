@@ -33,13 +33,13 @@ def default_source() -> Path:
 
     p = shared_path("data", "train", DEFAULT_SOURCE)
     if p is None:
-        raise SSMQError(f"default calibration data ../shared/data/train/{DEFAULT_SOURCE} not found; "
-                        "pass a text file (--calib FILE)")
+        raise SSMQError(f"default calibration data data/train/{DEFAULT_SOURCE} not found in the data folder "
+                        "($SSMQ_SHARED); pass a text file (--calib FILE)")
     return p
 
 
 def resolve_source(source: str | Path | None) -> Path:
-    """None -> the default; a bare name -> ../shared/data/train/<name>; else a path to a text file."""
+    """None -> the default; a bare name -> data/train/<name> of the data folder; else a path to a text file."""
     if source is None:
         return default_source()
     p = Path(source).expanduser()
@@ -50,7 +50,8 @@ def resolve_source(source: str | Path | None) -> Path:
     shared = shared_path("data", "train", str(source))
     if shared is not None and shared.is_file():
         return shared
-    raise SSMQError(f"calibration text {source} not found (a file path, or a name in ../shared/data/train/)")
+    raise SSMQError(f"calibration text {source} not found (a file path, or a file name in data/train/ of the "
+                    "data folder $SSMQ_SHARED)")
 
 
 def read_text(path: Path) -> str:

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 
+from ssmq.models.ffn import ffn_linears
 from ssmq.ops.layout import LayerKind
 
 from ssmq.quant.hadamard import RotatedLinear, rotate_embedding_, rotate_input_, rotate_output_
@@ -33,7 +34,8 @@ def readers_writers(model: nn.Module) -> list[tuple[str, list[str], list[str]]]:
         else:
             out.append((f"{p}.norm", [f"{p}.mixer.in_proj"], [f"{p}.mixer.out_proj"]))
         if layer.mlp is not None:
-            out.append((f"{p}.mlp_norm", [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], [f"{p}.mlp.down_proj"]))
+            readers, writers, _ = ffn_linears(layer.mlp)
+            out.append((f"{p}.mlp_norm", [f"{p}.mlp.{n}" for n in readers], [f"{p}.mlp.{n}" for n in writers]))
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ssmq.models.ffn import ffn_linears
 from ssmq.ops.layout import LayerKind
 
 
@@ -54,7 +55,8 @@ def smoothquant_groups(model: nn.Module) -> list[tuple[str, list[str]]]:
             groups.append((f"{p}.norm", [f"{p}.mixer.in_proj"]))
         if kind is LayerKind.MAMBA2:
             groups.append((f"{p}.mixer.norm", [f"{p}.mixer.out_proj"]))
-        if getattr(layer, "mlp", None) is not None:
-            groups.append((f"{p}.mlp_norm", [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]))
-            groups.append((f"{p}.mlp.up_proj", [f"{p}.mlp.down_proj"]))
+        if getattr(layer, "mlp", None) is not None:  # (a MoE's norm group holds its router: smoothed only with it)
+            readers, _, gated = ffn_linears(layer.mlp)
+            groups.append((f"{p}.mlp_norm", [f"{p}.mlp.{n}" for n in readers]))
+            groups += [(f"{p}.mlp.{up}", [f"{p}.mlp.{down}"]) for up, down in gated]
     return groups

@@ -10,11 +10,13 @@ import time
 from ssmq.runtime.protocol import error_body
 
 
-async def _reject(send, status: int, message: str) -> None:
-    body = json.dumps(error_body(message)).encode()
+async def reject(send, status: int, message: str, kind: str = "invalid_request_error",
+                 headers: list | None = None) -> None:
+    """Answer an OpenAI-style error and close the connection."""
+    body = json.dumps(error_body(message, kind)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *(headers or [])]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -27,19 +29,19 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await _reject(send, 413, f"request body of {int(declared)} bytes exceeds the limit of "
+            return await reject(send, 413, f"request body of {int(declared)} bytes exceeds the limit of "
                                             f"{self.max_bytes} bytes")
         chunks, size, deadline = [], 0, time.monotonic() + self.timeout_s
         while True:
             try:
                 msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                return await _reject(send, 408, f"request body not received within {self.timeout_s:g} s")
+                return await reject(send, 408, f"request body not received within {self.timeout_s:g} s")
             if msg["type"] == "http.disconnect":
                 return None
             size += len(msg.get("body", b""))
             if size > self.max_bytes:
-                return await _reject(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+                return await reject(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
             chunks.append(msg.get("body", b""))
             if not msg.get("more_body", False):
                 break

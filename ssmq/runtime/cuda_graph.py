@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ssmq.errors import SSMQError
+from ssmq.models.ffn import static_shapes_
 
 # a batch runs in the smallest bucket that holds it. Past ~64 rows a step costs about its batch (Mamba2-2.7B on an
 # H100: 11.7 ms at 128, 22 ms at 256), so powers of two alone would run 129 rows at the price of 256: steps of
@@ -54,6 +55,7 @@ class CudaGraphDecoder:
                  cache=None, state_checkpoint: int | None = None):
         if model.device.type != "cuda":
             raise SSMQError("CUDA-graph decode needs the model on a CUDA device")
+        static_shapes_(model)  # mixtures of experts without data-dependent shapes, as a capture needs
         self.model = model
         self.buckets = sorted(b for b in buckets if b < max_batch) + [max_batch]
         # the model's own state formats unless ssm_dtype asks for another (``model.allocate_cache``); state_checkpoint
@@ -106,6 +108,7 @@ class CudaGraphPrefill:
     def __init__(self, model, cache, max_len: int, pool=None):
         if model.device.type != "cuda":
             raise SSMQError("CUDA-graph prefill needs the model on a CUDA device")
+        static_shapes_(model)
         self.model, self.cache, self.max_len = model, cache, max_len
         self.pool = pool or torch.cuda.graph_pool_handle()
         self.scratch = cache.max_batch - 1

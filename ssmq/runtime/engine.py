@@ -1,11 +1,11 @@
 """Continuous-batching engine: requests join and leave the running decode batch at every step.
 
-Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for
-hybrids its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in one call; *step* one turn of the engine
-loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt tokens (so a long prompt
-does not stall everyone), then decode one token for every sequence past its prefill, all rows in one call. With
-``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step before, so the host
-work of a step (reporting, scheduling) runs while the device computes.
+Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for hybrids
+its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in one call;
+*step* one turn of the engine loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt
+tokens (so a long prompt does not stall everyone), then decode one token for every sequence past its prefill, all
+rows in one call. With ``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step
+before, so the host work of a step (reporting, scheduling) runs while the device computes.
 
 The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
 through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 import uuid
@@ -29,7 +30,7 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.models.cache import int8_state_note
 from ssmq.runtime.kv_blocks import BlockAllocator
-from ssmq.runtime.sampling import SamplingParams, sample_rows, top_logprobs
+from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_rows, top_logprobs
 
 log = logging.getLogger("ssmq.serve")
 
@@ -39,10 +40,11 @@ class EngineConfig:
     max_batch: int = 64  # cache slots = sequences decoded together
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     prefill_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill budget)
-    # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, 2026-11-28, one Llama-8B layer
+    # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, one Llama-8B layer
     # at 128K tokens, in place / contiguous: 4-bit codes 1.08 at 32, 1.21 at 16; float16 1.04 / 1.08)
     kv_block_size: int = 32
-    kv_blocks: int | None = None  # KV blocks per attention layer; None: from kv_cache_bytes, else a quarter of the slots
+    # KV blocks per attention layer; None: from kv_cache_bytes, else a quarter of the slots
+    kv_blocks: int | None = None
     kv_cache_bytes: int | None = None  # KV memory (all attention layers) the blocks take, in the cache's format,
     # with the decode workspace that grows with them (kv_pool_bytes_per_token)
     max_waiting: int = 4096  # queued requests beyond which submit refuses
@@ -88,6 +90,8 @@ class Request:
     carry: torch.Tensor | None = None  # log-softmax of the last prefilled position (prompt logprobs across chunks)
     ahead: int = 0  # tokens sampled on the device, not yet read back (overlap: 0 or 1)
     last_time: float = 0.0
+    counts: torch.Tensor | None = None  # (vocab,) float: generated tokens, when the sampling has penalties
+    failure: str | None = None  # why this request's last sampled token is -1 (the sampler raised)
 
     def top_k(self) -> int:
         return max(self.logprobs or 0, 1)
@@ -193,6 +197,7 @@ class Engine:
         self.device = self.runner.device
         self._inbox: collections.deque = collections.deque()
         self._aborts: set[str] = set()
+        self._fail_all: tuple[str, int] | None = None
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -255,6 +260,12 @@ class Engine:
             self._aborts.add(request_id)
             self._cv.notify()
 
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """Finish every request, queued or running, with an error (a drain past its deadline)."""
+        with self._cv:
+            self._fail_all = (message, status)
+            self._cv.notify()
+
     def stats(self) -> dict:
         out = {"waiting": len(self.waiting) + len(self._inbox), "running": len(self.prefilling) + len(self.decoding),
                "slots_used": self.cfg.max_batch - len(self.free_slots), "slots_total": self.cfg.max_batch,
@@ -269,18 +280,34 @@ class Engine:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    if not self._inbox and not self._aborts and not self._busy() and not self._stop:
+                    if (not self._inbox and not self._aborts and not self._busy() and not self._stop
+                            and self._fail_all is None):
                         self._cv.wait(timeout=0.1)
                     if self._stop:
                         break
                     new, self._inbox = list(self._inbox), collections.deque()
                     aborts, self._aborts = self._aborts, set()
-                self._tick(new, aborts)
-        for r in list(self.waiting) + self.prefilling + self.decoding:
-            self._finish(r, "error", "server shutting down", 503)
+                    fail, self._fail_all = self._fail_all, None
+                try:
+                    if fail is not None:
+                        self.waiting.extend(new)
+                        new = []
+                        self._finish_all(*fail)
+                    self._tick(new, aborts)
+                except Exception as e:  # a bug outside any one request: fail who is here, keep the loop alive
+                    log.exception("engine turn failed")
+                    self._finish_all(f"engine error: {type(e).__name__}: {e}", 500)
+                    self._flush()
+        self._finish_all("server shutting down", 503)
         self._flush()
         if hasattr(self.runner, "stop"):
             self.runner.stop()
+
+    def _finish_all(self, message: str, status: int) -> None:
+        for r in list(self.waiting) + self.prefilling + self.decoding:
+            self._finish(r, "error", message, status)
+        self.waiting.clear()
+        self._behind = None
 
     def _tick(self, new: list[Request], aborts: set[str]) -> None:
         """One turn of the loop, with the requests and aborts that arrived since the last."""
@@ -291,10 +318,11 @@ class Engine:
         if self.prefilling or self.decoding:
             try:
                 self._step()
-            except Exception as e:  # a bug or a device error: fail who is running, keep serving
+            except Exception as e:  # the batched decode call itself failed: no row to blame, fail its rows
                 log.exception("engine step failed")
-                for r in self.prefilling + self.decoding:
-                    self._finish(r, "error", f"engine error: {e}", 500)
+                for r in self.decoding:
+                    self._finish(r, "error", f"engine error in the batched decode step: {type(e).__name__}: {e}",
+                                 500)
                 self._behind = None
         if not (self.decoding and self._defer_flush):
             self._flush()
@@ -326,11 +354,17 @@ class Engine:
                 break
             self.waiting.popleft()
             r.slot = self.free_slots.pop()
-            self.runner.reset(r.slot)
-            if self.blocks is not None:
-                self.blocks.admit(r.slot, len(r.prompt) + r.max_tokens)
-            if r.params.seed is not None:
-                r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
+            if self.metrics is not None:
+                self.metrics.queue.observe(time.monotonic() - r.arrival)
+            try:
+                self.runner.reset(r.slot)
+                if self.blocks is not None:
+                    self.blocks.admit(r.slot, len(r.prompt) + r.max_tokens)
+                if r.params.seed is not None:
+                    r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
+            except Exception as e:  # this request's alone
+                self._fail(r, "admission", e)
+                continue
             self.prefilling.append(r)
 
     def _step(self) -> None:
@@ -340,7 +374,10 @@ class Engine:
             if budget <= 0:
                 break
             n = min(budget, len(r.prompt) - r.pos)
-            self._prefill(r, n)
+            try:
+                self._prefill(r, n)
+            except Exception as e:  # a prefill is one request's: fail it alone, the others go on
+                self._fail(r, "prefill", e)
             budget -= n
         # (overlap) a row whose last token is still on the device and ends it by length is not decoded again
         rows = [r for r in self.decoding if len(r.output) + r.ahead < r.max_tokens]
@@ -359,6 +396,10 @@ class Engine:
         self._flush()
         if behind is not None:
             self._read(behind)
+
+    def _fail(self, r: Request, stage: str, e: Exception) -> None:
+        log.exception("request %s failed in %s", r.id, stage)
+        self._finish(r, "error", f"engine error in {stage}: {type(e).__name__}: {e}", 500)
 
     def _slots_of(self, rows: list[Request]) -> torch.Tensor:
         """The rows' slots (b,) on the device, built anew (a host -> device copy) only when the batch changed."""
@@ -414,6 +455,8 @@ class Engine:
         if targets.numel() == 0:
             return
         chosen = prev.gather(1, targets[:, None]).squeeze(1).tolist()
+        if not all(math.isfinite(c) for c in chosen):
+            raise FloatingPointError("numerical error: the model's logits for this prompt are not finite (NaN or inf)")
         top = prev.topk(r.top_k(), dim=-1)
         tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         self._emit(r, Event("prompt", prompt=list(zip(chosen, tops))))
@@ -421,8 +464,18 @@ class Engine:
     def _sample(self, rows: list[Request], logits: torch.Tensor, slots) -> _Sampled:
         """One token per row from logits (b, vocab), left on the device (no sync). ``slots``: the rows' slots, a (b,)
         device tensor or one int, where the tokens are kept for the next decode step to read."""
-        toks = sample_rows(logits, [r.params for r in rows], [r.generator for r in rows])
-        self._last[slots] = toks if isinstance(slots, torch.Tensor) else toks[0]
+        for r in rows:
+            if r.params.penalized and r.counts is None:
+                r.counts = torch.zeros(logits.shape[-1], device=logits.device)
+        toks, failed = sample_rows(logits, [r.params for r in rows], [r.generator for r in rows],
+                                   [r.counts for r in rows])
+        for i, why in failed.items():
+            rows[i].failure = why
+        fed = toks.clamp(min=0)  # a failed row's -1 is reported, never fed to the model
+        self._last[slots] = fed if isinstance(slots, torch.Tensor) else fed[0]
+        for i, r in enumerate(rows):
+            if r.counts is not None:
+                count_tokens(r.counts[None], toks[i:i + 1])
         out = _Sampled(rows, toks, [i for i, r in enumerate(rows) if r.logprobs is not None])
         if out.want:
             idx = self._to_device(out.want)
@@ -447,6 +500,10 @@ class Engine:
         for i, (r, tok) in enumerate(zip(rows, toks)):
             r.ahead -= 1
             if r.slot < 0:  # (overlap) finished while this step ran: its token is not wanted
+                continue
+            if tok < 0:  # this row alone failed: its sampler raised, or the model's logits are not finite
+                self._finish(r, "error", r.failure or "numerical error: the model's logits for this sequence are "
+                                                      "not finite (NaN or inf)", 500)
                 continue
             if self.metrics is not None:
                 self.metrics.generated_tokens.inc()
@@ -476,7 +533,8 @@ class Engine:
             r.slot = -1
         if self.metrics is not None:
             self.metrics.requests.labels(outcome=reason).inc()
-        self._emit(r, Event("error", message=message, status=status) if reason == "error" else Event("done", reason=reason))
+        self._emit(r, Event("error", message=message, status=status) if reason == "error"
+                   else Event("done", reason=reason))
 
     def _emit(self, r: Request, event: Event) -> None:
         try:

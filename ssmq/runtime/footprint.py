@@ -8,6 +8,7 @@ Element counts, from the config alone, equal to what ``SSMLM.allocate_cache`` al
 from __future__ import annotations
 
 from ssmq.models.config import ModelConfig
+from ssmq.models.families import describe
 
 
 def parameter_count(cfg: ModelConfig) -> dict[str, int]:
@@ -39,7 +40,7 @@ def kv_vector_pairs(cfg: ModelConfig) -> int:
 def layers_text(cfg: ModelConfig) -> str:
     """'8 (6 Mamba-2 + 2 attention)', '30 (30 attention)'."""
     n_mamba, n_attn = len(cfg.ssm_layers()), len(cfg.attention_layers())
-    ssm_part = f"{n_mamba} {'Mamba-1' if cfg.arch == 'mamba1' else 'Mamba-2'}" if n_mamba else ""
+    ssm_part = f"{n_mamba} {'Mamba-1' if cfg.ssm_kind == 'mamba1' else 'Mamba-2'}" if n_mamba else ""
     return f"{cfg.n_layer} ({' + '.join(p for p in (ssm_part, f'{n_attn} attention' if n_attn else '') if p)})"
 
 
@@ -54,6 +55,7 @@ def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "",
         "format": format_name,
         "architecture": cfg.arch,
         "layers": layers_text(cfg),
+        "family: layer pattern": describe(cfg),  # M Mamba, * attention, - MLP, E mixture of experts
         "d_model / d_inner / d_state": f"{cfg.d_model} / {cfg.d_inner} / {cfg.d_state}" if n_mamba else "",
         "d_model / MLP hidden": f"{cfg.d_model} / {cfg.mlp_hidden}" if not n_mamba else "",
         "attn heads (q / kv) x dim": f"({cfg.attn_heads} / {cfg.attn_kv_heads}) x {cfg.attn_head_dim}"

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.runtime.sampling import SamplingParams, sample_next
+from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_next
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens (b,), slots (b,)) -> logits (b, vocab)
 
@@ -42,18 +42,31 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
         gen = torch.Generator(device=device).manual_seed(params.seed)
 
     tokens = torch.empty(len(prompts), dtype=torch.long, device=device)
+    counts = None  # (b, vocab): generated tokens per row, for the penalties
     for row, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], dtype=torch.long, device=device)
-        tokens[row] = sample_next(model(ids, cache, slots=[row], num_last_tokens=1)[:, -1], params, gen)[0]
+        logits = model(ids, cache, slots=[row], num_last_tokens=1)[:, -1]
+        if params.penalized and counts is None:
+            counts = torch.zeros(len(prompts), logits.shape[-1], device=device)
+        tokens[row] = sample_next(logits, params, gen, None if counts is None else counts[row:row + 1])[0]
+    if counts is not None:
+        count_tokens(counts, tokens)
     active = torch.arange(len(prompts), device=device)
     for produced in range(1, params.max_new_tokens + 1):
         for row, tok in zip(active.tolist(), tokens[active].tolist()):
+            if tok < 0:
+                raise SSMQError(f"the model's logits for prompt {row} are not finite (NaN or inf)")
             yield row, tok
         if params.stop_at_eos:
             active = active[tokens[active] != params.eos_id]
         if produced == params.max_new_tokens or active.numel() == 0:
             return
-        tokens[active] = sample_next(step(tokens[active], active), params, gen)
+        tokens[active] = sample_next(step(tokens[active], active), params, gen,
+                                     None if counts is None else counts[active])
+        if counts is not None:
+            sub = counts[active]
+            count_tokens(sub, tokens[active])
+            counts[active] = sub
 
 
 def generate(model, prompts: list[list[int]], params: SamplingParams, **kwargs) -> list[list[int]]:

@@ -1,12 +1,20 @@
-"""The server's Prometheus metrics, in a registry of their own (several servers may live in one process)."""
+"""The server's Prometheus metrics, in a registry of their own (several servers may live in one process), exposed as
+OpenMetrics text (what Prometheus asks for) or, to a client that asks for ``text/plain`` only, Prometheus text."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics
 
-# seconds; TTFT spans CPU tests (tens of ms) to long queues, per-token latency ~1 ms (GPU) to 100 ms (CPU)
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
-TPOT_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1)
+# seconds. A GPU decode step of a 1-3B model is ~4-30 ms with its batch (per-output-token latency), a prefill
+# tens of ms (TTFT), a queue from 0 to minutes under overload; the finer buckets sit where a GPU's values fall
+TTFT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30,
+                60)
+TPOT_BUCKETS = (0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                0.075, 0.1, 0.2, 0.5, 1)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
@@ -26,6 +34,8 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("ssmq_time_per_output_token_seconds", "time between consecutive generated tokens",
                               buckets=TPOT_BUCKETS, registry=r)
+        self.queue = Histogram("ssmq_queue_time_seconds", "arrival to admission into a cache slot",
+                               buckets=QUEUE_BUCKETS, registry=r)
 
     def update(self, stats: dict) -> None:
         """Gauges from ``Engine.stats()``."""
@@ -36,5 +46,8 @@ class ServerMetrics:
         self.blocks_used.set(stats.get("kv_blocks_used", 0))
         self.blocks_total.set(stats.get("kv_blocks_total", 0))
 
-    def text(self) -> bytes:
-        return generate_latest(self.registry)
+    def text(self, accept: str = "") -> tuple[bytes, str]:
+        """(body, content type) for a request's Accept header: OpenMetrics unless only text/plain is asked for."""
+        if "text/plain" in accept and "openmetrics" not in accept:
+            return generate_latest(self.registry), PROMETHEUS
+        return openmetrics.generate_latest(self.registry), OPENMETRICS

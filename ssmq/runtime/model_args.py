@@ -17,9 +17,11 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--dtype/--device, shared by every subcommand that loads a model."""
-    p.add_argument("--model", default=None, help="checkpoint folder or hub id (default: $SSMQ_MODEL, "
-                   "../shared/models/mamba2, else state-spaces/mamba2-130m)")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--model", default=None, help="checkpoint folder, .gguf file or hub id (default: $SSMQ_MODEL, "
+                   "else models/mamba2 of the data folder $SSMQ_SHARED when present, else the hub id "
+                   "state-spaces/mamba2-130m)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
 
 

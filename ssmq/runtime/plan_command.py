@@ -20,6 +20,14 @@ from ssmq.models.config import ModelConfig
 from ssmq.runtime.plan import (CacheFormat, Plan, cache_bytes, fit, human, kv_bytes_per_token, make_plan,
                                parse_bytes, parse_reserve, state_bytes)
 
+DESCRIPTION = """The memory plan of a model on one GPU: weights, KV bytes per token, SSM-state bytes per sequence,
+the longest context at --batch and the largest batch at --context that fit in --gpu-mem.
+
+  ssmq plan --model smollm2-135m --gpu-mem 24GiB --context 8192 --batch 16 --kv nuq3-1% --out plan/
+  ssmq plan --model bamba-9b                        # a published architecture, no weights needed
+  ssmq plan --quantized out/mamba2-quamba2          # weights as stored, the recipe's state dtype
+"""
+
 # the formats every plan compares (KV rows only for models with attention, int8 state only with SSM layers)
 COMPARE_KV = ("fp8", "int8", "int4", "nuq4", "nuq4-1%", "nuq3-1%", "nuq2-1%")  # beside the 16-bit baseline
 STATE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int8-rows")  # int8-rows: + a float32 scale a state row
@@ -40,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest context (default 1)")
     p.add_argument("--kv", default=None, help="KV format: fp16 / bf16 / fp32, a KV preset (kvquant-nuq3-1%%, "
                    "kv-fp8-e4m3, ...) or its short name (nuq3-1%%, fp8, int8, ...), costed as the quantized cache "
-                   "stores it (ssmq.models.kv_format; default: the recipe's, else the float cache of --dtype)")
+                   "stores it (default: the recipe's, else the float cache of --dtype)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
                    help="weights and activations (conv state) of a float model (default bfloat16)")
     p.add_argument("--state-dtype", default=None, choices=STATE_DTYPES,
@@ -50,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="GPU memory plan: weights, KV per token, SSM state, what fits",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p

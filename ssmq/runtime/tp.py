@@ -375,10 +375,13 @@ def shard_attention_(attn: nn.Module, comm: Communicator) -> int:
 
 @torch.no_grad()
 def shard_mlp_(mlp: nn.Module, comm: Communicator) -> int:
+    if hasattr(mlp, "experts"):  # a mixture of experts is replicated: every rank runs all of it, no all-reduce
+        return 0
     r, W = comm.rank, comm.world
-    f_l = _divide("the MLP hidden size", mlp.gate_proj.out_features, W)
+    f_l = _divide("the MLP hidden size", mlp.up_proj.out_features, W)
     rows = _span(r * f_l, f_l)
-    column_parallel_(mlp.gate_proj, rows)
+    if hasattr(mlp, "gate_proj"):  # the squared-ReLU MLP has none
+        column_parallel_(mlp.gate_proj, rows)
     column_parallel_(mlp.up_proj, rows)
     mlp.down_proj = RowParallel(mlp.down_proj, comm, r * f_l, (r + 1) * f_l, "down_proj")
     return 1

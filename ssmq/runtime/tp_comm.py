@@ -32,7 +32,7 @@ from ssmq.errors import SSMQError
 MODES = ("auto", "nccl", "oneshot")
 PAYLOADS = ("none", "bf16", "int8")
 DEFAULT_ONESHOT_MAX_BYTES = 512 * 1024  # vLLM's one-shot / NCCL crossover on 2 H100 is around 0.5 MB
-# PyTorch 2.11's one-shot kernels dispatch on these only ("not implemented for 'Half'" on 2 H200, 2026-11-28):
+# PyTorch 2.11's one-shot kernels dispatch on these only ("not implemented for 'Half'" on 2 H200):
 # float16 rows take NCCL
 ONESHOT_DTYPES = (torch.bfloat16, torch.float32)
 

@@ -129,13 +129,14 @@ def guarded(fn, rank: int):
 def add_tp_args(p) -> None:
     """--tp and the all-reduce options, shared by ``ssmq generate`` and ``ssmq eval``."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree; launch with "
-                   "torchrun --nproc_per_node N -m ssmq ... --tp N")
+                   "torchrun --nproc_per_node N -m ssmq ... --tp N (default 1)")
     p.add_argument("--allreduce", default="auto", choices=["auto", "nccl", "oneshot"],
-                   help="TP all-reduce: auto = one-shot over peer memory for small messages, else NCCL")
+                   help="TP all-reduce: auto = one-shot over peer memory for small messages, else NCCL (default auto)")
     p.add_argument("--allreduce-payload", default="none", choices=["none", "bf16", "int8"],
-                   help="quantize what the TP all-reduce sends (bf16, or int8 with per-128 scales)")
+                   help="quantize what the TP all-reduce sends: bf16, or int8 with a scale per 128 values "
+                        "(default none)")
     p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="seconds before a collective that a rank never joins fails the job")
+                   help="seconds before a collective that a rank never joins fails the job (default %(default)s)")
 
 
 def check_tp_degree(n: int) -> int:

@@ -19,7 +19,7 @@ def _dataset(rel: str, subject: str | None = None):
 
     path = shared_path("data", "eval", *rel.split("/"))
     if path is None:
-        raise SSMQError(f"shared/data/eval/{rel} not found (set $SSMQ_SHARED)")
+        raise SSMQError(f"data/eval/{rel} not found in the data folder (set $SSMQ_SHARED to it)")
     rows = read_jsonl(path)
     if subject is not None:
         rows = [r for r in rows if r["subject"] == subject]

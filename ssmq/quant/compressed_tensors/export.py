@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ssmq.errors import SSMQError
+from ssmq.models.ffn import Router
 from ssmq.quant.checkpoint import MANIFEST, WEIGHTS, atomic_folder, load_quantized, read_manifest
 from ssmq.quant.compressed_tensors.schemes import compress_linear, decompress_weight, require_library, scheme_of
 from ssmq.quant.linear import QuantLinear
@@ -101,6 +102,7 @@ def export_compressed_tensors(model_dir: str | os.PathLike, out: str | os.PathLi
         raise SSMQError(f"output folder {out} already exists (pass --overwrite to replace it)")
     model = load_quantized(src)
     cfg = model.config
+    config_to_hf(cfg)  # refuses, before any work, a family whose tensors do not map name for name
     qlinears = {p: m for p, m in model.named_modules() if isinstance(m, QuantLinear)}
     if not qlinears:
         raise SSMQError(f"{src}: no quantized linear layer to export")
@@ -121,8 +123,9 @@ def export_compressed_tensors(model_dir: str | os.PathLike, out: str | os.PathLi
                 raise SSMQError(f"{p}: compressed-tensors' decompression does not return ssmq's weight exactly "
                                 "(scales too small for the format?); not exported")
             tensors.update({f"{hf[p]}.{k}": v.cpu() for k, v in local.items()})
+    # MoE routers (linears in the HF models, float parameters in ssmq) stay float too
     ignore = sorted(rename_to_hf(p, cfg) for p, m in model.named_modules()
-                    if isinstance(m, nn.Linear) and p not in qlinears)
+                    if isinstance(m, (nn.Linear, Router)) and p not in qlinears)
     tied = cfg.tie_embeddings and getattr(model.lm_head, "weight", None) is model.embedding.weight
     for name, t in model.state_dict().items():
         owner = name.rpartition(".")[0]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -85,7 +86,8 @@ def _cast_floats(model: nn.Module, dtype: torch.dtype) -> None:
 @torch.no_grad()
 def load_compressed_tensors(folder: str | os.PathLike, dtype: torch.dtype = torch.float32,
                             device="cpu") -> nn.Module:
-    """Build an SSMLM of a compressed-tensors checkpoint folder (Mamba-1, Mamba-2, Bamba hybrid)."""
+    """Build an SSMLM of a compressed-tensors checkpoint folder (Mamba-1, Mamba-2, Bamba hybrid, Llama, and the
+    families of ``ssmq.models.families`` whose tensors map name for name)."""
     from ssmq.models.lm import SSMLM
     from ssmq.models.loading import load_config, load_weights, read_state_dict, rename_to_ssmq
 
@@ -102,8 +104,13 @@ def load_compressed_tensors(folder: str | os.PathLike, dtype: torch.dtype = torc
     with torch.device("meta"):
         model = SSMLM(cfg)
     rules: dict[str, list[str]] = {}  # (weight, act) specs -> module paths
+    rename = rename_to_ssmq
+    if cfg.family:  # the family's names (ssmq.models.families), one for one
+        from ssmq.models.families import name_to_ssmq
+
+        rename = partial(name_to_ssmq, cfg=cfg)
     for prefix in prefixes:
-        path = rename_to_ssmq(prefix + ".weight").removesuffix(".weight")
+        path = rename(prefix + ".weight").removesuffix(".weight")
         try:
             target = model.get_submodule(path)
         except AttributeError:
@@ -120,7 +127,7 @@ def load_compressed_tensors(folder: str | os.PathLike, dtype: torch.dtype = torc
         setattr(model.get_submodule(parent) if parent else model, attr, q)
         rules.setdefault(json.dumps([q.wspec.to_dict(), q.act and q.act.to_dict()], sort_keys=True), []).append(path)
     # biases (and Mamba-1's dt_proj.bias = dt_bias) and the float tensors load as for any HF folder
-    load_weights(model, {rename_to_ssmq(k): v for k, v in state.items()}, where=where)
+    load_weights(model, {rename(k): v for k, v in state.items()}, where=where)
     _cast_floats(model, dtype)
     model.quantization = {"recipe": _recipe(rules, config.format, where).to_dict(), "calibration": None}
     return model.to(device).eval()

@@ -1,0 +1,133 @@
+"""``ssmq bench latency``: time to first token (prefill of one prompt) and time per output token (one decode step
+of the whole batch) against batch size, for each recipe side by side, and for ``mamba_ssm`` when installed.
+
+On CUDA, prefill and decode replay CUDA graphs, as ``ssmq generate`` runs them; on the CPU they run eagerly.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+from tqdm import tqdm
+
+from ssmq.bench.models import FLOAT, build, mamba_ssm_available, mamba_ssm_model, published_config
+from ssmq.bench.output import lines_plot, record, table, write
+from ssmq.bench.timing import time_fn
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def ttft_ms(model, prompt_len: int, warmup: int, reps: int) -> float:
+    """Prefill of one ``prompt_len``-token prompt to its first token (batch 1), ms."""
+    from ssmq.models.cache import calibrated_ssm_dtype
+
+    dev = model.device
+    ids = torch.randint(0, min(model.config.vocab_size, 50000), (1, prompt_len), device=dev)
+    cache = model.allocate_cache(2, prompt_len + 1, ssm_dtype=calibrated_ssm_dtype(model))
+    if dev.type == "cuda":
+        from ssmq.runtime.cuda_graph import CudaGraphPrefill
+
+        prefill = CudaGraphPrefill(model, cache, max_len=prompt_len)
+        return time_fn(lambda: prefill(ids, 0).argmax(-1), dev, warmup, reps,
+                       setup=lambda: cache.reset([0])).median_ms
+    return time_fn(lambda: model(ids, cache, [0], num_last_tokens=1).argmax(-1), dev, warmup, reps,
+                   setup=cache.reset).median_ms
+
+
+@torch.inference_mode()
+def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int) -> float:
+    """One decode step of ``batch`` sequences, ms: the mean over ``steps`` consecutive steps, median of ``reps``."""
+    from ssmq.models.cache import calibrated_ssm_dtype
+
+    dev = model.device
+    max_len = (warmup + reps + 2) * steps + 16  # every step (graph capture and warm-up included) adds a token
+    tokens = torch.randint(0, min(model.config.vocab_size, 50000), (batch,), device=dev)
+    slots = torch.arange(batch, device=dev)
+    if dev.type == "cuda":
+        from ssmq.runtime.cuda_graph import CudaGraphDecoder
+
+        dec = CudaGraphDecoder(model, max_batch=batch, max_seqlen=max_len, buckets=(batch,),
+                               ssm_dtype=calibrated_ssm_dtype(model))
+        dec(tokens, slots)  # captures the graph
+        graph = dec.graphs[batch][0]
+        step = graph.replay
+    else:
+        cache = model.allocate_cache(batch, max_len, ssm_dtype=calibrated_ssm_dtype(model))
+        step = lambda: model.step(tokens, cache, slots)  # noqa: E731
+
+    def run():
+        for _ in range(steps):
+            step()
+
+    return time_fn(run, dev, warmup, reps).median_ms / steps
+
+
+@torch.inference_mode()
+def mamba_ssm_rows(cfg, device, dtype, prompt_lens, batches, steps, warmup, reps) -> list[dict]:
+    """TTFT and TPOT of mamba_ssm's model of the same architecture (its Triton kernels and CUDA-graph decode)."""
+    model = mamba_ssm_model(cfg, device, dtype)
+    rows = []
+    for length in prompt_lens:
+        ids = torch.randint(0, 50000, (1, length), device=device)
+        ms = time_fn(lambda: model(ids, num_last_tokens=1).logits.argmax(-1), device, warmup, reps).median_ms
+        rows.append({"impl": "mamba_ssm", "batch": 1, "prompt_len": length, "ttft_ms": ms})
+    for bs in batches:
+        ids = torch.randint(0, 50000, (bs, 16), device=device)
+        model.generate(ids, max_length=18, cg=True, return_dict_in_generate=True, output_scores=False)
+        cache = model._decoding_cache  # replays of the decode graph its generate() captured
+        tok = torch.zeros((bs, 1), dtype=torch.long, device=device)
+        pos = torch.full((bs, 1), 16, dtype=torch.long, device=device)
+        ms = time_fn(lambda: cache.run(tok, pos, 16), device, warmup, reps * steps).median_ms
+        rows.append({"impl": "mamba_ssm", "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3})
+    del model
+    return rows
+
+
+def run(args) -> dict:
+    from ssmq.bench.models import device_and_dtype
+
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    batches, prompt_lens = args.batch_size, args.input_len
+    result = record("latency", device, model=args.model, dtype=str(dtype).removeprefix("torch."),
+                    steps=args.steps, warmup=args.warmup, reps=args.reps)
+    impls = list(args.recipes)
+    peer = "mamba_ssm" in args.peers and device.type == "cuda" and mamba_ssm_available()
+    bar = tqdm(total=len(impls) * (len(prompt_lens) + len(batches)) + (peer and 1), desc="latency", unit="run")
+    for recipe in impls:
+        _free(device)
+        model, _ = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
+        for length in prompt_lens:
+            ms = ttft_ms(model, length, args.warmup, args.reps)
+            result["rows"].append({"impl": recipe, "batch": 1, "prompt_len": length, "ttft_ms": ms})
+            bar.update()
+        for bs in batches:
+            ms = tpot_ms(model, bs, args.steps, args.warmup, args.reps)
+            result["rows"].append({"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3})
+            bar.update()
+        del model
+    if peer:
+        cfg = published_config(args.model, args.layers)
+        if cfg is not None and cfg.arch in ("mamba1", "mamba2") and not getattr(cfg, "family", ""):  # its models
+            _free(device)
+            try:
+                result["rows"] += mamba_ssm_rows(cfg, device, dtype, prompt_lens, batches, args.steps, args.warmup,
+                                                 args.reps)
+            except Exception as e:  # a peer that cannot run this model is reported, not fatal
+                result["peer_errors"] = {"mamba_ssm": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        bar.update()
+    bar.close()
+    print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s"]))
+    for path in write(result, args.out, plot=_plot):
+        print(f"wrote {path}")
+    return result
+
+
+def _plot(pyplot, result):
+    return lines_plot(pyplot, {**result, "rows": [r for r in result["rows"] if "tpot_ms" in r]}, "batch", "tpot_ms",
+                      "impl", "batch", "time per output token (ms)")

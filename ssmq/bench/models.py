@@ -1,0 +1,135 @@
+"""The models a benchmark runs: a published architecture with random weights (speed does not depend on the
+values), or a checkpoint; optionally quantized by a recipe; and peers (``mamba_ssm``) when they are installed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+
+import torch
+
+from ssmq.errors import SSMQError
+
+FLOAT = "float"  # the unquantized model, in --dtype
+
+
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """--device (default cuda when available) and --dtype (default bfloat16 on CUDA, float32 on the CPU, as every
+    command)."""
+    from ssmq.runtime.model_args import DTYPES
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SSMQError(f"--device {dev} asked for, but CUDA is not available on this machine")
+    name = DTYPES[dtype] if dtype else ("bfloat16" if dev.type == "cuda" else "float32")
+    return dev, getattr(torch, name)
+
+
+def published_config(name: str, layers: int | None = None):
+    """The config of a published architecture, optionally cut to its first ``layers`` layers; None if unknown."""
+    from ssmq.models.published import PUBLISHED
+
+    cfg = PUBLISHED.get(name)
+    if cfg is None or layers is None:
+        return cfg
+    if layers < 1:
+        raise SSMQError(f"--layers must be >= 1, got {layers}")
+    attn = tuple(i for i in (cfg.attn_layer_idx or ()) if i < layers)
+    return dataclasses.replace(cfg, n_layer=layers, attn_layer_idx=attn) if cfg.attn_layer_idx else \
+        dataclasses.replace(cfg, n_layer=layers)
+
+
+@torch.no_grad()
+def init_random_(model: torch.nn.Module) -> None:
+    """Trained-looking random values: A = -[1..16], Δ biases of softplus⁻¹ [1e-3, 1e-1], unit norms and D."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
+        elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
+            dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)))
+            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        elif name.endswith(".D") or "norm" in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0, 0.02)
+
+
+@torch.no_grad()
+def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """An SSMLM of ``cfg`` with random weights, allocated directly on ``device``."""
+    from ssmq.models.lm import SSMLM
+
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = SSMLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    init_random_(model)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embedding.weight
+    return model.eval()
+
+
+def rtn_weights(recipe):
+    """``recipe`` with its GPTQ weights rounded to nearest: the same stored format and kernels, no GPTQ solve
+    (speed only)."""
+    from ssmq.quant.recipe import Recipe
+
+    d = recipe.to_dict()
+    for rule in d.get("linears", []):
+        if rule.get("weight", {}).get("method") == "gptq":
+            rule["weight"]["method"] = "rtn"
+    return Recipe.from_dict(d)
+
+
+def build(model_name: str, recipe: str, device: torch.device, dtype: torch.dtype, layers: int | None = None,
+          gptq_as_rtn: bool = False, calib_samples: int = 4, calib_seqlen: int = 256):
+    """(model, vocab size): ``model_name`` as a published architecture (random weights) or a checkpoint, quantized
+    by ``recipe`` unless it is ``fp16``. Calibration (when the recipe needs it) runs on random tokens: speed only."""
+    from ssmq.quant import get_recipe, quantize
+    from ssmq.quant.calibration import CalibrationData
+
+    cfg = published_config(model_name, layers)
+    if cfg is not None:
+        model = random_model(cfg, device, dtype)
+    else:
+        from ssmq.models.loading import resolve_model_path
+        from ssmq.quant import load_model
+
+        if layers is not None:
+            raise SSMQError("--layers applies to published architectures only")
+        model = load_model(resolve_model_path(model_name), dtype=dtype, device=str(device)).eval()
+    vocab = model.config.vocab_size
+    if recipe == FLOAT:
+        return model, vocab
+    spec = get_recipe(recipe)
+    if gptq_as_rtn:
+        spec = rtn_weights(spec)
+    calib = None
+    if spec.needs_calibration():
+        gen = torch.Generator().manual_seed(0)
+        calib = CalibrationData(torch.randint(0, min(vocab, 50000), (calib_samples, calib_seqlen), generator=gen),
+                                source="random tokens", seed=0)
+    quantize(model, spec, calib, progress=False)
+    return model, vocab
+
+
+# ---------------------------------------------------------------------------------------------------- peers
+
+def mamba_ssm_available() -> bool:
+    return importlib.util.find_spec("mamba_ssm") is not None
+
+
+def mamba_ssm_model(cfg, device: torch.device, dtype: torch.dtype):
+    """mamba_ssm's MambaLMHeadModel of the same architecture (random weights)."""
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    ssm_cfg = {"layer": "Mamba1"} if cfg.arch == "mamba1" else {
+        "layer": "Mamba2", "headdim": cfg.headdim, "ngroups": cfg.ngroups, "chunk_size": cfg.chunk_size,
+        "use_mem_eff_path": False}
+    ssm_cfg["d_state"] = cfg.d_state
+    mc = MambaConfig(d_model=cfg.d_model, n_layer=cfg.n_layer, vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg,
+                     rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=16,
+                     tie_embeddings=True)
+    return MambaLMHeadModel(mc, device=device, dtype=dtype).eval()

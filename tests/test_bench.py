@@ -1,0 +1,145 @@
+"""``ssmq bench``: the timing helper, each benchmark's JSON on the CPU (a one-layer published architecture with random
+weights; CPU numbers only test the plumbing), the kernel registry, and the serving client against a stub server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from ssmq.bench import kernels as kb
+from ssmq.bench.timing import time_fn
+
+
+def run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "ssmq.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_time_fn_runs_warmup_then_reps_with_setup_before_each():
+    calls = []
+    t = time_fn(lambda: calls.append("fn"), "cpu", warmup=2, reps=3, setup=lambda: calls.append("setup"))
+    assert calls == ["setup", "fn"] * 5
+    assert t.reps == 3 and 0 <= t.min_ms <= t.median_ms
+    with pytest.raises(ValueError):
+        time_fn(lambda: None, "cpu", reps=0)
+
+
+def test_latency_writes_rows_for_each_recipe(tmp_path):
+    r = run("latency", "--model", "mamba2-130m", "--layers", "1", "--recipes", "float,rtn-w8a16", "--batch-size",
+            "1,2", "--input-len", "8", "--steps", "2", "--warmup", "1", "--reps", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "latency.json").read_text())
+    assert res["command"].startswith("ssmq bench latency") and res["gpu"].startswith("CPU") and res["date"]
+    by = {(row["impl"], row["batch"], "ttft_ms" in row) for row in res["rows"]}
+    assert by == {(i, b, False) for i in ("float", "rtn-w8a16") for b in (1, 2)} | \
+        {(i, 1, True) for i in ("float", "rtn-w8a16")}
+    assert all(row.get("tpot_ms", 1) > 0 and row.get("ttft_ms", 1) > 0 for row in res["rows"])
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "latency.png").stat().st_size > 0
+
+
+def test_throughput_counts_every_generated_token(tmp_path):
+    r = run("throughput", "--layers", "1", "--num-prompts", "3", "--input-len", "4", "--output-len", "3",
+            "--max-batch", "2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    row = json.loads((tmp_path / "throughput.json").read_text())["rows"][0]
+    assert row["requests"] == 3
+    assert row["output_tok_s"] * row["seconds"] == pytest.approx(9)  # 3 prompts x 3 tokens, no early stop
+
+
+def test_bad_arguments_are_one_line_errors():
+    r = run("latency", "--layers", "1", "--recipes", "no-such-recipe", "--batch-size", "1", "--steps", "1")
+    assert r.returncode == 1 and r.stderr.startswith("ssmq: error:") and r.stderr.count("\n") == 1, r.stderr
+    r = run("kernels", "--only", "nope")
+    assert r.returncode == 1 and "unknown kernel benchmark 'nope'" in r.stderr
+    r = run("latency", "--batch-size", "0")
+    assert r.returncode == 2 and "positive integers" in r.stderr
+
+
+def test_kernel_registry_cases_agree_with_their_baselines():
+    """Each case's implementations compute the same thing (float32, CPU): the registry times like with like."""
+    from ssmq.bench.models import published_config
+
+    ctx = kb.KernelContext(torch.device("cpu"), torch.float32, published_config("mamba2-130m"), rows=(2,))
+    for case in kb.KERNEL_BENCHES["linear"].fn(ctx):  # (the state update writes its state in place)
+        a, b = (fn() for fn in case.fns.values())
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="twice"):
+        kb.register("linear", "again")(lambda ctx: [])
+
+
+def test_kernels_writes_one_row_per_implementation(tmp_path):
+    r = run("kernels", "--only", "linear,state-update", "--shape", "mamba2-130m", "--rows", "1", "--warmup", "0",
+            "--reps", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert {(row["bench"], row["impl"]) for row in rows} == {("linear", "ssmq"), ("linear", "torch"),
+                                                              ("state-update", "ssmq"), ("state-update", "reference")}
+    assert len(rows) == 3 * 2 + 3 * 2  # three linears and three state formats at one row count, two impls each
+    assert all("us" in row for row in rows), [row.get("error") for row in rows]
+
+
+class _StubServer(BaseHTTPRequestHandler):
+    """An OpenAI-style server that streams ``max_tokens`` one-token chunks."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "stub"}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        assert req["stream"] and req["ignore_eos"] and req["model"] == "stub"
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        for i in range(req["max_tokens"]):
+            self.wfile.write(f"data: {json.dumps({'choices': [{'text': f' t{i}'}]})}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_serve_load_against_a_server(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StubServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        r = run("serve", "--url", url, "--concurrency", "1,3", "--num-prompts", "5", "--input-len", "4",
+                "--output-len", "6", "--out", str(tmp_path))
+    finally:
+        server.shutdown()
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "serve.json").read_text())
+    assert res["served_model"] == "stub"
+    assert [(row["concurrency"], row["requests"], row["failed"]) for row in res["rows"]] == [(1, 5, 0), (3, 5, 0)]
+    assert all(row["output_tok_s"] > 0 and row["tpot_ms_p50"] is not None for row in res["rows"])
+
+
+def test_serve_without_a_server_is_one_line():
+    r = run("serve", "--url", "http://127.0.0.1:9")
+    assert r.returncode == 1 and "no OpenAI-compatible server answers" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_accuracy_float_row_is_the_baseline(tmp_path):
+    from conftest import shared_or_skip
+
+    shared_or_skip("models", "mamba2")
+    text = tmp_path / "t.txt"
+    text.write_text("The song was released as a single in 2008 . " * 40)
+    r = run("accuracy", "--recipes", "float,rtn-w8a16", "--text", str(text), "--seqlen", "64", "--limit", "2",
+            "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "accuracy.json").read_text())["rows"]
+    assert [row["recipe"] for row in rows] == ["float", "rtn-w8a16"] and rows[0]["delta_pct"] == 0
+    assert abs(rows[1]["delta_pct"]) < 5  # int8 weights barely move perplexity
