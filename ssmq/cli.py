@@ -31,6 +31,13 @@ def cmd_info(args) -> None:
     path = resolve_model_path(args.model or default_model())
     bytes_per = {"float32": 4, "float16": 2, "bfloat16": 2}[DTYPES[args.dtype or "bfloat16"]]
     print_sections(describe(path, bytes_per))
+    if args.plan:  # the decode plan per layer: needs the weights (quantizers, state scales)
+        import torch
+
+        from ssmq.runtime.layer_plans import plan_lines
+
+        dtype = getattr(torch, DTYPES[args.dtype or "bfloat16"])
+        print("\n".join(plan_lines(load_from_args(args)[0], dtype)))
 
 
 def _utf8(data: bytes, where: str) -> str:
@@ -104,11 +111,9 @@ def cmd_generate(args) -> None:
                             top_p=args.top_p, eos_id=tok.eos_id, vocab_limit=len(tok), seed=args.seed,
                             stop_at_eos=not args.ignore_eos)
     if model.device.type == "cuda" and not args.eager:  # decode from CUDA graphs over the decoder's cache
-        from ssmq.models.cache import calibrated_ssm_dtype
         from ssmq.runtime.cuda_graph import CudaGraphDecoder
 
         dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + n_new,
-                               ssm_dtype=calibrated_ssm_dtype(model),  # an int8-state model decodes on int8
                                state_checkpoint=run["state_checkpoint"])
         run = {"cache": dec.cache, "decode_fn": dec}
     if len(prompts) == 1:  # stream: print the new text as each token arrives
@@ -204,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="architecture, parameters, weight/state/KV bytes of a model")
     add_model_args(p)
+    p.add_argument("--plan", action="store_true", help="also load the model and print each layer's decode plan "
+                   "(executor, kernels on CUDA, state / KV and linear formats)")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("generate", help="continue a prompt (streams tokens)")
@@ -257,6 +264,10 @@ def environment_error_line(e: BaseException) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        from ssmq.kernels.policy import set_policy
+        from ssmq.runtime.kernel_policy import policy_from_env
+
+        set_policy(policy_from_env())  # the kernels' policy, once, before any model runs
         args.func(args)
     except SSMQError as e:
         print(f"ssmq: error: {e}", file=sys.stderr)

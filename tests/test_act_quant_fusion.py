@@ -1,7 +1,7 @@
 """Activation quantization fused into the op that produces an A8 linear's input (``kernels.rms_norm_quant``,
-``rmsnorm_gated_quant``, ``hadamard_quant``; switch ``SSMQ_FUSED_ACT_QUANT``): the kernels compile for sm_90, and
-quantized models give the same logits with the fusion as without it (bit for bit on CPU). The kernels' arithmetic:
-``test_act_quant_kernels.py`` (GPU / interpreter).
+``rmsnorm_gated_quant``; ``KernelPolicy.act_quant_fusion``; the prototype ``hadamard_quant``): the kernels compile
+for sm_90, and quantized models give the same logits with the fusion as without it (bit for bit on CPU). The
+kernels' arithmetic: ``test_act_quant_kernels.py`` (GPU / interpreter).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_norm_quant_kernels_compile_for_sm90(static, dtype, fp8):
 def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
     from test_kernel_compile import _compile_sm90
 
-    from ssmq.kernels import hadamard
+    from ssmq.prototype import hadamard_quant as hadamard
 
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "l_ptr": work,
                                              "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype,
@@ -62,8 +62,10 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
 CASES = [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"), ("mamba2", "quamba2-w8a8"), ("mamba1", "quamba-w8a8"),
          ("mamba1", "dynamic-w8a8"), ("mamba2", "ssdi8-w8a8"), ("mamba2", "fp8-w8a8"), ("mamba1", "fp8-w8a8")]
 # A8 linears whose float input is still quantized by the linear itself when the fusion is on, per layer and pass:
-# Mamba-1's x_proj (its input is the conv's output) and, without an online Hadamard, out_proj (the scan's output)
-UNFUSED = {("mamba1", "quamba-w8a8"): 1, ("mamba1", "dynamic-w8a8"): 2, ("mamba1", "fp8-w8a8"): 2}
+# Mamba-1's x_proj (its input is the conv's output), out_proj (the scan's output), and a rotated out_proj (it
+# applies its online Hadamard, then quantizes)
+UNFUSED = {("mamba1", "quamba-w8a8"): 2, ("mamba1", "dynamic-w8a8"): 2, ("mamba1", "fp8-w8a8"): 2,
+           ("mamba2", "quamba2-w8a8"): 1, ("mamba2", "ssdi8-w8a8"): 1}
 
 
 def _run(model, ids, steps):
@@ -80,29 +82,23 @@ def _run(model, ids, steps):
     return out[0], torch.stack(steps_out)
 
 
-def _compare(monkeypatch, model, ids, steps=3, hadamard=True):
-    """Logits with the fusion off and on (identical); returns the float-input A8 linear calls with it off and on, and
-    the stand-alone Hadamard + codes ops with it on. ``hadamard``: the Hadamard + quantize fusion too (opt-in on
-    GPUs, where its kernel measured slower; on CPU both are the same references)."""
+def _compare(monkeypatch, model, ids, steps=3):
+    """Logits with the fusion off and on (identical); returns the float-input A8 linear calls with it off and on."""
     from ssmq import kernels
-    from ssmq.kernels import dispatch
+    from ssmq.kernels import policy
 
-    calls, rotations = [], []
-    real, real_h = kernels.quant_linear_act, kernels.hadamard_quant
+    calls = []
+    real = kernels.quant_linear_act
     monkeypatch.setattr(kernels, "quant_linear_act", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    # a rotated linear's own Hadamard + codes op: not run where the gated norm emits the rotated codes itself
-    monkeypatch.setattr(kernels, "hadamard_quant", lambda *a, **kw: rotations.append(1) or real_h(*a, **kw))
-    monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", False)
     with torch.no_grad():
-        off = _run(model, ids, steps)
+        with policy.using(policy.KernelPolicy(act_quant_fusion=False)):
+            off = _run(model, ids, steps)
         unfused_calls = len(calls)
         calls.clear()
-        monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", True)
-        monkeypatch.setattr(dispatch, "HADAMARD_QUANT_FUSION", hadamard)
         on = _run(model, ids, steps)
     for a, b in zip(off, on):
         assert torch.equal(a, b), (a - b).abs().max()
-    return unfused_calls, len(calls), len(rotations)
+    return unfused_calls, len(calls)
 
 
 @pytest.mark.parametrize("arch,recipe", CASES)
@@ -113,13 +109,11 @@ def test_fused_activation_quantization_is_bit_identical(monkeypatch, arch, recip
     model = tiny_model(arch)
     model = quantize(model, recipe, synthetic_calibration(model.config.vocab_size, n=4, seqlen=16), progress=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
-    before, after, rotations = _compare(monkeypatch, model, ids)
+    before, after = _compare(monkeypatch, model, ids)
     passes = 1 + 3  # prefill + decode steps
     n_layer = model.config.n_layer
     assert before >= 2 * n_layer * passes  # in_proj and out_proj of every layer quantized their own input
     assert after == UNFUSED.get((arch, recipe), 0) * n_layer * passes
-    # Mamba-1's rotated out_proj reads the scan's output: its own hadamard_quant; Mamba-2's reads the gated norm's
-    assert rotations == (n_layer * passes if (arch, recipe) == ("mamba1", "quamba-w8a8") else 0)
 
 
 @pytest.mark.parametrize("arch,recipe", [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"),
@@ -136,20 +130,5 @@ def test_fused_activation_quantization_reference_models(monkeypatch, arch, recip
     vocab = model.config.vocab_size
     model = quantize(model, recipe, synthetic_calibration(vocab, n=2, seqlen=32), progress=False)
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(4))
-    before, after, _ = _compare(monkeypatch, model, ids, steps=2)
+    before, after = _compare(monkeypatch, model, ids, steps=2)
     assert after < before
-
-
-def test_hadamard_fusion_off_quantizes_in_the_rotated_linear(monkeypatch):
-    """The default on GPUs: norms emit codes, but a rotated out_proj (Quamba2) rotates and quantizes its own float
-    input: one stand-alone quantization a layer and pass, logits bit-identical to the unfused path."""
-    from ssmq.quant.api import quantize
-    from tiny_ssm import synthetic_calibration, tiny_model
-
-    model = tiny_model("mamba2")
-    model = quantize(model, "quamba2-w8a8", synthetic_calibration(model.config.vocab_size, n=4, seqlen=16),
-                     progress=False)
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
-    before, after, rotations = _compare(monkeypatch, model, ids, hadamard=False)
-    passes = 1 + 3
-    assert after == model.config.n_layer * passes < before and rotations == 0

@@ -25,7 +25,7 @@ def N():
 
 @pytest.fixture(scope="module")
 def H():
-    return kernel_module("hadamard")
+    return kernel_module("ssmq.prototype.hadamard_quant")
 
 
 def _scale(static):
@@ -181,7 +181,7 @@ def test_fused_models_on_gpu(monkeypatch, arch, recipe):
     """fp16 tiny models on the GPU: the fusion changes no logit where only norms quantize (the same arithmetic as the
     float norm kernel + the quantize kernel), stays within fp16 rounding where the online Hadamard is fused (tensor
     -core dots instead of cuBLAS), and CUDA-graph decode (captured with the fusion) equals eager decode."""
-    from ssmq.kernels import dispatch
+    from ssmq.kernels import policy
     from ssmq.quant.api import quantize
     from ssmq.runtime.cuda_graph import CudaGraphDecoder
     from tiny_ssm import synthetic_calibration, tiny_model
@@ -193,7 +193,7 @@ def test_fused_models_on_gpu(monkeypatch, arch, recipe):
     outs = {}
     with torch.inference_mode():
         for fused in (False, True):
-            monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", fused)
+            monkeypatch.setattr(policy, "_ACTIVE", [policy.KernelPolicy(act_quant_fusion=fused)])
             cache = model.allocate_cache(3, 32)
             prefill = model(ids, cache)
             steps = [model.step(ids[:, i], cache).float() for i in range(4)]

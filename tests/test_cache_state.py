@@ -120,8 +120,8 @@ def test_keys_before_rope_equal_the_post_rope_cache():
 
 def test_state_formats_and_bytes():
     model = int8_state_model("mamba2")
-    f = model.allocate_cache(2, 8)
-    q = model.allocate_cache(2, 8, ssm_dtype=torch.int8)
+    f = model.allocate_cache(2, 8, ssm_dtype=torch.float32)  # a float state, asked for explicitly
+    q = model.allocate_cache(2, 8)  # the model's own format: int8
     assert {st.format for st in f.states} == {StateFormat.FLOAT}
     assert {st.format for st in q.states} == {StateFormat.INT8}
     assert sum(st.ssm_nbytes() for st in f.states) == 4 * sum(st.ssm_nbytes() for st in q.states)

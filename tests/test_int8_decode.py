@@ -1,6 +1,6 @@
 """A quantized model's decode step on the int8 path (the taps' codes into the conv / state-update ops, the state
-read and written as stored: ``Mamba*Mixer._int8_step``) equals the earlier path (fake-quantized taps, a float step
-on a dequantized work copy; ``SSMQ_INT8_DECODE=0``): bit for bit on CPU through the references, and within float
+read and written as stored: the mixers' ``int8`` executor) equals the earlier path (fake-quantized taps, a float step
+on a dequantized work copy: the mixers' ``float`` executor): bit for bit on CPU through the references, and within float
 tolerance with the Triton kernels (``gpu`` test: CUDA, or SSMQ_TRITON_INTERPRET=1 on CPU)."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ssmq import kernels
-from ssmq.kernels import dispatch
 from ssmq.quant import quantize
 from ssmq.quant.recipe import Cache, Calibration, get_recipe
 from ssmq.quant.ssm.state_cache import allocate_cache
@@ -41,8 +40,10 @@ def quantized(arch, name, bits):
 def decode(model, bits, new_path: bool, monkeypatch, steps: int = 6):
     """Prefill 12 tokens into slots 3 and 1 of a 4-slot cache, then greedy decode: (logits (b, steps, vocab),
     tokens (b, steps), the SSM states)."""
-    monkeypatch.setattr(dispatch, "INT8_DECODE", new_path)
     cache = allocate_cache(model, 4, 32, ssm_dtype=torch.int8 if bits != 16 else None)
+    if not new_path:  # the float executor, asked for explicitly
+        for layer, st in zip(model.layers, cache.states):
+            st.plan = layer.mixer.plan(st, "float")
     logits = [model(IDS[:, :12], cache, SLOTS)[:, -1]]
     tokens = [logits[-1].argmax(-1)]
     for _ in range(steps - 1):

@@ -99,10 +99,11 @@ def _teacher_forced_logits(model, hf, ids, monkeypatch):
     puts one value on the other side of a rounding tie (x / scale = k + 0.5) moves its code by one, and every logit
     after it by a quantization step (1% of the max logit in the tiny hybrid). Handing over the input stops that step
     from propagating; the check on transformers' own input still tests every module before the linear."""
-    from ssmq.kernels import dispatch
+    from ssmq.kernels import policy
     from ssmq.models.hf_layout import rename_to_hf
 
-    monkeypatch.setattr(dispatch, "ACT_QUANT_FUSION", False)  # float inputs, not producer-made codes, reach them
+    # float inputs, not producer-made codes, reach them
+    monkeypatch.setattr(policy, "_ACTIVE", [policy.KernelPolicy(act_quant_fusion=False)])
     inputs, handed = {}, []
     for name, m in model.named_modules():
         if isinstance(m, QuantLinear):

@@ -32,12 +32,13 @@ def kernel_module(name: str):
     pytest.importorskip("triton")
     if INTERPRET:
         _patch_interpreter_scalars()
-    return importlib.import_module(f"ssmq.kernels.{name}")
+    return importlib.import_module(name if "." in name else f"ssmq.kernels.{name}")
 
 
 @pytest.fixture(scope="module")
 def K():
-    return {m: kernel_module(m) for m in ("conv1d", "state_update", "ssd", "scan", "norm", "gemv", "mamba2_decode")}
+    return {m: kernel_module(m) for m in ("conv1d", "state_update", "ssd", "scan", "norm", "gemv")} | {
+        "mamba2_decode": kernel_module("ssmq.prototype.mamba2_decode")}
 
 
 def _patch_interpreter_scalars():

@@ -11,7 +11,7 @@ from test_kernels import DEV
 
 from ssmq.models.kv_quantizer import KVQuantizer
 from ssmq.models.quant_kv import QuantKVState
-from ssmq.quant.kv_formats import kv_format
+from ssmq.models.kv_format import kv_format
 
 pytestmark = pytest.mark.gpu  # on CPU with SSMQ_TRITON_INTERPRET=1 (conftest)
 HKV, E = 4, 64  # 256 entries a token: 1% is 3 value / 6 key slots
@@ -51,11 +51,12 @@ def _data(b: int, l: int, seed: int) -> torch.Tensor:
 def test_fused_append_writes_the_reference_bytes(name, spread, l, paged, monkeypatch):
     """paged: the per-token buffers are block pools (8-token blocks, shuffled), written through the block table."""
     pytest.importorskip("triton")
-    from ssmq.kernels import dispatch
+    from ssmq.kernels import policy
     from ssmq.kernels.kv_append import eligible, quant_kv_append
     from ssmq.models.paged_kv import BlockTable
 
-    monkeypatch.setattr(dispatch, "_KV_FUSED_APPEND", False)  # the reference state writes with the ops on CUDA too
+    # the reference state writes with the ops on CUDA too
+    monkeypatch.setattr(policy, "_ACTIVE", [policy.KernelPolicy(kv_fused_append=False)])
 
     q = _quantizer(name, spread=spread).to(DEV)
     table = None
@@ -94,10 +95,10 @@ def test_fused_append_refuses_rotated_and_8_bit_sides():
 
 
 def test_quantized_cache_writes_through_the_fused_kernel_when_on(monkeypatch):
-    """SSMQ_KV_FUSED_APPEND on: ``QuantKVState.append`` takes the kernel on CUDA and leaves the reference's bytes."""
+    """``KernelPolicy.kv_fused_append`` on: ``QuantKVState.append`` takes the kernel on CUDA and leaves the reference's bytes."""
     if not torch.cuda.is_available():
         pytest.skip("the fused append runs on CUDA tensors")
-    from ssmq.kernels import dispatch, kv_append
+    from ssmq.kernels import kv_append, policy
 
     q = _quantizer("kvquant-nuq3-1%").cuda()
     states = [QuantKVState(q, 2, 8, torch.float16, "cuda") for _ in range(2)]
@@ -107,7 +108,7 @@ def test_quantized_cache_writes_through_the_fused_kernel_when_on(monkeypatch):
     real = kv_append.quant_kv_append
     monkeypatch.setattr(kv_append, "quant_kv_append", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     for on, st in zip((False, True), states):
-        monkeypatch.setattr(dispatch, "_KV_FUSED_APPEND", on)
+        monkeypatch.setattr(policy, "_ACTIVE", [policy.KernelPolicy(kv_fused_append=on)])
         st.append(slots, positions, x, x)
     assert len(calls) == 2  # keys and values, with the flag on only
     for a, b in zip(states[0].k.buffers() + states[0].v.buffers(), states[1].k.buffers() + states[1].v.buffers()):

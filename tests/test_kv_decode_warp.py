@@ -378,11 +378,11 @@ def test_warp_kernel_reads_a_paged_head_dim_64_cache(w, levels, block_size):
 
 @pytest.mark.gpu
 def test_dispatch_sends_served_formats_to_the_warp_kernel(w, monkeypatch):
-    """The dispatch takes the warp kernel for a format it serves (and not with SSMQ_KV_WARP=0's switch off); it
+    """The dispatch takes the warp kernel for a format it serves (and not under a policy that leaves it out); it
     refuses the others with a clear error."""
     _gpu()
     from ssmq.errors import SSMQError
-    from ssmq.kernels import dispatch
+    from ssmq.kernels import dispatch, policy
 
     K, V, q, slots, lens = _case((2, 32, 8, 300, 1), torch.Generator().manual_seed(3))
     calls = []
@@ -390,7 +390,7 @@ def test_dispatch_sends_served_formats_to_the_warp_kernel(w, monkeypatch):
     monkeypatch.setattr(w, "quant_kv_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     dispatch.quant_kv_decode(q, slots, lens, K, V, 128, 10000.0)
     assert calls == [1]
-    monkeypatch.setattr(dispatch, "_KV_WARP", False)
+    monkeypatch.setattr(policy, "_ACTIVE", [policy.KernelPolicy(kv_decode=("kv_decode_fast", "kv_decode"))])
     dispatch.quant_kv_decode(q, slots, lens, K, V, 128, 10000.0)
     assert calls == [1]
     with pytest.raises(SSMQError, match="warp KV decode kernel serves"):

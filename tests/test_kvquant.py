@@ -10,13 +10,12 @@ import torch
 
 from _quant_tiny import tiny_calib, tiny_model
 from ssmq.errors import SSMQError
-from ssmq.models.kv_format import KVSideSpec, KVSpec
+from ssmq.models.kv_format import KV_PRESETS, KVSideSpec, KVSpec
 from ssmq.models.quant_kv import QuantKVState
 from ssmq.models.state import KVState
 from ssmq.ops import kv_quant as kq
 from ssmq.quant import load_model, quantize, save_quantized
 from ssmq.quant.api import check
-from ssmq.quant.kv_presets import KV_PRESETS
 from ssmq.quant.kvquant.kmeans import weighted_error, weighted_kmeans
 from ssmq.quant.recipe import RECIPES, Recipe, get_recipe
 

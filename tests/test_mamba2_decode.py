@@ -16,12 +16,13 @@ from ssmq.quant.primitives import PerToken, choose_qparams, quantize
 
 
 def _decode(model, ids, fused: bool):
-    """Prefill ids[:, :6], then decode the rest; returns (logits of the decoded tokens, cache)."""
-    for layer in model.layers:
-        if hasattr(layer.mixer, "_fusable"):
-            layer.mixer._fusable = (lambda state: True) if fused else (lambda state: False)
+    """Prefill ids[:, :6], then decode the rest (the Mamba-2 layers on the fused executor, or on the float one asked
+    for explicitly); returns (logits of the decoded tokens, cache)."""
     with torch.no_grad():
         cache = model.allocate_cache(max_batch=5, max_seqlen=32)
+        for layer, st in zip(model.layers, cache.states):
+            if layer.kind == "mamba2":
+                st.plan = layer.mixer.plan(st, "fused" if fused else "float")
         slots = torch.tensor([3, 0, 4])  # out of order, slots 1 and 2 untouched
         model(ids[:, :6], cache, slots)
         steps = [model.step(ids[:, t], cache, slots) for t in range(6, ids.shape[1])]
@@ -45,14 +46,14 @@ def test_quantized_tap_or_int8_state_keeps_the_unfused_path():
     model = tiny_model("mamba2")
     mixer = model.layers[0].mixer
     state = model.allocate_cache(max_batch=2, max_seqlen=8).states[0]
-    assert mixer._fusable(state)
+    assert state.plan.executor == "fused" and mixer.plan(state).executor == "fused"
     from ssmq.models.state import Int8StateScales
 
     scales = Int8StateScales(torch.ones(1, state.ssm.shape[-1]))
     state_int8 = type(state)(state.conv, state.ssm.to(torch.int8), scales=scales)  # any int8 state
-    assert not mixer._fusable(state_int8)
-    mixer.act_x = torch.nn.ReLU()  # any quantizer on a tap between in_proj and the norm
-    assert not mixer._fusable(state)
+    assert mixer.plan(state_int8).executor == "int8"
+    mixer.act_x = torch.nn.ReLU()  # any module on a tap between in_proj and the norm
+    assert mixer.plan(state).executor == "float"
 
 
 def _inputs(b=3, s=5, h=4, p=8, g=2, n=16, w=4, dtype=torch.float32, seed=0):

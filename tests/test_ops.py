@@ -117,9 +117,8 @@ def test_gated_norm_groups_and_rms_norm_residual():
 def test_pdl_launch_keywords_only_for_cuda_when_enabled(monkeypatch):
     """PDL keywords go only to CUDA launches and only when enabled: CPU / interpreter launches never get them."""
     pytest.importorskip("triton")
-    from ssmq.kernels import _common
+    from ssmq.kernels import _common, policy
 
-    monkeypatch.setitem(_common.PDL, "on", True)
-    assert _common.pdl_args(torch.zeros(1)) == {}
-    monkeypatch.setitem(_common.PDL, "on", False)
-    assert _common.pdl_args(torch.zeros(1)) == {}
+    for on in (True, False):
+        with policy.using(policy.KernelPolicy(pdl=on)):
+            assert _common.pdl_args(torch.zeros(1)) == {}

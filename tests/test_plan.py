@@ -14,7 +14,7 @@ from tiny_ssm import TINY, tiny_model
 from ssmq.errors import SSMQError
 from ssmq.models import SSMLM, ModelConfig
 from ssmq.models.published import PUBLISHED
-from ssmq.quant.kv_formats import kv_format
+from ssmq.models.kv_format import kv_format
 from ssmq.runtime.plan import (CacheFormat, cache_bytes, fit, float_weight_bytes, kv_bytes_per_token, make_plan,
                                parse_bytes, parse_reserve, state_bytes)
 

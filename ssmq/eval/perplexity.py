@@ -93,8 +93,8 @@ def decode_perplexity_of_ids(
     state_checkpoint: int | None = None,
 ) -> dict:
     """Perplexity through the decode path: the windows (as ``perplexity_of_ids`` cuts them, ``limit`` of them, one
-    batch) are fed one token a step to ``model.step`` over a cache (``ssm_dtype``: its SSM state format, e.g.
-    torch.int8; ``state_checkpoint`` K: states checkpointed every K steps, ReplaySSM), teacher-forced, after an
+    batch) are fed one token a step to ``model.step`` over a cache (``ssm_dtype``: its SSM state format, None the
+    model's own: int8 for an int8-state model; ``state_checkpoint`` K: states checkpointed every K steps, ReplaySSM), teacher-forced, after an
     optional prefill of their first ``prefill`` tokens through the cache. So
     the cache's state formats and the decode kernels are what is scored; a full-window forward never runs. Same
     keys as ``perplexity_of_ids`` (with ``window_nll``), predicted tokens counted from the end of the prefill."""

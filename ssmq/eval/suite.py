@@ -103,11 +103,8 @@ def evaluate(model, tokenizer, task_names: list[str], limit: int | None = None, 
                 r = perplexity_of_file(model, tokenizer, path, seqlen, rows, limit, progress)
                 res = {"metrics": {"ppl": r.pop("ppl"), "nll_mean": r.pop("nll_mean")}, **r}
             elif name == "wikitext2-decode":
-                from ssmq.models.cache import calibrated_ssm_dtype
-
                 ids = tokenizer.encode(wikitext2_path().read_text(encoding="utf-8"))
-                r = decode_perplexity_of_ids(model, ids, seqlen, limit or 8, 0, calibrated_ssm_dtype(model), progress,
-                                             state_checkpoint)
+                r = decode_perplexity_of_ids(model, ids, seqlen, limit or 8, 0, None, progress, state_checkpoint)
                 r.pop("window_nll")
                 res = {"metrics": {"ppl": r.pop("ppl"), "nll_mean": r.pop("nll_mean")}, **r}
             else:

@@ -2,8 +2,9 @@
 
 Each public function here has the signature of its reference in ``ssmq.ops`` and
 dispatches on the device of its first tensor argument, so model code calls one
-name on CPU and GPU alike.
+name on CPU and GPU alike; which kernels it may choose is the active ``KernelPolicy``.
 """
+from ssmq.kernels.policy import KernelPolicy
 
 from ssmq.kernels.dispatch import (
     causal_conv1d,
@@ -11,12 +12,8 @@ from ssmq.kernels.dispatch import (
     conv1d_silu_quant,
     conv1d_update_silu_quant,
     act_quant_fusion_enabled,
-    hadamard_quant_fusion_enabled,
     fake_quantize,
     float_kv_decode,
-    hadamard_quant,
-    int8_decode_enabled,
-    int8_prefill,
     linear,
     linear_into,
     mamba2_decode_step,
@@ -48,17 +45,14 @@ from ssmq.kernels.dispatch import (
 )
 
 __all__ = [
+    "KernelPolicy",
     "causal_conv1d",
     "causal_conv1d_update",
     "conv1d_silu_quant",
     "conv1d_update_silu_quant",
     "act_quant_fusion_enabled",
-    "hadamard_quant_fusion_enabled",
     "fake_quantize",
     "float_kv_decode",
-    "hadamard_quant",
-    "int8_decode_enabled",
-    "int8_prefill",
     "linear",
     "linear_into",
     "mamba2_decode_step",

@@ -7,12 +7,12 @@ modules lazily so that ``import ssmq`` never does.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels.policy import active
 from ssmq.ops.quant_linear import FP8_MAX
 
 
@@ -182,9 +182,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 # Programmatic Dependent Launch (Hopper+): a kernel launched with it may be scheduled while the kernel before it in
 # the stream is still running; it must then wait (griddepcontrol.wait) before touching memory that kernel writes.
 # A decode step is a chain of ~6 small dependent kernels a layer, each paying a launch gap that PDL hides: Mamba2-2.7B
-# FP16 decode 2.85 -> 2.62 ms a token at batch 1, 5.32 -> 5.17 at 32 (H100, CUDA graphs, 2026-11-23; the GPU runtime
-# tests pass with it). On by default; SSMQ_PDL=0 (or PDL["on"] = False) launches every kernel plainly.
-PDL = {"on": os.environ.get("SSMQ_PDL", "1") == "1"}
+# FP16 decode 2.85 -> 2.62 ms a token at batch 1, 5.32 -> 5.17 at 32 (H100, CUDA graphs). On unless the active
+# ``KernelPolicy`` says ``pdl=False``.
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,7 +194,7 @@ def _major(index: int) -> int:
 def pdl_args(t: torch.Tensor) -> dict:
     """Launch keywords for a kernel that calls ``gdc_enter(USE_GDC)`` first: PDL on sm_90+ CUDA tensors when
     enabled, nothing otherwise (the interpreter and older GPUs run the kernel as before)."""
-    if not (PDL["on"] and t.is_cuda and _major(t.device.index if t.device.index is not None
+    if not (active().pdl and t.is_cuda and _major(t.device.index if t.device.index is not None
                                                   else torch.cuda.current_device()) >= 9):
         return {}
     return {"USE_GDC": True, "launch_pdl": True}

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels.dispatch import PREFILL_ATTENTION, prefill_launch, serves
 from ssmq.kernels.kv_decode import _page, paging
 
-# Not swept: at these settings the kernel runs on par with torch's flash SDPA on the H200 (2026-11-28,
+# Not swept: at these settings the kernel runs on par with torch's flash SDPA on the H200 (
 # ``bench_prefill.py --parts layer``, Llama-3.1-8B's heads, 512 queries over 4K / 32K keys: 1.06x / 1.01x its speed)
 CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "STAGES": 2}
 
@@ -74,10 +75,8 @@ def _prefill_kernel(q, k, v, out, lens, slots, table, s_tab, lq, scale, s_qb, s_
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """float16 / bfloat16 q, k, v of one dtype (float32 keeps the reference: tensor cores would round it), channels
-    contiguous, head dims up to 256."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[-1] <= 256 and all(t.stride(-1) == 1 for t in (q, k, v)))
+    """The inputs this kernel serves: its row of ``dispatch.PREFILL_ATTENTION``."""
+    return serves(PREFILL_ATTENTION, "attention_prefill", prefill_launch(q, k, v))
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens: torch.Tensor | None = None,

@@ -2,28 +2,32 @@
 
 Kernel modules are imported on first use, so ``import ssmq`` never needs triton
 (CI has none); without triton, CUDA tensors also fall back to the references.
+Where several kernels serve one op, a selection table says which serves what: rows of requirements on the launch
+(bits, head dim, rotary dim, dtype, rows, needs Gluon), the first row whose requirements hold and that the active
+``KernelPolicy`` allows runs (``select``).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import math
-import os
+import re
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ssmq import ops
-from ssmq.errors import SSMQError
+from ssmq.kernels.policy import KernelPolicy, active
 
-# SSMQ_REF_OPS=1 forces the references everywhere (debugging, accuracy baselines on GPU).
-_FORCE_REF = os.environ.get("SSMQ_REF_OPS", "0") == "1"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _use_triton(t) -> bool:
-    return t.is_cuda and _HAS_TRITON and not _FORCE_REF
+    return t.is_cuda and _HAS_TRITON and not active().reference_ops
 
 
 def _kernels(module: str):
@@ -109,30 +113,6 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return impl(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
 
 
-# SSMQ_INT8_DECODE=0 runs a quantized model's decode step the earlier way: fake-quantized taps (float values) and,
-# for an int8 state, a float step on a dequantized work copy of the served rows. The default feeds the taps' int8
-# codes and the stored state to one kernel (``quant_state_update``); on CPU both are the same references, bit for bit.
-INT8_DECODE = os.environ.get("SSMQ_INT8_DECODE", "1") == "1"
-
-
-def int8_decode_enabled() -> bool:
-    return INT8_DECODE
-
-
-# SSMQ_INT8_PREFILL=1: on CUDA a quantized model's conv emits the taps' int8 codes and they go straight into the
-# int8-input scan kernels (``quant_ssd`` / ``quant_selective_scan``). Off by default until those kernels have run on
-# a GPU (built 2026-11-23, checked in Triton's interpreter and by sm_90 compiles only): the default prefill keeps the
-# fake-quantized taps and the float scan kernels whose GPU accuracy is measured. Elsewhere the fake-quant path
-# always stays: the int8-input references agree with it to float32 rounding, not bit for bit, and the CPU results
-# are the ground truth the tests pin.
-INT8_PREFILL = os.environ.get("SSMQ_INT8_PREFILL", "0") == "1"
-
-
-def int8_prefill(t) -> bool:
-    """Whether a quantized mixer's prefill on t's device feeds its taps' codes to the int8-input scan kernels."""
-    return INT8_PREFILL and _use_triton(t)
-
-
 def fake_quantize(x, scale):
     """``ops.quant_ssm.fake_quantize_ref``: an ``ActQuantizer``'s dequantize(quantize(x)), one kernel on CUDA."""
     from ssmq.ops.quant_ssm import fake_quantize_ref
@@ -180,21 +160,15 @@ def replay_state_update(ckpt, state_scale, state_index, ring, x_q, x_scale, dt, 
                 dt_softplus, state_batch_indices, out_dtype)
 
 
-# SSMQ_FUSED_DECODE=1 runs the fused Triton decode step (two launches); by default CUDA runs the three single-stage
-# kernels through the same op: the fused kernel passes its GPU tests (H100, 2026-11-23) but measured no faster
-# end to end (2.83 vs 2.88 ms a token, Mamba2-2.7B batch 1, within the spread; see ssmq/kernels/mamba2_decode.py).
-_FUSED_DECODE = os.environ.get("SSMQ_FUSED_DECODE", "0") == "1"
-
-
 def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
                        ngroups, norm_group_size, eps, dt_limit=(0.0, math.inf), slots=None, quantize=False,
                        out_scale=None):
     args = (xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state, A, D, dt_bias, norm_weight,
             ngroups, norm_group_size, eps, dt_limit, slots, quantize, out_scale)
+    """``ops.mamba2_decode_step_ref``: conv, state update and gated norm of a decode step; on CUDA the three kernels
+    of those stages (a kernel fusing them measured no faster end to end: ``ssmq.prototype.mamba2_decode``)."""
     if not _use_triton(xbc):
         return ops.mamba2_decode_step_ref(*args)
-    if _FUSED_DECODE:
-        return _kernels("mamba2_decode").mamba2_decode_step(*args)
     from ssmq.ops.mamba2_decode import compose
 
     norm = _kernels("norm")
@@ -212,25 +186,10 @@ def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate
     return impl(x, weight, z, eps, group_size, norm_before_gate)
 
 
-# SSMQ_FUSED_ACT_QUANT=0: an A8 linear quantizes its float input itself (``quant_linear_act``: a quantize kernel,
-# then the integer GEMM), as before the fused producers. By default the op that produces the input of an A8 linear
-# (block norm, gated norm, online Hadamard) emits its int8 codes and scale (the ``*_quant`` ops below) and the linear
-# takes them as they are; on CPU both ways are the same references, bit for bit. Read at call time (benchmarks flip it).
-ACT_QUANT_FUSION = os.environ.get("SSMQ_FUSED_ACT_QUANT", "1") == "1"
-
-
 def act_quant_fusion_enabled() -> bool:
-    return ACT_QUANT_FUSION
-
-
-# The online Hadamard fused with the quantization (``hadamard_quant``, alone or in the gated norm) is opt-in
-# (SSMQ_FUSED_HADAMARD_QUANT=1): on the H100 (2026-11-23, Quamba2 W8A8 Mamba2-2.7B batch 1) its kernel took 14.8 and,
-# after a rewrite, 20.6 us a layer, against ~9.5 us for the float16 Hadamard GEMM + the quantize it replaces.
-HADAMARD_QUANT_FUSION = os.environ.get("SSMQ_FUSED_HADAMARD_QUANT", "0") == "1"
-
-
-def hadamard_quant_fusion_enabled() -> bool:
-    return ACT_QUANT_FUSION and HADAMARD_QUANT_FUSION
+    """Whether the producer of an A8 linear's input emits its codes (``KernelPolicy.act_quant_fusion``); on CPU both
+    ways are the same references, bit for bit."""
+    return active().act_quant_fusion
 
 
 def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_scale=None, per_token=True,
@@ -242,27 +201,14 @@ def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_
 
 
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False, rotate=False, z_scale=None, dtype=torch.int8):
-    """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm (``rotate``: and its online Hadamard; ``z_scale``: on z
-    fake-quantized in registers) with int8 (or, unrotated, e4m3) codes out -> (codes, scale, out or None)."""
+                        per_token=True, with_out=False, z_scale=None, dtype=torch.int8):
+    """``ops.norm.rmsnorm_gated_quant_ref`` unrotated: the gated norm (``z_scale``: on z fake-quantized in
+    registers) with int8 or e4m3 codes out -> (codes, scale, out or None)."""
     if not _use_triton(x):
         return ops.rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
-                                           with_out, rotate, z_scale, dtype)
-    if rotate and dtype != torch.int8:
-        raise SSMQError("the rotated gated norm emits int8 codes only")
-    if rotate:  # norm, Hadamard and codes in one kernel
-        return _kernels("hadamard").rmsnorm_gated_hadamard_quant(x, weight, z, eps, group_size, norm_before_gate,
-                                                                 x_scale, per_token, with_out, z_scale)
+                                           with_out, False, z_scale, dtype)
     return _kernels("norm").rmsnorm_gated_quant(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
                                                 with_out, z_scale, dtype)
-
-
-def hadamard_quant(x, x_scale=None, per_token=True, with_y=False):
-    """``ops.hadamard.hadamard_quant_ref``: online Hadamard + int8 codes -> (codes, scale[, y]); one kernel on CUDA."""
-    from ssmq.ops.hadamard import hadamard_quant_ref
-
-    impl = _kernels("hadamard").hadamard_quant if _use_triton(x) else hadamard_quant_ref
-    return impl(x, x_scale, per_token, with_y)
 
 
 def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True):
@@ -289,13 +235,15 @@ def rstd_scale(red, group_size, eps, bias=None, out_dtype=None):
     return impl(red, group_size, eps, bias, out_dtype)
 
 
-_DECODE_ROWS = 8  # gemv.MAX_ROWS: one weight pass serves this many rows; more rows are GEMMs, cuBLAS's ground
+def _gemv(x, weight, bias=None) -> bool:
+    launch = dict(dtype=_name(x.dtype), rows=math.prod(x.shape[:-1]),
+                  same_dtype=weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype))
+    return _use_triton(x) and select(LINEAR, launch) == "gemv"
 
 
 def linear(x, weight, bias=None):
-    """``F.linear``, through the Triton GEMV for decode-sized fp16/bf16 inputs (<= 8 rows) on CUDA."""
-    if (_use_triton(x) and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and (bias is None or bias.dtype == x.dtype) and 0 < math.prod(x.shape[:-1]) <= _DECODE_ROWS):
+    """``F.linear``, through the Triton GEMV for the launches ``LINEAR`` gives it (decode-sized 16-bit inputs)."""
+    if _gemv(x, weight, bias):
         return _kernels("gemv").linear_decode(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -304,8 +252,7 @@ def linear_into(x, weight, out):
     """``out[...] = F.linear(x, weight)``, out (..., N) of any float dtype whose rows may be strided (a column slice of
     a wider tensor): on CUDA the decode GEMV writes it directly (no output tensor of its own, no cast or copy after);
     elsewhere, or for more rows, F.linear and one copy. Returns out."""
-    if (_use_triton(x) and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and 0 < math.prod(x.shape[:-1]) <= _DECODE_ROWS and out.stride(-1) == 1):
+    if out.stride(-1) == 1 and _gemv(x, weight):
         return _kernels("gemv").linear_decode(x, weight, None, out=out)
     out.copy_(F.linear(x, weight))
     return out
@@ -340,26 +287,135 @@ def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
     return impl(x, x_scale, per_token, dtype)
 
 
-# SSMQ_KV_FAST=0 keeps every KV cache on the first-generation decode kernel (A/B timing); by default the quantized
-# formats the fast kernel serves exactly (2-4 bit codes, head dims % 32, rotary dims % 16) and float16 / bfloat16
-# caches take it on CUDA.
-_KV_FAST = os.environ.get("SSMQ_KV_FAST", "1") == "1"
-# SSMQ_KV_WARP=0 keeps the formats the warp kernel serves (kv_decode_warp: 2-4 bit per-channel keys, per-token
-# values, head dim 128 or 64, RoPE on 0, 32, 64 or 128 channels, with or without outliers) on kv_decode_fast (A/B
-# timing); it needs Triton's Gluon (3.5+).
-_KV_WARP = os.environ.get("SSMQ_KV_WARP", "1") == "1"
+@dataclass(frozen=True)
+class Need:
+    """A requirement on one field of a launch: a value ``among`` these (None: any), a multiple of ``multiple``, in
+    [``least``, ``most``], a power of two when ``pow2``."""
+
+    among: tuple | None = None
+    multiple: int = 1
+    least: float = -math.inf
+    most: float = math.inf
+    pow2: bool = False
+
+    def holds(self, v) -> bool:
+        if self.among is not None:
+            return v in self.among
+        return v % self.multiple == 0 and self.least <= v <= self.most and (not self.pow2 or v & (v - 1) == 0)
 
 
-def _warp_decode(q, k, v, rotary_dim, block_table):
-    """``kv_decode_warp`` when it serves this launch, else None (also without Gluon)."""
-    if not _KV_WARP:
-        return None
-    try:
-        warp = _kernels("kv_decode_warp")
-    except ImportError:
-        return None
+@dataclass(frozen=True)
+class Row:
+    """One kernel of a selection table: the module in ``ssmq.kernels`` and what a launch must satisfy."""
+
+    kernel: str
+    needs: dict = field(default_factory=dict)
+    gluon: bool = False  # needs Triton's Gluon (3.5+)
+
+    def serves(self, launch: dict) -> bool:
+        return all(need.holds(launch[name]) for name, need in self.needs.items())
+
+
+_BITS, _HALF = Need((2, 3, 4)), Need(("float16", "bfloat16"))
+# Quantized KV decode. kv_decode_warp: codebooks of exactly 2^bits entries (its lookup tables index codes unmasked),
+# per-channel keys and per-token values, head dim 64 or 128, at most 8 query-head columns a program (head dim 64
+# puts two kv heads' groups in them), at most a 16-token tile of sink, paged blocks whole tiles. kv_decode_fast:
+# 2-4 bit codes, head dims that are multiples of 32, rotary dims that are multiples of 16 (its lookups read whole
+# bytes of a rotary half). kv_decode: every format (float32-exact products).
+QUANT_KV_DECODE = (
+    Row("kv_decode_warp", dict(key_bits=_BITS, value_bits=_BITS, full_codebooks=Need((True,)),
+                               key_per_token=Need((False,)), value_per_token=Need((True,)), head_dim=Need((64, 128)),
+                               rotary_dim=Need((0, 32, 64, 128)), rotary_past_head=Need((False,)),
+                               sink=Need(most=16), columns=Need(most=8),
+                               paged_block=Need(multiple=16)), gluon=True),
+    Row("kv_decode_fast", dict(key_bits=_BITS, value_bits=_BITS, head_dim=Need(multiple=32),
+                               rotary_dim=Need(multiple=16))),
+    Row("kv_decode"),
+)
+# Float KV decode: kv_decode_fast's tensor-core products in the cache's 16-bit dtype, head dims powers of two from
+# 32; float32 caches keep kv_decode's float32-exact products.
+FLOAT_KV_DECODE = (Row("kv_decode_fast", dict(dtype=_HALF, head_dim=Need(least=32, pow2=True))), Row("kv_decode"))
+# Float linear: the GEMV serves decode-sized 16-bit inputs (one weight pass serves up to 8 rows); more rows are
+# GEMMs, cuBLAS's ground.
+LINEAR = (Row("gemv", dict(dtype=_HALF, same_dtype=Need((True,)), rows=Need(least=1, most=8))), Row("torch"))
+# Prefill attention: 16-bit q, k, v of one dtype (tensor cores would round float32), channels contiguous, head
+# dims up to 256 (the tile's registers). A quantized cache's read: 2-4 bit codes (the tile unpacking), even rotary
+# dims. Its fused append: 2-4 bit codes, unrotated, per-token or per-channel scales.
+PREFILL_ATTENTION = (Row("attention_prefill", dict(dtype=_HALF, same_dtype=Need((True,)), head_dim=Need(most=256),
+                                                   contiguous=Need((True,)))), Row("reference"))
+QUANT_KV_READ = (Row("kv_read", dict(bits=_BITS, rotary_dim=Need(multiple=2))), Row("reference"))
+QUANT_KV_APPEND = (Row("kv_append", dict(bits=_BITS, rotated=Need((False,)),
+                                         granularity=Need(("per_token", "per_channel")))), Row("reference"))
+
+
+@functools.lru_cache(maxsize=None)
+def has_gluon() -> bool:
+    """Whether the installed Triton has Gluon (3.5+), read from its metadata (no import of triton)."""
+    if not _HAS_TRITON:
+        return False
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", importlib.metadata.version("triton")).groups())
+    return (major, minor) >= (3, 5)
+
+
+def select(table: tuple[Row, ...], launch: dict, policy: KernelPolicy | None = None, gluon: bool | None = None) -> str:
+    """The kernel of the first row of ``table`` that serves ``launch`` and that ``policy`` (default: the active one)
+    allows; ``gluon``: whether Triton's Gluon is there (default: looked up). The last row serves every launch."""
+    policy = policy or active()
+    allowed = set(policy.kv_decode) | {"kv_decode"} if table is QUANT_KV_DECODE or table is FLOAT_KV_DECODE else None
+    for row in table:
+        if (allowed is None or row.kernel in allowed) and row.serves(launch) and \
+                (not row.gluon or (has_gluon() if gluon is None else gluon)):
+            return row.kernel
+    return table[-1].kernel
+
+
+def quant_kv_launch(key_bits: int, value_bits: int, full_codebooks: bool, key_per_token: bool,
+                    value_per_token: bool, head_dim: int, rotary_dim: int, sink: int, group: int,
+                    paged_block: int = 0) -> dict:
+    """The fields ``QUANT_KV_DECODE`` selects on, from a quantized KV format and its layer's shape (``group``: query
+    heads a kv head; ``paged_block``: tokens a block of a paged cache, 0 unpaged)."""
+    return dict(key_bits=key_bits, value_bits=value_bits, full_codebooks=full_codebooks, key_per_token=key_per_token,
+                value_per_token=value_per_token, head_dim=head_dim, rotary_dim=rotary_dim,
+                rotary_past_head=rotary_dim > head_dim, sink=sink, columns=group * max(1, 128 // head_dim),
+                paged_block=paged_block)
+
+
+def quant_kv_view_launch(k, v, rotary_dim: int, group: int, paged_block: int = 0) -> dict:
+    """``quant_kv_launch`` of the two sides of a quantized cache as the kernels read them (``KVSideView``)."""
+    full = k.codebook.numel() == 2 ** k.bits and v.codebook.numel() == 2 ** v.bits
+    return quant_kv_launch(k.bits, v.bits, full, k.per_token, v.per_token, k.sink.shape[-1], rotary_dim,
+                           k.sink.shape[1], group, paged_block)
+
+
+def serves(table: tuple[Row, ...], kernel: str, launch: dict) -> bool:
+    """Whether ``kernel``'s row of ``table`` serves ``launch`` (the kernels' own guards)."""
+    return next(row for row in table if row.kernel == kernel).serves(launch)
+
+
+def _quant_kv_kernel(q, k, v, rotary_dim, block_table) -> str:
     block = k.codes.shape[1] if block_table is not None else 0
-    return warp if warp.eligible(k, v, rotary_dim, q.shape[1] // k.codes.shape[2], block) else None
+    return select(QUANT_KV_DECODE, quant_kv_view_launch(k, v, rotary_dim, q.shape[1] // k.codes.shape[2], block))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def float_kv_launch(dtype: torch.dtype, head_dim: int) -> dict:
+    return dict(dtype=_name(dtype), head_dim=head_dim)
+
+
+def prefill_launch(q, k, v) -> dict:
+    return dict(dtype=_name(q.dtype), same_dtype=k.dtype == q.dtype and v.dtype == q.dtype, head_dim=q.shape[-1],
+                contiguous=all(t.stride(-1) == 1 for t in (q, k, v)))
+
+
+def read_launch(side, rotary_dim: int) -> dict:
+    return dict(bits=side.bits, rotary_dim=rotary_dim)
+
+
+def append_launch(p, bits: int) -> dict:
+    return dict(bits=bits, rotated=p.signs is not None, granularity=p.granularity)
 
 
 def rope(x, positions, rotary_dim, base=10000.0):
@@ -375,13 +431,12 @@ def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, blo
     (keys post-RoPE), rows ``slots`` valid up to ``kv_lens`` (b,): (b, hq, e) float32; or over block pools
     (N, B, hkv, e) with ``block_table`` (s, M) (``kv_decode.float_kv_decode``). On CUDA a flash-decoding kernel
     that reads the lengths on the device (no host sync): ``kv_decode_fast``'s for float16 / bfloat16 caches of head
-    dims 32, 64, 128, ... (tensor-core products in the cache's dtype; ``SSMQ_KV_FAST=0`` keeps the other), else
+    dims 32, 64, 128, ... (tensor-core products in the cache's dtype; ``FLOAT_KV_DECODE``), else
     ``kv_decode``'s (float32-exact products); ``attention_ref`` elsewhere."""
     if not _use_triton(q):
         k, v = (_cache_rows(c, slots, block_table).float() for c in (k_cache, v_cache))
         return ops.attention_ref(q[:, None].float(), k, v, kv_lens, softmax_scale)[:, 0]
-    fast = _kernels("kv_decode_fast")
-    impl = fast if _KV_FAST and fast.float_eligible(k_cache) else _kernels("kv_decode")
+    impl = _kernels(select(FLOAT_KV_DECODE, float_kv_launch(k_cache.dtype, k_cache.shape[-1])))
     return impl.float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale, block_table=block_table)
 
 
@@ -391,7 +446,7 @@ def prefill_attention(q, k, v, kv_lens=None, softmax_scale=None, slots=None, blo
     ``block_table`` (s, M) block pools (N, B, hkv, e). The flash-attention kernel of ``attention_prefill`` on CUDA
     for float16 / bfloat16 inputs (it reads a cache in place, up to each row's length); elsewhere the reference over
     the rows copied out."""
-    if _use_triton(q) and _kernels("attention_prefill").eligible(q, k, v):
+    if _use_triton(q) and select(PREFILL_ATTENTION, prefill_launch(q, k, v)) == "attention_prefill":
         return _kernels("attention_prefill").prefill_attention(q, k, v, kv_lens, softmax_scale, slots, block_table)
     if slots is not None:
         k, v = _cache_rows(k, slots, block_table), _cache_rows(v, slots, block_table)
@@ -410,7 +465,7 @@ def quant_kv_read(side, slots, end, rotary_dim=0, theta=10000.0, dtype=torch.flo
     ``end``, as (b, end, hkv, e) float keys (rotated) or values in ``dtype``; ``block_table``: the side's per-token
     buffers are block pools (the kernel reads them in place, the reference a copy of the rows' blocks); ``kv_lens``:
     the kernel may leave a row's tokens from its length on unwritten (the reference writes them all)."""
-    if _use_triton(side.codes) and _kernels("kv_read").eligible(side, rotary_dim):
+    if _use_triton(side.codes) and select(QUANT_KV_READ, read_launch(side, rotary_dim)) == "kv_read":
         return _kernels("kv_read").quant_kv_read(side, slots, end, rotary_dim, theta, dtype, block_table, kv_lens)
     from ssmq.ops.kv_quant import quant_kv_read_ref
 
@@ -419,41 +474,33 @@ def quant_kv_read(side, slots, end, rotary_dim=0, theta=10000.0, dtype=torch.flo
     return quant_kv_read_ref(side, slots, end, rotary_dim, theta, dtype)
 
 
-# A quantized KV cache's new tokens are written by the fused quantize-and-append kernel (``kv_append``, the reference
-# write's bytes, tested on the H100) on CUDA; SSMQ_KV_FUSED_APPEND=0 writes with the reference ops instead.
-_KV_FUSED_APPEND = os.environ.get("SSMQ_KV_FUSED_APPEND", "1") != "0"
-
-
 def quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink, block_table=None) -> bool:
     """Quantize x (b, l, hkv, e) into a quantized KV side's buffers at ``positions`` of the rows ``slots`` with the
     fused kernel (``kv_append.quant_kv_append``; ``block_table``: the buffers are block pools) on CUDA when it serves
-    the format (and is not turned off); False when the caller should write with the reference ops instead."""
-    if not (_KV_FUSED_APPEND and _use_triton(x)):
+    the format (and ``KernelPolicy.kv_fused_append`` allows it); False when the caller should write with the
+    reference ops instead."""
+    if not (active().kv_fused_append and _use_triton(x)) or \
+            select(QUANT_KV_APPEND, append_launch(p, bits)) != "kv_append":
         return False
-    fused = _kernels("kv_append")
-    if not fused.eligible(p, bits):
-        return False
-    fused.quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink,
+    _kernels("kv_append").quant_kv_append(x, slots, positions, p, bits, codes, mid, half, out_idx, out_val, sink,
                           block_table=block_table)
     return True
 
 
 def quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim=0, theta=10000.0, softmax_scale=None, block_table=None):
-    """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache (LUT K / V kernels on CUDA:
-    ``kv_decode_warp`` for the formats it serves, ``kv_decode_fast`` for the others it is ``eligible`` for, else the
-    first-generation ``kv_decode``).
-    ``block_table`` (s, M): the sides' per-token buffers are block pools (``ssmq.models.quant_kv``), which the fast
-    kernel reads in place; the first-generation one reads a copy of the rows' blocks (``KVSideView.gathered``)."""
+    """``ops.kv_quant.quant_kv_decode_ref``: decode attention over a quantized KV cache; on CUDA the LUT kernel
+    ``QUANT_KV_DECODE`` selects for the format. ``block_table`` (s, M): the sides' per-token buffers are block pools
+    (``ssmq.models.quant_kv``), which the warp and fast kernels read in place; ``kv_decode`` and the reference read a
+    copy of the rows' blocks (``KVSideView.gathered``)."""
     from ssmq.ops.kv_quant import quant_kv_decode_ref
 
-    if _use_triton(q) and _KV_FAST and (warp := _warp_decode(q, k, v, rotary_dim, block_table)) is not None:
-        return warp.quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale, block_table=block_table)
-    if _use_triton(q) and _KV_FAST and _kernels("kv_decode_fast").eligible(k, v, rotary_dim):
-        return _kernels("kv_decode_fast").quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
-                                                          block_table=block_table)
-    if block_table is not None:  # the reference and the first-generation kernel read the rows' blocks copied out
+    kernel = _quant_kv_kernel(q, k, v, rotary_dim, block_table) if _use_triton(q) else "reference"
+    if kernel in ("kv_decode_warp", "kv_decode_fast"):
+        return _kernels(kernel).quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale,
+                                                block_table=block_table)
+    if block_table is not None:
         k, v = k.gathered(block_table, slots), v.gathered(block_table, slots)
         slots = torch.arange(len(slots), device=q.device)
-    if not _use_triton(q):
+    if kernel == "reference":
         return quant_kv_decode_ref(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)
     return _kernels("kv_decode").quant_kv_decode(q, slots, kv_lens, k, v, rotary_dim, theta, softmax_scale)

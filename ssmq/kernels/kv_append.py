@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels.dispatch import QUANT_KV_APPEND, append_launch, serves
 from ssmq.ops.kv_quant import KVParams
 
 # One program a token is latency-bound (its selection is a chain of reductions): more warps shorten each step.
@@ -141,8 +142,8 @@ def _append_kernel(x, slots, positions, table, s_tab, codes, mid, half, oidx, ov
 
 
 def eligible(p: KVParams, bits: int) -> bool:
-    """The formats the kernel writes exactly (module docstring)."""
-    return bits in (2, 3, 4) and p.signs is None and p.granularity in ("per_token", "per_channel")
+    """The formats the kernel writes exactly (module docstring): its row of ``dispatch.QUANT_KV_APPEND``."""
+    return serves(QUANT_KV_APPEND, "kv_append", append_launch(p, bits))
 
 
 def quant_kv_append(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, p: KVParams, bits: int,

@@ -24,12 +24,12 @@ other formats take the reference.
 from __future__ import annotations
 
 import functools
-import os
 from fractions import Fraction
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from ssmq.kernels.rotary import inv_freq_on as _inv_freq  # cached: no per-call table building
 from ssmq.ops.kv_quant import KVSideView
@@ -44,7 +44,7 @@ from ssmq.ops.kv_quant import KVSideView
 CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=2, MIN_TILES=4, dot="tf32x3")
 # cos.approx / sin.approx on the GPU (tl.cos is libdevice's precise cosf, ~20 instructions with a slow path for
 # large angles); the interpreter runs no PTX: numpy's there
-FAST_TRIG = os.environ.get("TRITON_INTERPRET") != "1"
+FAST_TRIG = not knobs.runtime.interpret
 
 
 @triton.jit
@@ -412,7 +412,7 @@ def whole_rounds(fill: int, pairs: int, slots: int, most: int | None = None) -> 
     """The split count P in [fill / 2, ``most``] (default 2 fill) whose pairs · P programs leave the least of their
     last round of ``slots`` resident programs idle (ties: the nearest to fill, then the fewer). A latency-bound
     decode takes a round's time whether the round is full or not: b = 8 rows × 8 kv heads at 2 programs an SM of 132
-    made 9 splits, 576 programs, 2.2 rounds run as 3; 8 splits are 512, 1.94 rounds run as 2 (H200, 2026-11-28:
+    made 9 splits, 576 programs, 2.2 rounds run as 3; 8 splits are 512, 1.94 rounds run as 2 (H200:
     twice the splits, 4.1 rounds in 5, were already 15% faster than 9, ``s30_occupancy_sweep_b8.log``)."""
     def key(p):
         rounds = -(-pairs * p // slots)

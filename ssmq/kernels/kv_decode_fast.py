@@ -1,5 +1,5 @@
-"""The fast KVQuant decode kernel (the Triton one; ``kv_decode_warp`` is the Gluon one),
-dispatched by ``ssmq.kernels.dispatch.quant_kv_decode`` for every format it is ``eligible`` for: 2-4 bit codes,
+"""The fast KVQuant decode kernel, which ``ssmq.kernels.dispatch.QUANT_KV_DECODE`` selects for the formats it
+serves that ``kv_decode_warp`` does not: 2-4 bit codes,
 head dims that are multiples of 32, rotary dims that are multiples of 16, with or without sparse outliers. Its
 products are never narrower than 32 (32-token tiles, ``MIN_DIM``-padded rotary halves and pass-through tiles):
 16-wide tensor-core products fed by the PRMT lookups came out wrong on the H100 with Triton 3.6 (16-channel
@@ -68,16 +68,17 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
+from ssmq.kernels.dispatch import FLOAT_KV_DECODE, QUANT_KV_DECODE, float_kv_launch, quant_kv_view_launch, serves
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
                                     _slot_residual, _sm_count, _split_chunk, _split_range, _store_split, float_args,
                                     paging, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
-# Launch settings (the bench's --cfg overrides them). H100, 2026-11-23 (first run of this loop, 4-bit, 128K tokens):
+# Launch settings (the bench's --cfg overrides them). H100 (this loop, 4-bit, 128K tokens):
 # BLOCK_T 32 / 4 warps 0.335 ms against 64 / 8 warps 0.407 (252 registers: one 8-warp program an SM; 32 / 4: two).
 # BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers: 16 would keep their per-slot work free of spills, but
 # 16-token tiles, like 16-channel rotary halves, made a 16-wide tensor-core product of PRMT-lookup values, which came
-# out wrong on the H100 (Triton 3.6; the gathered lookup was right: diag_kv_decode.py, 2026-11-26), hence 32 and
+# out wrong on the H100 (Triton 3.6; the gathered lookup was right: diag_kv_decode.py), hence 32 and
 # MIN_DIM, the narrowest rotary half / pass-through tile, padded with zero query channels); WAVES programs an SM over
 # the grid; MIN_TILES: a split covers at least this many tiles of the cache's capacity (fewer splits for short
 # caches). ROPE "split": R(t0 + j) = R(t0) R(j),
@@ -86,20 +87,20 @@ from ssmq.ops.kv_quant import KVSideView
 CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
            GP_MIN=4, SPARSE_SLOTS=512, SPARSE_PROGRAMS=16, FOLD=True, MAXNREG=128, MAXNREG_OUTLIERS=168, RESIDENT=2)
 MIN_DIM = 32
-# The outlier formats' decode takes the same warps and stages, uncapped: H200, 2026-11-27 (`time_kv_outlier_parts.py
+# The outlier formats' decode takes the same warps and stages, uncapped: H200 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the
 # decode kernel 0.416 ms, 4 / 3 uncapped 0.345 (keys only: 0.381 -> 0.268; no outliers 0.254).
 # SPARSE_SLOTS: slot positions an iteration of an outlier pass's program takes, whole tokens' slots flattened (the
-# last SPARSE_SLOTS % slots positions idle). H200, 2026-11-29 (`time_kv_outlier_parts.py --kernels`, 128K tokens,
+# last SPARSE_SLOTS % slots positions idle). H200 (`time_kv_outlier_parts.py --kernels`, 128K tokens,
 # 4-bit, 20 key / 10 value slots a token): as (tokens, slots padded to a power of two) tiles, 16 tokens (512 and 256
 # positions, 37.5% of them padding) took the key pass 0.045 ms and the value pass 0.025, 32 tokens 0.059 / 0.022,
 # 8 tokens 0.052 / 0.030; flattened, 512 positions 0.045
 # / 0.021 (25 and 51 tokens), 256 0.044 / 0.022, 1024 0.058 / 0.027: the value pass gained, the
 # key pass is not bound by its idle lanes.
-# `bench_kvquant.py --sweep` (H100, 2026-11-26, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
+# `bench_kvquant.py --sweep` (H100, 16K / 128K tokens; kernels_b1_s17_sweep.json): 3 stages took 4-bit
 # from 0.326 to 0.289 ms at 128K (0.055 -> 0.049 at 16K); for 1% outliers (then ranked passes) no setting beat these.
 # GP_MIN: rows of the query-group tiles at least (GROUP padded to a power of two; Triton pads the tensor-core
-# products' M itself). H200, 2026-11-27 (`time_kv_outlier_parts.py`, 128K tokens, 4-bit): 16 -> 4 took the
+# products' M itself). H200 (`time_kv_outlier_parts.py`, 128K tokens, 4-bit): 16 -> 4 took the
 # no-outlier kernel from 0.292 to 0.258 ms (255 -> 236 registers) and the 1% one from 1.007 to 0.979.
 # FOLD: per-channel scales applied in float16 (``_fold_tables``). MAXNREG, MAXNREG_OUTLIERS: the quantized decode's
 # register caps; the programs an SM holds follow (4 at 128 registers, 3 at 168: ``kv_decode.resident_programs``) and
@@ -110,8 +111,7 @@ MIN_DIM = 32
 # local-memory requests a call, s31_ncu_decode_4bit.log) 0.208 / 1.533, 96 (5) 0.243 / 1.770; 1% outliers (190
 # registers uncapped): 168 0.295 / 2.225, 128 0.307 / 2.330. FOLD off, capped at 168: 0.251. RESIDENT: programs an
 # SM of an uncapped launch (per-token keys, ``launch_cfg``: 2 at 236 registers). Float caches keep
-# their registers (64) and WAVES alone (bound by bytes: twice the splits at batch 8 did not help them, H200,
-# 2026-11-28)
+# their registers (64) and WAVES alone (bound by bytes: twice the splits at batch 8 did not help them, H200)
 # FAST_TRIG (the first kernel's): cos.approx / sin.approx and the PRMT lookups on the GPU; the interpreter runs no
 # PTX: numpy's trig and a gathered LUT there
 
@@ -163,7 +163,7 @@ _ST32 = tl.constexpr("{\n.reg .pred p;\nsetp.ne.b32 p, $3, 0;\n@p st.global.b32 
 def _store_as_is(ptrs, x, mask, ASM: tl.constexpr):
     """tl.store(ptrs, x, mask) of float32 x in x's own layout. tl.store first converts a tensor-core accumulator to a
     coalesced layout, through shared memory and barriers in the decode loop (the scores' store: 1% formats' decode
-    0.292 ms with it, 0.263 with this, at 128K tokens, H100, 2026-11-28, ``time_kv_outlier_parts.py --kernels``);
+    0.292 ms with it, 0.263 with this, at 128K tokens, H100, ``time_kv_outlier_parts.py --kernels``);
     this asm store leaves each thread's entries where they are: 4-byte stores, uncoalesced (merged in L2), an
     entry that several threads hold (a 4-row tile in a 16-row layout) stored by each, the same value."""
     if ASM:
@@ -230,7 +230,7 @@ def _book(rows, c0: tl.constexpr, NC: tl.constexpr, CP: tl.constexpr, tmask, lut
         gm = tmask[:, None] & (g < NC // 4)[None, :]
         lo = tl.load(rows + c0 // 4 + g[None, :], mask=gm, other=0)
         # byte g's 4 high bits: nibble g % 2 of byte g // 2, the 1-bit plane read contiguously and its nibbles
-        # joined (a byte gather hi[g // 2] instead made the 3-bit decode 1.46x slower than this, H100, 2026-11-28)
+        # joined (a byte gather hi[g // 2] instead made the 3-bit decode 1.46x slower than this, H100)
         g8 = tl.arange(0, CP // 8)
         hi = tl.load(rows + (E + 3) // 4 + c0 // 8 + g8[None, :], mask=tmask[:, None] & (g8 < NC // 8)[None, :],
                      other=0)
@@ -251,7 +251,7 @@ def _scales(mid, half, slot, hk, t, tmask, c, cmask, s_ms, s_mt, E: tl.constexpr
     """float32 (mid, half) broadcastable to a (T, C) tile: per-token scales (s, L, hkv) at tokens t as (T, 1), or
     per-channel ones (hkv, e) at channels c as (1, C). Per-channel scales are the same every tile: the decode loads
     them before its loop (a store in the loop, the scores' for the value outliers, keeps the compiler from hoisting
-    loads; in the loop they cost the 1% formats ~0.06 ms at 128K tokens, H100, 2026-11-28)."""
+    loads; in the loop they cost the 1% formats ~0.06 ms at 128K tokens, H100)."""
     if PER_TOKEN:
         m = tl.load(mid + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)[:, None]
         h = tl.load(half + slot * s_ms + t * s_mt + hk, mask=tmask, other=0.0).to(tl.float32)[:, None]
@@ -282,7 +282,7 @@ def _as_operand(x, cache):
 @triton.jit
 def _qk(q, k, s):
     """s + q · kᵀ for q (GP, C), k (T, C): (GP, T) float32, a tensor-core product in ``_mma_operand(k)``'s dtype.
-    (CUDA-core float32 multiply-adds instead measured 2-7x slower: H200, 2026-11-28, ``bench_kvquant.py --sweep``.)"""
+    (CUDA-core float32 multiply-adds instead measured 2-7x slower: H200, ``bench_kvquant.py --sweep``.)"""
     k = _mma_operand(k)
     return tl.dot(q.to(k.dtype), tl.trans(k), s)
 
@@ -456,7 +456,7 @@ def _decode_kernel(q, slots, lens, inv_freq, out, ws, table, s_tab, sc, c_b, c_k
     if VFOLD:
         vm, vh = vm.to(tl.float16), vh.to(tl.float16)
     # blocks of whole tiles: a tile's block is one table entry, loaded a tile ahead (its latency, in front of the
-    # tile's loads, hidden behind the tile before); H100, 2026-11-28 (bench_paged_decode.py, 4-bit, 128K tokens):
+    # tile's loads, hidden behind the tile before); H100 (bench_paged_decode.py, 4-bit, 128K tokens):
     # loaded in the tile itself, 0.307 ms (contiguous cache 0.258); an entry a token (16-token blocks) 0.313
     AHEAD: tl.constexpr = BS > 0 and BS % BLOCK_T == 0
     if AHEAD:
@@ -669,10 +669,8 @@ def pointer_types(float_dtype: str | None = None) -> dict:
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int) -> bool:
-    """Formats this kernel serves (exact on the H100): 2-4 bit codes, head dims that are multiples of 32 and rotary
-    dims that are multiples of 16 (0 included: the lookups read whole bytes of codes), sparse outliers or none."""
-    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and k.sink.shape[-1] % 32 == 0
-            and rotary_dim % 16 == 0)
+    """Formats this kernel serves exactly: its row of ``dispatch.QUANT_KV_DECODE``."""
+    return serves(QUANT_KV_DECODE, "kv_decode_fast", quant_kv_view_launch(k, v, rotary_dim, 1))
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,
@@ -762,10 +760,8 @@ def launch_cfg(keys_per_token: bool) -> dict:
 
 
 def float_eligible(k_cache: torch.Tensor) -> bool:
-    """Float caches this kernel serves: float16 / bfloat16, head dims that are powers of two from 32 (``MIN_DIM``-wide
-    products). float32 caches keep the first kernel's float32-exact products."""
-    e = k_cache.shape[-1]
-    return k_cache.dtype in (torch.float16, torch.bfloat16) and e >= MIN_DIM and e & (e - 1) == 0
+    """Float caches this kernel serves: its row of ``dispatch.FLOAT_KV_DECODE``."""
+    return serves(FLOAT_KV_DECODE, "kv_decode_fast", float_kv_launch(k_cache.dtype, k_cache.shape[-1]))
 
 
 def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k_cache: torch.Tensor,
@@ -773,7 +769,7 @@ def float_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor,
                     block_table: torch.Tensor | None = None) -> torch.Tensor:
     """``kv_decode.float_kv_decode`` (same contract: keys post-RoPE, (s, L, hkv, e) caches or block pools) on this
     kernel: tensor-core products in the cache's dtype (float16 or bfloat16; p and q rounded to it, as flash
-    attention does), 3x faster than that kernel's float32-exact 3xTF32 products at 128K tokens (H200, 2026-11-28)."""
+    attention does), 3x faster than that kernel's float32-exact 3xTF32 products at 128K tokens (H200)."""
     if not float_eligible(k_cache):
         raise SSMQError("the fast KV decode kernel serves float16 / bfloat16 caches of head dims 32, 64, 128, ... (not "
                         f"{k_cache.dtype} x {k_cache.shape[-1]}); use ssmq.kernels.kv_decode")

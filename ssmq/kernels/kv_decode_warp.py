@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import int32_words
+from ssmq.kernels.dispatch import QUANT_KV_DECODE, quant_kv_view_launch, serves
 from ssmq.kernels.kv_decode import (_sm_count, combine_splits, paging, resident_programs, split_outputs,
                                     whole_rounds)
 from ssmq.kernels.kv_decode_fast import (_LUT2, _LUT2_CONSTRAINTS, _LUT3, _LUT3_CONSTRAINTS, _LUT4, _LUT4_CONSTRAINTS,
@@ -94,7 +95,7 @@ VB2_PAIRS = gl.constexpr(gl.DistributedLinearLayout([[1, 0], [0, 1], [0, 2], [8,
                                                     [TILE, E_SERVED // 4]))
 VB1 = gl.constexpr(gl.DistributedLinearLayout([[0, 1], [1, 0], [8, 0]], [[2, 0], [4, 0], [0, 2], [0, 4], [0, 8]], [],
                                               [], [TILE, E_SERVED // 8]))
-# Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6, 2026-11-29: 230 registers, 8 resident a SM;
+# Programs an SM: 1-warp programs of ~230 registers (H200, Triton 3.6: 230 registers, 8 resident a SM;
 # 212-224 in the sm_90 build since the cp.async rings, 9 could reside, but neither a cap nor 9 was faster:
 # 2-bit capped at 168, three interleaved rounds: 6% faster at
 # 1 x 128K tokens, 2% at 8 x 32K, 14% slower at 1 x 16K; not adopted, a cap by context would be a second build);
@@ -450,7 +451,7 @@ def _decode_kernel(q, slots, lens, sinv, angles, rope, kscales, klut, vlut, out,
 
     row_sc = i.to(gl.int64)  # sc's first index: the row, or (paged) the tile's block
     # the codes of the next STAGES - 1 tiles in flight (cp.async rings; the loop's other loads are small), each
-    # tile read from its stage: without them the warp waited on its own loads (H200, 2026-11-29, 128K tokens x 8
+    # tile read from its stage: without them the warp waited on its own loads (H200, 128K tokens x 8
     # rows: 2-bit 0.80 -> 0.67 ms, 4-bit 0.96 -> 0.92)
     SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     KN: gl.constexpr = E // 2 if KBITS == 4 else E // 4  # bytes of a token's first plane
@@ -530,15 +531,9 @@ def _decode_kernel(q, slots, lens, sinv, angles, rope, kscales, klut, vlut, out,
 
 
 def eligible(k: KVSideView, v: KVSideView, rotary_dim: int, group: int, paged_block: int = 0) -> bool:
-    """Formats this kernel serves (module docstring); the rest go to ``kv_decode_fast``. Codebooks of exactly 2^bits
-    entries: the lookups' tables hold 16 / 8 / 4 and a code indexes them unmasked (codes of fewer levels, as
-    ``kv-int4-pth``'s 15 or int3's 7, keep ``kv_decode_fast``, which masks them). Head dim 64 puts two kv heads'
-    query groups in the 8 columns: at most 4 query heads a kv head."""
-    e = k.sink.shape[-1]
-    return (k.bits in (2, 3, 4) and v.bits in (2, 3, 4) and not k.per_token and v.per_token and e in (64, 128)
-            and rotary_dim in (0, 32, 64, 128) and rotary_dim <= e and k.sink.shape[1] <= TILE
-            and group * (E_SERVED // e) <= 8 and k.codebook.numel() == 2 ** k.bits
-            and v.codebook.numel() == 2 ** v.bits and paged_block % TILE == 0)
+    """Formats this kernel serves: its row of ``dispatch.QUANT_KV_DECODE`` (module docstring); the rest go to
+    ``kv_decode_fast``."""
+    return serves(QUANT_KV_DECODE, "kv_decode_warp", quant_kv_view_launch(k, v, rotary_dim, group, paged_block))
 
 
 def rotary_bit(head_dim: int, rotary_dim: int) -> int:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels.dispatch import QUANT_KV_READ, read_launch, serves
 from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _inv_freq, _page, _slot_scales, _tile, paging
 from ssmq.ops.kv_quant import KVSideView
 
@@ -133,8 +134,8 @@ def _outlier_kernel(out, codes, mid, half, lut, oidx, oval, slots, lens, table, 
 
 
 def eligible(side: KVSideView, rotary_dim: int) -> bool:
-    """2-4 bit codes (``_tile``'s unpacking) and an even rotary dim."""
-    return side.bits in (2, 3, 4) and rotary_dim % 2 == 0
+    """The sides this kernel reads: its row of ``dispatch.QUANT_KV_READ``."""
+    return serves(QUANT_KV_READ, "kv_read", read_launch(side, rotary_dim))
 
 
 def quant_kv_read(side: KVSideView, slots: torch.Tensor, end: int, rotary_dim: int = 0, theta: float = 10000.0,

@@ -255,7 +255,7 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
 
     x_scale: a static () scale, or None for dynamic per-token scales (...) (dynamic per tensor: the reference).
     z_scale: z is fake-quantized first with it (() or (d,): an ``ActQuantizer`` on z, in registers).
-    The reference's ``rotate`` (codes of the output's online Hadamard): ``kernels.hadamard``.
+    The reference's ``rotate`` (codes of the output's online Hadamard): ``ssmq.prototype.hadamard_quant``.
     """
     if x_scale is None and not per_token:
         return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out,
@@ -265,7 +265,7 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
     if x_scale is None and gs != d and z_scale is None and M < sm_count(x.device):
         # a dynamic scale over several norm groups: one program a row walks the row's groups twice, serially, and
         # too few rows leave the SMs idle (Mamba2-8B, 8 groups of 1024, batch 1: 16.2 us against the float norm's
-        # program a group, 2.1 us, + the quantize kernel, 4.2; H100 2026-11-26). Same arithmetic, same codes.
+        # program a group, 2.1 us, + the quantize kernel, 4.2; H100). Same arithmetic, same codes.
         out = rmsnorm_gated(x, weight, z, eps, group_size, norm_before_gate)
         q, scale = quantize_act(out, None, True, dtype)
         return q, scale, out if with_out else None

@@ -71,18 +71,18 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #   WAVES, MAX_SPLIT, MIN_SPLIT_K: split K (weight-only decode) until WAVES programs per SM
 #   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue), "triton" (_qmm, epilogue fused) or "auto" (int_mm
 #     below A8_TRITON_ROWS rows, triton from there) for per-channel / tensor W8A8 above DECODE_ROWS rows.
-#     H100, 2026-11-23 (`bench_quant.py --micro`, us): 1024 rows in_proj 121.6 (int_mm: an sm80 cutlass kernel,
+#     H100 (`bench_quant.py --micro`, us): 1024 rows in_proj 121.6 (int_mm: an sm80 cutlass kernel,
 #     + epilogue) vs 92.2 (triton, BK 64) vs 71.4 (BK_PRE_A8 = 128; BN 256: 78.3; 4 stages: 89.3), out_proj 66.1
 #     vs 54.8 vs 45.2 (cuBLAS FP16 78.7 / 38.5); but at 32 / 128 rows int_mm won (out_proj 20.1 vs 39.7 us): the
 #     all-triton setting took dynamic-w8a8 batch-32 decode from 5.04 to 6.97 ms a token.
 #   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
-#     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes, 2026-11-23: the Triton GEMM won at
+#     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes: the Triton GEMM won at
 #     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
 #   FAST_CVT: fp16 x on the tensor-core path widens int8 codes by bit assembly (_i8_to_f16), not I2F: W8A16
-#     decode at batch 1, in_proj 15.6 -> 13.8 us, out_proj 11.6 -> 10.6 us (H100, --sweep cvt, 2026-11-23).
+#     decode at batch 1, in_proj 15.6 -> 13.8 us, out_proj 11.6 -> 10.6 us (H100, --sweep cvt).
 #   FUSE_ACT_QUANT: quant_linear_act quantizes decode rows inside _qmm (see there: measured slower, off).
 #   X_STRIDED: int4 decode loads x's even / odd columns apart (two strided loads) instead of splitting a tile;
-#     no faster on the H100 (in_proj W4A16 18.6 us either way, --sweep w4, 2026-11-23), so off.
+#     no faster on the H100 (in_proj W4A16 18.6 us either way, --sweep w4), so off.
 #   WORD_MAX_ROWS (<= 4): rows up to which the word GEMV _qgemv_words runs (0: the kernels below, as before).
 #     TILE_W: output columns a program x rows (BLOCK_N = TILE_W / rows: each thread keeps 8 columns x 4 words
 #     at 256, 4 warps); KW_W: words a tile row for per-channel / per-tensor scales (per group: the group);
@@ -97,14 +97,14 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
 #   Weight-only, MID_MAX_ROWS + 1 .. CUBLAS_ROWS - 1 rows: an underfilled tiling (fewer than MID_FILL x SMs column
 #     tiles) goes to the dequantized weight on cuBLAS, int4 up to W4_WARPS_MAX_ROWS rows runs the Triton GEMM with
-#     warps_pre_w4 warps. H100, 2026-11-23, `bench_quant.py --micro --micro-rows 64,128` (us at 64 / 128 rows):
+#     warps_pre_w4 warps. H100, `bench_quant.py --micro --micro-rows 64,128` (us at 64 / 128 rows):
 #     out_proj 2560 x 5120 W4A16 66.4 / 50.4 (Triton, 8 warps) -> 23.5 / 24.3 (cuBLAS), W8A16 45.4 / 62.7 -> 23.3 /
 #     24.1; in_proj 10576 x 2560 W4A16 51.2 / 49.4 -> 29.2 / 38.1 (4 warps; cuBLAS 51.5 / 52.8), W8A16 25.8 / 33.6
-#     kept (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). End to end (2026-11-26, Mamba2-2.7B, against MID_FILL 0 and
+#     kept (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). End to end (Mamba2-2.7B, against MID_FILL 0 and
 #     8 warps in the same run): W4A16 TPOT at batch 128 15.12 -> 13.35 ms, W8A16 15.77 -> 13.57.
 #   WORD_FP8: fp8 weights (fp8-w8a8, fp8 weight-only) in the word GEMV rather than _qmm with rows padded to 16
-#     (2026-11-23: _qmm 16.1 us + quantize 4.2 us a linear, FP8 TPOT 3.27 ms vs FP16 2.63 at batch 1).
-#   WORD_MAX_ROWS 2, WORD_8BIT_UNDERFILLED, ITERS_W 8: H100, 2026-11-26, `bench_quant.py --sweep words` (TILE_W x
+#     (_qmm 16.1 us + quantize 4.2 us a linear, FP8 TPOT 3.27 ms vs FP16 2.63 at batch 1).
+#   WORD_MAX_ROWS 2, WORD_8BIT_UNDERFILLED, ITERS_W 8: H100, `bench_quant.py --sweep words` (TILE_W x
 #     ITERS_W at batch 1, Mamba2-2.7B and 8B shapes) and `--micro --formats w8a16,w8a16:qmm,... --micro-rows 1,2,4`
 #     (us, word GEMV vs _qmm, 2.7B / 8B): ITERS_W 2 -> 8 took in_proj W4A16 14.1 -> 10.7 / 33.6 -> 25.9, out_proj
 #     W4A16 9.8 -> 7.8; with it the word GEMV still loses to _qmm on in_proj-like (filled) tilings for 8-bit codes
@@ -117,15 +117,15 @@ DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight on
 #     the _sum_splits kernel after it (2.2 us a call on the H100, see below). Not yet measured on a GPU.
 #   MID_MAX_ROWS / BN_MID / warps_mid / stages_mid / MID_SPLIT: weight-only batches of DECODE_ROWS + 1 ..
 #     MID_MAX_ROWS rows take one row tile (BLOCK_M = rows padded to a power of two), BN_MID columns and a K split in
-#     MID_SPLIT parts (fewer parts than decode's: the float32 partials are M x N x split). H100, 2026-11-26,
+#     MID_SPLIT parts (fewer parts than decode's: the float32 partials are M x N x split). H100,
 #     `bench_quant.py --sweep mid --micro-rows 32,64,128` (us at 32 / 64 rows, the previous rule -> this one; FP16
 #     cuBLAS in_proj 23.7 / 23.4, out_proj 13.7 / 12.8): in_proj 10576 x 2560 W4A16 27.0 / 29.4 -> 20.2 / 25.4,
 #     W8A16 25.4 / 26.1 -> 18.3 / 29.0; out_proj 2560 x 5120 W4A16 27.5 / 23.4 -> 16.6 / 21.0, W8A16 25.8 / 23.4
 #     -> 21.1 / 22.3. At 128 rows no setting of this path beat the rule above (e.g. in_proj W4A16 38.0 vs 40.4).
 #     End to end in the same run: W4A16 TPOT at batch 32 4.90 ms (FP16 5.19), batch 64 7.73 (FP16 7.19).
-#     The previous rule (2026-11-23): 17 .. 32 rows, underfilled tilings only, the decode path's split.
+#     The previous rule: 17 .. 32 rows, underfilled tilings only, the decode path's split.
 #   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
-#     At batch 1 (H100, bench_quant.py --sweep, 2026-11-23) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
+#     At batch 1 (H100, bench_quant.py --sweep) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
 #     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
 #     exception was out_proj W8A16 (9.5 us CUDA-core vs 12.2). Stages 3 and WAVES 6 (K split until 6 programs
 #     an SM) are what --sweep w4 picked and what the README's end-to-end table ran with; a split costs a
@@ -877,7 +877,7 @@ def _dequant(w_ptr, ws_ptr, wz_ptr, out_ptr, N, K, n_groups, s_wn,
     # their nibbles interleaved in registers (low nibble = even k); TILE_GROUP (BLOCK_K divides GROUP): the tile
     # lies in one scale group, so its scales are one (BLOCK_N,) load, not a gather per element. (The first
     # version gathered each byte twice and each scale per element: 105 us a Mamba2-2.7B layer on the H100,
-    # 2026-11-23, against ~20 us of bytes.)
+    # against ~20 us of bytes.)
     pid_k = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -1014,7 +1014,7 @@ def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dic
     # (GROUP_PARTS) for the last program to add in that order, up to MAX_GROUP_PARTS groups (its unrolled loads)
     if not (a_mode == 1 and g is not None and K // g > cfg["MAX_GROUP_PARTS"]):
         # enough programs for WAVES_W an SM, and at most ITERS_W K steps a program: each step is a dependent
-        # round trip to memory, so a long K loop is latency-bound (first H100 run, 2026-11-23: 4 rows unsplit,
+        # round trip to memory, so a long K loop is latency-bound (first H100 run: 4 rows unsplit,
         # 20 steps, 46 us at in_proj; W8A8 10 steps 24 us)
         want = max(triton.cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks),
                    triton.cdiv(triton.cdiv(K, BK), cfg["ITERS_W"]))
@@ -1159,7 +1159,7 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
                 enable_fp_fusion=False)
             return out
         # the cuBLAS paths return cuBLAS's own (M, N) output (no copy into ``out``: 128 copies of 7.6 us in a
-        # Mamba2-2.7B prefill of 1024 tokens on the H100, 2026-11-23) unless the dtype differs
+        # Mamba2-2.7B prefill of 1024 tokens on the H100) unless the dtype differs
         if a_mode == 2 and K % 16 == 0 and N % 16 == 0 and _SCALED_MM_OK.get(out_dtype, True):
             try:
                 return _as_out(_scaled_mm(x2, xs, w_q, w_scale, bias, out_dtype), out_shape, out_dtype)
@@ -1183,7 +1183,7 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
                      cfg=None):
     """``ops.quant_linear_act_ref`` on the GPU: quantize_act, then quant_linear; with CFG's FUSE_ACT_QUANT,
     decode rows (up to DECODE_ROWS, tensor-core path) with a per-token dynamic or a static scale are quantized
-    inside ``_qmm`` instead. Off by default: exact, but measured far slower (H100, 2026-11-23, batch 1: a
+    inside ``_qmm`` instead. Off by default: exact, but measured far slower (H100, batch 1: a
     Mamba2-2.7B linear 100 us per token dynamic, 324 us static, vs about 17 us + the 4.4 us quantize kernel),
     and CUDA-graph decode of dynamic-activation models differed from eager in the same run (not resolved)."""
     cfg = CFG if cfg is None else {**CFG, **cfg}

@@ -243,7 +243,7 @@ def _blk(x: int, cap: int, lo: int = 16) -> int:
 
 
 # Launch configurations, tuned for Mamba2 shapes (chunk 256, head dim 64, d_state 128); module-level so that the
-# benchmark can sweep them. `bench_ssdi8.py --sweep` (H100, 2026-11-26; Mamba2-2.7B SSD at batch 1 / 32, L 2048 /
+# benchmark can sweep them. `bench_ssdi8.py --sweep` (H100; Mamba2-2.7B SSD at batch 1 / 32, L 2048 /
 # 8192): first (sweep_s16.json) num_stages 1 took 8-23% off the whole int8 SSD, the unfactored decay 2-4%; BM 128,
 # BP 32, BK 64 and 8 warps 1.1-5x slower. Then the float16 products of the codes (F16MMA) took the chunk state from
 # 1.42 to 1.06 ms (batch 32, L 2048; on the scan and ChunkBMM they were slower: kept int8 there), CB in (g, t, s)

@@ -45,15 +45,15 @@ from ssmq.ops.quant_ssm import RowScales
 # saturating F2I a value (rne_int8_sat): no MUFU and no clamps, 20.5 / 16.5 instructions a value; off by default: it
 # gathers a second 4-byte table entry a 1-byte code, and the gathers, not the instructions, look like the limit: a
 # thread's 16 consecutive scales are 4 LDG.128 that each touch all 4 lines of a table row (16 L1 wavefronts for a
-# warp's 512 bytes). H100, 2026-11-23 (bench_int8_ssm --sweep 128): ptx_codes 0.0958 ms a layer at batch 128 vs 0.0996
+# warp's 512 bytes). H100 (bench_int8_ssm --sweep 128): ptx_codes 0.0958 ms a layer at batch 128 vs 0.0996
 # without (32 x 128 tiles), 0.0904 vs 0.0978 at 64 x 128 (hence "int8": 64-row tiles for the int8 state; 8 warps
 # 0.117, 16 rows 0.102): 1.85 TB/s of the state, where 22 -> 18 instructions a value predicted more.
 CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True, "ptx_codes": True,
        "rcp_table": False, "int8": {"tile": 8192},
        "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
                   "ring_stages": 1},
-       # an int8 checkpoint: unchunked 32 x 128 tiles, no cp.async pipelining. H100 sweep (bench_replay --sweep 128,
-       # 2026-11-23): 0.187 ms a layer at batch 128 vs 0.446 with the fp16 settings above (0.133 for fp16 there)
+       # an int8 checkpoint: unchunked 32 x 128 tiles, no cp.async pipelining. H100 sweep (bench_replay --sweep 128):
+       # 0.187 ms a layer at batch 128 vs 0.446 with the fp16 settings above (0.133 for fp16 there)
        "replay_int8": {"tile": 4096, "BNC": None, "fold_stages": 1}}
 
 

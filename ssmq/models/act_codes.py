@@ -3,9 +3,10 @@ gated norm) quantizes in its epilogue and the linear multiplies the codes, so no
 
 Models sit below ``ssmq.quant``: a linear that takes codes says so through a ``code_input()`` method (``QuantLinear``
 has one) returning a ``CodeInput``; its forward accepts an ``ActCodes`` in place of the float tensor. The decision
-is read off the modules (no registry): a producer quantizes when its one consumer asks for codes and
-``kernels.act_quant_fusion_enabled()`` (``SSMQ_FUSED_ACT_QUANT``, default on). On CPU the result is bit for bit the
-unfused one (the same references, in the same order).
+is read off the modules (no registry): a producer quantizes when its one consumer asks for unrotated codes and the
+active ``KernelPolicy`` has ``act_quant_fusion`` (the default). A rotated linear (online Hadamard) quantizes its own
+input: the fused Hadamard + quantize kernel measured slower than the pair (``ssmq.prototype.hadamard_quant``).
+On CPU the result is bit for bit the unfused one (the same references, in the same order).
 """
 
 from __future__ import annotations
@@ -44,10 +45,9 @@ class ActCodes:
         return self.q.shape
 
 
-def code_input(linear: nn.Module | None, rotate: bool = False) -> CodeInput | None:
-    """What ``linear`` wants from its producer: a ``CodeInput`` when it takes int8 codes (and the fusion is on); one
-    that needs the Hadamard only for a producer that can apply it (``rotate``)."""
+def code_input(linear: nn.Module | None) -> CodeInput | None:
+    """What ``linear`` wants from its producer: a ``CodeInput`` when it takes unrotated codes (and the fusion is
+    on), else None."""
     ask = getattr(linear, "code_input", None)
     codes = ask() if callable(ask) and kernels.act_quant_fusion_enabled() else None
-    return None if codes is None or (codes.rotate and not (rotate and kernels.hadamard_quant_fusion_enabled())) \
-        else codes
+    return None if codes is None or codes.rotate else codes

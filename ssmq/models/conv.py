@@ -8,20 +8,14 @@ import torch.nn as nn
 from ssmq import kernels
 
 
-def conv_prefill(conv1d: nn.Conv1d, x: torch.Tensor, state=None, slots=None,
-                 out_scale: torch.Tensor | None = None) -> torch.Tensor:
+def conv_prefill(conv1d: nn.Conv1d, x: torch.Tensor, state=None, slots=None) -> torch.Tensor:
     """x: (b, l, c) → silu(causal_conv(x)): (b, l, c). With a ``MambaState``, rows ``slots`` start from their conv
-    state (the last w - 1 inputs seen) and leave the new one there. With ``out_scale`` (c,) or (), the output's int8
-    codes (b, l, c) instead, from one fused conv + SiLU + quantize op (``kernels.conv1d_silu_quant``)."""
+    state (the last w - 1 inputs seen) and leave the new one there."""
     weight = conv1d.weight.squeeze(1)
-    if out_scale is None:
-        conv = lambda *a: kernels.causal_conv1d(*a, activation="silu")  # noqa: E731
-    else:
-        scale = out_scale if out_scale.dim() == 0 else out_scale[:, None]  # the op's (c, 1) per channel
-        conv = lambda *a: kernels.conv1d_silu_quant(a[0], a[1], a[2], scale, *a[3:])  # noqa: E731
     if state is None:
-        out = conv(x.transpose(1, 2), weight, conv1d.bias)
+        out = kernels.causal_conv1d(x.transpose(1, 2), weight, conv1d.bias, activation="silu")
     else:
-        out, final = conv(x.transpose(1, 2), weight, conv1d.bias, state.read_conv(slots), True)
+        out, final = kernels.causal_conv1d(x.transpose(1, 2), weight, conv1d.bias, state.read_conv(slots), True,
+                                           activation="silu")
         state.write_conv(slots, final)
     return out.transpose(1, 2)

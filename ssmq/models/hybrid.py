@@ -10,9 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmq import kernels
+from ssmq.kernels.dispatch import FLOAT_KV_DECODE, QUANT_KV_DECODE, float_kv_launch, quant_kv_view_launch, select
 from ssmq.models.config import ModelConfig
+from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.linear import Linear
-from ssmq.models.state import KVState, RopeAtRead
+from ssmq.models.state import KVState, RopeAtRead, kernel_decodes
 
 
 class Attention(nn.Module):
@@ -39,14 +41,34 @@ class Attention(nn.Module):
             from ssmq.models.quant_kv import QuantKVState
 
             pre = self.kv_quant.kv.keys.pre_rope and self.rotary_dim
-            return QuantKVState(self.kv_quant, max_batch, max_seqlen, dtype, device,
-                                RopeAtRead(self.rotary_dim, self.rope_theta) if pre else None, table=kv_table)
-        rope = RopeAtRead(self.rotary_dim, self.rope_theta) if kv_keys_before_rope and self.rotary_dim else None
-        if kv_table is not None:  # paged: blocks of a pool shared by the slots, through the model's block table
-            from ssmq.models.paged_kv import PagedKVState
+            state = QuantKVState(self.kv_quant, max_batch, max_seqlen, dtype, device,
+                                 RopeAtRead(self.rotary_dim, self.rope_theta) if pre else None, table=kv_table)
+        else:
+            rope = RopeAtRead(self.rotary_dim, self.rope_theta) if kv_keys_before_rope and self.rotary_dim else None
+            if kv_table is not None:  # paged: blocks of a pool shared by the slots, through the model's block table
+                from ssmq.models.paged_kv import PagedKVState
 
-            return PagedKVState.allocate(kv_table, max_seqlen, self.hkv, self.e, dtype, device, rope)
-        return KVState.allocate(max_batch, max_seqlen, self.hkv, self.e, dtype, device, rope)
+                state = PagedKVState.allocate(kv_table, max_seqlen, self.hkv, self.e, dtype, device, rope)
+            else:
+                state = KVState.allocate(max_batch, max_seqlen, self.hkv, self.e, dtype, device, rope)
+        state.plan = self.plan(state)
+        return state
+
+    def plan(self, state) -> LayerPlan:
+        """The KV decode kernel that ``kernels.dispatch``'s selection tables give this layer's cache on CUDA;
+        ``attention_ref`` over the rows read out for caches no decode kernel takes (keys rotated at read, float32)."""
+        table = getattr(state, "table", None)
+        block, rope = 0 if table is None else table.block_size, state.rope
+        formats = {"kv": str(state.k.dtype if self.kv_quant is None else self.kv_quant.extra_repr())
+                   .removeprefix("torch.") + (", paged" if block else "") + (", keys before RoPE" if rope else "")}
+        if self.kv_quant is None:
+            kernel = select(FLOAT_KV_DECODE, float_kv_launch(state.k.dtype, self.e)) \
+                if kernel_decodes(state.k, rope, cuda=True) else "attention_ref"
+            return LayerPlan("kv-float", None, (kernel,), formats)
+        k, v = state.k.view(), state.v.view()
+        kernel = "attention_ref" if k is None or v is None else select(
+            QUANT_KV_DECODE, quant_kv_view_launch(k, v, rope.rotary_dim if rope else 0, self.hq // self.hkv, block))
+        return LayerPlan("kv-quant", None, (kernel,), formats)
 
     def kv_bytes_per_token(self, dtype) -> float:
         """Bytes one token takes in this layer's cache (``allocate_state``'s, float in ``dtype`` or quantized as

@@ -21,6 +21,21 @@ u = (x - mid) / half in [-1, 1] and stored as the index of its nearest entry of 
     pre_rope    (keys) quantize keys before RoPE; RoPE is applied after dequantization
     sink        the first ``sink`` tokens of each sequence are kept in float (attention sink)
 Stored in ``Recipe.cache.kv`` (or named there by a KV preset, ``ssmq.quant.recipe``).
+
+Named formats (``KV_PRESETS``, data; ``ssmq.quant.recipe`` registers each as a KV-only recipe, so
+``--recipe kvquant-nuq3-1%`` quantizes only the KV cache and ``ssdi8-w8a8+kvquant-nuq3-1%`` adds it to an SSM recipe):
+    kvquant-{int,nuq}{4,3,2}[-1%]  KVQuant: per-channel keys before RoPE (offline scales), per-token values
+                                   (online), attention sink 1, Q-Norm at 2 bits; -1%: 1% dense-and-sparse outliers
+    kv-fp8-e4m3                    fp8 e4m3 keys and values, one calibrated scale per tensor (vLLM's fp8 KV)
+    kv-int8-pth, kv-int4-pth       symmetric int per token and head, post-RoPE keys (engines' int KV)
+    kv-turbo4, kv-turbo3           TurboQuant-style: random-sign Hadamard rotation per head, then uniform
+                                   per-token-head scalar quantization, post-RoPE keys
+
+What one cached token costs (``KVFormat``, for ``ssmq plan``): the float cache (2 · hkv · e elements of its dtype per
+layer and token) or a ``KVSpec`` costed as ``QuantKVState`` stores it (``bits_per_token(..., as_stored=True)``);
+costs that do not grow with the context (offline key scales, codebooks, the sink tokens) are per layer and left
+out. ``kv_format`` names: fp32 / fp16 / bf16, any preset, and the short names ``nuq3-1%`` / ``int3``
+(= ``kvquant-…``), ``fp8`` (= ``kv-fp8-e4m3``), ``int8`` / ``int4`` (= ``kv-int8-pth`` / ``kv-int4-pth``).
 """
 
 from __future__ import annotations
@@ -32,7 +47,6 @@ from ssmq.errors import from_json_object as _from
 
 DTYPES = ("int", "nuq", "fp8")
 GRANULARITIES = ("per_channel", "per_token", "per_tensor")
-
 
 
 @dataclass(frozen=True)
@@ -130,3 +144,60 @@ class KVSpec:
         d["keys"].update(keys or {})
         d["values"].update(values or {})
         return KVSpec.from_dict(d | kw)
+
+
+def kvquant(dtype: str, bits: int, outliers: float = 0.0) -> KVSpec:
+    qn = bits == 2
+    return KVSpec(KVSideSpec(bits, dtype, "per_channel", outliers=outliers, qnorm=qn, pre_rope=True),
+                  KVSideSpec(bits, dtype, "per_token", outliers=outliers, qnorm=qn), sink=1)
+
+
+def engine(side: KVSideSpec) -> KVSpec:
+    return KVSpec(side, side)
+
+
+KV_PRESETS: dict[str, tuple[KVSpec, str]] = {
+    **{f"kvquant-{d}{b}{'-1%' if o else ''}": (kvquant(d, b, o),
+                                                f"KVQuant {d}{b}{' with 1% sparse outliers' if o else ''}")
+       for d in ("nuq", "int") for b in (4, 3, 2) for o in (0.0, 0.01)},
+    "kv-fp8-e4m3": (engine(KVSideSpec(8, "fp8", "per_tensor", symmetric=True)), "fp8 e4m3 KV, per-tensor scales"),
+    "kv-int8-pth": (engine(KVSideSpec(8, "int", "per_token", symmetric=True)), "int8 KV per token and head"),
+    "kv-int4-pth": (engine(KVSideSpec(4, "int", "per_token", symmetric=True)), "int4 KV per token and head"),
+    "kv-turbo4": (engine(KVSideSpec(4, "int", "per_token", rotate=True)), "TurboQuant-style rotated 4-bit KV"),
+    "kv-turbo3": (engine(KVSideSpec(3, "int", "per_token", rotate=True)), "TurboQuant-style rotated 3-bit KV"),
+}
+FLOAT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+ALIASES = {"fp8": "kv-fp8-e4m3", "int8": "kv-int8-pth", "int4": "kv-int4-pth"}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    float_bytes: int = 0  # the float cache: bytes per element
+    spec: KVSpec | None = None  # a quantized cache
+    description: str = ""
+
+    def bytes_per_token(self, hkv: int, e: int) -> float:
+        """Bytes of one token's keys and values in one attention layer of hkv heads × e."""
+        if self.spec is None:
+            return 2 * hkv * e * self.float_bytes
+        return self.spec.bits_per_token(hkv, e, as_stored=True) / 8
+
+    @property
+    def is_float(self) -> bool:
+        return self.spec is None
+
+
+def kv_format(name) -> KVFormat:
+    """The format named ``name`` (module docstring), or a ``KVSpec`` as it stands in a recipe."""
+    if isinstance(name, KVSpec):
+        return KVFormat("custom", spec=name, description="the recipe's KV spec")
+    key = name.strip().lower()
+    if key in FLOAT_BYTES:
+        return KVFormat(key, FLOAT_BYTES[key], description=f"{key} cache")
+    for preset in (key, ALIASES.get(key), f"kvquant-{key}"):
+        if preset in KV_PRESETS:
+            spec, description = KV_PRESETS[preset]
+            return KVFormat(key, spec=spec, description=description)
+    raise SSMQError(f"unknown KV format {name!r}; known: {', '.join(FLOAT_BYTES)}, {', '.join(ALIASES)}, "
+                    f"the KV presets ({', '.join(KV_PRESETS)}) and their short names (nuq3-1%, int2 …)")

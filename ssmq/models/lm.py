@@ -122,8 +122,9 @@ class SSMLM(nn.Module):
                        kv_block_size: int = 16, state_checkpoint: int | None = None) -> InferenceCache:
         """A cache of ``max_batch`` slots; each layer's mixer allocates its own state (its shape, its format).
 
-        dtype: conv/KV buffers (default: the model's); ssm_dtype: SSM states (default dtype; torch.int8 for an
-        int8-state model); kv_keys_before_rope: attention caches keys before RoPE and rotates them at read;
+        The model's own formats by default: an int8-state model gets its int8 SSM state, a KV-quantized one its
+        quantized KV cache (its ``KVQuantizer``'s format). dtype: conv/KV buffers (default: the model's); ssm_dtype:
+        SSM states (None: the model's own; a float dtype asks for a float state); kv_keys_before_rope: attention caches keys before RoPE and rotates them at read;
         kv_blocks: attention keeps its KV in that many blocks of kv_block_size tokens, handed out through
         ``cache.block_table`` (``ssmq.models.paged_kv``; the serving engine assigns them as sequences grow);
         state_checkpoint: K >= 2 keeps each SSM state at a checkpoint written once every K decode steps plus a ring of

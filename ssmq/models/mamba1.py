@@ -13,9 +13,11 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
+from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.quant_taps import TapScaleCache, is_quantizer
-from ssmq.ops.quant_ssm import dequantize_ref, quantize_ref
 from ssmq.models.ssm_mixer import SSMMixer
+from ssmq.models.state import StateFormat
+from ssmq.ops.quant_ssm import quantize_ref
 
 
 class ChannelRMSNorm(nn.Module):
@@ -82,24 +84,11 @@ class Mamba1Mixer(SSMMixer):
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
         x, z = self.proj_segments.split(self.in_proj(hidden))
         state = None if cache is None else cache.states[self.layer_idx]
-        if self._int8_prefill(x, ("act_x", "act_B", "act_C")):
-            # the codes of x (from the conv), B and C go to the scan; x_proj reads x's dequantized codes (the tap's
-            # output), Δ and z stay the float outputs of their taps
-            dtype, col = x.dtype, lambda s: s if s.dim() == 0 else s[:, None]  # noqa: E731
-            x_scale = self._tap_scales.get("x", (self.act_x,), lambda s: s)
-            u = conv_prefill(self.conv1d, x, state, slots, x_scale)  # (b, l, d) int8
-            dt, B, C = self._split_x_proj(dequantize_ref(u, x_scale).to(dtype))
-            dt = self.act_dt(self.dt_proj(dt))
-            (B, B_scale), (C, C_scale) = self._codes("act_B", B), self._codes("act_C", C)
-            scan = lambda u, dt, A, B, C, z=None, **kw: kernels.quant_selective_scan(  # noqa: E731
-                u, col(x_scale), dt, None, A, B, col(B_scale), C, col(C_scale), z_q=z, out_dtype=dtype, **kw)
-        else:
-            u = self.act_x(conv_prefill(self.conv1d, x, state, slots))  # (b, l, d)
-            dt, B, C = self._ssm_inputs(u)
-            scan = kernels.selective_scan
+        u = self.act_x(conv_prefill(self.conv1d, x, state, slots))  # (b, l, d)
+        dt, B, C = self._ssm_inputs(u)
         z = self.act_z(z)
         A = self._f32.get(self, "A_log")
-        out = scan(
+        out = kernels.selective_scan(
             u.transpose(1, 2), dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
             D=self._f32.get(self, "D"), z=z.transpose(1, 2), delta_bias=self._f32.get(self, "dt_bias"),
             delta_softplus=True,
@@ -111,29 +100,45 @@ class Mamba1Mixer(SSMMixer):
             state.write_ssm(slots, last)
         return self.out_proj(self.act_y(out.transpose(1, 2)))
 
+    def plan(self, state, executor: str | None = None) -> LayerPlan:
+        """int8 when x, B or C quantize or the state is int8 or checkpointed, else float
+        (``ssmq.models.layer_plan``); ``executor``: that one instead (either serves every state)."""
+        formats = {"state": self.state_format(state)}
+        if quantizing := self.quantizing("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y"):
+            formats["quantized taps"] = " ".join(t.removeprefix("act_") for t in quantizing)
+        plain_state = state.format is StateFormat.FLOAT and state.ring is None
+        name = executor or ("int8" if self.quantizing("act_x", "act_B", "act_C") or not plain_state else "float")
+        if name == "float":
+            kernels = ("causal_conv1d_update", "selective_state_update")
+        else:
+            update = "replay_state_update" if state.ring is not None else "quant_state_update"
+            kernels = ("conv1d_update_silu_quant" if is_quantizer(self.act_x) else "causal_conv1d_update", update)
+        return LayerPlan(name, self.EXECUTORS[name], kernels, formats, "selective_scan")
+
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
-        """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
+        """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots`` by the state's
+        plan."""
         state = cache.states[self.layer_idx]
         x, z = self.proj_segments.split(self.in_proj(hidden))
-        if self._int8_decode(state, ("act_x", "act_B", "act_C")):
-            return self.out_proj(self.act_y(self._int8_step(x, z, state, slots)))
-        x = kernels.causal_conv1d_update(
-            x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-            activation="silu", conv_state_indices=slots,
-        )
+        return self.out_proj(self.act_y(state.plan.decode(self, x, z, state, slots)))
+
+    def _decode_float(self, x: torch.Tensor, z: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
+        """Float conv, the taps as they are, the float state update (``MambaState.update_ssm``).
+        x, z: (b, d) in_proj outputs -> y (b, d)."""
+        x = kernels.causal_conv1d_update(x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                         activation="silu", conv_state_indices=slots)
         x = self.act_x(x)
         dt, B, C = self._ssm_inputs(x)
         A = self._f32.get(self, "A_log")
         z = self.act_z(z)
-        y = state.update_ssm(slots, lambda ssm, idx: kernels.selective_state_update(
+        return state.update_ssm(slots, lambda ssm, idx: kernels.selective_state_update(
             ssm, x, dt, A, B, C, D=self._f32.get(self, "D"), z=z,
             dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, state_batch_indices=idx,
         ))
-        return self.out_proj(self.act_y(y))
 
-    def _int8_step(self, x: torch.Tensor, z: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
-        """Quantized decode: conv + SiLU emitting x's int8 codes (x_proj reads their dequantized values, the tap's
-        output), B and C as codes, and one state-update kernel on the codes and the state as stored.
+    def _decode_int8(self, x: torch.Tensor, z: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
+        """Conv + SiLU emitting x's int8 codes (x_proj reads their dequantized values, the tap's output), B and C as
+        codes, and one state-update kernel on the codes and the state as stored (``MambaState.step_ssm``).
         x, z: (b, d) in_proj outputs -> y (b, d) in their dtype."""
         weight, bias, dtype = self.conv1d.weight.squeeze(1), self.conv1d.bias, x.dtype
         if is_quantizer(self.act_x):
@@ -148,6 +153,8 @@ class Mamba1Mixer(SSMMixer):
         return state.step_ssm(slots, x_q, dt, self._f32.get(self, "A_log"), B, C, D=self._f32.get(self, "D"),
                               z=self.act_z(z), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True,
                               x_scale=x_scale, B_scale=B_scale, C_scale=C_scale, out_dtype=dtype)
+
+    EXECUTORS = {"int8": _decode_int8, "float": _decode_float}
 
     def _codes(self, tap: str, t: torch.Tensor):
         """(codes, channel scale) of a quantizing tap's input, or (the tap's float output, None)."""

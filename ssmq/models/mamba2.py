@@ -9,14 +9,17 @@ import torch
 import torch.nn as nn
 
 from ssmq import kernels
+from ssmq.errors import SSMQError
 from ssmq.ops.layout import discretize_dt, has_dt_limit
 from ssmq.models._float_params import FloatParamCache
 from ssmq.models.act_codes import ActCodes, CodeInput, code_input
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import conv_prefill
+from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.quant_taps import TapScaleCache, is_quantizer, shaped
 from ssmq.models.ssm_mixer import SSMMixer
+from ssmq.models.state import StateFormat
 
 
 class GatedRMSNorm(nn.Module):
@@ -34,7 +37,7 @@ class GatedRMSNorm(nn.Module):
         if codes is None:
             return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
         q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale,
-                                                  rotate=codes.rotate, z_scale=z_scale, dtype=codes.dtype)
+                                                  z_scale=z_scale, dtype=codes.dtype)
         return ActCodes(q, scale, y.dtype)
 
 
@@ -93,23 +96,12 @@ class Mamba2Mixer(SSMMixer):
         b, l, _ = hidden.shape
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         state = None if cache is None else cache.states[self.layer_idx]
-        if type(self.ssd) is ChunkScan and self._int8_prefill(xbc, ("act_x", "act_B", "act_C")):
-            # the taps' codes from the conv, scanned as they are (x (h, p), B and C (g, n) or () scales)
-            taps = (self.act_x, self.act_B, self.act_C)
-            xbc_scale, x_scale, B_scale, C_scale = self._tap_scales.get("xbc", taps, self._xbc_scales)
-            # per-tensor B / C scales as one state group per B/C group, the (g, k) of quant_ssd
-            B_scale, C_scale = (s if s.dim() else s.expand(c.ngroups, 1) for s in (B_scale, C_scale))
-            x, B, C = self.conv_segments.split(conv_prefill(self.conv1d, xbc, state, slots, xbc_scale))
-            ssd = lambda x, dt, A, B, C, T, **kw: kernels.quant_ssd(  # noqa: E731
-                x, x_scale, dt, A, B, B_scale, C, C_scale, T, out_dtype=xbc.dtype, **kw)
-        else:
-            x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
-            ssd = self.ssd
+        x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
         # a checkpointed state replays its ring with A as the decode step takes it, (h, p, n)
         initial = None if state is None else state.read_ssm(slots, A[:, None, None].expand(*self.state_shape()))
-        y = ssd(
+        y = self.ssd(
             x.reshape(b, l, c.nheads, c.headdim), dt, A,
             B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
             D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, dt_limit=c.dt_limit,
@@ -121,12 +113,11 @@ class Mamba2Mixer(SSMMixer):
             state.write_ssm(slots, final)
         return self.out_proj(self._normed(y.reshape(b, l, c.d_inner), z))
 
-    def _out_codes(self, rotate: bool = True) -> CodeInput | None:
-        """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y);
-        ``rotate``: also when it wants the codes of that output's online Hadamard."""
+    def _out_codes(self) -> CodeInput | None:
+        """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y)."""
         if type(self.act_y) is not nn.Identity or type(self.norm) is not GatedRMSNorm:
             return None
-        return code_input(self.out_proj, rotate)
+        return code_input(self.out_proj)
 
     def _normed(self, y: torch.Tensor, z: torch.Tensor):
         """act_z, the gated norm and act_y: out_proj's input, as int8 codes when out_proj takes them (z from in_proj,
@@ -138,49 +129,65 @@ class Mamba2Mixer(SSMMixer):
             return self.norm(y, z, codes, self._tap_scales.get("z", (self.act_z,), lambda s: s))
         return self.norm(y, self.act_z(z), codes)
 
-    def _fusable(self, state) -> bool:
-        """No quantizer on a tap between in_proj and the norm, the plain gated norm and a float SSM state (an int8
-        state, int8 codes or a checkpointed state step through ``_int8_step``): one fused op can run it."""
-        taps = (self.act_x, self.act_B, self.act_C, self.act_dt, self.act_z)
-        return (all(type(t) is nn.Identity for t in taps) and type(self.norm) is GatedRMSNorm
-                and state.ssm.dtype != torch.int8 and state.ring is None)
+    def plan(self, state, executor: str | None = None) -> LayerPlan:
+        """fused when no module sits on a tap before the norm, the norm is the plain gated one, out_proj takes its input float or as int8
+        codes and the state is float, written every step; int8 when x, B or C quantize or the state is int8 or
+        checkpointed; float otherwise (``ssmq.models.layer_plan``). ``executor``: that one instead (int8 and float
+        serve every state; fused only the states it would be chosen for)."""
+        codes = self._out_codes()
+        norm = "rmsnorm_gated" + ("_quant" if codes is not None else "") if type(self.norm) is GatedRMSNorm \
+            else type(self.norm).__name__
+        code_taps = self.quantizing("act_x", "act_B", "act_C")
+        formats = {"state": self.state_format(state), "out_proj input": "float" if codes is None else "int8 codes"
+                   if codes.dtype == torch.int8 else "e4m3 codes"}
+        if quantizing := self.quantizing("act_x", "act_B", "act_C", "act_dt", "act_z"):
+            formats["quantized taps"] = " ".join(t.removeprefix("act_") for t in quantizing)
+        plain_state = state.format is StateFormat.FLOAT and state.ring is None
+        plain_taps = all(type(getattr(self, t)) is nn.Identity
+                         for t in ("act_x", "act_B", "act_C", "act_dt", "act_z"))
+        fusable = plain_state and plain_taps and type(self.norm) is GatedRMSNorm and \
+            (codes is None or codes.dtype == torch.int8)
+        name = executor or ("fused" if fusable else "int8" if code_taps or not plain_state else "float")
+        if name == "fused" and not fusable:
+            raise SSMQError(f"layer {self.layer_idx}: the fused decode serves a float state, no quantizing tap and "
+                            "the plain gated norm")
+        conv = "conv1d_update_silu_quant" if name == "int8" and len(code_taps) == 3 else "causal_conv1d_update"
+        update = {"int8": "replay_state_update" if state.ring is not None else "quant_state_update"}.get(
+            name, "selective_state_update")
+        prefill = "ssd_chunk_scan" if type(self.ssd) is ChunkScan else type(self.ssd).__name__
+        return LayerPlan(name, self.EXECUTORS[name], (conv, update, norm), formats, prefill)
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
-        """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots``."""
-        c = self.cfg
-        b = hidden.shape[0]
+        """hidden: (b, d_model), one token per row → (b, d_model); updates the cache rows ``slots`` by the state's
+        plan."""
         state = cache.states[self.layer_idx]
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
-        codes = self._out_codes()
-        # conv, Δ, state update, gate and norm as one op (kernels.mamba2_decode_step), with out_proj's int8 codes from
-        # the norm's epilogue; a rotated out_proj (or one taking e4m3 codes) takes the stages one by one, the last one
-        # emitting its codes
-        if self._fusable(state) and (codes is None or (not codes.rotate and codes.dtype == torch.int8)):
-            y = kernels.mamba2_decode_step(
-                xbc, z, dt, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                state.ssm, self._f32.get(self, "A_log"), self._f32.get(self, "D"),
-                self._f32.get(self, "dt_bias"), self.norm.weight, c.ngroups, self.norm.group_size, self.norm.eps,
-                c.dt_limit, slots, quantize=codes is not None, out_scale=None if codes is None else codes.scale,
-            )
-            if codes is not None:
-                y = ActCodes(y[1], y[2], y[0].dtype)
-            return self.out_proj(self.act_y(y) if codes is None else y)
-        if self._int8_decode(state, ("act_x", "act_B", "act_C")):
-            y = self._int8_step(xbc, dt, state, slots)
-        else:
-            xbc = kernels.causal_conv1d_update(
-                xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                activation="silu", conv_state_indices=slots,
-            )
-            x, B, C = self._split_xbc(xbc)
-            y = state.update_ssm(slots, lambda ssm, idx: self._state_step(
-                lambda *a, **kw: kernels.selective_state_update(ssm, *a, state_batch_indices=idx, **kw), x, dt, B, C))
-        return self.out_proj(self._normed(y.reshape(b, c.d_inner), z))
+        return self.out_proj(state.plan.decode(self, z, xbc, dt, state, slots))
 
-    def _int8_step(self, xbc: torch.Tensor, dt: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
-        """Quantized decode: conv + SiLU emitting the int8 codes of x, B, C (when their three taps quantize), then one
-        state-update kernel on the codes and the state as stored. xbc: (b, conv_dim), dt: (b, h) -> y (b, h, p) in
-        xbc's dtype."""
+    def _decode_fused(self, z, xbc, dt, state, slots):
+        """Conv, Δ, state update, gate and norm as one op (``kernels.mamba2_decode_step``), with out_proj's int8
+        codes from the norm's epilogue. z (b, d), xbc (b, conv_dim), dt (b, h) -> out_proj's input (b, d)."""
+        c, codes = self.cfg, self._out_codes()
+        y = kernels.mamba2_decode_step(
+            xbc, z, dt, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            state.ssm, self._f32.get(self, "A_log"), self._f32.get(self, "D"),
+            self._f32.get(self, "dt_bias"), self.norm.weight, c.ngroups, self.norm.group_size, self.norm.eps,
+            c.dt_limit, slots, quantize=codes is not None, out_scale=None if codes is None else codes.scale,
+        )
+        return self.act_y(y) if codes is None else ActCodes(y[1], y[2], y[0].dtype)
+
+    def _decode_float(self, z, xbc, dt, state, slots):
+        """Float conv, the taps as they are, the float state update (``MambaState.update_ssm``), then the norm."""
+        xbc = kernels.causal_conv1d_update(xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                           activation="silu", conv_state_indices=slots)
+        x, B, C = self._split_xbc(xbc)
+        y = state.update_ssm(slots, lambda ssm, idx: self._state_step(
+            lambda *a, **kw: kernels.selective_state_update(ssm, *a, state_batch_indices=idx, **kw), x, dt, B, C))
+        return self._normed(y.reshape(z.shape), z)
+
+    def _decode_int8(self, z, xbc, dt, state, slots):
+        """Conv + SiLU emitting the int8 codes of x, B, C (when their three taps quantize), then one state-update
+        kernel on the codes and the state as stored (``MambaState.step_ssm``), then the norm."""
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
         taps = (self.act_x, self.act_B, self.act_C)
         if all(is_quantizer(t) for t in taps):
@@ -190,8 +197,11 @@ class Mamba2Mixer(SSMMixer):
         else:  # some of x, B, C stay 16-bit: the float conv, the taps as they are, float inputs
             x, B, C = self._split_xbc(kernels.causal_conv1d_update(xbc, state.conv, weight, bias, "silu", slots))
             scales = (None, None, None)
-        return self._state_step(lambda *a, **kw: state.step_ssm(slots, *a, out_dtype=xbc.dtype, **kw), x, dt, B, C,
-                                *scales)
+        y = self._state_step(lambda *a, **kw: state.step_ssm(slots, *a, out_dtype=xbc.dtype, **kw), x, dt, B, C,
+                             *scales)
+        return self._normed(y.reshape(z.shape), z)
+
+    EXECUTORS = {"fused": _decode_fused, "int8": _decode_int8, "float": _decode_float}
 
     def _xbc_scales(self, sx: torch.Tensor, sB: torch.Tensor, sC: torch.Tensor):
         """Channel scales of the x, B, C taps -> per conv channel (conv_dim,), and x (h, p), B (g, n), C (g, n) | ()."""

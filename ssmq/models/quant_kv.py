@@ -68,7 +68,7 @@ class QuantSide:
     def write(self, slots: torch.Tensor, positions: torch.Tensor, x: torch.Tensor) -> None:
         """x (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` (b,). Static shapes, no host read of a
         device value (a CUDA graph captures it): every buffer is written by index, the sink by ``write_sink``; on
-        CUDA, by one fused kernel (``kernels.quant_kv_append``, the same bytes; SSMQ_KV_FUSED_APPEND=0: the ops)."""
+        CUDA, by one fused kernel (``kernels.quant_kv_append``, the same bytes; ``KernelPolicy.kv_fused_append``)."""
         p = self.q.params(self.which)
         if kernels.quant_kv_append(x, slots, positions, p, self.bits, self.codes, self.mid, self.half, self.out_idx,
                                    self.out_val, self.sink, block_table=self.block_table):

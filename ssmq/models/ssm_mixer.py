@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ssmq import kernels
+from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.quant_taps import is_quantizer
 from ssmq.models.state import Int8StateScales, MambaState, StateFormat
 
@@ -57,17 +57,20 @@ class SSMMixer(nn.Module):
             return Int8StateScales(None, rows=True)
         return Int8StateScales(self.state_scale, self.state_index) if self.state_groups else None
 
-    def _int8_decode(self, state: MambaState, code_taps: tuple[str, ...]) -> bool:
-        """Decode through ``MambaState.step_ssm`` (codes of ``code_taps`` into the conv / state kernels, the state as
-        stored) when a tap quantizes or the state is int8 (``SSMQ_INT8_DECODE=0`` keeps the fake-quant path), and
-        always for a checkpointed state: only ``step_ssm`` feeds its ring."""
-        return state.ring is not None or kernels.int8_decode_enabled() and (
-            state.format is StateFormat.INT8 or any(is_quantizer(getattr(self, t)) for t in code_taps))
+    def state_format(self, state: MambaState) -> str:
+        """The SSM state's format in words (``LayerPlan.formats``)."""
+        fmt = str(state.ssm.dtype).removeprefix("torch.")
+        if state.format is StateFormat.INT8:
+            fmt += " row scales" if self.state_rows else f" {self.state_groups} scale group(s)"
+        return fmt + ("" if state.ring is None else f", checkpoint every {state.ring.every} steps")
 
-    def _int8_prefill(self, t: torch.Tensor, code_taps: tuple[str, ...]) -> bool:
-        """Prefill on the codes of ``code_taps`` (the int8-input scan kernels) when they all quantize and t's device
-        runs those kernels (``kernels.int8_prefill``: CUDA with ``SSMQ_INT8_PREFILL=1``)."""
-        return kernels.int8_prefill(t) and all(is_quantizer(getattr(self, tap)) for tap in code_taps)
+    def quantizing(self, *taps: str) -> tuple[str, ...]:
+        """Those of ``taps`` that quantize."""
+        return tuple(t for t in taps if is_quantizer(getattr(self, t)))
+
+    def plan(self, state: MambaState) -> LayerPlan:
+        """The decode executor for ``state`` (``ssmq.models.layer_plan``)."""
+        raise NotImplementedError
 
     def bc_groups(self) -> int:
         """B/C groups of this (maybe sharded) mixer: the width of a checkpoint ring's B."""
@@ -75,11 +78,17 @@ class SSMMixer(nn.Module):
 
     def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, ssm_dtype=None,
                        state_checkpoint: int | None = None, **_) -> MambaState:
-        """Conv (s, c, w-1) and SSM (s, *state_shape) buffers; ``ssm_dtype=torch.int8`` needs an int8-state mixer;
-        ``state_checkpoint`` K checkpoints the SSM state every K steps (ReplaySSM, ``ssmq.models.state``)."""
-        return MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0],
-                                   self.state_shape(), dtype, device, ssm_dtype, self.state_scales(),
-                                   checkpoint_every=state_checkpoint, bc_groups=self.bc_groups())
+        """Conv (s, c, w-1) and SSM (s, *state_shape) buffers, with the layer's decode plan (``state.plan``).
+        ``ssm_dtype``: None gives the mixer's own format (int8 for an int8-state mixer, else ``dtype``); a float dtype
+        asks for a float state explicitly; torch.int8 needs an int8-state mixer. ``state_checkpoint`` K checkpoints
+        the SSM state every K steps (ReplaySSM, ``ssmq.models.state``)."""
+        if ssm_dtype is None and self.int8_state:
+            ssm_dtype = torch.int8
+        state = MambaState.allocate(max_batch, self.conv1d.weight.shape[0], self.conv1d.kernel_size[0],
+                                    self.state_shape(), dtype, device, ssm_dtype, self.state_scales(),
+                                    checkpoint_every=state_checkpoint, bc_groups=self.bc_groups())
+        state.plan = self.plan(state)
+        return state
 
     def spec(self) -> dict | None:
         """The checkpoint's record of this mixer (None for a float state: the float skeleton rebuilds it)."""

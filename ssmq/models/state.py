@@ -91,6 +91,7 @@ class MambaState:
         if scales is not None and scales.rows and (row_scale is None or row_scale.shape != ssm.shape[:-1]):
             raise SSMQError(f"an int8 state with row scales needs a {tuple(ssm.shape[:-1])} scale buffer")
         self.conv, self.ssm, self.scales, self.ring, self.row_scale = conv, ssm, scales, ring, row_scale
+        self.plan = None  # the layer's LayerPlan, set by the mixer that allocates the state
 
     @classmethod
     def allocate(cls, max_batch: int, conv_channels: int, d_conv: int, state_shape: tuple[int, ...], dtype, device,
@@ -239,13 +240,14 @@ class RopeAtRead:
     theta: float
 
 
-def kernel_decodes(k: torch.Tensor, rope) -> bool:
+def kernel_decodes(k: torch.Tensor, rope, cuda: bool | None = None) -> bool:
     """Whether a float KV cache k (…, hkv, e) decodes through ``kernels.float_kv_decode``: float16 / bfloat16 keys
-    stored after RoPE, on CUDA, head dims that are powers of two, 16 or more (the kernel's tiles); the GPU tests
-    cover these. (float32 caches keep the reference path: float32 end to end, as their users ask.)"""
+    stored after RoPE, on CUDA (``cuda``: whether it would, for a cache elsewhere), head dims that are powers of two,
+    16 or more (the kernel's tiles); the GPU tests cover these. (float32 caches keep the reference path: float32 end
+    to end, as their users ask.)"""
     e = k.shape[-1]
-    return (rope is None and k.dtype in (torch.float16, torch.bfloat16) and k.is_cuda and e >= 16
-            and not e & (e - 1))
+    return (rope is None and k.dtype in (torch.float16, torch.bfloat16) and (k.is_cuda if cuda is None else cuda)
+            and e >= 16 and not e & (e - 1))
 
 
 class KVState:

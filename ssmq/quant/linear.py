@@ -107,8 +107,7 @@ class QuantLinear(_QuantWeight):
     rotated offline (W Q.T), so the function is unchanged and the quantized input is the rotated one.
     Runs as ``kernels.quantize_act`` + ``kernels.quant_linear``: the exact references of
     ``ssmq.ops.quant_linear`` on CPU, the low-bit Triton kernels on CUDA (stored buffers used as is). Int8 inputs come
-    quantized by their producer where it can (``code_input``, ``ssmq.models.act_codes``): x is then an ``ActCodes``;
-    an online rotation and the quantization run as one op (``kernels.hadamard_quant``).
+    quantized by their producer where it can (``code_input``, ``ssmq.models.act_codes``): x is then an ``ActCodes``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
@@ -168,10 +167,6 @@ class QuantLinear(_QuantWeight):
         if isinstance(x, ActCodes):  # its producer quantized it as this linear would have (``code_input``)
             return kernels.quant_linear(x.q, self.weight_q, self.weight_scale, None, x.scale, self.bias, x.dtype)
         if self.rotate_input:
-            codes = self.code_input() if kernels.hadamard_quant_fusion_enabled() else None
-            if codes is not None:  # the transform and the quantization as one op
-                q, scale = kernels.hadamard_quant(x, codes.scale, True)
-                return kernels.quant_linear(q, self.weight_q, self.weight_scale, None, scale, self.bias, x.dtype)
             x = hadamard_transform(x)
         a = self.act
         if a is None:

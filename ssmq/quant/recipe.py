@@ -21,7 +21,7 @@ listed in ``docs/architecture.md``). Search: the model is quantized twice (the r
 16-bit activations) and each layer takes one of the two by evolutionary search (``ssmq/quant/ssm/mixed.py``).
 
 KV cache: ``cache.kv`` is a ``ssmq.models.kv_format.KVSpec`` (JSON object), or the name of a KV preset
-(``ssmq.quant.kv_presets``, each also registered as a KV-only recipe). ``get_recipe("A+B")`` combines a recipe
+(``ssmq.models.kv_format.KV_PRESETS``, each also registered as a KV-only recipe). ``get_recipe("A+B")`` combines a recipe
 A with a cache-only recipe B (a KV preset, ``int8-state``): A's rules, B's KV format on the attention layers and its
 SSM state format on the Mamba layers, one recipe.
 
@@ -40,8 +40,7 @@ from ssmq.errors import SSMQError
 from ssmq.errors import from_json_object as _from
 from ssmq.models.config import ARCHS as MODEL_ARCHS
 from ssmq.models.config import ATTENTION_ARCHS
-from ssmq.models.kv_format import KVSpec
-from ssmq.quant.kv_presets import KV_PRESETS
+from ssmq.models.kv_format import KV_PRESETS, KVSpec
 from ssmq.quant.spec import ActSpec, WeightSpec, validate_pair
 
 FORMAT = 2

@@ -58,7 +58,8 @@ class CudaGraphDecoder:
         static_shapes_(model)  # mixtures of experts without data-dependent shapes, as a capture needs
         self.model = model
         self.buckets = sorted(b for b in buckets if b < max_batch) + [max_batch]
-        # state_checkpoint K: SSM states checkpointed every K steps (ReplaySSM); the rings are fixed buffers too
+        # the model's own state formats unless ssm_dtype asks for another (``model.allocate_cache``); state_checkpoint
+        # K: SSM states checkpointed every K steps (ReplaySSM); the rings are fixed buffers too
         self.cache = cache or model.allocate_cache(max_batch + 1, max_seqlen, dtype=dtype, ssm_dtype=ssm_dtype,
                                                    state_checkpoint=state_checkpoint)
         if self.cache.max_batch < max_batch + 1:

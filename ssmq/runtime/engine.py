@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.cache import calibrated_ssm_dtype, int8_state_note
+from ssmq.models.cache import int8_state_note
 from ssmq.runtime.kv_blocks import BlockAllocator
 from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_rows, top_logprobs
 
@@ -143,13 +143,11 @@ class LocalRunner:
 
     def __init__(self, model, cfg: EngineConfig):
         self.model, self.device = model, model.device
-        # int8 SSM state when the checkpoint calibrated one (its mixers carry state scales)
-        ssm_dtype = calibrated_ssm_dtype(model)
         note = int8_state_note(model, cfg.state_checkpoint)
         if note:
             log.warning(note)
         graphs = self.device.type == "cuda" and cfg.cuda_graphs
-        kw = {"ssm_dtype": ssm_dtype, "state_checkpoint": cfg.state_checkpoint}
+        kw = {"state_checkpoint": cfg.state_checkpoint}  # the model's own state formats (int8 when calibrated)
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
         if any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
             n = kv_block_count(model, cfg)

@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.cache import calibrated_ssm_dtype
 from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_next
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens (b,), slots (b,)) -> logits (b, vocab)
@@ -33,8 +32,7 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
     device = model.device
     max_len = max(len(p) for p in prompts) + params.max_new_tokens
     if cache is None:
-        cache = model.allocate_cache(len(prompts), max_len, ssm_dtype=calibrated_ssm_dtype(model),
-                                     state_checkpoint=state_checkpoint)
+        cache = model.allocate_cache(len(prompts), max_len, state_checkpoint=state_checkpoint)
     elif cache.max_batch < len(prompts):
         raise SSMQError(f"cache has {cache.max_batch} slots for {len(prompts)} prompts")
     cache.reset()

@@ -4,7 +4,7 @@
 
 weights: parameters × bytes of --dtype, or the bytes of a quantized folder's tensors as stored; state: per
 sequence, conv (activation dtype) + SSM state (the recipe's state dtype: int8 = 1 byte); kv: per token of one
-sequence, every attention layer's keys and values in a KV format (``ssmq.quant.kv_formats``); reserve: the
+sequence, every attention layer's keys and values in a KV format (``ssmq.models.kv_format``); reserve: the
 CUDA context, workspaces and activations (decode and chunked prefill), a stated amount. The cache terms are
 exactly what ``SSMLM.allocate_cache(b, L)`` allocates (``InferenceCache.nbytes``) for the float formats.
 
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
-from ssmq.quant.kv_formats import KVFormat
+from ssmq.models.kv_format import KVFormat
 from ssmq.runtime.footprint import layers_text, parameter_count, state_elements
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}

@@ -122,7 +122,7 @@ def quantized_info(folder_arg: str) -> dict:
 def resolve(args) -> tuple[ModelConfig, str, CacheFormat, dict]:
     """(config, name, the plan's cache format, {weights, source} or {}) from the arguments."""
     from ssmq.paths import default_model
-    from ssmq.quant.kv_formats import kv_format
+    from ssmq.models.kv_format import kv_format
     from ssmq.runtime.model_args import DTYPES
 
     act = DTYPES[args.dtype]
@@ -141,7 +141,7 @@ def resolve(args) -> tuple[ModelConfig, str, CacheFormat, dict]:
 
 def compared_formats(cfg: ModelConfig, fmt: CacheFormat) -> list[CacheFormat]:
     """The plan's format first, then the 16-bit baseline, int8 state (SSM models), each KV format (attention)."""
-    from ssmq.quant.kv_formats import kv_format
+    from ssmq.models.kv_format import kv_format
 
     half = fmt.act_dtype if fmt.act_dtype != "float32" else "bfloat16"
     out = [fmt, CacheFormat(fmt.act_dtype, half, kv_format(FLOAT_KV[half]))]

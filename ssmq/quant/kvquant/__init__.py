@@ -1,6 +1,6 @@
 """KVQuant and the engines' KV formats: calibration of the offline part of a KV format (``calibrate``), the
 weighted k-means of nuq codebooks (``kmeans``). The format itself: ``ssmq.models.kv_format``; the maths:
-``ssmq.ops.kv_quant``; the state: ``ssmq.models.quant_kv``; presets: ``ssmq.quant.kv_presets``."""
+``ssmq.ops.kv_quant``; the state: ``ssmq.models.quant_kv``; presets: ``ssmq.models.kv_format``."""
 
 from ssmq.models.kv_quantizer import SPEC_KIND, KVQuantizer
 from ssmq.quant.checkpoint import register_module_kind

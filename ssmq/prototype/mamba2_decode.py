@@ -4,14 +4,13 @@
 Same signature as ``ssmq.ops.mamba2_decode.mamba2_decode_step_ref``. At decode these stages move almost no
 bytes besides the SSM state, so their launches and ramps (~2 µs each) are the cost.
 
-STATUS: opt-in (``SSMQ_FUSED_DECODE=1``). Verified on an H100 (2026-11-23: its 92 GPU tests pass, shapes and
-variants below). It equals the reference in Triton's interpreter too (also with programs run in random order).
-The previous version failed most GPU tests on the H100 (relative errors 2e-4 .. 4e-2 in the state, varying run
-to run); the cause, found afterwards in the
-compiled TTGIR (sm_90, compiled on the CPU): Triton loaded the x channels' conv state twice, in two register
-layouts (one for the convolution, one for the in-place shift's stores), so one warp could shift a column before
-another warp had read it for the convolution. This version writes no conv state in the step kernel: the tail
-kernel shifts every channel's conv state, each element loaded and stored by one thread.
+A prototype: no configuration runs it. It passes its GPU tests on an H100 and equals the reference in Triton's
+interpreter (also with programs run in random order), but it measured no faster end to end than the three kernels
+of ``kernels.mamba2_decode_step`` (2.83 against 2.88 ms a token, Mamba2-2.7B batch 1 on an H100, within the
+spread): at batch 1 the step is bound by launches that PDL already overlaps. Why the conv state is shifted in the
+tail kernel: a version that shifted it in the step kernel let Triton load the x channels' conv state twice in two
+register layouts (one for the convolution, one for the shift's stores), so one warp could shift a column before
+another had read it (seen in the sm_90 TTGIR). Here each element is loaded and stored by one thread.
 
 ``_mamba2_decode_step``: one program per (batch row, T consecutive tiles of BP channels of one B/C group)
 owns (BP, n) tiles of the state, as the plain state update does; it convolves its tiles' x channels and, once
