@@ -25,11 +25,9 @@ def _free(device: torch.device) -> None:
 @torch.inference_mode()
 def ttft_ms(model, prompt_len: int, warmup: int, reps: int) -> float:
     """Prefill of one ``prompt_len``-token prompt to its first token (batch 1), ms."""
-    from ssmq.models.cache import calibrated_ssm_dtype
-
     dev = model.device
     ids = torch.randint(0, min(model.config.vocab_size, 50000), (1, prompt_len), device=dev)
-    cache = model.allocate_cache(2, prompt_len + 1, ssm_dtype=calibrated_ssm_dtype(model))
+    cache = model.allocate_cache(2, prompt_len + 1)
     if dev.type == "cuda":
         from ssmq.runtime.cuda_graph import CudaGraphPrefill
 
@@ -43,8 +41,6 @@ def ttft_ms(model, prompt_len: int, warmup: int, reps: int) -> float:
 @torch.inference_mode()
 def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int) -> float:
     """One decode step of ``batch`` sequences, ms: the mean over ``steps`` consecutive steps, median of ``reps``."""
-    from ssmq.models.cache import calibrated_ssm_dtype
-
     dev = model.device
     max_len = (warmup + reps + 2) * steps + 16  # every step (graph capture and warm-up included) adds a token
     tokens = torch.randint(0, min(model.config.vocab_size, 50000), (batch,), device=dev)
@@ -52,13 +48,12 @@ def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int) -> float:
     if dev.type == "cuda":
         from ssmq.runtime.cuda_graph import CudaGraphDecoder
 
-        dec = CudaGraphDecoder(model, max_batch=batch, max_seqlen=max_len, buckets=(batch,),
-                               ssm_dtype=calibrated_ssm_dtype(model))
+        dec = CudaGraphDecoder(model, max_batch=batch, max_seqlen=max_len, buckets=(batch,))
         dec(tokens, slots)  # captures the graph
         graph = dec.graphs[batch][0]
         step = graph.replay
     else:
-        cache = model.allocate_cache(batch, max_len, ssm_dtype=calibrated_ssm_dtype(model))
+        cache = model.allocate_cache(batch, max_len)
         step = lambda: model.step(tokens, cache, slots)  # noqa: E731
 
     def run():

@@ -17,7 +17,6 @@ from ssmq.bench.timing import wall
 @torch.inference_mode()
 def generate_all(model, prompts: list[list[int]], output_len: int, max_batch: int, bar=None) -> int:
     """Generate ``output_len`` tokens for every prompt, ``max_batch`` at a time; returns the tokens produced."""
-    from ssmq.models.cache import calibrated_ssm_dtype
     from ssmq.runtime.generate import stream_generate
     from ssmq.runtime.sampling import SamplingParams
 
@@ -26,8 +25,7 @@ def generate_all(model, prompts: list[list[int]], output_len: int, max_batch: in
     if model.device.type == "cuda":
         from ssmq.runtime.cuda_graph import CudaGraphDecoder
 
-        dec = CudaGraphDecoder(model, max_batch=max_batch, max_seqlen=max(map(len, prompts)) + output_len,
-                               ssm_dtype=calibrated_ssm_dtype(model))
+        dec = CudaGraphDecoder(model, max_batch=max_batch, max_seqlen=max(map(len, prompts)) + output_len)
         run = {"cache": dec.cache, "decode_fn": dec}
     produced = 0
     for i in range(0, len(prompts), max_batch):

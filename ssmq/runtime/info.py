@@ -85,7 +85,7 @@ def _module_format(spec: dict) -> str:
 
 
 def _cache_text(recipe) -> str:
-    from ssmq.quant.kv_presets import KV_PRESETS
+    from ssmq.models.kv_format import KV_PRESETS
 
     c = recipe.cache
     state = "16-bit SSM state" if c.state_bits == 16 else (
