@@ -40,7 +40,7 @@ from ssmq.ops.quant_linear import weight_format
 # Launch settings, data (tests and the benchmark override entries):
 #   MAX_ROWS: rows this GEMV can serve (more rows: quant_gemm's tensor-core GEMM).
 #   ROUTE_ROWS: rows up to which kernels.dispatch.quant_linear sends a call here, per code type (``route``): where it
-#     measured faster than quant_gemm's decode kernels. H100, 2026-12-05, Mamba2-2.7B shapes, back to back over
+#     measured faster than quant_gemm's decode kernels on an H100 with Mamba2-2.7B shapes, back to back over
 #     weights past L2 (docs/gemv.md): 1 row W8A16 in_proj 15.0 -> 13.6 us, out_proj 10.7 -> 10.3, FP8 W8A8 13.9
 #     -> 13.6, 10.0 -> 8.6; W4A16 lost (11.0 -> 12.7, with the scales loaded after each tile's arithmetic), and
 #     so did every 2-8 row case but the 2-row out_proj (DOT path about 2x slower than _qmm).

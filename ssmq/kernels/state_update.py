@@ -375,8 +375,8 @@ def _state_update(
 # tile, state values a tile (rows = tile / n, at most p); num_warps; maxnreg, a register cap (None: ptxas's choice);
 # programs_per_sm: NT = the row's tiles · batch / (that · SMs) rounded, at most max_tiles, down to a divisor of the
 # row's tiles; NT = 1 launches the one-tile kernel above instead. tiles_first: grid (tiles / NT, batch), so programs
-# launched together read one slot's state in address order. H100, 2026-12-05 (bench_state_update.py --sweep / --order,
-# Mamba2-2.7B's layer, % of the copy bandwidth): the order decides most; fp16 at batch 128 93-94% tiles first vs 79-85%
+# launched together read one slot's state in address order. On an H100 (docs/state-update.md; Mamba2-2.7B's layer,
+# % of the copy bandwidth) the order decides most: fp16 at batch 128 93-94% tiles first vs 79-85%
 # rows first and 89% for the one-tile kernel; int8 table 66.5 vs 62.7; int8 rows 74.0 for both; at batch 32 (NT 1)
 # the one-tile kernel was 1.5-2.4 points faster. Prefetch, 8 warps and 8192-value tiles measured no better.
 STEP_CFG = {
