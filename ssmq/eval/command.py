@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         if v is not None and v < 1:
             raise SSMQError(f"{name} must be positive, got {v}")
     task_names = suite.parse_tasks(args.tasks)
+    if args.device not in (None, "auto"):  # a device name that cannot be is told before any data or model is read
+        from ssmq.eval.loading import resolve_device
+
+        resolve_device(args.device)
     if args.out:  # a results path that cannot be written is told before the (long) evaluation
         from ssmq.paths import check_output_location
 
