@@ -18,12 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels.dispatch import PREFILL_ATTENTION, prefill_launch, serves
 from ssmq.kernels.kv_decode import _page, paging
 
-# Not swept: at these settings the kernel runs on par with torch's flash SDPA on the H200 (
-# ``bench_prefill.py --parts layer``, Llama-3.1-8B's heads, 512 queries over 4K / 32K keys: 1.06x / 1.01x its speed)
-CFG = {"BLOCK_M": 64, "BLOCK_N": 64, "WARPS": 4, "STAGES": 2}
+CFG = configs.load("attention_prefill")  # launch settings (configs/attention_prefill.json)
 
 
 @triton.jit

@@ -18,26 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
 
 MAX_ROWS = 8  # rows an FMA program serves (a DOT program serves 16); more rows take more programs, each
 # re-reading its weight slab
 
-# Launch heuristic (see _config); tests and the benchmark override entries. Picked from a sweep on an H100
-# at Mamba2-2.7B's in_proj (10576, 2560), out_proj (2560, 5120) and lm_head (50288, 2560), fp16, weights
-# streamed from HBM (rotated past L2), CUDA-graph replays.
-#   PATH: None (heuristic), "fma" or "dot" (forced).
-#   FMA path: each tile applied by float32 multiply-adds. Fastest for one row (tl.dot would pad it to 16)
-#     and, at two rows, where tl.dot's 16-wide N blocks are too few to fill the GPU without a K split.
-#     Tiles of TILE_FMA / rows weight elements, BK_FMA / rows wide: a thread keeps TILE / (32 * warps)
-#     float32 sums whatever the rows.
-#   DOT path: tl.dot on (16, BK) x (BK, BN) tiles, rows padded to 16: at 4-8 rows FMAs would cost
-#     rows multiply-adds per weight element, on the order of the load time.
-#   WAVES: programs wanted per SM before K is split (resident programs hide each other's load
-#     latency and even out the tail); a split costs float32 partials and a second kernel.
-#   MIN_SPLIT_K: the fewest K elements one split streams.
-CFG = dict(PATH=None, FMA_MAX_ROWS=2, BK_FMA=1024, TILE_FMA=2048, warps_fma=2, stages_fma=1,
-           BN_DOT=32, BK_DOT=128, warps_dot=4, stages_dot=4, WAVES=2, MAX_SPLIT=8, MIN_SPLIT_K=512)
+CFG = configs.load("gemv")  # launch settings (configs/gemv.json, keys in docs/kernels.md)
 
 
 @triton.jit

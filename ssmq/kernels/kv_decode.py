@@ -31,17 +31,11 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from ssmq.kernels import configs
 from ssmq.kernels.rotary import inv_freq_on as _inv_freq  # cached: no per-call table building
 from ssmq.ops.kv_quant import KVSideView
 
-# Launch settings (the bench's --cfg overrides them). Picked by compiling for sm_90 (ptxas register use), not yet
-# timed: 8 warps hold a 64-token tile without spills, 4 warps spill; with outliers (the values' loop over the
-# slots) 32-token tiles (64 B of spills, 160 B at 64). num_stages 2 prefetches the next tile's codes (cp.async,
-# ~50-150 KB of shared memory: one or two programs an SM), so WAVES 2 programs an SM over the grid; MIN_TILES: a
-# split covers at least this many tiles of the cache's capacity (fewer splits for short caches).
-# dot: the products' input precision; "tf32x3" (3 TF32 products) is float32-exact, as the tests ask; "tf32" is
-# one product (~1e-3 relative error in scores and outputs, far below 4-bit quantization's) for a speed comparison.
-CFG = dict(BLOCK_T=64, BLOCK_T_OUTLIERS=32, num_warps=8, num_stages=2, WAVES=2, MIN_TILES=4, dot="tf32x3")
+CFG = configs.load("kv_decode")  # launch settings (configs/kv_decode.json, keys in docs/kernels.md)
 # cos.approx / sin.approx on the GPU (tl.cos is libdevice's precise cosf, ~20 instructions with a slow path for
 # large angles); the interpreter runs no PTX: numpy's there
 FAST_TRIG = not knobs.runtime.interpret

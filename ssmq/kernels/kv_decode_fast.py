@@ -67,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.errors import SSMQError
 from ssmq.kernels.dispatch import FLOAT_KV_DECODE, QUANT_KV_DECODE, float_kv_launch, quant_kv_view_launch, serves
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
@@ -74,18 +75,7 @@ from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _lau
                                     paging, quant_args)
 from ssmq.ops.kv_quant import KVSideView
 
-# Launch settings (the bench's --cfg overrides them). H100 (this loop, 4-bit, 128K tokens):
-# BLOCK_T 32 / 4 warps 0.335 ms against 64 / 8 warps 0.407 (252 registers: one 8-warp program an SM; 32 / 4: two).
-# BLOCK_T tokens a tile (BLOCK_T_OUTLIERS with sparse outliers: 16 would keep their per-slot work free of spills, but
-# 16-token tiles, like 16-channel rotary halves, made a 16-wide tensor-core product of PRMT-lookup values, which came
-# out wrong on the H100 (Triton 3.6; the gathered lookup was right: diag_kv_decode.py), hence 32 and
-# MIN_DIM, the narrowest rotary half / pass-through tile, padded with zero query channels); WAVES programs an SM over
-# the grid; MIN_TILES: a split covers at least this many tiles of the cache's capacity (fewer splits for short
-# caches). ROPE "split": R(t0 + j) = R(t0) R(j),
-# keys turned by the within-tile angles j θ (one (BLOCK_T, r/2) table a program), the query back by the tile's
-# t0 θ; "direct": cos.approx / sin.approx of every (token, channel) angle.
-CFG = dict(ASM=True, BLOCK_T=32, BLOCK_T_OUTLIERS=32, num_warps=4, num_stages=3, WAVES=4, MIN_TILES=2, ROPE="split",
-           GP_MIN=4, SPARSE_SLOTS=512, SPARSE_PROGRAMS=16, FOLD=True, MAXNREG=128, MAXNREG_OUTLIERS=168, RESIDENT=2)
+CFG = configs.load("kv_decode_fast")  # launch settings (configs/kv_decode_fast.json, keys in docs/kernels.md)
 MIN_DIM = 32
 # The outlier formats' decode takes the same warps and stages, uncapped: H200 (`time_kv_outlier_parts.py
 # --kernels`, 128K tokens, 4-bit + 1%), the 8 warps / 1 stage / 128 registers kept from the in-loop slots took the

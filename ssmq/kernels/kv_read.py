@@ -20,16 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels.dispatch import QUANT_KV_READ, read_launch, serves
 from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _inv_freq, _page, _slot_scales, _tile, paging
 from ssmq.ops.kv_quant import KVSideView
 
-# BT tokens a program of the read, BT_OUTLIERS of the outlier pass. H200, one Llama-3.1-8B layer at 32K tokens, K + V
-# ms: the read without outliers BT 16 0.199, 32 0.335, 64 0.342. The outlier pass
-# (H200), nuq4-1% K / V: BT_OUTLIERS 16 0.159 / 0.110, 32 0.181 / 0.110, 64 0.197, 128 0.203; 1-2 warps and 8
-# slower (0.19-0.21). Before it (the slots placed in the read's tiles) nuq4-1% took 0.436, nuq3-1% 0.735 for K + V.
-# A copy of the 134 MB written: 0.067
-CFG = {"BT": 16, "WARPS": 4, "BT_OUTLIERS": 16, "OUTLIER_WARPS": 4}
+CFG = configs.load("kv_read")  # launch settings (configs/kv_read.json, keys in docs/kernels.md)
 
 
 @triton.jit

@@ -9,7 +9,7 @@ each a round trip to memory), ramp and tail weigh as much as bytes. The grid is 
 WAVES programs per SM (one wave: no program waits for a free SM), each program owns a (BLOCK_N, ITERS x KT) block
 of the weight and keeps two (BLOCK_N, KT) tiles in flight (the next tile's codes and scales are requested before
 the current one's arithmetic), each thread loading 16 bytes of codes along k at a time. Where it beats
-``quant_gemm``'s decode kernels, and where not, is CFG's ROUTE_ROWS below. The K split that
+``quant_gemm``'s decode kernels, and where not, is ROUTE_ROWS of configs/qgemv.json. The K split that
 fills the grid is summed inside the kernel by the last program of each output tile in a fixed order (the
 counters of ``quant_gemm._split_gather``: deterministic, no second kernel, CUDA-graph safe).
 
@@ -32,25 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels._common import gdc_enter, int8_to_float, pdl_args, pow2, sm_count
 from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_words, _fp8_f32, _rows_tile, \
     _split_gather, _x_f32
 from ssmq.ops.quant_linear import weight_format
 
-# Launch settings, data (tests and the benchmark override entries):
-#   MAX_ROWS: rows this GEMV can serve (more rows: quant_gemm's tensor-core GEMM).
-#   ROUTE_ROWS: rows up to which kernels.dispatch.quant_linear sends a call here, per code type (``route``): where it
-#     measured faster than quant_gemm's decode kernels on an H100 with Mamba2-2.7B shapes, back to back over
-#     weights past L2 (docs/gemv.md): 1 row W8A16 in_proj 15.0 -> 13.6 us, out_proj 10.7 -> 10.3, FP8 W8A8 13.9
-#     -> 13.6, 10.0 -> 8.6; W4A16 lost (11.0 -> 12.7, with the scales loaded after each tile's arithmetic), and
-#     so did every 2-8 row case but the 2-row out_proj (DOT path about 2x slower than _qmm).
-#   FMA_MAX_ROWS: rows up to which the FMA path runs (<= 4); the DOT path above.
-#   BN_* / KT_* / warps_*: output columns and codes of a tile, warps of a program.
-#   WAVES: programs wanted per SM; ITERS (tiles a program) grows until the grid is about WAVES x SMs programs,
-#     at most MAX_ITERS; the K split is what remains (at most MAX_SPLIT_*: the last program of a tile loads
-#     every split's partial at once).
-CFG = dict(MAX_ROWS=8, ROUTE_ROWS=dict(int4=0, int8=1, fp8=1), FMA_MAX_ROWS=2, BN_FMA=64, KT_FMA=256, warps_fma=4,
-           BN_DOT=64, KT_DOT=128, warps_dot=4, WAVES=6, MAX_ITERS=8, MAX_SPLIT_FMA=32, MAX_SPLIT_DOT=16)
+CFG = configs.load("qgemv")  # launch settings (configs/qgemv.json, keys in docs/kernels.md)
 ALL_ROWS = dict(int4=8, int8=8, fp8=8)  # ROUTE_ROWS that sends every call it can serve here (tests, benchmark)
 
 

@@ -37,7 +37,7 @@ Decode: when the output blocks alone give too few programs for the SMs, K is spl
 not bit-exact anyway; float32 partials summed by the last program of each output tile, ``_split_gather``, or
 by a second kernel with SPLIT_IN_KERNEL off).
 
-Which path serves a call (M rows; every threshold is a CFG entry with the measurement behind it):
+Which path serves a call (M rows; every threshold an entry of configs/quant_gemm.json, the measurements in its why):
 
     rows                 weight-only (float x)                    W8A8 per channel / tensor      fp8 x
     1-2                  _qgemv_words (8-bit codes: underfilled   _qgemv_words (underfilled      _qgemv_words
@@ -59,89 +59,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
 from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
 
 DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
-# Launch settings (tests and the benchmark override entries):
-#   BN_DEC / BK_DEC / warps_dec / stages_dec: decode tiles (BK is the group size for grouped weights)
-#   BM_PRE / BN_PRE / BK_PRE / warps_pre / stages_pre: prefill tiles
-#   WAVES, MAX_SPLIT, MIN_SPLIT_K: split K (weight-only decode) until WAVES programs per SM
-#   PREFILL_A8: "int_mm" (torch._int_mm + float32 epilogue), "triton" (_qmm, epilogue fused) or "auto" (int_mm
-#     below A8_TRITON_ROWS rows, triton from there) for per-channel / tensor W8A8 above DECODE_ROWS rows.
-#     H100 (`bench_quant.py --micro`, us): 1024 rows in_proj 121.6 (int_mm: an sm80 cutlass kernel,
-#     + epilogue) vs 92.2 (triton, BK 64) vs 71.4 (BK_PRE_A8 = 128; BN 256: 78.3; 4 stages: 89.3), out_proj 66.1
-#     vs 54.8 vs 45.2 (cuBLAS FP16 78.7 / 38.5); but at 32 / 128 rows int_mm won (out_proj 20.1 vs 39.7 us): the
-#     all-triton setting took dynamic-w8a8 batch-32 decode from 5.04 to 6.97 ms a token.
-#   PREFILL_A16: "triton" (dequantize in the main loop), "cublas" (dequantize to fp16, then F.linear) or
-#     "auto": cuBLAS from CUBLAS_ROWS rows on (H100, Mamba2-2.7B shapes: the Triton GEMM won at
-#     32 and 256 rows, e.g. in_proj W4 79 vs 169 us at 256; the dequantized cuBLAS GEMM at 1024, W8 125 vs 148)
-#   FAST_CVT: fp16 x on the tensor-core path widens int8 codes by bit assembly (_i8_to_f16), not I2F: W8A16
-#     decode at batch 1, in_proj 15.6 -> 13.8 us, out_proj 11.6 -> 10.6 us (H100, --sweep cvt).
-#   FUSE_ACT_QUANT: quant_linear_act quantizes decode rows inside _qmm (see there: measured slower, off).
-#   X_STRIDED: int4 decode loads x's even / odd columns apart (two strided loads) instead of splitting a tile;
-#     no faster on the H100 (in_proj W4A16 18.6 us either way, --sweep w4), so off.
-#   WORD_MAX_ROWS (<= 4): rows up to which the word GEMV _qgemv_words runs (0: the kernels below, as before).
-#     TILE_W: output columns a program x rows (BLOCK_N = TILE_W / rows: each thread keeps 8 columns x 4 words
-#     at 256, 4 warps); KW_W: words a tile row for per-channel / per-tensor scales (per group: the group);
-#     warps_w / stages_w; WAVES_W, MAX_SPLIT_W, MIN_SPLIT_K_W: split K until WAVES_W programs an SM;
-#     PREFETCH_W: load the next K step's words before this step's arithmetic (Triton does not pipeline these loads
-#     by num_stages: no cp.async in the SASS), two tiles in flight a program for about 32 more registers.
-#     Predicted from sm_90 SASS (issue slots of the K loop per code, 4 warps; H100: 128 issue slots a clock per
-#     SM, 132 SMs at 1.98 GHz): W4A16 g128 4.5 (1 row, TILE_W 256), 6.1 (2 rows), 10.7 (4 rows, BLOCK_N 128),
-#     13.2 (4 rows, 64); W8A16 4.7; W8A8 0.7 (dp4a). At in_proj (27 M codes) 1 row: W4A16 3.6 us issue-bound
-#     vs 4.3 us of weight bytes at 3.35 TB/s, so bandwidth-bound if loads stay in flight (about 4-5 programs of
-#     16 KB tiles an SM at 100 registers); the old paths measured 18.2 us + 2.2 us split sum (W4A16), 13.8 us
-#     (W8A16), 16.2 us (W8A8). Not yet measured on a GPU.
-#   Weight-only, MID_MAX_ROWS + 1 .. CUBLAS_ROWS - 1 rows: an underfilled tiling (fewer than MID_FILL x SMs column
-#     tiles) goes to the dequantized weight on cuBLAS, int4 up to W4_WARPS_MAX_ROWS rows runs the Triton GEMM with
-#     warps_pre_w4 warps. H100, `bench_quant.py --micro --micro-rows 64,128` (us at 64 / 128 rows):
-#     out_proj 2560 x 5120 W4A16 66.4 / 50.4 (Triton, 8 warps) -> 23.5 / 24.3 (cuBLAS), W8A16 45.4 / 62.7 -> 23.3 /
-#     24.1; in_proj 10576 x 2560 W4A16 51.2 / 49.4 -> 29.2 / 38.1 (4 warps; cuBLAS 51.5 / 52.8), W8A16 25.8 / 33.6
-#     kept (4 warps 28.8 / 34.7, cuBLAS 50.7 / 53.2). End to end (Mamba2-2.7B, against MID_FILL 0 and
-#     8 warps in the same run): W4A16 TPOT at batch 128 15.12 -> 13.35 ms, W8A16 15.77 -> 13.57.
-#   WORD_FP8: fp8 weights (fp8-w8a8, fp8 weight-only) in the word GEMV rather than _qmm with rows padded to 16
-#     (_qmm 16.1 us + quantize 4.2 us a linear, FP8 TPOT 3.27 ms vs FP16 2.63 at batch 1).
-#   WORD_MAX_ROWS 2, WORD_8BIT_UNDERFILLED, ITERS_W 8: H100, `bench_quant.py --sweep words` (TILE_W x
-#     ITERS_W at batch 1, Mamba2-2.7B and 8B shapes) and `--micro --formats w8a16,w8a16:qmm,... --micro-rows 1,2,4`
-#     (us, word GEMV vs _qmm, 2.7B / 8B): ITERS_W 2 -> 8 took in_proj W4A16 14.1 -> 10.7 / 33.6 -> 25.9, out_proj
-#     W4A16 9.8 -> 7.8; with it the word GEMV still loses to _qmm on in_proj-like (filled) tilings for 8-bit codes
-#     (W8A16 15.7 vs 15.0 / 48.9 vs 36.4, W8A8 19.0 vs 17.8 / 45.3 vs 32.4, fp8 18.6 vs 18.0 / 44.7 vs 32.9) and
-#     wins on out_proj-like ones (W8A16 10.6 vs 13.5 / 18.5 vs 20.0, W8A8 14.1 vs 20.7, fp8 14.5 vs 21.4 / 21.2 vs
-#     30.3); at 4 rows _qmm wins everywhere (W4A16 in_proj 22.8 vs 17.6 / 52.2 vs 39.0), at 2 rows int4 words win.
-#   MAX_GROUP_PARTS: int8 x with per-group scales (W4A8) splits K in the word GEMV only up to this many groups
-#     (their products are stored one by one and added in order by the last program: int_matmul_ref's order).
-#   SPLIT_IN_KERNEL: _qmm's K-split partials summed by its own last program of each tile (_split_gather), not by
-#     the _sum_splits kernel after it (2.2 us a call on the H100, see below). Not yet measured on a GPU.
-#   MID_MAX_ROWS / BN_MID / warps_mid / stages_mid / MID_SPLIT: weight-only batches of DECODE_ROWS + 1 ..
-#     MID_MAX_ROWS rows take one row tile (BLOCK_M = rows padded to a power of two), BN_MID columns and a K split in
-#     MID_SPLIT parts (fewer parts than decode's: the float32 partials are M x N x split). H100,
-#     `bench_quant.py --sweep mid --micro-rows 32,64,128` (us at 32 / 64 rows, the previous rule -> this one; FP16
-#     cuBLAS in_proj 23.7 / 23.4, out_proj 13.7 / 12.8): in_proj 10576 x 2560 W4A16 27.0 / 29.4 -> 20.2 / 25.4,
-#     W8A16 25.4 / 26.1 -> 18.3 / 29.0; out_proj 2560 x 5120 W4A16 27.5 / 23.4 -> 16.6 / 21.0, W8A16 25.8 / 23.4
-#     -> 21.1 / 22.3. At 128 rows no setting of this path beat the rule above (e.g. in_proj W4A16 38.0 vs 40.4).
-#     End to end in the same run: W4A16 TPOT at batch 32 4.90 ms (FP16 5.19), batch 64 7.73 (FP16 7.19).
-#     The previous rule: 17 .. 32 rows, underfilled tilings only, the decode path's split.
-#   FMA_MAX_ROWS: rows up to which the CUDA-core _qgemv runs; 0 sends batch 1-2 to the tensor-core _qmm too.
-#     At batch 1 (H100, bench_quant.py --sweep) _qmm with BN_DEC=32, stages 5 won or tied in 7 of
-#     8 (shape, format) cases (in_proj W8A16 16.1 vs 18.1 us, W8A8 17.2 vs 20.3, W4A16 19.1 vs 19.9); the
-#     exception was out_proj W8A16 (9.5 us CUDA-core vs 12.2). Stages 3 and WAVES 6 (K split until 6 programs
-#     an SM) are what --sweep w4 picked and what the README's end-to-end table ran with; a split costs a
-#     _sum_splits kernel (2.2 us, 128 a token), so W8's best single-op setting was stages 5, WAVES 2. Neither
-#     reaches the weight-bandwidth limit (in_proj W8 9.2 us, W4 4.9 us): the CUDA-core loop is bound by
-#     int -> float conversions (16 a clock per SM on Hopper: 7 us for in_proj's 27 M weights), the tensor-core
-#     one by its serial K loop (about 0.8 us an iteration, 20 iterations at K = 2560 without a K split).
-CFG = dict(FMA_MAX_ROWS=0, TILE_FMA=2048, BK_FMA=512, warps_fma=2, stages_fma=2,
-           BN_DEC=32, BK_DEC=128, warps_dec=4, stages_dec=3,
-           BM_PRE=128, BN_PRE=128, BN_PRE_GROUP=64, BK_PRE=64, BK_PRE_A8=128, warps_pre=8, stages_pre=3,
-           WAVES=6, MAX_SPLIT=8, MIN_SPLIT_K=512, PREFILL_A8="auto", A8_TRITON_ROWS=512, PREFILL_A16="auto",
-           CUBLAS_ROWS=512, FAST_CVT=True, X_STRIDED=False, FUSE_ACT_QUANT=False,
-           SPLIT_IN_KERNEL=True, MID_MAX_ROWS=64, MID_FILL=0.5, BN_MID=64, warps_mid=4, stages_mid=3, MID_SPLIT=2,
-           W4_WARPS_MAX_ROWS=128, warps_pre_w4=4,
-           WORD_MAX_ROWS=2, WORD_FP8=True, WORD_8BIT_UNDERFILLED=True, MAX_GROUP_PARTS=64, TILE_W=128, PREFETCH_W=True, KW_W=16, warps_w=4, stages_w=1,
-           WAVES_W=2, ITERS_W=8, MAX_SPLIT_W=32, MIN_SPLIT_K_W=128)
+CFG = configs.load("quant_gemm")  # launch settings (configs/quant_gemm.json, keys in docs/kernels.md)
 
 
 @triton.jit
@@ -149,7 +74,7 @@ def _i8_to_f16(q):
     """int8 codes -> the same integers in fp16, exactly, by bit assembly on four codes a register: a half 0x64XX
     is 1024 + XX, so (code ^ 0x80) placed in a half's low byte reads 1152 + code, and one packed subtraction
     removes the 1152. Integer and half2 ops only: the I2F conversion it replaces issues at 16 a clock per SM
-    on Hopper and bounded the decode GEMV (CFG's comment). Not in the interpreter (no PTX there)."""
+    on Hopper and bounded the decode GEMV (configs/quant_gemm.json). Not in the interpreter (no PTX there)."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 t, m, c;
@@ -1084,7 +1009,7 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
     if c["FMA"]:
         _qgemv[c["grid"]](*args, **common)
     else:
-        # int8 codes only: for int4 the bit assembly measured slower than I2F (in_proj 22 vs 18.7 us, see CFG)
+        # int8 codes only: for int4 the bit assembly measured slower than I2F (in_proj 22 vs 18.7 us)
         fast = (cfg["FAST_CVT"] and a_mode == 0 and x2.is_cuda and x2.dtype == torch.float16 and f["bits"] == 8
                 and not f["fp8"] and not c["DEQ_W"])
         _qmm[c["grid"]](*args, DEQ_W=c["DEQ_W"], FAST_CVT=fast, QUANT_X=quant_x,

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels._common import pow2, silu, softplus
 
 
@@ -200,11 +201,7 @@ def _selective_scan(
         tl.store(last_ptr + pid_b * d * n + offs_n[:, None] + offs_d[None, :] * n, h, mask=m2)
 
 
-# launch configuration: channels per program and warps (n=16 gives (16, BD) state tiles);
-# module-level so the benchmark can sweep it
-# SEGS: programs per SM to aim for when splitting the sequence into time segments (0: never split);
-# each segment is >= MIN_SEG steps; NSEG, when set, forces the count.
-CFG = dict(BD=16, num_warps=1, SEGS=24, MIN_SEG=64)
+CFG = configs.load("scan")  # launch settings (configs/scan.json, keys in docs/kernels.md); NSEG: tests force a split
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels._common import dot_precision, pow2, silu, softplus
 from ssmq.ops.layout import has_dt_limit, heads_per_group
 
@@ -320,16 +321,7 @@ def _chunk_scan(
                    s_xb, s_xl, s_xh, s_xp, s_Dh, s_Dp, s_zb, s_zl, s_zh, s_zp, s_yb, s_yl, s_yh, s_yp, HAS_D, HAS_Z)
 
 
-# Launch configurations (block sizes, warps, pipeline stages) per kernel; tuned on H100 for Mamba2 shapes
-# (chunk 256, head dim 64, d_state 128). ``STATES`` picks how chunk states are produced: "fused" (one
-# kernel walks the chunks, no float32 per-chunk states in memory) or "split" (parallel chunk states in
-# float32, then the recurrence over chunks). Module-level so the benchmark can sweep them.
-CFG = dict(
-    STATES="split",
-    fused=dict(BP=64, BN=64, BK=64, num_warps=4, num_stages=2),
-    state=dict(BP=64, BN=64, BK=64, num_warps=4, num_stages=2),
-    scan=dict(BM=64, BK=64, num_warps=4, num_stages=1),
-)
+CFG = configs.load("ssd")  # launch settings (configs/ssd.json, keys in docs/kernels.md)
 
 
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}

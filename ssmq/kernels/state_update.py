@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import (_MAGIC_RNE, _PACK_PTX, _UNPACK_PTX, gdc_enter, int8_to_float, pdl_args, pow2,
                                    rne_int8, rne_int8_of_product, rne_int8_sat, silu, sm_count, softplus)
@@ -26,35 +27,7 @@ from ssmq.ops.layout import heads_per_group
 from ssmq.ops.quant_ssm import RowScales
 
 
-# Launch settings. tile: state values a program holds in registers at once, BP rows x BNC columns (BP None: from the
-# tile; BNC None: all n). maxnreg: a register cap (None: ptxas's choice; a cap trades spills for programs an SM).
-# The plain step's: swept by bench_int8_ssm.py --sweep. "replay", the checkpointed step's (bench_replay.py --sweep;
-# defaults unmeasured): its folded path streams the checkpoint in BNC-column chunks, fold_stages of them in flight
-# through shared memory (cp.async), so its loads in flight are not bounded by registers and a program takes more rows.
-# ring_stages: entries in flight where a tile is replayed entry by entry (Mamba-1; Mamba-2's full ring, whose rows are
-# then L1 hits); its pipeline sets the kernel's registers. sm_90, Mamba2-2.7B, fp16 / int8 state: 64 x 128 tiles,
-# 64 / 90 registers at ring_stages 1, 96 / 94 at 2, 112 / 128 at 4; 8 / 5 programs an SM (int8: shared memory
-# bound, the gathered scales); unchunked 32 x 128: 123 / 128 registers.
-# fast_rcp: an int8 state is re-quantized as hs * rcp.approx(scale) (1 MUFU + 1 FMUL) rather than hs / scale, whose
-# div.full expands to ~11 instructions with its range scaling: the int8 step was issue-bound (34 SASS instructions a
-# state value) at 1.55 TB/s on the H100, 1.8 TB/s with it (bench_int8_ssm --sweep); both within 2 ulp of IEEE.
-# ptx_codes (sm_90, not the interpreter): the codes converted by bit assembly (ssmq.kernels._common.int8_to_float,
-# rne_int8_of_product): no I2F, one FFMA rounds and offsets; 25 -> 22 SASS instructions a state value at 32 x 128
-# tiles, 20.4 -> 17.9 at 64 x 128 (/work/notes/i8state.md: counts as launched). rcp_table: re-quantized as
-# hs * (1 / scale) from a table of the reciprocals the launcher keeps per scale tensor (_reciprocal_table) and one
-# saturating F2I a value (rne_int8_sat): no MUFU and no clamps, 20.5 / 16.5 instructions a value; off by default: it
-# gathers a second 4-byte table entry a 1-byte code, and the gathers, not the instructions, look like the limit: a
-# thread's 16 consecutive scales are 4 LDG.128 that each touch all 4 lines of a table row (16 L1 wavefronts for a
-# warp's 512 bytes). H100 (bench_int8_ssm --sweep 128): ptx_codes 0.0958 ms a layer at batch 128 vs 0.0996
-# without (32 x 128 tiles), 0.0904 vs 0.0978 at 64 x 128 (hence "int8": 64-row tiles for the int8 state; 8 warps
-# 0.117, 16 rows 0.102): 1.85 TB/s of the state, where 22 -> 18 instructions a value predicted more.
-CFG = {"tile": 4096, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": None, "fast_rcp": True, "ptx_codes": True,
-       "rcp_table": False, "int8": {"tile": 8192},
-       "replay": {"tile": 2048, "BP": None, "num_warps": 4, "maxnreg": None, "BNC": 32, "fold_stages": 4,
-                  "ring_stages": 1},
-       # an int8 checkpoint: unchunked 32 x 128 tiles, no cp.async pipelining. H100 sweep (bench_replay --sweep 128):
-       # 0.187 ms a layer at batch 128 vs 0.446 with the fp16 settings above (0.133 for fp16 there)
-       "replay_int8": {"tile": 4096, "BNC": None, "fold_stages": 1}}
+CFG = configs.load("state_update")  # launch settings (configs/state_update.json, keys in docs/kernels.md)
 
 
 @triton.jit
@@ -145,12 +118,12 @@ def _write_state(s_ptrs, hs, sc, m2, Q_STATE: tl.constexpr, FAST_RCP: tl.constex
     int8 state, else cast."""
     if Q_STATE:
         # not div_rn: the exact division costs ~15 instructions a state value and would make a large-batch step
-        # compute-bound. '/' (div.full) or, FAST_RCP, rcp.approx and a multiply (CFG's comment): the codes can then
+        # compute-bound. '/' (div.full) or, FAST_RCP, rcp.approx and a multiply: the codes can then
         # differ from the reference's only where hs / sc is within 2 ulp of a rounding boundary: as rare as, and no
         # different from, what exp and fused multiply-adds already do to the float32 state (tests allow one step).
         # PTX_CODES: that multiply fused with the rounding (rne_int8_of_product) and the codes packed by prmt.
         # RCP_TABLE: the reciprocals read (L1 hits, as the scales) and the product rounded by one saturating
-        # conversion a value (rne_int8_sat): no MUFU, no clamps (CFG's comment).
+        # conversion a value (rne_int8_sat): no MUFU, no clamps.
         if RCP_TABLE:
             tl.store(s_ptrs, rne_int8_sat(hs * sc, PTX_CODES), mask=m2)
         elif FAST_RCP:
@@ -371,22 +344,8 @@ def _state_update(
 # program walks NT consecutive (head, row block) tiles of one batch row: Δ, A and the slot read once a tile, B and C
 # once a program when its tiles share a group, optionally the next tile's state loaded before the current one is
 # computed (prefetch), an int8 state with row scales read and written as int32 words of 4 codes (words: a prefetched
-# tile stays 4 codes a register). Settings by state format (float: fp16 / bf16 / fp32; int8_rows; int8_table):
-# tile, state values a tile (rows = tile / n, at most p); num_warps; maxnreg, a register cap (None: ptxas's choice);
-# programs_per_sm: NT = the row's tiles · batch / (that · SMs) rounded, at most max_tiles, down to a divisor of the
-# row's tiles; NT = 1 launches the one-tile kernel above instead. tiles_first: grid (tiles / NT, batch), so programs
-# launched together read one slot's state in address order. On an H100 (docs/state-update.md; Mamba2-2.7B's layer,
-# % of the copy bandwidth) the order decides most: fp16 at batch 128 93-94% tiles first vs 79-85%
-# rows first and 89% for the one-tile kernel; int8 table 66.5 vs 62.7; int8 rows 74.0 for both; at batch 32 (NT 1)
-# the one-tile kernel was 1.5-2.4 points faster. Prefetch, 8 warps and 8192-value tiles measured no better.
-STEP_CFG = {
-    "float": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
-              "prefetch": False, "tiles_first": True},
-    "int8_rows": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
-                  "prefetch": False, "tiles_first": True, "words": True},
-    "int8_table": {"tile": 4096, "num_warps": 4, "maxnreg": None, "programs_per_sm": 38.79, "max_tiles": 16,
-                   "prefetch": False, "tiles_first": True, "words": False},
-}
+# tile stays 4 codes a register). Settings by state format: CFG["step"] (float, int8_rows, int8_table).
+STEP_CFG = CFG["step"]
 
 
 @triton.jit
