@@ -88,6 +88,27 @@ def test_float_kv_and_linear_tables():
     assert select(dispatch.PREFILL_ATTENTION, dispatch.prefill_launch(q.transpose(2, 3), q, q)) == "reference"
 
 
+def test_quant_linear_table_reads_its_rows_from_the_config():
+    """qgemv's rows of the low-bit linear table: the rows ROUTE_ROWS (qgemv.json) gives each code type, the formats
+    it serves; every other call goes to quant_gemm."""
+    rows = dispatch.quant_linear_rows(dict(MAX_ROWS=8, ROUTE_ROWS=dict(int4=0, int8=1, fp8=2)))
+    call = dict(code="int8", x="float16", rows=1, group=None, zero=False, x_scaled=False, fits=True)
+    assert select(rows, call) == "qgemv"
+    assert select(rows, call | dict(rows=2)) == "quant_gemm"  # past int8's ROUTE_ROWS
+    assert select(rows, call | dict(code="int4", group=128)) == "quant_gemm"  # int4 routes no row
+    assert select(rows, call | dict(code="fp8", x="float8_e4m3fn", rows=2, x_scaled=True)) == "qgemv"
+    assert select(rows, call | dict(code="fp8", x="float8_e4m3fn")) == "quant_gemm"  # fp8 x without its scale
+    assert select(rows, call | dict(x="float8_e4m3fn", x_scaled=True)) == "quant_gemm"  # fp8 x on int8 codes
+    assert select(rows, call | dict(zero=True)) == "quant_gemm"
+    assert select(rows, call | dict(fits=False)) == "quant_gemm"
+    assert select(rows, call | dict(group=48)) == "quant_gemm"  # groups are powers of two
+    everything = dispatch.quant_linear_rows(dict(MAX_ROWS=8, ROUTE_ROWS=dict(int4=8, int8=8, fp8=8)))
+    assert select(everything, call | dict(code="int4", group=128, rows=8)) == "qgemv"
+    assert select(everything, call | dict(code="int4", group=4)) == "quant_gemm"  # 2 bytes of int4 codes a group
+    assert select(everything, call | dict(group=4)) == "qgemv"
+    assert select(everything, call | dict(rows=9)) == "quant_gemm"
+
+
 # ------------------------------------------------------------------------------------------------ layer plans
 def test_float_models_plan_the_fused_or_float_step():
     from tiny_ssm import tiny_model
@@ -99,6 +120,38 @@ def test_float_models_plan_the_fused_or_float_step():
     cache = tiny_model("mamba2").allocate_cache(2, 8, state_checkpoint=4)  # the ring steps through step_ssm
     assert {st.plan.kernels[1] for st in cache.states} == {"replay_state_update"}
 
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_float_cache_decodes_through_the_kernel_its_plan_chose(paged, monkeypatch):
+    """A float KV cache's decode executor is chosen when the cache is allocated (``plan.decode``: the kernel bound),
+    so a decode step selects nothing: with the selection tables made to fail after allocation the model still
+    decodes, through the plan's kernel (the reference on CPU), to the logits of the reference path; a cache no
+    kernel takes (float32 on CPU) has no executor."""
+    from tiny_ssm import tiny_model
+
+    import ssmq.models.state as state
+
+    model = tiny_model("hybrid", seed=3)
+    assert model.allocate_cache(2, 16).states[1].plan.decode is None  # CPU: the rows read out for attention_ref
+    monkeypatch.setattr(state, "kernel_decodes", lambda k, rope, cuda=None: rope is None)  # as on CUDA
+    kw = dict(kv_blocks=16, kv_block_size=4) if paged else {}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def run(cache):
+        if paged:
+            for s in range(2):
+                cache.block_table.assign(s, 0, list(range(1 + 4 * s, 5 + 4 * s)))
+        with torch.no_grad():
+            return torch.stack([model(ids[:, :4], cache)[:, -1]] + [model.step(ids[:, t], cache) for t in range(4, 9)])
+
+    cache = model.allocate_cache(2, 16, **kw)
+    plan = cache.states[1].plan
+    assert plan.executor == "kv-float" and plan.decode.keywords == {"kernel": "kv_decode"}  # head dim 16
+    monkeypatch.setattr(dispatch, "select", lambda *a, **kw: pytest.fail("a decode step selected a kernel"))
+    got = run(cache)
+    monkeypatch.undo()
+    ref = run(model.allocate_cache(2, 16, **kw))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 @pytest.mark.parametrize("arch", ["mamba2", "mamba1"])
 def test_a_quamba2_int8_state_model_plans_the_int8_step(arch):

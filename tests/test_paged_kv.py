@@ -96,8 +96,9 @@ def test_float_cache_decode_through_the_kernel_equals_the_reference(paged, arch,
 
     model = tiny_model(arch, seed=3).to(DEV, dtype if DEV == "cuda" else torch.float32)
     if DEV == "cpu":  # the kernel the dispatch picks on CUDA (head dim 32), not its CPU reference; the eligibility too
-        monkeypatch.setattr(state.kernels, "float_kv_decode", kv_decode_fast.float_kv_decode)
-        eligible = lambda k, rope: rope is None and k.dtype == torch.float16  # noqa: E731
+        monkeypatch.setattr(state.kernels, "float_kv_decode",
+                            lambda *a, kernel, **kw: kv_decode_fast.float_kv_decode(*a, **kw))
+        eligible = lambda k, rope, cuda=None: rope is None and k.dtype == torch.float16  # noqa: E731
         monkeypatch.setattr(state, "kernel_decodes", eligible)
         monkeypatch.setattr(paged_kv, "kernel_decodes", eligible)
     g = torch.Generator().manual_seed(1)

@@ -260,7 +260,7 @@ def linear_into(x, weight, out):
 
 def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None):
     """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear): the
-    decode GEMV ``qgemv`` where it serves the call (``qgemv.CFG["ROUTE_ROWS"]``), else ``quant_gemm``'s kernels."""
+    decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), else ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
     gemv = _kernels("qgemv")
@@ -347,6 +347,29 @@ QUANT_KV_READ = (Row("kv_read", dict(bits=_BITS, rotary_dim=Need(multiple=2))), 
 QUANT_KV_APPEND = (Row("kv_append", dict(bits=_BITS, rotated=Need((False,)),
                                          granularity=Need(("per_token", "per_channel")))), Row("reference"))
 
+# Low-bit linear: qgemv for the rows ROUTE_ROWS gives its code type (configs/qgemv.json: where it measured faster than
+# quant_gemm's decode kernels, at most MAX_ROWS), 16-bit x on symmetric codes or scaled fp8 x on fp8 codes, per-group
+# scales for integer codes only (groups powers of two of at least 4 bytes of codes) and a layout it fits
+# (``qgemv.launch``); quant_gemm's kernels every other call.
+_GROUPS = (None, *(2 ** i for i in range(3, 17)))
+
+
+def quant_linear_rows(cfg: dict) -> tuple[Row, ...]:
+    """The low-bit linear's selection table for qgemv's launch settings ``cfg`` (its ROUTE_ROWS and MAX_ROWS)."""
+    return _quant_linear_rows(tuple(sorted(cfg["ROUTE_ROWS"].items())), cfg["MAX_ROWS"])
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_linear_rows(route: tuple, max_rows: int) -> tuple[Row, ...]:
+    rows = {code: Need(least=1, most=min(n, max_rows)) for code, n in route}
+    same = dict(zero=Need((False,)), fits=Need((True,)))
+    return (Row("qgemv", dict(code=Need(("int4",)), x=_HALF, rows=rows["int4"], group=Need(_GROUPS), **same)),
+            Row("qgemv", dict(code=Need(("int8",)), x=_HALF, rows=rows["int8"], group=Need((*_GROUPS, 4)), **same)),
+            Row("qgemv", dict(code=Need(("fp8",)), x=_HALF, rows=rows["fp8"], group=Need((None,)), **same)),
+            Row("qgemv", dict(code=Need(("fp8",)), x=Need(("float8_e4m3fn",)), x_scaled=Need((True,)),
+                              rows=rows["fp8"], group=Need((None,)), **same)),
+            Row("quant_gemm"))
+
 
 @functools.lru_cache(maxsize=None)
 def has_gluon() -> bool:
@@ -426,17 +449,17 @@ def rope(x, positions, rotary_dim, base=10000.0):
     return impl(x, positions, rotary_dim, base)
 
 
-def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, block_table=None):
+def float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale=None, block_table=None, kernel=None):
     """Decode attention of one query per row, q (b, hq, e), over a float KV cache k_cache, v_cache (s, L, hkv, e)
     (keys post-RoPE), rows ``slots`` valid up to ``kv_lens`` (b,): (b, hq, e) float32; or over block pools
     (N, B, hkv, e) with ``block_table`` (s, M) (``kv_decode.float_kv_decode``). On CUDA a flash-decoding kernel
     that reads the lengths on the device (no host sync): ``kv_decode_fast``'s for float16 / bfloat16 caches of head
     dims 32, 64, 128, ... (tensor-core products in the cache's dtype; ``FLOAT_KV_DECODE``), else
-    ``kv_decode``'s (float32-exact products); ``attention_ref`` elsewhere."""
+    ``kv_decode``'s (float32-exact products); ``attention_ref`` elsewhere. ``kernel``: the one a layer plan chose."""
     if not _use_triton(q):
         k, v = (_cache_rows(c, slots, block_table).float() for c in (k_cache, v_cache))
         return ops.attention_ref(q[:, None].float(), k, v, kv_lens, softmax_scale)[:, 0]
-    impl = _kernels(select(FLOAT_KV_DECODE, float_kv_launch(k_cache.dtype, k_cache.shape[-1])))
+    impl = _kernels(kernel or select(FLOAT_KV_DECODE, float_kv_launch(k_cache.dtype, k_cache.shape[-1])))
     return impl.float_kv_decode(q, slots, kv_lens, k_cache, v_cache, softmax_scale, block_table=block_table)
 
 

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ssmq.kernels import configs
 from ssmq.kernels._common import gdc_enter, int8_to_float, pdl_args, pow2, sm_count
+from ssmq.kernels.dispatch import quant_linear_rows, select
 from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_words, _fp8_f32, _rows_tile, \
     _split_gather, _x_f32
 from ssmq.ops.quant_linear import weight_format
@@ -127,6 +128,45 @@ def _group_scales(s_ptrs, mn, valid, WS_MODE: tl.constexpr):
 
 
 @triton.jit
+def _program_tiles(w_ptr, ws_ptr, M, N, k_tiles, iters, n_groups, s_wn, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NG: tl.constexpr, GU: tl.constexpr):
+    """Program (pid_n, pid_k)'s part of the weight: columns [pid_n * BLOCK_N, +BLOCK_N), tiles [pid_k * iters,
+    +iters) of NG groups of GU units (words or bytes) a row. -> pid_n, offs_m, offs_n, their masks mn, mm, rows
+    (int64 offs_m), the (NG, GU) units of a tile row, the first tile t0, the tiles n_it, the first tile's pointers
+    into the codes (BLOCK_N, NG, GU) and the group scales (BLOCK_N, NG)."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = offs_n.to(tl.int64)
+    offs_g = tl.arange(0, NG)
+    units = offs_g[:, None] * GU + tl.arange(0, GU)[None, :]
+    t0 = pid_k * iters
+    w_ptrs = w_ptr + cols[:, None, None] * s_wn + (t0 * NG * GU + units)[None, :, :]
+    s_ptrs = ws_ptr + cols[:, None] * n_groups + t0 * NG + offs_g[None, :]
+    return (pid_n, offs_m, offs_n, offs_n < N, offs_m < M, offs_m.to(tl.int64), units, t0,
+            tl.minimum(iters, k_tiles - t0), w_ptrs, s_ptrs)
+
+
+@triton.jit
+def _program_out(acc, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, pid_n, M, N, offs_m, offs_n, mn, mm, rows,
+                 s_om, A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, NSP: tl.constexpr):
+    """A program's (BLOCK_M, BLOCK_N) sums out: with a K split stored as partials, the tile's last program adding
+    them (``_split_gather``) and alone writing the output; scaled (x's scales for fp8 x), biased and stored."""
+    if A_MODE != 0:
+        xs = tl.load(xs_ptr + (offs_m if XS_ROWS else offs_m * 0), mask=mm, other=0.0)
+    else:
+        xs = tl.zeros(offs_m.shape, dtype=tl.float32)
+    if SPLIT:
+        p_off = rows[:, None] * N + offs_n[None, :]
+        mo = mm[:, None] & mn[None, :]
+        tl.store(part_ptr + tl.program_id(1) * M * N + p_off, acc, mask=mo)
+        acc, last = _split_gather(part_ptr, cnt_ptr, pid_n, tl.num_programs(1), M * N, p_off, mo, offs_m, NSP)
+        mm = mm & last
+    _finish_words(acc, xs, ws_ptr, ws_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE, HAS_BIAS)
+
+
+@triton.jit
 def _qgemv_fma(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, k_tiles, iters, n_groups, s_xm, s_wn, s_om,
@@ -142,19 +182,9 @@ def _qgemv_fma(
     WPW: tl.constexpr = 8 if W4 else 4
     KW: tl.constexpr = NG * GW
     XE: tl.constexpr = 4 if A_MODE != 0 else 2  # x columns a pointer unit
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn, mm = offs_n < N, offs_m < M
-    cols = offs_n.to(tl.int64)
-    rows = offs_m.to(tl.int64)
-    offs_g = tl.arange(0, NG)
-    wk = offs_g[:, None] * GW + tl.arange(0, GW)[None, :]  # (NG, GW) words of a tile row
-    t0 = pid_k * iters
-    n_it = tl.minimum(iters, k_tiles - t0)
-    w_ptrs = w_ptr + cols[:, None, None] * s_wn + (t0 * KW + wk)[None, :, :]
+    pid_n, offs_m, offs_n, mn, mm, rows, wk, t0, n_it, w_ptrs, s_ptrs = _program_tiles(
+        w_ptr, ws_ptr, M, N, k_tiles, iters, n_groups, s_wn, BLOCK_M, BLOCK_N, NG, GW)
     x_ptrs = x_ptr + (t0 * KW + wk) * (WPW // XE)
-    s_ptrs = ws_ptr + cols[:, None] * n_groups + t0 * NG + offs_g[None, :]
     on = wk >= 0
     mx0, mx1, mx2, mx3 = on & (0 < M), on & (1 < M), on & (2 < M), on & (3 < M)
     p0 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)  # per row: sums of each group (per channel: of the tile)
@@ -175,17 +205,8 @@ def _qgemv_fma(
         x_ptrs += KW * (WPW // XE)
         s_ptrs += NG
     tot = _rows_tile(tl.sum(p0, axis=1), tl.sum(p1, axis=1), tl.sum(p2, axis=1), tl.sum(p3, axis=1), offs_m)
-    if A_MODE != 0:
-        xs = tl.load(xs_ptr + (offs_m if XS_ROWS else offs_m * 0), mask=mm, other=0.0)
-    else:
-        xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if SPLIT:
-        p_off = rows[:, None] * N + offs_n[None, :]
-        mo = mm[:, None] & mn[None, :]
-        tl.store(part_ptr + pid_k * M * N + p_off, tot, mask=mo)
-        tot, last = _split_gather(part_ptr, cnt_ptr, pid_n, tl.num_programs(1), M * N, p_off, mo, offs_m, NSP)
-        mm = mm & last  # only the tile's last program writes the output
-    _finish_words(tot, xs, ws_ptr, ws_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE, HAS_BIAS)
+    _program_out(tot, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, pid_n, M, N, offs_m, offs_n, mn, mm, rows,
+                 s_om, A_MODE, XS_ROWS, WS_MODE, HAS_BIAS, SPLIT, NSP)
 
 
 @triton.jit
@@ -206,19 +227,9 @@ def _qgemv_dot(
         OP = x_ptr.dtype.element_ty
     else:
         OP = tl.float16
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mn, mm = offs_n < N, offs_m < M
-    cols = offs_n.to(tl.int64)
-    rows = offs_m.to(tl.int64)
-    offs_g = tl.arange(0, NG)
-    wb = offs_g[:, None] * GB + tl.arange(0, GB)[None, :]  # (NG, GB) bytes of a tile row
-    t0 = pid_k * iters
-    n_it = tl.minimum(iters, k_tiles - t0)
-    w_ptrs = w_ptr + cols[:, None, None] * s_wn + (t0 * KB + wb)[None, :, :]
+    pid_n, offs_m, offs_n, mn, mm, rows, wb, t0, n_it, w_ptrs, s_ptrs = _program_tiles(
+        w_ptr, ws_ptr, M, N, k_tiles, iters, n_groups, s_wn, BLOCK_M, BLOCK_N, NG, GB)
     x_ptrs = x_ptr + rows[:, None] * s_xm + t0 * KT + tl.arange(0, KT)[None, :]
-    s_ptrs = ws_ptr + cols[:, None] * n_groups + t0 * NG + offs_g[None, :]
     mw = mn[:, None, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_next = tl.load(w_ptrs, mask=mw, other=0)
@@ -249,17 +260,8 @@ def _qgemv_dot(
         w_ptrs += KB
         x_ptrs += KT
         s_ptrs += NG
-    if A_MODE != 0:
-        xs = tl.load(xs_ptr + (offs_m if XS_ROWS else offs_m * 0), mask=mm, other=0.0)
-    else:
-        xs = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if SPLIT:
-        p_off = rows[:, None] * N + offs_n[None, :]
-        mo = mm[:, None] & mn[None, :]
-        tl.store(part_ptr + pid_k * M * N + p_off, acc, mask=mo)
-        acc, last = _split_gather(part_ptr, cnt_ptr, pid_n, tl.num_programs(1), M * N, p_off, mo, offs_m, NSP)
-        mm = mm & last
-    _finish_words(acc, xs, ws_ptr, ws_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om, A_MODE, WS_MODE, HAS_BIAS)
+    _program_out(acc, xs_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, pid_n, M, N, offs_m, offs_n, mn, mm, rows,
+                 s_om, A_MODE, XS_ROWS, WS_MODE, HAS_BIAS, SPLIT, NSP)
 
 
 def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict | None:
@@ -287,55 +289,42 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict | None:
                 split=split, grid=(n_tiles, split), num_warps=cfg["warps_dot" if dot else "warps_fma"])
 
 
-def route(M: int, f: dict, cfg=None) -> bool:
-    """Whether an M-row call with weight format f is sent here by default (ROUTE_ROWS)."""
+def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scaled: bool = False, codes=None,
+           cfg=None) -> dict:
+    """The fields ``dispatch.quant_linear_rows`` selects on for x (..., k) times the weight w_q of format f: code type,
+    x's dtype (``codes``: the dtype x is quantized to first, contiguous), rows, group size, zero points, whether x's
+    scale is given, and whether the layout fits the kernel (``fits``: k as the weight's, rows of codes and of x
+    16-byte aligned, a tile that divides k)."""
     cfg = CFG if cfg is None else cfg
-    kind = "fp8" if f["fp8"] else f"int{f['bits']}"
-    return M <= cfg["ROUTE_ROWS"][kind]
+    M, K = math.prod(x.shape[:-1]), f["k"]
+    fits = x.shape[-1] == K and 0 < M <= cfg["MAX_ROWS"] and w_q.stride(-1) == 1 and w_q.stride(0) % 16 == 0 \
+        and w_q.data_ptr() % 16 == 0 and _plan(M, f["n"], K, f, 132, cfg) is not None
+    if codes is None:
+        fits = fits and x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and \
+            not (M > 1 and x.dim() > 1 and x.reshape(M, K).stride(0) % 8)
+    return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(codes or x.dtype).removeprefix("torch."),
+                rows=M, group=f["group_size"], zero=w_zero is not None, x_scaled=x_scaled, fits=fits)
 
 
 def serves(x: torch.Tensor, w_q, w_scale, w_zero=None, x_scale=None) -> dict | None:
-    """``weight_format(w_q, w_scale, w_zero)`` when ``kernels.dispatch.quant_linear`` sends this call here (``route``
-    and ``eligible``), else None (quant_gemm's kernels take it, and raise its errors)."""
+    """``weight_format(w_q, w_scale, w_zero)`` when the selection table (``dispatch.quant_linear_rows`` of CFG) sends
+    this call here, else None (quant_gemm's kernels take it, and raise its errors)."""
     f = weight_format(w_q, w_scale, w_zero)
-    M = math.prod(x.shape[:-1])
-    if x.shape[-1] != f["k"] or (x.dtype == torch.float8_e4m3fn and x_scale is None) or not route(M, f):
-        return None
-    return f if eligible(x, w_q, w_scale, w_zero, f) else None
+    return f if select(quant_linear_rows(CFG), launch(x, w_q, f, w_zero, x_scale is not None)) == "qgemv" else None
 
 
 def serves_codes(x: torch.Tensor, w_q, w_scale, act_dtype) -> bool:
     """Whether x (..., k) float, quantized to ``act_dtype`` codes, would be served here (``quant_linear_act``)."""
-    f = weight_format(w_q, w_scale)
-    M = math.prod(x.shape[:-1])
-    return (act_dtype == torch.float8_e4m3fn and f["fp8"] and x.shape[-1] == f["k"] and route(M, f)
-            and 0 < M <= CFG["MAX_ROWS"] and _plan(M, f["n"], f["k"], f, 132, CFG) is not None)
+    launch_ = launch(x, w_q, weight_format(w_q, w_scale), x_scaled=True, codes=act_dtype)
+    return select(quant_linear_rows(CFG), launch_) == "qgemv"
 
 
 def eligible(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_zero, f: dict, cfg=None) -> bool:
-    """Whether ``quant_gemv`` can serve this call (else quant_gemm's kernels do): 1..MAX_ROWS rows of float16 /
-    bfloat16 x (weight-only, symmetric int4 / int8 / fp8 codes) or of fp8 x with fp8 codes, per-group scales for
-    integer codes only, rows of codes 16-byte aligned, and a tile that divides k."""
+    """Whether ``quant_gemv`` can serve this call, routed or not (``serves`` with every row count up to MAX_ROWS
+    routed, x's scale taken as given)."""
     cfg = CFG if cfg is None else cfg
-    M = math.prod(x.shape[:-1])
-    if not 0 < M <= cfg["MAX_ROWS"] or w_zero is not None:
-        return False
-    if x.dtype == torch.float8_e4m3fn:
-        if not f["fp8"]:
-            return False
-    elif x.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    g = f["group_size"]
-    if f["fp8"] and g is not None:
-        return False
-    if g is not None and (g & (g - 1) or g < (8 if f["bits"] == 4 else 4)):
-        return False
-    if w_q.stride(-1) != 1 or w_q.stride(0) % 16 or w_q.data_ptr() % 16 or x.data_ptr() % 16:
-        return False
-    K = f["k"]
-    if x.stride(-1) != 1 or (M > 1 and x.dim() > 1 and x.reshape(M, K).stride(0) % 8):
-        return False
-    return _plan(M, f["n"], K, f, 132, cfg) is not None
+    table = quant_linear_rows({**cfg, "ROUTE_ROWS": ALL_ROWS})
+    return select(table, launch(x, w_q, f, w_zero, True, cfg=cfg)) == "qgemv"
 
 
 def quant_gemv(x, w_q, w_scale, f: dict, x_scale=None, bias=None, out_dtype=None, cfg=None):

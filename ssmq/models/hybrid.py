@@ -5,16 +5,18 @@ Glossary: b batch, l length, hq query heads, hkv key/value heads, e head dim, r 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ssmq import kernels
-from ssmq.kernels.dispatch import FLOAT_KV_DECODE, QUANT_KV_DECODE, float_kv_launch, quant_kv_view_launch, select
+from ssmq.kernels.dispatch import QUANT_KV_DECODE, quant_kv_view_launch, select
 from ssmq.models.config import ModelConfig
 from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.linear import Linear
-from ssmq.models.state import KVState, RopeAtRead, kernel_decodes
+from ssmq.models.state import KVState, RopeAtRead, float_kv_kernel
 
 
 class Attention(nn.Module):
@@ -56,15 +58,16 @@ class Attention(nn.Module):
 
     def plan(self, state) -> LayerPlan:
         """The KV decode kernel that ``kernels.dispatch``'s selection tables give this layer's cache on CUDA;
-        ``attention_ref`` over the rows read out for caches no decode kernel takes (keys rotated at read, float32)."""
+        ``attention_ref`` over the rows read out for caches no decode kernel takes (keys rotated at read, float32).
+        A float cache's ``decode``: ``kernels.float_kv_decode`` bound to the kernel its device runs, or None."""
         table = getattr(state, "table", None)
         block, rope = 0 if table is None else table.block_size, state.rope
         formats = {"kv": str(state.k.dtype if self.kv_quant is None else self.kv_quant.extra_repr())
                    .removeprefix("torch.") + (", paged" if block else "") + (", keys before RoPE" if rope else "")}
         if self.kv_quant is None:
-            kernel = select(FLOAT_KV_DECODE, float_kv_launch(state.k.dtype, self.e)) \
-                if kernel_decodes(state.k, rope, cuda=True) else "attention_ref"
-            return LayerPlan("kv-float", None, (kernel,), formats)
+            here = float_kv_kernel(state.k, rope)
+            run = None if here == "attention_ref" else functools.partial(kernels.float_kv_decode, kernel=here)
+            return LayerPlan("kv-float", run, (float_kv_kernel(state.k, rope, cuda=True),), formats)
         k, v = state.k.view(), state.v.view()
         kernel = "attention_ref" if k is None or v is None else select(
             QUANT_KV_DECODE, quant_kv_view_launch(k, v, rope.rotary_dim if rope else 0, self.hq // self.hkv, block))

@@ -9,7 +9,9 @@ Executors (``decode``) of the SSM mixers:
             state-update kernel reads and writes the state as stored (``MambaState.step_ssm``)
     float   the rest: float conv, the taps as they are, the float state update
 Attention layers' plans name the KV decode kernel that ``kernels.dispatch.QUANT_KV_DECODE`` / ``FLOAT_KV_DECODE``
-select for their cache format on CUDA (``decode`` None: attention decodes through its forward).
+select for their cache format on CUDA; a float cache's ``decode`` is ``kernels.float_kv_decode`` bound to the kernel
+its device runs, ``(q, slots, kv_lens, k, v)`` -> (b, hq, e), None where the rows are read out for ``attention_ref``
+(a quantized cache decodes through its state, ``QuantKVState.decode``).
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ class PagedKVState:
     def __init__(self, k: torch.Tensor, v: torch.Tensor, table: BlockTable, max_seqlen: int,
                  rope: RopeAtRead | None = None):
         self.k, self.v, self.table, self.max_seqlen, self.rope = k, v, table, max_seqlen, rope
+        self.plan = None  # the layer's LayerPlan, set by the attention layer that allocates the cache
 
     @classmethod
     def allocate(cls, table: BlockTable, max_seqlen: int, kv_heads: int, head_dim: int, dtype, device,
@@ -92,13 +93,11 @@ class PagedKVState:
         return keys, values
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
-        """``KVState.decode`` over blocks: the flash-decoding kernel reads the rows' blocks in place through the
-        block table (a gathered copy of their prefix would cost about what the kernel
-        does), for the caches ``kernel_decodes`` takes; None otherwise (the caller runs ``attention_ref`` over
-        ``read``)."""
-        if not kernel_decodes(self.k, self.rope):
-            return None
-        return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v, block_table=self.table.rows)
+        """``KVState.decode`` over blocks: the plan's kernel reads the rows' blocks in place through the block table
+        (a gathered copy of their prefix would cost about what the kernel does); None where the plan has none (the
+        caller runs ``attention_ref`` over ``read``)."""
+        run = self.plan.decode
+        return None if run is None else run(q, slots, kv_lens, self.k, self.v, block_table=self.table.rows)
 
     def prefill(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """``KVState.prefill`` over blocks, read in place through the block table."""

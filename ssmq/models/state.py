@@ -37,6 +37,7 @@ import torch
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
+from ssmq.kernels.dispatch import FLOAT_KV_DECODE, float_kv_launch, select
 from ssmq.ops.attention import check_fits, read_extent
 from ssmq.ops.replay_ssm import StateRing, replay_state_ref
 
@@ -250,6 +251,13 @@ def kernel_decodes(k: torch.Tensor, rope, cuda: bool | None = None) -> bool:
             and e >= 16 and not e & (e - 1))
 
 
+def float_kv_kernel(k: torch.Tensor, rope, cuda: bool | None = None) -> str:
+    """The kernel that decodes a float KV cache k (…, hkv, e) (``cuda`` as ``kernel_decodes``): ``FLOAT_KV_DECODE``'s
+    choice for the caches ``kernel_decodes`` takes, else "attention_ref" (the caller reads the rows out)."""
+    return select(FLOAT_KV_DECODE, float_kv_launch(k.dtype, k.shape[-1])) if kernel_decodes(k, rope, cuda) \
+        else "attention_ref"
+
+
 class KVState:
     """Keys and values of one attention layer: k, v (s, L, hkv, e) in the activation dtype.
 
@@ -259,6 +267,7 @@ class KVState:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, rope: RopeAtRead | None = None):
         self.k, self.v, self.rope = k, v, rope
+        self.plan = None  # the layer's LayerPlan, set by the attention layer that allocates the cache
 
     @classmethod
     def allocate(cls, max_batch: int, max_seqlen: int, kv_heads: int, head_dim: int, dtype, device,
@@ -300,13 +309,12 @@ class KVState:
 
     def decode(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """Attention of one query per row, q (b, hq, e) post-RoPE, over the rows' cache up to ``kv_lens`` (b,):
-        (b, hq, e) float32 from the flash-decoding kernel (``kernels.float_kv_decode``: the lengths read on the
-        device, so a CUDA graph captures the step, and each row reads its own length, not the longest) for the
-        caches ``kernel_decodes`` takes; None otherwise (the caller reads the prefix and runs ``attention_ref``: on
-        CPU, for keys rotated at read, and for float32 caches)."""
-        if not kernel_decodes(self.k, self.rope):
-            return None
-        return kernels.float_kv_decode(q, slots, kv_lens, self.k, self.v)
+        (b, hq, e) float32 from the layer plan's KV executor (``plan.decode``: the flash-decoding kernel chosen when
+        the cache was allocated, ``kernels.float_kv_decode``; the lengths read on the device, so a CUDA graph
+        captures the step, and each row reads its own length, not the longest); None where the plan has none (the
+        caller reads the prefix and runs ``attention_ref``: on CPU, for keys rotated at read, for float32 caches)."""
+        run = self.plan.decode
+        return None if run is None else run(q, slots, kv_lens, self.k, self.v)
 
     def prefill(self, q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor | None:
         """Attention of a chunk of queries per row, q (b, l, hq, e) post-RoPE, the last l of each row's ``kv_lens``
