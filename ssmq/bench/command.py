@@ -30,7 +30,22 @@ def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
                    help="weights and activations (default: bfloat16 on CUDA, float32 on the CPU)")
+    _out_arg(p)
+
+
+def _out_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="folder for the JSON result and its PNG (default: print only)")
+
+
+def _timing_args(p: argparse.ArgumentParser, what: str, warmup: int, reps: int) -> None:
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed {what} before timing (default {warmup})")
+    p.add_argument("--reps", type=int, default=reps, help=f"timed {what}; the median is reported (default {reps})")
+
+
+def _request_args(p: argparse.ArgumentParser, prompts: int | None, prompts_help: str) -> None:
+    p.add_argument("--num-prompts", type=int, default=prompts, help=prompts_help)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default 64)")
 
 
 def _model_args(p: argparse.ArgumentParser, default_recipes: str = "float") -> None:
@@ -62,8 +77,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--input-len", type=_ints, default=[128], help="comma-separated prompt lengths for the time to "
                    "first token (default 128)")
     p.add_argument("--steps", type=int, default=8, help="decode steps in one timing (default 8)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed runs before timing (default 2)")
-    p.add_argument("--reps", type=int, default=5, help="timed runs; the median is reported (default 5)")
+    _timing_args(p, "runs", 2, 5)
     p.add_argument("--peers", type=_names, default=["mamba_ssm"], help="comma-separated peers timed alongside when "
                    "installed, on CUDA, for Mamba architectures (default mamba_ssm; 'none' for none)")
     _device_args(p)
@@ -73,9 +87,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                        description="Offline generation of random prompts, a fixed number of new tokens each, "
                                    "--max-batch sequences at a time: requests/s and tokens/s for each recipe.")
     _model_args(p)
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts generated (default 16)")
-    p.add_argument("--input-len", type=int, default=128, help="tokens per prompt (default 128)")
-    p.add_argument("--output-len", type=int, default=64, help="new tokens per prompt (default 64)")
+    _request_args(p, 16, "prompts generated (default 16)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     _device_args(p)
@@ -90,17 +102,15 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "server lists at /v1/models)")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16],
                    help="comma-separated numbers of concurrent clients (default 1,4,16)")
-    p.add_argument("--num-prompts", type=int, default=None, help="requests at each level (default: twice the "
-                   "number of clients)")
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default 128)")
-    p.add_argument("--output-len", type=int, default=64, help="tokens generated per request (default 64)")
+    _request_args(p, None, "requests at each level (default: twice the number of clients)")
     p.add_argument("--vocab-limit", type=int, default=1000, help="prompt token ids are drawn below this (default "
                    "1000)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one request may take (default 600)")
-    p.add_argument("--out", default=None, help="folder for the JSON result and its PNG (default: print only)")
+    _out_arg(p)
     p.set_defaults(func=_run("serve"))
 
     from ssmq.bench.kernels import KERNEL_BENCHES
+    from ssmq.bench.tune import TUNABLE
 
     p = sub.add_parser("kernels", help="kernel micro-benchmarks against their baselines",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -112,8 +122,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "(default mamba2-2.7b)")
     p.add_argument("--rows", type=_ints, default=[1, 8, 32], help="comma-separated rows (batch) (default 1,8,32)")
     p.add_argument("--l2-flush", action="store_true", help="evict the GPU's L2 cache before each timed call")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (default 3)")
-    p.add_argument("--reps", type=int, default=20, help="timed calls; the median is reported (default 20)")
+    _timing_args(p, "calls", 3, 20)
+    p.add_argument("--tune", choices=sorted(TUNABLE), default=None, help="time candidate launch settings of this "
+                   "op on the current GPU (its benchmark's cases, L2 flushed) and write the fastest into its config "
+                   "file under the GPU's name (CUDA only)")
+    p.add_argument("--config", default=None, help="with --tune: the config file written (default: the package's "
+                   "ssmq/kernels/configs/OP.json)")
     _device_args(p)
     p.set_defaults(func=_run("kernels"))
 
@@ -155,6 +169,6 @@ def _run(name: str):
             for recipe in args.recipes:
                 if recipe != FLOAT:
                     get_recipe(recipe)
-        importlib.import_module(f"ssmq.bench.{name}").run(args)
+        importlib.import_module(f"ssmq.bench.{'tune' if getattr(args, 'tune', None) else name}").run(args)
 
     return run

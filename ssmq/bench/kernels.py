@@ -165,15 +165,23 @@ def bench_state_update(ctx: KernelContext) -> list[Case]:
     return cases
 
 
-def run(args) -> dict:
-    from ssmq.bench.models import device_and_dtype, published_config
+def shape_config(name: str):
+    """The config of the published architecture whose shapes are timed (``--shape``)."""
+    from ssmq.bench.models import published_config
 
-    device, dtype = device_and_dtype(args.device, args.dtype)
-    cfg = published_config(args.shape)
+    cfg = published_config(name)
     if cfg is None:
         from ssmq.models.published import PUBLISHED
 
-        raise SSMQError(f"unknown --shape {args.shape!r}; one of: {', '.join(PUBLISHED)}")
+        raise SSMQError(f"unknown --shape {name!r}; one of: {', '.join(PUBLISHED)}")
+    return cfg
+
+
+def run(args) -> dict:
+    from ssmq.bench.models import device_and_dtype
+
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    cfg = shape_config(args.shape)
     names = args.only or list(KERNEL_BENCHES)
     unknown = [n for n in names if n not in KERNEL_BENCHES]
     if unknown:
