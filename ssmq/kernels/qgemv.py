@@ -227,7 +227,7 @@ def _qgemv_dot(
         OP = x_ptr.dtype.element_ty
     else:
         OP = tl.float16
-    pid_n, offs_m, offs_n, mn, mm, rows, wb, t0, n_it, w_ptrs, s_ptrs = _program_tiles(
+    pid_n, offs_m, offs_n, mn, mm, rows, _, t0, n_it, w_ptrs, s_ptrs = _program_tiles(
         w_ptr, ws_ptr, M, N, k_tiles, iters, n_groups, s_wn, BLOCK_M, BLOCK_N, NG, GB)
     x_ptrs = x_ptr + rows[:, None] * s_xm + t0 * KT + tl.arange(0, KT)[None, :]
     mw = mn[:, None, None]
