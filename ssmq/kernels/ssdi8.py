@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels._common import dot_precision, pow2, quantize_rne, rne_int8
 from ssmq.kernels.ssd import _chunk_cumsum, _scan_epilogue, _scan_tile, _state_tile
 from ssmq.ops.layout import has_dt_limit, heads_per_group
@@ -242,20 +243,7 @@ def _blk(x: int, cap: int, lo: int = 16) -> int:
     return min(cap, pow2(x, lo))
 
 
-# Launch configurations, tuned for Mamba2 shapes (chunk 256, head dim 64, d_state 128); module-level so that the
-# benchmark can sweep them. `bench_ssdi8.py --sweep` (H100; Mamba2-2.7B SSD at batch 1 / 32, L 2048 /
-# 8192): first (sweep_s16.json) num_stages 1 took 8-23% off the whole int8 SSD, the unfactored decay 2-4%; BM 128,
-# BP 32, BK 64 and 8 warps 1.1-5x slower. Then the float16 products of the codes (F16MMA) took the chunk state from
-# 1.42 to 1.06 ms (batch 32, L 2048; on the scan and ChunkBMM they were slower: kept int8 there), CB in (g, t, s)
-# order made its loads contiguous, and one accumulator instead of two cut the scan's registers (233 -> 183); with
-# that, a register cap of 168 (3 programs an SM instead of 2) plus the factored decay took batch 32 from 14.6 to
-# 11.5 ms at L 8192, and the chunk state's BT 64 to 10.8 (sweep_s17b.json, sweep2_s17.json; the same caps made the
-# FP16 SSD slower, 128: +9%, 144: +3%).
-CFG = dict(
-    state=dict(BT=64, BP=64, BN=128, F16MMA=True, num_warps=4, num_stages=2),
-    bmm=dict(BM=64, BK=128, F16MMA=False, num_warps=4, num_stages=2),
-    scan=dict(BM=64, BP=64, BK=128, FACTORED=True, F16MMA=False, num_warps=4, num_stages=1, maxnreg=168),  # s = BM
-)
+CFG = configs.load("ssdi8")  # launch settings (configs/ssdi8.json, keys in docs/kernels.md)
 F16MMA_MAX_K = 1024  # float16 products of int8 codes stay exact up to this many terms (``_int_dot``)
 
 
