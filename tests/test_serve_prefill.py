@@ -157,8 +157,8 @@ def test_a_long_prompt_does_not_stall_a_running_stream():
     assert out["long"] == offline(model, long, 8)
     long_chunks = [k for k, c in enumerate(calls.log) if c[0] == "prefill" and c[2] == 8]
     assert len(long_chunks) == 20
-    between = calls.log[long_chunks[0]:long_chunks[-1]]
-    assert sum(c[0] == "decode" for c in between) >= 19, "decode steps did not run between the chunks"
+    for a, b in zip(long_chunks, long_chunks[1:]):
+        assert any(c[0] == "decode" for c in calls.log[a:b]), "no decode step between two chunks"
 
 
 def _server(engine):

@@ -259,6 +259,8 @@ class Engine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():  # a model call that does not return: the daemon thread dies with the process
+                log.warning("the engine thread did not stop within 30 s")
 
     def unfit(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` (prompt + max_tokens) can never run here, or None."""
