@@ -506,12 +506,28 @@ def test_serve_refuses_a_bad_tp():
 
 @pytest.mark.parametrize("flags,message", [(["--kv-blocks", "0"], "--kv-blocks must be >= 1"),
                                            (["--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive"),
-                                           (["--kv-block-size", "0"], "--kv-block-size must be >= 1")])
+                                           (["--kv-block-size", "0"], "--kv-block-size must be >= 1"),
+                                           (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+                                           (["--prefill-tokens", "0"], "--prefill-tokens must be >= 1")])
 def test_serve_refuses_bad_kv_cache_flags(flags, message, capsys):
     from ssmq.cli import main
 
     assert main(["serve", *flags]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_prefill_flags_reach_the_engine_config():
+    import argparse
+
+    from ssmq.runtime.command import add_arguments, engine_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = engine_config(p.parse_args(["--prefill-chunk", "64", "--prefill-tokens", "256"]))
+    assert (cfg.prefill_chunk, cfg.prefill_tokens) == (64, 256)
+    default = engine_config(p.parse_args([]))
+    assert (default.prefill_chunk, default.prefill_tokens) == (EngineConfig().prefill_chunk,
+                                                               EngineConfig().prefill_tokens) == (512, 2048)
 
 
 def test_kv_cache_memory_sizes_the_block_pools_in_the_model_s_kv_format():

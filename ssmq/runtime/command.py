@@ -175,7 +175,8 @@ def serve(engine, tok, args, path, options: dict) -> int:
     kv = (f", KV cache {stats['kv_blocks_total']} blocks of {engine.cfg.kv_block_size} tokens"
           if "kv_blocks_total" in stats else "")
     print(f"ssmq serve: {names[0]} on http://{args.host}:{args.port} (max batch {args.max_batch}, "
-          f"max model len {args.max_model_len}{kv}{f', tp {args.tp}' if args.tp > 1 else ''}, chat template: "
+          f"max model len {args.max_model_len}, prefill chunk {engine.cfg.prefill_chunk} of "
+          f"{engine.cfg.prefill_tokens} tokens a step{kv}{f', tp {args.tp}' if args.tp > 1 else ''}, chat template: "
           f"{'yes' if template is not None else 'none'}{', API key required' if args.api_key else ''})", flush=True)
     return run_server(engine, tok, ServerConfig(names, chat_template=template, **options),
                       host=args.host, port=args.port, log_level=args.log_level)
