@@ -198,8 +198,11 @@ def run_model(args) -> dict:
         args.vocab_limit = min(args.vocab_limit, vocab)
         steps = {c: tpot_ms(model, c, args.steps, args.warmup, args.reps) for c in args.concurrency}
         _free(device)
-        cfg = EngineConfig(max_batch=max(args.concurrency), max_model_len=args.input_len + args.output_len + 1,
-                           prefill_chunk=args.prefill_chunk, prefill_tokens=args.prefill_tokens)
+        batch, length = max(args.concurrency), args.input_len + args.output_len + 1
+        # hybrids: KV blocks for every client at once, so admission never waits on the pool (the bound does not)
+        blocks = batch * -(-length // EngineConfig.kv_block_size)
+        cfg = EngineConfig(max_batch=batch, max_model_len=length, prefill_chunk=args.prefill_chunk,
+                           prefill_tokens=args.prefill_tokens, kv_blocks=blocks)
         engine = Engine(model, cfg)
         server = BackgroundServer(engine, IdTokenizer(vocab), ServerConfig((recipe,), request_timeout_s=args.timeout))
         with server as url, tempfile.TemporaryDirectory() as out:
