@@ -20,7 +20,10 @@ from ssmq.models.loading import read_state_dict
 PATTERNS = {"falcon_mamba": "Falcon-Mamba: MM", "nemotron_h": "Nemotron-H: M-*-MM-",
             "nemotron_moe": "Nemotron-H: ME*-ME",
             "granite_dense": "Granite-4.0-H: M-*-M-", "granite_moe": "Granite-4.0-H: ME*EME",
-            "jamba": "Jamba: M-*EM-*E"}
+            "jamba": "Jamba: M-*EM-*E", "zamba2": "Zamba2: MSMMSMSM", "falcon_h1": "Falcon-H1: P-P-P-"}
+# max |logit - transformers'| in float32; Zamba2's shared blocks (no residual inside, their output added before
+# the mixer's norm) amplify rounding more: 2e-5 to 1.2e-4 over seeds on its tiny model, equal to 1e-13 in float64
+LOGIT_ATOL = {"zamba2": 1.5e-4}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -37,11 +40,11 @@ def test_logits_match_transformers(tiny):
     with torch.no_grad():
         ours, ref = model(ids), hf(ids).logits
     assert ref.abs().max() > 1.0  # the comparison is not between two near-zero tensors
-    assert (ours - ref).abs().max().item() <= 2e-5
+    assert (ours - ref).abs().max().item() <= LOGIT_ATOL.get(family, 2e-5)
 
 
 def test_prefill_then_decode_equals_full_forward(tiny):
-    _, folder, _ = tiny
+    family, folder, _ = tiny
     model = ssmq.load_model(folder)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -50,7 +53,7 @@ def test_prefill_then_decode_equals_full_forward(tiny):
         model(ids[:, :5], cache)
         pieces = [model(ids[:, 5:11], cache)[:, -1]]
         pieces += [model.step(ids[:, t], cache) for t in range(11, 16)]
-    torch.testing.assert_close(torch.stack(pieces, 1), full[:, 10:], atol=2e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(pieces, 1), full[:, 10:], atol=LOGIT_ATOL.get(family, 2e-5), rtol=0)
 
 
 def test_greedy_generation_equals_transformers(tiny):
