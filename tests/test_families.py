@@ -125,6 +125,7 @@ RECIPES = [("falcon_mamba", "rtn-w8a16", 0.06),  # 0.031
            ("zamba2", "int8-state", 1e-6),
            ("falcon_h1", "rtn-w8a16", 0.04),  # 0.018
            ("falcon_h1", "rtn-w4a16-g128", 0.5),  # 0.242
+           ("falcon_h1", "dynamic-w8a8", 0.06),  # 0.029
            ("falcon_h1", "int8-state", 1e-6)]
 
 
