@@ -313,7 +313,7 @@ def test_published_family_configs_have_their_parameter_counts(name, billions):
 # random, saying so in its load report), so only ssmq's reading is checked
 CT_RECIPES = {"falcon_mamba": ("static-w8a8", []), "nemotron_h": ("rtn-w4a16-g128", []),
               "nemotron_moe": ("rtn-w4a16-g128", []),
-              "jamba": ("rtn-w4a16-g128", [])}
+              "jamba": ("rtn-w4a16-g128", []), "falcon_h1": ("rtn-w4a16-g128", [])}
 
 
 @pytest.mark.parametrize("family", list(CT_RECIPES))

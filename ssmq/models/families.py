@@ -584,6 +584,24 @@ def _jamba_config_to_hf(cfg: ModelConfig) -> dict:
             "use_mamba_kernels": False, **_attention_hf(cfg)}
 
 
+def _falcon_h1_config_to_hf(cfg: ModelConfig) -> dict:
+    return {**_common_hf(cfg, "falcon_h1", "FalconH1ForCausalLM"), **_attention_hf(cfg),
+            "num_hidden_layers": cfg.n_layer, "intermediate_size": cfg.mlp_hidden, "hidden_act": "silu",
+            "mlp_bias": False, "attention_bias": cfg.attn_bias, "rms_norm_eps": cfg.norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "mamba_d_ssm": cfg.d_inner,
+            "mamba_n_heads": cfg.nheads, "mamba_d_head": cfg.headdim, "mamba_n_groups": cfg.ngroups,
+            "mamba_d_state": cfg.d_state, "mamba_d_conv": cfg.d_conv, "mamba_expand": cfg.expand,
+            "mamba_chunk_size": cfg.chunk_size, "mamba_conv_bias": cfg.conv_bias, "mamba_proj_bias": cfg.proj_bias,
+            "projectors_bias": cfg.proj_bias, "mamba_rms_norm": cfg.ssm_norm != "none",
+            "mamba_norm_before_gate": cfg.ssm_norm == "gated_before", "time_step_limit": list(cfg.dt_limit),
+            "embedding_multiplier": cfg.embedding_multiplier, "lm_head_multiplier": 1.0 / cfg.logits_scaling,
+            "attention_in_multiplier": cfg.attn_in_multiplier, "attention_out_multiplier": cfg.attn_out_multiplier,
+            "key_multiplier": cfg.attn_key_multiplier, "ssm_in_multiplier": cfg.ssm_in_multiplier,
+            "ssm_out_multiplier": cfg.ssm_out_multiplier,
+            "ssm_multipliers": list(cfg.ssm_proj_multipliers or (1.0,) * 5),
+            "mlp_multipliers": list(cfg.mlp_multipliers or (1.0, 1.0))}
+
+
 FAMILIES = {f.model_type: f for f in [
     Family("falcon_mamba", "Falcon-Mamba", "FalconMambaForCausalLM", _falcon_mamba_config,
            lambda s, cfg: _rename(s, _BACKBONE_TO_SSMQ), lambda s, cfg: _rename(s, _BACKBONE_TO_HF),
@@ -596,7 +614,8 @@ FAMILIES = {f.model_type: f for f in [
            _jamba_to_hf, _jamba_config_to_hf),
     Family("zamba2", "Zamba2", "Zamba2ForCausalLM", _zamba2_config, _zamba2_to_ssmq, _zamba2_to_hf),
     Family("falcon_h1", "Falcon-H1", "FalconH1ForCausalLM", _falcon_h1_config,
-           lambda s, cfg: _rename(s, _FALCON_H1_TO_SSMQ), lambda s, cfg: _rename(s, _FALCON_H1_TO_HF)),
+           lambda s, cfg: _rename(s, _FALCON_H1_TO_SSMQ), lambda s, cfg: _rename(s, _FALCON_H1_TO_HF),
+           _falcon_h1_config_to_hf),
 ]}
 
 
