@@ -109,7 +109,8 @@ class ModelConfig:
     ssm_out_multiplier: float = 1.0
     ssm_proj_multipliers: tuple[float, ...] = field(default_factory=tuple)
     mlp_multipliers: tuple[float, ...] = field(default_factory=tuple)
-    # the Mamba-2 output norm: "gated" norm(y · silu(z)) · w | "gated_before" norm(y) · w · silu(z) | "none" y · silu(z)
+    # the Mamba-2 output norm: "gated" norm(y · silu(z)) · w | "gated_before" norm(y) · w · silu(z) |
+    # "none" y · silu(z)
     ssm_norm: str = "gated"
 
     def __post_init__(self):

@@ -417,8 +417,8 @@ def _zamba2_to_ssmq(state: Tensors, cfg: ModelConfig) -> Tensors:
             which, k, part = a.groups()
             if int(k) >= len(uses):
                 raise SSMQError(f"tensor {name}: adapter {k} beyond the config's {len(uses)} hybrid layers")
-            key = f"layers.{uses[int(k)]}.shared.{which + '_' if which else 'mlp_'}adapter.{('down', 'up')[int(part)]}" \
-                  ".weight"
+            adapter = f"{which}_adapter" if which else "mlp_adapter"
+            key = f"layers.{uses[int(k)]}.shared.{adapter}.{('down', 'up')[int(part)]}.weight"
         elif rest == "feed_forward.gate_up_proj.weight":  # (2f, d) = [gate | up]
             key = f"shared_blocks.{b}.mlp.gate_proj.weight"
             out.setdefault(f"shared_blocks.{b}.mlp.up_proj.weight", t.chunk(2, dim=0)[1])
@@ -451,13 +451,14 @@ def _zamba2_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
             if g:
                 gate_up.setdefault(p, {})[g.group(1)] = t
                 continue
-            rules = [(r"^norm\.", "input_layernorm."), (r"^mlp_norm\.", "pre_ff_layernorm."), (r"^attn\.", "self_attn."),
-                     (r"^mlp\.", "feed_forward.")]
+            rules = [(r"^norm\.", "input_layernorm."), (r"^mlp_norm\.", "pre_ff_layernorm."),
+                     (r"^attn\.", "self_attn."), (r"^mlp\.", "feed_forward.")]
             out[p + _rename({rest: t}, rules).popitem()[0]] = t
         elif a:
             j, which, part = int(a.group(1)), a.group(2), a.group(3)
             k = uses.index(j)
-            lst = "feed_forward.gate_up_proj_adapter_list" if which == "mlp" else f"self_attn.linear_{which}_adapter_list"
+            lst = "feed_forward.gate_up_proj_adapter_list" if which == "mlp" else \
+                f"self_attn.linear_{which}_adapter_list"
             out[f"model.layers.{uses[k % cfg.shared_blocks]}.shared_transformer.{lst}.{k}."
                 f"{('down', 'up').index(part)}.weight"] = t
         else:

@@ -181,8 +181,8 @@ class Mamba2Mixer(SSMMixer):
         plain_state = state.format is StateFormat.FLOAT and state.ring is None
         plain_taps = all(type(getattr(self, t)) is nn.Identity
                          for t in ("act_x", "act_B", "act_C", "act_dt", "act_z"))
-        fusable = plain_state and plain_taps and type(self.norm) is GatedRMSNorm and not self.norm.norm_before_gate and \
-            (codes is None or codes.dtype == torch.int8)
+        fusable = plain_state and plain_taps and type(self.norm) is GatedRMSNorm and \
+            not self.norm.norm_before_gate and (codes is None or codes.dtype == torch.int8)
         name = executor or ("fused" if fusable else "int8" if code_taps or not plain_state else "float")
         if name == "fused" and not fusable:
             raise SSMQError(f"layer {self.layer_idx}: the fused decode serves a float state, no quantizing tap and "
