@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ssmq import kernels
-from ssmq.models.act_codes import ActCodes, CodeInput, code_input
+from ssmq.models.act_codes import code_input
 from ssmq.models.cache import InferenceCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.ffn import feed_forward
@@ -20,26 +19,11 @@ from ssmq.models.linear import Linear
 from ssmq.models.hybrid import Attention
 from ssmq.models.mamba1 import Mamba1Mixer
 from ssmq.models.mamba2 import Mamba2Mixer
+from ssmq.models.norm import RMSNorm
 from ssmq.models.shared_block import SharedBlock, SharedUse
 from ssmq.ops.layout import LayerKind
 
 MIXERS = {LayerKind.MAMBA1: Mamba1Mixer, LayerKind.MAMBA2: Mamba2Mixer, LayerKind.ATTENTION: Attention}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float, residual_in_fp32: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps, self.residual_in_fp32 = eps, residual_in_fp32
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, codes: CodeInput | None = None):
-        """Returns (norm(x + residual), x + residual); with ``codes`` (what the A8 linear reading the norm wants),
-        the norm's output comes as its int8 ``ActCodes``, quantized in the norm's epilogue."""
-        if codes is None:
-            return kernels.rms_norm(x, self.weight, self.eps, residual, self.residual_in_fp32)
-        q, scale, residual = kernels.rms_norm_quant(x, self.weight, self.eps, residual, self.residual_in_fp32,
-                                                    codes.scale, dtype=codes.dtype)
-        return ActCodes(q, scale, self.weight.dtype), residual
 
 
 def _scaled(x: torch.Tensor, m: float) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ssmq.models.config import ModelConfig
 from ssmq.models.hybrid import Attention, GatedMLP
 from ssmq.models.linear import Linear
+from ssmq.models.norm import RMSNorm
 
 
 class LoRA(nn.Module):
@@ -36,8 +37,6 @@ class SharedBlock(nn.Module):
     """The weights one shared transformer block keeps once: norm (2d), attn (2d -> d), mlp_norm (d), mlp."""
 
     def __init__(self, cfg: ModelConfig):
-        from ssmq.models.lm import RMSNorm  # lm assembles the model from this module's blocks
-
         super().__init__()
         self.norm = RMSNorm(2 * cfg.d_model, cfg.norm_eps, residual_in_fp32=False)
         self.attn = Attention(cfg, -1, d_in=2 * cfg.d_model)  # its KV state is each use's (``SharedUse.state_idx``)
