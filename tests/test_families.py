@@ -22,9 +22,9 @@ PATTERNS = {"falcon_mamba": "Falcon-Mamba: MM", "nemotron_h": "Nemotron-H: M-*-M
             "nemotron_moe": "Nemotron-H: ME*-ME",
             "granite_dense": "Granite-4.0-H: M-*-M-", "granite_moe": "Granite-4.0-H: ME*EME",
             "jamba": "Jamba: M-*EM-*E", "zamba2": "Zamba2: MSMMSMSM", "falcon_h1": "Falcon-H1: P-P-P-"}
-# max |logit - transformers'| in float32; Zamba2's shared blocks (no residual inside, their output added before
-# the mixer's norm) amplify rounding more: 2e-5 to 1.2e-4 over seeds on its tiny model, equal to 1e-13 in float64
-LOGIT_ATOL = {"zamba2": 1.5e-4}
+# max |logit - transformers'| (and decode - full forward) in float32; the tiny Zamba2 amplifies rounding more (3e-5
+# and 8e-5 on this seed, 2e-5 to 1.2e-4 over others; equal to 1e-13 in float64)
+LOGIT_ATOL = {"zamba2": 1e-4}
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
