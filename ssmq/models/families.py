@@ -18,8 +18,8 @@ sums), so ssmq's block j holds HF layers (i, i+1). A pattern with a feed-forward
 is refused.
 
 Zamba2 and Falcon-H1 run attention beside the Mamba-2 mixer of a block (``ModelConfig.side_attention_layers``):
-Zamba2 one of its shared transformer blocks (weights stored once, ``SSMLM.shared_blocks``; each use's LoRA adapters
-and output linear in the block that uses it, ``layers.j.shared``), Falcon-H1 an attention layer in parallel
+Zamba2 one of its shared transformer blocks (weights stored once, under its first use ``layers.j.shared.block``, as
+the family's checkpoints store them; each use's LoRA adapters and output linear in ``layers.j.shared``), Falcon-H1 an attention layer in parallel
 (``layers.j.attn``) with its µP multipliers.
 """
 
@@ -420,11 +420,11 @@ def _zamba2_to_ssmq(state: Tensors, cfg: ModelConfig) -> Tensors:
             adapter = f"{which}_adapter" if which else "mlp_adapter"
             key = f"layers.{uses[int(k)]}.shared.{adapter}.{('down', 'up')[int(part)]}.weight"
         elif rest == "feed_forward.gate_up_proj.weight":  # (2f, d) = [gate | up]
-            key = f"shared_blocks.{b}.mlp.gate_proj.weight"
-            out.setdefault(f"shared_blocks.{b}.mlp.up_proj.weight", t.chunk(2, dim=0)[1])
+            key = f"layers.{uses[b]}.shared.block.mlp.gate_proj.weight"
+            out.setdefault(f"layers.{uses[b]}.shared.block.mlp.up_proj.weight", t.chunk(2, dim=0)[1])
             t = t.chunk(2, dim=0)[0]
         else:
-            key = f"shared_blocks.{b}." + _rename({rest: t}, _ZAMBA_SHARED).popitem()[0]
+            key = f"layers.{uses[b]}.shared.block." + _rename({rest: t}, _ZAMBA_SHARED).popitem()[0]
         out.setdefault(key, t)
     return out
 
@@ -433,7 +433,7 @@ _ZAMBA_TO_SSMQ = [(r"^model\.embed_tokens\.", "embedding."), (r"^model\.final_la
                   (r"^model\.layers\.(\d+)\.(?:mamba_decoder\.)?input_layernorm\.", r"layers.\1.norm."),
                   (r"^model\.layers\.(\d+)\.(?:mamba_decoder\.)?mamba\.", r"layers.\1.mixer."),
                   (r"^model\.layers\.(\d+)\.linear\.", r"layers.\1.shared.linear.")]
-# inside a shared transformer block: HF names -> ssmq's under shared_blocks.b.
+# inside a shared transformer block: HF names -> ssmq's under layers.j.shared.block. (j its first use)
 _ZAMBA_SHARED = [(r"^input_layernorm\.", "norm."), (r"^pre_ff_layernorm\.", "mlp_norm."), (r"^self_attn\.", "attn."),
                  (r"^feed_forward\.", "mlp.")]
 
@@ -442,11 +442,11 @@ def _zamba2_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
     uses = cfg.shared_attn_layer_idx
     out, gate_up = {}, {}
     for name, t in state.items():
-        m = re.match(r"^shared_blocks\.(\d+)\.(.*)$", name)
+        m = re.match(r"^layers\.(\d+)\.shared\.block\.(.*)$", name)
         a = re.match(r"^layers\.(\d+)\.shared\.(q|k|v|mlp)_adapter\.(down|up)\.weight$", name)
         if m:
-            b, rest = int(m.group(1)), m.group(2)
-            p = f"model.layers.{uses[b]}.shared_transformer."
+            p = f"model.layers.{m.group(1)}.shared_transformer."
+            rest = m.group(2)
             g = re.match(r"^mlp\.(gate|up)_proj\.weight$", rest)
             if g:
                 gate_up.setdefault(p, {})[g.group(1)] = t

@@ -20,7 +20,7 @@ from ssmq.models.hybrid import Attention
 from ssmq.models.mamba1 import Mamba1Mixer
 from ssmq.models.mamba2 import Mamba2Mixer
 from ssmq.models.norm import RMSNorm
-from ssmq.models.shared_block import SharedBlock, SharedUse
+from ssmq.models.shared_block import SharedUse
 from ssmq.ops.layout import LayerKind
 
 MIXERS = {LayerKind.MAMBA1: Mamba1Mixer, LayerKind.MAMBA2: Mamba2Mixer, LayerKind.ATTENTION: Attention}
@@ -87,12 +87,10 @@ class SSMLM(nn.Module):
         self.config = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        # Zamba2's transformer blocks, stored once; the blocks that use one hold its per-use adapters
-        self.shared_blocks = nn.ModuleList(SharedBlock(cfg) for _ in range(cfg.shared_blocks)) \
-            if cfg.shared_attn_layer_idx else None
-        for layer in self.layers:
-            if layer.shared is not None:
-                layer.shared.bind(self.shared_blocks[layer.shared.use % cfg.shared_blocks])
+        # Zamba2: a shared transformer block's first use holds it, its later uses borrow it
+        uses = [layer.shared for layer in self.layers if layer.shared is not None]
+        for use in uses[cfg.shared_blocks:]:
+            use.borrow(uses[use.use % cfg.shared_blocks])
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

@@ -2,9 +2,10 @@
 
 Glossary: b batch, l length, d d_model, r adapter rank, f MLP hidden size.
 
-A ``SharedBlock`` (stored once, in ``SSMLM.shared_blocks``) is RMSNorm(2d) → attention reading 2d → RMSNorm(d) →
-gated GELU MLP, with no residual inside. Block j of ``cfg.shared_attn_layer_idx`` holds a ``SharedUse``: the k-th
-use of shared block k mod ``cfg.shared_blocks``, with its LoRA adapters (on the MLP's [gate | up], and on q, k, v
+A ``SharedBlock`` is RMSNorm(2d) → attention reading 2d → RMSNorm(d) → gated GELU MLP, with no residual inside.
+Block j of ``cfg.shared_attn_layer_idx`` holds a ``SharedUse``: the k-th use of shared block b = k mod
+``cfg.shared_blocks``, which the block's first use holds (``layers.j.shared.block``: stored, and quantized, once, as
+the checkpoints of the family store it) and later uses borrow; each use has its LoRA adapters (on the MLP's [gate | up], and on q, k, v
 when ``cfg.shared_attn_adapters``), its own KV cache (the cache's state n_layer + k) and a linear (d, d) after the
 block. Its input is the residual stream concatenated with the token embeddings; its output is added to the input
 of the block's mixer norm (``Block.forward``).
@@ -45,30 +46,31 @@ class SharedBlock(nn.Module):
 
 
 class SharedUse(nn.Module):
-    """Use ``use`` (k) of a shared block: adapters, output linear, KV state n_layer + k; the block itself is bound
-    (``bind``), not held as a submodule, so that its weights are stored once."""
+    """Use ``use`` (k) of a shared block: adapters, output linear, KV state n_layer + k. The block's first use holds
+    it (``block``, a submodule); a later use borrows it (``borrow``: not a submodule), so its weights are stored
+    once."""
 
     def __init__(self, cfg: ModelConfig, use: int):
         super().__init__()
         self.use, self.state_idx = use, cfg.n_layer + use
+        self.block = SharedBlock(cfg) if use < cfg.shared_blocks else None
         d, d2, r = cfg.d_model, 2 * cfg.d_model, cfg.shared_adapter_rank
         adapters = cfg.shared_attn_adapters  # q, k, v all 2d wide: as many KV heads as query heads (the config's check)
         self.q_adapter, self.k_adapter, self.v_adapter = (LoRA(d2, r, d2) if adapters else None for _ in "qkv")
         self.mlp_adapter = LoRA(d, r, 2 * cfg.mlp_hidden) if r else None
         self.linear = Linear(d, d, bias=False)
-        self._block: tuple[SharedBlock, ...] = ()
+        self._borrowed: tuple[SharedBlock, ...] = ()
 
-    def bind(self, block: SharedBlock) -> None:
-        self._block = (block,)  # a tuple: not registered as a submodule
+    def borrow(self, owner: SharedUse) -> None:
+        self._borrowed = (owner.block,)  # a tuple: not registered as a submodule
 
-    @property
-    def block(self) -> SharedBlock:
-        return self._block[0]
+    def shared_block(self) -> SharedBlock:
+        return self.block if self.block is not None else self._borrowed[0]
 
     def forward(self, stream: torch.Tensor, embeds: torch.Tensor, cache=None, slots=None,
                 decode: bool = False) -> torch.Tensor:
         """stream, embeds: (b, l, d) | (b, d) in decode -> linear(mlp(mlp_norm(attn(norm([stream | embeds])))))."""
-        blk = self.block
+        blk = self.shared_block()
         x, _ = blk.norm(torch.cat([stream, embeds.to(stream.dtype)], dim=-1))
         deltas = None if self.q_adapter is None else (self.q_adapter(x), self.k_adapter(x), self.v_adapter(x))
         run = blk.attn.step if decode else blk.attn.forward
@@ -77,10 +79,10 @@ class SharedUse(nn.Module):
 
     # the cache's view of this use: the shared attention's state, in its own slot
     def allocate_state(self, *args, **kwargs):
-        return self.block.attn.allocate_state(*args, **kwargs)
+        return self.shared_block().attn.allocate_state(*args, **kwargs)
 
     def kv_bytes_per_token(self, dtype) -> float:
-        return self.block.attn.kv_bytes_per_token(dtype)
+        return self.shared_block().attn.kv_bytes_per_token(dtype)
 
     def decode_workspace_bytes_per_token(self) -> int:
-        return self.block.attn.decode_workspace_bytes_per_token()
+        return self.shared_block().attn.decode_workspace_bytes_per_token()

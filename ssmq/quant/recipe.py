@@ -437,8 +437,7 @@ HADAMARD = Transform("hadamard", {"online": True})
 
 
 def _all(weight: WeightSpec, act: ActSpec | None = None) -> list[Rule]:
-    # shared_blocks: Zamba2's shared transformer blocks, quantized once for all their uses
-    return [Rule(["layers.*", "shared_blocks.*"], weight, act, list(NO_DT))]
+    return [Rule(["layers.*"], weight, act, list(NO_DT))]
 
 
 def _taps(x_layout: str, x_observer: str, bc_layout: str) -> list[TapRule]:

@@ -34,8 +34,8 @@ def plan_lines(model, dtype=None) -> list[str]:
         lines.append(f"layer {i:>3} {str(layer.kind):<9} {st.plan.describe()}  linears: {_linears(layer.mixer)}")
         side = layer.side() if hasattr(layer, "side") else None
         if side is not None:  # attention beside the mixer: in parallel (Falcon-H1) or a shared block's (Zamba2)
-            attn = side if side is layer.attn else side.block.attn
-            what = "parallel" if side is layer.attn else f"shared {side.use % len(model.shared_blocks)}"
+            attn = side if side is layer.attn else side.shared_block().attn
+            what = "parallel" if side is layer.attn else f"shared {side.use % model.config.shared_blocks}"
             plan = cache.states[side.layer_idx if side is layer.attn else side.state_idx].plan
             lines.append(f"      + {'attention':<9} {plan.describe()}  linears: {_linears(attn)}  ({what})")
     return lines
