@@ -81,7 +81,7 @@ def run_case(tmp_path, capsys, recipe: str, arch: str) -> None:
     r = get_recipe(recipe)
     if is_cache_only(r):  # the float weights as in the source, plus the cache format's calibrated tables (kB)
         assert source_bytes(q) <= source_bytes(source) + (64 << 10), (source_bytes(q), source_bytes(source))
-    elif not r.has("hadamard") and not r.has("gamma_migration"):  # a rotation unties lm_head (README)
+    else:
         assert source_bytes(q) <= source_bytes(source), (source_bytes(q), source_bytes(source))
 
     code, out, err = cli(capsys, "info", "--model", q)

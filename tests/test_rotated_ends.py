@@ -100,6 +100,9 @@ def test_rotating_recipes_keep_one_tied_matrix(tmp_path, recipe):
         assert "lm_head.weight" not in f.keys() and "embedding.weight" in f.keys()
     size = (tmp_path / "q" / "model.safetensors").stat().st_size
     assert size < (tmp_path / "f" / "model.safetensors").stat().st_size - 64 * 128 * 4 // 2
+    from ssmq.runtime.info import describe
+
+    assert describe(tmp_path / "q")["quantization"]["residual rotation"].startswith("online at both ends")
     loaded = load_model(tmp_path / "q")
     assert isinstance(loaded.embedding, RotatedEmbedding) and loaded.lm_head.weight is loaded.embedding.weight
     with torch.no_grad():
