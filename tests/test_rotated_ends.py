@@ -154,3 +154,21 @@ def test_online_ends_on_cuda_equal_cpu_and_replay_in_graphs():
             tokens = ids[:, t].cuda()
             eager = gpu.step(tokens, cache, slots).float()
             torch.testing.assert_close(dec(tokens, slots).float(), eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.float16])
+def test_triton_norm_of_the_unrotated_stream(wdtype):
+    """What ``UnrotatingRMSNorm`` hands the Triton norm on CUDA: a float32 stream (Q.T of the sum), no residual, the
+    weight in the model's dtype; equal to the reference (runs under SSMQ_TRITON_INTERPRET=1 too)."""
+    from ssmq import ops
+    from test_kernels import DEV, kernel_module
+
+    norm = kernel_module("norm")
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(3, 5, 384, generator=g), torch.randn(3, 5, 384, generator=g)
+    r = hadamard_transform((x + res).to(DEV), inverse=True)
+    w = (1 + 0.1 * torch.randn(384, generator=g)).to(device=DEV, dtype=wdtype)
+    out, _ = norm.rms_norm(r, w, 1e-5, None, True)
+    ref, _ = ops.rms_norm_ref(r, w, 1e-5, None, True)
+    assert out.dtype == wdtype and _rel(out.float().cpu(), ref.float().cpu()) < 1e-3
