@@ -54,7 +54,8 @@ TAP_LAYOUTS = ("per_tensor", "state_group", "cluster")
 # lookup and turned back before the final norm, at run time, instead of folded into both (``ssmq.quant.rotation``)
 TRANSFORMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True, "online_ends": True}, "hadamard_y": {},
               "sort_cluster": {"m": 4, "n": 4}, "gamma_migration": {},
-              "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True}, "mean_correction": {"eta": 0.15}}
+              "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True},
+              "mean_correction": {"eta": 0.15}}
 SSD_TRANSFORMS = ("gamma_migration", "ssdi8", "mean_correction")  # SSDi8's: the int8 state is the scan's own
 
 
