@@ -126,6 +126,26 @@ def test_serve_load_against_a_server(tmp_path):
     assert all(row["output_tok_s"] > 0 and row["tpot_ms_p50"] is not None for row in res["rows"])
 
 
+def test_serve_a_model_here_reports_the_share_of_the_decode_step_bound(tmp_path):
+    """--model: the model served in this process, the clients in a child; each level's row carries the decode step
+    timed at its batch, the bound (batch / step) and the measured throughput's share of it."""
+    pytest.importorskip("fastapi", reason="ssmq serve needs fastapi")
+    r = run("serve", "--model", "mamba2-130m", "--layers", "1", "--recipes", "float", "--concurrency", "1,2",
+            "--num-prompts", "3", "--input-len", "5", "--output-len", "4", "--prefill-chunk", "4", "--steps", "2",
+            "--warmup", "1", "--reps", "1", "--quiet", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "serve.json").read_text())
+    assert res["model"] == "mamba2-130m" and res["gpu"].startswith("CPU") and res["prefill_chunk"] == 4
+    assert [(row["recipe"], row["concurrency"], row["requests"], row["failed"]) for row in res["rows"]] == \
+        [("float", 1, 3, 0), ("float", 2, 3, 0)]
+    for row in res["rows"]:
+        assert row["step_ms"] > 0 and row["bound_tok_s"] == pytest.approx(row["concurrency"] / row["step_ms"] * 1e3)
+        assert row["bound_share"] == pytest.approx(row["output_tok_s"] / row["bound_tok_s"])
+        # ignore_eos: every request gives its 4 tokens (from the usage the server reports)
+        assert row["output_tok_s"] * row["seconds"] == pytest.approx(3 * 4)
+    assert "bound_share" in r.stdout
+
+
 def test_serve_without_a_server_is_one_line():
     r = run("serve", "--url", "http://127.0.0.1:9")
     assert r.returncode == 1 and "no OpenAI-compatible server answers" in r.stderr and r.stderr.count("\n") == 1

@@ -367,17 +367,18 @@ def test_fake_quantize_is_bit_exact(dtype, scale_kind):
 
 @pytest.mark.parametrize("state_fmt", ["int8_index", "int8_rows", "float"])
 @pytest.mark.parametrize("input_fmt", ["codes_per_channel", "float"])
-@pytest.mark.parametrize("max_tiles", [3, 8])
+@pytest.mark.parametrize("max_tiles", [3, 16])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_step_walks_several_tiles(SU, state_fmt, input_fmt, max_tiles, prefetch, monkeypatch):
     """The plain Mamba-2 step with several tiles a program (``STEP_CFG``: few programs an SM): with the next tile
     prefetched (and an int8 state read as int32 words) or not, its B / C once a program (the tiles in one group) or a
-    tile (max_tiles 8: tiles of two groups in a program; the grid then one slot's tiles first), equal to the
+    tile (max_tiles 16: tiles of two groups in a program, on the GPU and the interpreter layouts alike; the grid
+    then one slot's tiles first), equal to the
     reference, as one tile a program is."""
     for key in SU.STEP_CFG:
         monkeypatch.setitem(SU.STEP_CFG, key, {**SU.STEP_CFG[key], "programs_per_sm": 1e-3, "max_tiles": max_tiles,
                                                 "prefetch": prefetch, "words": prefetch,
-                                                "tiles_first": max_tiles == 8})
+                                                "tiles_first": max_tiles == 16})
     args = _case("mamba2", state_fmt, input_fmt, seed=5)
     ref_args = _clone(args)
     y_ref = quant_state_update_ref(*ref_args)

@@ -31,10 +31,12 @@ TOK = CharTokenizer()
 NAME = "tiny"
 
 
-def start(model, max_batch=8, max_model_len=96, prefill_tokens=16, kv_blocks=None, overlap=None, **server):
+def start(model, max_batch=8, max_model_len=96, prefill_tokens=64, kv_blocks=None, overlap=None, prefill_chunk=8,
+          **server):
+    """A server over a fresh engine; by default prompts go in chunks of 8, several in one forward (64 a step)."""
     engine = Engine(model, EngineConfig(max_batch=max_batch, max_model_len=max_model_len,
-                                        prefill_tokens=prefill_tokens, kv_block_size=4, kv_blocks=kv_blocks,
-                                        overlap=overlap))
+                                        prefill_tokens=prefill_tokens, prefill_chunk=prefill_chunk, kv_block_size=4,
+                                        kv_blocks=kv_blocks, overlap=overlap))
     return BackgroundServer(engine, TOK, ServerConfig((NAME,), **server))
 
 
@@ -122,7 +124,7 @@ def test_attention_models_through_the_block_kv_cache_equal_offline(arch):
     """20 blocks of 4 tokens: requests of up to 20 blocks wait for blocks as well as for slots (max batch 4)."""
     model = tiny_model(arch, seed=5)
     prompts = random_prompts(10, seed=1)
-    with start(model, max_batch=4, max_model_len=96, prefill_tokens=8, kv_blocks=20) as url:
+    with start(model, max_batch=4, max_model_len=96, prefill_tokens=24, kv_blocks=20) as url:
         bodies = [{"prompt": p, "max_tokens": 12 + i, "temperature": 0, "stream": i % 2 == 1}
                   for i, p in enumerate(prompts)]
         texts = run_concurrently(url, bodies, [False] * len(bodies))
@@ -146,7 +148,7 @@ def test_quantized_kv_models_through_a_paged_cache_equal_offline(arch):
 
     model = quantize(tiny_model(arch, seed=5), "kvquant-nuq4-1%", synthetic_calibration(64, 4, 32), progress=False)
     prompts = random_prompts(8, seed=6)
-    server = start(model, max_batch=3, max_model_len=96, prefill_tokens=8, kv_blocks=30, overlap=arch == "hybrid")
+    server = start(model, max_batch=3, max_model_len=96, prefill_tokens=24, kv_blocks=30, overlap=arch == "hybrid")
     with server as url:
         bodies = [{"model": NAME, "prompt": p, "max_tokens": 6 + 2 * i, "temperature": 0, "stream": i % 2 == 0}
                   for i, p in enumerate(prompts)]
@@ -172,7 +174,7 @@ def test_overlapped_steps_equal_offline(arch):
     sampled = {"prompt": prompts[0], "max_tokens": 12, "temperature": 0.9, "seed": 7, "ignore_eos": True}
     texts = {}
     for overlap in (True, False):
-        with start(model, max_batch=3, max_model_len=96, prefill_tokens=8, kv_blocks=30 if arch == "hybrid" else None,
+        with start(model, max_batch=3, max_model_len=96, prefill_tokens=24, kv_blocks=30 if arch == "hybrid" else None,
                    overlap=overlap) as url:
             texts[overlap] = run_concurrently(url, bodies + [sampled], [False] * (len(bodies) + 1))
             stats = httpx.get(f"{url}/health").json()
@@ -452,7 +454,7 @@ def _tp_rank(rank, world, init_file, port, ready, stop):
     torch.set_num_threads(1)
     init_tp(world, "cpu", init_method=f"file://{init_file}", rank=rank, world=world)
     model = apply_tp(tiny_model("mamba2", seed=3), Communicator(device="cpu"))
-    cfg = EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=16)
+    cfg = EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=48, prefill_chunk=8)  # batched prefill
     local = LocalRunner(model, cfg)
     if rank:
         follow(local)
@@ -504,12 +506,28 @@ def test_serve_refuses_a_bad_tp():
 
 @pytest.mark.parametrize("flags,message", [(["--kv-blocks", "0"], "--kv-blocks must be >= 1"),
                                            (["--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive"),
-                                           (["--kv-block-size", "0"], "--kv-block-size must be >= 1")])
+                                           (["--kv-block-size", "0"], "--kv-block-size must be >= 1"),
+                                           (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
+                                           (["--prefill-tokens", "0"], "--prefill-tokens must be >= 1")])
 def test_serve_refuses_bad_kv_cache_flags(flags, message, capsys):
     from ssmq.cli import main
 
     assert main(["serve", *flags]) == 1
     assert message in capsys.readouterr().err
+
+
+def test_prefill_flags_reach_the_engine_config():
+    import argparse
+
+    from ssmq.runtime.command import add_arguments, engine_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = engine_config(p.parse_args(["--prefill-chunk", "64", "--prefill-tokens", "256"]))
+    assert (cfg.prefill_chunk, cfg.prefill_tokens) == (64, 256)
+    default = engine_config(p.parse_args([]))
+    assert (default.prefill_chunk, default.prefill_tokens) == (EngineConfig().prefill_chunk,
+                                                               EngineConfig().prefill_tokens) == (512, 2048)
 
 
 def test_kv_cache_memory_sizes_the_block_pools_in_the_model_s_kv_format():

@@ -81,13 +81,25 @@ def register(subparsers) -> argparse.ArgumentParser:
     _device_args(p)
     p.set_defaults(func=_run("throughput"))
 
-    p = sub.add_parser("serve", help="load against a running OpenAI-compatible server",
-                       description="Closed-loop clients against a running server (start one with ssmq serve): "
-                                   "streaming /v1/completions requests of random token ids; throughput, time to "
-                                   "first token and time per output token at each concurrency.")
-    p.add_argument("--url", default="http://localhost:8000", help="the server (default http://localhost:8000)")
+    p = sub.add_parser("serve", help="load against an OpenAI-compatible server, beside the decode-step bound",
+                       description="Closed-loop clients sending streaming /v1/completions requests of random token "
+                                   "ids: throughput, time to first token and time per output token at each "
+                                   "concurrency. Against a running server (--url; start one with ssmq serve), or "
+                                   "with --model: the model is served here under each recipe, its decode step timed "
+                                   "at each concurrency's batch, and each level's throughput reported as a share of "
+                                   "that decode-step bound (batch / step time).")
+    p.add_argument("--url", default="http://localhost:8000", help="the server (default http://localhost:8000); "
+                   "ignored with --model")
     p.add_argument("--served-model", default=None, help="model name sent in requests (default: the first the "
                    "server lists at /v1/models)")
+    p.add_argument("--model", default=None, help="serve this model here instead of --url: a published "
+                   "architecture with random weights (mamba2-2.7b, ...; see ssmq plan) or a checkpoint folder")
+    p.add_argument("--recipes", type=_names, default=["float"], help="with --model: comma-separated 'float' and "
+                   "recipe names, served one after the other (default float)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --model: keep only the first N layers of a published architecture (default: all)")
+    p.add_argument("--gptq-as-rtn", action="store_true", help="round GPTQ recipes' weights to nearest instead of "
+                   "solving GPTQ (speed only)")
     p.add_argument("--concurrency", type=_ints, default=[1, 4, 16],
                    help="comma-separated numbers of concurrent clients (default 1,4,16)")
     p.add_argument("--num-prompts", type=int, default=None, help="requests at each level (default: twice the "
@@ -97,7 +109,16 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--vocab-limit", type=int, default=1000, help="prompt token ids are drawn below this (default "
                    "1000)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one request may take (default 600)")
-    p.add_argument("--out", default=None, help="folder for the JSON result and its PNG (default: print only)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="with --model: the engine's --prefill-chunk "
+                   "(default 512)")
+    p.add_argument("--prefill-tokens", type=int, default=2048, help="with --model: the engine's --prefill-tokens "
+                   "(default 2048)")
+    p.add_argument("--steps", type=int, default=8, help="with --model: decode steps in one timing of the bound "
+                   "(default 8)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs before timing the bound (default 2)")
+    p.add_argument("--reps", type=int, default=5, help="timed runs of the bound; the median (default 5)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _device_args(p)
     p.set_defaults(func=_run("serve"))
 
     from ssmq.bench.kernels import KERNEL_BENCHES
@@ -142,7 +163,8 @@ def _run(name: str):
         import importlib
 
         for key in ("steps", "warmup", "reps", "num_prompts", "input_len", "output_len", "max_batch", "seqlen",
-                    "limit", "batch_size", "calib_samples", "calib_seqlen", "layers"):
+                    "limit", "batch_size", "calib_samples", "calib_seqlen", "layers", "prefill_chunk",
+                    "prefill_tokens"):
             value = getattr(args, key, None)
             if isinstance(value, int) and value < (0 if key == "warmup" else 1):
                 raise SSMQError(f"--{key.replace('_', '-')} must be >= {0 if key == 'warmup' else 1}, got {value}")

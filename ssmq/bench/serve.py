@@ -1,17 +1,30 @@
-"""``ssmq bench serve``: load against a running OpenAI-compatible server (``ssmq serve``, or any other).
+"""``ssmq bench serve``: load against an OpenAI-compatible server, and the share of the decode-step bound it reaches.
 
 At each ``--concurrency`` level, that many closed-loop clients send streaming ``/v1/completions`` requests of
 ``--input-len`` random token ids for ``--output-len`` tokens (``ignore_eos``) until ``--num-prompts`` requests are
-done: throughput (output tokens/s), TTFT and TPOT percentiles. Standard library only (threads, urllib)."""
+done: throughput (output tokens/s), TTFT and TPOT percentiles. The clients are the standard library's (threads,
+urllib).
+
+Against ``--url``: a running server (``ssmq serve``, or any other). With ``--model``: for each of ``--recipes``, the
+model is built here, its decode step timed at each level's batch (``bench latency``'s timing: CUDA graphs on a
+GPU), then served here (``ssmq serve``'s engine and server, in this process) to clients in a child process (so
+they do not take the server's interpreter lock). The decode-step bound of a level is its batch over the step's
+time: the tokens/s the engine would give if every step were a decode step of every client and the host cost
+nothing; ``bound_share`` is the output tokens/s measured over it.
+"""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -21,12 +34,13 @@ from ssmq.errors import SSMQError
 
 
 def stream_request(url: str, body: dict, timeout: float) -> dict | None:
-    """One streaming completion: {start, first, end, chunks} (perf_counter seconds), or None when it failed."""
+    """One streaming completion: {start, first, end, chunks, tokens} (perf_counter seconds; tokens: the usage the
+    server reports, else the chunks with text), or None when it failed."""
     data = json.dumps(body).encode()
     req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=data,
                                  headers={"content-type": "application/json"})
     start = time.perf_counter()
-    first = end = None
+    first = end = tokens = None
     chunks = 0
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:
@@ -34,8 +48,12 @@ def stream_request(url: str, body: dict, timeout: float) -> dict | None:
             if not line.startswith("data: "):
                 continue
             if line == "data: [DONE]":
-                return None if first is None else {"start": start, "first": first, "end": end, "chunks": chunks}
-            choices = json.loads(line[6:]).get("choices") or []
+                return None if first is None else {"start": start, "first": first, "end": end, "chunks": chunks,
+                                                   "tokens": tokens or chunks}
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"].get("completion_tokens")
+            choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 end = time.perf_counter()
                 first = first or end
@@ -85,16 +103,25 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
     if not records:
         return row
     seconds = max(r["end"] for r in records) - min(r["start"] for r in records)
-    out_tokens = sum(r["chunks"] for r in records)
+    out_tokens = sum(r["tokens"] for r in records)
     ttft = [(r["first"] - r["start"]) * 1e3 for r in records]
-    tpot = [(r["end"] - r["first"]) * 1e3 / (r["chunks"] - 1) for r in records if r["chunks"] > 1]
+    # the last token's arrival: a stream behind the engine carries several tokens in a chunk
+    tpot = [(r["end"] - r["first"]) * 1e3 / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
     row.update({"seconds": seconds, "output_tok_s": out_tokens / seconds if seconds > 0 else None,
                 "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
                 "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99)})
     return row
 
 
+LOAD_COLUMNS = ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
+                "tpot_ms_p99"]
+BOUND_COLUMNS = ["recipe", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
+                 "bound_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step"]
+
+
 def run(args) -> dict:
+    if getattr(args, "model", None):
+        return run_model(args)
     url = args.url.rstrip("/")
     try:
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
@@ -109,14 +136,14 @@ def run(args) -> dict:
     def body_of(seed: int) -> dict:
         rng = random.Random(seed)
         return {"model": served, "prompt": [rng.randrange(1, args.vocab_limit) for _ in range(args.input_len)],
-                "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
+                "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
 
     for c in args.concurrency:
         n = args.num_prompts or 2 * c
-        with tqdm(total=n, desc=f"serve {c} clients", unit="req") as bar:
+        with tqdm(total=n, desc=f"serve {c} clients", unit="req", disable=args.quiet) as bar:
             result["rows"].append(run_level(url, c, n, body_of, args.timeout, bar))
-    print(table(result["rows"], ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99",
-                                 "tpot_ms_p50", "tpot_ms_p99"]))
+    print(table(result["rows"], LOAD_COLUMNS))
     for path in write(result, args.out, plot=_plot):
         print(f"wrote {path}")
     if all(r["requests"] == 0 for r in result["rows"]):
@@ -124,7 +151,83 @@ def run(args) -> dict:
     return result
 
 
+class IdTokenizer:
+    """The server's tokenizer for a model without one (random weights): token i is the text " i"."""
+
+    def __init__(self, vocab: int):
+        self.vocab, self.eos_id = vocab, 0
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) % self.vocab for t in text.split() if t.isdigit()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" {i}" for i in ids)
+
+    def __len__(self) -> int:
+        return self.vocab
+
+
+def load_in_child(url: str, args, out: str) -> list[dict]:
+    """The load levels of ``args`` against ``url``, run by ``ssmq bench serve --url`` in a child process."""
+    cmd = [sys.executable, "-m", "ssmq", "bench", "serve", "--url", url, "--quiet", "--out", out,
+           "--concurrency", ",".join(map(str, args.concurrency)), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--vocab-limit", str(args.vocab_limit),
+           "--timeout", str(args.timeout)]
+    if args.num_prompts:
+        cmd += ["--num-prompts", str(args.num_prompts)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SSMQError(f"the load generator failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads((Path(out) / "serve.json").read_text())["rows"]
+
+
+def run_model(args) -> dict:
+    """Serve ``--model`` here under each recipe: the load levels beside the decode step's bound at each batch."""
+    from ssmq.bench.latency import _free, tpot_ms
+    from ssmq.bench.models import build, device_and_dtype
+    from ssmq.runtime.engine import Engine, EngineConfig
+    from ssmq.runtime.server import BackgroundServer, ServerConfig
+
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    result = record("serve", device, model=args.model, dtype=str(dtype).removeprefix("torch."),
+                    input_len=args.input_len, output_len=args.output_len, prefill_chunk=args.prefill_chunk,
+                    prefill_tokens=args.prefill_tokens)
+    for recipe in args.recipes:
+        _free(device)
+        model, vocab = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
+        args.vocab_limit = min(args.vocab_limit, vocab)
+        steps = {c: tpot_ms(model, c, args.steps, args.warmup, args.reps) for c in args.concurrency}
+        _free(device)
+        batch, length = max(args.concurrency), args.input_len + args.output_len + 1
+        # hybrids: KV blocks for every client at once, so admission never waits on the pool (the bound does not)
+        blocks = batch * -(-length // EngineConfig.kv_block_size)
+        cfg = EngineConfig(max_batch=batch, max_model_len=length, prefill_chunk=args.prefill_chunk,
+                           prefill_tokens=args.prefill_tokens, kv_blocks=blocks)
+        engine = Engine(model, cfg)
+        server = BackgroundServer(engine, IdTokenizer(vocab), ServerConfig((recipe,), request_timeout_s=args.timeout))
+        with server as url, tempfile.TemporaryDirectory() as out:
+            rows = load_in_child(url, args, out)
+        for row in rows:
+            step = steps[row["concurrency"]]
+            bound = row["concurrency"] / step * 1e3
+            tok_s, tpot = row.get("output_tok_s"), row.get("tpot_ms_p50")
+            result["rows"].append({"recipe": recipe, **row, "step_ms": step, "bound_tok_s": bound,
+                                   "bound_share": None if tok_s is None else tok_s / bound,
+                                   "tpot_over_step": None if tpot is None else tpot / step})
+        del engine, server, model
+    print(table(result["rows"], BOUND_COLUMNS))
+    for path in write(result, args.out, plot=_plot):
+        print(f"wrote {path}")
+    if all(r["requests"] == 0 for r in result["rows"]):
+        raise SSMQError(f"every request failed: {result['rows'][0].get('first_error', 'no tokens')}")
+    return result
+
+
 def _plot(pyplot, result):
-    rows = [{**r, "series": "output tok/s"} for r in result["rows"] if r.get("output_tok_s")]
+    rows = [{**r, "series": f"{r['recipe']} " if "recipe" in r else ""} for r in result["rows"]
+            if r.get("output_tok_s")]
+    rows = [{**r, "series": r["series"] + "output tok/s"} for r in rows] + [
+        {**r, "series": r["series"] + "decode-step bound", "output_tok_s": r["bound_tok_s"]} for r in rows
+        if r.get("bound_tok_s")]
     return lines_plot(pyplot, {**result, "rows": rows}, "concurrency", "output_tok_s", "series", "clients",
                       "output tokens/s")

@@ -37,8 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=64, help="cache slots: sequences decoded together (default 64)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + generated tokens per sequence "
                    "(default 2048)")
-    p.add_argument("--prefill-tokens", type=int, default=512,
-                   help="prompt tokens prefilled per engine step, interleaved with decode (default 512)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens of one request prefilled per engine step: a longer prompt is prefilled in "
+                        "chunks of this many, interleaved with the decode steps of the running requests "
+                        "(default 512)")
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="prompt tokens prefilled per engine step over all requests in prefill; chunks of equal "
+                        "length share one forward (default 2048)")
     p.add_argument("--kv-block-size", type=int, default=32, help="tokens per KV block (hybrids; default 32)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=float, metavar="GIB",
@@ -92,7 +97,7 @@ def state_checkpoint(args) -> int | None:
 def engine_config(args):
     from ssmq.runtime.engine import EngineConfig
 
-    for name in ("max_batch", "max_model_len", "prefill_tokens", "kv_block_size"):
+    for name in ("max_batch", "max_model_len", "prefill_chunk", "prefill_tokens", "kv_block_size"):
         if getattr(args, name) < 1:
             raise SSMQError(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_blocks is not None and args.kv_blocks < 1:
@@ -100,7 +105,8 @@ def engine_config(args):
     if args.kv_cache_memory is not None and not args.kv_cache_memory > 0:
         raise SSMQError("--kv-cache-memory must be a positive number of GiB")
     return EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
-                        prefill_tokens=args.prefill_tokens, cuda_graphs=not args.eager,
+                        prefill_tokens=args.prefill_tokens, prefill_chunk=args.prefill_chunk,
+                        cuda_graphs=not args.eager,
                         state_checkpoint=state_checkpoint(args), kv_block_size=args.kv_block_size,
                         kv_blocks=args.kv_blocks,
                         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2 ** 30))
@@ -169,7 +175,8 @@ def serve(engine, tok, args, path, options: dict) -> int:
     kv = (f", KV cache {stats['kv_blocks_total']} blocks of {engine.cfg.kv_block_size} tokens"
           if "kv_blocks_total" in stats else "")
     print(f"ssmq serve: {names[0]} on http://{args.host}:{args.port} (max batch {args.max_batch}, "
-          f"max model len {args.max_model_len}{kv}{f', tp {args.tp}' if args.tp > 1 else ''}, chat template: "
+          f"max model len {args.max_model_len}, prefill chunk {engine.cfg.prefill_chunk} of "
+          f"{engine.cfg.prefill_tokens} tokens a step{kv}{f', tp {args.tp}' if args.tp > 1 else ''}, chat template: "
           f"{'yes' if template is not None else 'none'}{', API key required' if args.api_key else ''})", flush=True)
     return run_server(engine, tok, ServerConfig(names, chat_template=template, **options),
                       host=args.host, port=args.port, log_level=args.log_level)

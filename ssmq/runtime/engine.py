@@ -3,8 +3,16 @@
 Glossary: *slot* a cache row owned by one sequence from admission to finish (its conv + SSM state, and for hybrids
 its KV block table, over block pools of float or quantized KV); *chunk* a piece of a prompt prefilled in one call;
 *step* one turn of the engine loop: admit waiting requests into free slots, prefill up to ``prefill_tokens`` prompt
-tokens (so a long prompt does not stall everyone), then decode one token for every sequence past its prefill, all
-rows in one call. With ``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step
+tokens over the requests in prefill, at most ``prefill_chunk`` of one request (so a long prompt does not stall
+everyone: its chunks are interleaved with decode steps), then decode one token for every sequence past its prefill,
+all rows in one call.
+
+Batched prefill: the chunks of a step that have the same length are prefilled together, one forward of (b, n)
+tokens (``prefill_groups``). Rows of one forward never differ in length, so no padding enters a state: each row's
+conv and SSM states continue exactly from its previous chunk, and attention appends the chunk's keys and values at
+each row's own positions. A forward of several rows that raises is blamed on none of them: each row restarts its
+prompt from an empty state and is prefilled alone from then on, so a fault that belongs to one request fails that
+request only. With ``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step
 before, so the host work of a step (reporting, scheduling) runs while the device computes.
 
 The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
@@ -39,7 +47,8 @@ log = logging.getLogger("ssmq.serve")
 class EngineConfig:
     max_batch: int = 64  # cache slots = sequences decoded together
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
-    prefill_tokens: int = 512  # prompt tokens prefilled per step (chunked prefill budget)
+    prefill_tokens: int = 2048  # prompt tokens prefilled per step, over every request in prefill (batched)
+    prefill_chunk: int = 512  # prompt tokens of one request prefilled per step (chunked prefill)
     # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, one Llama-8B layer
     # at 128K tokens, in place / contiguous: 4-bit codes 1.08 at 32, 1.21 at 16; float16 1.04 / 1.08)
     kv_block_size: int = 32
@@ -92,6 +101,7 @@ class Request:
     last_time: float = 0.0
     counts: torch.Tensor | None = None  # (vocab,) float: generated tokens, when the sampling has penalties
     failure: str | None = None  # why this request's last sampled token is -1 (the sampler raised)
+    alone: bool = False  # prefilled in forwards of its own (a batched forward it was part of raised)
 
     def top_k(self) -> int:
         return max(self.logprobs or 0, 1)
@@ -106,6 +116,21 @@ class _Sampled:
     toks: torch.Tensor
     want: list[int]
     lp: tuple = ()
+
+
+def prefill_groups(remaining: list[int], budget: int, chunk: int, keys: list | None = None) -> list[tuple[int, list]]:
+    """The forwards of one step's prefill: ``remaining`` prompt tokens of each request in prefill (first come first),
+    ``budget`` tokens for the step, at most ``chunk`` per request → [(n, [request indices])], one forward of (b, n)
+    tokens per entry, in order of first appearance. Requests take min(remaining, chunk, what is left of the budget)
+    in turn; those with the same n (and the same ``keys`` entry, when given) share a forward."""
+    groups: dict = {}
+    for i, left in enumerate(remaining):
+        n = min(left, chunk, budget)
+        if n <= 0:
+            break
+        groups.setdefault((n, None if keys is None else keys[i]), []).append(i)
+        budget -= n
+    return [(n, rows) for (n, _), rows in groups.items()]
 
 
 def kv_bytes_per_token(model) -> float:
@@ -163,7 +188,7 @@ class LocalRunner:
             from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
 
             dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, cache=self.cache)
-            self.graph_prefill = CudaGraphPrefill(model, self.cache, max_len=cfg.prefill_tokens, pool=dec.pool)
+            self.graph_prefill = CudaGraphPrefill(model, self.cache, max_len=cfg.prefill_chunk, pool=dec.pool)
             dec.capture_all()
             self.graph_prefill.capture_all()
             self.decode = dec
@@ -175,13 +200,15 @@ class LocalRunner:
         """KV blocks ``blocks`` hold the slot's tokens from block index ``start`` on."""
         self.cache.block_table.assign(slot, start, blocks)
 
-    def prefill(self, ids: torch.Tensor, slot: int, all_logits: bool) -> torch.Tensor:
-        """ids: (1, n), continuing the slot's sequence → logits (n, vocab) if all_logits, else (1, vocab)."""
+    def prefill(self, ids: torch.Tensor, slots: list[int], all_logits: bool) -> torch.Tensor:
+        """ids: (b, n), continuing the sequences of ``slots`` (b) by n tokens each → logits (b, n, vocab) if
+        all_logits, else (b, vocab) of each row's last token."""
         if all_logits:
-            return self.model(ids, self.cache, slots=[slot])[0]
-        if self.graph_prefill is not None:  # no fit check (a sync): the engine admits only what fits (Engine.unfit)
-            return self.graph_prefill(ids, slot, check_fit=False)
-        return self.model(ids, self.cache, slots=[slot], num_last_tokens=1)[:, -1]
+            return self.model(ids, self.cache, slots=slots)
+        if self.graph_prefill is not None and len(slots) == 1:  # no fit check (a sync): the engine admits only
+            # what fits (Engine.unfit); several rows run eagerly (the graphs are captured for one row)
+            return self.graph_prefill(ids, slots[0], check_fit=False)
+        return self.model(ids, self.cache, slots=slots, num_last_tokens=1)[:, -1]
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """tokens, slots: (b,) → logits (b, vocab); CUDA graphs replace this method on GPU."""
@@ -232,6 +259,8 @@ class Engine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+            if self._thread.is_alive():  # a model call that does not return: the daemon thread dies with the process
+                log.warning("the engine thread did not stop within 30 s")
 
     def unfit(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` (prompt + max_tokens) can never run here, or None."""
@@ -369,16 +398,11 @@ class Engine:
 
     def _step(self) -> None:
         self.steps += 1
-        budget = self.cfg.prefill_tokens
-        for r in list(self.prefilling):
-            if budget <= 0:
-                break
-            n = min(budget, len(r.prompt) - r.pos)
-            try:
-                self._prefill(r, n)
-            except Exception as e:  # a prefill is one request's: fail it alone, the others go on
-                self._fail(r, "prefill", e)
-            budget -= n
+        rows = list(self.prefilling)
+        keys = [(r.prompt_logprobs, r.id if r.alone else None) for r in rows]
+        for n, group in prefill_groups([len(r.prompt) - r.pos for r in rows], self.cfg.prefill_tokens,
+                                       self.cfg.prefill_chunk, keys):
+            self._prefill([rows[i] for i in group], n)
         # (overlap) a row whose last token is still on the device and ends it by length is not decoded again
         rows = [r for r in self.decoding if len(r.output) + r.ahead < r.max_tokens]
         launched = None
@@ -416,25 +440,72 @@ class Engine:
             return t.to(self.device)
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _prefill(self, r: Request, n: int) -> None:
-        ids = self._to_device([r.prompt[r.pos:r.pos + n]])
-        self._grow(r, r.pos + n)
-        logits = self.runner.prefill(ids, r.slot, all_logits=r.prompt_logprobs)
-        if r.prompt_logprobs:
-            self._emit_prompt_logprobs(r, ids[0], logits)
-        if self.metrics is not None:
-            self.metrics.prompt_tokens.inc(n)
-        r.pos += n
-        if r.pos < len(r.prompt):
+    def _prefill(self, rows: list[Request], n: int) -> None:
+        """Prefill the next n prompt tokens of each of ``rows`` in one forward; sample the first token of those
+        whose prompt is then whole."""
+        ids = self._to_device([r.prompt[r.pos:r.pos + n] for r in rows])
+        try:
+            for r in rows:
+                self._grow(r, r.pos + n)
+            logits = self.runner.prefill(ids, [r.slot for r in rows], rows[0].prompt_logprobs)
+        except Exception as e:
+            if len(rows) == 1:  # a prefill of one request: fail it alone, the others go on
+                self._fail(rows[0], "prefill", e)
+            else:
+                self._restart_alone(rows, e)
             return
-        self.prefilling.remove(r)
-        if r.max_tokens == 0:
-            self._finish(r, "length")
+        done = []
+        for i, r in enumerate(rows):
+            if r.prompt_logprobs:
+                try:
+                    self._emit_prompt_logprobs(r, ids[i], logits[i])
+                except Exception as e:
+                    self._fail(r, "prefill", e)
+                    continue
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(n)
+            r.pos += n
+            if r.pos < len(r.prompt):
+                continue
+            self.prefilling.remove(r)
+            if r.max_tokens == 0:
+                self._finish(r, "length")
+                continue
+            done.append(i)
+        if not done:
             return
-        self.decoding.append(r)
-        first = self._sample([r], logits[-1:], r.slot)
+        last = logits[:, -1] if rows[0].prompt_logprobs else logits
+        finished = [rows[i] for i in done]
+        try:
+            first = self._sample(finished, last[self._to_device(done)] if len(done) < len(rows) else last,
+                                 self._to_device([r.slot for r in finished]))
+        except Exception as e:  # past sample_rows' own per-row isolation: these rows' first tokens are lost
+            for r in finished:
+                self._fail(r, "sampling", e)
+            return
+        self.decoding.extend(finished)
         self._flush()
         self._read(first)
+
+    def _restart_alone(self, rows: list[Request], e: Exception) -> None:
+        """A forward of several rows raised: no row to blame. Each restarts its prompt from an empty state, prefilled
+        alone from now on (a fault of one request then fails it alone); a row whose prompt logprobs were already
+        reported cannot take them back and fails."""
+        log.warning("a batched prefill of %d requests failed (%s: %s); prefilling them one by one", len(rows),
+                    type(e).__name__, e)
+        for r in rows:
+            if r.carry is not None:
+                self._fail(r, "prefill", e)
+                continue
+            try:
+                self.runner.reset(r.slot)  # states, and (paged KV) the slot's block table: its blocks are taken anew
+                if self.blocks is not None:
+                    self.blocks.release(r.slot)
+                    self.blocks.admit(r.slot, len(r.prompt) + r.max_tokens)
+            except Exception as e2:
+                self._fail(r, "prefill", e2)
+                continue
+            r.pos, r.alone = 0, True
 
     def _grow(self, r: Request, length: int) -> None:
         """KV blocks for the first ``length`` tokens of r's sequence (hybrids), taken as it grows."""

@@ -1,9 +1,10 @@
 """Serving over tensor parallelism: rank 0 runs the engine and the HTTP server; every other rank follows.
 
-Each model call of an engine step (reset a slot, prefill a chunk, decode a batch, assign KV blocks) is broadcast by rank 0 as a
-header ``[op, n_a, n_b]`` and one int64 payload (the chunk's ids, or the tokens and slots), then run on every
-rank: the sharded model's own all-reduces keep the ranks in step, and every rank ends with the same logits
-(lm_head is replicated), of which rank 0 samples. ``STOP`` ends the followers when the server shuts down.
+Each model call of an engine step (reset a slot, prefill chunks, decode a batch, assign KV blocks) is broadcast by
+rank 0 as a header ``[op, n_a, n_b]`` and one int64 payload (the slots and the chunks' ids, or the tokens and
+slots), then run on every rank: the sharded model's own all-reduces keep the ranks in step, and every rank ends
+with the same logits (lm_head is replicated), of which rank 0 samples. ``STOP`` ends the followers when the server
+shuts down.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ class BroadcastRunner:
         self._send(RESET, torch.tensor([slot]), 1)
         self.local.reset(slot)
 
-    def prefill(self, ids: torch.Tensor, slot: int, all_logits: bool) -> torch.Tensor:
-        self._send(PREFILL_ALL if all_logits else PREFILL, torch.cat([torch.tensor([slot], device=ids.device),
-                                                                      ids[0]]), 1)
-        return self.local.prefill(ids, slot, all_logits)
+    def prefill(self, ids: torch.Tensor, slots: list[int], all_logits: bool) -> torch.Tensor:
+        self._send(PREFILL_ALL if all_logits else PREFILL, torch.cat([torch.tensor(slots, device=ids.device),
+                                                                      ids.flatten()]), len(slots))
+        return self.local.prefill(ids, slots, all_logits)
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         self._send(DECODE, torch.cat([tokens, slots]), tokens.numel())
@@ -65,7 +66,7 @@ def follow(local, group=None) -> None:
         if op == RESET:
             local.reset(int(a[0]))
         elif op in (PREFILL, PREFILL_ALL):
-            local.prefill(b[None], int(a[0]), op == PREFILL_ALL)
+            local.prefill(b.view(n_a, -1), a.tolist(), op == PREFILL_ALL)
         elif op == DECODE:
             local.decode(a, b)
         elif op == ASSIGN:
