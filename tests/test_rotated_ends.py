@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from test_kernels import DEV, kernel_module  # first: sets TRITON_INTERPRET before any kernel is decorated
 from ssmq.errors import SSMQError
 from ssmq.quant import get_recipe, load_model, quantize, save_quantized
 from ssmq.quant.hadamard import (RotatedEmbedding, UnrotatingRMSNorm, hadamard_matrix, hadamard_transform,
@@ -162,7 +163,6 @@ def test_triton_norm_of_the_unrotated_stream(wdtype):
     """What ``UnrotatingRMSNorm`` hands the Triton norm on CUDA: a float32 stream (Q.T of the sum), no residual, the
     weight in the model's dtype; equal to the reference (runs under SSMQ_TRITON_INTERPRET=1 too)."""
     from ssmq import ops
-    from test_kernels import DEV, kernel_module
 
     norm = kernel_module("norm")
     g = torch.Generator().manual_seed(0)
