@@ -92,3 +92,27 @@ def test_fp16_decode_on_cuda_matches_the_float32_reference(tiny_folder):
     out = torch.stack(steps, 1)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
+
+
+@pytest.fixture(scope="module", params=["zamba2", "falcon_h1"])
+def side_attention_folder(request, tmp_path_factory):
+    from hf_tiny import save_tiny_family
+
+    folder = tmp_path_factory.mktemp(request.param)
+    save_tiny_family(request.param, folder)
+    return folder
+
+
+def test_side_attention_families_on_cuda(side_attention_folder):
+    """Zamba2's shared blocks and Falcon-H1's parallel attention through the CUDA kernels: the forward equals the
+    CPU reference, CUDA-graph decode (each block's Mamba-2 state and the attention's KV) equals eager decode."""
+    ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(0))
+    model = ssmq.load_model(side_attention_folder, device="cuda")
+    with torch.no_grad():
+        ref = ssmq.load_model(side_attention_folder)(ids)
+        out = model(ids.cuda()).cpu()
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-3
+    prompts = [[5, 7, 9, 11, 3], [2], [8, 8, 1, 4, 60]]
+    params = SamplingParams(max_new_tokens=8, stop_at_eos=False)
+    dec = CudaGraphDecoder(model, max_batch=4, max_seqlen=32)
+    assert generate(model, prompts, params, cache=dec.cache, decode_fn=dec) == generate(model, prompts, params)

@@ -36,8 +36,10 @@ def published_config(name: str, layers: int | None = None):
     if layers < 1:
         raise SSMQError(f"--layers must be >= 1, got {layers}")
     attn = tuple(i for i in (cfg.attn_layer_idx or ()) if i < layers)
-    return dataclasses.replace(cfg, n_layer=layers, attn_layer_idx=attn) if cfg.attn_layer_idx else \
-        dataclasses.replace(cfg, n_layer=layers)
+    shared = tuple(i for i in cfg.shared_attn_layer_idx if i < layers)  # Zamba2's uses of its shared blocks
+    cut = dataclasses.replace(cfg, n_layer=layers, shared_attn_layer_idx=shared,
+                              shared_blocks=min(cfg.shared_blocks, len(shared)))
+    return dataclasses.replace(cut, attn_layer_idx=attn) if cfg.attn_layer_idx else cut
 
 
 @torch.no_grad()

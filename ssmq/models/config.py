@@ -70,7 +70,7 @@ class ModelConfig:
     bcdt_norm: str = ""  # Mamba-1: RMSNorm on x_proj's Δ, B, C: "weightless" (Falcon-Mamba) | "weighted" (Jamba)
     bcdt_norm_eps: float = 1e-6
     mlp_layer_idx: tuple[int, ...] | None = None  # blocks with a feed-forward (None: every block, as Bamba/Llama)
-    mlp_act: str = "silu"  # "silu": gated SwiGLU (gate, up, down); "relu2": down(relu(up(x))²), no gate
+    mlp_act: str = "silu"  # "silu": gated SwiGLU (gate, up, down); "gelu": gated GELU; "relu2": down(relu(up(x))²)
     moe_layer_idx: tuple[int, ...] = field(default_factory=tuple)  # blocks whose feed-forward is a MoE
     moe_experts: int = 0
     moe_top_k: int = 0
@@ -89,6 +89,29 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each mixer / feed-forward output scaled by it before the residual add
     logits_scaling: float = 1.0  # logits divided by it
     attn_scale: float = 0.0  # attention softmax scale; 0: 1 / sqrt(attn_head_dim)
+    # attention beside a block's mixer (``side_attention_layers``), each with a KV cache of its own:
+    # Zamba2: before the Mamba-2 mixer of the blocks in shared_attn_layer_idx, one of shared_blocks transformer blocks
+    # (weights stored once, used in turn), fed [stream | embeddings] (2·d_model), with per-use LoRA adapters of rank
+    # shared_adapter_rank (on the MLP's [gate | up]; on q, k, v too with shared_attn_adapters); its output, through a
+    # per-use linear, is added to the mixer's input only (not to the residual stream)
+    shared_attn_layer_idx: tuple[int, ...] = field(default_factory=tuple)
+    shared_blocks: int = 0
+    shared_adapter_rank: int = 0
+    shared_attn_adapters: bool = False
+    # Falcon-H1: attention in parallel with the Mamba-2 mixer of every block, reading the same normed input
+    parallel_attn: bool = False
+    # µP-style scalars (Falcon-H1): attention input / output / keys, the Mamba-2 mixer's input and output, its
+    # in_proj output per segment (z, x, B, C, Δ), the MLP's gate and down outputs ((): all 1)
+    attn_in_multiplier: float = 1.0
+    attn_out_multiplier: float = 1.0
+    attn_key_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_proj_multipliers: tuple[float, ...] = field(default_factory=tuple)
+    mlp_multipliers: tuple[float, ...] = field(default_factory=tuple)
+    # the Mamba-2 output norm: "gated" norm(y · silu(z)) · w | "gated_before" norm(y) · w · silu(z) |
+    # "none" y · silu(z)
+    ssm_norm: str = "gated"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -97,7 +120,16 @@ class ModelConfig:
         self.moe_layer_idx = tuple(int(i) for i in self.moe_layer_idx)
         if self.mlp_layer_idx is not None:
             self.mlp_layer_idx = tuple(int(i) for i in self.mlp_layer_idx)
-        if self.mlp_act not in ("silu", "relu2") or self.bcdt_norm not in ("", "weightless", "weighted"):
+        self.shared_attn_layer_idx = tuple(int(i) for i in self.shared_attn_layer_idx)
+        self.ssm_proj_multipliers = tuple(float(m) for m in self.ssm_proj_multipliers)
+        self.mlp_multipliers = tuple(float(m) for m in self.mlp_multipliers)
+        if self.ssm_norm not in ("gated", "gated_before", "none") or len(self.ssm_proj_multipliers) not in (0, 5) \
+                or len(self.mlp_multipliers) not in (0, 2):
+            raise ValueError(f"unknown ssm_norm {self.ssm_norm!r}, or multipliers of other lengths than 5 (Mamba-2 "
+                             f"in_proj) and 2 (MLP): {self.ssm_proj_multipliers}, {self.mlp_multipliers}")
+        if self.shared_attn_layer_idx and self.shared_blocks < 1:
+            raise ValueError("shared attention layers need shared_blocks >= 1")
+        if self.mlp_act not in ("silu", "gelu", "relu2") or self.bcdt_norm not in ("", "weightless", "weighted"):
             raise ValueError(f"unknown mlp_act {self.mlp_act!r} or bcdt_norm {self.bcdt_norm!r}")
         if self.moe_layer_idx and not (0 < self.moe_top_k <= self.moe_experts and self.moe_hidden > 0):
             raise ValueError(f"MoE blocks need 0 < top_k {self.moe_top_k} <= experts {self.moe_experts} and a hidden "
@@ -169,7 +201,17 @@ class ModelConfig:
         return [i for i in range(self.n_layer) if self.layer_kind(i).is_ssm]
 
     def attention_layers(self) -> list[int]:
-        return [i for i in range(self.n_layer) if self.layer_kind(i) is LayerKind.ATTENTION]
+        """Blocks with attention, each with its KV cache: the mixer, or attention beside it
+        (``side_attention_layers``)."""
+        side = set(self.side_attention_layers())
+        return [i for i in range(self.n_layer) if self.layer_kind(i) is LayerKind.ATTENTION or i in side]
+
+    def side_attention_layers(self) -> list[int]:
+        """Blocks that run attention beside their mixer (Falcon-H1's parallel attention, Zamba2's shared blocks);
+        the k-th keeps its KV cache in the cache's state n_layer + k."""
+        if self.parallel_attn:
+            return list(range(self.n_layer))
+        return list(self.shared_attn_layer_idx)
 
     # the layouts of ``ssmq.ops.layout`` at this model's sizes
     def in_proj_segments(self) -> Segments:
@@ -202,6 +244,8 @@ class ModelConfig:
         d["dt_limit"] = [d["dt_limit"][0], "inf" if math.isinf(d["dt_limit"][1]) else d["dt_limit"][1]]
         d["attn_layer_idx"] = list(self.attn_layer_idx)
         d["moe_layer_idx"] = list(self.moe_layer_idx)
+        for key in ("shared_attn_layer_idx", "ssm_proj_multipliers", "mlp_multipliers"):
+            d[key] = list(getattr(self, key))
         if self.mlp_layer_idx is not None:
             d["mlp_layer_idx"] = list(self.mlp_layer_idx)
         return d

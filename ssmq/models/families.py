@@ -9,11 +9,18 @@ onto ssmq's (both ways, for loading and for writing HF folders).
     nemotron_h        NemotronHForCausalLM           hybrid   Mamba-2, attention     squared-ReLU MLP or MoE
     granitemoehybrid  GraniteMoeHybridForCausalLM    hybrid   Mamba-2, attention     MoE + shared MLP, or MLP
     jamba             JambaForCausalLM               hybrid   Mamba-1 + Δ/B/C norms, attention   MLP or MoE
+    zamba2            Zamba2ForCausalLM              hybrid   Mamba-2 [+ a shared transformer block before it]  -
+    falcon_h1         FalconH1ForCausalLM            hybrid   Mamba-2 and attention in parallel   gated MLP
 
 Nemotron-H lists mixers and feed-forwards as separate layers (pattern ``M-M*-``: M Mamba-2, * attention, - MLP, E
 MoE); each feed-forward layer joins the mixer layer before it as that block's feed-forward (the same pre-norm residual
 sums), so ssmq's block j holds HF layers (i, i+1). A pattern with a feed-forward layer not right after a mixer layer
 is refused.
+
+Zamba2 and Falcon-H1 run attention beside the Mamba-2 mixer of a block (``ModelConfig.side_attention_layers``):
+Zamba2 one of its shared transformer blocks (weights stored once, under its first use ``layers.j.shared.block``, as
+the family's checkpoints store them; each use's LoRA adapters and output linear in ``layers.j.shared``), Falcon-H1 an attention layer in parallel
+(``layers.j.attn``) with its µP multipliers.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ def _attention(c: dict, rotary: bool) -> dict:
     if rotary and rope.get("rope_type", "default") != "default":
         raise SSMQError(f"RoPE type {rope.get('rope_type')!r} is not supported (only 'default')")
     return dict(attn_heads=heads, attn_kv_heads=c.get("num_key_value_heads") or heads, attn_head_dim=head_dim,
-                rotary_dim=head_dim if rotary else 0, rope_theta=rope.get("rope_theta", 10000.0),
+                rotary_dim=head_dim if rotary else 0, rope_theta=rope.get("rope_theta", c.get("rope_theta", 10000.0)),
                 max_position_embeddings=c.get("max_position_embeddings", 4096))
 
 
@@ -348,6 +355,179 @@ def _jamba_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
     return out
 
 
+# ---------------------------------------------------------------- Zamba2
+
+_ZAMBA_KINDS = {"mamba": "M", "mamba2": "M", "linear_attention": "M", "hybrid": "S"}
+
+
+def _zamba2_config(c: dict) -> ModelConfig:
+    if c.get("hidden_act", "gelu") != "gelu" or c.get("add_bias_linear", False) or c.get("use_long_context", False):
+        raise SSMQError(f"Zamba2 with hidden_act={c.get('hidden_act')!r}, add_bias_linear={c.get('add_bias_linear')}, "
+                        f"use_long_context={c.get('use_long_context')} is not supported (only gelu, no biases, the "
+                        "default context)")
+    eps = c.get("rms_norm_eps", 1e-5)
+    if eps != 1e-5:  # transformers' Mamba-2 gated norm keeps 1e-5 whatever the config says; ssmq's takes the config's
+        raise SSMQError(f"Zamba2 with rms_norm_eps {eps} is not supported (only 1e-5)")
+    n, d = c["num_hidden_layers"], c["hidden_size"]
+    types = c.get("layers_block_type") or c.get("layer_types")
+    kinds = [_ZAMBA_KINDS.get(t) for t in types or []]
+    if len(kinds) != n or None in kinds:
+        raise SSMQError(f"Zamba2 layers_block_type {types} not understood ({n} layers of mamba / hybrid)")
+    d_inner, heads = int(c.get("mamba_expand", 2) * d), c["n_mamba_heads"]
+    attn_heads = c["num_attention_heads"]
+    head_dim = 2 * d // attn_heads  # the shared attention reads [stream | embeddings], 2·hidden_size
+    if c.get("use_shared_attention_adapter", False) and (c.get("num_key_value_heads") or attn_heads) != attn_heads:
+        raise SSMQError("Zamba2 with attention adapters and fewer KV heads than query heads is not supported (the "
+                        "adapters' outputs are as wide as the queries)")
+    rope = c.get("rope_parameters") or {}
+    if c.get("use_mem_rope", False) and rope.get("rope_type", "default") != "default":
+        raise SSMQError(f"RoPE type {rope.get('rope_type')!r} is not supported (only 'default')")
+    return ModelConfig(
+        arch="hybrid", family="zamba2", d_model=d, n_layer=n, vocab_size=c["vocab_size"],
+        d_state=c.get("mamba_d_state", 64), d_conv=c.get("mamba_d_conv", 4), expand=c.get("mamba_expand", 2),
+        ssm_d_inner=d_inner, headdim=d_inner // heads, ngroups=c.get("mamba_ngroups", 1),
+        chunk_size=c.get("chunk_size", 256), dt_limit=(float(c.get("time_step_min", 0.001)), float("inf")),
+        conv_bias=True, proj_bias=False, norm_eps=eps, residual_in_fp32=False,
+        tie_embeddings=c.get("tie_word_embeddings", True), attn_heads=attn_heads,
+        attn_kv_heads=c.get("num_key_value_heads") or attn_heads, attn_head_dim=head_dim,
+        rotary_dim=head_dim if c.get("use_mem_rope", False) else 0, rope_theta=rope.get("rope_theta", 10000.0),
+        max_position_embeddings=c.get("max_position_embeddings", 4096), attn_scale=(head_dim / 2) ** -0.5,
+        mlp_hidden=c.get("intermediate_size") or 4 * d, mlp_act="gelu", mlp_layer_idx=(),
+        shared_attn_layer_idx=tuple(i for i, k in enumerate(kinds) if k == "S"),
+        # shared blocks that no layer uses are not stored
+        shared_blocks=min(c.get("num_mem_blocks", 1), kinds.count("S")), shared_adapter_rank=c.get("adapter_rank", 128),
+        shared_attn_adapters=c.get("use_shared_attention_adapter", False))
+
+
+def _zamba2_to_ssmq(state: Tensors, cfg: ModelConfig) -> Tensors:
+    uses = cfg.shared_attn_layer_idx
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"^model\.layers\.(\d+)\.shared_transformer\.(.*)$", name)
+        if not m:
+            out.update(_rename({name: t}, _ZAMBA_TO_SSMQ))
+            continue
+        j, rest = int(m.group(1)), m.group(2)
+        if j not in uses:
+            raise SSMQError(f"tensor {name}: layer {j} is not a hybrid layer of the config")
+        b = uses.index(j) % cfg.shared_blocks  # a later use of a block may repeat its tensors: the first are kept
+        a = re.match(r"^(?:self_attn\.linear_([qkv])_adapter_list|feed_forward\.gate_up_proj_adapter_list)\.(\d+)\."
+                     r"([01])\.weight$", rest)
+        if a:
+            which, k, part = a.groups()
+            if int(k) >= len(uses):
+                raise SSMQError(f"tensor {name}: adapter {k} beyond the config's {len(uses)} hybrid layers")
+            adapter = f"{which}_adapter" if which else "mlp_adapter"
+            key = f"layers.{uses[int(k)]}.shared.{adapter}.{('down', 'up')[int(part)]}.weight"
+        elif rest == "feed_forward.gate_up_proj.weight":  # (2f, d) = [gate | up]
+            key = f"layers.{uses[b]}.shared.block.mlp.gate_proj.weight"
+            out.setdefault(f"layers.{uses[b]}.shared.block.mlp.up_proj.weight", t.chunk(2, dim=0)[1])
+            t = t.chunk(2, dim=0)[0]
+        else:
+            key = f"layers.{uses[b]}.shared.block." + _rename({rest: t}, _ZAMBA_SHARED).popitem()[0]
+        out.setdefault(key, t)
+    return out
+
+
+_ZAMBA_TO_SSMQ = [(r"^model\.embed_tokens\.", "embedding."), (r"^model\.final_layernorm\.", "norm_f."),
+                  (r"^model\.layers\.(\d+)\.(?:mamba_decoder\.)?input_layernorm\.", r"layers.\1.norm."),
+                  (r"^model\.layers\.(\d+)\.(?:mamba_decoder\.)?mamba\.", r"layers.\1.mixer."),
+                  (r"^model\.layers\.(\d+)\.linear\.", r"layers.\1.shared.linear.")]
+# inside a shared transformer block: HF names -> ssmq's under layers.j.shared.block. (j its first use)
+_ZAMBA_SHARED = [(r"^input_layernorm\.", "norm."), (r"^pre_ff_layernorm\.", "mlp_norm."), (r"^self_attn\.", "attn."),
+                 (r"^feed_forward\.", "mlp.")]
+
+
+def _zamba2_to_hf(state: Tensors, cfg: ModelConfig) -> Tensors:
+    uses = cfg.shared_attn_layer_idx
+    out, gate_up = {}, {}
+    for name, t in state.items():
+        m = re.match(r"^layers\.(\d+)\.shared\.block\.(.*)$", name)
+        a = re.match(r"^layers\.(\d+)\.shared\.(q|k|v|mlp)_adapter\.(down|up)\.weight$", name)
+        if m:
+            p = f"model.layers.{m.group(1)}.shared_transformer."
+            rest = m.group(2)
+            g = re.match(r"^mlp\.(gate|up)_proj\.weight$", rest)
+            if g:
+                gate_up.setdefault(p, {})[g.group(1)] = t
+                continue
+            rules = [(r"^norm\.", "input_layernorm."), (r"^mlp_norm\.", "pre_ff_layernorm."),
+                     (r"^attn\.", "self_attn."), (r"^mlp\.", "feed_forward.")]
+            out[p + _rename({rest: t}, rules).popitem()[0]] = t
+        elif a:
+            j, which, part = int(a.group(1)), a.group(2), a.group(3)
+            k = uses.index(j)
+            lst = "feed_forward.gate_up_proj_adapter_list" if which == "mlp" else \
+                f"self_attn.linear_{which}_adapter_list"
+            out[f"model.layers.{uses[k % cfg.shared_blocks]}.shared_transformer.{lst}.{k}."
+                f"{('down', 'up').index(part)}.weight"] = t
+        else:
+            m = re.match(r"^layers\.(\d+)\.(norm|mixer)\.(.*)$", name)
+            if m:
+                j, part, rest = int(m.group(1)), m.group(2), m.group(3)
+                sub = "mamba_decoder." if j in uses else ""
+                out[f"model.layers.{j}.{sub}{'input_layernorm' if part == 'norm' else 'mamba'}.{rest}"] = t
+            else:
+                rules = [(r"^embedding\.", "model.embed_tokens."), (r"^norm_f\.", "model.final_layernorm."),
+                         (r"^layers\.(\d+)\.shared\.linear\.", r"model.layers.\1.linear.")]
+                out.update(_rename({name: t}, rules))
+    for p, parts in gate_up.items():
+        out[p + "feed_forward.gate_up_proj.weight"] = torch.cat([parts["gate"], parts["up"]])
+    return out
+
+
+# ---------------------------------------------------------------- Falcon-H1
+
+def _falcon_h1_config(c: dict) -> ModelConfig:
+    if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias", False):
+        raise SSMQError(f"Falcon-H1 with hidden_act={c.get('hidden_act')!r}, mlp_bias={c.get('mlp_bias')} is not "
+                        "supported (only silu, MLPs without biases)")
+    proj_bias = c.get("mamba_proj_bias", False)
+    ssm_in = float(c.get("ssm_in_multiplier", 1.0))
+    if proj_bias != c.get("projectors_bias", False) or proj_bias and ssm_in != 1.0:
+        raise SSMQError("Falcon-H1 with mamba_proj_bias != projectors_bias, or with in_proj biases and an "
+                        "ssm_in_multiplier, is not supported")
+    d = c["hidden_size"]
+    d_inner = c.get("mamba_d_ssm") or int(c.get("mamba_expand", 2) * d)
+    heads = c["mamba_n_heads"]
+    headdim = c.get("mamba_d_head", "auto")
+    headdim = d_inner // heads if headdim == "auto" else headdim
+    if heads * headdim != d_inner:
+        raise SSMQError(f"Falcon-H1 mamba_n_heads {heads} x mamba_d_head {headdim} != mamba_d_ssm {d_inner}")
+    norm = "none" if not c.get("mamba_rms_norm", False) else \
+        "gated_before" if c.get("mamba_norm_before_gate", True) else "gated"
+    lm_head = float(c.get("lm_head_multiplier", 1.0))
+    return ModelConfig(
+        arch="hybrid", family="falcon_h1", d_model=d, n_layer=c["num_hidden_layers"], vocab_size=c["vocab_size"],
+        d_state=c.get("mamba_d_state", 256), d_conv=c.get("mamba_d_conv", 4), expand=c.get("mamba_expand", 2),
+        ssm_d_inner=d_inner, headdim=headdim, ngroups=c.get("mamba_n_groups", 1),
+        chunk_size=c.get("mamba_chunk_size", 256), dt_limit=dt_limit_from_json(c.get("time_step_limit")),
+        conv_bias=c.get("mamba_conv_bias", True), proj_bias=proj_bias, norm_eps=c.get("rms_norm_eps", 1e-5),
+        residual_in_fp32=False, tie_embeddings=c.get("tie_word_embeddings", False), attn_layer_idx=(),
+        attn_bias=c.get("attention_bias", False), mlp_hidden=c["intermediate_size"], ssm_norm=norm,
+        parallel_attn=True, embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
+        logits_scaling=1.0 / lm_head, attn_in_multiplier=float(c.get("attention_in_multiplier", 1.0)),
+        attn_out_multiplier=float(c.get("attention_out_multiplier", 1.0)),
+        attn_key_multiplier=float(c.get("key_multiplier", 1.0)), ssm_in_multiplier=ssm_in,
+        ssm_out_multiplier=float(c.get("ssm_out_multiplier", 1.0)),
+        ssm_proj_multipliers=tuple(c.get("ssm_multipliers") or (1.0,) * 5),
+        mlp_multipliers=tuple(c.get("mlp_multipliers") or (1.0, 1.0)), **_attention(c, rotary=True))
+
+
+_FALCON_H1_TO_SSMQ = [(r"^model\.embed_tokens\.", "embedding."), (r"^model\.final_layernorm\.", "norm_f."),
+                      (r"^model\.layers\.(\d+)\.input_layernorm\.", r"layers.\1.norm."),
+                      (r"^model\.layers\.(\d+)\.pre_ff_layernorm\.", r"layers.\1.mlp_norm."),
+                      (r"^model\.layers\.(\d+)\.mamba\.", r"layers.\1.mixer."),
+                      (r"^model\.layers\.(\d+)\.self_attn\.", r"layers.\1.attn."),
+                      (r"^model\.layers\.(\d+)\.feed_forward\.", r"layers.\1.mlp.")]
+_FALCON_H1_TO_HF = [(r"^embedding\.", "model.embed_tokens."), (r"^norm_f\.", "model.final_layernorm."),
+                    (r"^layers\.(\d+)\.norm\.", r"model.layers.\1.input_layernorm."),
+                    (r"^layers\.(\d+)\.mlp_norm\.", r"model.layers.\1.pre_ff_layernorm."),
+                    (r"^layers\.(\d+)\.mixer\.", r"model.layers.\1.mamba."),
+                    (r"^layers\.(\d+)\.attn\.", r"model.layers.\1.self_attn."),
+                    (r"^layers\.(\d+)\.mlp\.", r"model.layers.\1.feed_forward.")]
+
+
 # ---------------------------------------------------------------- config.json writers
 
 def _common_hf(cfg: ModelConfig, model_type: str, cls: str) -> dict:
@@ -405,6 +585,24 @@ def _jamba_config_to_hf(cfg: ModelConfig) -> dict:
             "use_mamba_kernels": False, **_attention_hf(cfg)}
 
 
+def _falcon_h1_config_to_hf(cfg: ModelConfig) -> dict:
+    return {**_common_hf(cfg, "falcon_h1", "FalconH1ForCausalLM"), **_attention_hf(cfg),
+            "num_hidden_layers": cfg.n_layer, "intermediate_size": cfg.mlp_hidden, "hidden_act": "silu",
+            "mlp_bias": False, "attention_bias": cfg.attn_bias, "rms_norm_eps": cfg.norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "mamba_d_ssm": cfg.d_inner,
+            "mamba_n_heads": cfg.nheads, "mamba_d_head": cfg.headdim, "mamba_n_groups": cfg.ngroups,
+            "mamba_d_state": cfg.d_state, "mamba_d_conv": cfg.d_conv, "mamba_expand": cfg.expand,
+            "mamba_chunk_size": cfg.chunk_size, "mamba_conv_bias": cfg.conv_bias, "mamba_proj_bias": cfg.proj_bias,
+            "projectors_bias": cfg.proj_bias, "mamba_rms_norm": cfg.ssm_norm != "none",
+            "mamba_norm_before_gate": cfg.ssm_norm == "gated_before", "time_step_limit": list(cfg.dt_limit),
+            "embedding_multiplier": cfg.embedding_multiplier, "lm_head_multiplier": 1.0 / cfg.logits_scaling,
+            "attention_in_multiplier": cfg.attn_in_multiplier, "attention_out_multiplier": cfg.attn_out_multiplier,
+            "key_multiplier": cfg.attn_key_multiplier, "ssm_in_multiplier": cfg.ssm_in_multiplier,
+            "ssm_out_multiplier": cfg.ssm_out_multiplier,
+            "ssm_multipliers": list(cfg.ssm_proj_multipliers or (1.0,) * 5),
+            "mlp_multipliers": list(cfg.mlp_multipliers or (1.0, 1.0))}
+
+
 FAMILIES = {f.model_type: f for f in [
     Family("falcon_mamba", "Falcon-Mamba", "FalconMambaForCausalLM", _falcon_mamba_config,
            lambda s, cfg: _rename(s, _BACKBONE_TO_SSMQ), lambda s, cfg: _rename(s, _BACKBONE_TO_HF),
@@ -415,6 +613,10 @@ FAMILIES = {f.model_type: f for f in [
            _granite_to_hf),
     Family("jamba", "Jamba", "JambaForCausalLM", _jamba_config, lambda s, cfg: _rename(s, _JAMBA_TO_SSMQ),
            _jamba_to_hf, _jamba_config_to_hf),
+    Family("zamba2", "Zamba2", "Zamba2ForCausalLM", _zamba2_config, _zamba2_to_ssmq, _zamba2_to_hf),
+    Family("falcon_h1", "Falcon-H1", "FalconH1ForCausalLM", _falcon_h1_config,
+           lambda s, cfg: _rename(s, _FALCON_H1_TO_SSMQ), lambda s, cfg: _rename(s, _FALCON_H1_TO_HF),
+           _falcon_h1_config_to_hf),
 ]}
 
 
@@ -443,10 +645,17 @@ def _one_name(rename: Callable[[Tensors, ModelConfig], Tensors], name: str, cfg:
 
 def layer_pattern(cfg: ModelConfig) -> str:
     """One character per mixer and per feed-forward, in order: M Mamba, * attention, - MLP, E MoE
-    (Nemotron-H's alphabet), e.g. 'M-M*-' or 'MEME*E'."""
+    (Nemotron-H's alphabet), e.g. 'M-M*-' or 'MEME*E'; and for attention beside a mixer, S a shared transformer
+    block before it (Zamba2: 'MMSM'), P attention in parallel with Mamba-2 (Falcon-H1: 'P-P-')."""
     ffn = {"": "", "mlp": "-", "moe": "E"}
-    return "".join(("*" if cfg.layer_kind(i) == "attention" else "M") + ffn[cfg.ffn_kind(i)]
-                   for i in range(cfg.n_layer))
+    shared = set(cfg.shared_attn_layer_idx)
+
+    def mixer(i: int) -> str:
+        if cfg.parallel_attn:
+            return "P"
+        return ("S" if i in shared else "") + ("*" if cfg.layer_kind(i) == "attention" else "M")
+
+    return "".join(mixer(i) + ffn[cfg.ffn_kind(i)] for i in range(cfg.n_layer))
 
 
 def describe(cfg: ModelConfig) -> str:

@@ -18,18 +18,23 @@ from ssmq.models.state import KVState, RopeAtRead, kernel_decodes
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    """``layer_idx``: the index of its KV state in the cache; ``d_in``: the width it reads (default d_model; Zamba2's
+    shared blocks read 2·d_model)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, d_in: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.hq, self.hkv, self.e = cfg.attn_heads, cfg.attn_kv_heads, cfg.attn_head_dim
         self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
-        self.q_proj = Linear(cfg.d_model, self.hq * self.e, bias=cfg.attn_bias)
-        self.k_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
-        self.v_proj = Linear(cfg.d_model, self.hkv * self.e, bias=cfg.attn_bias)
+        d_in = d_in or cfg.d_model
+        self.q_proj = Linear(d_in, self.hq * self.e, bias=cfg.attn_bias)
+        self.k_proj = Linear(d_in, self.hkv * self.e, bias=cfg.attn_bias)
+        self.v_proj = Linear(d_in, self.hkv * self.e, bias=cfg.attn_bias)
         self.o_proj = Linear(self.hq * self.e, cfg.d_model, bias=cfg.attn_bias)
         # a softmax scale other than 1/sqrt(e) (Granite's attention_multiplier) is applied to the queries, so that every
-        # attention kernel keeps its 1/sqrt(e)
+        # attention kernel keeps its 1/sqrt(e); Falcon-H1's key multiplier scales the keys as they are cached
         self.q_scale = cfg.attn_scale * self.e ** 0.5 if cfg.attn_scale else None
+        self.k_scale = cfg.attn_key_multiplier if cfg.attn_key_multiplier != 1.0 else None
         self.kv_quant = None  # a calibrated KVQuantizer (ssmq.models.kv_quantizer) when the KV cache is quantized
 
     def allocate_state(self, max_batch: int, max_seqlen: int, dtype, device, kv_keys_before_rope: bool = False,
@@ -101,19 +106,26 @@ class Attention(nn.Module):
             v = kvq.fake_quant(v, positions, "values")
         return k, v
 
-    def forward(self, hidden: torch.Tensor, cache=None, slots=None) -> torch.Tensor:
-        """hidden: (b, l, d_model) → (b, l, d_model). With a cache, appends to the rows ``slots``."""
+    def forward(self, hidden: torch.Tensor, cache=None, slots=None, state_idx: int | None = None,
+                deltas: tuple | None = None) -> torch.Tensor:
+        """hidden: (b, l, d_in) → (b, l, d_model). With a cache, appends to the rows ``slots`` of its state
+        ``cache.states[state_idx]`` (default ``layer_idx``). ``deltas``: (q, k, v) (b, l, ·) added to the projections
+        (a shared block's per-use adapters)."""
         b, l, _ = hidden.shape
         start = torch.zeros(b, dtype=torch.long, device=hidden.device) if cache is None else cache.seqlens[slots]
         positions = start[:, None] + torch.arange(l, device=hidden.device)
-        q = self.q_proj(hidden) if self.q_scale is None else self.q_proj(hidden) * self.q_scale
+        q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if deltas is not None:
+            q, k, v = q + deltas[0], k + deltas[1], v + deltas[2]
+        q = q if self.q_scale is None else q * self.q_scale
+        k = k if self.k_scale is None else k * self.k_scale
         q = self._rotate(q.view(b, l, self.hq, self.e), positions)
-        k = self.k_proj(hidden).view(b, l, self.hkv, self.e)
-        v = self.v_proj(hidden).view(b, l, self.hkv, self.e)
+        k = k.view(b, l, self.hkv, self.e)
+        v = v.view(b, l, self.hkv, self.e)
         if cache is None:
             out = kernels.prefill_attention(q, *self._cached_view(k, v, positions))
         else:
-            state = cache.states[self.layer_idx]
+            state = cache.states[self.layer_idx if state_idx is None else state_idx]
             state.append(slots, positions, k if state.keys_before_rope else self._rotate(k, positions), v)
             if l == 1:  # the caches' decode kernels
                 out = state.decode(q[:, 0], slots, start + 1)
@@ -125,13 +137,19 @@ class Attention(nn.Module):
                 out = kernels.prefill_attention(q, keys, values, kv_lens=start + l)
         return self.o_proj(out.reshape(b, l, self.hq * self.e))
 
-    def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
-        """hidden: (b, d_model), one token per row → (b, d_model)."""
-        return self.forward(hidden.unsqueeze(1), cache, slots).squeeze(1)
+    def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor, state_idx: int | None = None,
+             deltas: tuple | None = None) -> torch.Tensor:
+        """hidden: (b, d_in), one token per row → (b, d_model)."""
+        deltas = None if deltas is None else tuple(t.unsqueeze(1) for t in deltas)
+        return self.forward(hidden.unsqueeze(1), cache, slots, state_idx, deltas).squeeze(1)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) · up(x))."""
+    """down(act(gate(x)) · up(x)), act SiLU or GELU (``cfg.mlp_act``); with ``cfg.mlp_multipliers`` (g, m):
+    m · down(act(g · gate(x)) · up(x)) (Falcon-H1)."""
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
@@ -139,6 +157,17 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(cfg.d_model, hidden, bias=False)
         self.up_proj = Linear(cfg.d_model, hidden, bias=False)
         self.down_proj = Linear(hidden, cfg.d_model, bias=False)
+        self.act = ACTIVATIONS[cfg.mlp_act if cfg.mlp_act in ACTIVATIONS else "silu"]
+        self.gate_scale, self.down_scale = cfg.mlp_multipliers or (None, None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (..., d_model) -> (..., d_model); ``delta`` (..., 2·hidden): added to [gate | up] (a shared block's
+        per-use adapter)."""
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if delta is not None:
+            dg, du = delta.chunk(2, dim=-1)
+            gate, up = gate + dg, up + du
+        if self.gate_scale is not None:
+            gate = gate * self.gate_scale
+        out = self.down_proj(self.act(gate) * up)
+        return out if self.down_scale is None else out * self.down_scale

@@ -1,7 +1,9 @@
 """SSMLM: embedding → blocks (norm → mixer [→ norm → MLP]) → final norm → lm_head, for every family.
 
 Each block keeps the residual stream separately (float32 when ``residual_in_fp32``) and
-fuses "add residual, then RMSNorm", as mamba_ssm does.
+fuses "add residual, then RMSNorm", as mamba_ssm does. A block may also run attention beside its mixer
+(``ModelConfig.side_attention_layers``), with a KV cache of its own: in parallel, on the mixer's normed input
+(Falcon-H1), or one of the model's shared transformer blocks before the mixer (Zamba2, ``ssmq.models.shared_block``).
 """
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ssmq import kernels
-from ssmq.models.act_codes import ActCodes, CodeInput, code_input
+from ssmq.models.act_codes import code_input
 from ssmq.models.cache import InferenceCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.ffn import feed_forward
@@ -18,25 +19,15 @@ from ssmq.models.linear import Linear
 from ssmq.models.hybrid import Attention
 from ssmq.models.mamba1 import Mamba1Mixer
 from ssmq.models.mamba2 import Mamba2Mixer
+from ssmq.models.norm import RMSNorm
+from ssmq.models.shared_block import SharedUse
 from ssmq.ops.layout import LayerKind
 
 MIXERS = {LayerKind.MAMBA1: Mamba1Mixer, LayerKind.MAMBA2: Mamba2Mixer, LayerKind.ATTENTION: Attention}
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float, residual_in_fp32: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-        self.eps, self.residual_in_fp32 = eps, residual_in_fp32
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, codes: CodeInput | None = None):
-        """Returns (norm(x + residual), x + residual); with ``codes`` (what the A8 linear reading the norm wants),
-        the norm's output comes as its int8 ``ActCodes``, quantized in the norm's epilogue."""
-        if codes is None:
-            return kernels.rms_norm(x, self.weight, self.eps, residual, self.residual_in_fp32)
-        q, scale, residual = kernels.rms_norm_quant(x, self.weight, self.eps, residual, self.residual_in_fp32,
-                                                    codes.scale, dtype=codes.dtype)
-        return ActCodes(q, scale, self.weight.dtype), residual
+def _scaled(x: torch.Tensor, m: float) -> torch.Tensor:
+    return x if m == 1.0 else x * m
 
 
 class Block(nn.Module):
@@ -49,11 +40,35 @@ class Block(nn.Module):
         self.mlp_norm = None if self.mlp is None else RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
         # Granite scales the mixer's and the feed-forward's outputs before each residual add
         self.out_scale = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None
+        side = cfg.side_attention_layers()
+        k = side.index(layer_idx) if layer_idx in side else None  # its KV is the cache's state n_layer + k
+        # Falcon-H1: attention in parallel with the mixer
+        self.attn = Attention(cfg, cfg.n_layer + k) if cfg.parallel_attn else None
+        # Zamba2: this block's use of a shared transformer block (its adapters and output linear)
+        self.shared = SharedUse(cfg, k) if cfg.shared_attn_layer_idx and k is not None else None
+        self.mults = (cfg.ssm_out_multiplier, cfg.attn_in_multiplier, cfg.attn_out_multiplier)
 
-    def forward(self, hidden, residual, cache=None, slots=None, decode: bool = False):
-        # an SSM mixer's in_proj is the norm's one reader: when it is an A8 linear, it gets the norm's int8 codes
-        normed, residual = self.norm(hidden, residual, code_input(getattr(self.mixer, "in_proj", None)))
+    def side(self) -> nn.Module | None:
+        """The attention beside the mixer (an ``Attention`` or a ``SharedUse``), which allocates the block's second
+        state."""
+        return self.attn if self.attn is not None else self.shared
+
+    def forward(self, hidden, residual, cache=None, slots=None, decode: bool = False, embeds=None):
+        """hidden, residual: (b, l, d) | (b, d) in decode; ``embeds``: the token embeddings (a shared block reads
+        them) -> (hidden, residual)."""
+        if self.shared is not None:  # the shared block's output joins the mixer's input, not the residual stream
+            stream = hidden if residual is None else residual + hidden.to(residual.dtype)
+            normed, _ = self.norm(self.shared(stream, embeds, cache, slots, decode), stream)
+            residual = stream
+        else:  # an SSM mixer's in_proj, when the norm's one reader and an A8 linear, gets the norm's int8 codes
+            reader = getattr(self.mixer, "in_proj", None) if self.attn is None else None
+            normed, residual = self.norm(hidden, residual, code_input(reader))
         hidden = self.mixer.step(normed, cache, slots) if decode else self.mixer(normed, cache, slots)
+        if self.attn is not None:
+            ssm_out, attn_in, attn_out = self.mults
+            x = _scaled(normed, attn_in)
+            x = self.attn.step(x, cache, slots) if decode else self.attn(x, cache, slots)
+            hidden = _scaled(hidden, ssm_out) + _scaled(x, attn_out)
         if self.out_scale is not None:
             hidden = hidden * self.out_scale
         if self.mlp is not None:
@@ -72,15 +87,19 @@ class SSMLM(nn.Module):
         self.config = cfg
         self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        # Zamba2: a shared transformer block's first use holds it, its later uses borrow it
+        uses = [layer.shared for layer in self.layers if layer.shared is not None]
+        for use in uses[cfg.shared_blocks:]:
+            use.borrow(uses[use.use % cfg.shared_blocks])
         self.norm_f = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.residual_in_fp32)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
 
     def _run(self, hidden, cache, slots, decode, num_last_tokens=0):
-        residual = None
+        residual, embeds = None, hidden
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cache, slots, decode)
+            hidden, residual = layer(hidden, residual, cache, slots, decode, embeds)
         if num_last_tokens:
             hidden, residual = hidden[:, -num_last_tokens:], residual[:, -num_last_tokens:]
         hidden, _ = self.norm_f(hidden, residual, code_input(self.lm_head))
@@ -137,13 +156,18 @@ class SSMLM(nn.Module):
             from ssmq.models.paged_kv import BlockTable
 
             table = BlockTable(max_batch, max_seqlen, kv_block_size, kv_blocks, device)
-        states = [layer.mixer.allocate_state(max_batch, max_seqlen, dtype, device, ssm_dtype=ssm_dtype,
-                                             kv_keys_before_rope=kv_keys_before_rope, kv_table=table,
-                                             state_checkpoint=state_checkpoint)
-                  for layer in self.layers]
+        states = [m.allocate_state(max_batch, max_seqlen, dtype, device, ssm_dtype=ssm_dtype,
+                                   kv_keys_before_rope=kv_keys_before_rope, kv_table=table,
+                                   state_checkpoint=state_checkpoint)
+                  for m in self.state_modules()]
         cache = InferenceCache(states, torch.zeros(max_batch, dtype=torch.long, device=device), max_seqlen)
         cache.block_table = table
         return cache
+
+    def state_modules(self) -> list[nn.Module]:
+        """The modules that keep a state in the cache, in the cache's order: each block's mixer, then the attention
+        beside a mixer (``Block.side``), block by block."""
+        return [layer.mixer for layer in self.layers] + [layer.side() for layer in self.layers if layer.side()]
 
     @property
     def device(self) -> torch.device:

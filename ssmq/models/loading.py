@@ -5,7 +5,7 @@ Formats (a folder with ``config.json`` and weights):
   named ``backbone.embedding.weight``, ``backbone.layers.N.mixer.*``, ``backbone.norm_f.weight``, ``lm_head.weight``.
 - Hugging Face: ``model_type`` mamba (MambaForCausalLM), mamba2 (Mamba2ForCausalLM), bamba
   (BambaForCausalLM, the hybrid) or llama (LlamaForCausalLM, the hybrid with attention in every layer), and the
-  families of ``ssmq.models.families`` (falcon_mamba, nemotron_h, granitemoehybrid);
+  families of ``ssmq.models.families`` (falcon_mamba, nemotron_h, granitemoehybrid, jamba, zamba2, falcon_h1);
   safetensors (sharded or not) or ``pytorch_model.bin``.
 - GGUF: one ``.gguf`` file of a Llama model, read through transformers (``ssmq.models.gguf``).
 - A packaged name (``ssmq.paths.PACKAGED``, e.g. ``smollm2-135m``) resolves to the file its pip package ships.
@@ -68,7 +68,7 @@ def config_from_mamba_ssm(c: dict) -> ModelConfig:
 
 
 def config_from_hf(c: dict) -> ModelConfig:
-    if c["model_type"] in FAMILIES:  # Falcon-Mamba, Nemotron-H, Granite-4.0-H (ssmq.models.families)
+    if c["model_type"] in FAMILIES:  # Falcon-Mamba, Nemotron-H, Granite-4.0-H, ... (ssmq.models.families)
         return FAMILIES[c["model_type"]].config(c)
     arch = HF_MODEL_TYPES[c["model_type"]]
     tie = c.get("tie_word_embeddings", True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
@@ -23,22 +24,49 @@ from ssmq.models.state import StateFormat
 
 
 class GatedRMSNorm(nn.Module):
-    """norm(y · silu(z)) · weight, per group of ``group_size`` channels."""
+    """norm(y · silu(z)) · weight, per group of ``group_size`` channels; ``norm_before_gate``: norm(y) · weight ·
+    silu(z) (Falcon-H1's option)."""
 
-    def __init__(self, d: int, eps: float, group_size: int):
+    def __init__(self, d: int, eps: float, group_size: int, norm_before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
-        self.eps, self.group_size = eps, group_size
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, codes: CodeInput | None = None,
                 z_scale: torch.Tensor | None = None):
         """y, z: (..., d) -> (..., d) in y's dtype, or its int8 ``ActCodes`` (quantized in the norm's epilogue; then
         ``z_scale`` () / (d,) fake-quantizes z in registers first, the ``act_z`` quantizer's job)."""
         if codes is None:
-            return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, norm_before_gate=False)
+            return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, self.norm_before_gate)
         q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale,
                                                   z_scale=z_scale, dtype=codes.dtype)
         return ActCodes(q, scale, y.dtype)
+
+
+class SiluGate(nn.Module):
+    """y · silu(z), no norm and no weight (a Mamba-2 mixer without its output norm: Falcon-H1's option)."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (y.float() * F.silu(z.float())).to(y.dtype)
+
+
+def output_norm(cfg: ModelConfig) -> nn.Module:
+    """The mixer's norm of y by ``cfg.ssm_norm``: gated RMSNorm (gate first or norm first), or the gate alone."""
+    if cfg.ssm_norm == "none":
+        return SiluGate()
+    return GatedRMSNorm(cfg.d_inner, cfg.norm_eps, cfg.norm_group, norm_before_gate=cfg.ssm_norm == "gated_before")
+
+
+def proj_scale(cfg: ModelConfig) -> list[float] | None:
+    """in_proj's output scale per channel (2d + 2gn + h values): Falcon-H1's multipliers of z, x, B, C, Δ times its
+    SSM input multiplier (in_proj has no bias then, so the input's scalar moves past it); None when all are 1. A
+    list, not a tensor: mixers are built on the meta device too."""
+    mults = cfg.ssm_proj_multipliers or (1.0,) * 5
+    if cfg.ssm_in_multiplier == 1.0 and all(m == 1.0 for m in mults):
+        return None
+    seg = cfg.in_proj_segments()
+    sizes = [seg.size(name) for name in ("z", "x", "B", "C", "dt")]
+    return [m * cfg.ssm_in_multiplier for n, m in zip(sizes, mults) for _ in range(n)]
 
 
 class ChunkScan(nn.Module):
@@ -62,7 +90,9 @@ class Mamba2Mixer(SSMMixer):
         self.dt_bias = nn.Parameter(torch.zeros(h))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(h))
-        self.norm = GatedRMSNorm(d, cfg.norm_eps, cfg.norm_group)
+        self.norm = output_norm(cfg)
+        self._proj_scale = proj_scale(cfg)
+        self._proj_scales: dict = {}
         self.out_proj = Linear(d, cfg.d_model, bias=cfg.proj_bias)
         for tap in ("act_x", "act_dt", "act_B", "act_C", "act_z", "act_y"):
             setattr(self, tap, nn.Identity())
@@ -77,7 +107,13 @@ class Mamba2Mixer(SSMMixer):
         return self.cfg.ngroups
 
     def _split_proj(self, zxbcdt: torch.Tensor):
-        """(…, 2d + 2gn + h) -> z (…, d), xBC (…, d + 2gn), dt (…, h)."""
+        """in_proj's output (…, 2d + 2gn + h) -> z (…, d), xBC (…, d + 2gn), dt (…, h), scaled per segment when
+        the model has in_proj multipliers."""
+        if self._proj_scale is not None:
+            key = (zxbcdt.device, zxbcdt.dtype)
+            if key not in self._proj_scales:
+                self._proj_scales[key] = torch.tensor(self._proj_scale, device=zxbcdt.device, dtype=zxbcdt.dtype)
+            zxbcdt = zxbcdt * self._proj_scales[key]
         return self.proj_segments.split(zxbcdt)
 
     def _split_xbc(self, xbc: torch.Tensor):
@@ -115,7 +151,7 @@ class Mamba2Mixer(SSMMixer):
 
     def _out_codes(self) -> CodeInput | None:
         """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y)."""
-        if type(self.act_y) is not nn.Identity or type(self.norm) is not GatedRMSNorm:
+        if type(self.act_y) is not nn.Identity or type(self.norm) is not GatedRMSNorm or self.norm.norm_before_gate:
             return None
         return code_input(self.out_proj)
 
@@ -146,7 +182,7 @@ class Mamba2Mixer(SSMMixer):
         plain_taps = all(type(getattr(self, t)) is nn.Identity
                          for t in ("act_x", "act_B", "act_C", "act_dt", "act_z"))
         fusable = plain_state and plain_taps and type(self.norm) is GatedRMSNorm and \
-            (codes is None or codes.dtype == torch.int8)
+            not self.norm.norm_before_gate and (codes is None or codes.dtype == torch.int8)
         name = executor or ("fused" if fusable else "int8" if code_taps or not plain_state else "float")
         if name == "fused" and not fusable:
             raise SSMQError(f"layer {self.layer_idx}: the fused decode serves a float state, no quantizing tap and "

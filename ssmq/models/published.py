@@ -81,4 +81,20 @@ PUBLISHED = {
          "expert_layer_offset": 1, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16,
          "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 256, "vocab_size": 65536,
          "tie_word_embeddings": False, "max_position_embeddings": 262144}),
+    # Zamba2-7B: 81 Mamba-2 layers, 13 of them (6, 11, then every 6th to 77) after one of 2 shared transformer
+    # blocks used in turn (32 heads of 224 over [stream | embeddings], RoPE), LoRA rank 128 on the shared MLPs only
+    "zamba2-7b": FAMILIES["zamba2"].config(
+        {"hidden_size": 3584, "num_hidden_layers": 81, "vocab_size": 32000, "tie_word_embeddings": True,
+         "mamba_d_state": 64, "mamba_ngroups": 2, "n_mamba_heads": 112, "mamba_expand": 2, "num_attention_heads": 32,
+         "num_key_value_heads": 32, "intermediate_size": 14336, "num_mem_blocks": 2, "adapter_rank": 128,
+         "use_shared_attention_adapter": False, "use_mem_rope": True, "max_position_embeddings": 4096,
+         "layers_block_type": ["hybrid" if i in (6, 11) or i > 11 and (i - 11) % 6 == 0 else "mamba"
+                               for i in range(81)]}),
+    # Falcon-H1-7B: attention (12 query / 2 KV heads of 128) in parallel with Mamba-2 (24 heads of 128, d_ssm 3072)
+    # in each of 44 layers; the µP multipliers change no size and are left at 1 here
+    "falcon-h1-7b": FAMILIES["falcon_h1"].config(
+        {"hidden_size": 3072, "num_hidden_layers": 44, "num_attention_heads": 12, "num_key_value_heads": 2,
+         "head_dim": 128, "intermediate_size": 12288, "vocab_size": 130048, "tie_word_embeddings": False,
+         "mamba_d_state": 256, "mamba_n_groups": 1, "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_d_ssm": 3072,
+         "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 128, "max_position_embeddings": 262144}),
 }

@@ -263,7 +263,21 @@ def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, 
     return model
 
 
+def _side_attention_check(model, recipe: Recipe) -> None:
+    """Transforms, KV formats and the layer search know a block's mixer and feed-forward only: refused for models
+    with attention beside their mixers (Zamba2, Falcon-H1), which would be left out or mis-folded."""
+    if not model.config.side_attention_layers():
+        return
+    parts = [f"transforms ({', '.join(t.name for t in recipe.transforms)})" if recipe.transforms else "",
+             "a KV cache format" if recipe.cache.kv is not None else "", "a layer search" if recipe.search else ""]
+    parts = [p for p in parts if p]
+    if parts:
+        raise SSMQError(f"recipe {recipe.name}: {' and '.join(parts)} not built for models with attention beside "
+                        "their mixers (Zamba2, Falcon-H1); linear-only recipes and int8-state apply")
+
+
 def _quantize(model, recipe: Recipe, calib, kw, hessian_budget_bytes) -> dict:
+    _side_attention_check(model, recipe)
     clusters: dict[int, torch.Tensor] = {}
     reference = None
     if recipe.cache.kv is not None:  # first, on the float model (the Fisher needs gradients through float layers)

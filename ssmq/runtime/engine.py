@@ -136,15 +136,14 @@ def prefill_groups(remaining: list[int], budget: int, chunk: int, keys: list | N
 def kv_bytes_per_token(model) -> float:
     """Bytes a token takes in the KV cache of every attention layer of ``model`` (float or quantized, as allocated)."""
     dtype = model.norm_f.weight.dtype
-    return sum(layer.mixer.kv_bytes_per_token(dtype) for layer in model.layers
-               if hasattr(layer.mixer, "kv_bytes_per_token"))
+    return sum(m.kv_bytes_per_token(dtype) for m in model.state_modules() if hasattr(m, "kv_bytes_per_token"))
 
 
 def kv_pool_bytes_per_token(model) -> float:
     """What a token of the KV pools costs in GPU memory: its bytes in every layer's cache and in the largest decode
     workspace that grows with the pools (a KVQuant model with outliers: its outlier passes' scores)."""
-    workspace = max((layer.mixer.decode_workspace_bytes_per_token() for layer in model.layers
-                     if hasattr(layer.mixer, "decode_workspace_bytes_per_token")), default=0)
+    workspace = max((m.decode_workspace_bytes_per_token() for m in model.state_modules()
+                     if hasattr(m, "decode_workspace_bytes_per_token")), default=0)
     return kv_bytes_per_token(model) + workspace
 
 
@@ -174,7 +173,7 @@ class LocalRunner:
         graphs = self.device.type == "cuda" and cfg.cuda_graphs
         kw = {"state_checkpoint": cfg.state_checkpoint}  # the model's own state formats (int8 when calibrated)
         self.kv_blocks = None  # (blocks, block size) when attention layers keep their KV in blocks
-        if any(str(model.config.layer_kind(i)) == "attention" for i in range(model.config.n_layer)):
+        if model.config.attention_layers():
             n = kv_block_count(model, cfg)
             log.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB with its decode workspace)", n,
                      cfg.kv_block_size, n * cfg.kv_block_size,

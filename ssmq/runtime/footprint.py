@@ -38,15 +38,21 @@ def kv_vector_pairs(cfg: ModelConfig) -> int:
 
 
 def layers_text(cfg: ModelConfig) -> str:
-    """'8 (6 Mamba-2 + 2 attention)', '30 (30 attention)'."""
+    """'8 (6 Mamba-2 + 2 attention)', '30 (30 attention)', '44 (44 Mamba-2 + 44 attention in parallel)',
+    '81 (81 Mamba-2 + 13 uses of 2 shared attention blocks)'."""
     n_mamba, n_attn = len(cfg.ssm_layers()), len(cfg.attention_layers())
     ssm_part = f"{n_mamba} {'Mamba-1' if cfg.ssm_kind == 'mamba1' else 'Mamba-2'}" if n_mamba else ""
-    return f"{cfg.n_layer} ({' + '.join(p for p in (ssm_part, f'{n_attn} attention' if n_attn else '') if p)})"
+    attn_part = f"{n_attn} attention" if n_attn else ""
+    if cfg.parallel_attn:
+        attn_part += " in parallel"
+    elif cfg.shared_attn_layer_idx:
+        attn_part = f"{n_attn} uses of {cfg.shared_blocks} shared attention block{'s' * (cfg.shared_blocks > 1)}"
+    return f"{cfg.n_layer} ({' + '.join(p for p in (ssm_part, attn_part) if p)})"
 
 
 def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "", path: str = "") -> dict[str, str]:
     n_mamba = len(cfg.ssm_layers())
-    n_attn = cfg.n_layer - n_mamba
+    n_attn = len(cfg.attention_layers())
     conv, ssm = state_elements(cfg).values()
     kv = kv_vector_pairs(cfg) * 2 * cfg.attn_head_dim
     params = parameter_count(cfg)

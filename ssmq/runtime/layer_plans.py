@@ -31,8 +31,18 @@ def plan_lines(model, dtype=None) -> list[str]:
     lines = [f"kernel policy: {policy}; kernels as launched on CUDA with Triton (Gluon: "
              f"{'yes' if has_gluon() else 'no'}), the ssmq.ops references elsewhere"]
     for i, (layer, st) in enumerate(zip(model.layers, cache.states)):
-        linears = {name: linear_format(m) for name, m in layer.mixer.named_children() if name.endswith("_proj")}
-        shared = set(linears.values())
-        text = next(iter(shared)) if len(shared) == 1 else ", ".join(f"{k} {v}" for k, v in linears.items())
-        lines.append(f"layer {i:>3} {str(layer.kind):<9} {st.plan.describe()}  linears: {text}")
+        lines.append(f"layer {i:>3} {str(layer.kind):<9} {st.plan.describe()}  linears: {_linears(layer.mixer)}")
+        side = layer.side() if hasattr(layer, "side") else None
+        if side is not None:  # attention beside the mixer: in parallel (Falcon-H1) or a shared block's (Zamba2)
+            attn = side if side is layer.attn else side.shared_block().attn
+            what = "parallel" if side is layer.attn else f"shared {side.use % model.config.shared_blocks}"
+            plan = cache.states[side.layer_idx if side is layer.attn else side.state_idx].plan
+            lines.append(f"      + {'attention':<9} {plan.describe()}  linears: {_linears(attn)}  ({what})")
     return lines
+
+
+def _linears(module: nn.Module) -> str:
+    """The formats of a mixer's projections: one for all, or each by name."""
+    linears = {name: linear_format(m) for name, m in module.named_children() if name.endswith("_proj")}
+    shared = set(linears.values())
+    return next(iter(shared)) if len(shared) == 1 else ", ".join(f"{k} {v}" for k, v in linears.items())

@@ -403,6 +403,9 @@ class TPInfo:
 
 def check_tp(cfg, world: int) -> None:
     """Raise SSMQError when ``cfg`` cannot be split over ``world`` ranks (before any loading)."""
+    if cfg.side_attention_layers():
+        raise SSMQError("tensor parallelism is not built for models with attention beside their mixers (Zamba2's "
+                        "shared blocks, Falcon-H1's parallel attention)")
     for i in range(cfg.n_layer):
         kind = cfg.layer_kind(i)
         for r in range(world):
