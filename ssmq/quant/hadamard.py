@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ssmq.models.lm import RMSNorm
+from ssmq.models.norm import RMSNorm
 from ssmq.ops.hadamard import (  # noqa: F401  (re-exported: the quantization code and benchmarks import them here)
     _sylvester,
     base_matrix,
