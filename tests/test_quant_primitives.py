@@ -23,6 +23,22 @@ def test_int_matmul_ref_exact_vs_float64():
     assert int_matmul_ref(a_max, torch.ones(()), w_max, torch.ones(())).item() == 128 * 128 * k
 
 
+@pytest.mark.parametrize("k,group", [(1024, None), (2048, None), (4096, 1024), (4096, 2048)])
+def test_int_matmul_ref_exact_at_float_accumulator_limits(k, group):
+    """The float32 accumulation (sums of up to 1024 columns: |acc| <= 2^24) and the float64 one beyond give the
+    integers of an int64 GEMM, at the extreme codes too; per group, each group's sum is exact before the epilogue."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(-128, 128, (6, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (5, k), generator=g, dtype=torch.int8)
+    a[0], w[0] = -128, -128  # the largest sum: 128 * 128 * (columns summed)
+    gs = group or k
+    ref = torch.zeros(6, 5)
+    for t in range(0, k, gs):  # the epilogue of the contract: out += float32(acc_t) * s_t, s_t = 1
+        ref += (a[:, t:t + gs].long() @ w[:, t:t + gs].long().T).float()
+    scale = torch.ones(5, k // group) if group else torch.ones(())
+    assert torch.equal(int_matmul_ref(a, torch.ones(()), w, scale, group_size=group), ref)
+
+
 def test_int_matmul_ref_groups_exact():
     g = torch.Generator().manual_seed(1)
     m, k, n, gs = 5, 128, 6, 32

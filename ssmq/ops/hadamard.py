@@ -11,8 +11,10 @@ Order n = 2^s * b uses the smallest base b (= 2^j * m, m odd, from Paley) and H_
 order 92, Williamson) are refused with an error.
 
 Convention: ``hadamard_transform(x)`` computes y = x @ H_n.T / sqrt(n) along the last dim, i.e.
-y = Q x per vector with Q = H_n / sqrt(n) orthogonal (Q^-1 = Q.T). Cost: O(n log n) for the
-2^s part (butterflies) plus O(n b) for the base part.
+y = Q x per vector with Q = H_n / sqrt(n) orthogonal (Q^-1 = Q.T); ``inverse=True`` computes Q.T x
+(x @ H_n / sqrt(n)): the same transform where H_n is symmetric (Sylvester, 2^s), the base factor
+transposed otherwise (a Paley I base is not symmetric). Cost: O(n log n) for the 2^s part
+(butterflies) plus O(n b) for the base part.
 """
 
 from __future__ import annotations
@@ -135,8 +137,8 @@ def kron_factors(two: int, b: int, device: torch.device, dtype: torch.dtype) -> 
             (right.to(dtype) / math.sqrt(t1 * right.shape[0])).to(device=device))
 
 
-def hadamard_transform_gemm(x: torch.Tensor) -> torch.Tensor:
-    """``hadamard_transform`` as two GEMMs with the Kronecker factors (what CUDA runs; any device).
+def hadamard_transform_gemm(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``hadamard_transform`` (``inverse``: Q.T x) as two GEMMs with the Kronecker factors (what CUDA runs; any device).
 
     float16 x is transformed in float16 on tensor cores (float32 accumulation; ±1 factors exact, 1/sqrt(n) rounded
     to float16 in the right one): 4.8 / 5.3 / 6.3 µs at batch 1 / 32 / 128 on the H100, max error vs float64 1.8e-3
@@ -145,13 +147,14 @@ def hadamard_transform_gemm(x: torch.Tensor) -> torch.Tensor:
     """
     two, b = split_order(x.shape[-1])
     work = {torch.float64: torch.float64, torch.float16: torch.float16}.get(x.dtype, torch.float32)
-    left, right = kron_factors(two, b, x.device, work)
-    y = torch.matmul(left, x.to(work).reshape(-1, left.shape[0], right.shape[0])) @ right.T
+    left, right = kron_factors(two, b, x.device, work)  # left: Sylvester, symmetric; right.T of a Paley base is not
+    y = torch.matmul(left, x.to(work).reshape(-1, left.shape[0], right.shape[0])) @ (right if inverse else right.T)
     return y.reshape(x.shape).to(x.dtype)
 
 
-def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """x (..., n) -> x @ H_n.T / sqrt(n), same shape and dtype (computed in float32 or float64).
+def hadamard_transform(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x (..., n) -> x @ H_n.T / sqrt(n) (``inverse``: x @ H_n / sqrt(n), which undoes it), same shape and dtype
+    (computed in float32 or float64).
 
     On CPU: butterflies (the reference). On CUDA: two GEMMs with the Kronecker factors, y = H_t1 X M^T for X = x
     as (t1, n / t1): the butterflies are ~3 launches a level (add, sub, stack), 25+ a call at n = 5120, which made a
@@ -159,13 +162,14 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     only associated differently (float32: relative differences ~1e-7).
     """
     if x.is_cuda:
-        return hadamard_transform_gemm(x)
+        return hadamard_transform_gemm(x, inverse)
     n = x.shape[-1]
     two, b = split_order(n)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = x.to(work).reshape(*x.shape[:-1], two, b)  # (..., 2^s, b): row-major, so H_2^s (x) H_b
-    if b > 1:
-        y = y @ base_matrix(b).to(device=x.device, dtype=work).T
+    if b > 1:  # the butterflies below are their own transpose; only the base factor knows the direction
+        base = base_matrix(b).to(device=x.device, dtype=work)
+        y = y @ (base if inverse else base.T)
     lead = y.shape[:-2]
     h = 1
     while h < two:  # butterflies over the 2^s axis: pairs (i, i + h) inside blocks of 2h

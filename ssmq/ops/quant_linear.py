@@ -90,7 +90,7 @@ def int_matmul_ref(
     bias: (n,) or None. Returns (m, n) float32.
 
     Semantics (the bit-exact contract):
-      1. acc = sum_j a_q[i, j] * w_q[o, j] in int32 (exact: |acc| < 2^31 for k < 2^17);
+      1. acc = sum_j a_q[i, j] * w_q[o, j], exact (as in int32: |acc| < 2^31 for k < 2^17);
          per group when ``group_size`` is set: acc_t over columns [t*g, (t+1)*g).
       2. epilogue in float32, in this order: s = a_scale[i] * w_scale[o] (or w_scale[o, t]);
          out = float32(acc) * s, and per-group: out = 0; out += float32(acc_t) * s_t for t = 0, 1, ...
@@ -103,9 +103,14 @@ def int_matmul_ref(
     n = w_q.shape[0]
     if group_size is not None and k % group_size:
         raise SSMQError(f"group size {group_size} does not divide k = {k}")
-    # int32 GEMM is CPU-only in torch; float64 gives the same integers wherever it runs
-    # (every partial sum is an integer below 2^53), so CUDA tensors take that route.
-    acc_dtype = torch.float64 if a_q.is_cuda else torch.int32
+    # Float GEMMs give the exact integers: every product and partial sum is an integer of magnitude at most
+    # 128 * 128 * (columns summed), which float32 holds exactly up to 2^24 (<= 1024 columns a sum: a group, or all
+    # of k) and float64 up to 2^53, whatever the order or FMA contraction of the sums. (An int32 GEMM, CPU-only in
+    # torch, gives the same values with no BLAS behind it: 20-30x slower on the CPU.) float32 only where its GEMM is
+    # IEEE float32: on the CPU at the "highest" matmul precision (CUDA may run float32 GEMMs in TF32)
+    small = (group_size or k) * 128 * 128 <= 1 << 24
+    ieee32 = not a_q.is_cuda and torch.get_float32_matmul_precision() == "highest"
+    acc_dtype = torch.float32 if small and ieee32 else torch.float64
     w32 = w_q.to(acc_dtype)
     a_s = a_scale.float().reshape(-1, 1) if a_scale.numel() > 1 else a_scale.float().reshape(1, 1)  # (m|1, 1)
     if group_size is None:  # (1, n|1)

@@ -144,9 +144,16 @@ def _smoothquant(model, recipe: Recipe, alpha: float, calib, kw) -> None:
         apply_smoothing_(s, get(prod), [get(r) for r in readers])
 
 
+def _ends_stay_float(model: nn.Module, recipe: Recipe) -> bool:
+    """Neither the embedding nor lm_head is quantized: a tie between them can be kept (``online_ends``)."""
+    return recipe.embedding is None and "lm_head" not in plan(recipe, model)
+
+
 TRANSFORMS = {
     "smoothquant": lambda model, recipe, t, calib, kw: _smoothquant(model, recipe, float(t.get("alpha")), calib, kw),
-    "hadamard": lambda model, recipe, t, calib, kw: rotate_model_(model, online=bool(t.get("online"))),
+    "hadamard": lambda model, recipe, t, calib, kw: rotate_model_(
+        model, online=bool(t.get("online")),
+        online_ends=bool(t.get("online_ends")) and _ends_stay_float(model, recipe)),
     "hadamard_y": lambda model, recipe, t, calib, kw: hadamard_y_(model),
     "sort_cluster": lambda model, recipe, t, calib, kw: sort_and_cluster_(model, calib, t.get("m"), t.get("n"), **kw),
     "gamma_migration": lambda model, recipe, t, calib, kw: ssdi8.gamma_migration_(model),

@@ -34,7 +34,7 @@ import torch.nn as nn
 from ssmq.errors import SSMQError
 from ssmq.models.linear import Linear
 from ssmq.paths import read_json, remove_stale_temporaries, temporary_name
-from ssmq.quant.hadamard import RotatedLinear
+from ssmq.quant.hadamard import RotatedEmbedding, RotatedLinear, UnrotatingRMSNorm
 from ssmq.quant.linear import QuantEmbedding, QuantLinear
 from ssmq.quant.recipe import Recipe
 
@@ -43,7 +43,8 @@ MANIFEST = "quantization.json"
 WEIGHTS = "model.safetensors"
 # spec "kind" -> constructor of an empty module; later packages (Quamba) add their own
 MODULE_KINDS = {"QuantLinear": QuantLinear.from_spec, "QuantEmbedding": QuantEmbedding.from_spec,
-                "RotatedLinear": RotatedLinear.from_spec}
+                "RotatedLinear": RotatedLinear.from_spec, "RotatedEmbedding": RotatedEmbedding.from_spec,
+                "UnrotatingRMSNorm": UnrotatingRMSNorm.from_spec}
 
 
 def register_module_kind(kind: str, from_spec) -> None:
@@ -62,6 +63,14 @@ def sha256_file(path: Path) -> str:
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+def _tie(model: nn.Module) -> None:
+    """lm_head reads the embedding's weight, as the config says, where both are float (a rotated embedding's table
+    is the plain one; a quantized lm_head or embedding has its own tensors)."""
+    if model.config.tie_embeddings and type(model.lm_head) in (nn.Linear, Linear) and \
+            type(model.embedding) in (nn.Embedding, RotatedEmbedding):
+        model.lm_head.weight = model.embedding.weight
 
 
 def _tied(model: nn.Module) -> bool:
@@ -288,6 +297,7 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
             if kind not in MODULE_KINDS:
                 raise SSMQError(f"{folder}: unknown module kind {kind!r} at {path} (saved by a newer ssmq?)")
             _set(model, path, MODULE_KINDS[kind](spec))
+        _tie(model)  # a swapped-in embedding has a new weight
     expected = model.state_dict()
     if _tied(model):
         expected.pop("lm_head.weight", None)
@@ -310,8 +320,7 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
                 mod._parameters[attr] = nn.Parameter(keep, requires_grad=False)
             else:
                 mod._buffers[attr] = keep
-    if cfg.tie_embeddings and type(model.lm_head) in (nn.Linear, Linear) and type(model.embedding) is nn.Embedding:
-        model.lm_head.weight = model.embedding.weight  # re-tie: the embedding got a new Parameter above
+    _tie(model)  # re-tie: the embedding got a new Parameter above
     float_dtype = dtype or getattr(torch, manifest.get("dtype", "float32"))
     for m in model.modules():  # non-persistent dtype markers (QuantEmbedding) follow the float dtype
         if "_dtype" in m._buffers:

@@ -49,8 +49,12 @@ SSM_ARCHS = ("mamba1", "mamba2")
 TAPS = ("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y")
 TAP_LAYOUTS = ("per_tensor", "state_group", "cluster")
 # transform name -> its parameters with their defaults (the functions: ssmq.quant.api.TRANSFORMS)
-TRANSFORMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True}, "hadamard_y": {}, "sort_cluster": {"m": 4, "n": 4},
-              "gamma_migration": {}, "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True},
+# hadamard: "online" rotates the inputs of out_proj / o_proj / down_proj at run time; "online_ends" keeps an lm_head
+# tied to the embedding (and neither quantized) one matrix: the residual stream is rotated after the embedding
+# lookup and turned back before the final norm, at run time, instead of folded into both (``ssmq.quant.rotation``)
+TRANSFORMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True, "online_ends": True}, "hadamard_y": {},
+              "sort_cluster": {"m": 4, "n": 4}, "gamma_migration": {},
+              "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True},
               "mean_correction": {"eta": 0.15}}
 SSD_TRANSFORMS = ("gamma_migration", "ssdi8", "mean_correction")  # SSDi8's: the int8 state is the scan's own
 

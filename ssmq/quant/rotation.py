@@ -7,6 +7,11 @@
 3. ``online``: the writers become ``RotatedLinear``s: their input is rotated at run time
    (x -> Q' x, Q' of the writer's in_features) with W <- W Q'.T, which is what spreads outliers of the
    out_proj input (the SSM output y) before it is quantized.
+4. ``online_ends`` (a model whose lm_head is tied to its embedding): steps 1-2 leave the embedding, the
+   final norm and lm_head alone, and the rotation runs online at the two ends of the stream instead:
+   ``RotatedEmbedding`` (h = Q e after the lookup) and ``UnrotatingRMSNorm`` (Q.T h, then the final norm
+   with its own weight), so the tied matrix stays one matrix (folding Q into the rows and Q.T into lm_head
+   would need two: on a model whose parameters are mostly embedding, more bytes than its source).
 The float function is unchanged (up to rounding). Needs Hadamard orders for d_model and each
 writer's in_features (``rotation_sizes``).
 """
@@ -21,7 +26,8 @@ import torch.nn as nn
 from ssmq.models.ffn import ffn_linears
 from ssmq.ops.layout import LayerKind
 
-from ssmq.quant.hadamard import RotatedLinear, rotate_embedding_, rotate_input_, rotate_output_
+from ssmq.quant.hadamard import (RotatedEmbedding, RotatedLinear, UnrotatingRMSNorm, rotate_embedding_, rotate_input_,
+                                 rotate_output_)
 
 
 def readers_writers(model: nn.Module) -> list[tuple[str, list[str], list[str]]]:
@@ -49,6 +55,11 @@ def rotation_sizes(model: nn.Module, online: bool = True) -> dict[str, int]:
     return sizes
 
 
+def tied(model: nn.Module) -> bool:
+    """lm_head and the embedding share one weight."""
+    return getattr(model.lm_head, "weight", None) is getattr(model.embedding, "weight", None) is not None
+
+
 def untie_lm_head_(model: nn.Module) -> None:
     """Give lm_head its own weight (a copy) and record it in the config (the checkpoint rebuilds it so)."""
     if model.lm_head.weight is model.embedding.weight:
@@ -70,15 +81,22 @@ def _set(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def rotate_model_(model: nn.Module, online: bool = True) -> None:
-    """Rotate a float SSMLM in place (see the module docstring)."""
-    untie_lm_head_(model)
+def rotate_model_(model: nn.Module, online: bool = True, online_ends: bool = False) -> None:
+    """Rotate a float SSMLM in place (see the module docstring). online_ends: a tied embedding / lm_head stays
+    tied, the rotation at the ends of the residual stream runs online (an untied model folds it all the same)."""
+    ends = online_ends and tied(model)
+    if not ends:
+        untie_lm_head_(model)
     sites = readers_writers(model)
     get = model.get_submodule
     for norm, readers, _ in sites:
         fold_norm_(get(norm), [get(r) for r in readers])
-    fold_norm_(model.norm_f, [model.lm_head])
-    rotate_embedding_(model.embedding)
+    if ends:
+        model.embedding = RotatedEmbedding.from_embedding(model.embedding)
+        model.norm_f = UnrotatingRMSNorm.from_norm(model.norm_f)
+    else:
+        fold_norm_(model.norm_f, [model.lm_head])
+        rotate_embedding_(model.embedding)
     for _, readers, writers in sites:
         for r in readers:
             rotate_input_(get(r))
@@ -86,4 +104,5 @@ def rotate_model_(model: nn.Module, online: bool = True) -> None:
             rotate_output_(get(w))
             if online:
                 _set(model, w, RotatedLinear.from_linear(get(w)))
-    rotate_input_(model.lm_head)
+    if not ends:
+        rotate_input_(model.lm_head)

@@ -55,15 +55,20 @@ def _ssmq_quantized(path: Path):
     cfg = model_config_of(manifest, str(path))
     recipe = recipe_of(manifest, str(path))
     kinds = Counter()
-    for spec in manifest["modules"].values():
+    ends = {"RotatedEmbedding", "UnrotatingRMSNorm"}  # not quantized: the residual rotation's online ends
+    quantized = [spec for spec in manifest["modules"].values() if spec["kind"] not in ends]
+    for spec in quantized:
         kinds[_module_format(spec)] += 1
     calib = manifest.get("calibration") or {}
     quant = {
         "recipe": recipe.name + (f" ({recipe.description})" if recipe.description else ""),
         "calibration": (f"{calib.get('source', '?')}, {calib.get('n_samples', '?')} x {calib.get('seqlen', '?')} "
                         f"tokens, seed {calib.get('seed', '?')}") if calib else "none",
-        "quantized modules": str(len(manifest["modules"])),
+        "quantized modules": str(len(quantized)),
         **{f"  {k}": f"x {n}" for k, n in sorted(kinds.items())},
+        **({"residual rotation": "online at both ends (RotatedEmbedding, UnrotatingRMSNorm): embedding and lm_head "
+                                 "stay one tied matrix"}
+           if any(spec["kind"] in ends for spec in manifest["modules"].values()) else {}),
         "cache": _cache_text(recipe),
         "float tensors stored in": manifest.get("dtype", "float32"),
         "written by": f"ssmq {manifest.get('ssmq_version', '?')} (format {manifest['format_version']})",

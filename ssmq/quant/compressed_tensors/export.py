@@ -41,6 +41,8 @@ NOT_REPRESENTABLE = {
     "SSMInt8StateMixer": "the int8 SSM state ({n} mixers)",  # the kind before SSMMixer
     "QuantEmbedding": "the quantized embedding",
     "SSDi8Scan": "SSDi8's integer SSD scan ({n} layers)",
+    "RotatedEmbedding": "the online Hadamard rotation of the residual stream after the embedding lookup",
+    "UnrotatingRMSNorm": "its inverse before the final norm",
 }
 
 
