@@ -144,12 +144,13 @@ def temporary_name(out: Path) -> Path:
     return out.parent / f"{TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-{out.name}"
 
 
-def human_bytes(n: float) -> str:
-    """1234567 -> '1.2 MB' (decimal units, as file sizes are usually quoted)."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
+def human_bytes(n: float, binary: bool = False) -> str:
+    """1234567 -> '1.2 MB': decimal units, as file sizes are usually quoted; ``binary``: '1.18 MiB', as memory is."""
+    base, units, digits = (1024, ("B", "KiB", "MiB", "GiB"), 2) if binary else (1000, ("B", "kB", "MB", "GB"), 1)
+    for unit in units:
+        if abs(n) < base or unit == units[-1]:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.{digits}f} {unit}"
+        n /= base
     return str(n)
 
 

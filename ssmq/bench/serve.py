@@ -143,12 +143,7 @@ def run(args) -> dict:
         n = args.num_prompts or 2 * c
         with tqdm(total=n, desc=f"serve {c} clients", unit="req", disable=args.quiet) as bar:
             result["rows"].append(run_level(url, c, n, body_of, args.timeout, bar))
-    print(table(result["rows"], LOAD_COLUMNS))
-    for path in write(result, args.out, plot=_plot):
-        print(f"wrote {path}")
-    if all(r["requests"] == 0 for r in result["rows"]):
-        raise SSMQError(f"every request to {url} failed: {result['rows'][0].get('first_error', 'no tokens')}")
-    return result
+    return _report(result, LOAD_COLUMNS, args.out, f"every request to {url} failed")
 
 
 class IdTokenizer:
@@ -215,11 +210,16 @@ def run_model(args) -> dict:
                                    "bound_share": None if tok_s is None else tok_s / bound,
                                    "tpot_over_step": None if tpot is None else tpot / step})
         del engine, server, model
-    print(table(result["rows"], BOUND_COLUMNS))
-    for path in write(result, args.out, plot=_plot):
+    return _report(result, BOUND_COLUMNS, args.out, "every request failed")
+
+
+def _report(result: dict, columns, out, failed: str) -> dict:
+    """Print the table and write the JSON + PNG; a run where no request got through is an error, not a result."""
+    print(table(result["rows"], columns))
+    for path in write(result, out, plot=_plot):
         print(f"wrote {path}")
     if all(r["requests"] == 0 for r in result["rows"]):
-        raise SSMQError(f"every request failed: {result['rows'][0].get('first_error', 'no tokens')}")
+        raise SSMQError(f"{failed}: {result['rows'][0].get('first_error', 'no tokens')}")
     return result
 
 

@@ -7,8 +7,11 @@ Element counts, from the config alone, equal to what ``SSMLM.allocate_cache`` al
 
 from __future__ import annotations
 
+import functools
+
 from ssmq.models.config import ModelConfig
 from ssmq.models.families import describe
+from ssmq.paths import human_bytes
 
 
 def parameter_count(cfg: ModelConfig) -> dict[str, int]:
@@ -56,6 +59,7 @@ def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "",
     conv, ssm = state_elements(cfg).values()
     kv = kv_vector_pairs(cfg) * 2 * cfg.attn_head_dim
     params = parameter_count(cfg)
+    mem = functools.partial(human_bytes, binary=True)  # memory, in binary units
     out = {
         "path": path,
         "format": format_name,
@@ -68,18 +72,10 @@ def footprint(cfg: ModelConfig, bytes_per_value: int = 2, format_name: str = "",
                                      if n_attn else "",
         "vocab (padded)": str(cfg.vocab_size),
         "parameters": f"{params['total'] / 1e6:.2f} M ({params['non_embedding'] / 1e6:.2f} M non-embedding)",
-        f"weights ({bytes_per_value * 8}-bit)": _human(params["total"] * bytes_per_value),
-        "state per sequence": f"{_human((conv + ssm) * bytes_per_value)} (conv {_human(conv * bytes_per_value)}, "
-                              f"ssm {_human(ssm * bytes_per_value)}; constant in length)" if n_mamba
+        f"weights ({bytes_per_value * 8}-bit)": mem(params["total"] * bytes_per_value),
+        "state per sequence": f"{mem((conv + ssm) * bytes_per_value)} (conv {mem(conv * bytes_per_value)}, "
+                              f"ssm {mem(ssm * bytes_per_value)}; constant in length)" if n_mamba
                               else "0 B (no SSM layers)",
-        "KV cache per token": _human(kv * bytes_per_value) if n_attn else "0 B (no attention layers)",
+        "KV cache per token": mem(kv * bytes_per_value) if n_attn else "0 B (no attention layers)",
     }
     return {k: v for k, v in out.items() if v}
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
