@@ -34,30 +34,32 @@ def _kernels(module: str):
     return importlib.import_module(f"ssmq.kernels.{module}")
 
 
-def causal_conv1d(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
+def causal_conv1d(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None, int8=None):
+    """``ops.causal_conv1d_ref``; ``int8`` (``ops.conv1d.ConvInt8``): weight and bias are int8 codes."""
     impl = _kernels("conv1d").causal_conv1d if _use_triton(x) else ops.causal_conv1d_ref
-    return impl(x, weight, bias, initial_states, return_final_states, activation)
+    return impl(x, weight, bias, initial_states, return_final_states, activation, int8=int8)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None):
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv_state_indices=None, int8=None):
     impl = _kernels("conv1d").causal_conv1d_update if _use_triton(x) else ops.causal_conv1d_update_ref
-    return impl(x, conv_state, weight, bias, activation, conv_state_indices)
+    return impl(x, conv_state, weight, bias, activation, conv_state_indices, int8=int8)
 
 
-def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False):
+def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None):
     """``ops.quant_ssm.conv1d_silu_quant_ref``: conv + SiLU with int8 codes out (Quamba's fused conv)."""
     from ssmq.ops.quant_ssm import conv1d_silu_quant_ref
 
     impl = _kernels("conv1d").conv1d_silu_quant if _use_triton(x) else conv1d_silu_quant_ref
-    return impl(x, weight, bias, out_scale, initial_states, return_final_states)
+    return impl(x, weight, bias, out_scale, initial_states, return_final_states, int8=int8)
 
 
-def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
+def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False,
+                             int8=None):
     """``ops.quant_ssm.conv1d_update_silu_quant_ref``: the decode step of ``conv1d_silu_quant``."""
     from ssmq.ops.quant_ssm import conv1d_update_silu_quant_ref
 
     impl = _kernels("conv1d").conv1d_update_silu_quant if _use_triton(x) else conv1d_update_silu_quant_ref
-    return impl(x, conv_state, weight, bias, out_scale, conv_state_indices, dequantized)
+    return impl(x, conv_state, weight, bias, out_scale, conv_state_indices, dequantized, int8=int8)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,

@@ -36,27 +36,29 @@ from ssmq.ops.state_update import selective_state_update_ref
 # ---------------------------------------------------------------------------------------------
 # fused producers of int8 activations
 # ---------------------------------------------------------------------------------------------
-def conv1d_silu_quant_ref(x, weight, bias, out_scale, initial_states=None, return_final_states=False):
+def conv1d_silu_quant_ref(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None):
     """Causal depthwise conv + SiLU + output quantization (one kernel in Quamba).
 
     x: (b, d, l) float; weight: (d, w); bias: (d,); out_scale: (d, 1) or ().
-    Returns codes (b, d, l) int8 and, if asked, the float conv state (b, d, w-1).
+    Returns codes (b, d, l) int8 and, if asked, the float conv state (b, d, w-1). int8: an integer conv
+    (``ssmq.ops.conv1d.ConvInt8``: weight and bias are codes).
     """
-    out = causal_conv1d_ref(x, weight, bias, initial_states, return_final_states, activation="silu")
+    out = causal_conv1d_ref(x, weight, bias, initial_states, return_final_states, activation="silu", int8=int8)
     y, final = out if return_final_states else (out, None)
     q = quantize_ref(y.float(), out_scale)
     return (q, final) if return_final_states else q
 
 
-def conv1d_update_silu_quant_ref(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False):
+def conv1d_update_silu_quant_ref(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False,
+                                 int8=None):
     """One decode step of ``conv1d_silu_quant_ref``: shifts ``conv_state`` (in place, float, the inputs) and
     returns the int8 codes of silu(conv) — what the taps of x, B, C would make of the float output.
 
     x: (b, d) float; conv_state: (s, d, w-1); weight: (d, w); bias: (d,); out_scale: (d,) or ();
     conv_state_indices: (b,) slot per row. Returns codes (b, d) int8 and, with ``dequantized``, their values
-    (b, d) in x's dtype (a fake-quant tap's output).
+    (b, d) in x's dtype (a fake-quant tap's output). int8: an integer conv (``ssmq.ops.conv1d.ConvInt8``).
     """
-    y = causal_conv1d_update_ref(x, conv_state, weight, bias, "silu", conv_state_indices)
+    y = causal_conv1d_update_ref(x, conv_state, weight, bias, "silu", conv_state_indices, int8)
     q = quantize_ref(y.float(), out_scale)
     return (q, dequantize_ref(q, out_scale).to(x.dtype)) if dequantized else q
 
