@@ -12,7 +12,7 @@ from ssmq import kernels
 from ssmq.models._float_params import FloatParamCache
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
-from ssmq.models.conv import conv_prefill
+from ssmq.models.conv import CausalConv1d, conv_prefill
 from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.quant_taps import TapScaleCache, is_quantizer
 from ssmq.models.ssm_mixer import SSMMixer
@@ -43,7 +43,7 @@ class Mamba1Mixer(SSMMixer):
         self.d_inner, self.d_state, self.dt_rank = d, n, r
         self.proj_segments, self.x_proj_segments = cfg.in_proj_segments(), cfg.x_proj_segments()  # [x|z], [dt|B|C]
         self.in_proj = Linear(cfg.d_model, self.proj_segments.total, bias=cfg.proj_bias)
-        self.conv1d = nn.Conv1d(d, d, cfg.d_conv, groups=d, bias=cfg.conv_bias)
+        self.conv1d = CausalConv1d(d, d, cfg.d_conv, groups=d, bias=cfg.conv_bias)
         self.x_proj = Linear(d, self.x_proj_segments.total, bias=False)
         # dt_proj's bias lives apart (as Mamba-2's dt_bias) so dt_proj is a plain, swappable Linear
         # and the bias is added in float32 inside the scan, before the softplus
@@ -65,6 +65,10 @@ class Mamba1Mixer(SSMMixer):
 
     def state_shape(self) -> tuple[int, int]:
         return tuple(self.A_log.shape)  # (d, n) of this (maybe sharded) mixer
+
+    def conv_input(self, in_proj_out: torch.Tensor) -> torch.Tensor:
+        """in_proj's output (..., 2d) -> the conv's input x (..., d)."""
+        return self.proj_segments.split(in_proj_out)[0]
 
     def _split_x_proj(self, x: torch.Tensor):
         """x: (..., d) conv output → x_proj's Δ (..., r), B, C (..., n), through the Δ/B/C norms when the family has
@@ -106,6 +110,8 @@ class Mamba1Mixer(SSMMixer):
         formats = {"state": self.state_format(state)}
         if quantizing := self.quantizing("act_x", "act_B", "act_C", "act_dt", "act_z", "act_y"):
             formats["quantized taps"] = " ".join(t.removeprefix("act_") for t in quantizing)
+        if self.conv1d.conv_format:
+            formats["conv"] = self.conv1d.conv_format
         plain_state = state.format is StateFormat.FLOAT and state.ring is None
         name = executor or ("int8" if self.quantizing("act_x", "act_B", "act_C") or not plain_state else "float")
         if name == "float":
@@ -113,6 +119,8 @@ class Mamba1Mixer(SSMMixer):
         else:
             update = "replay_state_update" if state.ring is not None else "quant_state_update"
             kernels = ("conv1d_update_silu_quant" if is_quantizer(self.act_x) else "causal_conv1d_update", update)
+        if self.conv1d.conv_format:  # the same conv kernels, specialised for int8 weight and input codes
+            kernels = (kernels[0] + "[int8]", *kernels[1:])
         return LayerPlan(name, self.EXECUTORS[name], kernels, formats, "selective_scan")
 
     def step(self, hidden: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
@@ -125,8 +133,9 @@ class Mamba1Mixer(SSMMixer):
     def _decode_float(self, x: torch.Tensor, z: torch.Tensor, state, slots: torch.Tensor) -> torch.Tensor:
         """Float conv, the taps as they are, the float state update (``MambaState.update_ssm``).
         x, z: (b, d) in_proj outputs -> y (b, d)."""
-        x = kernels.causal_conv1d_update(x, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                         activation="silu", conv_state_indices=slots)
+        weight, bias, int8 = self.conv1d.kernel_weights()
+        x = kernels.causal_conv1d_update(x, state.conv, weight, bias, activation="silu", conv_state_indices=slots,
+                                         int8=int8)
         x = self.act_x(x)
         dt, B, C = self._ssm_inputs(x)
         A = self._f32.get(self, "A_log")
@@ -140,12 +149,13 @@ class Mamba1Mixer(SSMMixer):
         """Conv + SiLU emitting x's int8 codes (x_proj reads their dequantized values, the tap's output), B and C as
         codes, and one state-update kernel on the codes and the state as stored (``MambaState.step_ssm``).
         x, z: (b, d) in_proj outputs -> y (b, d) in their dtype."""
-        weight, bias, dtype = self.conv1d.weight.squeeze(1), self.conv1d.bias, x.dtype
+        (weight, bias, int8), dtype = self.conv1d.kernel_weights(), x.dtype
         if is_quantizer(self.act_x):
             x_scale = self._tap_scales.get("x", (self.act_x,), lambda s: s)
-            x_q, x = kernels.conv1d_update_silu_quant(x, state.conv, weight, bias, x_scale, slots, dequantized=True)
+            x_q, x = kernels.conv1d_update_silu_quant(x, state.conv, weight, bias, x_scale, slots, dequantized=True,
+                                                      int8=int8)
         else:
-            x = x_q = self.act_x(kernels.causal_conv1d_update(x, state.conv, weight, bias, "silu", slots))
+            x = x_q = self.act_x(kernels.causal_conv1d_update(x, state.conv, weight, bias, "silu", slots, int8))
             x_scale = None
         dt, B, C = self._split_x_proj(x)
         dt = self.act_dt(self.dt_proj(dt))

@@ -16,7 +16,7 @@ from ssmq.models._float_params import FloatParamCache
 from ssmq.models.act_codes import ActCodes, CodeInput, code_input
 from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
-from ssmq.models.conv import conv_prefill
+from ssmq.models.conv import CausalConv1d, conv_prefill
 from ssmq.models.layer_plan import LayerPlan
 from ssmq.models.quant_taps import TapScaleCache, is_quantizer, shaped
 from ssmq.models.ssm_mixer import SSMMixer
@@ -86,7 +86,7 @@ class Mamba2Mixer(SSMMixer):
         self.proj_segments = cfg.in_proj_segments().fuse(("x", "B", "C"), "xBC")  # [z | xBC | dt]
         self.conv_segments = cfg.conv_segments()  # [x | B | C]
         self.in_proj = Linear(cfg.d_model, self.proj_segments.total, bias=cfg.proj_bias)
-        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
+        self.conv1d = CausalConv1d(cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias)
         self.dt_bias = nn.Parameter(torch.zeros(h))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, h + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(h))
@@ -105,6 +105,10 @@ class Mamba2Mixer(SSMMixer):
 
     def bc_groups(self) -> int:
         return self.cfg.ngroups
+
+    def conv_input(self, in_proj_out: torch.Tensor) -> torch.Tensor:
+        """in_proj's output -> the conv's input xBC (…, d + 2gn)."""
+        return self._split_proj(in_proj_out)[1]
 
     def _split_proj(self, zxbcdt: torch.Tensor):
         """in_proj's output (…, 2d + 2gn + h) -> z (…, d), xBC (…, d + 2gn), dt (…, h), scaled per segment when
@@ -178,16 +182,20 @@ class Mamba2Mixer(SSMMixer):
                    if codes.dtype == torch.int8 else "e4m3 codes"}
         if quantizing := self.quantizing("act_x", "act_B", "act_C", "act_dt", "act_z"):
             formats["quantized taps"] = " ".join(t.removeprefix("act_") for t in quantizing)
+        if self.conv1d.conv_format:
+            formats["conv"] = self.conv1d.conv_format
         plain_state = state.format is StateFormat.FLOAT and state.ring is None
         plain_taps = all(type(getattr(self, t)) is nn.Identity
                          for t in ("act_x", "act_B", "act_C", "act_dt", "act_z"))
         fusable = plain_state and plain_taps and type(self.norm) is GatedRMSNorm and \
-            not self.norm.norm_before_gate and (codes is None or codes.dtype == torch.int8)
+            not self.norm.norm_before_gate and (codes is None or codes.dtype == torch.int8) and \
+            not self.conv1d.conv_format  # the fused step's conv is the float one
         name = executor or ("fused" if fusable else "int8" if code_taps or not plain_state else "float")
         if name == "fused" and not fusable:
-            raise SSMQError(f"layer {self.layer_idx}: the fused decode serves a float state, no quantizing tap and "
-                            "the plain gated norm")
+            raise SSMQError(f"layer {self.layer_idx}: the fused decode serves a float state, no quantizing tap, "
+                            "float conv weights and the plain gated norm")
         conv = "conv1d_update_silu_quant" if name == "int8" and len(code_taps) == 3 else "causal_conv1d_update"
+        conv += "[int8]" if self.conv1d.conv_format else ""  # the same kernels, for int8 weight and input codes
         update = {"int8": "replay_state_update" if state.ring is not None else "quant_state_update"}.get(
             name, "selective_state_update")
         prefill = "ssd_chunk_scan" if type(self.ssd) is ChunkScan else type(self.ssd).__name__
@@ -214,8 +222,9 @@ class Mamba2Mixer(SSMMixer):
 
     def _decode_float(self, z, xbc, dt, state, slots):
         """Float conv, the taps as they are, the float state update (``MambaState.update_ssm``), then the norm."""
-        xbc = kernels.causal_conv1d_update(xbc, state.conv, self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                           activation="silu", conv_state_indices=slots)
+        weight, bias, int8 = self.conv1d.kernel_weights()
+        xbc = kernels.causal_conv1d_update(xbc, state.conv, weight, bias, activation="silu", conv_state_indices=slots,
+                                           int8=int8)
         x, B, C = self._split_xbc(xbc)
         y = state.update_ssm(slots, lambda ssm, idx: self._state_step(
             lambda *a, **kw: kernels.selective_state_update(ssm, *a, state_batch_indices=idx, **kw), x, dt, B, C))
@@ -224,14 +233,15 @@ class Mamba2Mixer(SSMMixer):
     def _decode_int8(self, z, xbc, dt, state, slots):
         """Conv + SiLU emitting the int8 codes of x, B, C (when their three taps quantize), then one state-update
         kernel on the codes and the state as stored (``MambaState.step_ssm``), then the norm."""
-        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
+        weight, bias, int8 = self.conv1d.kernel_weights()
         taps = (self.act_x, self.act_B, self.act_C)
         if all(is_quantizer(t) for t in taps):
             xbc_scale, *scales = self._tap_scales.get("xbc", taps, self._xbc_scales)
             x, B, C = self.conv_segments.split(kernels.conv1d_update_silu_quant(xbc, state.conv, weight, bias,
-                                                                                xbc_scale, slots))
+                                                                                xbc_scale, slots, int8=int8))
         else:  # some of x, B, C stay 16-bit: the float conv, the taps as they are, float inputs
-            x, B, C = self._split_xbc(kernels.causal_conv1d_update(xbc, state.conv, weight, bias, "silu", slots))
+            x, B, C = self._split_xbc(kernels.causal_conv1d_update(xbc, state.conv, weight, bias, "silu", slots,
+                                                                   int8))
             scales = (None, None, None)
         y = self._state_step(lambda *a, **kw: state.step_ssm(slots, *a, out_dtype=xbc.dtype, **kw), x, dt, B, C,
                              *scales)

@@ -5,7 +5,8 @@ calibrated on the float model (``ssmq.quant.kvquant``: the Fisher needs float gr
 recipe order (``TRANSFORMS``; smoothquant and sort_cluster calibrate their own statistics) -> SSM taps
 calibrated and swapped for ``ActQuantizer``s -> linears: static activation scales and GPTQ Hessians observed
 in calibration passes (after the taps are quantized, as the layers will see them; the input of a
-``RotatedLinear`` after its online rotation) -> ``QuantLinear`` swap -> head-to-toe embedding -> int8 SSM
+``RotatedLinear`` after its online rotation) -> ``QuantLinear`` swap -> int8 conv1d (``QuantConv1d``: its input
+scale observed at the quantized in_proj's output) -> head-to-toe embedding -> int8 SSM
 state scales (from states of the quantized model). A recipe with a ``search`` is quantized twice (itself and
 at 16-bit activations) and each layer is taken from one of the two (``ssm/mixed.py``).
 The result carries ``model.quantization`` = {"recipe": ..., "calibration": ...} for the checkpoint.
@@ -294,6 +295,10 @@ def _quantize(model, recipe: Recipe, calib, kw, hessian_budget_bytes) -> dict:
 
         install_tap_quantizers(model, recipe.taps, clusters, calib, **kw)
     _quantize_linears(model, plan(recipe, model), calib, kw, hessian_budget_bytes)
+    if recipe.conv is not None:  # after the linears: the conv's input scale observes in_proj as it will run
+        from ssmq.quant.conv import quantize_convs_
+
+        quantize_convs_(model, recipe.conv, calib, kw)
     if recipe.embedding is not None:
         model.embedding = QuantEmbedding.from_float(model.embedding, recipe.embedding)
     if recipe.has("mean_correction"):

@@ -34,6 +34,7 @@ import torch.nn as nn
 from ssmq.errors import SSMQError
 from ssmq.models.linear import Linear
 from ssmq.paths import read_json, remove_stale_temporaries, temporary_name
+from ssmq.quant.conv import QuantConv1d
 from ssmq.quant.hadamard import RotatedEmbedding, RotatedLinear, UnrotatingRMSNorm
 from ssmq.quant.linear import QuantEmbedding, QuantLinear
 from ssmq.quant.recipe import Recipe
@@ -44,7 +45,7 @@ WEIGHTS = "model.safetensors"
 # spec "kind" -> constructor of an empty module; later packages (Quamba) add their own
 MODULE_KINDS = {"QuantLinear": QuantLinear.from_spec, "QuantEmbedding": QuantEmbedding.from_spec,
                 "RotatedLinear": RotatedLinear.from_spec, "RotatedEmbedding": RotatedEmbedding.from_spec,
-                "UnrotatingRMSNorm": UnrotatingRMSNorm.from_spec}
+                "UnrotatingRMSNorm": UnrotatingRMSNorm.from_spec, "QuantConv1d": QuantConv1d.from_spec}
 
 
 def register_module_kind(kind: str, from_spec) -> None:

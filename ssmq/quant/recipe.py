@@ -11,7 +11,9 @@
                     "state_scales": "x_groups"},                 # and state index, per_channel or dynamic); KV
                                                                  # format: a KVSpec object or a preset's name
      "calibration": {"state_windows": 64, "state_chunk": 128},   # what the int8 state scales observe
-     "search":     null}                                         # or per-layer A8/A16 search (W4AX)
+     "search":     null,                                         # or per-layer A8/A16 search (W4AX)
+     "conv":       "per_tensor"}                                 # int8 conv1d weights (per_tensor | per_channel),
+                                                                 # input codes and bias; absent/null = 16-bit
 
 Linear rules: the nn.Linear modules whose path matches one of ``modules`` (fnmatch; ``*`` crosses dots) and no
 ``exclude`` become ``QuantLinear(weight, act)``. Taps: which mixer activation taps (``act_x``, ``act_B`` ...)
@@ -56,6 +58,7 @@ TRANSFORMS = {"smoothquant": {"alpha": 0.5}, "hadamard": {"online": True, "onlin
               "sort_cluster": {"m": 4, "n": 4}, "gamma_migration": {},
               "ssdi8": {"reformulate": True, "int8_state": True, "int8_passing": True},
               "mean_correction": {"eta": 0.15}}
+CONV_GRANULARITIES = ("per_tensor", "per_channel")  # of the int8 conv1d weights (``Recipe.conv``)
 SSD_TRANSFORMS = ("gamma_migration", "ssdi8", "mean_correction")  # SSDi8's: the int8 state is the scan's own
 
 
@@ -242,6 +245,9 @@ class Recipe:
     search: Search | None = None
     supported_archs: list[str] = field(default_factory=lambda: list(ARCHS))
     description: str = ""
+    # every SSM layer's depthwise conv1d in int8 (``ssmq.quant.conv.QuantConv1d``): weight codes at this
+    # granularity, input codes at a static per-tensor scale, bias codes per tensor; None keeps it 16-bit
+    conv: str | None = None
 
     def validate(self) -> "Recipe":
         if not (self.linears or self.taps or self.cache.state_bits != 16 or self.cache.kv):  # e.g. KV-only
@@ -256,6 +262,10 @@ class Recipe:
         ssm_parts = self.taps or self.has("sort_cluster") or self.has("hadamard_y") or self.search or (
             self.cache.state_bits != 16 and self.cache.state_scales != "dynamic"
             and not any(self.has(t) for t in SSD_TRANSFORMS))
+        if self.conv is not None and self.conv not in CONV_GRANULARITIES:
+            raise SSMQError(f"recipe {self.name!r}: conv is one of {', '.join(CONV_GRANULARITIES)} (int8 conv1d "
+                            f"weights) or null, not {self.conv!r}")
+        ssm_parts = ssm_parts or self.conv is not None
         if ssm_parts and other:
             raise SSMQError(f"recipe {self.name!r}: SSM taps, transforms and caches are for "
                             f"{', '.join(SSM_ARCHS)}, not {', '.join(other)}")
@@ -277,7 +287,7 @@ class Recipe:
 
     def needs_calibration(self) -> bool:
         state_calibrated = self.cache.state_bits != 16 and self.cache.state_scales != "dynamic"
-        return bool(self.taps or self.search or state_calibrated or self.cache.kv) or any(
+        return bool(self.taps or self.search or state_calibrated or self.cache.kv or self.conv) or any(
             t.name in ("smoothquant", "sort_cluster", "ssdi8", "mean_correction") for t in self.transforms) or any(
             r.weight.method == "gptq" or (r.act is not None and r.act.static) for r in self.linears)
 
@@ -296,7 +306,8 @@ class Recipe:
                 "linears": [r.to_dict() for r in self.linears], "taps": [dict(t.__dict__) for t in self.taps],
                 "embedding": None if self.embedding is None else self.embedding.to_dict(),
                 "cache": self.cache.to_dict(), "calibration": dict(self.calibration.__dict__),
-                "search": None if self.search is None else dict(self.search.__dict__)}
+                "search": None if self.search is None else dict(self.search.__dict__)} | (
+                    {} if self.conv is None else {"conv": self.conv})  # absent when 16-bit: older files unchanged
 
     @classmethod
     def from_dict(cls, d: dict) -> "Recipe":
@@ -449,12 +460,20 @@ def _taps(x_layout: str, x_observer: str, bc_layout: str) -> list[TapRule]:
             TapRule(["act_z"]), TapRule(["act_dt"], archs=["mamba1"])]
 
 
-def _quamba2(wbits: int, abits: int) -> Recipe:
+def _quamba2(wbits: int, abits: int, integer: bool = False) -> Recipe:
+    """Quamba2 W{wbits}A{abits}; ``integer``: the "-int" twin, with int8 dt_proj (per-channel, static input) and
+    int8 conv1d."""
     w_proj = _w("int4", "per_group:128", "gptq") if wbits == 4 else _w("int8")
     act = STATIC_A8 if abits == 8 else None
     linears = [Rule(["layers.*.mixer.in_proj", "layers.*.mixer.out_proj"], w_proj, act),
-               Rule(["layers.*.mixer.*_proj"], _w("int8"), act, list(NO_DT)),  # Mamba-1 x_proj
+               Rule(["layers.*.mixer.*_proj"], _w("int8"), act, [] if integer else list(NO_DT)),  # x_proj, dt_proj
                Rule(["lm_head"], _w(f"int{wbits}", "per_group:128", "gptq" if wbits == 4 else "rtn"), act)]
+    if integer:
+        return replace(_quamba2(wbits, abits), name=f"quamba2-w{wbits}a{abits}-int", linears=linears,
+                       conv="per_tensor",
+                       description=f"Quamba2 W{wbits}A{abits}, integer path: quamba2-w{wbits}a{abits} plus int8 "
+                                   "conv1d (per-tensor weight, input and bias codes) and, on Mamba-1, int8 dt_proj "
+                                   "(per-channel weights, static per-tensor input)")
     return Recipe(f"quamba2-w{wbits}a{abits}", linears,
                   [Transform("sort_cluster", {"m": 4, "n": 4}), Transform("hadamard")],
                   _taps("cluster", "percentile", "state_group") if abits == 8 else [], _w("int8"),
@@ -487,6 +506,15 @@ for _r in [
            description="Quamba: static per-tensor W8A8, Hadamard on y fused into out_proj, percentile (99.999) "
                        "clipping of the SSM input x"),
     _quamba2(8, 8), _quamba2(4, 8), _quamba2(4, 16),
+    # the papers' integer path, whole: conv1d and Mamba-1's dt_proj (F_Δ) int8 too, as named twins so that
+    # quamba-w8a8 / quamba2-w*a8 keep their meaning (and their checkpoints and accuracy figures); dt_proj's bias
+    # stays float32 inside the scan (Quamba's delta_bias)
+    Recipe("quamba-w8a8-int", [Rule(["layers.*.mixer.*_proj"], _w("int8", "per_tensor"), STATIC_A8)],
+           [Transform("hadamard_y")], _taps("per_tensor", "percentile", "per_tensor"), supported_archs=list(SSM_ARCHS),
+           conv="per_tensor",
+           description="Quamba W8A8, integer path: quamba-w8a8 plus int8 conv1d (per-tensor weight, input and "
+                       "bias codes) and, on Mamba-1, int8 dt_proj (per-tensor weights, static per-tensor input)"),
+    _quamba2(8, 8, integer=True), _quamba2(4, 8, integer=True),
 ]:
     register_recipe(_r)
 

@@ -262,7 +262,10 @@ def _state_index_(mixer: nn.Module, channels: torch.Tensor) -> None:
 def _conv_(conv: nn.Conv1d, idx: torch.Tensor) -> None:
     _put(conv, "weight", _rows(conv.weight, idx))
     _put(conv, "bias", _rows(conv.bias, idx))
-    conv.in_channels = conv.out_channels = conv.groups = len(idx)
+    scale = getattr(conv, "weight_scale", None)  # an int8 conv's per-channel weight scales go with their rows
+    if scale is not None and scale.dim():
+        _put(conv, "weight_scale", _rows(scale, idx))
+    conv.in_channels = conv.out_channels = conv.groups = conv.channels = len(idx)
 
 
 def shared_groups(heads: str, groups: str, n_heads: int, n_groups: int, rank: int, world: int) -> torch.Tensor:
