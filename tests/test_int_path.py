@@ -83,3 +83,33 @@ def test_per_channel_conv_weights():
     assert conv.weight_scale.shape == (conv.channels,) and "per_channel" in conv.conv_format
     with torch.no_grad():
         assert torch.isfinite(model(IDS)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch,name", [("mamba1", "quamba-w8a8-int"), ("mamba2", "quamba2-w8a8-int")])
+def test_int_conv_kernels_in_the_model_equal_the_references(arch, name, monkeypatch):
+    """Prefill and decode with the Triton conv kernels in place of the references (the rest as it is): the same
+    logits within float32 rounding (CUDA, or SSMQ_TRITON_INTERPRET=1 on CPU)."""
+    import copy
+
+    from ssmq import kernels
+    from test_kernels import DEV, INTERPRET, _patch_interpreter_scalars, rel
+
+    pytest.importorskip("triton")
+    if INTERPRET:
+        _patch_interpreter_scalars()
+    from ssmq.kernels import conv1d
+
+    model, ids, slots = copy.deepcopy(quantized(arch, name)).to(DEV), IDS.to(DEV), torch.arange(2, device=DEV)
+
+    @torch.no_grad()
+    def run():
+        cache = model.allocate_cache(2, 32)
+        out = [model(ids[:, :8], cache, slots)[:, -1]]
+        out += [model.step(ids[:, t], cache, slots) for t in range(8, 12)]
+        return torch.stack(out, 1).float().cpu()
+
+    want = run()
+    for fn in ("causal_conv1d", "causal_conv1d_update", "conv1d_silu_quant", "conv1d_update_silu_quant"):
+        monkeypatch.setattr(kernels, fn, getattr(conv1d, fn))
+    assert rel(run(), want) < 1e-3
