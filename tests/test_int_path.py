@@ -62,6 +62,11 @@ def test_int_checkpoint_round_trips_exactly(tmp_path, arch, name):
     with torch.no_grad():
         assert torch.equal(loaded(IDS), model(IDS))
     assert get_recipe(loaded.quantization["recipe"]["name"]).conv == "per_tensor"
+    from ssmq.runtime.info import describe
+
+    quant = describe(tmp_path / "q")["quantization"]  # ssmq info: the conv's format, one line per format
+    assert quant["  QuantConv1d W int8 per_tensor / A int8 static per_tensor / bias int8 per_tensor"] == \
+        f"x {len(model.layers)}"
 
 
 def test_conv_field_of_the_recipe():

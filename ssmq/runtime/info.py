@@ -79,6 +79,9 @@ def _ssmq_quantized(path: Path):
 def _module_format(spec: dict) -> str:
     kind = spec["kind"]
     w, a = spec.get("weight"), spec.get("act")
+    if kind == "QuantConv1d":  # the SSM's int8 conv (its input codes: one static per-tensor scale)
+        return f"{kind} W int8 {spec.get('granularity')} / A int8 static per_tensor" + \
+            (" / bias int8 per_tensor" if spec.get("bias") else "")
     if not isinstance(w, dict):
         return kind
     text = f"{kind} W {w.get('dtype')} {w.get('granularity')} {w.get('method', 'rtn')}"

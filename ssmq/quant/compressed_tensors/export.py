@@ -40,6 +40,7 @@ NOT_REPRESENTABLE = {
     "SSMMixer": "the int8 SSM state ({n} mixers)",
     "SSMInt8StateMixer": "the int8 SSM state ({n} mixers)",  # the kind before SSMMixer
     "QuantEmbedding": "the quantized embedding",
+    "QuantConv1d": "the int8 conv1d ({n} layers)",
     "SSDi8Scan": "SSDi8's integer SSD scan ({n} layers)",
     "RotatedEmbedding": "the online Hadamard rotation of the residual stream after the embedding lookup",
     "UnrotatingRMSNorm": "its inverse before the final norm",
