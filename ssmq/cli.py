@@ -175,8 +175,10 @@ def cmd_quantize(args) -> None:
         save_quantized(model, out, extra_files=extra, overwrite=args.overwrite, dtype=dtype)
     n = len([m for m in model.modules() if hasattr(m, "wspec")])
     states = len([m for m in model.modules() if getattr(m, "int8_state", False)])
+    convs = len([m for m in model.modules() if getattr(m, "conv_format", "")])
     sizes = f"weights {human_bytes(source_bytes(path))} -> {human_bytes(source_bytes(out))}"
-    print(f"quantized {n} modules with {recipe.name}" + (f" (int8 SSM state in {states} layers)" if states else "")
+    extras = [f"int8 SSM state in {states} layers"] * bool(states) + [f"int8 conv1d in {convs} layers"] * bool(convs)
+    print(f"quantized {n} modules with {recipe.name}" + (f" ({', '.join(extras)})" if extras else "")
           + f" -> {out} ({sizes})")
 
 
