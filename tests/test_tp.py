@@ -44,6 +44,8 @@ QUANT_2_KV_OUTLIERS = {"kvquant-nuq3-1%-hybrid": ("hybrid", "kvquant-nuq3-1%", N
 QUANT_2_MORE = {  # slow: more recipes, the other families
     "quamba2-w8a8-mamba1": ("mamba1", "quamba2-w8a8", 8, {}),
     "quamba-w8a8": ("mamba1", "quamba-w8a8", None, {}),
+    "quamba-w8a8-int": ("mamba1", "quamba-w8a8-int", None, {}),  # int8 conv1d and dt_proj: rows split with codes
+    "quamba2-w8a8-int": ("mamba2", "quamba2-w8a8-int", 8, {}),
     "dynamic-w8a8-hybrid": ("hybrid", "dynamic-w8a8", None, {}),
     # dynamic per-token int8 codes flip where TP's all-reduce order moves a value across a rounding boundary (one
     # flip: ~1e-3 of the largest logit); the tiny hybrid of seed 0 has one in decode, that of seed 1 none
