@@ -118,6 +118,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "(default 512)")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="with --model: the engine's --prefill-tokens "
                    "(default 2048)")
+    p.add_argument("--engine", choices=["process", "thread"], default="process",
+                   help="with --model: the engine in a process of its own (as ssmq serve runs it) or in a thread of "
+                        "the server's process (default process)")
     p.add_argument("--steps", type=int, default=8, help="with --model: decode steps in one timing of the bound "
                    "(default 8)")
     _timing_args(p, "runs of the bound", 2, 5)

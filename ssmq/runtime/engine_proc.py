@@ -144,6 +144,8 @@ class ProcessEngine:
         if why:
             raise SSMQError(why)
         with self._lock:
+            if self._error is not None:  # died meanwhile: the reader has failed what it knew of
+                raise SSMQError(f"the engine is not running: {self._error}")
             if len(self._requests) - self._stats.get("running", 0) >= self.cfg.max_waiting:
                 raise SSMQError(f"the queue is full ({self.cfg.max_waiting} requests waiting)")
             wid, self._next = self._next, self._next + 1
@@ -191,8 +193,8 @@ class ProcessEngine:
             self._fail_left("server shutting down", 503)
             return
         self._proc.join(timeout=5)
-        code = self._proc.exitcode
-        self._error = f"the engine process died (exit code {code})"
+        with self._lock:
+            self._error = f"the engine process died (exit code {self._proc.exitcode})"
         log.error("%s: failing the %d requests in flight; /health reports unhealthy", self._error,
                   len(self._requests))
         self._fail_left(f"engine error: {self._error}", 500)
