@@ -16,8 +16,8 @@ request only. With ``overlap`` (on CUDA) a step launches its decode before it re
 before, so the host work of a step (reporting, scheduling) runs while the device computes.
 
 The engine runs in its own thread (``Engine``), or in a process of its own behind a proxy with the same methods
-(``ssmq.runtime.engine_proc.ProcessEngine``); ``submit`` and ``abort`` may be called from any thread. Each request reports
-through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
+(``ssmq.runtime.engine_proc.ProcessEngine``); ``submit`` and ``abort`` may be called from any thread. Each request
+reports through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
 queue the event if the request also has a ``flush``, called once per step after events were emitted to the request
 (one hand-off to the server's event loop per step, not per token): on CUDA as soon as the next decode step is
 launched, or at the end of the turn when no decode follows; elsewhere as soon as the step has sampled its tokens.
