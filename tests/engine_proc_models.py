@@ -51,8 +51,10 @@ def trained(cfg, name: str = "mamba2"):
 
 
 def failing(cfg):
-    """A load that fails in the engine process."""
-    raise ValueError("no weights here\nsecond line")
+    """A load that fails in the engine process, naming the kernel policy active there."""
+    from ssmq.kernels.policy import active
+
+    raise ValueError(f"no weights here ({active().describe()})\nsecond line")
 
 
 def _inject_faults() -> None:

@@ -187,10 +187,13 @@ def test_a_crash_of_the_engine_process_fails_what_is_in_flight_and_health_says_s
 
 
 def test_a_load_that_fails_in_the_engine_process_is_one_line():
+    """... and the engine process runs under the kernel policy of the process that started it."""
+    from ssmq.kernels.policy import KernelPolicy, using
+
     before = multiprocessing.active_children()
-    with pytest.raises(SSMQError) as e:
+    with pytest.raises(SSMQError) as e, using(KernelPolicy(pdl=False)):
         ProcessEngine(loaders.failing, CFG, log_level="error").start()
-    assert str(e.value) == "the engine process failed to start: ValueError: no weights here"
+    assert str(e.value) == "the engine process failed to start: ValueError: no weights here (pdl=False)"
     assert multiprocessing.active_children() == before
 
 

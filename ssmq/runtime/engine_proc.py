@@ -8,7 +8,8 @@ second the engine waits for the HTTP side between steps. In a child process the 
 ``ProcessEngine`` is the HTTP process's side, with the methods the server uses on ``Engine`` (``start``,
 ``submit``, ``abort``, ``fail_all``, ``unfit``, ``stats``, ``health``, ``shutdown``). The child is started with the
 ``spawn`` method (a fresh interpreter: CUDA initialises in the child alone) and builds its model there, by calling
-``load(config)`` → a model, or (model, runner) (e.g. tensor parallelism's ``BroadcastRunner``).
+``load(config)`` → a model, or (model, runner) (e.g. a runner whose calls are wrapped); the kernel policy active
+where ``start()`` is called (``ssmq.kernels.policy``) is the child's too.
 
 Wire (two one-way pipes, pickled tuples; a request is a small int ``wid`` on the wire):
 
@@ -73,11 +74,13 @@ class ProcessEngine:
         """Start the engine process and wait until it is ready (once; later calls do nothing)."""
         if self._proc is not None:
             return self
+        from ssmq.kernels.policy import active
+
         ctx = multiprocessing.get_context("spawn")
         cmd_in, self._commands = ctx.Pipe(duplex=False)
         self._events, ev_out = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_child_main, name="ssmq-engine", daemon=False,
-                                 args=(self.load, self.cfg, cmd_in, ev_out, self.log_level))
+                                 args=(self.load, self.cfg, cmd_in, ev_out, self.log_level, active()))
         self._proc.start()
         cmd_in.close()  # the child holds the only copies of its ends: its death is an EOF here, ours one there
         ev_out.close()
@@ -342,15 +345,18 @@ def _one_line(e: BaseException) -> str:
     return text if isinstance(e, SSMQError) else f"the engine process failed to start: {type(e).__name__}: {text}"
 
 
-def _child_main(load: Callable, cfg: EngineConfig, commands, events, log_level: str) -> None:
-    """The engine process: build the model and the engine, then run the engine's thread and take commands here."""
+def _child_main(load: Callable, cfg: EngineConfig, commands, events, log_level: str, policy) -> None:
+    """The engine process: build the model and the engine, then run the engine's thread and take commands here.
+    ``policy``: the kernel policy active where the engine was started (a process starts with the default)."""
     import os
     import sys
 
     import torch
 
+    from ssmq.kernels.policy import set_policy
     from ssmq.runtime.engine import Engine, Request
 
+    set_policy(policy)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the HTTP process drains on these, then stops the engine
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logger = logging.getLogger("ssmq")
