@@ -220,13 +220,14 @@ class ProcessEngine:
                 m.queue.observe(w)
         now = time.monotonic()
         flushes = set()
+        tokens = 0
         for wid, item in items:
             r = self._requests.get(wid)
             if r is None:  # finished already (e.g. failed here when the child died)
                 continue
             ev = Event("token", token=item) if type(item) is int else item
             if ev.kind == "token" and m is not None:
-                m.generated_tokens.inc()
+                tokens += 1
                 if r.last_time:
                     m.tpot.observe(now - r.last_time)
                 else:
@@ -244,6 +245,8 @@ class ProcessEngine:
                     self._wids.pop(r.id, None)
                 if m is not None:
                     m.requests.labels(outcome=ev.reason if ev.kind == "done" else "error").inc()
+        if tokens:
+            m.generated_tokens.inc(tokens)
         for flush in flushes:
             try:
                 flush()
