@@ -294,3 +294,32 @@ def _alive(pid: int) -> bool:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     return [int(x) for x in out.split()]
+
+
+ORPHAN_MAIN = """
+import functools, os, sys
+sys.path.insert(0, {tests!r})
+import engine_proc_models
+from ssmq.runtime.engine import EngineConfig
+from ssmq.runtime.engine_proc import ProcessEngine
+if __name__ == "__main__":
+    engine = ProcessEngine(engine_proc_models.tiny, EngineConfig(max_batch=2, max_model_len=32)).start()
+    print(engine._proc.pid, flush=True)
+    os.kill(os.getpid(), 9)
+"""
+
+
+@pytest.mark.slow
+def test_the_engine_process_exits_when_the_server_process_is_killed(tmp_path):
+    """SIGKILL leaves the server's process no time to stop its engine: the engine process sees its command pipe
+    close and exits by itself (no orphan keeps the device)."""
+    script = tmp_path / "main.py"
+    script.write_text(ORPHAN_MAIN.format(tests=str(Path(__file__).parent)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline, "the engine process outlived the server's"
+        time.sleep(0.1)
