@@ -88,11 +88,14 @@ class ProcessEngine:
         try:
             msg = self._events.recv()
         except (EOFError, OSError):
-            msg = ("error", f"the engine process exited with code {self._join()} before it was ready")
-        if msg[0] != "ready":
+            msg = None
+        except BaseException:  # interrupted (Ctrl-C) while the model loads: the child ignores SIGINT
+            self._proc.kill()
             self._join()
-            _LIVE.discard(self)
-            raise SSMQError(msg[1])
+            raise
+        if msg is None or msg[0] != "ready":
+            code = self._join()
+            raise SSMQError(msg[1] if msg else f"the engine process exited with code {code} before it was ready")
         info = msg[1]
         self.vocab_size, self.kv_blocks, self._stats = info["vocab_size"], info["kv_blocks"], info["stats"]
         self._reader = threading.Thread(target=self._read, name="ssmq-engine-reader", daemon=True)
@@ -108,21 +111,20 @@ class ProcessEngine:
         if self._reader is not None:
             self._reader.join(timeout=60)  # the child reports its last events, then exits: EOF
         self._join()
-        _LIVE.discard(self)
 
     def _join(self) -> int | None:
-        """Wait for the child to exit (then end it), close our pipe ends; its exit code."""
+        """Wait for the child to exit (kill it after 30 s: it ignores SIGTERM), close the pipes; its exit code."""
         proc = self._proc
         proc.join(timeout=30)
         if proc.is_alive():
-            log.warning("the engine process did not exit within 30 s: terminating it")
-            proc.terminate()
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            log.warning("the engine process did not exit within 30 s: killing it")
+            proc.kill()
+            proc.join()
         with self._lock:
             self._commands.close()
+        if self._reader is None:  # (else the reader closes its end when it ends)
+            self._events.close()
+        _LIVE.discard(self)
         return proc.exitcode
 
     # ---------------------------------------------------------------- the server's side, any thread
