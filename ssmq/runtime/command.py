@@ -175,9 +175,12 @@ def run(args: argparse.Namespace) -> int:
         from ssmq.tokenizer import load_tokenizer
 
         path = resolve_model_path(args.model or default_model())
-        tok = load_tokenizer(path)
-        engine = ProcessEngine(functools.partial(load_engine_model, args), cfg, log_level=args.log_level).start()
+        # the engine process loads the model while this one loads the tokenizer
+        engine = ProcessEngine(functools.partial(load_engine_model, args), cfg, log_level=args.log_level).launch()
         try:
+            tok = load_tokenizer(path)
+            import ssmq.runtime.server  # noqa: F401 - (fastapi, uvicorn) while the engine process starts
+            engine.start()
             code = serve(engine, tok, args, path, options)
         finally:
             engine.shutdown()

@@ -70,8 +70,8 @@ class ProcessEngine:
         self._stopping = False
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> ProcessEngine:
-        """Start the engine process and wait until it is ready (once; later calls do nothing)."""
+    def launch(self) -> ProcessEngine:
+        """Start the engine process without waiting for it (its model loads meanwhile); ``start()`` waits."""
         if self._proc is not None:
             return self
         from ssmq.kernels.policy import active
@@ -85,6 +85,13 @@ class ProcessEngine:
         cmd_in.close()  # the child holds the only copies of its ends: its death is an EOF here, ours one there
         ev_out.close()
         _LIVE.add(self)
+        return self
+
+    def start(self) -> ProcessEngine:
+        """Start the engine process (unless launched) and wait until it is ready (once; later calls do nothing)."""
+        self.launch()
+        if self._reader is not None or self._stopping:
+            return self
         try:
             msg = self._events.recv()
         except (EOFError, OSError):
@@ -107,6 +114,8 @@ class ProcessEngine:
         if self._proc is None or self._stopping:
             return
         self._stopping = True
+        if self._reader is None:  # launched, never waited for (a failure beside its start): nothing to keep
+            self._proc.kill()
         self._send(("stop",))
         if self._reader is not None:
             self._reader.join(timeout=60)  # the child reports its last events, then exits: EOF
