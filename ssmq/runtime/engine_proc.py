@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
+import multiprocessing.util  # its exit hook (joining children) registered before ours, so ours runs first
 import signal
 import threading
 import time
@@ -269,7 +270,7 @@ _LIVE: set = set()  # started engines: their processes are ended at interpreter 
 
 
 @atexit.register
-def _end_children() -> None:  # registered after multiprocessing's own exit hook, so it runs before it
+def _end_children() -> None:  # before multiprocessing's exit hook, which would wait for the children forever
     for engine in list(_LIVE):
         try:
             engine.shutdown()
