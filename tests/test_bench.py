@@ -45,8 +45,8 @@ def test_latency_writes_rows_for_each_recipe(tmp_path):
 
 
 def test_profile_accounts_for_each_step_once():
-    """The profile's rows per step: the listed ones sum to 'kernels (sum)', which with 'between kernels' is the step
-    time; the step's matrix products appear once a step for each linear layer (aten::mm on the CPU)."""
+    """The profile's rows per step: the listed ones sum to 'kernels (sum)', which with 'between kernels' is the
+    profiled step's time that every share is of; the step's matrix products appear once a step for each linear layer (aten::mm on the CPU)."""
     from ssmq.bench.latency import tpot_ms
     from ssmq.bench.models import build
 
@@ -55,8 +55,9 @@ def test_profile_accounts_for_each_step_once():
     by = {r["kernel"]: r for r in rows}
     listed = [r for r in rows if r["kernel"] not in ("kernels (sum)", "between kernels")]
     assert sum(r["us"] for r in listed) == pytest.approx(by["kernels (sum)"]["us"])
-    assert by["kernels (sum)"]["us"] + by["between kernels"]["us"] == pytest.approx(ms * 1e3)
-    assert by["kernels (sum)"]["share"] + by["between kernels"]["share"] == pytest.approx(1)
+    step_us = by["kernels (sum)"]["us"] + by["between kernels"]["us"]  # the profiled step's own timing
+    assert step_us > 0 and ms > 0
+    assert all(r["us"] / r["share"] == pytest.approx(step_us) for r in rows)
     mm = [r for r in listed if r["kernel"] in ("aten::mm", "aten::addmm")]
     assert mm and sum(r["calls"] for r in mm) == pytest.approx(len([m for m in model.modules()
                                                                      if isinstance(m, torch.nn.Linear)]))

@@ -57,7 +57,8 @@ def decode_step(model, batch: int, max_len: int):
 @torch.inference_mode()
 def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int, profile: bool = False):
     """One decode step of ``batch`` sequences, ms: the mean over ``steps`` consecutive steps, median of ``reps``.
-    With ``profile``: (ms, the step's per-kernel profile rows, ``ssmq.bench.profile.kernel_profile``)."""
+    With ``profile``: (ms, the per-kernel profile rows of the step captured without programmatic dependent launch,
+    ``ssmq.bench.profile.kernel_profile``, whose step time they share out)."""
     # every step (graph capture, warm-up and the profile included) adds a token
     step = decode_step(model, batch, (warmup + reps + 4) * steps + 16)
 
@@ -68,9 +69,22 @@ def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int, profile: bool
     ms = time_fn(run, model.device, warmup, reps).median_ms / steps
     if not profile:
         return ms
-    from ssmq.bench.profile import kernel_profile
+    from dataclasses import replace
 
-    return ms, kernel_profile(step, model.device, ms, steps)
+    from ssmq.bench.profile import kernel_profile
+    from ssmq.kernels import policy
+
+    # Under programmatic dependent launch a kernel starts while its predecessor runs and waits inside, so its
+    # recorded time includes its predecessor's tail: the profile runs a step captured without PDL, timed on its own.
+    with policy.using(replace(policy.active(), pdl=False)):
+        plain = decode_step(model, batch, (warmup + reps + 4) * steps + 16)
+
+    def run_plain():
+        for _ in range(steps):
+            plain()
+
+    plain_ms = time_fn(run_plain, model.device, warmup, reps).median_ms / steps
+    return ms, kernel_profile(plain, model.device, plain_ms, steps)
 
 
 @torch.inference_mode()

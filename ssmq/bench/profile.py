@@ -2,8 +2,9 @@
 each takes, beside the step's own time. The difference between the step and the sum of its kernels is the time
 the GPU spent between kernels (launch gaps, ramps and tails that no kernel's own time shows).
 
-On CUDA the step is what ``ssmq generate`` replays (a CUDA graph) and the profiler records every kernel of the
-replay with its device time; on the CPU the rows are the step's PyTorch operators (self CPU time), which only
+On CUDA the step is what ``ssmq generate`` replays (a CUDA graph, here captured without programmatic dependent
+launch, which would let each kernel's recorded time include its predecessor's tail) and the profiler records every
+kernel of the replay with its device time; on the CPU the rows are the step's PyTorch operators (self CPU time), which only
 shows that the profile runs.
 """
 
