@@ -8,8 +8,8 @@ Why the layout: a thread loads 16 bytes of codes (4 words, one ``LDG.128``) and 
 consecutive codes of the row, so their x is one 8-byte load (the stored layout interleaves even and odd columns
 within a byte: 32 four-byte x loads a thread and tile, the cost that held the plain-layout GEMVs to a third of HBM
 speed). A code becomes an exact float32 by masking its slot under the exponent of 2^23 (the word's two halves get
-the exponent once, one LOP3 each; a code one LOP3 and one FADD, no I2F; the slot's bit offset 2^P moves onto x,
-exact); one FFMA a code and row; per-group scales multiply a block's 16-word sums once (one FFMA a word and row).
+the exponent once, one LOP3 each) and one FFMA (scale by 2^-P, remove the offset; no I2F); one FFMA a code and row;
+per-group scales multiply a block's 16-word sums once (one FFMA a word and row).
 
 Grid: (row blocks, column tiles, K split); the row blocks of a column tile are neighbours in launch order, so 5-8
 rows read each weight tile from HBM once and from L2 after. The K split fills about WAVES programs an SM; each
@@ -43,34 +43,33 @@ CFG = configs.load("packed_gemv")  # launch settings (configs/packed_gemv.json)
 
 @triton.jit
 def _slot_f32(lo, hi, J: tl.constexpr, BITS: tl.constexpr):
-    """Slot J of each word (lo, hi: its halves under the exponent of 2^23) as the exact float32 q * 2^P (P: the
-    slot's bit offset within its half): mask the slot with the exponent (one LOP3), remove 2^23 + 2^(BITS-1) 2^P
-    (one FADD, exact)."""
+    """Slot J of each word (lo, hi: its halves under the exponent of 2^23) as its exact float32 code q: the slot
+    masked with the exponent (one LOP3) reads 2^23 + (q + 2^(BITS-1)) 2^P (P: the slot's bit offset in its half);
+    one FFMA scales it by 2^-P and removes 2^(23-P) + 2^(BITS-1), exactly (every step is a power-of-two scaling or
+    an exact difference of integers below 2^24)."""
     H: tl.constexpr = 16 // BITS  # slots a half word
     P: tl.constexpr = BITS * (J % H)
     MASK: tl.constexpr = 0x7F800000 | (((1 << BITS) - 1) << P)
-    OFF: tl.constexpr = (1 << 23) + ((1 << (BITS - 1)) << P)
+    OFF: tl.constexpr = (1 << (23 - P)) + (1 << (BITS - 1))
     if J >= H:
         src = hi
     else:
         src = lo
-    return (src & MASK).to(tl.float32, bitcast=True) - OFF
+    return (src & MASK).to(tl.float32, bitcast=True) * (1.0 / (1 << P)) - OFF
 
 
 @triton.jit
-def _x_slot(x_ptrs, mx, J: tl.constexpr, BITS: tl.constexpr):
-    """A row's x for slot J of a tile's words ((NB, 16) float32), times 2^-P (``_slot_f32``'s 2^P, exact)."""
-    H: tl.constexpr = 16 // BITS
-    P: tl.constexpr = BITS * (J % H)
-    return tl.load(x_ptrs + J * 16, mask=mx, other=0.0).to(tl.float32) * (1.0 / (1 << P))
+def _x_slot(x_ptrs, mx, J: tl.constexpr):
+    """A row's x for slot J of a tile's words ((1, NB, 16) float32)."""
+    return tl.load(x_ptrs + J * 16, mask=mx, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _tile_rows(w, s, x_ptrs, s_xm, mx0, mx1, mx2, mx3, a0, a1, a2, a3,
                BITS: tl.constexpr, WS_MODE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One (BLOCK_N, NB, 16) tile of words applied to up to 4 rows (x_ptrs: row 0's x of slot 0, (NB, 16)): each
-    row's products added elementwise into a_r (BLOCK_N, NB, 16), per group times the block's scales s (BLOCK_N,
-    NB). Slots outer, rows inner: a converted code meets every row while it is live."""
+    """One (BLOCK_N, NB, 16) tile of words applied to up to 4 rows (x_ptrs: row 0's x of slot 0, (1, NB, 16)): each
+    row's products added elementwise into a_r (BLOCK_N, NB, 16), or per group each block's sum times its scale s
+    into a_r (BLOCK_N, NB). Slots outer, rows inner: a converted code meets every row while it is live."""
     WPW: tl.constexpr = 32 // BITS
     lo = (w & 0xFFFF) | 0x4B000000
     hi = ((w >> 16) & 0xFFFF) | 0x4B000000
@@ -81,20 +80,19 @@ def _tile_rows(w, s, x_ptrs, s_xm, mx0, mx1, mx2, mx3, a0, a1, a2, a3,
         q0, q1, q2, q3 = a0, a1, a2, a3
     for j in tl.static_range(WPW):
         c = _slot_f32(lo, hi, j, BITS)
-        q0 += _x_slot(x_ptrs, mx0, j, BITS)[None, :, :] * c
+        q0 += _x_slot(x_ptrs, mx0, j) * c
         if BLOCK_M > 1:
-            q1 += _x_slot(x_ptrs + s_xm, mx1, j, BITS)[None, :, :] * c
+            q1 += _x_slot(x_ptrs + s_xm, mx1, j) * c
         if BLOCK_M > 2:
-            q2 += _x_slot(x_ptrs + 2 * s_xm, mx2, j, BITS)[None, :, :] * c
-            q3 += _x_slot(x_ptrs + 3 * s_xm, mx3, j, BITS)[None, :, :] * c
-    if WS_MODE == 2:
-        sb = s[:, :, None]
-        a0 += q0 * sb
+            q2 += _x_slot(x_ptrs + 2 * s_xm, mx2, j) * c
+            q3 += _x_slot(x_ptrs + 3 * s_xm, mx3, j) * c
+    if WS_MODE == 2:  # a block's sums (across the threads of its words) times its scales, into a_r (BLOCK_N, NB)
+        a0 += tl.sum(q0, axis=2) * s
         if BLOCK_M > 1:
-            a1 += q1 * sb
+            a1 += tl.sum(q1, axis=2) * s
         if BLOCK_M > 2:
-            a2 += q2 * sb
-            a3 += q3 * sb
+            a2 += tl.sum(q2, axis=2) * s
+            a3 += tl.sum(q3, axis=2) * s
     else:
         a0, a1, a2, a3 = q0, q1, q2, q3
     return a0, a1, a2, a3
@@ -102,7 +100,9 @@ def _tile_rows(w, s, x_ptrs, s_xm, mx0, mx1, mx2, mx3, a0, a1, a2, a3,
 
 @triton.jit
 def _block_scales(ws_ptr, cols, n_groups, blk, mn, valid, GB: tl.constexpr, WS_MODE: tl.constexpr):
-    """The (BLOCK_N, NB) scales of the blocks blk (NB,) (WS_MODE 2: per group of GB blocks), else a placeholder."""
+    """The (BLOCK_N, NB) scales of the blocks blk (NB,) of rows cols (WS_MODE 2: per group of GB blocks), else a
+    placeholder. (Loaded in the words' (BLOCK_N, NB, 16) shape, they came in a layout of their own and every tile's
+    products went through shared memory to meet them: eight barriers a tile.)"""
     if WS_MODE == 2:
         s = tl.load(ws_ptr + cols[:, None] * n_groups + (blk // GB)[None, :], mask=mn[:, None] & valid, other=0.0)
     else:
@@ -147,10 +147,15 @@ def _packed_gemv(
     mm = offs_m < M
     rows = offs_m.to(tl.int64)
     r0 = pid_m * BLOCK_M
-    x_ptrs = x_ptr + r0.to(tl.int64) * s_xm + t0 * NB * CB + offs_b[:, None] * CB + offs_w[None, :]
-    on = offs_w[None, :] >= 0
+    # x as a (1, NB, 16) tile: the words' layout with one column, broadcast over the columns in registers (a (NB, 16)
+    # tile expanded into it went through shared memory each slot; a (BLOCK_N, NB, 16) one converted every copy)
+    x_ptrs = x_ptr + r0.to(tl.int64) * s_xm + t0 * NB * CB + offs_b[None, :, None] * CB + offs_w[None, None, :]
+    on = offs_w[None, None, :] >= 0
     mx0, mx1, mx2, mx3 = on & (r0 < M), on & (r0 + 1 < M), on & (r0 + 2 < M), on & (r0 + 3 < M)
-    a0 = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
+    if WS_MODE == 2:  # per row: sums of each block (per group), else of each word (reduced once at the end)
+        a0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    else:
+        a0 = tl.zeros((BLOCK_N, NB, 16), dtype=tl.float32)
     a1, a2, a3 = a0, a0, a0
     for i in range(n_it):
         w = w_next
@@ -162,8 +167,9 @@ def _packed_gemv(
         w_ptrs += KW
         x_ptrs += NB * CB
         blk += NB
-    tot = _rows_tile(tl.sum(tl.sum(a0, axis=2), axis=1), tl.sum(tl.sum(a1, axis=2), axis=1),
-                     tl.sum(tl.sum(a2, axis=2), axis=1), tl.sum(tl.sum(a3, axis=2), axis=1), offs_ml)
+    if WS_MODE != 2:
+        a0, a1, a2, a3 = tl.sum(a0, axis=2), tl.sum(a1, axis=2), tl.sum(a2, axis=2), tl.sum(a3, axis=2)
+    tot = _rows_tile(tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1), offs_ml)
     if SPLIT:
         p_off = rows[:, None] * N + offs_n[None, :]
         mo = mm[:, None] & mn[None, :]
@@ -178,7 +184,7 @@ def _packed_gemv(
             elif WS_MODE == 0:
                 tot = tot * tl.load(ws_ptr + offs_n * 0)[None, :]
             tl.store(part_ptr + pid_k * M * N + p_off, tot, mask=mo)
-            mm = mm & False
+            mm = mm & (offs_ml < 0)  # only _sum_splits writes the output
     _finish_words(tot, tl.zeros((BLOCK_M,), dtype=tl.float32), ws_ptr, ws_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm,
                   s_om, 0, WS_MODE, HAS_BIAS)
 
@@ -199,7 +205,9 @@ def _plan(M: int, N: int, K: int, bits: int, group: int | None, sms: int, cfg: d
     while blocks % nb:
         nb //= 2
     BM = min(pow2(M), cfg["ROWS_PROGRAM"])
-    BN = min(max(16, cfg["TILE_WORDS"] // (nb * BLOCK_WORDS * BM)), pow2(N, 16))
+    # the same tile at every row count: a thread's x (one load and conversion a slot and word) serves its BN / 32
+    # columns (BN shrinking with the rows left 1 column a thread at 4 rows: as many x conversions as FFMAs)
+    BN = min(max(16, cfg["TILE_WORDS"] // (nb * BLOCK_WORDS)), pow2(N, 16))
     m_blocks, n_tiles, k_tiles = triton.cdiv(M, BM), triton.cdiv(N, BN), blocks // nb
     iters = max(1, min(cfg["MAX_ITERS"], triton.cdiv(m_blocks * n_tiles * k_tiles, cfg["WAVES"] * sms)))
     split = min(triton.cdiv(k_tiles, iters), cfg["MAX_SPLIT"])
