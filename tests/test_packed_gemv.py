@@ -176,10 +176,15 @@ def test_quant_linear_routes_bound_words_and_graphs_replay(PG, monkeypatch):
     from ssmq.quant.linear import QuantLinear
     from ssmq.quant.spec import WeightSpec
 
+    from ssmq.kernels import policy
+
     monkeypatch.setitem(PG.CFG, "ROUTE_ROWS", {"int4": 8, "int8": 8})
     lin = torch.nn.Linear(2560, 4096, device=DEV, dtype=torch.float16)
     m = QuantLinear.from_float(lin, WeightSpec.from_dict({"dtype": "int4", "granularity": "per_group:128"}))
     assert m.weight_words is None
+    m.bind_decode()  # the default policy holds no second copy of the codes
+    assert m.weight_words is None
+    monkeypatch.setattr(policy, "_ACTIVE", [policy.KernelPolicy(repacked_decode=True)])
     m.bind_decode()
     assert m.weight_words is not None and torch.equal(unpack_words(m.weight_words, 4), m.weight_codes())
     x = torch.randn(3, 2560, device=DEV, dtype=torch.float16)

@@ -291,9 +291,10 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
 def pack_for_decode(w_q, w_scale, w_zero=None):
     """The decode GEMV's copy of a stored weight's codes (``ops.quant_linear.pack_words``' layout, made once when a
     model's decode is set up: ``QuantLinear.bind_decode``), or None where no decode call of its code type would run
-    on it (CPU, no Triton, fp8 codes, zero points, k or group not whole blocks, ROUTE_ROWS of
-    configs/packed_gemv.json routing no rows of its code type): the stored layout's kernels serve every call then."""
-    if not _use_triton(w_q) or w_q.dtype not in (torch.uint8, torch.int8):
+    on it (the policy's ``repacked_decode`` off, CPU, no Triton, fp8 codes, zero points, k or group not whole
+    blocks, ROUTE_ROWS of configs/packed_gemv.json routing no rows of its code type): the stored layout's kernels
+    serve every call then."""
+    if not active().repacked_decode or not _use_triton(w_q) or w_q.dtype not in (torch.uint8, torch.int8):
         return None
     packed = _kernels("packed_gemv")
     code = "int4" if w_q.dtype == torch.uint8 else "int8"
