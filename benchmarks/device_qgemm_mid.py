@@ -1,187 +1,224 @@
 """Device script: tune and time ``ssmq.kernels.qgemm_mid`` against quant_gemm's kernels and FP16 F.linear.
 
-Stage 1 picks the structure (SWAP, X_SPLIT, POST_SCALE) at 32 and 128 rows on Mamba2-2.7B's in_proj and out_proj,
-stage 2 the tiles (BN, warps, stages, waves) for each row count on Mamba2-2.7B and -8B in_proj / out_proj, both
-scored by the sum of medians (CUDA events, L2 flushed). The winners become configs/qgemm_mid.json (ROWS_W4 /
-ROWS_W8, and ROUTE: the row counts where the new kernel's sum beat the old one's), written for the device's name
-and as the default. Usage: python benchmarks/device_qgemm_mid.py OUT_DIR [sweep seconds]."""
+GPU time only: each point is a CUDA graph of calls that rotate through copies of the weight (together at least
+twice the L2), replayed and timed with CUDA events, per call = graph time / calls; so no host launch time and no
+weight in L2 (a model streams each layer's weight from HBM once a step). Compilation first, in parallel worker
+processes (Triton's disk cache), each checking its point's result against the reference. Every (structure, tile,
+waves) point is timed on Mamba2-2.7B and -8B in_proj / out_proj at 16-256 rows; per row count the point with the
+least summed time wins. The winners become configs/qgemm_mid.json (ROWS_W4 / ROWS_W8, and ROUTE: the row counts
+whose summed time beat quant_gemm's), written for the device's name and as the default.
+Usage: python benchmarks/device_qgemm_mid.py OUT_DIR [workers]."""
 
-import copy
 import json
+import math
+import multiprocessing as mp
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from ssmq.bench.timing import time_fn
-from ssmq.kernels import configs
-from ssmq.kernels import qgemm_mid as QM
-from ssmq.kernels import quant_gemm as QG
-from ssmq.ops.quant_linear import pack_int4, quant_linear_ref
-
-OUT = sys.argv[1]
-BUDGET = float(sys.argv[2]) if len(sys.argv) > 2 else 170.0
-T0 = time.time()
-dev = torch.device("cuda")
-torch.manual_seed(0)
 ROWS = [16, 32, 64, 128, 256]
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120), "8b in_proj": (18560, 4096),
           "8b out_proj": (4096, 8192)}
-log = open(f"{OUT}/sweep_log.txt", "w")
-
-
-def say(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    log.write(s + "\n")
-    log.flush()
-
-
-def t_us(fn, reps=30):
-    reps = min(reps, int(__import__("os").environ.get("MAXREPS", 1000)))
-    return time_fn(fn, dev, 5, reps, l2_flush=True).median_ms * 1e3
-
-
-# copy bandwidth (bytes read + written / time of a 1 GiB copy)
-a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-b = torch.empty_like(a)
-copy_us = time_fn(lambda: b.copy_(a), dev, 3, 10).median_ms * 1e3
-COPY_GBS = 2 * a.numel() / copy_us / 1e3
-del a, b
-say(f"device {torch.cuda.get_device_name()}; copy bandwidth {COPY_GBS:.0f} GB/s")
-
-W = {}
-for name, (n, k) in SHAPES.items():
-    w16 = torch.randn(n, k, device=dev, dtype=torch.float16) * 0.02
-    c4 = torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8)
-    c8 = torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8)
-    W[name] = dict(w16=w16, w4=(pack_int4(c4), torch.rand(n, k // 128, device=dev) * 0.01 + 1e-3),
-                   w8=(c8, torch.rand(n, device=dev) * 0.01 + 1e-3))
-X = {(name, m): torch.randn(m, SHAPES[name][1], device=dev, dtype=torch.float16) for name in SHAPES for m in ROWS}
-
-
-def cfg_with(code, over, rows):
-    """CFG with every ROWS_<code> entry up to ``rows`` replaced by one entry (``over``) for exactly these rows."""
-    key = "ROWS_W4" if code == "w4" else "ROWS_W8"
-    base = QM._entry(rows, dict(bits=4 if code == "w4" else 8), QM.CFG)
-    return {key: [{**base, **over, "max_rows": 1 << 20}]}
-
-
-def new_fn(code, name, m, cfg):
-    w, s = W[name][code]
-    x = X[(name, m)]
-    return lambda: QM.quant_linear_mid(x, w, s, cfg=cfg)
-
-
-def check(code, name, m, cfg):
-    w, s = W[name][code]
-    x = X[(name, m)]
-    out = QM.quant_linear_mid(x, w, s, cfg=cfg)
-    ref = quant_linear_ref(x, w, s)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    if not (err < 3e-3):
-        raise RuntimeError(f"wrong result: rel err {err:.2e}")
-
-
-def score(code, over, rows, shapes, reps=20):
-    cfg = cfg_with(code, over, rows)
-    tot = 0.0
-    for name in shapes:
-        check(code, name, rows, cfg)
-        tot += t_us(new_fn(code, name, rows, cfg), reps)
-    return tot
-
-
-def search(code, cands, rows_list, shapes, tag):
-    best = {}
-    for rows in rows_list:
-        res = []
-        for over in cands:
-            if time.time() - T0 > BUDGET:
-                say(f"  [{tag}] time budget reached")
-                break
-            try:
-                s = score(code, over, rows, shapes)
-            except Exception as e:  # a variant that fails to compile or is wrong is reported and skipped
-                say(f"  [{tag}] {code} rows {rows} {over}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                continue
-            say(f"  [{tag}] {code} rows {rows} {over}: {s:.1f} us")
-            res.append((s, over))
-        if res:
-            best[rows] = min(res, key=lambda r: r[0])[1]
-    return best
-
-
-STRUCT_W4 = [dict(SWAP=True, X_SPLIT=x, POST_SCALE=p) for x in (0, 1, 2) for p in (False, True)] + \
-    [dict(SWAP=False, X_SPLIT=0, POST_SCALE=p) for p in (False, True)]
-STRUCT_W8 = [dict(SWAP=s, X_SPLIT=0, POST_SCALE=False) for s in (True, False)]
+STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s, x, p in ((True, 0, False), (True, 2, False),
+                                                                     (True, 2, True), (False, 0, False))],
+          "w8": [dict(SWAP=s, X_SPLIT=0, POST_SCALE=False) for s in (True, False)]}
 TILES = [dict(BN=64, warps=4, stages=3), dict(BN=64, warps=4, stages=4), dict(BN=128, warps=8, stages=3)]
-tuned = copy.deepcopy(configs.entry(json.loads(configs.path("qgemm_mid").read_text()), "default"))
-s1 = ["2.7b in_proj", "2.7b out_proj"]
-for code, struct, share in (("w4", STRUCT_W4, 0.7), ("w8", STRUCT_W8, 1.0)):
-    key = "ROWS_W4" if code == "w4" else "ROWS_W8"
-    BUDGET_ALL, BUDGET = BUDGET, (time.time() - T0) + share * (BUDGET - (time.time() - T0))
-    b1 = search(code, struct, [32, 128], s1, "structure")
-    # one structure a row range: the best at 32 rows for up to 64, the best at 128 above; tiles per row count,
-    # the most served counts first (a count left untuned when the time is up takes its nearest tuned neighbour's)
-    b2 = {}
-    for rows in (32, 128, 64, 256, 16):
-        st = b1.get(32 if rows <= 64 else 128) or b1.get(32) or b1.get(128) or {}
-        cands = [{**st, **t, "waves": wv} for t in TILES for wv in (1, 2)]
-        b2.update(search(code, cands, [rows], list(SHAPES), "tiles"))
-    entries = []
-    for rows in ROWS:
-        near = min(b2, key=lambda r: abs(r - rows)) if b2 else None
-        st = b1.get(32 if rows <= 64 else 128) or {}
-        e = {**QM._entry(rows, dict(bits=4 if code == "w4" else 8), QM.CFG), **st,
-             **(b2[near] if near is not None else {}), "max_rows": rows if rows < ROWS[-1] else 512,
-             "BM": min(128, rows)}
-        entries.append(e)
-    tuned[key] = entries
-    BUDGET = BUDGET_ALL
-QM.CFG.update(tuned)
-say(f"tuned settings: {json.dumps(tuned)}")
+POINTS = [(code, rows, {**st, **t, "waves": wv, "BM": min(128, rows)}) for code in ("w4", "w8") for rows in ROWS
+          for st in STRUCT[code] for t in TILES for wv in (1, 2)]
 
-# final table: old path (quant_gemm as routed before), new (tuned), FP16 F.linear
-rows_out = []
-route = {}
-for code in ("w4", "w8"):
-    wins = {}
-    for m in ROWS:
-        sums = [0.0, 0.0]
+
+def weights(name, code, dev, seed=0):
+    from ssmq.ops.quant_linear import pack_int4
+
+    n, k = SHAPES[name]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    if code == "w16":
+        return (torch.randn(n, k, device=dev, dtype=torch.float16, generator=g) * 0.02,)
+    if code == "w4":
+        c = torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8, generator=g)
+        return pack_int4(c), torch.rand(n, k // 128, device=dev, generator=g) * 0.01 + 1e-3
+    return (torch.randint(-127, 128, (n, k), device=dev, dtype=torch.int8, generator=g),
+            torch.rand(n, device=dev, generator=g) * 0.01 + 1e-3)
+
+
+def cfg_for(code, over):
+    return {"ROWS_W4" if code == "w4" else "ROWS_W8": [{"BK": 128, **over, "max_rows": 1 << 20}]}
+
+
+def _compile(chunk):
+    """Worker: run each point once (Triton compiles it into the disk cache) and check it against the reference."""
+    from ssmq.kernels import qgemm_mid as QM
+    from ssmq.kernels import quant_gemm as QG
+    from ssmq.ops.quant_linear import quant_linear_ref
+
+    dev = torch.device("cuda")
+    W, bad = {}, []
+    for code, rows, over in chunk:
         for name, (n, k) in SHAPES.items():
-            w, s = W[name][code]
-            x = X[(name, m)]
-            old = t_us(lambda: QG.quant_linear(x, w, s), 50)
-            new = t_us(lambda: QM.quant_linear_mid(x, w, s), 50)
-            f16 = t_us(lambda: F.linear(x, W[name]["w16"]), 50)
-            nbytes = w.numel() * w.element_size() + s.numel() * 4 + x.numel() * 2 + m * n * 2
-            rows_out.append(dict(code=code, shape=name, rows=m, old_us=old, new_us=new, fp16_us=f16,
-                                 new_GBs=nbytes / new / 1e3, copy_GBs=COPY_GBS))
-            sums[0] += old
-            sums[1] += new
-        wins[m] = sums[1] < sums[0]
-    ok = [m for m in ROWS if wins[m]]
-    lo_i = next((i for i, m in enumerate(ROWS) if wins[m]), None)
-    if lo_i is None:
-        route["int4" if code == "w4" else "int8"] = [1, 0]
-        continue
-    hi_i = lo_i
-    while hi_i + 1 < len(ROWS) and wins[ROWS[hi_i + 1]]:
-        hi_i += 1
-    lo = ROWS[lo_i] if lo_i == 0 else ROWS[lo_i - 1] + 1
-    route["int4" if code == "w4" else "int8"] = [lo, ROWS[hi_i] if hi_i < len(ROWS) - 1 else 256]
-    say(f"{code}: wins at {ok}")
-tuned["ROUTE"] = route
-data = json.loads(configs.path("qgemm_mid").read_text())
-data["devices"]["default"] = tuned
-data["devices"][torch.cuda.get_device_name()] = tuned
-configs.path("qgemm_mid").write_text(json.dumps(data, indent=2) + "\n")
-json.dump(dict(device=torch.cuda.get_device_name(), copy_GBs=COPY_GBS, rows=rows_out, settings=tuned),
-          open(f"{OUT}/qgemm_mid.json", "w"), indent=1)
-say(f"{'code':4} {'shape':14} {'rows':>4} {'old us':>8} {'new us':>8} {'fp16 us':>8} {'new/fp16':>8} {'GB/s':>6}")
-for r in rows_out:
-    say(f"{r['code']:4} {r['shape']:14} {r['rows']:4d} {r['old_us']:8.1f} {r['new_us']:8.1f} {r['fp16_us']:8.1f} "
-        f"{r['fp16_us'] / r['new_us']:8.2f} {r['new_GBs']:6.0f}")
-say(f"route {route}; sweep+table {time.time() - T0:.0f} s")
+            if (name, code) not in W:
+                W[(name, code)] = weights(name, code, dev)
+            w, s = W[(name, code)]
+            x = torch.randn(rows, k, device=dev, dtype=torch.float16)
+            try:
+                if over is None:
+                    QG.quant_linear(x, w, s)
+                    continue
+                out = QM.quant_linear_mid(x, w, s, cfg=cfg_for(code, over))
+                ref = quant_linear_ref(x, w, s)
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                if not err < 3e-3:
+                    bad.append((code, rows, over, name, f"rel err {err:.2e}"))
+            except Exception as e:  # reported, the point is left out of the timing
+                bad.append((code, rows, over, name, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+    torch.cuda.synchronize()
+    return bad
+
+
+def graph_us(calls, reps=5):
+    """GPU time a call of ``calls`` (callables, run once each per replay) in a CUDA graph, us."""
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(3):
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
+    del g
+    return sorted(ts)[1]
+
+
+def main():
+    out_dir = sys.argv[1]
+    workers = int(sys.argv[2]) if len(sys.argv) > 2 else 14
+    t0 = time.time()
+    log = open(f"{out_dir}/sweep_log.txt", "w")
+
+    def say(*a):
+        s = " ".join(str(x) for x in a)
+        print(s, flush=True)
+        log.write(s + "\n")
+        log.flush()
+
+    # compile (and check) every point in parallel; the old path's kernels too
+    jobs = POINTS + [(code, rows, None) for code in ("w4", "w8") for rows in ROWS]
+    chunks = [jobs[i::workers] for i in range(workers)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        bad = [b for part in pool.map(_compile, chunks) for b in part]
+    failed = {(c, r, json.dumps(o, sort_keys=True)) for c, r, o, _, _ in bad}
+    for b in bad[:20]:
+        say("  FAILED", b)
+    say(f"compiled {len(jobs)} points x {len(SHAPES)} shapes in {time.time() - t0:.0f} s; {len(failed)} failed")
+
+    from ssmq.kernels import configs
+    from ssmq.kernels import qgemm_mid as QM
+    from ssmq.kernels import quant_gemm as QG
+
+    dev = torch.device("cuda")
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    copy_us = graph_us([lambda: b.copy_(a)])
+    copy_gbs = 2 * a.numel() / copy_us / 1e3
+    del a, b
+    say(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s")
+    # weight copies: at least 2x the L2 a shape and code, so every call reads its weight from HBM
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    W = {}
+    for name in SHAPES:
+        for code in ("w16", "w4", "w8"):
+            one = weights(name, code, dev)
+            nb = sum(t.numel() * t.element_size() for t in one)
+            W[(name, code)] = [one] + [weights(name, code, dev, seed=i + 1) for i in range(max(1, math.ceil(
+                2 * l2 / nb)) - 1)]
+    X = {(name, m): torch.randn(m, SHAPES[name][1], device=dev, dtype=torch.float16) for name in SHAPES for m in ROWS}
+
+    def t_new(code, name, m, over):
+        cfg = cfg_for(code, over)
+        x = X[(name, m)]
+        return graph_us([lambda w=w, s=s: QM.quant_linear_mid(x, w, s, cfg=cfg) for w, s in W[(name, code)]])
+
+    def t_old(code, name, m):
+        x = X[(name, m)]
+        return graph_us([lambda w=w, s=s: QG.quant_linear(x, w, s) for w, s in W[(name, code)]])
+
+    def t_f16(name, m):
+        x = X[(name, m)]
+        return graph_us([lambda w=w: F.linear(x, w) for (w,) in W[(name, "w16")]])
+
+    best, res = {}, []
+    for code, rows, over in POINTS:
+        if (code, rows, json.dumps(over, sort_keys=True)) in failed:
+            continue
+        ts = [t_new(code, name, rows, over) for name in SHAPES]
+        res.append(dict(code=code, rows=rows, over=over, us=ts))
+        if (code, rows) not in best or sum(ts) < sum(best[(code, rows)]["us"]):
+            best[(code, rows)] = res[-1]
+    say(f"timed {len(res)} points; {time.time() - t0:.0f} s")
+    for code in ("w4", "w8"):
+        for rows in ROWS:
+            top = sorted((r for r in res if r["code"] == code and r["rows"] == rows), key=lambda r: sum(r["us"]))[:3]
+            for r in top:
+                say(f"  {code} {rows:3d} rows: {sum(r['us']):7.1f} us = {' + '.join(f'{t:.1f}' for t in r['us'])}"
+                    f"  {r['over']}")
+
+    data = json.loads(configs.path("qgemm_mid").read_text())
+    tuned = data["devices"]["default"]
+    rows_out, route = [], {}
+    for code in ("w4", "w8"):
+        entries, wins = [], {}
+        for rows in ROWS:
+            near = min((r for c, r in best if c == code), key=lambda r: abs(r - rows))  # every point failed: nearest
+            e = {"BK": 128, **best[(code, near)]["over"], "BM": min(128, rows),
+                 "max_rows": rows if rows < ROWS[-1] else 512}
+            entries.append(e)
+            if near != rows:
+                wins[rows] = False
+                continue
+            sums = [0.0, 0.0]
+            for i, (name, (n, k)) in enumerate(SHAPES.items()):
+                old, new, f16 = t_old(code, name, rows), best[(code, rows)]["us"][i], t_f16(name, rows)
+                w, s = W[(name, code)][0]
+                nbytes = w.numel() * w.element_size() + s.numel() * 4 + rows * k * 2 + rows * n * 2
+                rows_out.append(dict(code=code, shape=name, rows=rows, old_us=old, new_us=new, fp16_us=f16,
+                                     new_GBs=nbytes / new / 1e3, copy_GBs=copy_gbs))
+                sums[0] += old
+                sums[1] += new
+            wins[rows] = sums[1] < sums[0]
+        tuned["ROWS_W4" if code == "w4" else "ROWS_W8"] = entries
+        key = "int4" if code == "w4" else "int8"
+        lo_i = next((i for i, m in enumerate(ROWS) if wins[m]), None)
+        if lo_i is None:
+            route[key] = [1, 0]
+            continue
+        hi_i = lo_i
+        while hi_i + 1 < len(ROWS) and wins[ROWS[hi_i + 1]]:
+            hi_i += 1
+        route[key] = [ROWS[lo_i] if lo_i == 0 else ROWS[lo_i - 1] + 1, ROWS[hi_i]]
+        say(f"{code}: wins at {[m for m in ROWS if wins[m]]}")
+    tuned["ROUTE"] = route
+    data["devices"]["default"] = tuned
+    data["devices"][torch.cuda.get_device_name()] = tuned
+    configs.path("qgemm_mid").write_text(json.dumps(data, indent=2) + "\n")
+    json.dump(dict(device=torch.cuda.get_device_name(), copy_GBs=copy_gbs, table=rows_out, settings=tuned,
+                   points=res), open(f"{out_dir}/qgemm_mid.json", "w"), indent=1)
+    say(f"{'code':4} {'shape':14} {'rows':>4} {'old us':>7} {'new us':>7} {'fp16 us':>7} {'fp16/new':>8} {'GB/s':>5}")
+    for r in rows_out:
+        say(f"{r['code']:4} {r['shape']:14} {r['rows']:4d} {r['old_us']:7.1f} {r['new_us']:7.1f} {r['fp16_us']:7.1f} "
+            f"{r['fp16_us'] / r['new_us']:8.2f} {r['new_GBs']:5.0f}")
+    say(f"route {route}; {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
