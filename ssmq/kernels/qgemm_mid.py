@@ -234,22 +234,31 @@ def _entry(M: int, f: dict, cfg: dict) -> dict:
     return next((e for e in table if M <= e["max_rows"]), table[-1])
 
 
-def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict | None:
-    """Tiles, K split and grid for M x (N, K) in format f; None when the layout does not fit the kernel (K not a
-    multiple of the step, a group that is no power of two of at least a tensor-core step)."""
-    e = _entry(M, f, cfg)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a jit builtin: ~20 us a call from Python, and the plan runs at every call
+
+
+def _step_k(K: int, f: dict, e: dict) -> int | None:
+    """The k a step (the group size for grouped codes), None when K or the group does not fit the kernel (K not a
+    multiple of it, no power of two of at least a tensor-core step's bytes, at most 512)."""
     g = f["group_size"]
-    W4 = f["bits"] == 4
     BK = g if g is not None else e["BK"]
-    if K % BK or BK & (BK - 1) or BK < (32 if W4 else 16) or BK > 512:
+    if K % BK or BK & (BK - 1) or BK < (32 if f["bits"] == 4 else 16) or BK > 512:
         return None
-    BM = min(e["BM"], pow2(M, 16))
+    return BK
+
+
+def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
+    """Tiles, K split and grid for M x (N, K) in format f (a layout ``_step_k`` accepts)."""
+    e = _entry(M, f, cfg)
+    BK = _step_k(K, f, e)
+    BM = min(e["BM"], max(16, 1 << (M - 1).bit_length()))
     BN = e["BN"]
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    tiles = _cdiv(M, BM) * _cdiv(N, BN)
     steps = K // BK
-    split = max(1, min(cfg["MAX_SPLIT"], triton.cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
-    per = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, per)
+    split = max(1, min(cfg["MAX_SPLIT"], _cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
+    per = _cdiv(steps, split)
+    split = _cdiv(steps, per)
     return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, split=split, k_split=per * BK, tiles=tiles, grid=(tiles, split),
                 num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"], X_SPLIT=e["X_SPLIT"],
                 POST_SCALE=e["POST_SCALE"])
@@ -263,7 +272,7 @@ def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scale=Non
     M = math.prod(x.shape[:-1])
     K = f["k"]
     fits = (not f["fp8"] and x_scale is None and x.shape[-1] == K and x.stride(-1) == 1 and w_q.stride(-1) == 1
-            and M > 0 and _plan(M, f["n"], K, f, 132, cfg) is not None)
+            and M > 0 and _step_k(K, f, _entry(M, f, cfg)) is not None)
     return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(x.dtype).removeprefix("torch."), rows=M,
                 zero=w_zero is not None, fits=fits)
 
