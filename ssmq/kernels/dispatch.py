@@ -260,8 +260,8 @@ def linear_into(x, weight, out):
 
 def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None):
     """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear): the
-    decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), the serving-batch GEMM ``qgemm_mid``
-    where ``quant_linear_mid_rows`` does (``qgemm_mid.serves``), else ``quant_gemm``'s kernels."""
+    decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), the serving-batch GEMM
+    ``qgemm_mid`` where ``quant_linear_mid_rows`` does (``qgemm_mid.serves``), else ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
     gemv = _kernels("qgemv")

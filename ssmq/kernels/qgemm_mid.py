@@ -20,7 +20,7 @@ The kernel reads the stored layout (int4: (n, k // 2) uint8, low nibble = even c
 the low / high nibbles are the even / odd columns (``X_SPLIT``: 0 a contiguous x tile split in registers, 1 two
 strided loads, 2 the weight tile's halves interleaved back into k order instead).
 
-Launch settings per row range are ``configs/qgemm_mid.json`` (ROWS: the first entry whose max_rows holds);
+Launch settings per row range are ``configs/qgemm_mid.json``'s ROWS_W4 / ROWS_W8 (the first entry whose max_rows holds);
 which row ranges run here is its ROUTE (``dispatch.quant_linear_mid_rows``), from measurements in its why.
 """
 
