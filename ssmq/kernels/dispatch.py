@@ -263,7 +263,8 @@ def linear_into(x, weight, out):
 def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None, words=None):
     """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear):
     ``packed_gemv`` on ``words`` (the codes repacked by ``pack_for_decode``, or None) where ``PACKED_LINEAR``
-    selects it, the decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), else
+    selects it, the decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), the
+    serving-batch GEMM ``qgemm_mid`` where ``quant_linear_mid_rows`` does (``qgemm_mid.serves``), else
     ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
@@ -276,6 +277,10 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     f = gemv.serves(x, w_q, w_scale, w_zero, x_scale)
     if f is not None:
         return gemv.quant_gemv(x, w_q, w_scale, f, x_scale, bias, out_dtype)
+    mid = _kernels("qgemm_mid")
+    f = mid.serves(x, w_q, w_scale, w_zero, x_scale)
+    if f is not None:
+        return mid.quant_linear_mid(x, w_q, w_scale, f, bias, out_dtype)
     return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
@@ -408,6 +413,23 @@ def _packed_linear_rows(route: tuple, max_rows: int) -> tuple[Row, ...]:
     return (*(Row("packed_gemv", dict(code=Need((code,)), x=_HALF, rows=Need(least=1, most=min(n, max_rows)),
                                       fits=Need((True,)))) for code, n in route),
             Row("stored"))
+
+
+# Weight-only linear at serving batches: qgemm_mid for the rows its ROUTE gives each code type (configs/qgemm_mid.json:
+# where it measured faster than quant_gemm's kernels), 16-bit x, symmetric int4 / int8 codes, a layout it fits
+# (``qgemm_mid.launch``); quant_gemm's kernels every other call.
+
+
+def quant_linear_mid_rows(cfg: dict) -> tuple[Row, ...]:
+    """The serving-batch weight-only linear's selection table for qgemm_mid's settings ``cfg`` (its ROUTE)."""
+    return _quant_linear_mid_rows(tuple(sorted((code, tuple(r)) for code, r in cfg["ROUTE"].items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_linear_mid_rows(route: tuple) -> tuple[Row, ...]:
+    same = dict(x=_HALF, zero=Need((False,)), fits=Need((True,)))
+    return (*(Row("qgemm_mid", dict(code=Need((code,)), rows=Need(least=lo, most=hi), **same)) for code, (lo, hi) in
+              route), Row("quant_gemm"))
 
 
 @functools.lru_cache(maxsize=None)
