@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -132,3 +134,24 @@ def save_tiny_family(family: str, folder, seed: int = 0):
     model = tiny_family_model(family, seed)
     model.save_pretrained(folder)
     return model
+
+
+@contextlib.contextmanager
+def float64_throughout():
+    """Lift the float32 upcasts of both implementations (``t.float()``, ``t.to(torch.float32)``: norms, scans, RoPE
+    tables, attention) to float64 while it lasts: a float64 model then runs in float64 end to end, the reference that
+    tells two float32 implementations' rounding from a difference in their maths."""
+    to, as_float = torch.Tensor.to, torch.Tensor.float
+
+    def to64(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float = to64, lambda self, *a, **k: to(self, torch.float64)
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float = to, as_float

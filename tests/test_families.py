@@ -6,11 +6,12 @@ equals one process."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
-from hf_tiny import FAMILIES, save_tiny_family
+from hf_tiny import FAMILIES, float64_throughout, save_tiny_family
 
 import ssmq
 from ssmq.errors import SSMQError
@@ -22,8 +23,10 @@ PATTERNS = {"falcon_mamba": "Falcon-Mamba: MM", "nemotron_h": "Nemotron-H: M-*-M
             "nemotron_moe": "Nemotron-H: ME*-ME",
             "granite_dense": "Granite-4.0-H: M-*-M-", "granite_moe": "Granite-4.0-H: ME*EME",
             "jamba": "Jamba: M-*EM-*E", "zamba2": "Zamba2: MSMMSMSM", "falcon_h1": "Falcon-H1: P-P-P-"}
-# max |logit - transformers'| (and decode - full forward) in float32; the tiny Zamba2 amplifies rounding more (3e-5
-# and 8e-5 on this seed, 2e-5 to 1.2e-4 over others; equal to 1e-13 in float64)
+# max |logit - transformers'| (and decode - full forward) in float32. The tiny Zamba2 amplifies float32 rounding ten
+# times more than the others: transformers' own float32 logits are 4e-5 to 1.1e-4 from its float64 ones over input
+# seeds 1-8, so no implementation that rounds otherwise comes within 2e-5 of them; its float32 checks are bounded by
+# that error and its maths is checked in float64 (test_zamba2_equals_transformers_in_float64)
 LOGIT_ATOL = {"zamba2": 1e-4}
 
 
@@ -41,7 +44,31 @@ def test_logits_match_transformers(tiny):
     with torch.no_grad():
         ours, ref = model(ids), hf(ids).logits
     assert ref.abs().max() > 1.0  # the comparison is not between two near-zero tensors
-    assert (ours - ref).abs().max().item() <= LOGIT_ATOL.get(family, 2e-5)
+    gap = (ours - ref).abs().max().item()
+    if family != "zamba2":
+        assert gap <= 2e-5
+        return
+    with torch.no_grad(), float64_throughout():
+        exact = copy.deepcopy(hf).double()(ids).logits
+    theirs, mine = ((x.double() - exact).abs().max().item() for x in (ref, ours))
+    assert theirs > 2e-5  # transformers' own float32 rounding: 3.9e-5 here
+    # ssmq is as near transformers as transformers is to float64 (3.1e-5 here), and as near float64 (6.7e-5)
+    assert gap <= 2 * theirs and mine <= 3 * theirs, (gap, theirs, mine)
+
+
+def test_zamba2_equals_transformers_in_float64(tmp_path):
+    """Run in float64 throughout, ssmq's Zamba2 is transformers' to 1e-10 (the shared blocks' concatenation, LoRA
+    adds, RoPE, scales and norms are the same maths), and decode through the cache equals the full forward."""
+    hf = copy.deepcopy(save_tiny_family("zamba2", tmp_path)).double()
+    model = ssmq.load_model(tmp_path).double()
+    ids = torch.randint(0, 96, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), float64_throughout():
+        full, ref = model(ids), hf(ids).logits
+        assert full.dtype == torch.float64 and (full - ref).abs().max().item() <= 1e-10
+        cache = model.allocate_cache(2, 21)
+        model(ids[:, :5], cache)
+        pieces = [model(ids[:, 5:11], cache)[:, -1]] + [model.step(ids[:, t], cache) for t in range(11, 21)]
+    assert (torch.stack(pieces, 1) - full[:, 10:]).abs().max().item() <= 1e-10
 
 
 def test_prefill_then_decode_equals_full_forward(tiny):
