@@ -365,6 +365,7 @@ def test_served_through_the_paged_kv_cache_equal_offline(family, tmp_path):
 @pytest.mark.parametrize("name, billions", [("falcon-mamba-7b", 7.27), ("nemotron-h-8b", 8.10),
                                             ("nemotron-3-nano-30b-a3b", 31.58),
                                             ("granite-4.0-h-tiny", 6.94), ("granite-4.0-h-1b", 1.46),
+                                            ("granite-4.0-h-small", 32.21),
                                             ("jamba-mini", 51.57), ("zamba2-7b", 7.36), ("falcon-h1-7b", 7.59)])
 def test_published_family_configs_have_their_parameter_counts(name, billions):
     from ssmq.models.published import PUBLISHED
