@@ -307,7 +307,7 @@ def _tp_check(results, refs, names, tol):
             assert err <= tol.get(name, 1e-5), f"{name} {key}: max |TP - single| / max |logit| = {err:.2e}"
             assert torch.equal(results[1][i][key], got[key]), f"{name} {key}: ranks disagree"
         assert got["generated"] == ref["generated"], f"{name}: greedy generation differs"
-        if TP_CASES[name][3] is not None:
+        if name in TP_CASES and TP_CASES[name][3] is not None:
             assert got["all_reduces_per_layer"] == TP_CASES[name][3], name
 
 
@@ -320,15 +320,33 @@ def _tp_folders(names, tmp_path):
     return cases
 
 
+# quantized checkpoints of the attention-beside-mixer families: int4 groups on Zamba2's LoRA ups (column-parallel),
+# dynamic int8 activations of Falcon-H1's row-parallel linears (scales reduced over the ranks)
+TP_QUANT = {"zamba2 rtn-w4a16-g128": ("zamba2", "rtn-w4a16-g128"),
+            "falcon_h1 dynamic-w8a8": ("falcon_h1", "dynamic-w8a8")}
+
+
 def test_tp2_equals_single_process(tmp_path):
     """Each family sharded over 2 gloo ranks: the Mamba mixers and MLPs split, attention by KV heads (beside the mixer
     too: Falcon-H1's parallel attention, Zamba2's shared blocks with their LoRA adapters), a MoE replicated; full
-    forward, cached prefill, decode and greedy generation as one process."""
+    forward, cached prefill, decode and greedy generation as one process; float and quantized checkpoints."""
     from _tp_cases import reference, tp_suite
     from _tp_harness import run_ranks
+    from tiny_ssm import synthetic_calibration
+
+    from ssmq.quant import quantize, save_quantized
 
     cases = _tp_folders(list(TP_CASES), tmp_path)
-    _tp_check(run_ranks(tp_suite, 2, cases, "cpu"), [reference(c[0]) for c in cases], list(TP_CASES), TP_TOL)
+    for name, (family, recipe) in TP_QUANT.items():
+        folder = tmp_path / name.replace(" ", "-")
+        save_tiny_family(family, folder / "hf")
+        model = quantize(ssmq.load_model(folder / "hf"), _small_groups(recipe),
+                         synthetic_calibration(96, n=4, seqlen=32), progress=False)
+        save_quantized(model, folder / "q")
+        cases.append((("path", str(folder / "q")), True, None))
+    names = [*TP_CASES, *TP_QUANT]
+    _tp_check(run_ranks(tp_suite, 2, cases, "cpu"), [reference(c[0]) for c in cases], names,
+              {**TP_TOL, "zamba2 rtn-w4a16-g128": 1e-4})
 
 
 def test_tp2_side_attention_equals_single_process_in_float64(tmp_path):
