@@ -215,17 +215,60 @@ def test_ssdi8_refuses_the_mamba1_hybrid(tmp_path):
         quantize(ssmq.load_model(tmp_path), "ssdi8-w8a8", None, progress=False)
 
 
-def test_moe_static_shapes_equal_routed(tmp_path):
-    """The capture-safe MoE (every expert on every token, unchosen weighted 0) equals the routed one."""
-    from ssmq.models.ffn import static_shapes_
+@pytest.mark.parametrize("family", ["granite_moe", "nemotron_moe", "jamba"])
+@pytest.mark.parametrize("mode", ["static", "grouped"])
+def test_moe_capture_safe_modes_equal_routed(family, mode, tmp_path):
+    """The capture-safe MoEs (every expert on every token, unchosen weighted 0; the float experts' stacked weights
+    through ``kernels.moe_experts``) equal the routed one, prefill and decode; ``static_shapes_`` picks grouped for
+    float experts, static for quantized ones."""
+    from ssmq.models.ffn import MoE, static_shapes_
 
-    save_tiny_family("granite_moe", tmp_path)
+    save_tiny_family(family, tmp_path)
     model = ssmq.load_model(tmp_path)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         ref = model(ids)
-        static_shapes_(model)
+        cache = model.allocate_cache(2, 14)
+        model(ids, cache)
+        ref_step = model.step(ids[:, 0], cache)
+        for m in moes:
+            m.set_mode(mode)
         torch.testing.assert_close(model(ids), ref, atol=1e-6, rtol=0)
+        cache = model.allocate_cache(2, 14)
+        model(ids, cache)
+        torch.testing.assert_close(model.step(ids[:, 0], cache), ref_step, atol=1e-6, rtol=0)
+    if mode == "grouped":  # the experts' weights are slices of the stacks: no second copy
+        assert moes[0].experts[1].up_proj.weight.data_ptr() == moes[0]._stacked["up_proj"][1].data_ptr()
+    static_shapes_(model)
+    assert {m.mode for m in moes} == {mode}
+
+
+def test_static_shapes_runs_quantized_experts_static(tmp_path):
+    from ssmq.models.ffn import MoE, static_shapes_
+    from ssmq.quant import quantize
+
+    save_tiny_family("granite_moe", tmp_path)
+    model = quantize(ssmq.load_model(tmp_path), "rtn-w8a16", None, progress=False)
+    static_shapes_(model)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes and {m.mode for m in moes} == {"static"}
+    with pytest.raises(SSMQError, match="float experts only"):
+        moes[0].set_mode("grouped")
+
+
+def test_grouped_moe_refuses_stale_stacks(tmp_path):
+    """Experts cast after their weights were stacked: one clear error, not the old weights."""
+    from ssmq.models.ffn import MoE
+
+    save_tiny_family("granite_moe", tmp_path)
+    model = ssmq.load_model(tmp_path)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.set_mode("grouped")
+    model.double()
+    with pytest.raises(SSMQError, match="changed .* after their weights were stacked"), torch.no_grad():
+        model(torch.zeros(1, 3, dtype=torch.long))
 
 
 def test_moe_routes_tokens_to_different_experts(tmp_path):
