@@ -44,6 +44,25 @@ def test_latency_writes_rows_for_each_recipe(tmp_path):
     assert (tmp_path / "latency.png").stat().st_size > 0
 
 
+def test_profile_accounts_for_each_step_once():
+    """The profile's rows per step: the listed ones sum to 'kernels (sum)', which with 'between kernels' is the
+    profiled step's time that every share is of; the step's matrix products appear once a step for each linear layer (aten::mm on the CPU)."""
+    from ssmq.bench.latency import tpot_ms
+    from ssmq.bench.models import build
+
+    model, _ = build("mamba2-130m", "float", torch.device("cpu"), torch.float32, layers=1)
+    ms, rows = tpot_ms(model, 2, steps=3, warmup=1, reps=2, profile=True)
+    by = {r["kernel"]: r for r in rows}
+    listed = [r for r in rows if r["kernel"] not in ("kernels (sum)", "between kernels")]
+    assert sum(r["us"] for r in listed) == pytest.approx(by["kernels (sum)"]["us"])
+    step_us = by["kernels (sum)"]["us"] + by["between kernels"]["us"]  # the profiled step's own timing
+    assert step_us > 0 and ms > 0
+    assert all(r["us"] / r["share"] == pytest.approx(step_us) for r in rows)
+    mm = [r for r in listed if r["kernel"] in ("aten::mm", "aten::addmm")]
+    assert mm and sum(r["calls"] for r in mm) == pytest.approx(len([m for m in model.modules()
+                                                                     if isinstance(m, torch.nn.Linear)]))
+
+
 def test_throughput_counts_every_generated_token(tmp_path):
     r = run("throughput", "--layers", "1", "--num-prompts", "3", "--input-len", "4", "--output-len", "3",
             "--max-batch", "2", "--out", str(tmp_path))

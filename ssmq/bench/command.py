@@ -76,6 +76,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     _timing_args(p, "runs", 2, 5)
     p.add_argument("--peers", type=_names, default=["mamba_ssm"], help="comma-separated peers timed alongside when "
                    "installed, on CUDA, for Mamba architectures (default mamba_ssm; 'none' for none)")
+    p.add_argument("--profile", action="store_true", help="also profile each decode step: its kernels, their calls "
+                   "and time per step, and the time between kernels, from a step captured without programmatic "
+                   "dependent launch (on the CPU: its PyTorch operators)")
     _device_args(p)
     p.set_defaults(func=_run("latency"))
 

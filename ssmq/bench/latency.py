@@ -38,11 +38,10 @@ def ttft_ms(model, prompt_len: int, warmup: int, reps: int) -> float:
                    setup=cache.reset).median_ms
 
 
-@torch.inference_mode()
-def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int) -> float:
-    """One decode step of ``batch`` sequences, ms: the mean over ``steps`` consecutive steps, median of ``reps``."""
+def decode_step(model, batch: int, max_len: int):
+    """One decode step of ``batch`` sequences as ``ssmq generate`` runs it: a CUDA-graph replay on a GPU (captured
+    here), the eager step on the CPU. Every call adds a token to each sequence; ``max_len`` bounds the calls."""
     dev = model.device
-    max_len = (warmup + reps + 2) * steps + 16  # every step (graph capture and warm-up included) adds a token
     tokens = torch.randint(0, min(model.config.vocab_size, 50000), (batch,), device=dev)
     slots = torch.arange(batch, device=dev)
     if dev.type == "cuda":
@@ -50,17 +49,42 @@ def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int) -> float:
 
         dec = CudaGraphDecoder(model, max_batch=batch, max_seqlen=max_len, buckets=(batch,))
         dec(tokens, slots)  # captures the graph
-        graph = dec.graphs[batch][0]
-        step = graph.replay
-    else:
-        cache = model.allocate_cache(batch, max_len)
-        step = lambda: model.step(tokens, cache, slots)  # noqa: E731
+        return dec.graphs[batch][0].replay
+    cache = model.allocate_cache(batch, max_len)
+    return lambda: model.step(tokens, cache, slots)
+
+
+@torch.inference_mode()
+def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int, profile: bool = False):
+    """One decode step of ``batch`` sequences, ms: the mean over ``steps`` consecutive steps, median of ``reps``.
+    With ``profile``: (ms, the per-kernel profile rows of the step captured without programmatic dependent launch,
+    ``ssmq.bench.profile.kernel_profile``, whose step time they share out)."""
+    # every step (graph capture, warm-up and the profile included) adds a token
+    step = decode_step(model, batch, (warmup + reps + 4) * steps + 16)
 
     def run():
         for _ in range(steps):
             step()
 
-    return time_fn(run, dev, warmup, reps).median_ms / steps
+    ms = time_fn(run, model.device, warmup, reps).median_ms / steps
+    if not profile:
+        return ms
+    from dataclasses import replace
+
+    from ssmq.bench.profile import kernel_profile
+    from ssmq.kernels import policy
+
+    # Under programmatic dependent launch a kernel starts while its predecessor runs and waits inside, so its
+    # recorded time includes its predecessor's tail: the profile runs a step captured without PDL, timed on its own.
+    with policy.using(replace(policy.active(), pdl=False)):
+        plain = decode_step(model, batch, (warmup + reps + 4) * steps + 16)
+
+    def run_plain():
+        for _ in range(steps):
+            plain()
+
+    plain_ms = time_fn(run_plain, model.device, warmup, reps).median_ms / steps
+    return ms, kernel_profile(plain, model.device, plain_ms, steps)
 
 
 @torch.inference_mode()
@@ -102,7 +126,10 @@ def run(args) -> dict:
             result["rows"].append({"impl": recipe, "batch": 1, "prompt_len": length, "ttft_ms": ms})
             bar.update()
         for bs in batches:
-            ms = tpot_ms(model, bs, args.steps, args.warmup, args.reps)
+            ms = tpot_ms(model, bs, args.steps, args.warmup, args.reps, args.profile)
+            if args.profile:
+                ms, kernels = ms
+                result.setdefault("profile", []).extend({"impl": recipe, "batch": bs, **k} for k in kernels)
             result["rows"].append({"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3})
             bar.update()
         del model
@@ -118,6 +145,9 @@ def run(args) -> dict:
         bar.update()
     bar.close()
     print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s"]))
+    if result.get("profile"):
+        print("\nper decode step:")
+        print(table(result["profile"], ["impl", "batch", "kernel", "calls", "us", "share"]))
     for path in write(result, args.out, plot=_plot):
         print(f"wrote {path}")
     return result
