@@ -21,8 +21,10 @@ hq / hkv query / key-value heads; "_l" = this rank's share.
     Hybrid    attention: query heads sharded; KV heads sharded when hkv % W == 0, else each rank keeps the
               one KV head its query heads read; o_proj row-parallel. MLP: gate/up column, down row.
               2 all-reduces per attention block (o_proj, down_proj), Mamba-2 blocks as above (+1 for MLP).
-    Falcon-H1 attention in parallel with each Mamba-2 mixer: both sharded as above, each output all-reduced
-              before the µP multipliers scale and add them (scalars: they commute with the sums). The mixer's
+    Falcon-H1 attention in parallel with each Mamba-2 mixer: both sharded as above; their row-parallel outputs are
+              scaled by the µP multipliers (scalars: they commute with the sums) and added in ONE all-reduce
+              (two where out_proj's all-reduce carries the norm's sum of squares: the norm's rstd applies after
+              it). 1 (that sum) + the norm's, if split + 1 (MLP) all-reduces per block. The mixer's
               per-segment in_proj multipliers follow in_proj's rows; its norm, gate first or norm first (or none),
               is local or sharded as Mamba-2's.
     Zamba2    a shared transformer block (stored once, sharded once) is attention + MLP as above. Each use's LoRA
@@ -43,6 +45,7 @@ rank's slice of the rotated input multiplies its columns (one all-gather more).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -162,6 +165,10 @@ class RowParallel(nn.Module):
     input (max over ranks; or of the gathered input when rotated).
     """
 
+    # partial: return this rank's partial sum, left to a later all-reduce that adds it with others (Falcon-H1's
+    # mixer and attention outputs, ``fuse_parallel_sums_``)
+    partial = False
+
     def __init__(self, inner: nn.Module, comm: Communicator, start: int, stop: int, name: str):
         super().__init__()
         self.rotated = _is_rotated(inner)
@@ -184,7 +191,8 @@ class RowParallel(nn.Module):
             if _dynamic_act(self.inner):
                 self._full_scale = self.inner.dynamic_scale(full)
             x = full[..., self.start:self.stop]
-        return self.comm.all_reduce(self.inner(x), name=self.name)
+        y = self.inner(x)
+        return y if self.partial else self.comm.all_reduce(y, name=self.name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,6 +421,19 @@ def shard_shared_use_(use: nn.Module, cfg, comm: Communicator) -> int:
     return 2
 
 
+def fuse_parallel_sums_(layer: nn.Module, comm: Communicator) -> int:
+    """Falcon-H1: the mixer's out_proj and the parallel attention's o_proj give partial sums, and one all-reduce adds
+    m_ssm · Σ out_proj + m_attn · Σ o_proj (the µP multipliers are scalars: they commute with the sum; a bias counted
+    on rank 0 only is scaled the same). Not where out_proj's all-reduce also carries the norm's sum of squares, or an
+    input is rotated. Returns the all-reduces it saves a call (0 or 1)."""
+    out, o = layer.mixer.out_proj, layer.attn.o_proj
+    if not (type(out) is RowParallel and type(o) is RowParallel) or out.rotated or o.rotated:
+        return 0
+    out.partial = o.partial = True
+    layer.side_sum = functools.partial(comm.all_reduce, name="out_proj+o_proj")
+    return 1
+
+
 @torch.no_grad()
 def shard_mlp_(mlp: nn.Module, comm: Communicator) -> int:
     if hasattr(mlp, "experts"):  # a mixture of experts is replicated: every rank runs all of it, no all-reduce
@@ -479,8 +500,8 @@ def apply_tp(model: nn.Module, comm: Communicator, fuse_norm: bool = True) -> nn
             k = shard_mamba1_(layer.mixer, comm)
         else:
             k = shard_attention_(layer.mixer, comm)
-        if layer.attn is not None:  # Falcon-H1: attention in parallel with the mixer
-            k += shard_attention_(layer.attn, comm)
+        if layer.attn is not None:  # Falcon-H1: attention in parallel with the mixer, their sums added in one
+            k += shard_attention_(layer.attn, comm) - fuse_parallel_sums_(layer, comm)
         if layer.shared is not None:  # Zamba2: a shared transformer block before the mixer
             k += shard_shared_use_(layer.shared, model.config, comm)
         if layer.mlp is not None:
