@@ -109,7 +109,8 @@ class CudaGraphPrefill:
         if model.device.type != "cuda":
             raise SSMQError("CUDA-graph prefill needs the model on a CUDA device")
         static_shapes_(model)
-        self.model, self.cache, self.max_len = model, cache, max_len
+        # a piece longer than the cache would write KV past its end while being captured
+        self.model, self.cache, self.max_len = model, cache, min(max_len, cache.max_seqlen)
         self.pool = pool or torch.cuda.graph_pool_handle()
         self.scratch = cache.max_batch - 1
         self.graphs: dict[int, tuple] = {}
