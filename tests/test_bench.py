@@ -146,17 +146,18 @@ def test_serve_load_against_a_server(tmp_path):
 
 
 def test_serve_a_model_here_reports_the_share_of_the_decode_step_bound(tmp_path):
-    """--model: the model served in this process, the clients in a child; each level's row carries the decode step
-    timed at its batch, the bound (batch / step) and the measured throughput's share of it."""
+    """--model: the model served here (the engine in a thread of this process, then in a process of its own), the
+    clients in a child; each level's row carries the decode step timed at its batch, the bound (batch / step) and
+    the measured throughput's share of it."""
     pytest.importorskip("fastapi", reason="ssmq serve needs fastapi")
     r = run("serve", "--model", "mamba2-130m", "--layers", "1", "--recipes", "float", "--concurrency", "1,2",
             "--num-prompts", "3", "--input-len", "5", "--output-len", "4", "--prefill-chunk", "4", "--steps", "2",
-            "--warmup", "1", "--reps", "1", "--quiet", "--out", str(tmp_path))
+            "--warmup", "1", "--reps", "1", "--engine", "process,thread", "--quiet", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "serve.json").read_text())
     assert res["model"] == "mamba2-130m" and res["gpu"].startswith("CPU") and res["prefill_chunk"] == 4
-    assert [(row["recipe"], row["concurrency"], row["requests"], row["failed"]) for row in res["rows"]] == \
-        [("float", 1, 3, 0), ("float", 2, 3, 0)]
+    assert [(row["recipe"], row["engine"], row["concurrency"], row["requests"], row["failed"])
+            for row in res["rows"]] == [("float", e, c, 3, 0) for e in ("thread", "process") for c in (1, 2)]
     for row in res["rows"]:
         assert row["step_ms"] > 0 and row["bound_tok_s"] == pytest.approx(row["concurrency"] / row["step_ms"] * 1e3)
         assert row["bound_share"] == pytest.approx(row["output_tok_s"] / row["bound_tok_s"])

@@ -26,6 +26,14 @@ def _names(text: str) -> list[str]:
     return values
 
 
+def _engines(text: str) -> list[str]:
+    values = _names(text)
+    bad = [v for v in values if v not in ("process", "thread")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"engines are 'process' and 'thread', not {', '.join(bad)}")
+    return values
+
+
 def _device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=DTYPE_CHOICES,
@@ -121,6 +129,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "(default 512)")
     p.add_argument("--prefill-tokens", type=int, default=2048, help="with --model: the engine's --prefill-tokens "
                    "(default 2048)")
+    p.add_argument("--engine", type=_engines, default=["process"],
+                   help="with --model: comma-separated 'process' (the engine in a process of its own, as ssmq serve "
+                        "runs it) and 'thread' (in a thread of the server's process); both: one after the other on "
+                        "the same model and bound (default process)")
     p.add_argument("--steps", type=int, default=8, help="with --model: decode steps in one timing of the bound "
                    "(default 8)")
     _timing_args(p, "runs of the bound", 2, 5)

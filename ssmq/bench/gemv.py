@@ -6,8 +6,9 @@ Each op (in_proj and out_proj of each model; fp16 weights on the float GEMV, W4A
 FP8 W8A8 with fp8 x codes on the low-bit kernels; random weights) is timed two ways, both from CUDA-graph replays
 with CUDA events: ``flushed_us``, one call after a 256 MB write that evicts L2 (median of --reps), and
 ``stream_us``, calls back to back over weight copies larger than L2 (a decode step's situation). ``variants``
-maps a name to ``kernels.qgemv.CFG`` overrides, in force while the op is captured (``old``: quant_gemm's decode
-kernels only, ``new``: ``qgemv`` wherever it can serve the call). Achieved bandwidth counts the
+maps a name to launch-setting overrides of ``kernels.qgemv`` / ``kernels.packed_gemv``, in force while the op is
+captured (``old``: the stored layout's kernels as shipped, ``new``: ``packed_gemv`` on the codes repacked by
+``kernels.pack_for_decode`` wherever it serves the call). Achieved bandwidth counts the
 weight bytes (codes and scales) over the flushed time, against the device-to-device copy bandwidth measured in the
 same run (bytes read plus written). Needs a CUDA GPU.
 """
@@ -27,8 +28,11 @@ import torch
 from ssmq.models.published import PUBLISHED
 
 FORMATS = ("fp16", "w4a16-g128", "w8a16", "fp8-w8a8")
-# qgemv.CFG overrides. old: quant_gemm's decode kernels only; new: qgemv for every call it can serve
-VARIANTS = {"old": {"ROUTE_ROWS": dict(int4=0, int8=0, fp8=0)}, "new": {"ROUTE_ROWS": dict(int4=8, int8=8, fp8=8)}}
+# launch-setting overrides: {module: overrides} for kernels.qgemv and kernels.packed_gemv (a flat dict: qgemv's).
+# old: the stored layout's kernels as configs/qgemv.json routes them; new: packed_gemv on the repacked codes for
+# every call it serves; qgemv: the stored layout's qgemv for every call it serves
+_PACKED_OFF, _PACKED_ALL = {"ROUTE_ROWS": dict(int4=0, int8=0)}, {"ROUTE_ROWS": dict(int4=8, int8=8)}
+VARIANTS = {"old": {"packed_gemv": _PACKED_OFF}, "new": {"packed_gemv": _PACKED_ALL}}
 
 
 def copy_bandwidth() -> float:
@@ -71,17 +75,39 @@ def make_op(fmt: str, n: int, k: int):
     dev = "cuda"
     if fmt == "fp16":
         return (lambda: (torch.randn(n, k, device=dev, dtype=torch.float16),)), lambda x, w: kernels.linear(x, w[0])
+    from ssmq.kernels.packed_gemv import pack
+
+    def with_words(w_q, s):  # the stored weight and the decode GEMV's repacked codes (QuantLinear.bind_decode's)
+        return w_q, s, pack(w_q)
+
+    def op_words(x, w):
+        return ql(x, w[0], w[1], None, None, None, None, w[2])
+
     if fmt == "w4a16-g128":
-        return (lambda: (pack_int4(torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8)),
-                         torch.rand(n, k // 128, device=dev) * 0.01 + 1e-3)), lambda x, w: ql(x, w[0], w[1])
+        return (lambda: with_words(pack_int4(torch.randint(-8, 8, (n, k), device=dev, dtype=torch.int8)),
+                                   torch.rand(n, k // 128, device=dev) * 0.01 + 1e-3)), op_words
     if fmt == "w8a16":
-        return (lambda: (torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8),
-                         torch.rand(n, device=dev) * 0.01 + 1e-3)), lambda x, w: ql(x, w[0], w[1])
+        return (lambda: with_words(torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8),
+                                   torch.rand(n, device=dev) * 0.01 + 1e-3)), op_words
     if fmt == "fp8-w8a8":
         return (lambda: (torch.randn(n, k, device=dev).clamp(-400, 400).to(torch.float8_e4m3fn),
                          torch.rand(n, device=dev) * 0.01 + 1e-3)), \
             lambda x, w: ql(x[0], w[0], w[1], None, x[1], None, torch.float16)
     raise ValueError(fmt)
+
+
+@contextlib.contextmanager
+def _variant(overrides: dict):
+    """A variant's overrides in force inside the block: {"qgemv": {...}, "packed_gemv": {...}} or qgemv's flat."""
+    from ssmq.kernels import packed_gemv, qgemv
+
+    mods = {"qgemv": qgemv.CFG, "packed_gemv": packed_gemv.CFG}
+    nested = overrides and set(overrides) <= set(mods)
+    parts = overrides.items() if nested else [("qgemv", overrides)]
+    with contextlib.ExitStack() as stack:
+        for name, o in parts:
+            stack.enter_context(_overrides(mods[name], o))
+        yield
 
 
 @contextlib.contextmanager
@@ -101,7 +127,7 @@ def time_op(make_w, op, fmt: str, rows: int, k: int, flush, reps: int, stream: b
     from ssmq.ops.quant_linear import quantize_act_ref
 
     w0 = make_w()
-    wbytes = sum(t.numel() * t.element_size() for t in w0)
+    wbytes = sum(t.numel() * t.element_size() for t in w0[:2])  # codes and scales (not the repacked copy)
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
     if fmt == "fp8-w8a8":
         x = quantize_act_ref(x, None, True, torch.float8_e4m3fn)
@@ -124,8 +150,6 @@ def time_op(make_w, op, fmt: str, rows: int, k: int, flush, reps: int, stream: b
 
 
 def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, linears=None) -> dict:
-    from ssmq.kernels import qgemv
-
     bw = copy_bandwidth()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -139,7 +163,7 @@ def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, l
                 for rows in rows_list:
                     for vname, cfg in (variants.items() if fmt != "fp16" else [("old", {})]):
                         try:
-                            with _overrides(qgemv.CFG, cfg):
+                            with _variant(cfg):
                                 r = time_op(make_w, op, fmt, rows, k, flush, reps, stream)
                             r["GBps"] = r["bytes"] / r["flushed_us"] / 1e3
                             r["bw_share"] = r["GBps"] * 1e9 / bw
@@ -177,7 +201,8 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default="mamba2-2.7b,mamba2-8b")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--rows", default="1,2,4,8")
-    ap.add_argument("--variants", default="", help="JSON {name: kernels.qgemv.CFG overrides} (default: old, new)")
+    ap.add_argument("--variants", default="", help="JSON {name: {module: CFG overrides}} for modules qgemv, packed_gemv "
+                    "(a flat dict: qgemv's; default: old, new)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--linears", default="", help="comma list of in_proj, out_proj (default: both)")
     ap.add_argument("--no-stream", action="store_true", help="the flushed timing only")

@@ -89,11 +89,15 @@ def bench_linear(ctx: KernelContext) -> list[Case]:
 
 
 @register("quant-linear", "int8 and int4 (group 128) weight-only and, on CUDA, FP8 W8A8 GEMV/GEMM at in_proj and "
-                          "out_proj shapes, against the 16-bit F.linear")
+                          "out_proj shapes, against the 16-bit F.linear; on CUDA also the decode GEMV on the "
+                          "repacked codes (ssmq packed)")
 def bench_quant_linear(ctx: KernelContext) -> list[Case]:
     from ssmq import kernels
     from ssmq.ops.quant_linear import pack_int4
 
+    packed = None
+    if ctx.device.type == "cuda":
+        from ssmq.kernels import packed_gemv as packed
     cases = []
     for name, (n, k) in list(_linear_shapes(ctx.cfg).items())[:2]:
         w16 = torch.randn(n, k, device=ctx.device, dtype=ctx.dtype)
@@ -101,15 +105,20 @@ def bench_quant_linear(ctx: KernelContext) -> list[Case]:
         s8 = torch.rand(n, device=ctx.device) * 0.01 + 1e-3
         w4 = pack_int4(torch.randint(-8, 8, (n, k), device=ctx.device, dtype=torch.int8))
         s4 = torch.rand(n, k // 128, device=ctx.device) * 0.01 + 1e-3
+        # ssmq packed (CUDA): packed_gemv on the codes as QuantLinear.bind_decode repacks them; "ssmq": the stored
+        # layout's kernels
+        words8 = packed.pack(w8) if packed is not None and packed.packs(w8, s8) else None
+        words4 = packed.pack(w4) if packed is not None and packed.packs(w4, s4) else None
         for m in ctx.rows:
             x = torch.randn(m, k, device=ctx.device, dtype=ctx.dtype)
             out = m * n * x.element_size()
-            cases.append(Case(f"{name} {n}x{k} w8a16, {m} rows", {
-                "ssmq": lambda x=x, w=w8, s=s8: kernels.quant_linear(x, w, s),
-                "torch 16-bit": lambda x=x, w=w16: F.linear(x, w)}, _nbytes(w8, s8, x) + out, m))
-            cases.append(Case(f"{name} {n}x{k} w4a16-g128, {m} rows", {
-                "ssmq": lambda x=x, w=w4, s=s4: kernels.quant_linear(x, w, s),
-                "torch 16-bit": lambda x=x, w=w16: F.linear(x, w)}, _nbytes(w4, s4, x) + out, m))
+            for fmt, w, s, words in (("w8a16", w8, s8, words8), ("w4a16-g128", w4, s4, words4)):
+                fns = {"ssmq": lambda x=x, w=w, s=s: kernels.quant_linear(x, w, s)}
+                if words is not None and m <= packed.CFG["MAX_ROWS"]:  # the repacked codes' decode GEMV
+                    fns["ssmq packed"] = lambda x=x, words=words, s=s, b=8 if w is w8 else 4: \
+                        packed.packed_gemv(x, words, s, b)
+                fns["torch 16-bit"] = lambda x=x, w=w16: F.linear(x, w)
+                cases.append(Case(f"{name} {n}x{k} {fmt}, {m} rows", fns, _nbytes(w, s, x) + out, m))
             if ctx.device.type == "cuda":  # fp8 codes in and out of the GEMV: CUDA only
                 w8f = w16.float().clamp(-400, 400).to(torch.float8_e4m3fn)
                 xf, xs = x.float().clamp(-400, 400).to(torch.float8_e4m3fn), torch.ones((), device=ctx.device)

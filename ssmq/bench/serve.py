@@ -7,14 +7,16 @@ urllib).
 
 Against ``--url``: a running server (``ssmq serve``, or any other). With ``--model``: for each of ``--recipes``, the
 model is built here, its decode step timed at each level's batch (``bench latency``'s timing: CUDA graphs on a
-GPU), then served here (``ssmq serve``'s engine and server, in this process) to clients in a child process (so
-they do not take the server's interpreter lock). The decode-step bound of a level is its batch over the step's
+GPU), then served here (``ssmq serve``'s engine and server; ``--engine``: the engine in a process of its own, as
+``ssmq serve`` runs it, or in a thread of the server's process) to clients in a child process (so they do not take
+the server's interpreter lock). The decode-step bound of a level is its batch over the step's
 time: the tokens/s the engine would give if every step were a decode step of every client and the host cost
 nothing; ``bound_share`` is the output tokens/s measured over it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
@@ -115,7 +117,7 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
 
 LOAD_COLUMNS = ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
                 "tpot_ms_p99"]
-BOUND_COLUMNS = ["recipe", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
+BOUND_COLUMNS = ["recipe", "engine", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
                  "bound_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step"]
 
 
@@ -176,17 +178,28 @@ def load_in_child(url: str, args, out: str) -> list[dict]:
     return json.loads((Path(out) / "serve.json").read_text())["rows"]
 
 
+ENGINES = ("thread", "process")  # --engine values, in the order they run
+
+
+def engine_model(cfg, model_name: str, recipe: str, device: str, dtype, layers, gptq_as_rtn: bool):
+    """The engine process's model under ``--engine process`` (``ProcessEngine``'s ``load``)."""
+    from ssmq.bench.models import build
+
+    return build(model_name, recipe, torch.device(device), dtype, layers, gptq_as_rtn)[0]
+
+
 def run_model(args) -> dict:
     """Serve ``--model`` here under each recipe: the load levels beside the decode step's bound at each batch."""
     from ssmq.bench.latency import _free, tpot_ms
     from ssmq.bench.models import build, device_and_dtype
     from ssmq.runtime.engine import Engine, EngineConfig
+    from ssmq.runtime.engine_proc import ProcessEngine
     from ssmq.runtime.server import BackgroundServer, ServerConfig
 
     device, dtype = device_and_dtype(args.device, args.dtype)
     result = record("serve", device, model=args.model, dtype=str(dtype).removeprefix("torch."),
                     input_len=args.input_len, output_len=args.output_len, prefill_chunk=args.prefill_chunk,
-                    prefill_tokens=args.prefill_tokens)
+                    prefill_tokens=args.prefill_tokens, engine=args.engine)
     for recipe in args.recipes:
         _free(device)
         model, vocab = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
@@ -198,18 +211,30 @@ def run_model(args) -> dict:
         blocks = batch * -(-length // EngineConfig.kv_block_size)
         cfg = EngineConfig(max_batch=batch, max_model_len=length, prefill_chunk=args.prefill_chunk,
                            prefill_tokens=args.prefill_tokens, kv_blocks=blocks)
-        engine = Engine(model, cfg)
-        server = BackgroundServer(engine, IdTokenizer(vocab), ServerConfig((recipe,), request_timeout_s=args.timeout))
-        with server as url, tempfile.TemporaryDirectory() as out:
-            rows = load_in_child(url, args, out)
-        for row in rows:
-            step = steps[row["concurrency"]]
-            bound = row["concurrency"] / step * 1e3
-            tok_s, tpot = row.get("output_tok_s"), row.get("tpot_ms_p50")
-            result["rows"].append({"recipe": recipe, **row, "step_ms": step, "bound_tok_s": bound,
-                                   "bound_share": None if tok_s is None else tok_s / bound,
-                                   "tpot_over_step": None if tpot is None else tpot / step})
-        del engine, server, model
+        # the thread engine serves the model built here; the engine process builds its own, so it goes last, after
+        # this one has left the device
+        for kind in sorted(set(args.engine), key=ENGINES.index):
+            if kind == "process":
+                model = None
+                _free(device)
+                load = functools.partial(engine_model, model_name=args.model, recipe=recipe, device=str(device),
+                                         dtype=dtype, layers=args.layers, gptq_as_rtn=args.gptq_as_rtn)
+                engine = ProcessEngine(load, cfg, log_level="warning").start()
+            else:
+                engine = Engine(model, cfg)
+            server = BackgroundServer(engine, IdTokenizer(vocab),
+                                      ServerConfig((recipe,), request_timeout_s=args.timeout))
+            with server as url, tempfile.TemporaryDirectory() as out:
+                rows = load_in_child(url, args, out)
+            for row in rows:
+                step = steps[row["concurrency"]]
+                bound = row["concurrency"] / step * 1e3
+                tok_s, tpot = row.get("output_tok_s"), row.get("tpot_ms_p50")
+                result["rows"].append({"recipe": recipe, "engine": kind, **row, "step_ms": step,
+                                       "bound_tok_s": bound, "bound_share": None if tok_s is None else tok_s / bound,
+                                       "tpot_over_step": None if tpot is None else tpot / step})
+            del engine, server
+        del model
     return _report(result, BOUND_COLUMNS, args.out, "every request failed")
 
 
@@ -224,7 +249,7 @@ def _report(result: dict, columns, out, failed: str) -> dict:
 
 
 def _plot(pyplot, result):
-    rows = [{**r, "series": f"{r['recipe']} " if "recipe" in r else ""} for r in result["rows"]
+    rows = [{**r, "series": "".join(f"{r[k]} " for k in ("recipe", "engine") if k in r)} for r in result["rows"]
             if r.get("output_tok_s")]
     rows = [{**r, "series": r["series"] + "output tok/s"} for r in rows] + [
         {**r, "series": r["series"] + "decode-step bound", "output_tok_s": r["bound_tok_s"]} for r in rows

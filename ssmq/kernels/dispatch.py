@@ -267,15 +267,27 @@ def linear_into(x, weight, out):
     return out
 
 
-def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None):
-    """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear): the
-    decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), else ``quant_gemm``'s kernels."""
+def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtype=None, words=None):
+    """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear):
+    ``packed_gemv`` on ``words`` (the codes repacked by ``pack_for_decode``, or None) where ``PACKED_LINEAR``
+    selects it, the decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), the
+    serving-batch GEMM ``qgemm_mid`` where ``quant_linear_mid_rows`` does (``qgemm_mid.serves``), else
+    ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
+    if words is not None and w_zero is None and x_scale is None:
+        packed = _kernels("packed_gemv")
+        bits = 4 if w_q.dtype == torch.uint8 else 8
+        if select(packed_linear_rows(packed.CFG), packed.launch(x, words, w_scale, bits)) == "packed_gemv":
+            return packed.packed_gemv(x, words, w_scale, bits, bias, out_dtype)
     gemv = _kernels("qgemv")
     f = gemv.serves(x, w_q, w_scale, w_zero, x_scale)
     if f is not None:
         return gemv.quant_gemv(x, w_q, w_scale, f, x_scale, bias, out_dtype)
+    mid = _kernels("qgemm_mid")
+    f = mid.serves(x, w_q, w_scale, w_zero, x_scale)
+    if f is not None:
+        return mid.quant_linear_mid(x, w_q, w_scale, f, bias, out_dtype)
     return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
@@ -288,6 +300,21 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
         x_q, xs = _kernels("quant_gemm").quantize_act(x, x_scale, per_token, act_dtype)
         return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype)
     return _kernels("quant_gemm").quant_linear_act(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
+
+
+def pack_for_decode(w_q, w_scale, w_zero=None):
+    """The decode GEMV's copy of a stored weight's codes (``ops.quant_linear.pack_words``' layout, made once when a
+    model's decode is set up: ``QuantLinear.bind_decode``), or None where no decode call of its code type would run
+    on it (the policy's ``repacked_decode`` off, CPU, no Triton, fp8 codes, zero points, k or group not whole
+    blocks, ROUTE_ROWS of configs/packed_gemv.json routing no rows of its code type): the stored layout's kernels
+    serve every call then."""
+    if not active().repacked_decode or not _use_triton(w_q) or w_q.dtype not in (torch.uint8, torch.int8):
+        return None
+    packed = _kernels("packed_gemv")
+    code = "int4" if w_q.dtype == torch.uint8 else "int8"
+    if packed.CFG["ROUTE_ROWS"].get(code, 0) < 1 or not packed.packs(w_q, w_scale, w_zero):
+        return None
+    return packed.pack(w_q)
 
 
 def quantize_act(x, x_scale=None, per_token=True, dtype=torch.int8):
@@ -378,6 +405,38 @@ def _quant_linear_rows(route: tuple, max_rows: int) -> tuple[Row, ...]:
             Row("qgemv", dict(code=Need(("fp8",)), x=Need(("float8_e4m3fn",)), x_scaled=Need((True,)),
                               rows=rows["fp8"], group=Need((None,)), **same)),
             Row("quant_gemm"))
+
+
+def packed_linear_rows(cfg: dict) -> tuple[Row, ...]:
+    """The selection table of a low-bit linear whose codes were repacked (``pack_for_decode``), for the launch settings
+    ``cfg`` of ``packed_gemv`` (configs/packed_gemv.json): packed_gemv for 16-bit x and the rows its ROUTE_ROWS gives
+    the code type (where it measured faster than the stored layout's kernels, at most MAX_ROWS), a call it fits
+    (``packed_gemv.launch``); ``stored``: ``quant_linear_rows`` on the stored codes."""
+    return _packed_linear_rows(tuple(sorted(cfg["ROUTE_ROWS"].items())), cfg["MAX_ROWS"])
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_linear_rows(route: tuple, max_rows: int) -> tuple[Row, ...]:
+    return (*(Row("packed_gemv", dict(code=Need((code,)), x=_HALF, rows=Need(least=1, most=min(n, max_rows)),
+                                      fits=Need((True,)))) for code, n in route),
+            Row("stored"))
+
+
+# Weight-only linear at serving batches: qgemm_mid for the rows its ROUTE gives each code type (configs/qgemm_mid.json:
+# where it measured faster than quant_gemm's kernels), 16-bit x, symmetric int4 / int8 codes, a layout it fits
+# (``qgemm_mid.launch``); quant_gemm's kernels every other call.
+
+
+def quant_linear_mid_rows(cfg: dict) -> tuple[Row, ...]:
+    """The serving-batch weight-only linear's selection table for qgemm_mid's settings ``cfg`` (its ROUTE)."""
+    return _quant_linear_mid_rows(tuple(sorted((code, tuple(r)) for code, r in cfg["ROUTE"].items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_linear_mid_rows(route: tuple) -> tuple[Row, ...]:
+    same = dict(x=_HALF, zero=Need((False,)), fits=Need((True,)))
+    return (*(Row("qgemm_mid", dict(code=Need((code,)), rows=Need(least=lo, most=hi), **same)) for code, (lo, hi) in
+              route), Row("quant_gemm"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,13 +21,17 @@ class KernelPolicy:
     act_quant_fusion: the producer of an A8 linear's input (block norm, gated norm) emits its int8 codes.
     kv_fused_append: a quantized KV cache's new tokens are written by the fused quantize-and-append kernel.
     kv_decode: the KV decode kernels the selection table may pick, a subset of ``KV_DECODE_KERNELS``
-    (``kv_decode``, the float32-exact first kernel, serves every format and is always allowed)."""
+    (``kv_decode``, the float32-exact first kernel, serves every format and is always allowed).
+    repacked_decode: int4 linears keep a second copy of their codes in ``packed_gemv``'s layout for the rows its
+    table routes there (batch 1): a few percent faster decode for the int4 codes' bytes again in GPU memory, so
+    off unless asked for."""
 
     reference_ops: bool = False
     pdl: bool = True
     act_quant_fusion: bool = True
     kv_fused_append: bool = True
     kv_decode: tuple[str, ...] = KV_DECODE_KERNELS
+    repacked_decode: bool = False
 
     def with_changes(self, **changes) -> KernelPolicy:
         return replace(self, **changes)

@@ -158,6 +158,10 @@ class SSMLM(nn.Module):
         """
         p = self.norm_f.weight  # the embedding may be a quantized module without .weight
         dtype, device = dtype or p.dtype, device or p.device
+        for m in self.modules():  # decode set-up: quantized linears make their decode GEMV's copy of the codes
+            bind = getattr(m, "bind_decode", None)
+            if bind is not None:
+                bind()
         table = None
         if kv_blocks is not None:  # attention KV in kv_blocks blocks of kv_block_size tokens (ssmq.models.paged_kv)
             from ssmq.models.paged_kv import BlockTable

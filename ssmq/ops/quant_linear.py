@@ -74,6 +74,50 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
 
 
+BLOCK_WORDS = 16  # int32 words of one interleave block of a row in ``pack_words`` (128 int4 or 64 int8 codes)
+
+
+def pack_words(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integer codes (n, k) int8 (int4 codes in [-8, 7]) -> int32 (n, k * bits // 32): the decode GEMV's layout.
+
+    Row by row, k is cut in blocks of 16 words (16 * 32 // bits codes). Code c of a block sits in word c % 16 of it,
+    in slot c // 16 (bits [slot * bits, +bits) of the word), as offset binary (q + 2^(bits - 1), 0 .. 2^bits - 1).
+    So one 16-byte load of 4 words holds, in each slot, 4 consecutive codes whose x is one 8-byte run, and a code
+    becomes a float by masking its slot under a float's exponent (no sign fix-up). k must be a whole number of
+    blocks. The stored checkpoint layout (``pack_int4`` / int8 rows) is untouched: this is a copy made at decode
+    set-up (``unpack_words`` inverts it exactly).
+    """
+    if bits not in (4, 8) or q.dim() != 2:
+        raise SSMQError(f"pack_words takes (n, k) int4 or int8 codes, got {bits} bits, shape {tuple(q.shape)}")
+    n, k = q.shape
+    wpw = 32 // bits
+    block = BLOCK_WORDS * wpw
+    if k % block:
+        raise SSMQError(f"pack_words needs k a multiple of {block} for {bits}-bit codes, got {k}")
+    u = (q.to(torch.int64) + (1 << (bits - 1))).reshape(n, k // block, wpw, BLOCK_WORDS)  # [row, block, slot, word]
+    shifts = (torch.arange(wpw, device=q.device) * bits).reshape(1, 1, wpw, 1)
+    words = (u << shifts).sum(2)  # disjoint bit fields: the sum is their OR, < 2^32
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).reshape(n, -1)
+
+
+def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_words``: int32 (n, k * bits // 32) -> int8 codes (n, k)."""
+    n, kw = words.shape
+    wpw = 32 // bits
+    w = (words.to(torch.int64) & 0xFFFFFFFF).reshape(n, kw // BLOCK_WORDS, 1, BLOCK_WORDS)
+    shifts = (torch.arange(wpw, device=words.device) * bits).reshape(1, 1, wpw, 1)
+    u = (w >> shifts) & ((1 << bits) - 1)  # [row, block, slot, word]
+    return (u - (1 << (bits - 1))).to(torch.int8).reshape(n, kw * wpw)
+
+
+def words_linear_ref(x: torch.Tensor, words: torch.Tensor, bits: int, w_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``quant_linear_ref`` of float x (..., k) on symmetric codes in ``pack_words``' layout (n, k * bits // 32):
+    the function of the stored weight the words were packed from, the same values."""
+    q = unpack_words(words, bits)
+    return quant_linear_ref(x, pack_int4(q) if bits == 4 else q, w_scale, None, None, bias, out_dtype)
+
+
 def int_matmul_ref(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,

@@ -80,6 +80,8 @@ class _QuantWeight(nn.Module):
         else:
             codes, scale, zero = qweight
         self.weight_q.copy_(pack_int4(codes) if s.dtype == "int4" else codes)
+        if getattr(self, "weight_words", None) is not None:  # a copy of the old codes: bound again at decode set-up
+            self.weight_words = None
         self.weight_scale.copy_(scale.reshape(self.weight_scale.shape))
         if self.weight_zero is not None:
             self.weight_zero.copy_(zero.reshape(self.weight_zero.shape))
@@ -127,6 +129,8 @@ class QuantLinear(_QuantWeight):
         # tensor parallelism: a row-parallel shard sees part of x, so the dynamic scale of its rows comes from
         # ``scale_hook(x)`` (the full rows': ``dynamic_scale`` reduced over ranks, or of the gathered input)
         self.scale_hook = None
+        # the decode GEMV's copy of the codes (``bind_decode``): not saved, rebuilt from weight_q
+        self.register_buffer("weight_words", None, persistent=False)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, weight: WeightSpec, act: ActSpec | None = None,
@@ -148,6 +152,19 @@ class QuantLinear(_QuantWeight):
                 raise SSMQError("static activation quantization needs a calibrated act_scale")
             m.act_scale.copy_(act_scale.reshape(()))
         return m
+
+    def bind_decode(self) -> None:
+        """Make the decode GEMV's copy of the codes where the device's kernel table runs decode calls on it
+        (``kernels.pack_for_decode``: int4 / int8 codes repacked once, the stored ``weight_q`` kept for prefill and
+        saving), else drop it. Called when a model's decode is set up (``SSMLM.allocate_cache``); a weight set
+        after that (``_set_weight``, a tensor-parallel shard) is bound again by the next set-up."""
+        source = (self.weight_q.device, self.weight_q.data_ptr(), self.weight_q._version)
+        if self.weight_words is not None and getattr(self, "_words_of", None) == source:
+            return  # bound to these codes already
+        self.weight_words = None
+        if self.act is None:
+            self.weight_words = kernels.pack_for_decode(self.weight_q, self.weight_scale, self.weight_zero)
+            self._words_of = source
 
     def code_input(self) -> CodeInput | None:
         """How the producer of x may hand it over as codes (``ssmq.models.act_codes``), or None: int8 or fp8
@@ -171,7 +188,7 @@ class QuantLinear(_QuantWeight):
         a = self.act
         if a is None:
             return kernels.quant_linear(x, self.weight_q, self.weight_scale, self.weight_zero, None, self.bias,
-                                        x.dtype)
+                                        x.dtype, self.weight_words)
         codes = torch.int8 if a.dtype == "int8" else torch.float8_e4m3fn
         per_token = isinstance(a.granularity, PerToken)
         if self.scale_hook is not None and self.act_scale is None:

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from ssmq.errors import SSMQError
+from ssmq.paths import default_model
 
 DESCRIPTION = """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models) with continuous
 batching.
@@ -67,6 +68,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template for /v1/chat/completions (default: the model's, from its tokenizer "
                         "files)")
+    p.add_argument("--engine", choices=["process", "thread"], default=None,
+                   help="where the engine (model, cache, scheduler, sampler) runs: 'process', a process of its own "
+                        "beside the HTTP server's (its loop never waits for the API's Python); 'thread', a thread of "
+                        "the server's process (default: process; thread with --tp, whose ranks' collectives run in "
+                        "rank 0's process)")
     p.add_argument("--eager", action="store_true", help="on CUDA, run without CUDA graphs")
     add_state_checkpoint_arg(p)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -129,6 +135,23 @@ def server_options(args) -> dict:
                 drain_timeout_s=args.drain_timeout, api_key=args.api_key)
 
 
+def engine_kind(args) -> str:
+    """'process' or 'thread' (``--engine``; the default: process, thread with --tp)."""
+    if args.tp > 1:
+        if args.engine == "process":
+            raise SSMQError("--engine process serves one rank: with --tp the engine runs in rank 0's process "
+                            "(--engine thread, the default there)")
+        return "thread"
+    return args.engine or "process"
+
+
+def load_engine_model(args, cfg):
+    """The engine process's model (``ProcessEngine``'s ``load``): the --model/--dtype/--device arguments."""
+    from ssmq.runtime.model_args import load_from_args
+
+    return load_from_args(args)[0]
+
+
 def run(args: argparse.Namespace) -> int:
     from ssmq.runtime.model_args import load_from_args
     from ssmq.runtime.engine import Engine, LocalRunner
@@ -137,12 +160,33 @@ def run(args: argparse.Namespace) -> int:
     check_tp_degree(args.tp)
     cfg = engine_config(args)
     options = server_options(args)
+    kind = engine_kind(args)
     # the engine's own lines (the KV pool's size, warnings) before uvicorn configures its loggers
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
     logger = logging.getLogger("ssmq")
     logger.addHandler(handler)
     logger.setLevel(args.log_level.upper())
+    if kind == "process":  # the model loads in the engine's process; here only its tokenizer
+        import functools
+
+        from ssmq.models.loading import resolve_model_path
+        from ssmq.runtime.engine_proc import ProcessEngine
+        from ssmq.tokenizer import load_tokenizer
+
+        path = resolve_model_path(args.model or default_model())
+        # the engine process loads the model while this one loads the tokenizer
+        engine = ProcessEngine(functools.partial(load_engine_model, args), cfg, log_level=args.log_level).launch()
+        try:
+            tok = load_tokenizer(path)
+            import ssmq.runtime.server  # noqa: F401 - (fastapi, uvicorn) while the engine process starts
+            engine.start()
+            code = serve(engine, tok, args, path, options)
+        finally:
+            engine.shutdown()
+        if code:
+            raise SystemExit(code)
+        return 0
     runner, rank = None, 0
     if args.tp > 1:  # every rank loads its shard; rank 0 serves, the others follow its engine's calls
         from ssmq.runtime.tp_comm import Communicator

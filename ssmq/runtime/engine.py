@@ -15,8 +15,9 @@ prompt from an empty state and is prefilled alone from then on, so a fault that 
 request only. With ``overlap`` (on CUDA) a step launches its decode before it reads back the tokens of the step
 before, so the host work of a step (reporting, scheduling) runs while the device computes.
 
-The engine runs in its own thread; ``submit`` and ``abort`` may be called from any thread. Each request reports
-through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
+The engine runs in its own thread (``Engine``), or in a process of its own behind a proxy with the same methods
+(``ssmq.runtime.engine_proc.ProcessEngine``); ``submit`` and ``abort`` may be called from any thread. Each request
+reports through its ``emit`` callback, called from the engine thread with one ``Event`` at a time; ``emit`` may only
 queue the event if the request also has a ``flush``, called once per step after events were emitted to the request
 (one hand-off to the server's event loop per step, not per token): on CUDA as soon as the next decode step is
 launched, or at the end of the turn when no decode follows; elsewhere as soon as the step has sampled its tokens.
@@ -133,6 +134,19 @@ def prefill_groups(remaining: list[int], budget: int, chunk: int, keys: list | N
     return [(n, rows) for (n, _), rows in groups.items()]
 
 
+def unfit_reason(n_tokens: int, max_model_len: int, kv_blocks: tuple[int, int] | None) -> str | None:
+    """Why a sequence of ``n_tokens`` (prompt + max_tokens) can never run in an engine of ``max_model_len`` whose
+    KV pools (hybrids) hold ``kv_blocks`` = (blocks, tokens per block), or None."""
+    if n_tokens > max_model_len:
+        return f"{n_tokens} tokens exceed the engine's max_model_len {max_model_len}"
+    if kv_blocks is not None:
+        total, size = kv_blocks
+        need = -(-n_tokens // size)
+        if need > total:
+            return f"{n_tokens} tokens need {need} KV blocks; the cache has {total} of {size} tokens"
+    return None
+
+
 def kv_bytes_per_token(model) -> float:
     """Bytes a token takes in the KV cache of every attention layer of ``model`` (float or quantized, as allocated)."""
     dtype = model.norm_f.weight.dtype
@@ -215,10 +229,15 @@ class LocalRunner:
 
 
 class Engine:
-    """Owns the model, the cache and the loop thread. ``start()``, ``submit(req)``, ``abort(id)``, ``shutdown()``."""
+    """Owns the model, the cache and the loop thread. ``start()``, ``submit(req)``, ``abort(id)``, ``shutdown()``.
 
-    def __init__(self, model, config: EngineConfig, metrics=None, runner=None):
+    ``on_turn``: called on the loop thread after every turn of the loop (the engine process reports its state
+    with it)."""
+
+    def __init__(self, model, config: EngineConfig, metrics=None, runner=None, on_turn: Callable | None = None):
         self.model, self.cfg, self.metrics = model, config, metrics
+        self.vocab_size = model.config.vocab_size
+        self.on_turn = on_turn
         self.runner = runner or LocalRunner(model, config)
         self.device = self.runner.device
         self._inbox: collections.deque = collections.deque()
@@ -248,6 +267,9 @@ class Engine:
 
     # ---------------------------------------------------------------- public, any thread
     def start(self) -> Engine:
+        """Start the loop thread (once; later calls do nothing)."""
+        if self._thread is not None:
+            return self
         self._thread = threading.Thread(target=self._loop, name="ssmq-engine", daemon=True)
         self._thread.start()
         return self
@@ -263,11 +285,13 @@ class Engine:
 
     def unfit(self, n_tokens: int) -> str | None:
         """Why a sequence of ``n_tokens`` (prompt + max_tokens) can never run here, or None."""
-        if n_tokens > self.cfg.max_model_len:
-            return f"{n_tokens} tokens exceed the engine's max_model_len {self.cfg.max_model_len}"
-        if self.blocks is not None and self.blocks.blocks_for(n_tokens) > self.blocks.total:
-            return (f"{n_tokens} tokens need {self.blocks.blocks_for(n_tokens)} KV blocks; the cache has "
-                    f"{self.blocks.total} of {self.blocks.block_size} tokens")
+        return unfit_reason(n_tokens, self.cfg.max_model_len,
+                            None if self.blocks is None else (self.blocks.total, self.blocks.block_size))
+
+    def health(self) -> str | None:
+        """Why the engine cannot serve (its loop thread ended), or None."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            return "the engine thread has stopped"
         return None
 
     def submit(self, req: Request) -> None:
@@ -326,6 +350,8 @@ class Engine:
                     log.exception("engine turn failed")
                     self._finish_all(f"engine error: {type(e).__name__}: {e}", 500)
                     self._flush()
+                if self.on_turn is not None:
+                    self.on_turn()
         self._finish_all("server shutting down", 503)
         self._flush()
         if hasattr(self.runner, "stop"):

@@ -6,6 +6,7 @@
     SSMQ_KV_FUSED_APPEND=0    a quantized KV cache is written by the reference ops
     SSMQ_KV_FAST=0            every KV cache decodes on ``kv_decode`` (A/B timing)
     SSMQ_KV_WARP=0            the formats ``kv_decode_warp`` serves decode on ``kv_decode_fast`` (A/B timing)
+    SSMQ_REPACKED_DECODE=1    int4 linears also hold their codes repacked for the batch-1 decode GEMV
 A Python caller builds the policy itself (``ssmq.kernels.policy``); nothing below the runtime reads these.
 """
 
@@ -19,7 +20,7 @@ from ssmq.kernels.policy import KV_DECODE_KERNELS, KernelPolicy
 
 # variable -> the policy field it sets (a boolean: "1" on, "0" off)
 FLAGS = {"SSMQ_REF_OPS": "reference_ops", "SSMQ_PDL": "pdl", "SSMQ_FUSED_ACT_QUANT": "act_quant_fusion",
-         "SSMQ_KV_FUSED_APPEND": "kv_fused_append"}
+         "SSMQ_KV_FUSED_APPEND": "kv_fused_append", "SSMQ_REPACKED_DECODE": "repacked_decode"}
 # variable -> the KV decode kernels it leaves out when "0"
 KV_OFF = {"SSMQ_KV_FAST": ("kv_decode_fast", "kv_decode_warp"), "SSMQ_KV_WARP": ("kv_decode_warp",)}
 

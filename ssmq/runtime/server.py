@@ -1,7 +1,8 @@
 """The HTTP server: an OpenAI-compatible FastAPI app in front of the continuous-batching engine.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streaming as server-sent events ending in
-``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (503 with ``"status": "draining"`` while draining),
+``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (503 with ``"status": "draining"`` while draining, and
+``"status": "unhealthy"`` once the engine cannot serve: its process died),
 ``GET /metrics`` (OpenMetrics, or Prometheus text), and vLLM's ``POST /tokenize``, ``POST /detokenize``,
 ``GET /tokenizer_info`` (what lm-evaluation-harness's ``local-completions`` uses for a remote tokenizer).
 Each completion choice is one engine request; a client that goes away, streaming or not, aborts its requests at
@@ -106,10 +107,11 @@ def _body_schema(model) -> dict:
 
 def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics: ServerMetrics | None = None):
     """(the ASGI app to serve, the FastAPI app) over a started or not-yet-started engine (the app starts it with
-    the server, stops it after). ``app.state.ssmq`` is the ``ServerState``."""
+    the server, stops it after): an ``Engine`` (a thread of this process) or a ``ProcessEngine`` (a process of its
+    own, ssmq.runtime.engine_proc), which have the same methods. ``app.state.ssmq`` is the ``ServerState``."""
     metrics = metrics or engine.metrics or ServerMetrics()
     engine.metrics = metrics
-    vocab = engine.model.config.vocab_size
+    vocab = engine.vocab_size
     vocab_limit = min(len(tokenizer), vocab)
     max_len = engine.cfg.max_model_len
     created = int(time.time())
@@ -122,8 +124,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics: ServerM
             chat_eos = ids[0]
 
     async def lifespan(app):
-        if engine._thread is None:
-            engine.start()
+        engine.start()
         s = engine.stats()
         log.info("engine: %d cache slots, max model len %d%s", s["slots_total"], max_len,
                  f", {s['kv_blocks_total']} KV blocks of {engine.cfg.kv_block_size} tokens"
@@ -155,6 +156,9 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig, metrics: ServerM
 
     @app.get("/health")
     async def health():
+        why = engine.health()
+        if why is not None:
+            return JSONResponse({"status": "unhealthy", "error": why, **engine.stats()}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining", **engine.stats()}, status_code=503)
         return {"status": "ok", **engine.stats()}

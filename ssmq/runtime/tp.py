@@ -67,6 +67,8 @@ from ssmq.runtime.tp_comm import Communicator
 def _put(module: nn.Module, name: str, t: torch.Tensor | None) -> None:
     if t is None:
         return
+    if name == "weight_q" and getattr(module, "weight_words", None) is not None:
+        module.weight_words = None  # the decode GEMV's copy of the unsharded codes: bound again at decode set-up
     t = t.contiguous()
     if name in module._parameters:
         module._parameters[name] = nn.Parameter(t, requires_grad=False)
