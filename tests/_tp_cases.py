@@ -20,12 +20,13 @@ def build(source, dtype=torch.float32, device="cpu"):
 
 
 @torch.no_grad()
-def run_model(model, prompt=PROMPT, steps: int = 4, batch: int = 2, ssm_dtype=None) -> dict:
-    """Logits of a full forward, of a cached prefill, of ``steps`` greedy decode steps; greedy tokens."""
+def run_model(model, prompt=PROMPT, steps: int = 4, batch: int = 2, ssm_dtype=None, dtype=torch.float32) -> dict:
+    """Logits of a full forward, of a cached prefill, of ``steps`` greedy decode steps; greedy tokens. ``dtype``: the
+    caches' (float32, or float64 for a model run in float64 throughout)."""
     ids = torch.tensor([prompt] * batch, device=model.device)
     ids[1:, 0] = 1  # rows differ
     full = model(ids)
-    cache = model.allocate_cache(batch, len(prompt) + steps + 1, dtype=torch.float32, ssm_dtype=ssm_dtype)
+    cache = model.allocate_cache(batch, len(prompt) + steps + 1, dtype=dtype, ssm_dtype=ssm_dtype)
     head = 5
     model(ids[:, :head], cache)  # prefill in two pieces: continues from the cache
     pre = model(ids[:, head:], cache)
@@ -37,7 +38,7 @@ def run_model(model, prompt=PROMPT, steps: int = 4, batch: int = 2, ssm_dtype=No
     from ssmq.runtime.generate import generate
     from ssmq.runtime.sampling import SamplingParams
 
-    gen_cache = model.allocate_cache(2, len(prompt) + 9, dtype=torch.float32, ssm_dtype=ssm_dtype)
+    gen_cache = model.allocate_cache(2, len(prompt) + 9, dtype=dtype, ssm_dtype=ssm_dtype)
     gen = generate(model, [prompt, prompt[:7]], SamplingParams(max_new_tokens=8, temperature=0.0, stop_at_eos=False),
                    cache=gen_cache)
     return {"full": full, "prefill": pre, "decode": torch.stack(decode), "generated": gen}
@@ -61,28 +62,44 @@ def quantized_checkpoint(arch: str, recipe: str, folder, state_bits: int | None 
     return str(folder)
 
 
-def reference(source, ssm_dtype=None, device: str = "cpu") -> dict:
-    return on_cpu(run_model(build(source).to(device), ssm_dtype=ssm_dtype))
+def reference(source, ssm_dtype=None, device: str = "cpu", float64: bool = False) -> dict:
+    with _precision(float64):
+        dtype = torch.float64 if float64 else torch.float32
+        return on_cpu(run_model(build(source, dtype).to(device), ssm_dtype=ssm_dtype, dtype=dtype))
+
+
+def _precision(float64: bool):
+    """float64 throughout (``hf_tiny.float64_throughout``: the models' float32 upcasts lifted), or nothing."""
+    import contextlib
+
+    from hf_tiny import float64_throughout
+
+    return float64_throughout() if float64 else contextlib.nullcontext()
 
 
 def on_cpu(res: dict) -> dict:
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in res.items()}
 
 
-def tp_suite(comm, cases, device: str = "cpu") -> list[dict]:
+def tp_suite(comm, cases, device: str = "cpu", float64: bool = False) -> list[dict]:
     """cases: [(source, fuse_norm, ssm_dtype)] -> run_model of the sharded model for each (on this rank's GPU with
-    ``device`` "cuda"; results on the CPU)."""
+    ``device`` "cuda"; results on the CPU); ``float64``: the models in float64 throughout (CPU)."""
+    with _precision(float64):
+        return _tp_suite(comm, cases, device, torch.float64 if float64 else torch.float32)
+
+
+def _tp_suite(comm, cases, device, dtype) -> list[dict]:
     from ssmq.runtime.tp import apply_tp
 
     out = []
     for source, fuse_norm, ssm_dtype in cases:
-        model = build(source)
+        model = build(source, dtype)
         if device == "cuda":
             model = model.to(torch.device("cuda", torch.cuda.current_device()))
         apply_tp(model, comm, fuse_norm=fuse_norm)
         comm.counts.clear()
         comm.counting = True
-        res = run_model(model, ssm_dtype=ssm_dtype)
+        res = run_model(model, ssm_dtype=ssm_dtype, dtype=dtype)
         comm.counting = False
         res["all_reduces_per_layer"] = model.tp.all_reduces_per_layer
         res["counts"] = dict(comm.counts)

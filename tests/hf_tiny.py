@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -63,9 +65,10 @@ FAMILIES = ["falcon_mamba", "nemotron_h", "nemotron_moe", "granite_dense", "gran
             "falcon_h1"]
 
 
-def tiny_family_model(family: str, seed: int = 0):
+def tiny_family_model(family: str, seed: int = 0, **changes):
     """A transformers model of one of ``FAMILIES`` (ssmq.models.families) with random float32 weights: every layer
-    kind of the family, B/C groups, GQA, non-trivial multipliers."""
+    kind of the family, B/C groups, GQA, non-trivial multipliers; ``changes``: config fields set otherwise (Zamba2,
+    Falcon-H1)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -104,23 +107,23 @@ def tiny_family_model(family: str, seed: int = 0):
                              use_mamba_kernels=False)
         model = tf.JambaForCausalLM(cfg)
     elif family == "zamba2":  # 2 shared blocks used 3 times (the third use: block 0 again), adapters on q, k, v, RoPE
-        cfg = tf.Zamba2Config(vocab_size=96, hidden_size=32, num_hidden_layers=5, mamba_d_state=16, mamba_ngroups=2,
-                              layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"], n_mamba_heads=8,
-                              chunk_size=8, num_attention_heads=4, num_key_value_heads=4, intermediate_size=48,
-                              num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
-                              rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                              tie_word_embeddings=True, use_mamba_kernels=False)
+        cfg = tf.Zamba2Config(**{**dict(
+            vocab_size=96, hidden_size=32, num_hidden_layers=5, mamba_d_state=16, mamba_ngroups=2,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"], n_mamba_heads=8, chunk_size=8,
+            num_attention_heads=4, num_key_value_heads=4, intermediate_size=48, num_mem_blocks=2,
+            use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0}, tie_word_embeddings=True,
+            use_mamba_kernels=False), **changes})
         model = tf.Zamba2ForCausalLM(cfg)
     elif family == "falcon_h1":  # every µP multiplier other than 1, the gated norm before its gate, d_ssm != 2·d
-        cfg = tf.FalconH1Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_d_ssm=48,
-                                mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8,
-                                mamba_rms_norm=True, mamba_norm_before_gate=True, embedding_multiplier=3.0,
-                                lm_head_multiplier=0.5, attention_in_multiplier=0.7, attention_out_multiplier=1.3,
-                                key_multiplier=0.6, ssm_in_multiplier=1.2, ssm_out_multiplier=0.8,
-                                ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 0.9], mlp_multipliers=[0.75, 1.4],
-                                rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                                tie_word_embeddings=False)
+        cfg = tf.FalconH1Config(**{**dict(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, mamba_d_ssm=48, mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=16,
+            mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True, embedding_multiplier=3.0,
+            lm_head_multiplier=0.5, attention_in_multiplier=0.7, attention_out_multiplier=1.3, key_multiplier=0.6,
+            ssm_in_multiplier=1.2, ssm_out_multiplier=0.8, ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 0.9],
+            mlp_multipliers=[0.75, 1.4], rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            tie_word_embeddings=False), **changes})
         model = tf.FalconH1ForCausalLM(cfg)
     else:
         raise ValueError(family)
@@ -128,7 +131,28 @@ def tiny_family_model(family: str, seed: int = 0):
     return model.eval()
 
 
-def save_tiny_family(family: str, folder, seed: int = 0):
-    model = tiny_family_model(family, seed)
+def save_tiny_family(family: str, folder, seed: int = 0, **changes):
+    model = tiny_family_model(family, seed, **changes)
     model.save_pretrained(folder)
     return model
+
+
+@contextlib.contextmanager
+def float64_throughout():
+    """Lift the float32 upcasts of both implementations (``t.float()``, ``t.to(torch.float32)``: norms, scans, RoPE
+    tables, attention) to float64 while it lasts: a float64 model then runs in float64 end to end, the reference that
+    tells two float32 implementations' rounding from a difference in their maths."""
+    to, as_float = torch.Tensor.to, torch.Tensor.float
+
+    def to64(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to, torch.Tensor.float = to64, lambda self, *a, **k: to(self, torch.float64)
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float = to, as_float

@@ -568,3 +568,30 @@ def test_qgemv_compiles_for_sm90(variant):
     aligned = ("x_ptr", "w_ptr", "out_ptr", "part_ptr", "s_xm", "s_wn")
     compiled = _compile_sm90(getattr(qgemv, name), pointers, const, aligned=aligned)
     assert "LDG.E.128" in build._cuobjdump(compiled, "-sass")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_moe_kernels_compile_for_sm90(dtype, gated):
+    """The grouped-GEMM MoE (``kernels.moe``): [gate | up] + activation and down × routing weight, 16-row blocks,
+    the largest tiles it launches, with PDL's wait."""
+    from ssmq.kernels import moe
+
+    tables = {"order_ptr": "i64", "be_ptr": "i32", "bs_ptr": "i32", "bend_ptr": "i32"}
+    prec = "ieee" if dtype == "fp32" else "tf32"
+    _compile_sm90(moe._moe_up, {"x_ptr": dtype, "wg_ptr": dtype, "wu_ptr": dtype, "h_ptr": dtype, **tables},
+                  dict(GATED=gated, PRECISION=prec, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, USE_GDC=True))
+    _compile_sm90(moe._moe_down, {"h_ptr": dtype, "wd_ptr": dtype, "rw_ptr": "fp32", "y_ptr": "fp32", **tables},
+                  dict(PRECISION=prec, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, USE_GDC=True))
+
+
+@pytest.mark.parametrize("before", [False, True])
+def test_sharded_gated_norm_kernels_compile_for_sm90(before):
+    """A tensor-parallel rank's gated norm around its group's all-reduce (``kernels.norm_sharded``), the gate first or
+    the norm first (Falcon-H1)."""
+    from ssmq.kernels import norm_sharded as ns
+
+    io = {"x_ptr": "bf16", "z_ptr": "bf16", "w_ptr": "bf16", "out_ptr": "bf16", "ss_ptr": "fp32"}
+    _compile_sm90(ns._gated_partial, io, dict(WITH_OUT=True, BLOCK=2048, BLOCK_K=2, NORM_BEFORE_GATE=before,
+                                              USE_GDC=True))
+    _compile_sm90(ns._gated_reduced, io, dict(BLOCK=2048, NORM_BEFORE_GATE=before, USE_GDC=True), floats=("eps",))

@@ -24,9 +24,11 @@ def _shards(t, world):
     return t.chunk(world, dim=-1)
 
 
+@pytest.mark.parametrize("before", [False, True], ids=["gate-first", "norm-before-gate"])
 @pytest.mark.parametrize("world,group", [(2, 256), (4, 256), (4, 128)])
-def test_two_reduce_refs_compose_to_the_gated_norm(world, group):
-    """Ranks' partial sums of squares, summed (the all-reduce), then each rank's reduced norm == the full norm."""
+def test_two_reduce_refs_compose_to_the_gated_norm(world, group, before):
+    """Ranks' partial sums of squares, summed (the all-reduce), then each rank's reduced norm == the full norm (the
+    gate first, or after the norm: Falcon-H1's)."""
     torch.manual_seed(0)
     d, eps = 256, 1e-5
     x, z, w = torch.randn(3, 2, d), torch.randn(3, 2, d), 1 + 0.1 * torch.randn(d)
@@ -34,18 +36,19 @@ def test_two_reduce_refs_compose_to_the_gated_norm(world, group):
     sends = []
     for r, (xr, zr, wr) in enumerate(zip(_shards(x, world), _shards(z, world), _shards(w, world))):
         ss = torch.full((3, 2, n_groups), float("nan"))  # every column is written
-        assert rmsnorm_gated_partial_ref(xr, wr, zr, ss, r * d_l // group, with_out=False) is None
+        assert rmsnorm_gated_partial_ref(xr, wr, zr, ss, r * d_l // group, with_out=False,
+                                         norm_before_gate=before) is None
         sends.append(ss)
     red = sum(sends)
-    out = torch.cat([rmsnorm_gated_reduced_ref(xr, wr, zr, red, r * d_l // group, group, eps)
+    out = torch.cat([rmsnorm_gated_reduced_ref(xr, wr, zr, red, r * d_l // group, group, eps, before)
                      for r, (xr, zr, wr) in enumerate(zip(_shards(x, world), _shards(z, world), _shards(w, world)))],
                     dim=-1)
-    ref = rmsnorm_gated_ref(x, w, z, eps, group)
+    ref = rmsnorm_gated_ref(x, w, z, eps, group, before)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fused_refs_compose_to_out_proj_of_the_gated_norm(bias):
+@pytest.mark.parametrize("bias, before", [(False, False), (True, False), (False, True)])
+def test_fused_refs_compose_to_out_proj_of_the_gated_norm(bias, before):
     """Σ_ranks [out_proj_r(u_r · w_r) | ss_r], then rstd_scale == out_proj(norm(u) · w) (+ bias)."""
     torch.manual_seed(1)
     d, n, eps, world = 192, 40, 1e-6, 2
@@ -54,11 +57,11 @@ def test_fused_refs_compose_to_out_proj_of_the_gated_norm(bias):
     red = 0
     for xr, zr, wr, Wr in zip(_shards(x, world), _shards(z, world), _shards(w, world), _shards(W, world)):
         part = torch.empty(5, n + 1)
-        yw = rmsnorm_gated_partial_ref(xr, wr, zr, part[:, -1:])
+        yw = rmsnorm_gated_partial_ref(xr, wr, zr, part[:, -1:], norm_before_gate=before)
         part[:, :-1] = F.linear(yw, Wr)
         red = red + part
     out = rstd_scale_ref(red, d, eps, b, torch.float32)
-    ref = F.linear(rmsnorm_gated_ref(x, w, z, eps), W, b)
+    ref = F.linear(rmsnorm_gated_ref(x, w, z, eps, norm_before_gate=before), W, b)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -81,8 +84,9 @@ def _kernel_cases():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("before", [False, True], ids=["gate-first", "norm-before-gate"])
 @pytest.mark.parametrize("lead,d,k,dtype", _kernel_cases())
-def test_partial_and_reduced_kernels_match_references(NS, lead, d, k, dtype):
+def test_partial_and_reduced_kernels_match_references(NS, lead, d, k, dtype, before):
     from test_kernels import DEV, TOL, rel
 
     torch.manual_seed(2)
@@ -93,20 +97,20 @@ def test_partial_and_reduced_kernels_match_references(NS, lead, d, k, dtype):
     col = k - 1
     # fused path: the sum of squares goes into the last column of the send tensor beside out_proj's outputs
     part, part_ref = (torch.full((*lead, 33), float("nan"), device=DEV) for _ in range(2))
-    yw = NS.rmsnorm_gated_partial(x, w, z, part[..., -1:], 0)
-    yw_ref = rmsnorm_gated_partial_ref(x, w, z, part_ref[..., -1:], 0)
+    yw = NS.rmsnorm_gated_partial(x, w, z, part[..., -1:], 0, norm_before_gate=before)
+    yw_ref = rmsnorm_gated_partial_ref(x, w, z, part_ref[..., -1:], 0, norm_before_gate=before)
     assert yw.dtype == dtype and yw.shape == x.shape
     assert rel(yw, yw_ref) <= TOL[dtype]
     assert rel(part[..., -1], part_ref[..., -1]) <= 1e-5
     assert torch.isnan(part[..., :-1]).all()  # nothing else of the row touched
     # two-all-reduce path: the whole (..., k) row, the group column and zeros
     ss, ss_ref = (torch.full((*lead, k), float("nan"), device=DEV) for _ in range(2))
-    assert NS.rmsnorm_gated_partial(x, w, z, ss, col, with_out=False) is None
-    rmsnorm_gated_partial_ref(x, w, z, ss_ref, col, with_out=False)
+    assert NS.rmsnorm_gated_partial(x, w, z, ss, col, with_out=False, norm_before_gate=before) is None
+    rmsnorm_gated_partial_ref(x, w, z, ss_ref, col, with_out=False, norm_before_gate=before)
     assert rel(ss, ss_ref) <= 1e-5 and (ss[..., :col] == 0).all()
     red = ss * 2.5  # as if the other ranks had added theirs
-    out = NS.rmsnorm_gated_reduced(x, w, z, red, col, 2 * d, 1e-5)
-    ref = rmsnorm_gated_reduced_ref(x, w, z, red, col, 2 * d, 1e-5)
+    out = NS.rmsnorm_gated_reduced(x, w, z, red, col, 2 * d, 1e-5, before)
+    ref = rmsnorm_gated_reduced_ref(x, w, z, red, col, 2 * d, 1e-5, before)
     assert out.dtype == dtype and rel(out, ref) <= TOL[dtype]
 
 

@@ -213,20 +213,29 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
                                                 with_out, z_scale, dtype)
 
 
-def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True):
+def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu"):
+    """``ops.moe.moe_experts_ref``: the routed experts of a mixture of experts on their stacked weights; one grouped
+    GEMM launch for all experts on CUDA (``kernels.moe``: static shapes, no host sync), the reference elsewhere."""
+    from ssmq.ops.moe import moe_experts_ref
+
+    impl = _kernels("moe").moe_experts if _use_triton(x) else moe_experts_ref
+    return impl(x, weights, idx, w_up, w_down, w_gate, act)
+
+
+def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True, norm_before_gate=False):
     """``ops.norm.rmsnorm_gated_partial_ref``: a tensor-parallel rank's gated norm before the group's all-reduce."""
     from ssmq.ops.norm import rmsnorm_gated_partial_ref
 
     impl = _kernels("norm_sharded").rmsnorm_gated_partial if _use_triton(x) else rmsnorm_gated_partial_ref
-    return impl(x, weight, z, ss_out, col, with_out)
+    return impl(x, weight, z, ss_out, col, with_out, norm_before_gate)
 
 
-def rmsnorm_gated_reduced(x, weight, z, ss, col, group_size, eps):
+def rmsnorm_gated_reduced(x, weight, z, ss, col, group_size, eps, norm_before_gate=False):
     """``ops.norm.rmsnorm_gated_reduced_ref``: the rank's gated norm from its group's all-reduced sum of squares."""
     from ssmq.ops.norm import rmsnorm_gated_reduced_ref
 
     impl = _kernels("norm_sharded").rmsnorm_gated_reduced if _use_triton(x) else rmsnorm_gated_reduced_ref
-    return impl(x, weight, z, ss, col, group_size, eps)
+    return impl(x, weight, z, ss, col, group_size, eps, norm_before_gate)
 
 
 def rstd_scale(red, group_size, eps, bias=None, out_dtype=None):

@@ -25,15 +25,19 @@ def _warps(block: int) -> int:
 def _gated_partial(
     x_ptr, z_ptr, w_ptr, out_ptr, ss_ptr, d, k, col,
     s_x, s_z, s_o, s_ss,
-    WITH_OUT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
+    WITH_OUT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < d
-    u = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32) \
-        * silu(tl.load(z_ptr + row * s_z + offs, mask=m, other=0.0).to(tl.float32))
-    ss = tl.sum(u * u, axis=0)
+    x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
+    u = x * silu(tl.load(z_ptr + row * s_z + offs, mask=m, other=0.0).to(tl.float32))
+    if NORM_BEFORE_GATE:
+        ss = tl.sum(x * x, axis=0)
+    else:
+        ss = tl.sum(u * u, axis=0)
     # the whole row of the all-reduce's send buffer: this rank's group column, zeros elsewhere
     offs_k = tl.arange(0, BLOCK_K)
     tl.store(ss_ptr + row * s_ss + offs_k, tl.where(offs_k == col, ss, 0.0), mask=offs_k < k)
@@ -42,7 +46,7 @@ def _gated_partial(
         tl.store(out_ptr + row * s_o + offs, (u * w).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True):
+def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True, norm_before_gate=False):
     """As ``rmsnorm_gated_partial_ref``: writes ss_out (..., k) in place, returns u · weight (..., d_l) or None."""
     d = x.shape[-1]
     k = ss_out.shape[-1]
@@ -56,7 +60,8 @@ def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True):
     if M:
         _gated_partial[(M,)](
             x2, z2, weight, out if with_out else x2, ss2, d, k, col, x2.stride(0), z2.stride(0), d, ss2.stride(0),
-            WITH_OUT=with_out, BLOCK=BLOCK, BLOCK_K=pow2(k, 2), num_warps=_warps(BLOCK), **pdl_args(x2),
+            WITH_OUT=with_out, BLOCK=BLOCK, BLOCK_K=pow2(k, 2), NORM_BEFORE_GATE=norm_before_gate,
+            num_warps=_warps(BLOCK), **pdl_args(x2),
         )
     return out
 
@@ -65,20 +70,24 @@ def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True):
 def _gated_reduced(
     x_ptr, z_ptr, w_ptr, ss_ptr, out_ptr, d, col, gsize, eps,
     s_x, s_z, s_ss, s_o,
-    BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False,
+    BLOCK: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr = False, USE_GDC: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < d
-    u = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32) \
-        * silu(tl.load(z_ptr + row * s_z + offs, mask=m, other=0.0).to(tl.float32))
+    x = tl.load(x_ptr + row * s_x + offs, mask=m, other=0.0).to(tl.float32)
+    g = silu(tl.load(z_ptr + row * s_z + offs, mask=m, other=0.0).to(tl.float32))
     rstd = 1.0 / tl.sqrt(tl.load(ss_ptr + row * s_ss + col) / gsize + eps)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * s_o + offs, (u * rstd * w).to(out_ptr.dtype.element_ty), mask=m)
+    if NORM_BEFORE_GATE:
+        out = x * rstd * w * g
+    else:
+        out = x * g * rstd * w
+    tl.store(out_ptr + row * s_o + offs, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rmsnorm_gated_reduced(x, weight, z, ss, col, group_size, eps):
+def rmsnorm_gated_reduced(x, weight, z, ss, col, group_size, eps, norm_before_gate=False):
     """As ``rmsnorm_gated_reduced_ref``: (..., d_l) in x's dtype."""
     d = x.shape[-1]
     x2, z2 = _rows(x, d), _rows(z, d)
@@ -89,7 +98,7 @@ def rmsnorm_gated_reduced(x, weight, z, ss, col, group_size, eps):
     if M:
         _gated_reduced[(M,)](
             x2, z2, weight, ss2, out, d, col, group_size, eps, x2.stride(0), z2.stride(0), ss2.stride(0), d,
-            BLOCK=BLOCK, num_warps=_warps(BLOCK), **pdl_args(x2),
+            BLOCK=BLOCK, NORM_BEFORE_GATE=norm_before_gate, num_warps=_warps(BLOCK), **pdl_args(x2),
         )
     return out
 

@@ -3,9 +3,12 @@ routing (Granite-4.0-H, Jamba).
 
 Glossary: t tokens (b·l flattened), d d_model, f hidden size, E experts, k experts per token.
 
-``MoE`` is the plain reference: each expert a ``GatedMLP`` (so recipes quantize experts as any linear, by name
-``layers.i.mlp.experts.j.{gate,up,down}_proj``), run on the tokens routed to it and summed with the routing
-weights. The router is not an ``nn.Linear``: no recipe quantizes the routing decision.
+``MoE`` keeps each expert a ``GatedMLP`` (so recipes quantize experts as any linear, by name
+``layers.i.mlp.experts.j.{gate,up,down}_proj``). How the experts run is chosen once (``MoE.set_mode``): by default
+each on the tokens routed to it (the plain reference: data-dependent shapes); with static shapes, as a CUDA graph
+needs (``static_shapes_``), float experts as one grouped GEMM on their stacked weights (``kernels.moe_experts``),
+quantized experts each on every token, weighted 0 where not chosen. The router is not an ``nn.Linear``: no recipe
+quantizes the routing decision.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ssmq import kernels
+from ssmq.errors import SSMQError
 from ssmq.models.config import ModelConfig
 from ssmq.models.hybrid import GatedMLP
 from ssmq.models.linear import Linear
@@ -83,21 +88,61 @@ class MoE(nn.Module):
         expert = MLP if cfg.moe_act == "relu2" else GatedMLP
         self.experts = nn.ModuleList(expert(cfg, cfg.moe_hidden) for _ in range(cfg.moe_experts))
         self.shared = expert(cfg, cfg.moe_shared_hidden or cfg.mlp_hidden) if cfg.moe_shared else None
+        self._stacked: dict[str, torch.Tensor] = {}  # "grouped" mode: (E, out, in) per projection name
 
-    # static_shapes: every expert runs on every token, weighted by its routing weight (0 where not chosen): no
-    # data-dependent shapes nor host syncs, so a CUDA graph can capture it (``static_shapes_``), at E / k times the
-    # expert work; else each expert runs on the tokens routed to it
-    static_shapes = False
+    # how the experts run (``set_mode``): "routed" each on the tokens routed to it; "static" every expert on every
+    # token, weighted by its routing weight (0 where not chosen), at E / k times the expert work; "grouped" the
+    # stacked weights of float experts through ``kernels.moe_experts``. The last two have no data-dependent shapes
+    # nor host syncs, so a CUDA graph can capture them
+    mode = "routed"
+    MODES = ("routed", "static", "grouped")
+
+    def groupable(self) -> bool:
+        """Every expert's linears are plain float linears (a quantized expert runs as its own module), its gated MLP
+        SiLU without multipliers (what ``kernels.moe_experts`` computes)."""
+        plain = all(type(getattr(e, n)) in (Linear, nn.Linear) and getattr(e, n).bias is None
+                    for e in self.experts for n in self._proj_names())
+        return plain and all(not isinstance(e, GatedMLP) or e.act is F.silu and e.gate_scale is None
+                             and e.down_scale is None for e in self.experts)
+
+    def _proj_names(self) -> tuple[str, ...]:
+        return ("up_proj", "down_proj") if self.cfg.moe_act == "relu2" else ("gate_proj", "up_proj", "down_proj")
+
+    @torch.no_grad()
+    def set_mode(self, mode: str) -> None:
+        """Choose how the experts run. "grouped" stacks each projection's weights into one (E, out, in) tensor whose
+        slices become the experts' weights (the same memory, no copy kept)."""
+        if mode not in self.MODES:
+            raise ValueError(f"unknown MoE mode {mode!r}; expected one of {', '.join(self.MODES)}")
+        if mode == "grouped" and not self.groupable():
+            raise SSMQError("the grouped MoE runs float experts only (these are quantized)")
+        self.mode = mode
+        if mode != "grouped":
+            return
+        for name in self._proj_names():
+            stacked = torch.stack([getattr(e, name).weight for e in self.experts])
+            for e, w in zip(self.experts, stacked):
+                getattr(e, name).weight = nn.Parameter(w, requires_grad=False)
+            self._stacked[name] = stacked
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., d) -> (..., d)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (t, d)
         weights, idx = route(self.router(x), self.cfg, self.router.e_score_correction_bias)  # (t, k)
-        out = self._static(x, weights, idx) if self.static_shapes else self._routed(x, weights, idx)
+        run = {"routed": self._routed, "static": self._static, "grouped": self._grouped}[self.mode]
+        out = run(x, weights, idx)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        st = self._stacked
+        if st["up_proj"].data_ptr() != self.experts[0].up_proj.weight.data_ptr():
+            raise SSMQError("the MoE's experts changed (moved, cast or quantized) after their weights were stacked: "
+                            "set its mode again")
+        return kernels.moe_experts(x, weights, idx, st["up_proj"], st["down_proj"], st.get("gate_proj"),
+                                   self.cfg.moe_act)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -128,11 +173,11 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module | None:
 
 
 def static_shapes_(model: nn.Module) -> None:
-    """Run the model's mixtures of experts with static shapes (``MoE.static_shapes``): what a CUDA-graph capture
-    needs."""
+    """Run the model's mixtures of experts with static shapes, what a CUDA-graph capture needs: float experts grouped
+    (``kernels.moe_experts``: one grouped GEMM on CUDA), quantized ones each on every token (``MoE.set_mode``)."""
     for m in model.modules():
-        if isinstance(m, MoE):
-            m.static_shapes = True
+        if isinstance(m, MoE) and m.mode == "routed":
+            m.set_mode("grouped" if m.groupable() else "static")
 
 
 def ffn_linears(mlp: nn.Module) -> tuple[list[str], list[str], list[tuple[str, str]]]:

@@ -30,6 +30,10 @@ def _scaled(x: torch.Tensor, m: float) -> torch.Tensor:
     return x if m == 1.0 else x * m
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -47,6 +51,9 @@ class Block(nn.Module):
         # Zamba2: this block's use of a shared transformer block (its adapters and output linear)
         self.shared = SharedUse(cfg, k) if cfg.shared_attn_layer_idx and k is not None else None
         self.mults = (cfg.ssm_out_multiplier, cfg.attn_in_multiplier, cfg.attn_out_multiplier)
+        # the sum of the mixer's and the parallel attention's outputs as it leaves the block: itself, or under tensor
+        # parallelism the all-reduce of the two row-parallel partial sums (``ssmq.runtime.tp.fuse_parallel_sums_``)
+        self.side_sum = _same
 
     def side(self) -> nn.Module | None:
         """The attention beside the mixer (an ``Attention`` or a ``SharedUse``), which allocates the block's second
@@ -68,7 +75,7 @@ class Block(nn.Module):
             ssm_out, attn_in, attn_out = self.mults
             x = _scaled(normed, attn_in)
             x = self.attn.step(x, cache, slots) if decode else self.attn(x, cache, slots)
-            hidden = _scaled(hidden, ssm_out) + _scaled(x, attn_out)
+            hidden = self.side_sum(_scaled(hidden, ssm_out) + _scaled(x, attn_out))
         if self.out_scale is not None:
             hidden = hidden * self.out_scale
         if self.mlp is not None:

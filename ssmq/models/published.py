@@ -74,6 +74,17 @@ PUBLISHED = {
          "mamba_chunk_size": 256, "max_position_embeddings": 131072, "position_embedding_type": "nope",
          "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)]})
        for name, ffn, shared, experts in [("granite-4.0-h-tiny", 512, 1024, 64), ("granite-4.0-h-1b", 4096, 4096, 0)]},
+    # Granite-4.0-H-Small (32B, 72 experts, 10 active; 9B active): widths, experts, Mamba-2 heads and state as its GGUF
+    # metadata states them. Not read off its config.json: its 8 KV heads, attention at layers 5, 15, 25, 35 (the 9:1
+    # Mamba-2 / attention ratio of the family's documentation, Tiny's positions) and tied embeddings; they move the
+    # total by < 0.5B (32.21B here, 8.8B active)
+    "granite-4.0-h-small": FAMILIES["granitemoehybrid"].config(
+        {"hidden_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+         "intermediate_size": 768, "shared_intermediate_size": 1536, "num_local_experts": 72, "num_experts_per_tok": 10,
+         "vocab_size": 100352, "tie_word_embeddings": True, "mamba_d_state": 128, "mamba_n_groups": 1,
+         "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_expand": 2, "mamba_chunk_size": 256,
+         "max_position_embeddings": 131072, "position_embedding_type": "nope",
+         "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)]}),
     # Jamba (v0.1 and 1.5 Mini: 52B, 16 experts, 2 active): attention every 8th layer from 4, MoE every 2nd from 1
     "jamba-mini": FAMILIES["jamba"].config(
         {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,

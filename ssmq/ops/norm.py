@@ -124,18 +124,20 @@ def rmsnorm_gated_partial_ref(
     ss_out: torch.Tensor,
     col: int = 0,
     with_out: bool = True,
+    norm_before_gate: bool = False,
 ) -> torch.Tensor | None:
     """One rank's share of a gated RMSNorm whose group spans ranks, before the reduction.
 
     x, z: (..., d_l) this rank's channels; weight: (d_l,) their norm weight; ss_out: (..., k) float32, written in
     place (it is what the all-reduce sends): column ``col`` gets sum(u²) over the rank's channels, u = x · silu(z)
-    in float32, the other columns 0. Returns u · weight in x's dtype (..., d_l): out_proj's input on the fused path,
-    where out_proj(u · w) · rstd == out_proj(norm(u) · w) because rstd is one number per token; None when not
-    ``with_out`` (the two-all-reduce path normalises after the reduction, ``rmsnorm_gated_reduced_ref``).
+    in float32 (sum(x²) with ``norm_before_gate``), the other columns 0. Returns u · weight in x's dtype (..., d_l):
+    out_proj's input on the fused path, where out_proj(u · w) · rstd == out_proj(norm(u) · w) because rstd is one
+    number per token (and so with the gate after the norm); None when not ``with_out`` (the two-all-reduce path
+    normalises after the reduction, ``rmsnorm_gated_reduced_ref``).
     """
     u = x.float() * F.silu(z.float())
     ss_out.zero_()
-    ss_out[..., col] = u.pow(2).sum(-1)
+    ss_out[..., col] = (x.float() if norm_before_gate else u).pow(2).sum(-1)
     return (u * weight.float()).to(x.dtype) if with_out else None
 
 
@@ -147,14 +149,18 @@ def rmsnorm_gated_reduced_ref(
     col: int,
     group_size: int,
     eps: float,
+    norm_before_gate: bool = False,
 ) -> torch.Tensor:
     """This rank's channels of a gated RMSNorm given their group's all-reduced sum of squares ``ss[..., col]``.
 
     x, z: (..., d_l); weight: (d_l,); ss: (..., k) float32. Returns x · silu(z) · rsqrt(ss / group_size + eps) ·
-    weight in x's dtype (..., d_l).
+    weight in x's dtype (..., d_l); with ``norm_before_gate`` (ss a sum of x²) x · rsqrt(…) · weight · silu(z).
     """
+    rstd = torch.rsqrt(ss[..., col:col + 1] / group_size + eps)
+    if norm_before_gate:
+        return (x.float() * rstd * weight.float() * F.silu(z.float())).to(x.dtype)
     u = x.float() * F.silu(z.float())
-    return (u * torch.rsqrt(ss[..., col:col + 1] / group_size + eps) * weight.float()).to(x.dtype)
+    return (u * rstd * weight.float()).to(x.dtype)
 
 
 def rstd_scale_ref(

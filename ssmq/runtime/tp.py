@@ -21,6 +21,18 @@ hq / hkv query / key-value heads; "_l" = this rank's share.
     Hybrid    attention: query heads sharded; KV heads sharded when hkv % W == 0, else each rank keeps the
               one KV head its query heads read; o_proj row-parallel. MLP: gate/up column, down row.
               2 all-reduces per attention block (o_proj, down_proj), Mamba-2 blocks as above (+1 for MLP).
+    Falcon-H1 attention in parallel with each Mamba-2 mixer: both sharded as above; their row-parallel outputs are
+              scaled by the µP multipliers (scalars: they commute with the sums) and added in ONE all-reduce
+              (two where out_proj's all-reduce carries the norm's sum of squares: the norm's rstd applies after
+              it). 1 (that sum) + the norm's, if split + 1 (MLP) all-reduces per block. The mixer's
+              per-segment in_proj multipliers follow in_proj's rows; its norm, gate first or norm first (or none),
+              is local or sharded as Mamba-2's.
+    Zamba2    a shared transformer block (stored once, sharded once) is attention + MLP as above. Each use's LoRA
+              adapters: down (r, ·) replicated, up column-parallel by the rows of the projection it adds to (q, k,
+              v heads; the MLP's [gate | up] rows), so a rank adds exactly its own rows of each delta with no
+              communication; sharding down instead would cost an all-reduce of r values for r·d MACs of work. The
+              per-use output linear (d, d) reads the MLP's all-reduced output and is replicated (its output joins
+              the mixer's input on every rank). 2 all-reduces per use (o_proj, down_proj) + the mixer's.
 
 Quantized modules are split exactly like the float weights they replace: codes by the same rows/columns,
 per-channel scales with their rows, per-group scales with their column groups (a shard boundary must
@@ -33,6 +45,7 @@ rank's slice of the rotated input multiplies its columns (one all-gather more).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -154,6 +167,10 @@ class RowParallel(nn.Module):
     input (max over ranks; or of the gathered input when rotated).
     """
 
+    # partial: return this rank's partial sum, left to a later all-reduce that adds it with others (Falcon-H1's
+    # mixer and attention outputs, ``fuse_parallel_sums_``)
+    partial = False
+
     def __init__(self, inner: nn.Module, comm: Communicator, start: int, stop: int, name: str):
         super().__init__()
         self.rotated = _is_rotated(inner)
@@ -176,7 +193,8 @@ class RowParallel(nn.Module):
             if _dynamic_act(self.inner):
                 self._full_scale = self.inner.dynamic_scale(full)
             x = full[..., self.start:self.stop]
-        return self.comm.all_reduce(self.inner(x), name=self.name)
+        y = self.inner(x)
+        return y if self.partial else self.comm.all_reduce(y, name=self.name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,22 +210,25 @@ class ShardedGatedNorm(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, group_size: int, group: int, n_groups: int,
-                 comm: Communicator, partial: bool = False):
+                 comm: Communicator, partial: bool = False, norm_before_gate: bool = False):
         super().__init__()
         self.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         self.eps, self.group_size, self.group, self.n_groups, self.comm = eps, group_size, group, n_groups, comm
-        self.partial = partial
+        self.partial, self.norm_before_gate = partial, norm_before_gate
         self.send_cols = None  # out_proj's outputs + 1, set by FusedNormOutProj
         self.part = None
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.partial:
             self.part = torch.empty(*y.shape[:-1], self.send_cols, dtype=torch.float32, device=y.device)
-            return kernels.rmsnorm_gated_partial(y, self.weight, z, self.part[..., -1:], 0)
+            return kernels.rmsnorm_gated_partial(y, self.weight, z, self.part[..., -1:], 0,
+                                                 norm_before_gate=self.norm_before_gate)
         sums = torch.empty(*y.shape[:-1], self.n_groups, dtype=torch.float32, device=y.device)
-        kernels.rmsnorm_gated_partial(y, self.weight, z, sums, self.group, with_out=False)
+        kernels.rmsnorm_gated_partial(y, self.weight, z, sums, self.group, with_out=False,
+                                      norm_before_gate=self.norm_before_gate)
         ss = self.comm.all_reduce(sums, name="gated_norm")
-        return kernels.rmsnorm_gated_reduced(y, self.weight, z, ss, self.group, self.group_size, self.eps)
+        return kernels.rmsnorm_gated_reduced(y, self.weight, z, ss, self.group, self.group_size, self.eps,
+                                             self.norm_before_gate)
 
 
 class FusedNormOutProj(nn.Module):
@@ -303,6 +324,8 @@ def shard_mamba2_(mixer: nn.Module, comm: Communicator, fuse_norm: bool = True) 
     rows = torch.cat([seg.offset("z") + ch, seg.offset("x") + ch, seg.offset("B") + bc, seg.offset("C") + bc,
                       seg.offset("dt") + heads])
     column_parallel_(mixer.in_proj, rows)
+    if mixer._proj_scale is not None:  # Falcon-H1's in_proj multipliers, one per output row
+        mixer._proj_scale, mixer._proj_scales = [mixer._proj_scale[i] for i in rows.tolist()], {}
     conv = mamba2_conv_segments(d, g, n)
     _conv_(mixer.conv1d, torch.cat([conv.offset("x") + ch, conv.offset("B") + bc, conv.offset("C") + bc]))
     for name in ("dt_bias", "A_log", "D"):
@@ -315,7 +338,11 @@ def shard_mamba2_(mixer: nn.Module, comm: Communicator, fuse_norm: bool = True) 
     mixer.conv_segments = mamba2_conv_segments(d_l, g_l, n)
 
     ng = norm_group_size(d, g, c.norm_group_size)
+    if getattr(mixer.norm, "weight", None) is None:  # the gate alone, no norm: per channel, local
+        mixer.out_proj = RowParallel(mixer.out_proj, comm, r * d_l, (r + 1) * d_l, "out_proj")
+        return 1
     weight = _rows(mixer.norm.weight, ch)
+    before = mixer.norm.norm_before_gate
     if d_l % ng == 0:  # whole norm groups on this rank: the norm is local
         mixer.norm.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
         mixer.out_proj = RowParallel(mixer.out_proj, comm, r * d_l, (r + 1) * d_l, "out_proj")
@@ -324,7 +351,8 @@ def shard_mamba2_(mixer: nn.Module, comm: Communicator, fuse_norm: bool = True) 
         raise SSMQError(f"gated-norm groups of {ng} channels straddle the {d_l}-channel shards of {W} ranks")
     fusable = (ng == d and fuse_norm and isinstance(mixer.act_y, nn.Identity) and not _is_rotated(mixer.out_proj)
                and (not isinstance(mixer.out_proj, QuantLinear) or mixer.out_proj.act is None))
-    mixer.norm = ShardedGatedNorm(weight, mixer.norm.eps, ng, r * d_l // ng, d // ng, comm, partial=fusable)
+    mixer.norm = ShardedGatedNorm(weight, mixer.norm.eps, ng, r * d_l // ng, d // ng, comm, partial=fusable,
+                                  norm_before_gate=before)
     if fusable:
         mixer.out_proj = FusedNormOutProj(mixer.out_proj, mixer.norm, comm, r * d_l, (r + 1) * d_l)
         return 1
@@ -379,6 +407,39 @@ def shard_attention_(attn: nn.Module, comm: Communicator) -> int:
 
 
 @torch.no_grad()
+def shard_shared_use_(use: nn.Module, cfg, comm: Communicator) -> int:
+    """Shard a Zamba2 block's use of a shared transformer block in place (the block itself by its owning use, once):
+    attention and MLP as any, the use's LoRA ups column-parallel with the rows they add to, downs and the output
+    linear replicated (the module docstring says why). Returns its all-reduces per call."""
+    r, W = comm.rank, comm.world
+    e, f_l = cfg.attn_head_dim, _divide("the MLP hidden size", cfg.mlp_hidden, W)
+    hq_l = _divide("the attention query heads", cfg.attn_heads, W)
+    q = _head_rows(_span(r * hq_l, hq_l), e)
+    kv = _head_rows(kv_heads(cfg.attn_heads, cfg.attn_kv_heads, r, W), e)
+    for adapter, rows in ((use.q_adapter, q), (use.k_adapter, kv), (use.v_adapter, kv),
+                          (use.mlp_adapter, torch.cat([_span(r * f_l, f_l), cfg.mlp_hidden + _span(r * f_l, f_l)]))):
+        if adapter is not None:
+            column_parallel_(adapter.up, rows)
+    if use.block is not None:
+        shard_attention_(use.block.attn, comm)
+        shard_mlp_(use.block.mlp, comm)
+    return 2
+
+
+def fuse_parallel_sums_(layer: nn.Module, comm: Communicator) -> int:
+    """Falcon-H1: the mixer's out_proj and the parallel attention's o_proj give partial sums, and one all-reduce adds
+    m_ssm · Σ out_proj + m_attn · Σ o_proj (the µP multipliers are scalars: they commute with the sum; a bias counted
+    on rank 0 only is scaled the same). Not where out_proj's all-reduce also carries the norm's sum of squares, or an
+    input is rotated. Returns the all-reduces it saves a call (0 or 1)."""
+    out, o = layer.mixer.out_proj, layer.attn.o_proj
+    if not (type(out) is RowParallel and type(o) is RowParallel) or out.rotated or o.rotated:
+        return 0
+    out.partial = o.partial = True
+    layer.side_sum = functools.partial(comm.all_reduce, name="out_proj+o_proj")
+    return 1
+
+
+@torch.no_grad()
 def shard_mlp_(mlp: nn.Module, comm: Communicator) -> int:
     if hasattr(mlp, "experts"):  # a mixture of experts is replicated: every rank runs all of it, no all-reduce
         return 0
@@ -408,9 +469,8 @@ class TPInfo:
 
 def check_tp(cfg, world: int) -> None:
     """Raise SSMQError when ``cfg`` cannot be split over ``world`` ranks (before any loading)."""
-    if cfg.side_attention_layers():
-        raise SSMQError("tensor parallelism is not built for models with attention beside their mixers (Zamba2's "
-                        "shared blocks, Falcon-H1's parallel attention)")
+    for r in range(world) if cfg.side_attention_layers() else ():  # Falcon-H1's parallel attention, Zamba2's blocks
+        kv_heads(cfg.attn_heads, cfg.attn_kv_heads, r, world)
     for i in range(cfg.n_layer):
         kind = cfg.layer_kind(i)
         for r in range(world):
@@ -445,6 +505,10 @@ def apply_tp(model: nn.Module, comm: Communicator, fuse_norm: bool = True) -> nn
             k = shard_mamba1_(layer.mixer, comm)
         else:
             k = shard_attention_(layer.mixer, comm)
+        if layer.attn is not None:  # Falcon-H1: attention in parallel with the mixer, their sums added in one
+            k += shard_attention_(layer.attn, comm) - fuse_parallel_sums_(layer, comm)
+        if layer.shared is not None:  # Zamba2: a shared transformer block before the mixer
+            k += shard_shared_use_(layer.shared, model.config, comm)
         if layer.mlp is not None:
             k += shard_mlp_(layer.mlp, comm)
         per_layer.append(k)
