@@ -22,6 +22,8 @@ import httpx
 import pytest
 import torch
 
+from _server_proc import wait_until_serving
+
 pytest.importorskip("fastapi", reason="ssmq serve needs fastapi (pip install -e '.[dev]')")
 
 from test_serve import NAME, TOK, offline_text, random_prompts, run_concurrently, start  # noqa: E402
@@ -429,14 +431,7 @@ def test_sigterm_drains_then_exits_0_and_a_second_sigterm_forces_exit(signals):
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                httpx.get(f"{url}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-                time.sleep(0.1)
+        wait_until_serving(url, proc, 120)
         out = {}
         max_tokens = 40 if signals == 1 else 4000
         t = threading.Thread(target=lambda: out.update(r=httpx.post(

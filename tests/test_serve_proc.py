@@ -24,6 +24,7 @@ import httpx
 import pytest
 import torch
 
+from _server_proc import wait_until_serving
 import engine_proc_models as loaders
 from char_tokenizer import CharTokenizer
 from tiny_ssm import tiny_model
@@ -252,14 +253,7 @@ def test_ssmq_serve_drains_on_sigterm_to_its_process_group_and_leaves_no_child(t
                              "--log-level", "warning"], env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                httpx.get(f"{url}/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None, "the server did not start"
-                time.sleep(0.2)
+        wait_until_serving(url, proc, 180, poll=0.2)
         children = _children(proc.pid)  # the engine process (and multiprocessing's resource tracker)
         assert any("spawn_main" in Path(f"/proc/{c}/cmdline").read_text() for c in children), children
         out = {}

@@ -45,6 +45,16 @@ def block_tables(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
 
 
 @triton.jit
+def _expert_block(be_ptr, bs_ptr, bend_ptr, BLOCK_M: tl.constexpr):
+    """This program's block of (token, expert) pairs: its expert, its rows in ``order``, their mask, and whether it
+    has any (blocks past the last one are empty)."""
+    blk = tl.program_id(0)
+    start, end = tl.load(bs_ptr + blk), tl.load(bend_ptr + blk)
+    rows = start + tl.arange(0, BLOCK_M)
+    return tl.load(be_ptr + blk).to(tl.int64), rows, rows < end, start < end
+
+
+@triton.jit
 def _moe_up(
     x_ptr, wg_ptr, wu_ptr, h_ptr, order_ptr, be_ptr, bs_ptr, bend_ptr,
     d, f, k, s_xt, s_we, s_wf, s_ht,
@@ -52,11 +62,8 @@ def _moe_up(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
-    blk, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(be_ptr + blk).to(tl.int64)
-    start, end = tl.load(bs_ptr + blk), tl.load(bend_ptr + blk)
-    rows = start + tl.arange(0, BLOCK_M)
-    mr = rows < end
+    e, rows, mr, nonempty = _expert_block(be_ptr, bs_ptr, bend_ptr, BLOCK_M)
+    pid_n = tl.program_id(1)
     tok = (tl.load(order_ptr + rows, mask=mr, other=0) // k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < f
@@ -65,7 +72,7 @@ def _moe_up(
     w_off = e * s_we + offs_n.to(tl.int64)[:, None] * s_wf + offs_k[None, :]
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_len = tl.where(start < end, d, 0)  # an empty block (past the last) runs no iteration
+    k_len = tl.where(nonempty, d, 0)  # an empty block (past the last) runs no iteration
     for k0 in range(0, k_len, BLOCK_K):
         mk = offs_k < d - k0
         xv = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0)
@@ -93,11 +100,8 @@ def _moe_down(
     USE_GDC: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
-    blk, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(be_ptr + blk).to(tl.int64)
-    start, end = tl.load(bs_ptr + blk), tl.load(bend_ptr + blk)
-    rows = start + tl.arange(0, BLOCK_M)
-    mr = rows < end
+    e, rows, mr, nonempty = _expert_block(be_ptr, bs_ptr, bend_ptr, BLOCK_M)
+    pid_n = tl.program_id(1)
     pair = tl.load(order_ptr + rows, mask=mr, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = offs_n < d
@@ -105,7 +109,7 @@ def _moe_down(
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * s_ht + offs_k[None, :]
     w_ptrs = wd_ptr + e * s_we + offs_n.to(tl.int64)[:, None] * s_wd + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_len = tl.where(start < end, f, 0)
+    k_len = tl.where(nonempty, f, 0)
     for k0 in range(0, k_len, BLOCK_K):
         mk = offs_k < f - k0
         hv = tl.load(h_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0)
