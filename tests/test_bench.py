@@ -63,6 +63,23 @@ def test_profile_accounts_for_each_step_once():
                                                                      if isinstance(m, torch.nn.Linear)]))
 
 
+def test_results_name_the_commit_and_whether_the_tree_differs_from_it(tmp_path):
+    from ssmq.bench.output import _commit
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run(git + ["add", "a.py"], check=True)
+    subprocess.run(git + ["commit", "-qm", "a"], check=True)
+    head = subprocess.run(git[:3] + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert _commit(tmp_path) == head
+    (tmp_path / "untracked.txt").write_text("results\n")  # untracked files are not the measured code
+    assert _commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert _commit(tmp_path) == head + "-dirty"
+    assert _commit(tmp_path / "no-repo") is None
+
+
 def test_throughput_counts_every_generated_token(tmp_path):
     r = run("throughput", "--layers", "1", "--num-prompts", "3", "--input-len", "4", "--output-len", "3",
             "--max-batch", "2", "--out", str(tmp_path))

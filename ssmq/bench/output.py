@@ -19,17 +19,23 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _commit() -> str | None:
-    """The git commit of the ssmq source tree when it is a checkout (None for an installed wheel)."""
-    root = Path(__file__).resolve().parents[2]
+def _commit(root: Path | None = None) -> str | None:
+    """The git commit of the ssmq source tree when it is a checkout, ``<hash>-dirty`` when its tracked files differ
+    from that commit (the figures then come from code no commit holds), None for an installed wheel."""
+    root = root or Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return None
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    commit = head.stdout.strip()
+    if not commit:
+        return None
+    return commit + "-dirty" if changed.returncode == 0 and changed.stdout.strip() else commit
 
 
 def record(name: str, device: torch.device, argv: list[str] | None = None, **extra) -> dict:
