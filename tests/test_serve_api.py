@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from _server_proc import wait_until_serving
+from _server_proc import raw_completion, wait_until_serving
 
 pytest.importorskip("fastapi", reason="ssmq serve needs fastapi (pip install -e '.[dev]')")
 
@@ -313,11 +313,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_slot_within_a_second(
     within 1 s of the client going away."""
     engine = _slow(_engine(tiny_model("hybrid", seed=5), kv_blocks=40, kv_block_size=4), 0.02)
     with BackgroundServer(engine, TOK, ServerConfig((NAME,))) as url:
-        host, port = url.removeprefix("http://").split(":")
-        body = json.dumps({"prompt": "abc", "max_tokens": 90, "ignore_eos": True, "temperature": 0}).encode()
-        sock = socket.create_connection((host, int(port)))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        sock = raw_completion(url, {"prompt": "abc", "max_tokens": 90, "ignore_eos": True, "temperature": 0})
         deadline = time.monotonic() + 30
         while httpx.get(f"{url}/health").json()["steps"] < 5:
             assert time.monotonic() < deadline

@@ -24,7 +24,7 @@ import httpx
 import pytest
 import torch
 
-from _server_proc import wait_until_serving
+from _server_proc import raw_completion, wait_until_serving
 import engine_proc_models as loaders
 from char_tokenizer import CharTokenizer
 from tiny_ssm import tiny_model
@@ -114,11 +114,7 @@ def test_a_client_that_disconnects_frees_its_slot_within_a_second(served):
     process and frees the slot at its next step."""
     url, _ = served
     aborted = _metric(url, "ssmq_requests_total", {"outcome": "abort"})
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"prompt": "abc", "max_tokens": 90, "ignore_eos": True, "temperature": 0}).encode()
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    sock = raw_completion(url, {"prompt": "abc", "max_tokens": 90, "ignore_eos": True, "temperature": 0})
     deadline = time.monotonic() + 30
     while httpx.get(f"{url}/health").json()["slots_used"] == 0:
         assert time.monotonic() < deadline

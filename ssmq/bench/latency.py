@@ -59,32 +59,25 @@ def tpot_ms(model, batch: int, steps: int, warmup: int, reps: int, profile: bool
     """One decode step of ``batch`` sequences, ms: the mean over ``steps`` consecutive steps, median of ``reps``.
     With ``profile``: (ms, the per-kernel profile rows of the step captured without programmatic dependent launch,
     ``ssmq.bench.profile.kernel_profile``, whose step time they share out)."""
-    # every step (graph capture, warm-up and the profile included) adds a token
-    step = decode_step(model, batch, (warmup + reps + 4) * steps + 16)
+    max_len = (warmup + reps + 4) * steps + 16  # every step (capture, warm-up, the profile included) adds a token
 
-    def run():
-        for _ in range(steps):
-            step()
+    def step_ms(step) -> float:
+        def run():
+            for _ in range(steps):
+                step()
+        return time_fn(run, model.device, warmup, reps).median_ms / steps
 
-    ms = time_fn(run, model.device, warmup, reps).median_ms / steps
+    ms = step_ms(decode_step(model, batch, max_len))
     if not profile:
         return ms
-    from dataclasses import replace
-
     from ssmq.bench.profile import kernel_profile
     from ssmq.kernels import policy
 
     # Under programmatic dependent launch a kernel starts while its predecessor runs and waits inside, so its
     # recorded time includes its predecessor's tail: the profile runs a step captured without PDL, timed on its own.
-    with policy.using(replace(policy.active(), pdl=False)):
-        plain = decode_step(model, batch, (warmup + reps + 4) * steps + 16)
-
-    def run_plain():
-        for _ in range(steps):
-            plain()
-
-    plain_ms = time_fn(run_plain, model.device, warmup, reps).median_ms / steps
-    return ms, kernel_profile(plain, model.device, plain_ms, steps)
+    with policy.using(policy.active().with_changes(pdl=False)):
+        plain = decode_step(model, batch, max_len)
+    return ms, kernel_profile(plain, model.device, step_ms(plain), steps)
 
 
 @torch.inference_mode()

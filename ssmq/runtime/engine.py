@@ -147,6 +147,16 @@ def unfit_reason(n_tokens: int, max_model_len: int, kv_blocks: tuple[int, int] |
     return None
 
 
+def check_servable(req, unfit: Callable[[int], str | None]) -> None:
+    """Raise SSMQError for a request no step can ever serve: an empty prompt, or a prompt and max_tokens that
+    ``unfit`` (an engine's ``unfit``) says never fit."""
+    if len(req.prompt) == 0:
+        raise SSMQError("empty prompt")
+    why = unfit(len(req.prompt) + req.max_tokens)
+    if why:
+        raise SSMQError(why)
+
+
 def kv_bytes_per_token(model) -> float:
     """Bytes a token takes in the KV cache of every attention layer of ``model`` (float or quantized, as allocated)."""
     dtype = model.norm_f.weight.dtype
@@ -295,11 +305,7 @@ class Engine:
         return None
 
     def submit(self, req: Request) -> None:
-        if len(req.prompt) == 0:
-            raise SSMQError("empty prompt")
-        why = self.unfit(len(req.prompt) + req.max_tokens)
-        if why:
-            raise SSMQError(why)
+        check_servable(req, self.unfit)
         with self._cv:
             if len(self._inbox) + len(self.waiting) >= self.cfg.max_waiting:
                 raise SSMQError(f"the queue is full ({self.cfg.max_waiting} requests waiting)")

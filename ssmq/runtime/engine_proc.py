@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 
 from ssmq.errors import SSMQError
-from ssmq.runtime.engine import EngineConfig, Event, unfit_reason
+from ssmq.runtime.engine import EngineConfig, Event, check_servable, unfit_reason
 
 log = logging.getLogger("ssmq.serve")
 
@@ -153,11 +153,7 @@ class ProcessEngine:
     def submit(self, req) -> None:
         if self._error is not None:
             raise SSMQError(f"the engine is not running: {self._error}")
-        if len(req.prompt) == 0:
-            raise SSMQError("empty prompt")
-        why = self.unfit(len(req.prompt) + req.max_tokens)
-        if why:
-            raise SSMQError(why)
+        check_servable(req, self.unfit)
         with self._lock:
             if self._error is not None:  # died meanwhile: the reader has failed what it knew of
                 raise SSMQError(f"the engine is not running: {self._error}")
@@ -344,10 +340,10 @@ class _Outbox:
         (a prompt's chunk prefilled, a request admitted)."""
         s = self.engine.stats()
         if {k: v for k, v in s.items() if k != "steps"} != {k: v for k, v in self.sent.items() if k != "steps"}:
-            self.send([])
+            self.send([], s)
 
-    def send(self, items: list) -> None:
-        stats = self.engine.stats()
+    def send(self, items: list, stats: dict | None = None) -> None:
+        stats = self.engine.stats() if stats is None else stats
         with self.lock:
             prompt, waits = self.tally.take()
             self.conn.send(("step", items, prompt, waits, stats))
