@@ -199,6 +199,12 @@ def run(args) -> dict:
     result = record("kernels", device, shape=args.shape, dtype=str(dtype).removeprefix("torch."),
                     l2_flush=args.l2_flush, warmup=args.warmup, reps=args.reps)
     cases = [(n, c) for n in names for c in KERNEL_BENCHES[n].fn(ctx)]
+    bw = None
+    if device.type == "cuda" and any(c.nbytes for _, c in cases):  # the ceiling of a streaming kernel, this run's
+        from ssmq.bench.gemv import copy_bandwidth
+
+        bw = copy_bandwidth()
+        result["copy_bandwidth_GBps"] = bw / 1e9
     for bench, case in tqdm(cases, desc="kernels", unit="case"):
         for impl, fn in case.fns.items():
             row = {"bench": bench, "case": case.label, "impl": impl, "rows": case.rows}
@@ -211,8 +217,12 @@ def run(args) -> dict:
             row["us"] = t.median_ms * 1e3
             if case.nbytes and impl == "ssmq":
                 row["GB_s"] = case.nbytes / (t.median_ms * 1e-3) / 1e9
+                if bw:  # % of the device-to-device copy bandwidth (bytes read + written)
+                    row["pct_copy"] = 100 * row["GB_s"] * 1e9 / bw
             result["rows"].append(row)
-    print(table(result["rows"], ["bench", "case", "impl", "us", "GB_s", "error"]))
+    if bw:
+        print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + written)")
+    print(table(result["rows"], ["bench", "case", "impl", "us", "GB_s", "pct_copy", "error"]))
     for path in write(result, args.out, plot=_plot):
         print(f"wrote {path}")
     return result
