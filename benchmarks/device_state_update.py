@@ -9,7 +9,7 @@ rows from DRAM; K calls, one a block, are captured in a CUDA graph (no host gaps
 call = the replays' median / K. Bytes = state read + written plus x, B, C, dt, y and row scales (as
 ``ssmq bench kernels --only state-update`` counts them); % of the 1 GiB device-to-device copy bandwidth (read +
 written) measured in the same run. A variant sets entries of ``STEP_CFG[format]`` (``ssmq/kernels/configs/
-state_update.json``) in place; each variant's output is checked against the reference first (y, codes within one
+state_update.json``) in place ("one.KEY": of the one-tile kernel's settings, ``CFG["int8"]`` for an int8 state); each variant's output is checked against the reference first (y, codes within one
 step, as the GPU tests).
 """
 
@@ -155,7 +155,10 @@ def main():
             call, K, check, nbytes = case(kind, b, gen)
             for vname, over in {"shipped": {}, **variants.get(fmt, {})}.items():
                 saved = dict(su.STEP_CFG[fmt])
-                su.STEP_CFG[fmt].update(over)
+                one = su.CFG["int8"] if fmt != "float" else su.CFG  # the one-tile kernel's ("one.KEY" entries)
+                saved_one = dict(one)
+                su.STEP_CFG[fmt].update({k: v for k, v in over.items() if not k.startswith("one.")})
+                one.update({k[4:]: v for k, v in over.items() if k.startswith("one.")})
                 t0 = time.time()
                 try:
                     ok, why = check()
@@ -170,6 +173,8 @@ def main():
                 finally:
                     su.STEP_CFG[fmt].clear()
                     su.STEP_CFG[fmt].update(saved)
+                    one.clear()
+                    one.update(saved_one)
                 rows.append(row)
                 print(json.dumps(row), f"({time.time() - t0:.1f} s)", flush=True)
             del call, check
