@@ -9,8 +9,8 @@ rows from DRAM; K calls, one a block, are captured in a CUDA graph (no host gaps
 call = the replays' median / K. Bytes = state read + written plus x, B, C, dt, y and row scales (as
 ``ssmq bench kernels --only state-update`` counts them); % of the 1 GiB device-to-device copy bandwidth (read +
 written) measured in the same run. A variant sets entries of ``STEP_CFG[format]`` (``ssmq/kernels/configs/
-state_update.json``) in place ("one.KEY": of the one-tile kernel's settings, ``CFG["int8"]`` for an int8 state); each variant's output is checked against the reference first (y, codes within one
-step, as the GPU tests).
+state_update.json``) in place ("one.KEY": of the one-tile kernel's settings, ``CFG["int8"]`` for an int8 state);
+each variant's output is checked against the reference first (y, codes within one step, as the GPU tests).
 """
 
 from __future__ import annotations

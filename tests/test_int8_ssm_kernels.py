@@ -411,24 +411,21 @@ def test_step_walks_several_tiles(SU, state_fmt, input_fmt, max_tiles, prefetch,
         assert rel(dev_args[1].scale.cpu(), ref_args[1].scale) < 1e-5
 
 
-@pytest.mark.parametrize("state_fmt", ["int8_index", "int8_rows", "float"])
+@pytest.mark.parametrize("state_fmt", ["int8_index", "int8_rows"])
 @pytest.mark.parametrize("words", [True, False])
-def test_step_pipelined_with_reciprocal_table(SU, state_fmt, words, monkeypatch):
-    """The plain Mamba-2 step's tile loop software-pipelined (``stages``: the next tiles copied into shared memory while
-    one computes), the codes converted by conversion instructions (``cvt_codes``) and, for a table-scaled int8 state,
-    re-quantized by the table's reciprocals (``rcp_table``): equal
-    to the reference, as the unpipelined loop is."""
+def test_step_codes_by_conversion(SU, state_fmt, words, monkeypatch):
+    """The plain Mamba-2 step with its int8 codes converted by conversion instructions (``cvt_codes``), read as int32
+    words or as bytes: equal to the reference, as the bit-assembly conversion is."""
     for key in SU.STEP_CFG:
         monkeypatch.setitem(SU.STEP_CFG, key, {**SU.STEP_CFG[key], "programs_per_sm": 1e-3, "max_tiles": 3,
-                                                "prefetch": False, "words": words, "stages": 3, "rcp_table": True,
-                                                "cvt_codes": True})
+                                                "prefetch": False, "words": words, "cvt_codes": True})
     args = _case("mamba2", state_fmt, "codes_per_channel", seed=7)
     ref_args = _clone(args)
     y_ref = quant_state_update_ref(*ref_args)
     dev_args = _dev(args)
     before = dev_args[0].clone()
     s, b, h, p, g_, n = LAYOUTS["mamba2"]
-    fmt = {"int8_index": "int8_table", "int8_rows": "int8_rows", "float": "float"}[state_fmt]
+    fmt = {"int8_index": "int8_table", "int8_rows": "int8_rows"}[state_fmt]
     assert SU._step_grid(b, h, p, n, fmt, dev_args[0].device)[3] > 1
     assert rel(SU.quant_state_update(*dev_args), y_ref) < 1e-5
     _assert_state_close(dev_args[0], ref_args[0], state_fmt)

@@ -349,8 +349,8 @@ STEP_CFG = CFG["step"]
 
 
 # int8 codes -> float32 by one conversion a code, its byte selected in the instruction (bfe + cvt: I2F.S8 R, R.Bk):
-# 1 instruction a code against bit assembly's 2.25 (xor, prmt, subtract), on the quarter-rate conversion pipe, which
-# the plain step's loop leaves idle (its re-quantization uses no MUFU.RCP when its reciprocals are read or row-wise)
+# 1 instruction a code against bit assembly's 2.25 (xor, prmt, subtract), on the quarter-rate conversion pipe (which
+# the row-scaled step leaves idle): 1.25 instructions a state value fewer (STEP_CFG "cvt_codes"; docs/state-update.md)
 _CVT_PTX = tl.constexpr("""{
 .reg .b32 t0, t1, t2, t3;
 bfe.s32 t0, $4, 0, 8;
@@ -433,32 +433,19 @@ def _step_raw(base, t, offs_r, offs_n, p, n, s_sh, s_sp, s_sn, TP: tl.constexpr,
 
 
 @triton.jit
-def _head_decay(pid_b, head, dt_ptr, A_ptr, dtb_ptr, s_dtb, s_dth, s_Ah, s_dbh, HAS_DTB: tl.constexpr,
-                SOFTPLUS: tl.constexpr):
-    """(Δ, exp(Δ·A)) of one head of batch row pid_b: scalars (~45 instructions with the softplus, once a head)."""
-    A = tl.load(A_ptr + head * s_Ah).to(tl.float32)
-    dt = tl.load(dt_ptr + pid_b * s_dtb + head * s_dth).to(tl.float32)
-    if HAS_DTB:
-        dt += tl.load(dtb_ptr + head * s_dbh).to(tl.float32)
-    if SOFTPLUS:
-        dt = softplus(dt)
-    return dt, tl.exp(dt * A)
-
-
-@triton.jit
 def _step_tile(
-    raw, t, pid_b, slot, base, dt, dA, x_ptr, Bv, Cv, D_ptr, z_ptr, out_ptr,
-    ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n,
-    s_sh, s_sp, s_sn, s_xb, s_xh, s_xp, s_Dh, s_Dp,
-    s_zb, s_zh, s_zp, s_ob, s_oh, s_op, s_ssg, s_ssn, s_sidx, s_rsb, s_rsh, s_rsp,
+    raw, t, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+    ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n,
+    s_sh, s_sp, s_sn, s_xb, s_xh, s_xp, s_dtb, s_dth, s_Ah, s_Dh, s_Dp,
+    s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn, s_sidx, s_rsb, s_rsh, s_rsp,
     s_xsb, s_xsh, s_xsp,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr,
-    FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, RCP_TABLE: tl.constexpr, CVT_CODES: tl.constexpr,
-    EVEN: tl.constexpr, WORDS: tl.constexpr, TP: tl.constexpr, BP: tl.constexpr,
+    FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, CVT_CODES: tl.constexpr, EVEN: tl.constexpr,
+    WORDS: tl.constexpr, TP: tl.constexpr, BP: tl.constexpr,
 ):
-    """Advance tile t (its stored values ``raw``; its head's Δ and exp(Δ·A), ``_head_decay``; its group's B and C,
-    float32 (BN,)), write it back and write its rows of y."""
+    """Advance tile t (its stored values ``raw``; its group's B and C, float32 (BN,)), write it back and write its
+    rows of y."""
     head = t // TP
     rows = (t % TP) * BP + offs_r
     if EVEN:
@@ -466,6 +453,13 @@ def _step_tile(
     else:
         mp, mn = rows < p, offs_n < n
     m2 = mp[:, None] & mn[None, :]
+    A = tl.load(A_ptr + head * s_Ah).to(tl.float32)
+    dt = tl.load(dt_ptr + pid_b * s_dtb + head * s_dth).to(tl.float32)
+    if HAS_DTB:
+        dt += tl.load(dtb_ptr + head * s_dbh).to(tl.float32)
+    if SOFTPLUS:
+        dt = softplus(dt)
+    dA = tl.exp(dt * A)  # one exp a head
     x = tl.load(x_ptr + pid_b * s_xb + head * s_xh + rows * s_xp, mask=mp, other=0.0).to(tl.float32)
     if Q_X:
         x = x * tl.load(xs_ptr + pid_b * s_xsb + head * s_xsh + rows * s_xsp, mask=mp, other=0.0)
@@ -497,17 +491,11 @@ def _step_tile(
             row = chan.to(tl.int64)
         sc = _state_scales(ss_ptr, row, offs_n, s_ssg, s_ssn, m2)
         hs = codes * sc * dA + dBx
-        if RCP_TABLE:  # the reciprocals read (L1 hits, as the scales): a load a 4 values, not an MUFU.RCP a value
-            sc = _state_scales(ssi_ptr, row, offs_n, s_ssg, s_ssn, m2)
-        if WORDS and RCP_TABLE:
-            tl.store(s_ptrs, _words(hs, sc, PTX_CODES, True))
-        elif WORDS:  # as _write_state
+        if WORDS:  # as _write_state
             if FAST_RCP:
                 tl.store(s_ptrs, _words(hs, _rcp_approx(sc), PTX_CODES, True))
             else:
                 tl.store(s_ptrs, _words(hs / sc, 1.0, PTX_CODES, True))
-        elif RCP_TABLE:
-            tl.store(s_ptrs, rne_int8_of_product(hs, sc, PTX_CODES), mask=m2)
         else:
             _write_state(s_ptrs, hs, sc, m2, Q_STATE, FAST_RCP, PTX_CODES, False)
     else:
@@ -527,7 +515,7 @@ def _step_tile(
 @triton.jit
 def _step(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dtb_ptr, idx_ptr, out_ptr,
-    ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr, rs_ptr,
+    ss_ptr, sidx_ptr, xs_ptr, Bs_ptr, Cs_ptr, rs_ptr,
     p, n, NT,
     s_sb, s_sh, s_sp, s_sn, s_xb, s_xh, s_xp, s_dtb, s_dth, s_Ah,
     s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op,
@@ -535,8 +523,8 @@ def _step(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr,
     Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr,
-    RCP_TABLE: tl.constexpr, CVT_CODES: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ONE_GROUP: tl.constexpr, HPG: tl.constexpr,
-    TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, TILES_FIRST: tl.constexpr, STAGES: tl.constexpr = 1,
+    CVT_CODES: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ONE_GROUP: tl.constexpr,
+    HPG: tl.constexpr, TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, TILES_FIRST: tl.constexpr,
     USE_GDC: tl.constexpr = False,
 ):
     """Grid (b, tiles // NT) (TILES_FIRST: (tiles // NT, b)): program (row, j) steps tiles j·NT .. j·NT + NT - 1 of
@@ -574,14 +562,13 @@ def _step(
                           s_Bsn, mn, Q_B)
                 Cv = _vec(C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg, offs_n, s_Cn,
                           s_Csn, mn, Q_C)
-            dt, dA = _head_decay(pid_b, (t0 + i - 1) // TP, dt_ptr, A_ptr, dtb_ptr, s_dtb, s_dth, s_Ah, s_dbh, HAS_DTB,
-                                 SOFTPLUS)
-            _step_tile(cur, t0 + i - 1, pid_b, slot, base, dt, dA, x_ptr, Bv, Cv, D_ptr, z_ptr, out_ptr,
-                       ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
-                       s_xp, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_ob, s_oh, s_op, s_ssg, s_ssn,
-                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, Q_STATE,
-                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, RCP_TABLE, CVT_CODES, EVEN,
-                       WORDS, TP, BP)
+            _step_tile(cur, t0 + i - 1, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+                       ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
+                       s_xp,
+                       s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
+                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, CVT_CODES, EVEN, WORDS, TP,
+                       BP)
             cur = nxt
         if not ONE_GROUP:
             grp = ((t0 + NT - 1) // TP) // HPG
@@ -589,34 +576,29 @@ def _step(
                       mn, Q_B)
             Cv = _vec(C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg, offs_n, s_Cn, s_Csn,
                       mn, Q_C)
-        dt, dA = _head_decay(pid_b, (t0 + NT - 1) // TP, dt_ptr, A_ptr, dtb_ptr, s_dtb, s_dth, s_Ah, s_dbh, HAS_DTB,
-                             SOFTPLUS)
-        _step_tile(cur, t0 + NT - 1, pid_b, slot, base, dt, dA, x_ptr, Bv, Cv, D_ptr, z_ptr, out_ptr,
-                       ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
-                       s_xp, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_ob, s_oh, s_op, s_ssg, s_ssn,
-                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, Q_STATE,
-                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, RCP_TABLE, CVT_CODES, EVEN,
-                       WORDS, TP, BP)
+        _step_tile(cur, t0 + NT - 1, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+                       ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
+                       s_xp,
+                       s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
+                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, CVT_CODES, EVEN, WORDS, TP,
+                       BP)
     else:
-        # STAGES > 1: the loop software-pipelined, the state tiles of the next STAGES - 1 iterations copied into shared
-        # memory (cp.async) while this one computes: bytes in flight without registers
-        for i in tl.range(0, NT, num_stages=STAGES):
+        for i in range(0, NT):
             raw = _step_raw(base, t0 + i, offs_r, offs_s, p, n, s_sh, s_sp, s_sn, TP, BP, EVEN)
-            # (Δ and the decay a tile: kept across the tiles of a head, they cost more registers than instructions)
-            dt, dA = _head_decay(pid_b, (t0 + i) // TP, dt_ptr, A_ptr, dtb_ptr, s_dtb, s_dth, s_Ah, s_dbh, HAS_DTB,
-                                 SOFTPLUS)
             if not ONE_GROUP:
                 grp = ((t0 + i) // TP) // HPG
                 Bv = _vec(B_ptr + pid_b * s_Bb + grp * s_Bg, Bs_ptr + pid_b * s_Bsb + grp * s_Bsg, offs_n, s_Bn,
                           s_Bsn, mn, Q_B)
                 Cv = _vec(C_ptr + pid_b * s_Cb + grp * s_Cg, Cs_ptr + pid_b * s_Csb + grp * s_Csg, offs_n, s_Cn,
                           s_Csn, mn, Q_C)
-            _step_tile(raw, t0 + i, pid_b, slot, base, dt, dA, x_ptr, Bv, Cv, D_ptr, z_ptr, out_ptr,
-                       ss_ptr, ssi_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
-                       s_xp, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_ob, s_oh, s_op, s_ssg, s_ssn,
-                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, Q_STATE,
-                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, RCP_TABLE, CVT_CODES, EVEN,
-                       WORDS, TP, BP)
+            _step_tile(raw, t0 + i, pid_b, slot, base, x_ptr, dt_ptr, A_ptr, Bv, Cv, D_ptr, z_ptr, dtb_ptr, out_ptr,
+                       ss_ptr, sidx_ptr, xs_ptr, rs_ptr, offs_r, offs_n, offs_s, p, n, s_sh, s_sp, s_sn, s_xb, s_xh,
+                       s_xp,
+                       s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
+                       s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, CVT_CODES, EVEN, WORDS, TP,
+                       BP)
 
 
 def _step_grid(b: int, h: int, p: int, n: int, fmt: str, device) -> tuple[dict, int, int, int]:
@@ -635,7 +617,7 @@ def _step_grid(b: int, h: int, p: int, n: int, fmt: str, device) -> tuple[dict, 
     return cfg, BP, TP, nt
 
 
-def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, ssi, sidx, s_ssg, rs,
+def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, sidx, s_ssg, rs,
                  xs, Bs, Cs, out, rep, step):
     """The plain Mamba-2 step through ``_step`` (arguments as ``_launch`` has checked and shaped them; ``step``:
     ``_step_grid``'s)."""
@@ -655,7 +637,7 @@ def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x,
         state_batch_indices if state_batch_indices is not None else x, out,
-        ss if ss is not None else dummy, ssi if ssi is not None else dummy, sidx if sidx is not None else dummy,
+        ss if ss is not None else dummy, sidx if sidx is not None else dummy,
         xs if xs is not None else dummy, Bs if Bs is not None else dummy, Cs if Cs is not None else dummy,
         rs if rs is not None else dummy,
         p, n, NT,
@@ -668,9 +650,8 @@ def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
         Q_STATE=ss is not None or rs is not None, ROWS=rs is not None, HAS_SIDX=sidx is not None,
         Q_X=xs is not None, Q_B=Bs is not None, Q_C=Cs is not None,
         FAST_RCP=CFG["fast_rcp"] and state.is_cuda, PTX_CODES=CFG["ptx_codes"] and state.is_cuda,
-        RCP_TABLE=ssi is not None, CVT_CODES=cfg.get("cvt_codes", False), EVEN=even, WORDS=words, PREFETCH=cfg["prefetch"] and NT > 1,
+        CVT_CODES=cfg.get("cvt_codes", False), EVEN=even, WORDS=words, PREFETCH=cfg["prefetch"] and NT > 1,
         ONE_GROUP=(rep * TP) % NT == 0, HPG=rep, TP=TP, BP=BP, BN=BN, TILES_FIRST=order,
-        STAGES=cfg.get("stages", 1),
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **pdl_args(x),
     )
     return out
@@ -822,9 +803,8 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
         fmt = "float" if state.dtype != torch.int8 else "int8_rows" if rs is not None else "int8_table"
         step = _step_grid(b, h, p, n, fmt, x.device)
         if step[3] > 1:  # NT: one tile a program is this kernel's (below), which measured as fast or faster there
-            ssi = _reciprocal_table(state_scale, ss) if ss is not None and step[0].get("rcp_table") else None
-            _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, ssi, sidx, s_ssg,
-                         rs, xs, Bs, Cs, out, rep, step)
+            _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices, ss, sidx, s_ssg, rs,
+                         xs, Bs, Cs, out, rep, step)
             return out if multihead else out.squeeze(1)
     BN = pow2(n, 16)
     cfg = CFG["replay"] if ring is not None else CFG
