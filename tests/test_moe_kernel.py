@@ -1,10 +1,12 @@
 """The grouped-GEMM mixture of experts (``kernels.moe``) against its reference (``ops.moe.moe_experts_ref``), and the
 reference against the experts as modules.
 
-CPU: the reference equals a loop over per-expert ``GatedMLP`` / squared-ReLU ``MLP`` modules; the kernel's block tables
-cover every (token, expert) pair once, each block one expert's. ``gpu`` (or ``SSMQ_TRITON_INTERPRET=1``): the Triton
-kernel equals the reference over shapes, dtypes, both activations, decode-sized and empty inputs, experts without
-tokens; on CUDA a captured graph of it replays the eager result for other routings.
+CPU: the reference equals a loop over per-expert ``GatedMLP`` / squared-ReLU ``MLP`` modules, float and quantized
+(``QuantLinear`` experts: int8 and int4 weight-only, fp8 weight-only, FP8 W8A8, run "routed" against the MoE's
+"grouped" mode); the kernel's block tables cover every (token, expert) pair once, each block one expert's. ``gpu``
+(or ``SSMQ_TRITON_INTERPRET=1``): the Triton kernel equals the reference over shapes, dtypes, weight formats, both
+activations, decode-sized and empty inputs, experts without tokens; on CUDA a captured graph of it replays the eager
+result for other routings, and a quantized MoE's grouped mode equals its experts run as modules.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ssmq.errors import SSMQError
 from ssmq.ops.moe import moe_experts_ref
+from ssmq.ops.quant_linear import pack_int4
+
+# weight formats of the experts: (codes, group size or None for per channel, FP8 activations)
+QFORMATS = {"int8": ("int8", None, False), "int4-g16": ("int4", 16, False), "fp8": ("fp8", None, False),
+            "fp8-w8a8": ("fp8", None, True)}
 
 
 def _case(t, d, f, E, k, act, dtype=torch.float32, device="cpu", seed=0, skew=False):
@@ -111,3 +119,110 @@ def test_kernel_replays_in_a_cuda_graph(MK):
             buf.copy_(new)
         graph.replay()
         torch.testing.assert_close(out, MK.moe_experts(x2, w2, idx2, wu, wd, wg, "silu"), atol=0, rtol=0)
+
+
+def _quantize(w, fmt):
+    """Stacked float weights (E, out, in) -> (codes, scales) in ``fmt`` (round to nearest, symmetric)."""
+    codes, group, _ = QFORMATS[fmt]
+    E, n, k = w.shape
+    g = group or k
+    wg = w.float().reshape(E, n, k // g, g)
+    if codes == "fp8":
+        s = (wg.abs().amax(-1) / 448.0).clamp(min=1e-8)
+        q = (wg / s[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(E, n, k)
+    else:
+        qmax = 7 if codes == "int4" else 127
+        s = (wg.abs().amax(-1) / qmax).clamp(min=1e-8)
+        q = torch.round(wg / s[..., None]).clamp(-qmax - 1, qmax).to(torch.int8).reshape(E, n, k)
+        q = pack_int4(q) if codes == "int4" else q
+    return q, (s if group else s.squeeze(-1))
+
+
+def _qcase(t, d, f, E, k, act, fmt, dtype=torch.float32, device="cpu", seed=0, skew=False):
+    """A routing and quantized experts: (x, weights, idx, w_up, w_down, w_gate, w_scales, act_fp8)."""
+    x, w, idx, wu, wd, wg = _case(t, d, f, E, k, act, torch.float32, "cpu", seed, skew)
+    (qu, su), (qd, sd) = _quantize(wu, fmt), _quantize(wd, fmt)
+    qg, sg = _quantize(wg, fmt) if wg is not None else (None, None)
+    to = lambda t_: None if t_ is None else t_.to(device)  # noqa: E731
+    return (x.to(device, dtype), w.to(device), idx.to(device), to(qu), to(qd), to(qg), (to(su), to(sd), to(sg)),
+            QFORMATS[fmt][2])
+
+
+@pytest.mark.parametrize("fmt", list(QFORMATS))
+@pytest.mark.parametrize("act", ["silu", "relu2"])
+def test_quantized_reference_equals_the_quantized_linears(fmt, act):
+    """Per (token, expert): the expert's linears as quant_linear_ref / quant_linear_act_ref compute them."""
+    from ssmq.ops.quant_linear import quant_linear_act_ref, quant_linear_ref
+
+    x, w, idx, qu, qd, qg, (su, sd, sg), fp8 = _qcase(9, 32, 48, 5, 2, act, fmt)
+
+    def lin(v, q, s):
+        return quant_linear_act_ref(v, q, s, None, True, torch.float8_e4m3fn) if fp8 else quant_linear_ref(v, q, s)
+
+    out = torch.zeros(9, 32)
+    for tok in range(9):
+        for j in range(2):
+            e = idx[tok, j]
+            up = lin(x[tok:tok + 1], qu[e], su[e])
+            h = F.silu(lin(x[tok:tok + 1], qg[e], sg[e])) * up if act == "silu" else F.relu(up) ** 2
+            out[tok] += w[tok, j] * lin(h, qd[e], sd[e])[0]
+    ref = moe_experts_ref(x, w, idx, qu, qd, qg, act, (su, sd, sg), fp8)
+    torch.testing.assert_close(ref, out, atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_reference_refuses_mismatched_formats():
+    x, w, idx, qu, qd, qg, (su, sd, sg), _ = _qcase(3, 32, 32, 4, 2, "silu", "int8")
+    with pytest.raises(SSMQError, match="need their w_scales"):
+        moe_experts_ref(x, w, idx, qu, qd, qg, "silu")
+    with pytest.raises(SSMQError, match="fp8 activations need fp8"):
+        moe_experts_ref(x, w, idx, qu, qd, qg, "silu", (su, sd, sg), True)
+    with pytest.raises(SSMQError, match="gate None where there is no gate"):
+        moe_experts_ref(x, w, idx, qu, qd, qg, "silu", (su, sd, None))
+
+
+def _qkernel_cases():
+    from test_kernels import DTYPES, INTERPRET
+
+    shapes = [(1, 32, 48, 8, 2, False), (9, 64, 48, 6, 3, True), (0, 32, 32, 4, 2, False)]
+    if not INTERPRET:
+        shapes += [(1, 1536, 512, 64, 6, False), (64, 1536, 512, 64, 6, False), (1024, 1536, 512, 64, 6, True)]
+    return [(*s, act, fmt, dt) for s in shapes for act in ("silu", "relu2") for fmt in QFORMATS for dt in DTYPES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t, d, f, E, k, skew, act, fmt, dtype", _qkernel_cases())
+def test_quantized_kernel_matches_reference(MK, monkeypatch, t, d, f, E, k, skew, act, fmt, dtype):
+    """Weight-only formats: the float kernel's tolerance (the same dequantized weights); FP8 W8A8: the fp8 linear's
+    (an h rounded one ulp apart can take the next e4m3 code)."""
+    from test_kernels import DEV, INTERPRET, TOL, rel
+
+    if INTERPRET:  # its float -> e4m3 conversion does not round to nearest: the activation codes come from the ref
+        from ssmq.ops.quant_linear import quantize_act_ref
+
+        monkeypatch.setattr(MK, "quantize_act", quantize_act_ref)
+
+    x, w, idx, qu, qd, qg, scales, fp8 = _qcase(t, d, f, E, k, act, fmt, dtype, DEV, skew=skew)
+    out = MK.moe_experts(x, w, idx, qu, qd, qg, act, scales, fp8)
+    ref = moe_experts_ref(x, w, idx, qu, qd, qg, act, scales, fp8)
+    assert out.dtype == dtype and out.shape == (t, d)
+    if t:
+        assert rel(out, ref) <= (max(TOL[dtype], 4e-3) if fp8 else TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4-g16", "fp8-w8a8"])
+def test_quantized_kernel_replays_in_a_cuda_graph(MK, fmt):
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a GPU")
+    x, w, idx, qu, qd, qg, scales, fp8 = _qcase(12, 64, 48, 8, 2, "silu", fmt, torch.float16, "cuda")
+    static = [x.clone(), w.clone(), idx.clone()]
+    MK.moe_experts(*static, qu, qd, qg, "silu", scales, fp8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = MK.moe_experts(*static, qu, qd, qg, "silu", scales, fp8)
+    for seed in (1, 2):
+        x2, w2, idx2, *_ = _qcase(12, 64, 48, 8, 2, "silu", fmt, torch.float16, "cuda", seed=seed, skew=seed == 2)
+        for buf, new in zip(static, (x2, w2, idx2)):
+            buf.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(out, MK.moe_experts(x2, w2, idx2, qu, qd, qg, "silu", scales, fp8), atol=0, rtol=0)
