@@ -226,3 +226,102 @@ def test_quantized_kernel_replays_in_a_cuda_graph(MK, fmt):
             buf.copy_(new)
         graph.replay()
         torch.testing.assert_close(out, MK.moe_experts(x2, w2, idx2, qu, qd, qg, "silu", scales, fp8), atol=0, rtol=0)
+
+
+# the expert formats of the recipes as (WeightSpec, ActSpec) dicts; int4 in groups of 16 (the tiny widths)
+MODULE_FORMATS = {
+    "rtn-w8a16": ({"dtype": "int8"}, None),
+    "w4a16-g16": ({"dtype": "int4", "granularity": "per_group:16"}, None),
+    "fp8-w8a8": ({"dtype": "fp8"}, {"dtype": "fp8", "granularity": "per_token", "static": False}),
+}
+
+
+def _quant_moe(fmt, act="silu", d=64, hidden=48, experts=6, top_k=2, seed=0, dtype=torch.float32, device="cpu"):
+    """A MoE block (tiny random config, a shared expert) whose experts' linears are ``QuantLinear``s in ``fmt``."""
+    from ssmq.models.config import ModelConfig
+    from ssmq.models.ffn import MoE
+    from ssmq.quant.linear import QuantLinear
+    from ssmq.quant.spec import ActSpec, WeightSpec
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(arch="mamba2", d_model=d, n_layer=1, vocab_size=16, moe_layer_idx=(0,), moe_experts=experts,
+                      moe_top_k=top_k, moe_hidden=hidden, moe_shared=True, mlp_hidden=32, moe_act=act)
+    moe = MoE(cfg)
+    torch.nn.init.normal_(moe.router.weight)
+    moe = moe.to(device, dtype)  # before quantizing: a cast would cast fp8 codes too
+    wspec, aspec = MODULE_FORMATS[fmt]
+    wspec, aspec = WeightSpec.from_dict(wspec), None if aspec is None else ActSpec.from_dict(aspec)
+    for e in moe.experts:
+        for name in moe._proj_names():
+            setattr(e, name, QuantLinear.from_float(getattr(e, name), wspec, aspec))
+    return moe
+
+
+@pytest.mark.parametrize("fmt", list(MODULE_FORMATS))
+@pytest.mark.parametrize("act", ["silu", "relu2"])
+def test_grouped_quantized_experts_equal_the_routed_modules(fmt, act):
+    """CPU: the grouped mode (stacked codes and scales through ``kernels.moe_experts``' reference) computes what the
+    experts' own ``QuantLinear``s compute run on the tokens routed to them; the stacks are the modules' buffers."""
+    moe = _quant_moe(fmt, act)
+    x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(1))
+    assert moe.groupable()
+    with torch.no_grad():
+        ref = moe(x)
+        moe.set_mode("grouped")
+        out = moe(x)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    codes, scales = moe._stacked["down_proj"]
+    assert moe.experts[2].down_proj.weight_q.data_ptr() == codes[2].data_ptr()
+    assert moe.experts[2].down_proj.weight_scale.data_ptr() == scales[2].data_ptr()
+    assert moe._act_fp8 == (fmt == "fp8-w8a8")
+
+
+def test_experts_outside_the_kernels_formats_stay_static():
+    """Int8 activations, per-tensor weight scales, mixed formats: not grouped (``static_shapes_`` runs them static)."""
+    from ssmq.models.ffn import static_shapes_
+    from ssmq.quant.linear import QuantLinear
+    from ssmq.quant.spec import ActSpec, WeightSpec
+
+    moe = _quant_moe("rtn-w8a16")
+    a8 = ActSpec.from_dict({"dtype": "int8", "granularity": "per_token", "static": False})
+    lin = moe.experts[0].up_proj
+    float_up = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
+    for swap in (QuantLinear.from_float(float_up, WeightSpec.from_dict({"dtype": "int8"}), a8),
+                 QuantLinear.from_float(float_up, WeightSpec.from_dict({"dtype": "int8", "granularity": "per_tensor"})),
+                 QuantLinear.from_float(float_up, WeightSpec.from_dict({"dtype": "int4", "granularity": "per_group:16"})),
+                 float_up):
+        moe.experts[0].up_proj = swap
+        assert not moe.groupable()
+        with pytest.raises(SSMQError, match="the grouped MoE runs float experts and"):
+            moe.set_mode("grouped")
+    static_shapes_(moe)
+    assert moe.mode == "static"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", list(MODULE_FORMATS))
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_grouped_quantized_moe_on_cuda_equals_the_modules(fmt, t):
+    """CUDA: the grouped kernel equals the experts run as their own ``QuantLinear`` kernels, and is captured by a
+    graph (what ``static_shapes_`` chooses it for)."""
+    from test_kernels import rel
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from ssmq.models.ffn import static_shapes_
+
+    moe = _quant_moe(fmt, d=1536, hidden=512, experts=64, top_k=6, dtype=torch.float16, device="cuda")
+    x = torch.randn(t, 1536, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        ref = moe(x)
+        static_shapes_(moe)
+        assert moe.mode == "grouped"
+        out = moe(x)
+        assert rel(out, ref) < (4e-3 if fmt == "fp8-w8a8" else 3e-3)
+        static_x = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = moe(static_x)
+        static_x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(captured, moe(static_x), atol=0, rtol=0)
