@@ -32,6 +32,15 @@ from ssmq.ops.moe import check_experts
 BLOCK_M = 16  # (token, expert) rows a block: decode routes a handful of tokens to each expert
 
 
+def launch_shape(x_dtype: torch.dtype, quantized: bool) -> tuple[int, int]:
+    """(largest BLOCK_N / BLOCK_K, warps) of both launches. Quantized weights take 8 warps (with 4, the sm_90 build of
+    the up kernel on int8 / fp8 codes spills 1.2 KB a thread), and 32-wide tiles under float32 activations (64-wide
+    ones spill); no quantized launch spills (tests/test_kernel_compile.py)."""
+    if not quantized:
+        return 64, 4
+    return (32 if x_dtype == torch.float32 else 64), 8
+
+
 def block_tables(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     """idx (t, k) -> (order (t·k,) the pairs sorted by expert, as indices into idx.flatten(); per block of the grid:
     expert (B,), first and end row in ``order`` (B,), int32), B = ceil(t·k / block_m) + E. Device ops only."""
@@ -98,8 +107,8 @@ def _x_tile(x_ptr, xq_ptr, off, mask, A_FP8: tl.constexpr):
 
 @triton.jit
 def _dot(a, w, acc, A_FP8: tl.constexpr, PRECISION: tl.constexpr):
-    if A_FP8:  # e4m3 x e4m3, float32 accumulation: the products are exact
-        acc = tl.dot(a, tl.trans(w), acc)
+    if A_FP8:  # e4m3 x e4m3, float32 accumulation (no reduced-precision accumulation on sm_90): exact products
+        acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=0)
     else:
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     return acc
@@ -191,11 +200,11 @@ def _moe_down(
 _W_MODES = {torch.int8: 1, torch.uint8: 2, torch.float8_e4m3fn: 3}  # other (float) weights: 0
 
 
-def _weights(w, s, width: int, fp8: bool):
-    """A stack of weights for a kernel: (tensor, scales (E, out, groups), groups, group size, BLOCK_K). fp8 codes
-    travel as raw bytes; BLOCK_K divides the group (a tile reads one scale a row)."""
+def _weights(w, s, width: int, fp8: bool, cap: int):
+    """A stack of weights for a kernel: (tensor, scales (E, out, groups), groups, group size, BLOCK_K <= cap). fp8
+    codes travel as raw bytes; BLOCK_K divides the group (a tile reads one scale a row)."""
     w = w.contiguous()
-    bk = min(64, pow2(width, 32 if fp8 else 16))
+    bk = min(cap, pow2(width, 32 if fp8 else 16))
     if s is None:
         return w, w, 1, width, bk
     s = (s if s.dim() == 3 else s.unsqueeze(-1)).contiguous()
@@ -218,10 +227,11 @@ def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu", w_scales
     x = x if x.stride(-1) == 1 else x.contiguous()
     s_up, s_down, s_gate = w_scales or (None, None, None)
     mode = _W_MODES.get(w_up.dtype, 0)
-    w_up, s_up, groups_up, group_up, bk_up = _weights(w_up, s_up, d, act_fp8)
+    cap, warps = launch_shape(x.dtype, mode != 0)
+    w_up, s_up, groups_up, group_up, bk_up = _weights(w_up, s_up, d, act_fp8, cap)
     if w_gate is not None:
-        w_gate, s_gate, *_ = _weights(w_gate, s_gate, d, act_fp8)
-    w_down, s_down, groups_dn, group_dn, bk_dn = _weights(w_down, s_down, f, act_fp8)
+        w_gate, s_gate, *_ = _weights(w_gate, s_gate, d, act_fp8, cap)
+    w_down, s_down, groups_dn, group_dn, bk_dn = _weights(w_down, s_down, f, act_fp8, cap)
     if t == 0:
         return torch.empty(0, d, device=x.device, dtype=x.dtype)
     order, blk_e, blk_s, blk_end = block_tables(idx, E)
@@ -231,20 +241,20 @@ def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu", w_scales
     xq, xs = quantize_act(x, None, True, torch.float8_e4m3fn) if act_fp8 else (x, rw)
     precision = dot_precision(x.dtype)
     n_blocks = blk_e.numel()
-    bn_up = min(64, pow2(f, 16))
+    bn_up = min(cap, pow2(f, 16))
     _moe_up[(n_blocks, triton.cdiv(f, bn_up))](
         x, xq.view(torch.int8) if act_fp8 else x, xs, w_up if w_gate is None else w_gate, w_up,
         s_up if s_gate is None else s_gate, s_up, h, order, blk_e, blk_s, blk_end,
         d, f, k, x.stride(0), w_up.stride(0), w_up.stride(1), s_up.stride(0), groups_up, group_up, h.stride(0),
         GATED=w_gate is not None, W_MODE=mode, A_FP8=act_fp8, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=bn_up,
-        BLOCK_K=bk_up, num_warps=4, **pdl_args(x),
+        BLOCK_K=bk_up, num_warps=warps, **pdl_args(x),
     )
     hq, hs = quantize_act(h, None, True, torch.float8_e4m3fn) if act_fp8 else (h, rw)
-    bn_dn = min(64, pow2(d, 16))
+    bn_dn = min(cap, pow2(d, 16))
     _moe_down[(n_blocks, triton.cdiv(d, bn_dn))](
         h, hq.view(torch.int8) if act_fp8 else h, hs, w_down, s_down, rw, y, order, blk_e, blk_s, blk_end,
         d, f, h.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), groups_dn, group_dn, y.stride(0),
-        W_MODE=mode, A_FP8=act_fp8, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=bn_dn, BLOCK_K=bk_dn, num_warps=4,
+        W_MODE=mode, A_FP8=act_fp8, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=bn_dn, BLOCK_K=bk_dn, num_warps=warps,
         **pdl_args(x),
     )
     return y.view(t, k, d).sum(1).to(x.dtype)
