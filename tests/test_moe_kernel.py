@@ -237,7 +237,8 @@ MODULE_FORMATS = {
 
 
 def _quant_moe(fmt, act="silu", d=64, hidden=48, experts=6, top_k=2, seed=0, dtype=torch.float32, device="cpu"):
-    """A MoE block (tiny random config, a shared expert) whose experts' linears are ``QuantLinear``s in ``fmt``."""
+    """A MoE block (tiny random config, a shared expert) whose experts' linears are ``QuantLinear``s in ``fmt`` (None:
+    float)."""
     from ssmq.models.config import ModelConfig
     from ssmq.models.ffn import MoE
     from ssmq.quant.linear import QuantLinear
@@ -249,6 +250,8 @@ def _quant_moe(fmt, act="silu", d=64, hidden=48, experts=6, top_k=2, seed=0, dty
     moe = MoE(cfg)
     torch.nn.init.normal_(moe.router.weight)
     moe = moe.to(device, dtype)  # before quantizing: a cast would cast fp8 codes too
+    if fmt is None:
+        return moe
     wspec, aspec = MODULE_FORMATS[fmt]
     wspec, aspec = WeightSpec.from_dict(wspec), None if aspec is None else ActSpec.from_dict(aspec)
     for e in moe.experts:
@@ -296,6 +299,26 @@ def test_experts_outside_the_kernels_formats_stay_static():
             moe.set_mode("grouped")
     static_shapes_(moe)
     assert moe.mode == "static"
+
+
+def test_grouped_experts_quantized_after_stacking_are_refused():
+    """Float experts stacked, then quantized: one clear error, not the old float weights; set again, they group."""
+    from ssmq.quant.linear import QuantLinear
+    from ssmq.quant.spec import WeightSpec
+
+    float_moe = _quant_moe(None)
+    float_moe.set_mode("grouped")
+    for e in float_moe.experts:
+        for name in float_moe._proj_names():
+            setattr(e, name, QuantLinear.from_float(getattr(e, name), WeightSpec.from_dict({"dtype": "int8"})))
+    x = torch.randn(3, 64)
+    with pytest.raises(SSMQError, match="changed .* after their weights were stacked"), torch.no_grad():
+        float_moe(x)
+    float_moe.set_mode("grouped")
+    assert float_moe(x).shape == (3, 64)
+    assert not float_moe.experts[0].up_proj.decode_copy
+    float_moe.set_mode("static")  # run as modules again: their decode GEMV copies come back
+    assert float_moe.experts[0].up_proj.decode_copy
 
 
 @pytest.mark.gpu

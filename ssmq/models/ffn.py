@@ -109,8 +109,9 @@ class MoE(nn.Module):
         if any(len(f) != 1 or None in f for f in per_name.values()):  # one stack a projection: one format
             return False
         # one code type and activation format for both kernels, one scale layout for gate and up (one launch)
-        if len({(f[0], f[3]) for (f,) in per_name.values()}) != 1 or per_name.get("gate_proj", per_name["up_proj"]) \
-                != per_name["up_proj"]:
+        if len({(f[0], f[3]) for (f,) in per_name.values()}) != 1:
+            return False
+        if per_name.get("gate_proj", per_name["up_proj"]) != per_name["up_proj"]:
             return False
         return all(not isinstance(e, GatedMLP) or e.act is F.silu and e.gate_scale is None
                    and e.down_scale is None for e in self.experts)
@@ -130,6 +131,10 @@ class MoE(nn.Module):
                             "W8A8 experts per channel or per group of a multiple of 16 columns; these are quantized "
                             "otherwise")
         self.mode = mode
+        for e in self.experts:  # a quantized expert run as its own module makes its decode GEMV's copy of the codes
+            for name in self._proj_names():
+                if hasattr(getattr(e, name), "decode_copy"):
+                    getattr(e, name).decode_copy = mode != "grouped"
         if mode != "grouped":
             return
         for name in self._proj_names():
@@ -144,7 +149,7 @@ class MoE(nn.Module):
             scales = torch.stack([lin.weight_scale for lin in linears])
             for lin, q, sc in zip(linears, codes, scales):
                 lin.weight_q, lin.weight_scale = q, sc
-                lin.weight_words, lin.decode_copy = None, False  # the kernel reads the stack, not a decode GEMV's copy
+                lin.weight_words = None  # the kernel reads the stack, not a decode GEMV's copy
             self._stacked[name] = (codes, scales)
         self._act_fp8 = _stack_format(self.experts[0].up_proj)[3]
 
@@ -162,8 +167,8 @@ class MoE(nn.Module):
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         st = self._stacked
         up, s_up = st["up_proj"]
-        first = self.experts[0].up_proj
-        if up.data_ptr() != (first.weight if s_up is None else first.weight_q).data_ptr():
+        source = getattr(self.experts[0].up_proj, "weight" if s_up is None else "weight_q", None)
+        if source is None or up.data_ptr() != source.data_ptr():
             raise SSMQError("the MoE's experts changed (moved, cast or quantized) after their weights were stacked: "
                             "set its mode again")
         down, s_down = st["down_proj"]
