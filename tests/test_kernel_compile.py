@@ -580,8 +580,8 @@ MOE_FORMATS = {"float": (0, None, False), "int8": (1, "i8", False), "int4": (2, 
 @pytest.mark.parametrize("gated", [True, False])
 def test_moe_kernels_compile_for_sm90(fmt, dtype, gated):
     """The grouped-GEMM MoE (``kernels.moe``): [gate | up] + activation and down × routing weight, 16-row blocks,
-    the largest tiles and the warps it launches (``launch_shape``), with PDL's wait, in every weight format (codes dequantized in registers, or e4m3
-    products on e4m3 activation codes)."""
+    the largest tiles and the warps it launches (``launch_shape``), with PDL's wait, in every weight format (codes
+    dequantized in registers, or e4m3 products on e4m3 activation codes)."""
     import torch
 
     from ssmq.kernels import build, moe

@@ -291,7 +291,8 @@ def test_experts_outside_the_kernels_formats_stay_static():
     float_up = torch.nn.Linear(lin.in_features, lin.out_features, bias=False)
     for swap in (QuantLinear.from_float(float_up, WeightSpec.from_dict({"dtype": "int8"}), a8),
                  QuantLinear.from_float(float_up, WeightSpec.from_dict({"dtype": "int8", "granularity": "per_tensor"})),
-                 QuantLinear.from_float(float_up, WeightSpec.from_dict({"dtype": "int4", "granularity": "per_group:16"})),
+                 QuantLinear.from_float(float_up, WeightSpec.from_dict({"dtype": "int4",
+                                                                        "granularity": "per_group:16"})),
                  float_up):
         moe.experts[0].up_proj = swap
         assert not moe.groupable()

@@ -174,9 +174,9 @@ def bench_state_update(ctx: KernelContext) -> list[Case]:
     return cases
 
 
-@register("moe", "the grouped-GEMM experts of a MoE block (kernels.moe_experts: [gate | up] + activation, down x routing "
-                 "weight) at the model's MoE shape (e.g. --shape granite-4.0-h-tiny), float and with int8, int4 "
-                 "(group 128) weight-only and FP8 W8A8 experts; GB/s counts the routed experts' weights once")
+@register("moe", "the grouped-GEMM experts of a MoE block (kernels.moe_experts: [gate | up] + activation, down x "
+                 "routing weight) at the model's MoE shape (e.g. --shape granite-4.0-h-tiny), float and with int8, "
+                 "int4 (group 128) weight-only and FP8 W8A8 experts; GB/s counts the routed experts' weights once")
 def bench_moe(ctx: KernelContext) -> list[Case]:
     from ssmq import kernels
     from ssmq.ops.quant_linear import pack_int4

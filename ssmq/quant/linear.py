@@ -158,8 +158,9 @@ class QuantLinear(_QuantWeight):
     def bind_decode(self) -> None:
         """Make the decode GEMV's copy of the codes where the device's kernel table runs decode calls on it
         (``kernels.pack_for_decode``: int4 / int8 codes repacked once, the stored ``weight_q`` kept for prefill and
-        saving), else drop it (and where ``decode_copy`` is off). Called when a model's decode is set up (``SSMLM.allocate_cache``); a weight set
-        after that (``_set_weight``, a tensor-parallel shard) is bound again by the next set-up."""
+        saving), else drop it (and where ``decode_copy`` is off). Called when a model's decode is set up
+        (``SSMLM.allocate_cache``); a weight set after that (``_set_weight``, a tensor-parallel shard) is bound again
+        by the next set-up."""
         source = (self.weight_q.device, self.weight_q.data_ptr(), self.weight_q._version)
         if self.weight_words is not None and getattr(self, "_words_of", None) == source:
             return  # bound to these codes already
