@@ -210,6 +210,23 @@ def test_quantized_kernel_matches_reference(MK, monkeypatch, t, d, f, E, k, skew
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8-w8a8"])
+def test_quantized_kernel_reads_strided_rows(MK, monkeypatch, fmt):
+    """x a view whose rows are further apart than d (its codes are not): the same result as contiguous x."""
+    from test_kernels import DEV, INTERPRET
+
+    if INTERPRET:
+        from ssmq.ops.quant_linear import quantize_act_ref
+
+        monkeypatch.setattr(MK, "quantize_act", quantize_act_ref)
+    x, w, idx, qu, qd, qg, scales, fp8 = _qcase(7, 32, 48, 4, 2, "silu", fmt, torch.float16, DEV)
+    wide = torch.cat([x, torch.randn_like(x)], 1)[:, :32]
+    assert wide.stride(0) == 64
+    torch.testing.assert_close(MK.moe_experts(wide, w, idx, qu, qd, qg, "silu", scales, fp8),
+                               MK.moe_experts(x, w, idx, qu, qd, qg, "silu", scales, fp8), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int4-g16", "fp8-w8a8"])
 def test_quantized_kernel_replays_in_a_cuda_graph(MK, fmt):
     if not torch.cuda.is_available():

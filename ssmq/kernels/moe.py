@@ -107,7 +107,8 @@ def _x_tile(x_ptr, xq_ptr, off, mask, A_FP8: tl.constexpr):
 
 @triton.jit
 def _dot(a, w, acc, A_FP8: tl.constexpr, PRECISION: tl.constexpr):
-    if A_FP8:  # e4m3 x e4m3, float32 accumulation (no reduced-precision accumulation on sm_90): exact products
+    if A_FP8:  # e4m3 x e4m3, float32 accumulation (no reduced-precision accumulation on sm_90): exact products. At
+        # 16-row tiles the sm_90 build multiplies them as fp16 (the codes widened exactly) on the fp16 MMA
         acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=0)
     else:
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
@@ -122,7 +123,7 @@ def _moe_up(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     # x_ptr: float x (t, d); with A_FP8 its e4m3 codes (raw bytes) at xq_ptr and per-token scales at xs_ptr are read
-    # instead. Weights (E, f, d) (int4 (E, f, d // 2)) at strides s_we, s_wf; scales (E, f, n_groups) at s_se, one
+    # instead (s_xt: the row stride of the tensor read). Weights (E, f, d) (int4 (E, f, d // 2)) at strides s_we, s_wf; scales (E, f, n_groups) at s_se, one
     # a group of ``group`` columns (per channel: one group of d)
     gdc_enter(USE_GDC)
     e, rows, mr, nonempty = _expert_block(be_ptr, bs_ptr, bend_ptr, BLOCK_M)
@@ -245,7 +246,7 @@ def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu", w_scales
     _moe_up[(n_blocks, triton.cdiv(f, bn_up))](
         x, xq.view(torch.int8) if act_fp8 else x, xs, w_up if w_gate is None else w_gate, w_up,
         s_up if s_gate is None else s_gate, s_up, h, order, blk_e, blk_s, blk_end,
-        d, f, k, x.stride(0), w_up.stride(0), w_up.stride(1), s_up.stride(0), groups_up, group_up, h.stride(0),
+        d, f, k, xq.stride(0), w_up.stride(0), w_up.stride(1), s_up.stride(0), groups_up, group_up, h.stride(0),
         GATED=w_gate is not None, W_MODE=mode, A_FP8=act_fp8, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=bn_up,
         BLOCK_K=bk_up, num_warps=warps, **pdl_args(x),
     )
