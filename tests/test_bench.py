@@ -177,6 +177,7 @@ def test_serve_load_against_a_server(tmp_path):
     assert res["served_model"] == "stub"
     assert [(row["concurrency"], row["requests"], row["failed"]) for row in res["rows"]] == [(1, 5, 0), (3, 5, 0)]
     assert all(row["output_tok_s"] > 0 and row["tpot_ms_p50"] is not None for row in res["rows"])
+    assert not any("engine_steps" in row for row in res["rows"])  # not an ssmq server: no engine counts
 
 
 def test_serve_a_model_here_reports_the_share_of_the_decode_step_bound(tmp_path):
@@ -197,6 +198,9 @@ def test_serve_a_model_here_reports_the_share_of_the_decode_step_bound(tmp_path)
         assert row["bound_share"] == pytest.approx(row["output_tok_s"] / row["bound_tok_s"])
         # ignore_eos: every request gives its 4 tokens (from the usage the server reports)
         assert row["output_tok_s"] * row["seconds"] == pytest.approx(3 * 4)
+        # the engine's own counts over the level (/health): 3 prompts of 5 tokens in chunks of 4 + 1, 4 tokens each
+        assert row["prefill_forwards"] * row["rows_per_prefill"] == pytest.approx(3 * 2)
+        assert row["engine_steps"] >= 2 + 3
     assert "bound_share" in r.stdout
 
 

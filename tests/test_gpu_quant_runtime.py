@@ -119,7 +119,7 @@ def test_quantized_cuda_graphs_equal_eager(quantized_folder):
         for a, b in ((0, 16), (16, 24), (24, 25)):
             pieces = model(ids[:, a:b], pieces_cache, one, num_last_tokens=1)[:, -1].float()
         pre = CudaGraphPrefill(model, dec.cache, max_len=32, pool=dec.pool)
-        graph = pre(ids, slot=3).float()
+        graph = pre(ids, slots=3).float()
     torch.testing.assert_close(graph, pieces, atol=1e-3, rtol=1e-3)  # the graphs replay the eager pieces
     # the pieces against one pass over all 25 tokens: other chunk boundaries, the codes' flips as above
     assert _rel(pieces, full) < BOUND.get(model.quantization["recipe"]["name"], 5e-3)

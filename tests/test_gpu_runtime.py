@@ -47,12 +47,33 @@ def test_cuda_graph_prefill_equals_eager_and_decodes_on(tiny_folder):
         full = model(ids)
         dec = CudaGraphDecoder(model, max_batch=2, max_seqlen=64)
         pre = CudaGraphPrefill(model, dec.cache, max_len=32, pool=dec.pool)
-        last = pre(ids[:, :25], slot=1)  # 25 = 16 + 8 + 1: three graphs, each continuing the state
+        last = pre(ids[:, :25], slots=1)  # 25 = 16 + 8 + 1: three graphs, each continuing the state
         torch.testing.assert_close(last, full[:, 24], atol=1e-4, rtol=1e-4)
         # .clone(): each call returns the graph's output buffer, which the next replay overwrites
         steps = [dec(ids[:, t], torch.tensor([1], device="cuda")).clone() for t in range(25, 29)]
     torch.testing.assert_close(torch.cat(steps), full[0, 25:], atol=1e-4, rtol=1e-4)
     assert int(dec.cache.seqlens[1]) == 29
+
+
+def test_cuda_graph_prefill_of_several_rows_equals_eager(tiny_folder):
+    """Three prompts, one of them already 7 tokens in, prefilled as one chunk of 25 tokens from graphs of 4 rows
+    (a padding row on the scratch slot) equal the eager forward, and decode on from the decoder's graphs."""
+    model = ssmq.load_model(tiny_folder, device="cuda")
+    ids = torch.randint(0, 96, (3, 36), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with torch.inference_mode():
+        full = model(ids)
+        dec = CudaGraphDecoder(model, max_batch=5, max_seqlen=64)
+        pre = CudaGraphPrefill(model, dec.cache, max_len=32, pool=dec.pool, max_tokens=128)
+        assert pre.serves(3, 25) and not pre.serves(3, 33) and not pre.serves(5, 32)
+        pre(ids[:1, :7], slots=[0])
+        chunk = torch.cat([ids[:1, 7:32], ids[1:, :25]])
+        last = pre(chunk, slots=[0, 2, 4]).clone()
+        torch.testing.assert_close(last[0], full[0, 31], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(last[1:], full[1:, 24], atol=1e-4, rtol=1e-4)
+        slots = torch.tensor([0, 2, 4], device="cuda")
+        step = dec(torch.stack([ids[0, 32], ids[1, 25], ids[2, 25]]), slots).clone()
+    torch.testing.assert_close(step, torch.stack([full[0, 32], full[1, 25], full[2, 25]]), atol=1e-4, rtol=1e-4)
+    assert dec.cache.seqlens[[0, 2, 4]].tolist() == [33, 26, 26]
 
 
 def test_bf16_generation_runs_on_reference_model():

@@ -641,7 +641,7 @@ def test_quantized_kv_graph_prefill_then_graph_decode():
         want += [m.step(ids[:, t], cache, slot) for t in range(25, 29)]
         dec = CudaGraphDecoder(m, max_batch=2, max_seqlen=64)
         pre = CudaGraphPrefill(m, dec.cache, max_len=32, pool=dec.pool)
-        got = [pre(ids[:, :25], slot=1).clone()]
+        got = [pre(ids[:, :25], slots=1).clone()]
         got += [dec(ids[:, t], slot).clone() for t in range(25, 29)]
     got, want = torch.cat(got), torch.cat(want)
     assert ((got - want).norm() / want.norm()).item() < 1e-2

@@ -519,15 +519,20 @@ def test_serve_refuses_bad_kv_cache_flags(flags, message, capsys):
 def test_prefill_flags_reach_the_engine_config():
     import argparse
 
+    from ssmq.errors import SSMQError
     from ssmq.runtime.command import add_arguments, engine_config
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    cfg = engine_config(p.parse_args(["--prefill-chunk", "64", "--prefill-tokens", "256"]))
-    assert (cfg.prefill_chunk, cfg.prefill_tokens) == (64, 256)
+    cfg = engine_config(p.parse_args(["--prefill-chunk", "64", "--prefill-tokens", "256",
+                                      "--graph-prefill-tokens", "128"]))
+    assert (cfg.prefill_chunk, cfg.prefill_tokens, cfg.graph_prefill_tokens) == (64, 256, 128)
     default = engine_config(p.parse_args([]))
-    assert (default.prefill_chunk, default.prefill_tokens) == (EngineConfig().prefill_chunk,
-                                                               EngineConfig().prefill_tokens) == (512, 2048)
+    d = EngineConfig()
+    assert (default.prefill_chunk, default.prefill_tokens, default.graph_prefill_tokens) == (
+        d.prefill_chunk, d.prefill_tokens, d.graph_prefill_tokens) == (512, 8192, 2048)
+    with pytest.raises(SSMQError, match="--graph-prefill-tokens must be >= 1"):
+        engine_config(p.parse_args(["--graph-prefill-tokens", "0"]))
 
 
 def test_kv_cache_memory_sizes_the_block_pools_in_the_model_s_kv_format():

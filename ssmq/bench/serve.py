@@ -70,8 +70,23 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
+ENGINE_TALLIES = ("steps", "prefill_forwards", "prefill_rows")  # an ssmq server's counts in /health
+
+
+def engine_tallies(url: str) -> dict:
+    """The engine's step and prefill counts from an ssmq server's ``/health`` ({} from another server)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            health = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    return {k: health[k] for k in ENGINE_TALLIES if isinstance(health.get(k), int)}
+
+
 def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: float, bar=None) -> dict:
-    """``concurrency`` closed-loop clients sharing ``n_requests`` requests."""
+    """``concurrency`` closed-loop clients sharing ``n_requests`` requests; on an ssmq server, also the engine steps
+    and prompt forwards (and their mean rows) the level took."""
+    before = engine_tallies(url)
     budget = [n_requests]
     lock = threading.Lock()
     records, errors = [], []
@@ -100,6 +115,11 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
     for t in threads:
         t.join()
     row = {"concurrency": concurrency, "requests": len(records), "failed": n_requests - len(records)}
+    after = engine_tallies(url)
+    if before and after.keys() == before.keys():
+        d = {k: after[k] - before[k] for k in ENGINE_TALLIES}
+        row.update(engine_steps=d["steps"], prefill_forwards=d["prefill_forwards"],
+                   rows_per_prefill=d["prefill_rows"] / d["prefill_forwards"] if d["prefill_forwards"] else None)
     if errors:
         row["first_error"] = errors[0][:200]
     if not records:
@@ -116,9 +136,10 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
 
 
 LOAD_COLUMNS = ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
-                "tpot_ms_p99"]
+                "tpot_ms_p99", "engine_steps", "prefill_forwards", "rows_per_prefill"]
 BOUND_COLUMNS = ["recipe", "engine", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
-                 "bound_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step"]
+                 "bound_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step",
+                 "engine_steps", "prefill_forwards", "rows_per_prefill"]
 
 
 def run(args) -> dict:
@@ -199,7 +220,8 @@ def run_model(args) -> dict:
     device, dtype = device_and_dtype(args.device, args.dtype)
     result = record("serve", device, model=args.model, dtype=str(dtype).removeprefix("torch."),
                     input_len=args.input_len, output_len=args.output_len, prefill_chunk=args.prefill_chunk,
-                    prefill_tokens=args.prefill_tokens, engine=args.engine)
+                    prefill_tokens=args.prefill_tokens, graph_prefill_tokens=args.graph_prefill_tokens,
+                    engine=args.engine)
     for recipe in args.recipes:
         _free(device)
         model, vocab = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
@@ -210,7 +232,8 @@ def run_model(args) -> dict:
         # hybrids: KV blocks for every client at once, so admission never waits on the pool (the bound does not)
         blocks = batch * -(-length // EngineConfig.kv_block_size)
         cfg = EngineConfig(max_batch=batch, max_model_len=length, prefill_chunk=args.prefill_chunk,
-                           prefill_tokens=args.prefill_tokens, kv_blocks=blocks)
+                           prefill_tokens=args.prefill_tokens, graph_prefill_tokens=args.graph_prefill_tokens,
+                           kv_blocks=blocks)
         # the thread engine serves the model built here; the engine process builds its own, so it goes last, after
         # this one has left the device
         for kind in sorted(set(args.engine), key=ENGINES.index):

@@ -42,9 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens of one request prefilled per engine step: a longer prompt is prefilled in "
                         "chunks of this many, interleaved with the decode steps of the running requests "
                         "(default 512)")
-    p.add_argument("--prefill-tokens", type=int, default=2048,
+    p.add_argument("--prefill-tokens", type=int, default=8192,
                    help="prompt tokens prefilled per engine step over all requests in prefill; chunks of equal "
-                        "length share one forward (default 2048)")
+                        "length share one forward (default 8192)")
+    p.add_argument("--graph-prefill-tokens", type=int, default=2048,
+                   help="rows x tokens of the largest prefill forward replayed from CUDA graphs, captured at start; "
+                        "larger ones run eagerly (default 2048)")
     p.add_argument("--kv-block-size", type=int, default=32, help="tokens per KV block (hybrids; default 32)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=float, metavar="GIB",
@@ -103,7 +106,8 @@ def state_checkpoint(args) -> int | None:
 def engine_config(args):
     from ssmq.runtime.engine import EngineConfig
 
-    for name in ("max_batch", "max_model_len", "prefill_chunk", "prefill_tokens", "kv_block_size"):
+    for name in ("max_batch", "max_model_len", "prefill_chunk", "prefill_tokens", "graph_prefill_tokens",
+                 "kv_block_size"):
         if getattr(args, name) < 1:
             raise SSMQError(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_blocks is not None and args.kv_blocks < 1:
@@ -112,7 +116,7 @@ def engine_config(args):
         raise SSMQError("--kv-cache-memory must be a positive number of GiB")
     return EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
                         prefill_tokens=args.prefill_tokens, prefill_chunk=args.prefill_chunk,
-                        cuda_graphs=not args.eager,
+                        graph_prefill_tokens=args.graph_prefill_tokens, cuda_graphs=not args.eager,
                         state_checkpoint=state_checkpoint(args), kv_block_size=args.kv_block_size,
                         kv_blocks=args.kv_blocks,
                         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2 ** 30))

@@ -4,10 +4,13 @@ Decode: one graph of ``model.step`` per batch-size bucket. The cache gets one ex
 scratch slot: rows that pad a batch up to its bucket point there, so padding never
 touches a live sequence.
 
-Prefill: one graph of ``model.forward`` per power-of-two length (batch 1). A prompt of
-L tokens is prefilled as the binary pieces of L, largest first, each continuing from
-the state the previous left in the cache: exact (no padding enters a state) and free
-of per-op Python launch cost.
+Prefill: one graph of ``model.forward`` per (rows, length), both powers of two. A chunk of
+L tokens of b prompts is prefilled as the binary pieces of L, largest first, each
+continuing from the states the previous left in the cache: exact (no padding enters a
+live state: rows that pad b up to its bucket point at the scratch slot) and free of
+per-op Python launch cost. Graphs exist up to ``max_tokens`` = rows x length: past a few
+thousand tokens a forward's GPU time exceeds its host time, and an eager forward costs
+no padding.
 """
 
 from __future__ import annotations
@@ -98,58 +101,92 @@ class CudaGraphDecoder:
         return logits[:b]
 
 
-class CudaGraphPrefill:
-    """Replays ``model.forward`` over binary pieces of a prompt. Call as ``prefill(ids (1, L), slot) -> logits (1, vocab)``.
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
-    Shares the decoder's cache and memory pool when given one, so a prompt prefilled here decodes there.
-    Like the decoder's, the logits returned live in a graph's output buffer until its next replay.
+
+class CudaGraphPrefill:
+    """Replays ``model.forward`` over binary pieces of a chunk of prompts. Call as
+    ``prefill(ids (b, L), slots (b,)) -> logits (b, vocab)`` (a single ``int`` slot for b = 1).
+
+    Graphs for rows r (powers of two) and pieces p (powers of two up to ``max_len``) with r * p <= ``max_tokens``
+    (default ``max_len``: one row). ``serves(b, L)`` says whether a chunk runs here. Shares the decoder's cache and
+    memory pool when given one, so a prompt prefilled here decodes there. Like the decoder's, the logits returned live
+    in a graph's output buffer until its next replay.
     """
 
-    def __init__(self, model, cache, max_len: int, pool=None):
+    def __init__(self, model, cache, max_len: int, pool=None, max_tokens: int | None = None):
         if model.device.type != "cuda":
             raise SSMQError("CUDA-graph prefill needs the model on a CUDA device")
         static_shapes_(model)
         # a piece longer than the cache would write KV past its end while being captured
         self.model, self.cache, self.max_len = model, cache, min(max_len, cache.max_seqlen)
+        self.max_tokens = max(self.max_len if max_tokens is None else max_tokens, 1)
         self.pool = pool or torch.cuda.graph_pool_handle()
         self.scratch = cache.max_batch - 1
-        self.graphs: dict[int, tuple] = {}
+        self.max_rows = min(_pow2_at_least(self.scratch), self.max_tokens)  # the live slots, rounded up
+        self.graphs: dict[tuple[int, int], tuple] = {}
 
-    def _capture(self, length: int):
+    def _capture(self, rows: int, length: int):
         device = self.model.device
-        ids = torch.zeros(1, length, dtype=torch.long, device=device)
-        slot = torch.full((1,), self.scratch, dtype=torch.long, device=device)
+        ids = torch.zeros(rows, length, dtype=torch.long, device=device)
+        slots = torch.full((rows,), self.scratch, dtype=torch.long, device=device)
 
         def run():
-            return self.model(ids, self.cache, slot, num_last_tokens=1)[:, -1]
+            return self.model(ids, self.cache, slots, num_last_tokens=1)[:, -1]
 
         graph, logits = _capture(run, self.pool, lambda: self.cache.reset([self.scratch]))
-        self.graphs[length] = (graph, ids, slot, logits)
+        self.graphs[rows, length] = (graph, ids, slots, logits)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """(rows, piece) of every graph, rows first."""
+        out, rows = [], 1
+        while rows <= self.max_rows:
+            piece = 1
+            while piece <= self.max_len and rows * piece <= self.max_tokens:
+                out.append((rows, piece))
+                piece *= 2
+            rows *= 2
+        return out
 
     def capture_all(self) -> None:
-        k = 1
-        while k <= self.max_len:
-            self._capture(k)
-            k *= 2
+        for rows, piece in self.shapes():
+            self._capture(rows, piece)
 
-    def __call__(self, ids: torch.Tensor, slot: int, check_fit: bool = True) -> torch.Tensor:
-        """check_fit: read the slot's length off the device (a sync) to refuse a prompt that overflows the cache;
+    def serves(self, b: int, length: int) -> bool:
+        """Whether a chunk of ``length`` tokens of ``b`` prompts runs from graphs (its largest piece fits)."""
+        rows = _pow2_at_least(b)
+        return 0 < length <= self.max_len and b <= self.scratch and rows <= self.max_rows \
+            and rows * (1 << (length.bit_length() - 1)) <= self.max_tokens
+
+    def __call__(self, ids: torch.Tensor, slots, check_fit: bool = True) -> torch.Tensor:
+        """check_fit: read the slots' lengths off the device (a sync) to refuse a chunk that overflows the cache;
         a caller that knows the lengths fit (the serving engine) passes False."""
-        length = ids.shape[1]
-        if ids.shape[0] != 1 or not 0 < length <= self.max_len:
-            raise SSMQError(f"graph prefill takes one prompt of 1..{self.max_len} tokens, got {tuple(ids.shape)}")
-        if check_fit and int(self.cache.seqlens[slot]) + length > self.cache.max_seqlen:
+        b, length = ids.shape
+        if not self.serves(b, length):
+            raise SSMQError(f"graph prefill takes up to {self.max_tokens} tokens of chunks of 1..{self.max_len} "
+                            f"tokens, got {tuple(ids.shape)}")
+        if not isinstance(slots, torch.Tensor):  # through pinned memory: a pageable copy would wait for the queue
+            slots = torch.tensor([slots] if isinstance(slots, int) else list(slots), dtype=torch.long).pin_memory()
+        slots = slots.reshape(-1).to(self.model.device, non_blocking=True)
+        if slots.numel() != b:
+            raise SSMQError(f"{b} prompts need {b} slots, got {slots.numel()}")
+        if check_fit and int(self.cache.seqlens[slots].max()) + length > self.cache.max_seqlen:
             raise SSMQError(f"prompt does not fit the cache ({self.cache.max_seqlen} tokens)")
+        rows = _pow2_at_least(b)
         start, logits = 0, None
         for bit in reversed(range(length.bit_length())):
             piece = 1 << bit
             if not length & piece:
                 continue
-            if piece not in self.graphs:
-                self._capture(piece)
-            graph, static_ids, static_slot, logits = self.graphs[piece]
-            static_ids.copy_(ids[:, start:start + piece])
-            static_slot.fill_(slot)
+            if (rows, piece) not in self.graphs:
+                self._capture(rows, piece)
+            graph, static_ids, static_slots, logits = self.graphs[rows, piece]
+            static_ids[:b].copy_(ids[:, start:start + piece])
+            static_slots[:b].copy_(slots)
+            if b < rows:  # as the decoder's padding: the scratch slot restarts at length 0 before each piece
+                static_slots[b:] = self.scratch
+                self.cache.seqlens[self.scratch] = 0
             graph.replay()
             start += piece
-        return logits
+        return logits[:b]

@@ -48,7 +48,9 @@ log = logging.getLogger("ssmq.serve")
 class EngineConfig:
     max_batch: int = 64  # cache slots = sequences decoded together
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
-    prefill_tokens: int = 2048  # prompt tokens prefilled per step, over every request in prefill (batched)
+    # prompt tokens prefilled per step, over every request in prefill (batched). Mamba2-2.7B, 64 clients of 128-token
+    # prompts on an H100: 8192 (every waiting prompt in one forward) reached 0.67 of the decode-step bound, 2048 0.56
+    prefill_tokens: int = 8192
     prefill_chunk: int = 512  # prompt tokens of one request prefilled per step (chunked prefill)
     # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, one Llama-8B layer
     # at 128K tokens, in place / contiguous: 4-bit codes 1.08 at 32, 1.21 at 16; float16 1.04 / 1.08)
@@ -59,6 +61,10 @@ class EngineConfig:
     # with the decode workspace that grows with them (kv_pool_bytes_per_token)
     max_waiting: int = 4096  # queued requests beyond which submit refuses
     cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
+    # rows x tokens of the largest prefill forward replayed from CUDA graphs (rows padded to a power of two); larger
+    # ones run eagerly, where the GPU's time exceeds the host's (Mamba2-2.7B FP16 on an H100: a forward of 1024 tokens
+    # takes 37 ms eagerly, 15 ms from a graph; of 8192 tokens 111 ms eagerly, as long as its GPU time)
+    graph_prefill_tokens: int = 2048
     state_checkpoint: int | None = None  # K: SSM states written once every K decode steps (ReplaySSM); None: every step
     # launch decode step n+1 before reading step n's tokens back, so the engine's host work of a step runs while the
     # device computes the next (a row that stops at n has computed one token more, dropped); None: on CUDA
@@ -211,7 +217,8 @@ class LocalRunner:
             from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
 
             dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, cache=self.cache)
-            self.graph_prefill = CudaGraphPrefill(model, self.cache, max_len=cfg.prefill_chunk, pool=dec.pool)
+            self.graph_prefill = CudaGraphPrefill(model, self.cache, max_len=cfg.prefill_chunk, pool=dec.pool,
+                                                  max_tokens=min(cfg.graph_prefill_tokens, cfg.prefill_tokens))
             dec.capture_all()
             self.graph_prefill.capture_all()
             self.decode = dec
@@ -228,9 +235,9 @@ class LocalRunner:
         all_logits, else (b, vocab) of each row's last token."""
         if all_logits:
             return self.model(ids, self.cache, slots=slots)
-        if self.graph_prefill is not None and len(slots) == 1:  # no fit check (a sync): the engine admits only
-            # what fits (Engine.unfit); several rows run eagerly (the graphs are captured for one row)
-            return self.graph_prefill(ids, slots[0], check_fit=False)
+        if self.graph_prefill is not None and self.graph_prefill.serves(*ids.shape):
+            # no fit check (a sync): the engine admits only what fits (Engine.unfit)
+            return self.graph_prefill(ids, slots, check_fit=False)
         return self.model(ids, self.cache, slots=slots, num_last_tokens=1)[:, -1]
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -263,6 +270,7 @@ class Engine:
         kv = getattr(self.runner, "kv_blocks", None)
         self.blocks = BlockAllocator(*kv) if kv else None  # None: admission counts slots only
         self.steps = 0
+        self.prefill_forwards = self.prefill_rows = 0  # forwards of prompt chunks, and their rows in all
         self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
         self._flushes: set = set()  # flush callbacks of the requests emitted to since the last flush
         # on CUDA a step's events wait for the next decode's launch (_deliver), which returns at once; elsewhere the
@@ -327,7 +335,7 @@ class Engine:
     def stats(self) -> dict:
         out = {"waiting": len(self.waiting) + len(self._inbox), "running": len(self.prefilling) + len(self.decoding),
                "slots_used": self.cfg.max_batch - len(self.free_slots), "slots_total": self.cfg.max_batch,
-               "steps": self.steps}
+               "steps": self.steps, "prefill_forwards": self.prefill_forwards, "prefill_rows": self.prefill_rows}
         if self.blocks is not None:
             out.update(kv_blocks_used=self.blocks.used, kv_blocks_total=self.blocks.total)
         return out
@@ -479,6 +487,8 @@ class Engine:
             for r in rows:
                 self._grow(r, r.pos + n)
             logits = self.runner.prefill(ids, [r.slot for r in rows], rows[0].prompt_logprobs)
+            self.prefill_forwards += 1
+            self.prefill_rows += len(rows)
         except Exception as e:
             if len(rows) == 1:  # a prefill of one request: fail it alone, the others go on
                 self._fail(rows[0], "prefill", e)

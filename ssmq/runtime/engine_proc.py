@@ -314,6 +314,9 @@ class _Nothing:
 _NOTHING = _Nothing()
 
 
+TALLIES = ("steps", "prefill_forwards", "prefill_rows")  # stats that grow every turn: sent with the next event
+
+
 class _Outbox:
     """The engine's events, gathered per step and sent as one message (``flush``, the flush of every request)."""
 
@@ -339,7 +342,7 @@ class _Outbox:
         """(engine thread, after each loop turn) the stats alone, when they changed without an event to carry them
         (a prompt's chunk prefilled, a request admitted)."""
         s = self.engine.stats()
-        if {k: v for k, v in s.items() if k != "steps"} != {k: v for k, v in self.sent.items() if k != "steps"}:
+        if {k: v for k, v in s.items() if k not in TALLIES} != {k: v for k, v in self.sent.items() if k not in TALLIES}:
             self.send([], s)
 
     def send(self, items: list, stats: dict | None = None) -> None:
