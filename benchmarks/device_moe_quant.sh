@@ -7,7 +7,7 @@ BASE=$1
 LAT="bench latency --model granite-4.0-h-tiny --dtype float16 --recipes float,fp8-w8a8,rtn-w4a16-g128 --batch-size 1,64 --input-len 1024 --peers none --warmup 1 --reps 3"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/log.txt
 echo "== tests $(date -u +%T)" | tee -a $OUT/log.txt
-PYTHONPATH=$PWD timeout 110 python3 -m pytest -q -x -p no:cacheprovider tests/test_moe_kernel.py 2>&1 | tail -15 | tee -a $OUT/log.txt
+PYTHONPATH=$PWD timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_moe_kernel.py tests/test_gpu_runtime.py -k "moe or grouped" 2>&1 | tail -15 | tee -a $OUT/log.txt
 echo "== latency, this tree $(date -u +%T)" | tee -a $OUT/log.txt
 PYTHONPATH=$PWD timeout 110 python3 -m ssmq.cli $LAT --out $OUT/lat 2>&1 | grep -v "it/s\|s/it" | tail -12 | tee -a $OUT/log.txt
 echo "== latency, baseline tree $(date -u +%T)" | tee -a $OUT/log.txt
