@@ -530,7 +530,7 @@ def test_prefill_flags_reach_the_engine_config():
     default = engine_config(p.parse_args([]))
     d = EngineConfig()
     assert (default.prefill_chunk, default.prefill_tokens, default.graph_prefill_tokens) == (
-        d.prefill_chunk, d.prefill_tokens, d.graph_prefill_tokens) == (512, 8192, 2048)
+        d.prefill_chunk, d.prefill_tokens, d.graph_prefill_tokens) == (512, 8192, 512)
     with pytest.raises(SSMQError, match="--graph-prefill-tokens must be >= 1"):
         engine_config(p.parse_args(["--graph-prefill-tokens", "0"]))
 

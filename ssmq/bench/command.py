@@ -129,8 +129,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "(default 512)")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="with --model: the engine's --prefill-tokens "
                    "(default 8192)")
-    p.add_argument("--graph-prefill-tokens", type=int, default=2048, help="with --model: the engine's "
-                   "--graph-prefill-tokens (default 2048)")
+    p.add_argument("--graph-prefill-tokens", type=int, default=512, help="with --model: the engine's "
+                   "--graph-prefill-tokens (default 512)")
     p.add_argument("--engine", type=_engines, default=["process"],
                    help="with --model: comma-separated 'process' (the engine in a process of its own, as ssmq serve "
                         "runs it) and 'thread' (in a thread of the server's process); both: one after the other on "

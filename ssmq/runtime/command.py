@@ -45,9 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tokens", type=int, default=8192,
                    help="prompt tokens prefilled per engine step over all requests in prefill; chunks of equal "
                         "length share one forward (default 8192)")
-    p.add_argument("--graph-prefill-tokens", type=int, default=2048,
+    p.add_argument("--graph-prefill-tokens", type=int, default=512,
                    help="rows x tokens of the largest prefill forward replayed from CUDA graphs, captured at start; "
-                        "larger ones run eagerly (default 2048)")
+                        "larger ones run eagerly (default 512)")
     p.add_argument("--kv-block-size", type=int, default=32, help="tokens per KV block (hybrids; default 32)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=float, metavar="GIB",

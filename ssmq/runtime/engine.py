@@ -61,10 +61,10 @@ class EngineConfig:
     # with the decode workspace that grows with them (kv_pool_bytes_per_token)
     max_waiting: int = 4096  # queued requests beyond which submit refuses
     cuda_graphs: bool = True  # decode (and prefill) from CUDA graphs on CUDA
-    # rows x tokens of the largest prefill forward replayed from CUDA graphs (rows padded to a power of two); larger
-    # ones run eagerly, where the GPU's time exceeds the host's (Mamba2-2.7B FP16 on an H100: a forward of 1024 tokens
-    # takes 37 ms eagerly, 15 ms from a graph; of 8192 tokens 111 ms eagerly, as long as its GPU time)
-    graph_prefill_tokens: int = 2048
+    # rows x tokens of the largest prefill forward replayed from CUDA graphs (rows padded to a power of two), where
+    # the host's launches set an eager forward's time (Mamba2-2.7B FP16 on an H100: 1024 tokens take 37 ms eagerly,
+    # 15 ms from a graph; 8192 tokens 111 ms eagerly, their GPU time); larger forwards run eagerly, unpadded
+    graph_prefill_tokens: int = 512
     state_checkpoint: int | None = None  # K: SSM states written once every K decode steps (ReplaySSM); None: every step
     # launch decode step n+1 before reading step n's tokens back, so the engine's host work of a step runs while the
     # device computes the next (a row that stops at n has computed one token more, dropped); None: on CUDA
