@@ -110,6 +110,23 @@ def test_kernel_registry_cases_agree_with_their_baselines():
         kb.register("linear", "again")(lambda ctx: [])
 
 
+def test_moe_kernel_bench_times_each_expert_format():
+    """The moe cases run the grouped experts at the model's MoE shape in every format (the reference on the CPU);
+    a shape without MoE blocks is refused in one line."""
+    from ssmq.bench.models import published_config
+    from ssmq.errors import SSMQError
+
+    ctx = kb.KernelContext(torch.device("cpu"), torch.float32, published_config("granite-4.0-h-tiny"), rows=(1,))
+    cases = kb.KERNEL_BENCHES["moe"].fn(ctx)
+    assert [c.label.split()[-3].rstrip(",") for c in cases] == ["float", "w8a16", "w4a16-g128", "fp8-w8a8"]
+    for case in cases:
+        out = case.fns["ssmq"]()
+        assert out.shape == (1, 1536) and torch.isfinite(out).all() and case.nbytes > 0
+    ctx = kb.KernelContext(torch.device("cpu"), torch.float32, published_config("mamba2-130m"), rows=(1,))
+    with pytest.raises(SSMQError, match="has none"):
+        kb.KERNEL_BENCHES["moe"].fn(ctx)
+
+
 def test_kernels_writes_one_row_per_implementation(tmp_path):
     r = run("kernels", "--only", "linear,state-update", "--shape", "mamba2-130m", "--rows", "1", "--warmup", "0",
             "--reps", "1", "--out", str(tmp_path))

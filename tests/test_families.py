@@ -239,21 +239,44 @@ def test_moe_capture_safe_modes_equal_routed(family, mode, tmp_path):
         model(ids, cache)
         torch.testing.assert_close(model.step(ids[:, 0], cache), ref_step, atol=1e-6, rtol=0)
     if mode == "grouped":  # the experts' weights are slices of the stacks: no second copy
-        assert moes[0].experts[1].up_proj.weight.data_ptr() == moes[0]._stacked["up_proj"][1].data_ptr()
+        assert moes[0].experts[1].up_proj.weight.data_ptr() == moes[0]._stacked["up_proj"][0][1].data_ptr()
     static_shapes_(model)
     assert {m.mode for m in moes} == {mode}
 
 
-def test_static_shapes_runs_quantized_experts_static(tmp_path):
+@pytest.mark.parametrize("recipe", ["rtn-w8a16", "fp8-w8a8"])
+def test_static_shapes_groups_quantized_experts(recipe, tmp_path):
+    """Quantized experts of a format the grouped kernel takes run grouped under ``static_shapes_``: the model's
+    logits, prefill and decode, those of the experts run as their own modules."""
     from ssmq.models.ffn import MoE, static_shapes_
     from ssmq.quant import quantize
 
     save_tiny_family("granite_moe", tmp_path)
-    model = quantize(ssmq.load_model(tmp_path), "rtn-w8a16", None, progress=False)
+    model = quantize(ssmq.load_model(tmp_path), recipe, None, progress=False)
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        ref = model(ids)
+        cache = model.allocate_cache(2, 14)
+        model(ids, cache)
+        ref_step = model.step(ids[:, 0], cache)
+        static_shapes_(model)
+        assert {m.mode for m in model.modules() if isinstance(m, MoE)} == {"grouped"}
+        torch.testing.assert_close(model(ids), ref, atol=1e-6, rtol=0)
+        cache = model.allocate_cache(2, 14)
+        model(ids, cache)
+        torch.testing.assert_close(model.step(ids[:, 0], cache), ref_step, atol=1e-6, rtol=0)
+
+
+def test_static_shapes_runs_other_quantized_experts_static(tmp_path):
+    from ssmq.models.ffn import MoE, static_shapes_
+    from ssmq.quant import quantize
+
+    save_tiny_family("granite_moe", tmp_path)
+    model = quantize(ssmq.load_model(tmp_path), "dynamic-w8a8", None, progress=False)  # int8 activations
     static_shapes_(model)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     assert moes and {m.mode for m in moes} == {"static"}
-    with pytest.raises(SSMQError, match="float experts only"):
+    with pytest.raises(SSMQError, match="the grouped MoE runs float experts and"):
         moes[0].set_mode("grouped")
 
 

@@ -570,19 +570,38 @@ def test_qgemv_compiles_for_sm90(variant):
     assert "LDG.E.128" in build._cuobjdump(compiled, "-sass")
 
 
+# the grouped MoE's weight formats: (W_MODE, weight pointer type, A_FP8)
+MOE_FORMATS = {"float": (0, None, False), "int8": (1, "i8", False), "int4": (2, "u8", False), "fp8": (3, "i8", False),
+               "fp8-w8a8": (3, "i8", True)}
+
+
+@pytest.mark.parametrize("fmt", sorted(MOE_FORMATS))
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_moe_kernels_compile_for_sm90(dtype, gated):
+def test_moe_kernels_compile_for_sm90(fmt, dtype, gated):
     """The grouped-GEMM MoE (``kernels.moe``): [gate | up] + activation and down × routing weight, 16-row blocks,
-    the largest tiles it launches, with PDL's wait."""
-    from ssmq.kernels import moe
+    the largest tiles and the warps it launches (``launch_shape``), with PDL's wait, in every weight format (codes
+    dequantized in registers, or e4m3 products on e4m3 activation codes)."""
+    import torch
 
+    from ssmq.kernels import build, moe
+
+    mode, w, fp8 = MOE_FORMATS[fmt]
+    w = w or dtype
     tables = {"order_ptr": "i64", "be_ptr": "i32", "bs_ptr": "i32", "bend_ptr": "i32"}
     prec = "ieee" if dtype == "fp32" else "tf32"
-    _compile_sm90(moe._moe_up, {"x_ptr": dtype, "wg_ptr": dtype, "wu_ptr": dtype, "h_ptr": dtype, **tables},
-                  dict(GATED=gated, PRECISION=prec, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, USE_GDC=True))
-    _compile_sm90(moe._moe_down, {"h_ptr": dtype, "wd_ptr": dtype, "rw_ptr": "fp32", "y_ptr": "fp32", **tables},
-                  dict(PRECISION=prec, BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64, USE_GDC=True))
+    block, warps = moe.launch_shape({"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
+                                    fmt != "float")
+    fmt_const = dict(W_MODE=mode, A_FP8=fp8, PRECISION=prec, BLOCK_M=moe.BLOCK_M, BLOCK_N=block, BLOCK_K=block,
+                     USE_GDC=True)
+    up = _compile_sm90(moe._moe_up, {"x_ptr": dtype, "xq_ptr": "i8", "xs_ptr": "fp32", "wg_ptr": w, "wu_ptr": w,
+                                     "sg_ptr": "fp32", "su_ptr": "fp32", "h_ptr": dtype, **tables},
+                       dict(GATED=gated, **fmt_const), num_warps=warps)
+    down = _compile_sm90(moe._moe_down, {"h_ptr": dtype, "hq_ptr": "i8", "hs_ptr": "fp32", "wd_ptr": w,
+                                         "sd_ptr": "fp32", "rw_ptr": "fp32", "y_ptr": "fp32", **tables}, fmt_const,
+                         num_warps=warps)
+    if fmt != "float":  # the dequantized tiles stay in registers: no spills
+        assert build.registers(up)[1] == 0 and build.registers(down)[1] == 0
 
 
 @pytest.mark.parametrize("before", [False, True])

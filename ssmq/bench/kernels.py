@@ -174,6 +174,49 @@ def bench_state_update(ctx: KernelContext) -> list[Case]:
     return cases
 
 
+@register("moe", "the grouped-GEMM experts of a MoE block (kernels.moe_experts: [gate | up] + activation, down x "
+                 "routing weight) at the model's MoE shape (e.g. --shape granite-4.0-h-tiny), float and with int8, "
+                 "int4 (group 128) weight-only and FP8 W8A8 experts; GB/s counts the routed experts' weights once")
+def bench_moe(ctx: KernelContext) -> list[Case]:
+    from ssmq import kernels
+    from ssmq.ops.quant_linear import pack_int4
+
+    cfg, dev = ctx.cfg, ctx.device
+    if not cfg.moe_layer_idx:
+        raise SSMQError(f"moe times a MoE block; {cfg.family or cfg.arch} at this --shape has none")
+    d, f, E, k = cfg.d_model, cfg.moe_hidden, cfg.moe_experts, cfg.moe_top_k
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shapes = {"up": (f, d), "down": (d, f), "gate": (f, d)}
+
+    def stack(fmt, n, kk):
+        """(weights, scales) of E experts' (n, kk) linears in ``fmt``."""
+        if fmt == "float":
+            return torch.randn(E, n, kk, device=dev, generator=gen).to(ctx.dtype) / kk ** 0.5, None
+        s = torch.rand(E, n, *((kk // 128,) if fmt == "w4a16-g128" else ()), device=dev, generator=gen) * 0.01 + 1e-3
+        if fmt == "fp8-w8a8":
+            return (torch.randn(E, n, kk, device=dev, generator=gen) * 100).clamp(-448, 448).to(
+                torch.float8_e4m3fn), s
+        lim = 8 if fmt == "w4a16-g128" else 128
+        q = torch.randint(-lim, lim, (E, n, kk), device=dev, dtype=torch.int8, generator=gen)
+        return (pack_int4(q) if fmt == "w4a16-g128" else q), s
+
+    cases = []
+    for fmt in ("float", "w8a16", "w4a16-g128", "fp8-w8a8"):
+        w = {name: stack(fmt, *shape) for name, shape in shapes.items()}
+        scales = None if fmt == "float" else (w["up"][1], w["down"][1], w["gate"][1])
+        for m in ctx.rows:
+            x = torch.randn(m, d, device=dev, dtype=ctx.dtype, generator=gen)
+            idx = torch.stack([torch.randperm(E, device=dev, generator=gen)[:k] for _ in range(m)])
+            rw = torch.rand(m, k, device=dev, generator=gen).softmax(-1)
+            routed = idx.unique().numel()
+            nbytes = _nbytes(x) * 2 + sum(_nbytes(*(t for t in ws if t is not None)) for ws in w.values()) \
+                * routed // E
+            cases.append(Case(f"{E} experts {d}x{f} top-{k} {fmt}, {m} rows", {
+                "ssmq": lambda x=x, rw=rw, idx=idx, w=w, sc=scales, fp8=fmt == "fp8-w8a8": kernels.moe_experts(
+                    x, rw, idx, w["up"][0], w["down"][0], w["gate"][0], "silu", sc, fp8)}, nbytes, m))
+    return cases
+
+
 def shape_config(name: str):
     """The config of the published architecture whose shapes are timed (``--shape``)."""
     from ssmq.bench.models import published_config

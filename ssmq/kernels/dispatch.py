@@ -213,13 +213,14 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
                                                 with_out, z_scale, dtype)
 
 
-def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu"):
-    """``ops.moe.moe_experts_ref``: the routed experts of a mixture of experts on their stacked weights; one grouped
-    GEMM launch for all experts on CUDA (``kernels.moe``: static shapes, no host sync), the reference elsewhere."""
+def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu", w_scales=None, act_fp8=False):
+    """``ops.moe.moe_experts_ref``: the routed experts of a mixture of experts on their stacked weights, float or
+    quantized (codes with ``w_scales``; ``act_fp8``: FP8 W8A8); two grouped GEMM launches for all experts on CUDA
+    (``kernels.moe``: static shapes, no host sync), the reference elsewhere."""
     from ssmq.ops.moe import moe_experts_ref
 
     impl = _kernels("moe").moe_experts if _use_triton(x) else moe_experts_ref
-    return impl(x, weights, idx, w_up, w_down, w_gate, act)
+    return impl(x, weights, idx, w_up, w_down, w_gate, act, w_scales, act_fp8)
 
 
 def rmsnorm_gated_partial(x, weight, z, ss_out, col=0, with_out=True, norm_before_gate=False):

@@ -6,9 +6,10 @@ Glossary: t tokens (b·l flattened), d d_model, f hidden size, E experts, k expe
 ``MoE`` keeps each expert a ``GatedMLP`` (so recipes quantize experts as any linear, by name
 ``layers.i.mlp.experts.j.{gate,up,down}_proj``). How the experts run is chosen once (``MoE.set_mode``): by default
 each on the tokens routed to it (the plain reference: data-dependent shapes); with static shapes, as a CUDA graph
-needs (``static_shapes_``), float experts as one grouped GEMM on their stacked weights (``kernels.moe_experts``),
-quantized experts each on every token, weighted 0 where not chosen. The router is not an ``nn.Linear``: no recipe
-quantizes the routing decision.
+needs (``static_shapes_``), as one grouped GEMM on their stacked weights (``kernels.moe_experts``) where the experts
+are float or quantized in a format it takes (symmetric int8 / int4 / fp8 weight-only, FP8 W8A8 with dynamic
+per-token activations: ``MoE.groupable``), else each on every token, weighted 0 where not chosen. The router is not
+an ``nn.Linear``: no recipe quantizes the routing decision.
 """
 
 from __future__ import annotations
@@ -88,42 +89,69 @@ class MoE(nn.Module):
         expert = MLP if cfg.moe_act == "relu2" else GatedMLP
         self.experts = nn.ModuleList(expert(cfg, cfg.moe_hidden) for _ in range(cfg.moe_experts))
         self.shared = expert(cfg, cfg.moe_shared_hidden or cfg.mlp_hidden) if cfg.moe_shared else None
-        self._stacked: dict[str, torch.Tensor] = {}  # "grouped" mode: (E, out, in) per projection name
+        # "grouped" mode: per projection name, the stacked weights (E, out, in) and None, or codes and scales
+        self._stacked: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._act_fp8 = False  # "grouped" mode: FP8 W8A8 experts
 
     # how the experts run (``set_mode``): "routed" each on the tokens routed to it; "static" every expert on every
     # token, weighted by its routing weight (0 where not chosen), at E / k times the expert work; "grouped" the
-    # stacked weights of float experts through ``kernels.moe_experts``. The last two have no data-dependent shapes
-    # nor host syncs, so a CUDA graph can capture them
+    # stacked weights (float, or quantized codes and scales) through ``kernels.moe_experts``. The last two have no
+    # data-dependent shapes nor host syncs, so a CUDA graph can capture them
     mode = "routed"
     MODES = ("routed", "static", "grouped")
 
     def groupable(self) -> bool:
-        """Every expert's linears are plain float linears (a quantized expert runs as its own module), its gated MLP
-        SiLU without multipliers (what ``kernels.moe_experts`` computes)."""
-        plain = all(type(getattr(e, n)) in (Linear, nn.Linear) and getattr(e, n).bias is None
-                    for e in self.experts for n in self._proj_names())
-        return plain and all(not isinstance(e, GatedMLP) or e.act is F.silu and e.gate_scale is None
-                             and e.down_scale is None for e in self.experts)
+        """Every expert linear in one format ``kernels.moe_experts`` takes (``_stack_format``): plain float linears,
+        or quantized ones with symmetric int8 / int4 / fp8 codes per channel or per group of a multiple of 16 columns,
+        float or FP8 W8A8 (dynamic per-token e4m3) activations, no bias, rotation nor tensor-parallel scale hook;
+        and each gated MLP SiLU without multipliers (what the kernel computes)."""
+        per_name = {n: {_stack_format(getattr(e, n)) for e in self.experts} for n in self._proj_names()}
+        if any(len(f) != 1 or None in f for f in per_name.values()):  # one stack a projection: one format
+            return False
+        # one code type and activation format for both kernels, one scale layout for gate and up (one launch)
+        if len({(f[0], f[3]) for (f,) in per_name.values()}) != 1:
+            return False
+        if per_name.get("gate_proj", per_name["up_proj"]) != per_name["up_proj"]:
+            return False
+        return all(not isinstance(e, GatedMLP) or e.act is F.silu and e.gate_scale is None
+                   and e.down_scale is None for e in self.experts)
 
     def _proj_names(self) -> tuple[str, ...]:
         return ("up_proj", "down_proj") if self.cfg.moe_act == "relu2" else ("gate_proj", "up_proj", "down_proj")
 
     @torch.no_grad()
     def set_mode(self, mode: str) -> None:
-        """Choose how the experts run. "grouped" stacks each projection's weights into one (E, out, in) tensor whose
-        slices become the experts' weights (the same memory, no copy kept)."""
+        """Choose how the experts run. "grouped" stacks each projection's weights into one (E, out, in) tensor (codes:
+        (E, out, in) or packed int4 (E, out, in // 2), with their scales (E, out) or (E, out, groups)) whose slices
+        become the experts' weights (the same memory, no copy kept)."""
         if mode not in self.MODES:
             raise ValueError(f"unknown MoE mode {mode!r}; expected one of {', '.join(self.MODES)}")
         if mode == "grouped" and not self.groupable():
-            raise SSMQError("the grouped MoE runs float experts only (these are quantized)")
+            raise SSMQError("the grouped MoE runs float experts and symmetric int8 / int4 / fp8 weight-only or FP8 "
+                            "W8A8 experts per channel or per group of a multiple of 16 columns; these are quantized "
+                            "otherwise")
         self.mode = mode
+        for e in self.experts:  # a quantized expert run as its own module makes its decode GEMV's copy of the codes
+            for name in self._proj_names():
+                if hasattr(getattr(e, name), "decode_copy"):
+                    getattr(e, name).decode_copy = mode != "grouped"
         if mode != "grouped":
             return
         for name in self._proj_names():
-            stacked = torch.stack([getattr(e, name).weight for e in self.experts])
-            for e, w in zip(self.experts, stacked):
-                getattr(e, name).weight = nn.Parameter(w, requires_grad=False)
-            self._stacked[name] = stacked
+            linears = [getattr(e, name) for e in self.experts]
+            if _stack_format(linears[0])[0] == "float":
+                stacked = torch.stack([lin.weight for lin in linears])
+                for lin, w in zip(linears, stacked):
+                    lin.weight = nn.Parameter(w, requires_grad=False)
+                self._stacked[name] = (stacked, None)
+                continue
+            codes = torch.stack([lin.weight_q for lin in linears])
+            scales = torch.stack([lin.weight_scale for lin in linears])
+            for lin, q, sc in zip(linears, codes, scales):
+                lin.weight_q, lin.weight_scale = q, sc
+                lin.weight_words = None  # the kernel reads the stack, not a decode GEMV's copy
+            self._stacked[name] = (codes, scales)
+        self._act_fp8 = _stack_format(self.experts[0].up_proj)[3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., d) -> (..., d)."""
@@ -138,11 +166,15 @@ class MoE(nn.Module):
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         st = self._stacked
-        if st["up_proj"].data_ptr() != self.experts[0].up_proj.weight.data_ptr():
+        up, s_up = st["up_proj"]
+        source = getattr(self.experts[0].up_proj, "weight" if s_up is None else "weight_q", None)
+        if source is None or up.data_ptr() != source.data_ptr():
             raise SSMQError("the MoE's experts changed (moved, cast or quantized) after their weights were stacked: "
                             "set its mode again")
-        return kernels.moe_experts(x, weights, idx, st["up_proj"], st["down_proj"], st.get("gate_proj"),
-                                   self.cfg.moe_act)
+        down, s_down = st["down_proj"]
+        gate, s_gate = st.get("gate_proj", (None, None))
+        scales = None if s_up is None else (s_up, s_down, s_gate)
+        return kernels.moe_experts(x, weights, idx, up, down, gate, self.cfg.moe_act, scales, self._act_fp8)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -172,9 +204,31 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module | None:
     return None
 
 
+def _stack_format(linear: nn.Module) -> tuple | None:
+    """How ``kernels.moe_experts`` takes an expert linear's weight: ("float",) for a plain float linear without bias;
+    (code dtype, scale shape, groups' width, FP8 activations) for a quantized one (``QuantLinear``, read through its
+    buffers and ``code_input``) with symmetric codes per channel or per group of a multiple of 16 columns, float or
+    dynamic per-token e4m3 activations, no bias, rotation nor tensor-parallel scale hook; None otherwise."""
+    if type(linear) in (Linear, nn.Linear):
+        return ("float", None, None, False) if linear.bias is None else None
+    q, s = getattr(linear, "weight_q", None), getattr(linear, "weight_scale", None)
+    if q is None or linear.bias is not None or linear.weight_zero is not None or linear.rotate_input \
+            or linear.scale_hook is not None or s.dim() not in (1, 2):
+        return None
+    codes = linear.code_input() if linear.act is not None else None
+    fp8_act = codes is not None and codes.scale is None and codes.dtype == torch.float8_e4m3fn
+    if linear.act is not None and not (fp8_act and q.dtype == torch.float8_e4m3fn and s.dim() == 1):
+        return None
+    width = linear.in_features // (s.shape[1] if s.dim() == 2 else 1)
+    if s.dim() == 2 and width % 16:
+        return None
+    return (str(q.dtype), tuple(s.shape), width, fp8_act)
+
+
 def static_shapes_(model: nn.Module) -> None:
-    """Run the model's mixtures of experts with static shapes, what a CUDA-graph capture needs: float experts grouped
-    (``kernels.moe_experts``: one grouped GEMM on CUDA), quantized ones each on every token (``MoE.set_mode``)."""
+    """Run the model's mixtures of experts with static shapes, what a CUDA-graph capture needs: grouped (one grouped
+    GEMM launch on CUDA, ``kernels.moe_experts``) where their experts are float or quantized in a format it takes
+    (``MoE.groupable``), else each expert on every token (``MoE.set_mode``)."""
     for m in model.modules():
         if isinstance(m, MoE) and m.mode == "routed":
             m.set_mode("grouped" if m.groupable() else "static")

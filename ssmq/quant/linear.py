@@ -129,8 +129,10 @@ class QuantLinear(_QuantWeight):
         # tensor parallelism: a row-parallel shard sees part of x, so the dynamic scale of its rows comes from
         # ``scale_hook(x)`` (the full rows': ``dynamic_scale`` reduced over ranks, or of the gathered input)
         self.scale_hook = None
-        # the decode GEMV's copy of the codes (``bind_decode``): not saved, rebuilt from weight_q
+        # the decode GEMV's copy of the codes (``bind_decode``): not saved, rebuilt from weight_q; decode_copy False
+        # where another kernel reads the codes instead of this module (the experts of a grouped MoE: their stack)
         self.register_buffer("weight_words", None, persistent=False)
+        self.decode_copy = True
 
     @classmethod
     def from_float(cls, linear: nn.Linear, weight: WeightSpec, act: ActSpec | None = None,
@@ -156,13 +158,14 @@ class QuantLinear(_QuantWeight):
     def bind_decode(self) -> None:
         """Make the decode GEMV's copy of the codes where the device's kernel table runs decode calls on it
         (``kernels.pack_for_decode``: int4 / int8 codes repacked once, the stored ``weight_q`` kept for prefill and
-        saving), else drop it. Called when a model's decode is set up (``SSMLM.allocate_cache``); a weight set
-        after that (``_set_weight``, a tensor-parallel shard) is bound again by the next set-up."""
+        saving), else drop it (and where ``decode_copy`` is off). Called when a model's decode is set up
+        (``SSMLM.allocate_cache``); a weight set after that (``_set_weight``, a tensor-parallel shard) is bound again
+        by the next set-up."""
         source = (self.weight_q.device, self.weight_q.data_ptr(), self.weight_q._version)
         if self.weight_words is not None and getattr(self, "_words_of", None) == source:
             return  # bound to these codes already
         self.weight_words = None
-        if self.act is None:
+        if self.act is None and self.decode_copy:
             self.weight_words = kernels.pack_for_decode(self.weight_q, self.weight_scale, self.weight_zero)
             self._words_of = source
 
