@@ -5,7 +5,6 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels._common import int8_to_float, quantize_rne, rne_int8, rne_int8_of_product, rne_int8_sat
-from ssmq.kernels.state_update import _codes, _unwords
 
 
 @triton.jit
@@ -27,15 +26,3 @@ def codes_of_product(v_ptr, r_ptr, q_ptr, out_ptr, sat_ptr, back_ptr, n, PTX: tl
     tl.store(out_ptr + offs, rne_int8_of_product(v, r, PTX))
     tl.store(sat_ptr + offs, rne_int8_sat(v * r, PTX))
     tl.store(back_ptr + offs, int8_to_float(tl.load(q_ptr + offs), PTX))
-
-
-@triton.jit
-def codes_by_conversion(q_ptr, back_ptr, w_ptr, wback_ptr, PTX: tl.constexpr, BLOCK: tl.constexpr, R: tl.constexpr,
-                        W: tl.constexpr):
-    # back = the state update's _codes(q) by conversions (CVT), elementwise; wback = _unwords of an (R, W) tile of int32
-    # words by conversions, (R, 4 W)
-    offs = tl.arange(0, BLOCK)
-    tl.store(back_ptr + offs, _codes(tl.load(q_ptr + offs), PTX, True))
-    rw = tl.arange(0, R)[:, None] * W + tl.arange(0, W)[None, :]
-    rv = tl.arange(0, R)[:, None] * (4 * W) + tl.arange(0, 4 * W)[None, :]
-    tl.store(wback_ptr + rv, _unwords(tl.load(w_ptr + rw), PTX, True))

@@ -218,20 +218,6 @@ def test_codes_by_bit_assembly_are_exact(SU):
     assert torch.equal(args[5].cpu(), q.float())
 
 
-def test_codes_by_conversion_are_exact(SU):
-    """The state update's codes converted by conversion instructions (``cvt_codes``: one I2F a code, its byte selected),
-    alone and as int32 words of four (``_unwords``): every int8 code back to its float exactly, in byte order."""
-    from _codes_kernel import codes_by_conversion
-
-    q = torch.arange(4096).remainder(256).sub(128).to(torch.int8)
-    w = q[torch.randperm(4096, generator=gen(9))].reshape(16, 256).contiguous()
-    back, wback = torch.empty(4096), torch.empty(16, 256)
-    args = _dev([q, back, w.view(torch.int32), wback])
-    codes_by_conversion[(1,)](*args, PTX=not INTERPRET, BLOCK=4096, R=16, W=64)
-    assert torch.equal(args[1].cpu(), q.float())
-    assert torch.equal(args[3].cpu(), w.float())
-
-
 def test_reciprocal_table_follows_its_scales(SU):
     """The int8 state's reciprocal table (``rcp_table``) is kept per scale tensor and recomputed when the scales change
     in place (a calibration after a decode): never a stale one."""
@@ -402,31 +388,6 @@ def test_step_walks_several_tiles(SU, state_fmt, input_fmt, max_tiles, prefetch,
     fmt = {"int8_index": "int8_table", "int8_rows": "int8_rows", "float": "float"}[state_fmt]
     _, BP, TP, NT = SU._step_grid(b, h, p, n, fmt, dev_args[0].device)
     assert NT > 1 and ((h // g_) * TP % NT == 0) == (max_tiles == 3)  # the cases this test is for
-    assert rel(SU.quant_state_update(*dev_args), y_ref) < 1e-5
-    _assert_state_close(dev_args[0], ref_args[0], state_fmt)
-    others = torch.ones(s, dtype=torch.bool, device=DEV)
-    others[args[-1].long().to(DEV)] = False
-    assert torch.equal(dev_args[0][others], before[others])
-    if state_fmt == "int8_rows":
-        assert rel(dev_args[1].scale.cpu(), ref_args[1].scale) < 1e-5
-
-
-@pytest.mark.parametrize("state_fmt", ["int8_index", "int8_rows"])
-@pytest.mark.parametrize("words", [True, False])
-def test_step_codes_by_conversion(SU, state_fmt, words, monkeypatch):
-    """The plain Mamba-2 step with its int8 codes converted by conversion instructions (``cvt_codes``), read as int32
-    words or as bytes: equal to the reference, as the bit-assembly conversion is."""
-    for key in SU.STEP_CFG:
-        monkeypatch.setitem(SU.STEP_CFG, key, {**SU.STEP_CFG[key], "programs_per_sm": 1e-3, "max_tiles": 3,
-                                                "prefetch": False, "words": words, "cvt_codes": True})
-    args = _case("mamba2", state_fmt, "codes_per_channel", seed=7)
-    ref_args = _clone(args)
-    y_ref = quant_state_update_ref(*ref_args)
-    dev_args = _dev(args)
-    before = dev_args[0].clone()
-    s, b, h, p, g_, n = LAYOUTS["mamba2"]
-    fmt = {"int8_index": "int8_table", "int8_rows": "int8_rows"}[state_fmt]
-    assert SU._step_grid(b, h, p, n, fmt, dev_args[0].device)[3] > 1
     assert rel(SU.quant_state_update(*dev_args), y_ref) < 1e-5
     _assert_state_close(dev_args[0], ref_args[0], state_fmt)
     others = torch.ones(s, dtype=torch.bool, device=DEV)

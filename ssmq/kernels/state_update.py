@@ -348,41 +348,11 @@ def _state_update(
 STEP_CFG = CFG["step"]
 
 
-# int8 codes -> float32 by one conversion a code, its byte selected in the instruction (bfe + cvt: I2F.S8 R, R.Bk):
-# 1 instruction a code against bit assembly's 2.25 (xor, prmt, subtract), on the quarter-rate conversion pipe (which
-# the row-scaled step leaves idle): 1.25 instructions a state value fewer (STEP_CFG "cvt_codes"; docs/state-update.md)
-_CVT_PTX = tl.constexpr("""{
-.reg .b32 t0, t1, t2, t3;
-bfe.s32 t0, $4, 0, 8;
-bfe.s32 t1, $4, 8, 8;
-bfe.s32 t2, $4, 16, 8;
-bfe.s32 t3, $4, 24, 8;
-cvt.rn.f32.s32 $0, t0;
-cvt.rn.f32.s32 $1, t1;
-cvt.rn.f32.s32 $2, t2;
-cvt.rn.f32.s32 $3, t3;
-}""")
-
-
 @triton.jit
-def _codes(q, PTX: tl.constexpr, CVT: tl.constexpr):
-    """int8 codes -> float32, exactly: CVT (PTX) by conversion instructions (``_CVT_PTX``), else ``int8_to_float``."""
-    if PTX and CVT:
-        return tl.inline_asm_elementwise(_CVT_PTX, "=r,=r,=r,=r,r", [q], dtype=tl.float32, is_pure=True, pack=4)
-    else:
-        return int8_to_float(q, PTX)
-
-
-@triton.jit
-def _unwords(w, PTX: tl.constexpr, CVT: tl.constexpr = False):
+def _unwords(w, PTX: tl.constexpr):
     """(R, W) int32 words of 4 int8 codes each (code 4j + k in byte k, little-endian) -> (R, 4 W) float32 codes.
-    PTX: by bit assembly (``ssmq.kernels._common.int8_to_float``), 4 outputs a word, or CVT by conversions
-    (``_CVT_PTX``); else by shifts."""
-    if PTX and CVT:
-        f0, f1, f2, f3 = tl.inline_asm_elementwise(_CVT_PTX, "=r,=r,=r,=r,r", [w],
-                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
-                                                   is_pure=True, pack=1)
-    elif PTX:
+    PTX: by bit assembly (``ssmq.kernels._common.int8_to_float``), 4 outputs a word; else by shifts."""
+    if PTX:
         f0, f1, f2, f3 = tl.inline_asm_elementwise(_UNPACK_PTX, "=r,=r,=r,=r,r", [w],
                                                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
                                                    is_pure=True, pack=1)
@@ -390,9 +360,7 @@ def _unwords(w, PTX: tl.constexpr, CVT: tl.constexpr = False):
         f0, f1, f2, f3 = (w << 24) >> 24, (w << 16) >> 24, (w << 8) >> 24, w >> 24
     v = tl.join(tl.join(f0, f2), tl.join(f1, f3))  # [j, k, m] = code 4j + 2k + m
     v = tl.reshape(v, (w.shape[0], 4 * w.shape[1]))
-    if PTX and CVT:
-        return v
-    elif PTX:
+    if PTX:
         return v - 8388736.0
     else:
         return v.to(tl.float32)
@@ -441,8 +409,8 @@ def _step_tile(
     s_xsb, s_xsh, s_xsp,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, SOFTPLUS: tl.constexpr,
     Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr, Q_X: tl.constexpr,
-    FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, CVT_CODES: tl.constexpr, EVEN: tl.constexpr,
-    WORDS: tl.constexpr, TP: tl.constexpr, BP: tl.constexpr,
+    FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr, TP: tl.constexpr,
+    BP: tl.constexpr,
 ):
     """Advance tile t (its stored values ``raw``; its group's B and C, float32 (BN,)), write it back and write its
     rows of y."""
@@ -467,9 +435,9 @@ def _step_tile(
     s_ptrs = base + head * s_sh + rows[:, None] * s_sp + offs_s[None, :] * s_sn
     if Q_STATE:
         if WORDS:  # (EVEN)
-            codes = _unwords(raw, PTX_CODES, CVT_CODES)
+            codes = _unwords(raw, PTX_CODES)
         else:
-            codes = _codes(raw, PTX_CODES, CVT_CODES)
+            codes = int8_to_float(raw, PTX_CODES)
     if Q_STATE and ROWS:
         # each row's scale folded into the head's decay: code · (scale · exp(Δ·A)) + (Δ·x) B
         rs_rows = rs_ptr + slot * s_rsb + head * s_rsh + rows * s_rsp
@@ -523,9 +491,8 @@ def _step(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DTB: tl.constexpr, HAS_IDX: tl.constexpr,
     SOFTPLUS: tl.constexpr, Q_STATE: tl.constexpr, ROWS: tl.constexpr, HAS_SIDX: tl.constexpr,
     Q_X: tl.constexpr, Q_B: tl.constexpr, Q_C: tl.constexpr, FAST_RCP: tl.constexpr, PTX_CODES: tl.constexpr,
-    CVT_CODES: tl.constexpr, EVEN: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ONE_GROUP: tl.constexpr,
-    HPG: tl.constexpr, TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, TILES_FIRST: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    EVEN: tl.constexpr, WORDS: tl.constexpr, PREFETCH: tl.constexpr, ONE_GROUP: tl.constexpr, HPG: tl.constexpr,
+    TP: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, TILES_FIRST: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     """Grid (b, tiles // NT) (TILES_FIRST: (tiles // NT, b)): program (row, j) steps tiles j·NT .. j·NT + NT - 1 of
     the row (tile t: head t // TP, channels (t % TP)·BP .. + BP of it, all n states)."""
@@ -567,8 +534,7 @@ def _step(
                        s_xp,
                        s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
                        s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
-                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, CVT_CODES, EVEN, WORDS, TP,
-                       BP)
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, EVEN, WORDS, TP, BP)
             cur = nxt
         if not ONE_GROUP:
             grp = ((t0 + NT - 1) // TP) // HPG
@@ -581,8 +547,7 @@ def _step(
                        s_xp,
                        s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
                        s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
-                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, CVT_CODES, EVEN, WORDS, TP,
-                       BP)
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, EVEN, WORDS, TP, BP)
     else:
         for i in range(0, NT):
             raw = _step_raw(base, t0 + i, offs_r, offs_s, p, n, s_sh, s_sp, s_sn, TP, BP, EVEN)
@@ -597,8 +562,7 @@ def _step(
                        s_xp,
                        s_dtb, s_dth, s_Ah, s_Dh, s_Dp, s_zb, s_zh, s_zp, s_dbh, s_ob, s_oh, s_op, s_ssg, s_ssn,
                        s_sidx, s_rsb, s_rsh, s_rsp, s_xsb, s_xsh, s_xsp, HAS_D, HAS_Z, HAS_DTB, SOFTPLUS, Q_STATE,
-                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, CVT_CODES, EVEN, WORDS, TP,
-                       BP)
+                       ROWS, HAS_SIDX, Q_X, FAST_RCP, PTX_CODES, EVEN, WORDS, TP, BP)
 
 
 def _step_grid(b: int, h: int, p: int, n: int, fmt: str, device) -> tuple[dict, int, int, int]:
@@ -650,7 +614,7 @@ def _launch_step(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_
         Q_STATE=ss is not None or rs is not None, ROWS=rs is not None, HAS_SIDX=sidx is not None,
         Q_X=xs is not None, Q_B=Bs is not None, Q_C=Cs is not None,
         FAST_RCP=CFG["fast_rcp"] and state.is_cuda, PTX_CODES=CFG["ptx_codes"] and state.is_cuda,
-        CVT_CODES=cfg.get("cvt_codes", False), EVEN=even, WORDS=words, PREFETCH=cfg["prefetch"] and NT > 1,
+        EVEN=even, WORDS=words, PREFETCH=cfg["prefetch"] and NT > 1,
         ONE_GROUP=(rep * TP) % NT == 0, HPG=rep, TP=TP, BP=BP, BN=BN, TILES_FIRST=order,
         num_warps=cfg["num_warps"], **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}), **pdl_args(x),
     )
