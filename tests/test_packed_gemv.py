@@ -93,6 +93,20 @@ def test_bind_decode_on_cpu_keeps_the_stored_layout():
     assert m.weight_words is None and "weight_words" not in m.state_dict()
 
 
+def test_bind_decode_of_codes_made_under_inference_mode():
+    # a model built and quantized under torch.inference_mode (ssmq bench) holds inference tensors, which keep no
+    # version counter: decode set-up must still bind them
+    from ssmq.quant.linear import QuantLinear
+    from ssmq.quant.spec import WeightSpec
+
+    with torch.inference_mode():
+        m = QuantLinear.from_float(torch.nn.Linear(256, 16),
+                                   WeightSpec.from_dict({"dtype": "int4", "granularity": "per_group:128"}))
+        assert m.weight_q.is_inference()
+        m.bind_decode()
+    assert m.weight_words is None
+
+
 # ------------------------------------------------------------------------------------------------- the kernel
 @pytest.fixture(scope="module")
 def PG():

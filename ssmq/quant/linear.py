@@ -161,7 +161,8 @@ class QuantLinear(_QuantWeight):
         saving), else drop it (and where ``decode_copy`` is off). Called when a model's decode is set up
         (``SSMLM.allocate_cache``); a weight set after that (``_set_weight``, a tensor-parallel shard) is bound again
         by the next set-up."""
-        source = (self.weight_q.device, self.weight_q.data_ptr(), self.weight_q._version)
+        w = self.weight_q  # inference tensors keep no version counter: their data pointer alone names them
+        source = (w.device, w.data_ptr(), None if w.is_inference() else w._version)
         if self.weight_words is not None and getattr(self, "_words_of", None) == source:
             return  # bound to these codes already
         self.weight_words = None
