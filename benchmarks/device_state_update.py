@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from ssmq.bench.kernels import state_update_inputs
 from ssmq.kernels import state_update as su
 from ssmq.ops.quant_ssm import RowScales, quant_state_update_ref
 
@@ -54,33 +55,14 @@ def copy_bandwidth() -> float:
 def case(kind: str, b: int, gen):
     """(calls, check, nbytes): K calls on K slot blocks, a check of block 0 against the reference."""
     dev, f = DEV, torch.float16
-    A = (-torch.rand(H, device=dev, generator=gen))[:, None, None].expand(H, P, N)
-    D = torch.randn(H, device=dev, generator=gen)[:, None].expand(H, P)
-    dt_bias = torch.randn(H, device=dev, generator=gen)[:, None].expand(H, P)
-    dt = torch.randn(b, H, device=dev, dtype=f, generator=gen)[:, :, None].expand(b, H, P)
     int8 = kind != "fp16"
     per_slot = H * P * N * (1 if int8 else 2)
     K = max(2, -(-(512 << 20) // (b * per_slot))) if DEV == "cuda" else 2
     S = K * b
-    state = (torch.randint(-128, 128, (S, H, P, N), device=dev, dtype=torch.int8, generator=gen) if int8
-             else torch.randn(S, H, P, N, device=dev, dtype=f, generator=gen) * 0.1)
-    io = b * H * 2
-    if kind == "int8 table":
-        table = torch.rand(16, N, device=dev, generator=gen) * 0.01 + 1e-3
-        index = torch.randint(0, 16, (H * P,), device=dev, generator=gen)
-        x = torch.randint(-128, 128, (b, H, P), device=dev, dtype=torch.int8, generator=gen)
-        B, C = (torch.randint(-128, 128, (b, G, N), device=dev, dtype=torch.int8, generator=gen) for _ in range(2))
-        xs = torch.rand(H, P, device=dev, generator=gen) * 0.01 + 1e-3
-        Bs, Cs = torch.full((G, N), 0.01, device=dev), torch.full((G, N), 0.01, device=dev)
-        io += b * H * P * 3 + 2 * b * G * N
-    else:
-        table = RowScales(torch.rand(S, H, P, device=dev, generator=gen) * 0.01 + 1e-3) if int8 else None
-        index = xs = Bs = Cs = None
-        x = torch.randn(b, H, P, device=dev, dtype=f, generator=gen)
-        B, C = (torch.randn(b, G, N, device=dev, dtype=f, generator=gen) for _ in range(2))
-        io += b * H * P * 4 + 4 * b * G * N + (b * H * P * 8 if int8 else 0)
+    args, io = state_update_inputs("16-bit" if kind == "fp16" else kind, b, S, (H, P, N, G), dev, f, gen)
+    state, table, index = args[:3]
     idx = [torch.arange(k * b, (k + 1) * b, device=dev, dtype=torch.int32) for k in range(K)]
-    rest = (x, xs, dt, A, B, Bs, C, Cs, D, None, dt_bias, True)
+    rest = args[3:]
 
     def call(k):
         return su.quant_state_update(state, table, index, *rest, state_batch_indices=idx[k], out_dtype=f)

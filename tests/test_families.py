@@ -215,6 +215,15 @@ def test_ssdi8_refuses_the_mamba1_hybrid(tmp_path):
         quantize(ssmq.load_model(tmp_path), "ssdi8-w8a8", None, progress=False)
 
 
+def _forward_and_step(model, ids):
+    """(logits of the whole forward, logits of one decode step after prefilling ids through a cache)."""
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.allocate_cache(ids.shape[0], ids.shape[1] + 1)
+        model(ids, cache)
+        return full, model.step(ids[:, 0], cache)
+
+
 @pytest.mark.parametrize("family", ["granite_moe", "nemotron_moe", "jamba"])
 @pytest.mark.parametrize("mode", ["static", "grouped"])
 def test_moe_capture_safe_modes_equal_routed(family, mode, tmp_path):
@@ -227,17 +236,11 @@ def test_moe_capture_safe_modes_equal_routed(family, mode, tmp_path):
     model = ssmq.load_model(tmp_path)
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        ref = model(ids)
-        cache = model.allocate_cache(2, 14)
-        model(ids, cache)
-        ref_step = model.step(ids[:, 0], cache)
-        for m in moes:
-            m.set_mode(mode)
-        torch.testing.assert_close(model(ids), ref, atol=1e-6, rtol=0)
-        cache = model.allocate_cache(2, 14)
-        model(ids, cache)
-        torch.testing.assert_close(model.step(ids[:, 0], cache), ref_step, atol=1e-6, rtol=0)
+    ref = _forward_and_step(model, ids)
+    for m in moes:
+        m.set_mode(mode)
+    for got, want in zip(_forward_and_step(model, ids), ref):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     if mode == "grouped":  # the experts' weights are slices of the stacks: no second copy
         assert moes[0].experts[1].up_proj.weight.data_ptr() == moes[0]._stacked["up_proj"][0][1].data_ptr()
     static_shapes_(model)
@@ -254,17 +257,11 @@ def test_static_shapes_groups_quantized_experts(recipe, tmp_path):
     save_tiny_family("granite_moe", tmp_path)
     model = quantize(ssmq.load_model(tmp_path), recipe, None, progress=False)
     ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        ref = model(ids)
-        cache = model.allocate_cache(2, 14)
-        model(ids, cache)
-        ref_step = model.step(ids[:, 0], cache)
-        static_shapes_(model)
-        assert {m.mode for m in model.modules() if isinstance(m, MoE)} == {"grouped"}
-        torch.testing.assert_close(model(ids), ref, atol=1e-6, rtol=0)
-        cache = model.allocate_cache(2, 14)
-        model(ids, cache)
-        torch.testing.assert_close(model.step(ids[:, 0], cache), ref_step, atol=1e-6, rtol=0)
+    ref = _forward_and_step(model, ids)
+    static_shapes_(model)
+    assert {m.mode for m in model.modules() if isinstance(m, MoE)} == {"grouped"}
+    for got, want in zip(_forward_and_step(model, ids), ref):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
 def test_static_shapes_runs_other_quantized_experts_static(tmp_path):

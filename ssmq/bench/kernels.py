@@ -128,45 +128,60 @@ def bench_quant_linear(ctx: KernelContext) -> list[Case]:
     return cases
 
 
+STATE_KINDS = ("16-bit", "int8 row scales", "int8 table")
+
+
+def state_update_inputs(kind: str, b: int, slots: int, shape: tuple[int, int, int, int], dev, f, gen):
+    """The arguments of ``quant_state_update`` but the last (state_batch_indices) for one Mamba-2 decode step of b
+    rows over a state of ``slots`` rows, and the bytes the step moves besides the state. kind: a ``STATE_KINDS``
+    entry: a 16-bit state; an int8 state with row scales (int8-state); an int8 state with a (16, n) scale table on
+    int8 x / B / C codes (Quamba2). shape: (heads, headdim, d_state, ngroups)."""
+    from ssmq.ops.quant_ssm import RowScales
+
+    h, p, n, g = shape
+    int8 = kind != "16-bit"
+    A = (-torch.rand(h, device=dev, generator=gen))[:, None, None].expand(h, p, n)
+    D = torch.randn(h, device=dev, generator=gen)[:, None].expand(h, p)
+    dt_bias = torch.randn(h, device=dev, generator=gen)[:, None].expand(h, p)
+    dt = torch.randn(b, h, device=dev, dtype=f, generator=gen)[:, :, None].expand(b, h, p)
+    state = (torch.randint(-128, 128, (slots, h, p, n), device=dev, dtype=torch.int8, generator=gen) if int8
+             else torch.randn(slots, h, p, n, device=dev, dtype=f, generator=gen) * 0.1)
+    io = b * h * 2  # dt
+    if kind == "int8 table":
+        table = torch.rand(16, n, device=dev, generator=gen) * 0.01 + 1e-3
+        index = torch.randint(0, 16, (h * p,), device=dev, generator=gen)
+        x = torch.randint(-128, 128, (b, h, p), device=dev, dtype=torch.int8, generator=gen)
+        B, C = (torch.randint(-128, 128, (b, g, n), device=dev, dtype=torch.int8, generator=gen) for _ in range(2))
+        xs = torch.rand(h, p, device=dev, generator=gen) * 0.01 + 1e-3
+        Bs, Cs = torch.full((g, n), 0.01, device=dev), torch.full((g, n), 0.01, device=dev)
+        io += b * h * p * 3 + 2 * b * g * n
+    else:
+        table = RowScales(torch.rand(slots, h, p, device=dev, generator=gen) * 0.01 + 1e-3) if int8 else None
+        index = xs = Bs = Cs = None
+        x = torch.randn(b, h, p, device=dev, dtype=f, generator=gen)
+        B, C = (torch.randn(b, g, n, device=dev, dtype=f, generator=gen) for _ in range(2))
+        io += b * h * p * 4 + 4 * b * g * n + (b * h * p * 8 if int8 else 0)
+    return (state, table, index, x, xs, dt, A, B, Bs, C, Cs, D, None, dt_bias, True), io
+
+
 @register("state-update", "the Mamba-2 SSM state update of one decode step (heads x headdim x d_state a row): a "
                           "16-bit state, an int8 state with row scales (int8-state), an int8 state with a 16-group "
                           "table on int8 inputs (Quamba2); against the PyTorch reference")
 def bench_state_update(ctx: KernelContext) -> list[Case]:
     from ssmq import kernels
-    from ssmq.ops.quant_ssm import RowScales, quant_state_update_ref
+    from ssmq.ops.quant_ssm import quant_state_update_ref
 
     cfg, dev, f = ctx.cfg, ctx.device, ctx.dtype
     if cfg.arch == "mamba1":
         raise SSMQError("state-update times the Mamba-2 layout; pick a Mamba-2 --shape")
     h, p, n, g = cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups
     gen = torch.Generator(device=dev).manual_seed(0)
-    A = (-torch.rand(h, device=dev, generator=gen))[:, None, None].expand(h, p, n)
-    D = torch.randn(h, device=dev, generator=gen)[:, None].expand(h, p)
-    dt_bias = torch.randn(h, device=dev, generator=gen)[:, None].expand(h, p)
     cases = []
     for b in ctx.rows:
-        dt = torch.randn(b, h, device=dev, dtype=f, generator=gen)[:, :, None].expand(b, h, p)
-        for kind in ("16-bit", "int8 row scales", "int8 table"):
-            int8 = kind != "16-bit"
-            state = (torch.randint(-128, 128, (b, h, p, n), device=dev, dtype=torch.int8, generator=gen) if int8
-                     else torch.randn(b, h, p, n, device=dev, dtype=f, generator=gen) * 0.1)
-            io = b * h * 2  # Δ
-            if kind == "int8 table":  # Quamba2: int8 x / B / C codes, a (16, n) scale table indexed by channel
-                table = torch.rand(16, n, device=dev, generator=gen) * 0.01 + 1e-3
-                index = torch.randint(0, 16, (h * p,), device=dev, generator=gen)
-                x = torch.randint(-128, 128, (b, h, p), device=dev, dtype=torch.int8, generator=gen)
-                B, C = (torch.randint(-128, 128, (b, g, n), device=dev, dtype=torch.int8, generator=gen)
-                        for _ in range(2))
-                xs = torch.rand(h, p, device=dev, generator=gen) * 0.01 + 1e-3
-                Bs, Cs = torch.full((g, n), 0.01, device=dev), torch.full((g, n), 0.01, device=dev)
-                io += b * h * p * 3 + 2 * b * g * n
-            else:
-                table = RowScales(torch.rand(b, h, p, device=dev, generator=gen) * 0.01 + 1e-3) if int8 else None
-                index = xs = Bs = Cs = None
-                x = torch.randn(b, h, p, device=dev, dtype=f, generator=gen)
-                B, C = (torch.randn(b, g, n, device=dev, dtype=f, generator=gen) for _ in range(2))
-                io += b * h * p * 4 + 4 * b * g * n + (b * h * p * 8 if int8 else 0)
-            args = (state, table, index, x, xs, dt, A, B, Bs, C, Cs, D, None, dt_bias, True, None)
+        for kind in STATE_KINDS:
+            args, io = state_update_inputs(kind, b, b, (h, p, n, g), dev, f, gen)
+            state = args[0]
+            args = (*args, None)  # state_batch_indices: the rows in order
             nbytes = 2 * state.numel() * state.element_size() + io
             cases.append(Case(f"{kind}, {h} heads x {p} x {n}, batch {b}", {
                 "ssmq": lambda a=args: kernels.quant_state_update(*a, out_dtype=f),
