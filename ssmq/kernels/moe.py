@@ -123,8 +123,8 @@ def _moe_up(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     # x_ptr: float x (t, d); with A_FP8 its e4m3 codes (raw bytes) at xq_ptr and per-token scales at xs_ptr are read
-    # instead (s_xt: the row stride of the tensor read). Weights (E, f, d) (int4 (E, f, d // 2)) at strides s_we, s_wf; scales (E, f, n_groups) at s_se, one
-    # a group of ``group`` columns (per channel: one group of d)
+    # instead (s_xt: the row stride of the tensor read). Weights (E, f, d) (int4 (E, f, d // 2)) at strides s_we,
+    # s_wf; scales (E, f, n_groups) at s_se, one a group of ``group`` columns (per channel: one group of d)
     gdc_enter(USE_GDC)
     e, rows, mr, nonempty = _expert_block(be_ptr, bs_ptr, bend_ptr, BLOCK_M)
     pid_n = tl.program_id(1)
