@@ -219,8 +219,12 @@ class LocalRunner:
             dec = CudaGraphDecoder(model, max_batch=cfg.max_batch, max_seqlen=cfg.max_model_len, cache=self.cache)
             self.graph_prefill = CudaGraphPrefill(model, self.cache, max_len=cfg.prefill_chunk, pool=dec.pool,
                                                   max_tokens=min(cfg.graph_prefill_tokens, cfg.prefill_tokens))
+            start = time.monotonic()
             dec.capture_all()
             self.graph_prefill.capture_all()
+            log.info("CUDA graphs: %d decode (batch buckets), %d prefill (rows x tokens up to %d), captured in %.1f s",
+                     len(dec.graphs), len(self.graph_prefill.graphs), self.graph_prefill.max_tokens,
+                     time.monotonic() - start)
             self.decode = dec
 
     def reset(self, slot: int) -> None:
