@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from ssmq.bench.output import lines_plot, record, table, write
 from ssmq.errors import SSMQError
+from ssmq.runtime.engine import TALLIES
 
 
 def stream_request(url: str, body: dict, timeout: float) -> dict | None:
@@ -70,9 +71,6 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
 
 
-ENGINE_TALLIES = ("steps", "prefill_forwards", "prefill_rows")  # an ssmq server's counts in /health
-
-
 def engine_tallies(url: str) -> dict:
     """The engine's step and prefill counts from an ssmq server's ``/health`` ({} from another server)."""
     try:
@@ -80,7 +78,7 @@ def engine_tallies(url: str) -> dict:
             health = json.loads(resp.read())
     except (urllib.error.URLError, OSError, ValueError):
         return {}
-    tallies = {k: health.get(k) for k in ENGINE_TALLIES}
+    tallies = {k: health.get(k) for k in TALLIES}
     return tallies if all(isinstance(v, int) for v in tallies.values()) else {}
 
 
@@ -118,7 +116,7 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
     row = {"concurrency": concurrency, "requests": len(records), "failed": n_requests - len(records)}
     after = engine_tallies(url)
     if before and after:
-        d = {k: after[k] - before[k] for k in ENGINE_TALLIES}
+        d = {k: after[k] - before[k] for k in TALLIES}
         row.update(engine_steps=d["steps"], prefill_forwards=d["prefill_forwards"],
                    rows_per_prefill=d["prefill_rows"] / d["prefill_forwards"] if d["prefill_forwards"] else None)
     if errors:

@@ -205,10 +205,11 @@ def feed_forward(cfg: ModelConfig, layer_idx: int) -> nn.Module | None:
 
 
 def _stack_format(linear: nn.Module) -> tuple | None:
-    """How ``kernels.moe_experts`` takes an expert linear's weight: ("float",) for a plain float linear without bias;
-    (code dtype, scale shape, groups' width, FP8 activations) for a quantized one (``QuantLinear``, read through its
-    buffers and ``code_input``) with symmetric codes per channel or per group of a multiple of 16 columns, float or
-    dynamic per-token e4m3 activations, no bias, rotation nor tensor-parallel scale hook; None otherwise."""
+    """How ``kernels.moe_experts`` takes an expert linear's weight: ("float", None, None, False) for a plain float
+    linear without bias; (code dtype, scale shape, groups' width, FP8 activations) for a quantized one
+    (``QuantLinear``, read through its buffers and ``code_input``) with symmetric codes per channel or per group of a
+    multiple of 16 columns, float or dynamic per-token e4m3 activations, no bias, rotation nor tensor-parallel scale
+    hook; None otherwise."""
     if type(linear) in (Linear, nn.Linear):
         return ("float", None, None, False) if linear.bias is None else None
     q, s = getattr(linear, "weight_q", None), getattr(linear, "weight_scale", None)

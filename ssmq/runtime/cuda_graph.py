@@ -155,9 +155,9 @@ class CudaGraphPrefill:
 
     def serves(self, b: int, length: int) -> bool:
         """Whether a chunk of ``length`` tokens of ``b`` prompts runs from graphs (its largest piece fits)."""
-        rows = _pow2_at_least(b)
-        return 0 < length <= self.max_len and b <= self.scratch and rows <= self.max_rows \
-            and rows * (1 << (length.bit_length() - 1)) <= self.max_tokens
+        # (rows <= max_rows follows: b <= scratch, and rows x piece <= max_tokens)
+        return 0 < length <= self.max_len and b <= self.scratch \
+            and _pow2_at_least(b) * (1 << (length.bit_length() - 1)) <= self.max_tokens
 
     def __call__(self, ids: torch.Tensor, slots, check_fit: bool = True) -> torch.Tensor:
         """check_fit: read the slots' lengths off the device (a sync) to refuse a chunk that overflows the cache;

@@ -43,13 +43,17 @@ from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_rows, top
 
 log = logging.getLogger("ssmq.serve")
 
+# counts in Engine.stats() that grow every turn (since start): steps, prefill forwards and their rows
+TALLIES = ("steps", "prefill_forwards", "prefill_rows")
+
 
 @dataclass
 class EngineConfig:
     max_batch: int = 64  # cache slots = sequences decoded together
     max_model_len: int = 2048  # prompt + generated tokens of one sequence
     # prompt tokens prefilled per step, over every request in prefill (batched). Mamba2-2.7B, 64 clients of 128-token
-    # prompts on an H100: 8192 (every waiting prompt in one forward) reached 0.67 of the decode-step bound, 2048 0.56
+    # prompts on an H100: 8192 (every waiting prompt in one forward) reached 0.69 of the decode-step bound, 2048 0.53
+    # (benchmarks/results/serve-prefill-h100.json)
     prefill_tokens: int = 8192
     prefill_chunk: int = 512  # prompt tokens of one request prefilled per step (chunked prefill)
     # tokens per KV block (hybrids): whole 32-token tiles of the decode kernels (H100, one Llama-8B layer

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 
 from ssmq.errors import SSMQError
-from ssmq.runtime.engine import EngineConfig, Event, check_servable, unfit_reason
+from ssmq.runtime.engine import TALLIES, EngineConfig, Event, check_servable, unfit_reason
 
 log = logging.getLogger("ssmq.serve")
 
@@ -312,9 +312,6 @@ class _Nothing:
 
 
 _NOTHING = _Nothing()
-
-
-TALLIES = ("steps", "prefill_forwards", "prefill_rows")  # stats that grow every turn: sent with the next event
 
 
 class _Outbox:
