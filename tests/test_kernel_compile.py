@@ -579,9 +579,10 @@ MOE_FORMATS = {"float": (0, None, False), "int8": (1, "i8", False), "int4": (2, 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("gated", [True, False])
 def test_moe_kernels_compile_for_sm90(fmt, dtype, gated):
-    """The grouped-GEMM MoE (``kernels.moe``): [gate | up] + activation and down × routing weight, 16-row blocks,
-    the largest tiles and the warps it launches (``launch_shape``), with PDL's wait, in every weight format (codes
-    dequantized in registers, or e4m3 products on e4m3 activation codes)."""
+    """The grouped-GEMM MoE (``kernels.moe``): [gate | up] + activation and down × routing weight at every launch
+    setting of its table (``configs/moe.json``) for Granite-4.0-H-Tiny's experts (d 1536, f 512, int4 in groups of
+    128), with PDL's wait, in every weight format (codes converted in registers, or e4m3 products on e4m3 activation
+    codes): no spills."""
     import torch
 
     from ssmq.kernels import build, moe
@@ -590,18 +591,25 @@ def test_moe_kernels_compile_for_sm90(fmt, dtype, gated):
     w = w or dtype
     tables = {"order_ptr": "i64", "be_ptr": "i32", "bs_ptr": "i32", "bend_ptr": "i32"}
     prec = "ieee" if dtype == "fp32" else "tf32"
-    block, warps = moe.launch_shape({"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype],
-                                    fmt != "float")
-    fmt_const = dict(W_MODE=mode, A_FP8=fp8, PRECISION=prec, BLOCK_M=moe.BLOCK_M, BLOCK_N=block, BLOCK_K=block,
-                     USE_GDC=True)
-    up = _compile_sm90(moe._moe_up, {"x_ptr": dtype, "xq_ptr": "i8", "xs_ptr": "fp32", "wg_ptr": w, "wu_ptr": w,
-                                     "sg_ptr": "fp32", "su_ptr": "fp32", "h_ptr": dtype, **tables},
-                       dict(GATED=gated, **fmt_const), num_warps=warps)
-    down = _compile_sm90(moe._moe_down, {"h_ptr": dtype, "hq_ptr": "i8", "hs_ptr": "fp32", "wd_ptr": w,
-                                         "sd_ptr": "fp32", "rw_ptr": "fp32", "y_ptr": "fp32", **tables}, fmt_const,
-                         num_warps=warps)
-    if fmt != "float":  # the dequantized tiles stay in registers: no spills
-        assert build.registers(up)[1] == 0 and build.registers(down)[1] == 0
+    x_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    groups = 12 if mode == 2 else 1
+    for entry in moe.CFG[moe._key(x_dtype, mode, fp8)]:
+        up = moe.launch_consts(entry["up"], x_dtype, True, mode, fp8, groups, 128 if mode == 2 else 64, 512)
+        dn = moe.launch_consts(entry["down"], x_dtype, True, mode, fp8, groups // 3 or 1, 128 if mode == 2 else 64,
+                               1536)
+        compiled = []
+        for kernel, ptrs, c, extra in (
+                (moe._moe_up, {"x_ptr": dtype, "xq_ptr": "i8", "xs_ptr": "fp32", "wg_ptr": w, "wu_ptr": w,
+                               "sg_ptr": "fp32", "su_ptr": "fp32", "h_ptr": dtype}, up, dict(GATED=gated)),
+                (moe._moe_down, {"h_ptr": dtype, "hq_ptr": "i8", "hs_ptr": "fp32", "wd_ptr": w, "sd_ptr": "fp32",
+                                 "rw_ptr": "fp32", "y_ptr": "fp32"}, dn, {})):
+            const = {k: v for k, v in c.items() if k not in ("num_warps", "num_stages")}
+            compiled.append(_compile_sm90(kernel, {**ptrs, **tables},
+                                          dict(W_MODE=mode, A_FP8=fp8, PRECISION=prec, BLOCK_M=entry["BM"],
+                                               USE_GDC=True, **const, **extra),
+                                          num_warps=c["num_warps"], num_stages=c["num_stages"]))
+        if fmt != "float":  # the converted tiles stay in registers: no spills
+            assert all(build.registers(k)[1] == 0 for k in compiled), entry
 
 
 @pytest.mark.parametrize("before", [False, True])

@@ -22,6 +22,7 @@ from ssmq.ops.quant_linear import pack_int4
 # weight formats of the experts: (codes, group size or None for per channel, FP8 activations)
 QFORMATS = {"int8": ("int8", None, False), "int4-g16": ("int4", 16, False), "fp8": ("fp8", None, False),
             "fp8-w8a8": ("fp8", None, True)}
+G32 = {"int4-g32": ("int4", 32, False)}  # 32-column groups: tiles wide enough for every int4 launch setting
 
 
 def _case(t, d, f, E, k, act, dtype=torch.float32, device="cpu", seed=0, skew=False):
@@ -123,7 +124,7 @@ def test_kernel_replays_in_a_cuda_graph(MK):
 
 def _quantize(w, fmt):
     """Stacked float weights (E, out, in) -> (codes, scales) in ``fmt`` (round to nearest, symmetric)."""
-    codes, group, _ = QFORMATS[fmt]
+    codes, group, _ = (QFORMATS | G32)[fmt]
     E, n, k = w.shape
     g = group or k
     wg = w.float().reshape(E, n, k // g, g)
@@ -145,7 +146,7 @@ def _qcase(t, d, f, E, k, act, fmt, dtype=torch.float32, device="cpu", seed=0, s
     qg, sg = _quantize(wg, fmt) if wg is not None else (None, None)
     to = lambda t_: None if t_ is None else t_.to(device)  # noqa: E731
     return (x.to(device, dtype), w.to(device), idx.to(device), to(qu), to(qd), to(qg), (to(su), to(sd), to(sg)),
-            QFORMATS[fmt][2])
+            (QFORMATS | G32)[fmt][2])
 
 
 @pytest.mark.parametrize("fmt", list(QFORMATS))
@@ -366,3 +367,34 @@ def test_grouped_quantized_moe_on_cuda_equals_the_modules(fmt, t):
         static_x.copy_(torch.randn_like(x))
         graph.replay()
         torch.testing.assert_close(captured, moe(static_x), atol=0, rtol=0)
+
+
+# launch settings the table may hold (configs/moe.json): codes converted in 16 bits, scaled before or after the
+# product, int4's x columns split three ways, the product swapped, 32-row blocks
+VARIANTS = {
+    "cvt": dict(CVT=1, POST=False, XS=0, SWAP=False),
+    "cvt-post": dict(CVT=1, POST=True, XS=0, SWAP=False),
+    "cvt-strided-x": dict(CVT=1, POST=False, XS=1, SWAP=False),
+    "cvt-join-post-swap": dict(CVT=1, POST=True, XS=2, SWAP=True),
+    "cvt-swap-bm32": dict(CVT=1, POST=False, XS=0, SWAP=True, BM=32),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "fp8"])
+@pytest.mark.parametrize("t, skew", [(1, False), (40, True)])
+def test_quantized_kernel_launch_variants_match_reference(MK, variant, fmt, t, skew):
+    """Every conversion / scaling / product setting of the launch table computes the reference (16-bit x)."""
+    from test_kernels import DEV, INTERPRET, rel
+
+    v = dict(VARIANTS[variant])
+    bm = v.pop("BM", 16)
+    launch = {"BN": 32, "BK": 64, "warps": 4, "stages": 2, **v}
+    table = {key: [{"max_rows": None, "BM": bm, "up": launch, "down": launch}]
+             for key in ("int8", "int4", "fp8", "float32")}
+    for dtype in [torch.float16] + ([] if INTERPRET else [torch.bfloat16]):
+        x, w, idx, qu, qd, qg, scales, fp8 = _qcase(t, 64, 96, 8, 2, "silu", fmt, dtype, DEV, skew=skew)
+        out = MK.moe_experts(x, w, idx, qu, qd, qg, "silu", scales, fp8, cfg=table)
+        ref = moe_experts_ref(x, w, idx, qu, qd, qg, "silu", scales, fp8)
+        assert rel(out, ref) <= (3e-3 if dtype == torch.float16 else 2e-2)
