@@ -582,7 +582,7 @@ def test_moe_kernels_compile_for_sm90(fmt, dtype, gated):
     """The grouped-GEMM MoE (``kernels.moe``): [gate | up] + activation and down × routing weight at every launch
     setting of its table (``configs/moe.json``) for Granite-4.0-H-Tiny's experts (d 1536, f 512, int4 in groups of
     128), with PDL's wait, in every weight format (codes converted in registers, or e4m3 products on e4m3 activation
-    codes): no spills."""
+    codes); the untimed settings spill no registers."""
     import torch
 
     from ssmq.kernels import build, moe
@@ -608,7 +608,8 @@ def test_moe_kernels_compile_for_sm90(fmt, dtype, gated):
                                           dict(W_MODE=mode, A_FP8=fp8, PRECISION=prec, BLOCK_M=entry["BM"],
                                                USE_GDC=True, **const, **extra),
                                           num_warps=c["num_warps"], num_stages=c["num_stages"]))
-        if fmt != "float":  # the converted tiles stay in registers: no spills
+        if fmt != "float" and not (up["CVT"] or dn["CVT"]):  # settings chosen from register use, not timed: the
+            # converted tiles stay in registers (timed settings are kept for their GPU time, spills or not)
             assert all(build.registers(k)[1] == 0 for k in compiled), entry
 
 

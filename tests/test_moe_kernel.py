@@ -392,7 +392,7 @@ def test_quantized_kernel_launch_variants_match_reference(MK, variant, fmt, t, s
     bm = v.pop("BM", 16)
     launch = {"BN": 32, "BK": 64, "warps": 4, "stages": 2, **v}
     table = {key: [{"max_rows": None, "BM": bm, "up": launch, "down": launch}]
-             for key in ("int8", "int4", "fp8", "float32")}
+             for key in ("int8", "int4", "fp8", "float32", "bfloat16")}
     for dtype in [torch.float16] + ([] if INTERPRET else [torch.bfloat16]):
         x, w, idx, qu, qd, qg, scales, fp8 = _qcase(t, 64, 96, 8, 2, "silu", fmt, dtype, DEV, skew=skew)
         out = MK.moe_experts(x, w, idx, qu, qd, qg, "silu", scales, fp8, cfg=table)

@@ -10,10 +10,11 @@ grid is sized for the worst case (ceil(t·k / BLOCK_M) + E blocks, those past th
 graph captures it.
 
 The weight format (``ops.moe``'s table) is a parameter of both kernels (W_MODE): float tiles are read as they are;
-int8 and packed int4 codes are dequantized in registers to x's dtype (code · scale in float32, rounded once: the
-weight ``quant_linear_ref`` multiplies by) before the product; fp8 codes likewise with float x, or, for FP8 W8A8
-(A_FP8), multiplied as e4m3 by e4m3 activation codes (x's rows quantized once before the up kernel, whatever expert
-a row goes to; h's rows before the down kernel), both scales applied in the epilogue.
+int8, packed int4 and fp8 weight-only codes are converted in registers (code · scale in float32 rounded once to x's
+dtype, the weight ``quant_linear_ref`` multiplies by; or, as the launch table chooses, converted in 16 bits and scaled
+before or after the product: ``CFG``); for FP8 W8A8 (A_FP8) codes are multiplied as e4m3 by e4m3 activation codes
+(x's rows quantized once before the up kernel, whatever expert a row goes to; h's rows before the down kernel), both
+scales applied in the epilogue.
 
 Glossary: t tokens, d model width, f expert hidden size, E experts, k experts per token.
 """
@@ -31,8 +32,8 @@ from ssmq.kernels.qgemm_mid import _asm, _i4_half
 from ssmq.kernels.quant_gemm import _i8_to_f16, quantize_act
 from ssmq.ops.moe import check_experts
 
-# Launch settings by weight format and rows an expert (configs/moe.json): "float" weights, "fp8-w8a8", "float32"
-# activations on quantized weights, and weight-only "int8", "int4", "fp8" codes under 16-bit activations. Each entry:
+# Launch settings by weight format and rows an expert (configs/moe.json): "float" weights, "fp8-w8a8", "float32" and
+# "bfloat16" activations on weight-only codes, and weight-only "int8", "int4", "fp8" codes under float16. Each entry:
 # max_rows (the mean (token, expert) pairs an expert, ceil(t·k / E), it serves), BM (rows a block, both launches) and
 # the up / down launches' BN, BK (caps), warps, stages, and how codes become the product's operand:
 #   CVT 0: code · scale in float32, rounded once to x's dtype (int4: each column's byte loaded on its own);
@@ -47,12 +48,14 @@ BLOCK_M = 16  # rows a block of the tables' default (and of the float entries)
 
 
 def _key(x_dtype: torch.dtype, mode: int, act_fp8: bool) -> str:
+    """The table a call reads: its weight format, or for weight-only codes under float32 / bfloat16 activations
+    their dtype (the int8 / int4 / fp8 entries were timed under float16)."""
     if mode == 0:
         return "float"
     if act_fp8:
         return "fp8-w8a8"
-    if x_dtype == torch.float32:
-        return "float32"
+    if x_dtype in (torch.float32, torch.bfloat16):
+        return str(x_dtype).removeprefix("torch.")
     return {1: "int8", 2: "int4", 3: "fp8"}[mode]
 
 
@@ -349,10 +352,14 @@ def launch_consts(launch: dict, x_dtype: torch.dtype, cuda: bool, mode: int, act
         xs = 2
     bf16 = x_dtype == torch.bfloat16
     post = (1 if groups > 1 else 2) if cvt and launch.get("POST", False) else 0
-    asm = cuda and cvt and mode == 2
-    return dict(BLOCK_N=min(launch["BN"], pow2(n, 16)), BLOCK_K=bk, CVT=cvt, POST=post, XS=xs,
+    bn = min(launch["BN"], pow2(n, 16))
+    # the bit assembly converts 4 codes a register: a thread must hold at least 4 of the tile's codes (with fewer,
+    # the sm_90 build packs values of other positions: wrong results on an H100 at 32 x 8-byte int4 tiles)
+    packed = cuda and cvt and bn * (bk // 2 if mode == 2 else bk) >= 4 * 32 * launch["warps"]
+    asm = packed and mode == 2
+    return dict(BLOCK_N=bn, BLOCK_K=bk, CVT=cvt, POST=post, XS=xs,
                 SWAP=bool(cvt and launch.get("SWAP", False)), BF16=bf16,
-                FAST_I8=bool(cvt and mode == 1 and cuda and x_dtype == torch.float16),
+                FAST_I8=bool(packed and mode == 1 and x_dtype == torch.float16),
                 ASM_LO=_asm(False, bf16, post == 0) if asm else "", ASM_HI=_asm(True, bf16, post == 0) if asm else "",
                 num_warps=launch["warps"], num_stages=launch.get("stages", 3))
 
