@@ -22,23 +22,28 @@ import torch.nn.functional as F
 
 ROWS = [16, 32, 64, 128, 256]
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120)}
-STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x) for s, x in ((True, 0), (True, 2), (False, 0))],
-          "w8": [dict(SWAP=s, X_SPLIT=0) for s in (True, False)]}
-TILES = [dict(BN=32, warps=4, stages=6), dict(BN=64, warps=4, stages=6), dict(BN=128, warps=4, stages=4),
-         dict(BN=128, warps=8, stages=3)]
+STAGES = {1: 6, 2: 4, 4: 3}  # pipeline stages by groups a step (GPS): about the same bytes in flight
 
 
 def _points():
+    """(code, rows, settings) candidates: structure (SWAP, X_SPLIT), column tile, groups a step, row tile and, for
+    per-group int4, ``fill`` (narrower column tiles for narrow outputs); per-channel int8 splits K instead."""
     pts = []
-    for code in ("w4", "w8"):
-        for rows in ROWS:
-            for st in STRUCT[code]:
-                for t in TILES:
-                    for bm in sorted({min(128, rows), min(64, rows)}):
-                        if bm < rows and not (rows >= 128):
-                            continue
-                        for wv in ((1,) if code == "w4" else (2,)):
-                            pts.append((code, rows, {**st, **t, "waves": wv, "BM": bm, "BK": 128}))
+    for rows in ROWS:
+        small = rows <= 32
+        for bm in ((rows,) if rows <= 64 else (64, 128)):
+            for swap in (True, False):
+                for xs in ((0,) if small else (0, 2)):
+                    for bn in (32, 64):
+                        for gps in ((1, 2, 4) if small else (1,) if bm == 128 else (1, 2)):
+                            for fill in ((2,) if bm == 128 else (0, 2)):
+                                pts.append(("w4", rows, dict(SWAP=swap, X_SPLIT=xs, BN=bn, GPS=gps, fill=fill, BM=bm,
+                                                             BK=128, warps=4, stages=STAGES[gps], waves=1)))
+                    if xs == 0:
+                        for bn in (32, 64):
+                            for gps in (1, 2):
+                                pts.append(("w8", rows, dict(SWAP=swap, X_SPLIT=0, BN=bn, GPS=gps, fill=0, BM=bm,
+                                                             BK=128, warps=4, stages=STAGES[gps], waves=2)))
     return pts
 
 

@@ -51,7 +51,7 @@ def _check(QA, x_q, x_s, w_q, w_s, bias=None, out_dtype=None, cfg=None):
 FMTS = [(4, 128), (4, 64), (8, 128), (8, None), (4, None), (8, 0)]
 FMT_IDS = {(4, 128): "w4g128", (4, 64): "w4g64", (8, 128): "w8g128", (8, None): "w8ch", (4, None): "w4ch",
            (8, 0): "w8t"}
-VARIANTS = [dict(SWAP=s, X_SPLIT=x) for s in (True, False) for x in (0, 1, 2)]
+VARIANTS = [dict(SWAP=s, X_SPLIT=x, GPS=1 + (x == 0)) for s in (True, False) for x in (0, 1, 2)]
 
 
 @pytest.mark.gpu
@@ -89,11 +89,24 @@ def test_split_forced(QA):
     n, k = (72, 1024) if INTERPRET else (200, 2048)
     w_q, w_s = _weight(n, k, 4, None)
     x_q, x_s = _x(24, k, True)
-    cfg = {"ROWS_W4": [{**e, "waves": 64, "BK": 64} for e in QA.CFG["ROWS_W4"]], "MIN_SPLIT_K": 64}
+    cfg = {"ROWS_W4": [{**e, "waves": 64, "BK": 64, "GPS": 2} for e in QA.CFG["ROWS_W4"]], "MIN_SPLIT_K": 64}
     f = QA.weight_format(w_q, w_s)
-    assert QA._plan(24, n, k, f, 132, {**QA.CFG, **cfg})["split"] > 1
+    plan = QA._plan(24, n, k, f, 132, {**QA.CFG, **cfg})
+    assert plan["split"] > 1 and plan["GPS"] == 2
     for _ in range(2):
         _check(QA, x_q, x_s, w_q, w_s, torch.randn(n, device=DEV), torch.float16, cfg=cfg)
+
+
+@pytest.mark.gpu
+def test_fill_narrows_column_tiles(QA):
+    # a narrow output under fill x SMs tiles takes narrower column tiles (down to 16), grouped sums unsplit
+    n, k = (72, 256) if INTERPRET else (2560, 5120)
+    w_q, w_s = _weight(n, k, 4, 128)
+    x_q, x_s = _x(16, k, False)
+    cfg = {"ROWS_W4": [{**e, "BN": 64, "fill": 64, "GPS": 2} for e in QA.CFG["ROWS_W4"]]}
+    plan = QA._plan(16, n, k, QA.weight_format(w_q, w_s), 132, {**QA.CFG, **cfg})
+    assert plan["BLOCK_N"] == 16 and plan["split"] == 1 and plan["GPS"] == 2
+    _check(QA, x_q, x_s, w_q, w_s, None, torch.float16, cfg=cfg)
 
 
 @pytest.mark.gpu
@@ -162,14 +175,14 @@ def test_shipped_settings():
             assert all(e["BK"] & (e["BK"] - 1) == 0 and e["BM"] >= 16 and e["BN"] >= 16 for e in settings[key])
 
 
-# (int4, WS_MODE, SWAP, X_SPLIT, BLOCK_M, BLOCK_N, SPLIT)
+# (int4, WS_MODE, SWAP, X_SPLIT, BLOCK_M, BLOCK_N, SPLIT, GPS)
 COMPILE = {
-    "w4-group-swap-join": (True, 2, True, 0, 32, 64, False),
-    "w4-group-swap-strided": (True, 2, True, 1, 16, 64, False),
-    "w4-group-plain-split-x": (True, 2, False, 2, 128, 64, False),
-    "w4-channel-plain-split": (True, 1, False, 0, 32, 32, True),
-    "w8-group-swap": (False, 2, True, 0, 64, 64, False),
-    "w8-tensor-plain-split": (False, 0, False, 0, 64, 128, True),
+    "w4-group-swap-join": (True, 2, True, 0, 32, 64, False, 2),
+    "w4-group-swap-strided": (True, 2, True, 1, 16, 64, False, 1),
+    "w4-group-plain-split-x": (True, 2, False, 2, 128, 64, False, 1),
+    "w4-channel-plain-split": (True, 1, False, 0, 32, 32, True, 2),
+    "w8-group-swap": (False, 2, True, 0, 64, 64, False, 4),
+    "w8-tensor-plain-split": (False, 0, False, 0, 64, 128, True, 1),
 }
 
 
@@ -184,11 +197,12 @@ def test_compiles_for_sm90(variant):
     if INTERPRET or not hasattr(_a8_qmm, "arg_names"):
         pytest.skip("kernels are interpreted in this session (SSMQ_TRITON_INTERPRET=1)")
 
-    w4, ws_mode, swap, x_split, bm, bn, split = COMPILE[variant]
+    w4, ws_mode, swap, x_split, bm, bn, split, gps = COMPILE[variant]
     pointers = {"x_ptr": "i8", "xs_ptr": "fp32", "w_ptr": "u8" if w4 else "i8", "ws_ptr": "fp32", "b_ptr": "fp32",
                 "out_ptr": "fp16", "part_ptr": "i32", "cnt_ptr": "i32"}
     const = dict(W4=w4, WS_MODE=ws_mode, XS_ROWS=True, HAS_BIAS=True, SPLIT=split, NSP=4 if split else 1, PTX=True,
-                 MAGIC=ws_mode == 2, SWAP=swap, X_SPLIT=x_split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, USE_GDC=True)
+                 MAGIC=2 if ws_mode == 2 and w4 else int(ws_mode == 2), SWAP=swap, X_SPLIT=x_split,
+                 GPS=gps, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, USE_GDC=True)
     aligned = ("x_ptr", "xs_ptr", "w_ptr", "ws_ptr", "b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "M", "N", "K",
                "k_split", "s_xm", "s_wn", "s_om")
     try:

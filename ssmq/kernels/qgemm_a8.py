@@ -8,8 +8,11 @@ codes with per-group, per-channel or per-tensor scales, bit for bit (``ops.quant
     and one arithmetic shift by 4 gives the codes' sums exactly.
   - per-group scales: each group of k (BLOCK_K == group) is one int32 product, converted to float32 exactly (an
     integer add and a float subtract of the magic number 1.5 * 2^23 where |sum| < 2^22, i.e. no quarter-rate I2F;
-    ``MAGIC``), scaled by s = x_scale * w_scale[:, t] and added in group order, each product and sum rounded apart
-    (compiled without FMA contraction): ``int_matmul_ref``'s epilogue, so no K split (it would reorder the sums).
+    ``MAGIC``; int4: the sums of 16 q converted as they are and s / 16 taken instead of s, the same product since
+    a power of two scales exactly), scaled by s = x_scale * w_scale[:, t] (one a column for a per-tensor x scale)
+    and added in group order, each product and sum rounded apart (compiled without FMA contraction):
+    ``int_matmul_ref``'s epilogue, so no K split (it would reorder the sums). Instead, a narrow output takes
+    narrower column tiles (``fill``), and ``GPS`` groups a loop step are independent products whose loads overlap.
     Per-channel / per-tensor scales: one int32 accumulator over all of k, scaled once at the end; K may be split
     there (int32 partials add exactly, ``quant_gemm._split_gather`` sums them in the last program of a tile).
   - ``SWAP``: the product is formed as out.T = W @ x.T, so the weight tile is the tensor-core instruction's M side
@@ -72,10 +75,13 @@ def _a8_qmm(
     M, N, K, k_split, n_groups, s_xm, s_wn, s_om,
     W4: tl.constexpr, WS_MODE: tl.constexpr, XS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     NSP: tl.constexpr, PTX: tl.constexpr, MAGIC: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
+    GPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr = False,
 ):
     # Program (tile, pid_k): out rows [pid_m BM, +BM) x columns [pid_n BN, +BN) over k in [pid_k k_split, +k_split)
-    # (K and k_split multiples of BLOCK_K; per-group scales: BLOCK_K == group, one split). The row tiles of one column
+    # (K and k_split multiples of GPS * BLOCK_K; per-group scales: BLOCK_K == group, one split). MAGIC (per-group
+    # sums to float32): 0 a conversion, 1 the magic number (int4: on the shifted sums), 2 (int4) on the 16 q sums.
+    # The row tiles of one column
     # tile are neighbours in launch order, so they read its weight tile while it is in L2. WS_MODE: 0 per tensor,
     # 1 per channel, 2 per group. Accumulators are (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
     gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
@@ -101,60 +107,75 @@ def _a8_qmm(
         xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
     else:
         xs = tl.load(xs_ptr + offs_m * 0)
+    x0 = tl.load(xs_ptr)  # the per-tensor scale (XS_ROWS: unused)
+    if WS_MODE == 2 and MAGIC == 2:  # 16 q sums scaled by s / 16: exact (a power of two), no shift a sum
+        xs16 = xs * 0.0625
+        x016 = x0 * 0.0625
+    else:
+        xs16 = xs
+        x016 = x0
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_i = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k in range(0, k_len, BLOCK_K):
-        w = tl.load(w_ptrs, mask=mn[:, None], other=0).to(tl.int8, bitcast=True)
-        if WS_MODE == 2:
-            part = tl.zeros(acc_i.shape, dtype=tl.int32)  # this group's products alone
-        else:
-            part = acc_i
-        if W4:
-            lo = _nib16(w, False, PTX)
-            hi = _nib16(w, True, PTX)
-            if X_SPLIT == 1:
-                xe = tl.load(x_ptrs, mask=mm[:, None], other=0)
-                xo = tl.load(x_ptrs + 1, mask=mm[:, None], other=0)
+    for k in range(0, k_len, BLOCK_K * GPS):
+        for g in tl.static_range(GPS):  # GPS independent tiles a step: their loads and products overlap
+            w = tl.load(w_ptrs + g * WK, mask=mn[:, None], other=0).to(tl.int8, bitcast=True)
+            if WS_MODE == 2:
+                part = tl.zeros(acc_i.shape, dtype=tl.int32)  # this group's products alone
             else:
-                xv = tl.load(x_ptrs, mask=mm[:, None], other=0)
-            if X_SPLIT == 0:  # the tile back in k order: one product with the contiguous x tile
-                wk = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-                if SWAP:
-                    part = tl.dot(wk, tl.trans(xv), part, out_dtype=tl.int32)
+                part = acc_i
+            if W4:
+                lo = _nib16(w, False, PTX)
+                hi = _nib16(w, True, PTX)
+                if X_SPLIT == 1:
+                    xe = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0)
+                    xo = tl.load(x_ptrs + g * BLOCK_K + 1, mask=mm[:, None], other=0)
                 else:
-                    part = tl.dot(xv, tl.trans(wk), part, out_dtype=tl.int32)
-            else:
-                if X_SPLIT == 2:
-                    xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, WK, 2)))
-                if SWAP:
-                    part = tl.dot(lo, tl.trans(xe), part, out_dtype=tl.int32)
-                    part = tl.dot(hi, tl.trans(xo), part, out_dtype=tl.int32)
+                    xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0)
+                if X_SPLIT == 0:  # the tile back in k order: one product with the contiguous x tile
+                    wk = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+                    if SWAP:
+                        part = tl.dot(wk, tl.trans(xv), part, out_dtype=tl.int32)
+                    else:
+                        part = tl.dot(xv, tl.trans(wk), part, out_dtype=tl.int32)
                 else:
-                    part = tl.dot(xe, tl.trans(lo), part, out_dtype=tl.int32)
-                    part = tl.dot(xo, tl.trans(hi), part, out_dtype=tl.int32)
-        else:
-            xv = tl.load(x_ptrs, mask=mm[:, None], other=0)
-            if SWAP:
-                part = tl.dot(w, tl.trans(xv), part, out_dtype=tl.int32)
+                    if X_SPLIT == 2:
+                        xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, WK, 2)))
+                    if SWAP:
+                        part = tl.dot(lo, tl.trans(xe), part, out_dtype=tl.int32)
+                        part = tl.dot(hi, tl.trans(xo), part, out_dtype=tl.int32)
+                    else:
+                        part = tl.dot(xe, tl.trans(lo), part, out_dtype=tl.int32)
+                        part = tl.dot(xo, tl.trans(hi), part, out_dtype=tl.int32)
             else:
-                part = tl.dot(xv, tl.trans(w), part, out_dtype=tl.int32)
-        if WS_MODE == 2:
-            # int_matmul_ref's order: s_t = x_scale * w_scale[:, t]; out += float(acc_t) * s_t
-            s = tl.load(s_ptrs, mask=mn, other=0.0)
-            pf = _i32_f32((part >> 4) if W4 else part, MAGIC)
-            if SWAP:
-                acc += pf * (xs[None, :] * s[:, None])
+                xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0)
+                if SWAP:
+                    part = tl.dot(w, tl.trans(xv), part, out_dtype=tl.int32)
+                else:
+                    part = tl.dot(xv, tl.trans(w), part, out_dtype=tl.int32)
+            if WS_MODE == 2:
+                # int_matmul_ref's order: s_t = x_scale * w_scale[:, t]; out += float(acc_t) * s_t (MAGIC 2: the
+                # 16 q sum times s_t / 16, the same product); a per-tensor x scale makes s_t one a column
+                s = tl.load(s_ptrs + g, mask=mn, other=0.0)
+                pf = _i32_f32(part if (MAGIC == 2 or not W4) else (part >> 4), MAGIC != 0)
+                if XS_ROWS:
+                    if SWAP:
+                        acc += pf * (xs16[None, :] * s[:, None])
+                    else:
+                        acc += pf * (xs16[:, None] * s[None, :])
+                else:
+                    if SWAP:
+                        acc += pf * (x016 * s)[:, None]
+                    else:
+                        acc += pf * (x016 * s)[None, :]
             else:
-                acc += pf * (xs[:, None] * s[None, :])
-        else:
-            acc_i = part
-        w_ptrs += WK
-        x_ptrs += BLOCK_K
-        s_ptrs += 1
+                acc_i = part
+        w_ptrs += WK * GPS
+        x_ptrs += BLOCK_K * GPS
+        s_ptrs += GPS
     if SWAP:
         p_off = cols[:, None] + rows[None, :] * N
         o_off = cols[:, None] + rows[None, :] * s_om
@@ -210,26 +231,40 @@ def _step_k(K: int, f: dict, e: dict) -> int | None:
     return BK
 
 
-def _magic(f: dict, BK: int) -> bool:
-    """Whether a group's int32 sum converts by the magic number: |sum| <= 128 * max|code| * group < 2^22."""
-    return f["group_size"] is not None and 128 * (8 if f["bits"] == 4 else 128) * BK < 1 << 22
+def _magic(f: dict, BK: int) -> int:
+    """How a group's int32 sum becomes float32 (``_a8_qmm``'s MAGIC): 2 (int4) the sums of 16 q by the magic number
+    (|sum| <= 16 * 128 * 8 * group < 2^22), 1 the codes' sums by it (|sum| <= 128 * max|code| * group < 2^22), else
+    0 (a conversion; per-channel / per-tensor codes convert once, at the end)."""
+    if f["group_size"] is None:
+        return 0
+    if f["bits"] == 4:
+        return 2 if 16 * 128 * 8 * BK < 1 << 22 else int(128 * 8 * BK < 1 << 22)
+    return int(128 * 128 * BK < 1 << 22)
 
 
 def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
-    """Tiles, K split and grid for M x (N, K) in format f (a layout ``_step_k`` accepts)."""
+    """Tiles, groups a step, K split and grid for M x (N, K) in format f (a layout ``_step_k`` accepts). The entry's
+    BN halves (down to 16) while the tiles number fewer than ``fill`` x SMs: a narrow output (out_proj) gets more
+    programs instead of a K split that per-group sums cannot take."""
     e = _entry(M, f, cfg)
     BK = _step_k(K, f, e)
     BM = min(e["BM"], pow2(M, 16))
     BN = e["BN"]
+    while BN > 16 and _cdiv(M, BM) * _cdiv(N, BN) < e.get("fill", 0) * sms:
+        BN //= 2
     tiles = _cdiv(M, BM) * _cdiv(N, BN)
     steps = K // BK
+    gps = e.get("GPS", 1)
+    while steps % gps:
+        gps //= 2
     split = 1
     if f["group_size"] is None:  # int32 partials add exactly; grouped sums keep their order (no split)
         split = max(1, min(cfg["MAX_SPLIT"], _cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
-    per = _cdiv(steps, split)
+    per = _cdiv(_cdiv(steps, split), gps) * gps  # each split whole steps of gps tiles (steps is a multiple of gps)
     split = _cdiv(steps, per)
-    return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, split=split, k_split=per * BK, tiles=tiles, grid=(tiles, split),
-                num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"], X_SPLIT=e["X_SPLIT"])
+    return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GPS=gps, split=split, k_split=per * BK, tiles=tiles,
+                grid=(tiles, split), num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"],
+                X_SPLIT=e["X_SPLIT"])
 
 
 def _scale_ok(x_scale, lead) -> bool:
@@ -299,8 +334,8 @@ def quant_linear_a8(x, x_scale, w_q, w_scale, f: dict | None = None, bias=None, 
         M, N, K, c["k_split"], w_scale.shape[1] if ws_mode == 2 else 1, x2.stride(0), w_q.stride(0), N,
         W4=f["bits"] == 4, WS_MODE=ws_mode, XS_ROWS=xs.numel() > 1,
         HAS_BIAS=bias is not None, SPLIT=split > 1, NSP=pow2(split), PTX=x.is_cuda, MAGIC=_magic(f, c["BLOCK_K"]),
-        SWAP=c["SWAP"], X_SPLIT=c["X_SPLIT"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-        num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl_args(x2),
+        SWAP=c["SWAP"], X_SPLIT=c["X_SPLIT"], GPS=c["GPS"], BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        BLOCK_K=c["BLOCK_K"], num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl_args(x2),
         # int_matmul_ref's separately rounded products and sums
         enable_fp_fusion=False)
     return out
