@@ -286,3 +286,21 @@ def test_transformers_peer_out_of_memory_leaves_the_other_measurements(monkeypat
     rows, short = latency.transformers_rows("tiny-falcon-mamba", torch.device("cpu"), torch.float32, [8], [1], 2, 0, 1)
     assert short == ["TTFT at 8 tokens: out of memory (asked for 96.00 GiB)"]
     assert [(r["batch"], "tpot_ms" in r) for r in rows] == [(1, True)]
+
+
+@pytest.mark.gpu
+def test_graph_us_scales_with_the_bytes_copied():
+    """A copy of twice the bytes (both beyond the L2) takes about twice the GPU time; the copy bandwidth is the bytes
+    read and written over that time."""
+    if not torch.cuda.is_available():
+        pytest.skip("graph timing needs CUDA")
+    from ssmq.bench.timing import copy_bandwidth_gbs, graph_us
+
+    dev = torch.device("cuda")
+    a = torch.empty(1 << 29, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    small = graph_us([lambda: b[: 1 << 28].copy_(a[: 1 << 28])])
+    large = graph_us([lambda: b.copy_(a)])
+    assert 1.6 < large / small < 2.4
+    assert copy_bandwidth_gbs(dev) == pytest.approx(2 * (1 << 30) / graph_us([lambda: b.copy_(a)] * 2) / 1e3,
+                                                    rel=0.25)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import gdc_enter, pdl_args, pow2, sm_count
+from ssmq.kernels._common import cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.quant_gemm import _counts, _split_gather
 from ssmq.ops.quant_linear import weight_format
@@ -209,17 +209,6 @@ def _a8_qmm(
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mo)
 
 
-def _entry(M: int, f: dict, cfg: dict) -> dict:
-    """The launch settings of CFG's ROWS_W4 / ROWS_W8 for M rows (the first entry whose max_rows holds, else the
-    last)."""
-    table = cfg["ROWS_W4" if f["bits"] == 4 else "ROWS_W8"]
-    return next((e for e in table if M <= e["max_rows"]), table[-1])
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a jit builtin: ~20 us a call from Python, and the plan runs at every call
-
-
 def _step_k(K: int, f: dict, e: dict) -> int | None:
     """The k a step (the group size for grouped codes), None when K or the group does not fit the kernel (K not a
     multiple of it, not a power of two of at least a tensor-core step of int8 codes a product (32; int4: 64, its
@@ -246,22 +235,22 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
     """Tiles, groups a step, K split and grid for M x (N, K) in format f (a layout ``_step_k`` accepts). The entry's
     BN halves (down to 16) while the tiles number fewer than ``fill`` x SMs: a narrow output (out_proj) gets more
     programs instead of a K split that per-group sums cannot take."""
-    e = _entry(M, f, cfg)
+    e = rows_entry(M, f["bits"], cfg)
     BK = _step_k(K, f, e)
     BM = min(e["BM"], pow2(M, 16))
     BN = e["BN"]
-    while BN > 16 and _cdiv(M, BM) * _cdiv(N, BN) < e.get("fill", 0) * sms:
+    while BN > 16 and cdiv(M, BM) * cdiv(N, BN) < e.get("fill", 0) * sms:
         BN //= 2
-    tiles = _cdiv(M, BM) * _cdiv(N, BN)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
     steps = K // BK
     gps = e.get("GPS", 1)
     while steps % gps:
         gps //= 2
     split = 1
     if f["group_size"] is None:  # int32 partials add exactly; grouped sums keep their order (no split)
-        split = max(1, min(cfg["MAX_SPLIT"], _cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
-    per = _cdiv(_cdiv(steps, split), gps) * gps  # each split whole steps of gps tiles (steps is a multiple of gps)
-    split = _cdiv(steps, per)
+        split = max(1, min(cfg["MAX_SPLIT"], cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
+    per = cdiv(cdiv(steps, split), gps) * gps  # each split whole steps of gps tiles (steps is a multiple of gps)
+    split = cdiv(steps, per)
     return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GPS=gps, split=split, k_split=per * BK, tiles=tiles,
                 grid=(tiles, split), num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"],
                 X_SPLIT=e["X_SPLIT"])
@@ -283,7 +272,7 @@ def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scale=Non
     lead = x.shape[:-1]
     x_ok = codes is not None or (x.stride(-1) == 1 and _scale_ok(x_scale, lead))
     fits = (not f["fp8"] and x_ok and x.shape[-1] == K and w_q.stride(-1) == 1 and M > 0
-            and _step_k(K, f, _entry(M, f, cfg)) is not None)
+            and _step_k(K, f, rows_entry(M, f["bits"], cfg)) is not None)
     dtype = codes if codes is not None else x.dtype
     return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(dtype).removeprefix("torch."), rows=M,
                 zero=w_zero is not None, fits=fits)
