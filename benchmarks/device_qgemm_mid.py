@@ -10,13 +10,14 @@ whose summed time beat quant_gemm's), written for the device's name and as the d
 Usage: python benchmarks/device_qgemm_mid.py OUT_DIR [workers]."""
 
 import json
-import math
-import multiprocessing as mp
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+from ssmq.bench.timing import copy_bandwidth_gbs, graph_us
+from sweep_common import compile_points, logger, weight_copies
 
 ROWS = [16, 32, 64, 128, 256]
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120), "8b in_proj": (18560, 4096),
@@ -76,86 +77,38 @@ def _compile(chunk):
     return bad
 
 
-def graph_us(calls, reps=5):
-    """GPU time a call of ``calls`` (callables, run once each per replay) in a CUDA graph, us."""
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
-    del g
-    return sorted(ts)[1]
-
-
 def main():
     out_dir = sys.argv[1]
     workers = int(sys.argv[2]) if len(sys.argv) > 2 else 14
     t0 = time.time()
-    log = open(f"{out_dir}/sweep_log.txt", "w")
-
-    def say(*a):
-        s = " ".join(str(x) for x in a)
-        print(s, flush=True)
-        log.write(s + "\n")
-        log.flush()
-
+    say = logger(out_dir)
     # compile (and check) every point in parallel; the old path's kernels too
     jobs = POINTS + [(code, rows, None) for code in ("w4", "w8") for rows in ROWS]
-    chunks = [jobs[i::workers] for i in range(workers)]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        bad = [b for part in pool.map(_compile, chunks) for b in part]
-    failed = {(c, r, json.dumps(o, sort_keys=True)) for c, r, o, _, _ in bad}
-    for b in bad[:20]:
-        say("  FAILED", b)
-    say(f"compiled {len(jobs)} points x {len(SHAPES)} shapes in {time.time() - t0:.0f} s; {len(failed)} failed")
+    failed = compile_points(_compile, jobs, workers, say, len(SHAPES))
 
     from ssmq.kernels import configs
     from ssmq.kernels import qgemm_mid as QM
     from ssmq.kernels import quant_gemm as QG
 
     dev = torch.device("cuda")
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    copy_us = graph_us([lambda: b.copy_(a)])
-    copy_gbs = 2 * a.numel() / copy_us / 1e3
-    del a, b
+    copy_gbs = copy_bandwidth_gbs(dev)
     say(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s")
-    # weight copies: at least 2x the L2 a shape and code, so every call reads its weight from HBM
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    W = {}
-    for name in SHAPES:
-        for code in ("w16", "w4", "w8"):
-            one = weights(name, code, dev)
-            nb = sum(t.numel() * t.element_size() for t in one)
-            W[(name, code)] = [one] + [weights(name, code, dev, seed=i + 1) for i in range(max(1, math.ceil(
-                2 * l2 / nb)) - 1)]
+    W = {(name, code): weight_copies(lambda seed, name=name, code=code: weights(name, code, dev, seed), dev)
+         for name in SHAPES for code in ("w16", "w4", "w8")}
     X = {(name, m): torch.randn(m, SHAPES[name][1], device=dev, dtype=torch.float16) for name in SHAPES for m in ROWS}
 
     def t_new(code, name, m, over):
         cfg = cfg_for(code, over)
         x = X[(name, m)]
-        return graph_us([lambda w=w, s=s: QM.quant_linear_mid(x, w, s, cfg=cfg) for w, s in W[(name, code)]])
+        return graph_us([lambda w=w, s=s: QM.quant_linear_mid(x, w, s, cfg=cfg) for w, s in W[(name, code)]], timings=3)
 
     def t_old(code, name, m):
         x = X[(name, m)]
-        return graph_us([lambda w=w, s=s: QG.quant_linear(x, w, s) for w, s in W[(name, code)]])
+        return graph_us([lambda w=w, s=s: QG.quant_linear(x, w, s) for w, s in W[(name, code)]], timings=3)
 
     def t_f16(name, m):
         x = X[(name, m)]
-        return graph_us([lambda w=w: F.linear(x, w) for (w,) in W[(name, "w16")]])
+        return graph_us([lambda w=w: F.linear(x, w) for (w,) in W[(name, "w16")]], timings=3)
 
     best, res = {}, []
     for code, rows, over in POINTS:

@@ -221,3 +221,86 @@ def test_accuracy_float_row_is_the_baseline(tmp_path):
     rows = json.loads((tmp_path / "accuracy.json").read_text())["rows"]
     assert [row["recipe"] for row in rows] == ["float", "rtn-w8a16"] and rows[0]["delta_pct"] == 0
     assert abs(rows[1]["delta_pct"]) < 5  # int8 weights barely move perplexity
+
+
+def _param_count(model) -> int:
+    """Values of the model's parameters and persistent buffers, each tensor once (a router's bias is either, by
+    implementation; tied embeddings are one tensor)."""
+    return sum(t.numel() for t in {id(t): t for t in model.state_dict(keep_vars=True).values()}.values())
+
+
+@pytest.mark.parametrize("name", ["falcon-mamba-7b", "nemotron-h-8b", "nemotron-3-nano-30b-a3b", "granite-4.0-h-tiny",
+                                  "granite-4.0-h-1b", "jamba-mini", "zamba2-7b", "falcon-h1-7b"])
+def test_transformers_peer_is_the_same_architecture(name):
+    """The peer's model, built by transformers from the config.json fields ssmq's config is read from, has the
+    parameters of ssmq's model of that config, count for count (both on the meta device)."""
+    pytest.importorskip("transformers")
+    from ssmq.bench.models import transformers_model
+    from ssmq.models.lm import SSMLM
+    from ssmq.models.published import PUBLISHED
+
+    peer = transformers_model(name, torch.device("meta"), torch.float16)
+    with torch.device("meta"):
+        ours = SSMLM(PUBLISHED[name])
+    assert _param_count(peer) == _param_count(ours)
+    assert transformers_model("mamba2-2.7b", torch.device("meta"), torch.float16) is None  # mamba_ssm's, not a family
+
+
+def test_transformers_peer_rows(monkeypatch):
+    """The peer's TTFT and TPOT rows for a tiny Granite-4.0-H (MoE, attention and Mamba-2 layers) on the CPU."""
+    pytest.importorskip("transformers")
+    from ssmq.bench import latency
+    from ssmq.models import published
+
+    tiny = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 32, "shared_intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "vocab_size": 128, "tie_word_embeddings": True, "mamba_d_state": 16, "mamba_n_groups": 1,
+            "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_expand": 2, "mamba_chunk_size": 16,
+            "position_embedding_type": "nope", "layer_types": ["mamba", "attention"]}
+    monkeypatch.setitem(published.PUBLISHED_HF, "tiny-granite", ("granitemoehybrid", tiny))
+    rows, short = latency.transformers_rows("tiny-granite", torch.device("cpu"), torch.float32, [8], [1, 2], 2, 0, 1)
+    assert short == []
+    assert [(r["impl"], r["batch"], "ttft_ms" in r) for r in rows] == \
+        [("transformers", 1, True), ("transformers", 1, False), ("transformers", 2, False)]
+    assert all(r.get("ttft_ms", 1) > 0 for r in rows) and all(r["tok_s"] == r["batch"] / r["tpot_ms"] * 1e3
+                                                               for r in rows if "tpot_ms" in r)
+
+
+def test_transformers_peer_out_of_memory_leaves_the_other_measurements(monkeypatch):
+    pytest.importorskip("transformers")
+    from ssmq.bench import latency
+    from ssmq.models import published
+
+    tiny = {"hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64, "vocab_size": 64, "state_size": 8,
+            "conv_kernel": 4, "time_step_rank": 4, "expand": 2}
+    monkeypatch.setitem(published.PUBLISHED_HF, "tiny-falcon-mamba", ("falcon_mamba", tiny))
+    real, calls = latency.time_fn, []
+
+    def prefill_out_of_memory(fn, *args, **kwargs):
+        calls.append(fn)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB. GPU 0 has ...")
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(latency, "time_fn", prefill_out_of_memory)
+    rows, short = latency.transformers_rows("tiny-falcon-mamba", torch.device("cpu"), torch.float32, [8], [1], 2, 0, 1)
+    assert short == ["TTFT at 8 tokens: out of memory (asked for 96.00 GiB)"]
+    assert [(r["batch"], "tpot_ms" in r) for r in rows] == [(1, True)]
+
+
+@pytest.mark.gpu
+def test_graph_us_scales_with_the_bytes_copied():
+    """A copy of twice the bytes (both beyond the L2) takes about twice the GPU time; the copy bandwidth is the bytes
+    read and written over that time."""
+    if not torch.cuda.is_available():
+        pytest.skip("graph timing needs CUDA")
+    from ssmq.bench.timing import copy_bandwidth_gbs, graph_us
+
+    dev = torch.device("cuda")
+    a = torch.empty(1 << 29, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    small = graph_us([lambda: b[: 1 << 28].copy_(a[: 1 << 28])])
+    large = graph_us([lambda: b.copy_(a)])
+    assert 1.6 < large / small < 2.4
+    assert copy_bandwidth_gbs(dev) == pytest.approx(2 * (1 << 30) / graph_us([lambda: b.copy_(a)] * 2) / 1e3,
+                                                    rel=0.25)

@@ -82,8 +82,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "first token (default 128)")
     p.add_argument("--steps", type=int, default=8, help="decode steps in one timing (default 8)")
     _timing_args(p, "runs", 2, 5)
-    p.add_argument("--peers", type=_names, default=["mamba_ssm"], help="comma-separated peers timed alongside when "
-                   "installed, on CUDA, for Mamba architectures (default mamba_ssm; 'none' for none)")
+    p.add_argument("--peers", type=_names, default=["mamba_ssm", "transformers"], help="comma-separated peers timed "
+                   "alongside when installed: mamba_ssm (on CUDA, Mamba-1 and Mamba-2 architectures), transformers "
+                   "(the hybrid families' published architectures, whole) (default both; 'none' for none)")
     p.add_argument("--profile", action="store_true", help="also profile each decode step: its kernels, their calls "
                    "and time per step, and the time between kernels, from a step captured without programmatic "
                    "dependent launch (on the CPU: its PyTorch operators)")

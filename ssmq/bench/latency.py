@@ -1,5 +1,6 @@
 """``ssmq bench latency``: time to first token (prefill of one prompt) and time per output token (one decode step
-of the whole batch) against batch size, for each recipe side by side, and for ``mamba_ssm`` when installed.
+of the whole batch) against batch size, for each recipe side by side, and for the peers when installed: ``mamba_ssm``
+(Mamba-1 and Mamba-2 architectures) and transformers (the families of ``ssmq.models.families``).
 
 On CUDA, prefill and decode replay CUDA graphs, as ``ssmq generate`` runs them; on the CPU they run eagerly.
 """
@@ -7,11 +8,13 @@ On CUDA, prefill and decode replay CUDA graphs, as ``ssmq generate`` runs them; 
 from __future__ import annotations
 
 import gc
+import re
 
 import torch
 from tqdm import tqdm
 
-from ssmq.bench.models import FLOAT, build, mamba_ssm_available, mamba_ssm_model, published_config
+from ssmq.bench.models import (FLOAT, build, mamba_ssm_available, mamba_ssm_model, published_config,
+                               transformers_available, transformers_model)
 from ssmq.bench.output import lines_plot, record, table, write
 from ssmq.bench.timing import time_fn
 
@@ -101,6 +104,72 @@ def mamba_ssm_rows(cfg, device, dtype, prompt_lens, batches, steps, warmup, reps
     return rows
 
 
+@torch.inference_mode()
+def transformers_rows(name: str, device, dtype, prompt_lens, batches, steps, warmup, reps) -> tuple[list[dict], list]:
+    """TTFT and TPOT of the family's transformers model (``bench.models.transformers_model``) as its users run it:
+    TTFT a forward of the prompt (last position's logits); TPOT from ``generate`` (greedy, its default cache, eager),
+    the time for ``steps`` + 1 new tokens less the time for 1, over ``steps``, after 16-token prompts.
+    Returns (rows, the measurements that ran out of memory, each in words); one that does leaves the others."""
+    model = transformers_model(name, device, dtype)
+    vocab = min(model.config.vocab_size, 50000)
+    rows, short = [], []
+
+    def timed(what: str, fn) -> float | None:
+        try:
+            return time_fn(fn, device, warmup, reps).median_ms
+        except torch.OutOfMemoryError as e:
+            asked = re.search(r"Tried to allocate ([\d.]+ \w+)", str(e))
+            short.append(f"{what}: out of memory" + (f" (asked for {asked.group(1)})" if asked else ""))
+            _free(device)
+            return None
+
+    for length in prompt_lens:
+        ids = torch.randint(0, vocab, (1, length), device=device)
+        ms = timed(f"TTFT at {length} tokens", lambda: model(ids, logits_to_keep=1).logits.argmax(-1))
+        if ms is not None:
+            rows.append({"impl": "transformers", "batch": 1, "prompt_len": length, "ttft_ms": ms})
+    for bs in batches:
+        ids = torch.randint(0, vocab, (bs, 16), device=device)
+
+        def generate(n: int):
+            return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                          min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        long_ms = timed(f"TPOT at batch {bs}", generate(steps + 1))
+        short_ms = None if long_ms is None else timed(f"TPOT at batch {bs}", generate(1))
+        if short_ms is not None:
+            ms = (long_ms - short_ms) / steps
+            rows.append({"impl": "transformers", "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3})
+    del model
+    return rows, short
+
+
+def _peer_rows(args, device, dtype) -> tuple[list[dict], dict]:
+    """The rows of the peers asked for that are installed and run this architecture, and {peer: why it failed}."""
+    cfg = published_config(args.model, args.layers)
+    rows, errors = [], {}
+    if cfg is None:
+        return rows, errors
+    timing = (args.input_len, args.batch_size, args.steps, args.warmup, args.reps)
+    if "mamba_ssm" in args.peers and device.type == "cuda" and mamba_ssm_available() and \
+            cfg.arch in ("mamba1", "mamba2") and not getattr(cfg, "family", ""):  # its models
+        try:
+            rows += mamba_ssm_rows(cfg, device, dtype, *timing)
+        except Exception as e:  # a peer that cannot run this model is reported, not fatal
+            errors["mamba_ssm"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if "transformers" in args.peers and transformers_available() and getattr(cfg, "family", "") \
+            and args.layers is None:  # the published config as a whole: transformers reads it unchanged
+        _free(device)
+        try:
+            peer, short = transformers_rows(args.model, device, dtype, *timing)
+            rows += peer
+            if short:
+                errors["transformers"] = "; ".join(short)
+        except Exception as e:
+            errors["transformers"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return rows, errors
+
+
 def run(args) -> dict:
     from ssmq.bench.models import device_and_dtype
 
@@ -109,8 +178,7 @@ def run(args) -> dict:
     result = record("latency", device, model=args.model, dtype=str(dtype).removeprefix("torch."),
                     steps=args.steps, warmup=args.warmup, reps=args.reps)
     impls = list(args.recipes)
-    peer = "mamba_ssm" in args.peers and device.type == "cuda" and mamba_ssm_available()
-    bar = tqdm(total=len(impls) * (len(prompt_lens) + len(batches)) + (peer and 1), desc="latency", unit="run")
+    bar = tqdm(total=len(impls) * (len(prompt_lens) + len(batches)) + 1, desc="latency", unit="run")
     for recipe in impls:
         _free(device)
         model, _ = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
@@ -126,16 +194,12 @@ def run(args) -> dict:
             result["rows"].append({"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3})
             bar.update()
         del model
-    if peer:
-        cfg = published_config(args.model, args.layers)
-        if cfg is not None and cfg.arch in ("mamba1", "mamba2") and not getattr(cfg, "family", ""):  # its models
-            _free(device)
-            try:
-                result["rows"] += mamba_ssm_rows(cfg, device, dtype, prompt_lens, batches, args.steps, args.warmup,
-                                                 args.reps)
-            except Exception as e:  # a peer that cannot run this model is reported, not fatal
-                result["peer_errors"] = {"mamba_ssm": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-        bar.update()
+    _free(device)
+    peer_rows, errors = _peer_rows(args, device, dtype)
+    result["rows"] += peer_rows
+    if errors:
+        result["peer_errors"] = errors
+    bar.update()
     bar.close()
     print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s"]))
     if result.get("profile"):

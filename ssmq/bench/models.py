@@ -1,5 +1,6 @@
 """The models a benchmark runs: a published architecture with random weights (speed does not depend on the
-values), or a checkpoint; optionally quantized by a recipe; and peers (``mamba_ssm``) when they are installed."""
+values), or a checkpoint; optionally quantized by a recipe; and peers (``mamba_ssm`` for Mamba-1 and Mamba-2,
+transformers for the families of ``ssmq.models.families``) when they are installed."""
 
 from __future__ import annotations
 
@@ -135,3 +136,25 @@ def mamba_ssm_model(cfg, device: torch.device, dtype: torch.dtype):
                      rms_norm=True, residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=16,
                      tie_embeddings=True)
     return MambaLMHeadModel(mc, device=device, dtype=dtype).eval()
+
+
+def transformers_available() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+def transformers_model(name: str, device: torch.device, dtype: torch.dtype):
+    """The transformers model (its ``AutoModelForCausalLM`` class, random weights) of the published family
+    architecture ``name``, from the same config.json fields ssmq's config is read from; None for an architecture
+    that is not one of ``ssmq.models.published.PUBLISHED_HF``."""
+    from ssmq.models.published import PUBLISHED_HF
+
+    if name not in PUBLISHED_HF:
+        return None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields = PUBLISHED_HF[name]
+    cfg = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()

@@ -80,3 +80,36 @@ def wall(device: torch.device | str = "cpu") -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def graph_us(calls: list[Callable[[], object]], reps: int = 5, timings: int = 5) -> float:
+    """GPU time of one call, µs: ``calls`` (run once each per replay, e.g. one per weight copy so that together they
+    exceed the L2) captured in a CUDA graph, replayed ``reps`` times per timing; the median of ``timings`` timings,
+    over ``reps`` × ``len(calls)``. No host launch time is counted."""
+    for f in calls:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(timings):
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
+    return statistics.median(ts)
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """The device's copy bandwidth, GB/s: bytes read + written by a device-to-device copy of ``nbytes`` over its
+    GPU time (``graph_us``)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    return 2 * nbytes / graph_us([lambda: b.copy_(a)]) / 1e3

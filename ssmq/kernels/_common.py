@@ -169,6 +169,19 @@ def int32_words(index: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
     return index.to(torch.int32).contiguous(), 1
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) in Python: triton.cdiv is a jit builtin, ~20 us a call from Python, and launch plans run at every
+    call."""
+    return -(-a // b)
+
+
+def rows_entry(M: int, bits: int, cfg: dict) -> dict:
+    """The launch settings of a config's ROWS_W4 / ROWS_W8 table (by code width) for M rows: the first entry whose
+    max_rows holds, else the last."""
+    table = cfg["ROWS_W4" if bits == 4 else "ROWS_W8"]
+    return next((e for e in table if M <= e["max_rows"]), table[-1])
+
+
 def pow2(x: int, lo: int = 1) -> int:
     """Smallest power of two >= max(x, lo): Triton block shapes must be powers of two."""
     return max(lo, triton.next_power_of_2(int(x)))

@@ -15,9 +15,9 @@ import triton
 
 
 def compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps: int = 4, num_stages: int = 3,
-                 aligned=(), maxnreg: int | None = None):
+                 aligned=(), maxnreg: int | None = None, fp_fusion: bool = True):
     """Compile one ``@triton.jit`` kernel for sm_90 (returned; ``.asm`` holds ttgir / ptx / cubin, ``.metadata``
-    the shared memory): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the other arguments i32 (those named
+    the shared memory; ``fp_fusion``: the launch's ``enable_fp_fusion``): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the other arguments i32 (those named
     in ``floats`` fp32; ``const`` may also fix a run-time argument, as the launcher specializes one equal to 1);
     ``aligned``: arguments given as multiples of 16 (addresses in bytes), as the launcher's
     specialization marks them at run time (vector loads and atomics depend on it); ``maxnreg``: a register cap.
@@ -34,7 +34,8 @@ def compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps: int 
         from triton.experimental.gluon._runtime import GluonASTSource as source
     src = source(kernel, signature, constexprs={(kernel.arg_names.index(a),): v for a, v in const.items()},
                  attrs={(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion,
+               **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

@@ -274,7 +274,8 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     """``ops.quant_linear_ref``: low-bit GEMV / GEMM kernels for CUDA tensors (formats in ssmq.ops.quant_linear):
     ``packed_gemv`` on ``words`` (the codes repacked by ``pack_for_decode``, or None) where ``PACKED_LINEAR``
     selects it, the decode GEMV ``qgemv`` where ``quant_linear_rows`` selects it (``qgemv.serves``), the
-    serving-batch GEMM ``qgemm_mid`` where ``quant_linear_mid_rows`` does (``qgemm_mid.serves``), else
+    serving-batch GEMM ``qgemm_mid`` where ``quant_linear_mid_rows`` does (``qgemm_mid.serves``), the int8
+    tensor-core GEMM ``qgemm_a8`` for int8 x where ``quant_linear_a8_rows`` does (``qgemm_a8.serves``), else
     ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
@@ -291,15 +292,20 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     f = mid.serves(x, w_q, w_scale, w_zero, x_scale)
     if f is not None:
         return mid.quant_linear_mid(x, w_q, w_scale, f, bias, out_dtype)
+    a8 = _kernels("qgemm_a8")
+    f = a8.serves(x, w_q, w_scale, w_zero, x_scale)
+    if f is not None:
+        return a8.quant_linear_a8(x, x_scale, w_q, w_scale, f, bias, out_dtype)
     return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
 def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None):
-    """``ops.quant_linear_act_ref``: on CUDA, codes ``qgemv`` serves are quantized by ``quantize_act`` and multiplied
-    there; else ``quant_gemm.quant_linear_act``."""
+    """``ops.quant_linear_act_ref``: on CUDA, codes ``qgemv`` or ``qgemm_a8`` serves are quantized by ``quantize_act``
+    and multiplied there (``quant_linear``); else ``quant_gemm.quant_linear_act``."""
     if not _use_triton(w_q):
         return ops.quant_linear_act_ref(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
-    if _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype):
+    if _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype) or \
+            _kernels("qgemm_a8").serves_codes(x, w_q, w_scale, act_dtype):
         x_q, xs = _kernels("quant_gemm").quantize_act(x, x_scale, per_token, act_dtype)
         return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype)
     return _kernels("quant_gemm").quant_linear_act(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
@@ -439,6 +445,23 @@ def quant_linear_mid_rows(cfg: dict) -> tuple[Row, ...]:
 def _quant_linear_mid_rows(route: tuple) -> tuple[Row, ...]:
     same = dict(x=_HALF, zero=Need((False,)), fits=Need((True,)))
     return (*(Row("qgemm_mid", dict(code=Need((code,)), rows=Need(least=lo, most=hi), **same)) for code, (lo, hi) in
+              route), Row("quant_gemm"))
+
+
+# W4A8 / W8A8 linear at serving batches: qgemm_a8 for the rows its ROUTE gives each code type (configs/qgemm_a8.json:
+# where it measured faster than quant_gemm's kernels), int8 x codes, symmetric int4 / int8 weight codes, a layout it
+# fits (``qgemm_a8.launch``); quant_gemm's kernels every other call.
+
+
+def quant_linear_a8_rows(cfg: dict) -> tuple[Row, ...]:
+    """The serving-batch int8-activation linear's selection table for qgemm_a8's settings ``cfg`` (its ROUTE)."""
+    return _quant_linear_a8_rows(tuple(sorted((code, tuple(r)) for code, r in cfg["ROUTE"].items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_linear_a8_rows(route: tuple) -> tuple[Row, ...]:
+    same = dict(x=Need(("int8",)), zero=Need((False,)), fits=Need((True,)))
+    return (*(Row("qgemm_a8", dict(code=Need((code,)), rows=Need(least=lo, most=hi), **same)) for code, (lo, hi) in
               route), Row("quant_gemm"))
 
 

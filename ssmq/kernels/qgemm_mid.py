@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import gdc_enter, pdl_args, pow2, sm_count
+from ssmq.kernels._common import cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
 from ssmq.kernels.quant_gemm import _counts, _i8_to_f16, _split_gather
 from ssmq.ops.quant_linear import weight_format
@@ -227,17 +227,6 @@ def _mid_qmm(
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mo)
 
 
-def _entry(M: int, f: dict, cfg: dict) -> dict:
-    """The launch settings of CFG's ROWS_W4 / ROWS_W8 for M rows (the first entry whose max_rows holds, else the
-    last)."""
-    table = cfg["ROWS_W4" if f["bits"] == 4 else "ROWS_W8"]
-    return next((e for e in table if M <= e["max_rows"]), table[-1])
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a jit builtin: ~20 us a call from Python, and the plan runs at every call
-
-
 def _step_k(K: int, f: dict, e: dict) -> int | None:
     """The k a step (the group size for grouped codes), None when K or the group does not fit the kernel (K not a
     multiple of it, no power of two of at least a tensor-core step's bytes, at most 512)."""
@@ -250,15 +239,15 @@ def _step_k(K: int, f: dict, e: dict) -> int | None:
 
 def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
     """Tiles, K split and grid for M x (N, K) in format f (a layout ``_step_k`` accepts)."""
-    e = _entry(M, f, cfg)
+    e = rows_entry(M, f["bits"], cfg)
     BK = _step_k(K, f, e)
     BM = min(e["BM"], max(16, 1 << (M - 1).bit_length()))
     BN = e["BN"]
-    tiles = _cdiv(M, BM) * _cdiv(N, BN)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
     steps = K // BK
-    split = max(1, min(cfg["MAX_SPLIT"], _cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
-    per = _cdiv(steps, split)
-    split = _cdiv(steps, per)
+    split = max(1, min(cfg["MAX_SPLIT"], cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
+    per = cdiv(steps, split)
+    split = cdiv(steps, per)
     return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, split=split, k_split=per * BK, tiles=tiles, grid=(tiles, split),
                 num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"], X_SPLIT=e["X_SPLIT"],
                 POST_SCALE=e["POST_SCALE"])
@@ -272,7 +261,7 @@ def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scale=Non
     M = math.prod(x.shape[:-1])
     K = f["k"]
     fits = (not f["fp8"] and x_scale is None and x.shape[-1] == K and x.stride(-1) == 1 and w_q.stride(-1) == 1
-            and M > 0 and _step_k(K, f, _entry(M, f, cfg)) is not None)
+            and M > 0 and _step_k(K, f, rows_entry(M, f["bits"], cfg)) is not None)
     return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(x.dtype).removeprefix("torch."), rows=M,
                 zero=w_zero is not None, fits=fits)
 

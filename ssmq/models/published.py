@@ -45,18 +45,22 @@ PUBLISHED = {
     "smollm2-135m": llama(576, 30, 9, 3, 1536, 49152, tie=True, rope_theta=100000.0, max_positions=8192),
     "llama-2-7b": llama(4096, 32, 32, 32, 11008, 32000),
     "llama-3.1-8b": llama(4096, 32, 32, 8, 14336, 128256, rope_theta=500000.0, max_positions=131072),
-    # the families of ssmq.models.families, read from (the architecture fields of) their published config.json
-    "falcon-mamba-7b": FAMILIES["falcon_mamba"].config(
+}
+
+# The families of ssmq.models.families: (model_type, the architecture fields of the published config.json). The same
+# fields build the family's transformers model for the peer benchmark (``ssmq.bench.models.transformers_model``).
+PUBLISHED_HF: dict[str, tuple[str, dict]] = {
+    "falcon-mamba-7b": ("falcon_mamba",
         {"hidden_size": 4096, "num_hidden_layers": 64, "intermediate_size": 8192, "vocab_size": 65024,
          "tie_word_embeddings": False, "state_size": 16, "conv_kernel": 4, "time_step_rank": 256, "expand": 16}),
-    "nemotron-h-8b": FAMILIES["nemotron_h"].config(
+    "nemotron-h-8b": ("nemotron_h",
         {"hidden_size": 4096, "vocab_size": 131072, "tie_word_embeddings": False, "num_attention_heads": 32,
          "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 21504, "ssm_state_size": 128,
          "mamba_num_heads": 128, "mamba_head_dim": 64, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
          "max_position_embeddings": 8192,
          "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"}),
     # Nemotron 3 Nano 30B-A3B: MoE blocks of 128 squared-ReLU experts (6 active) and a shared expert
-    "nemotron-3-nano-30b-a3b": FAMILIES["nemotron_h"].config(
+    "nemotron-3-nano-30b-a3b": ("nemotron_h",
         {"hidden_size": 2688, "vocab_size": 131072, "tie_word_embeddings": False, "num_attention_heads": 32,
          "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 1856, "ssm_state_size": 128,
          "mamba_num_heads": 64, "mamba_head_dim": 64, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
@@ -66,7 +70,7 @@ PUBLISHED = {
          "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"}),
     # Granite-4.0-H-Tiny (7B, 64 experts, 6 active) and its dense twin Granite-4.0-H-1B: attention at layers 5, 15,
     # 25, 35, no RoPE; the µP multipliers change no size and are left at 1 here
-    **{name: FAMILIES["granitemoehybrid"].config(
+    **{name: ("granitemoehybrid",
         {"hidden_size": 1536, "num_hidden_layers": 40, "num_attention_heads": 12, "num_key_value_heads": 4,
          "intermediate_size": ffn, "shared_intermediate_size": shared, "num_local_experts": experts,
          "num_experts_per_tok": 6 if experts else 0, "vocab_size": 100352, "tie_word_embeddings": True,
@@ -78,7 +82,7 @@ PUBLISHED = {
     # metadata states them. Not read off its config.json: its 8 KV heads, attention at layers 5, 15, 25, 35 (the 9:1
     # Mamba-2 / attention ratio of the family's documentation, Tiny's positions) and tied embeddings; they move the
     # total by < 0.5B (32.21B here, 8.8B active)
-    "granite-4.0-h-small": FAMILIES["granitemoehybrid"].config(
+    "granite-4.0-h-small": ("granitemoehybrid",
         {"hidden_size": 4096, "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
          "intermediate_size": 768, "shared_intermediate_size": 1536, "num_local_experts": 72, "num_experts_per_tok": 10,
          "vocab_size": 100352, "tie_word_embeddings": True, "mamba_d_state": 128, "mamba_n_groups": 1,
@@ -86,7 +90,7 @@ PUBLISHED = {
          "max_position_embeddings": 131072, "position_embedding_type": "nope",
          "layer_types": ["attention" if i % 10 == 5 else "mamba" for i in range(40)]}),
     # Jamba (v0.1 and 1.5 Mini: 52B, 16 experts, 2 active): attention every 8th layer from 4, MoE every 2nd from 1
-    "jamba-mini": FAMILIES["jamba"].config(
+    "jamba-mini": ("jamba",
         {"hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336, "num_attention_heads": 32,
          "num_key_value_heads": 8, "num_experts": 16, "num_experts_per_tok": 2, "expert_layer_period": 2,
          "expert_layer_offset": 1, "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16,
@@ -94,7 +98,7 @@ PUBLISHED = {
          "tie_word_embeddings": False, "max_position_embeddings": 262144}),
     # Zamba2-7B: 81 Mamba-2 layers, 13 of them (6, 11, then every 6th to 77) after one of 2 shared transformer
     # blocks used in turn (32 heads of 224 over [stream | embeddings], RoPE), LoRA rank 128 on the shared MLPs only
-    "zamba2-7b": FAMILIES["zamba2"].config(
+    "zamba2-7b": ("zamba2",
         {"hidden_size": 3584, "num_hidden_layers": 81, "vocab_size": 32000, "tie_word_embeddings": True,
          "mamba_d_state": 64, "mamba_ngroups": 2, "n_mamba_heads": 112, "mamba_expand": 2, "num_attention_heads": 32,
          "num_key_value_heads": 32, "intermediate_size": 14336, "num_mem_blocks": 2, "adapter_rank": 128,
@@ -103,9 +107,11 @@ PUBLISHED = {
                                for i in range(81)]}),
     # Falcon-H1-7B: attention (12 query / 2 KV heads of 128) in parallel with Mamba-2 (24 heads of 128, d_ssm 3072)
     # in each of 44 layers; the µP multipliers change no size and are left at 1 here
-    "falcon-h1-7b": FAMILIES["falcon_h1"].config(
+    "falcon-h1-7b": ("falcon_h1",
         {"hidden_size": 3072, "num_hidden_layers": 44, "num_attention_heads": 12, "num_key_value_heads": 2,
          "head_dim": 128, "intermediate_size": 12288, "vocab_size": 130048, "tie_word_embeddings": False,
          "mamba_d_state": 256, "mamba_n_groups": 1, "mamba_n_heads": 24, "mamba_d_head": 128, "mamba_d_ssm": 3072,
          "mamba_expand": 2, "mamba_d_conv": 4, "mamba_chunk_size": 128, "max_position_embeddings": 262144}),
 }
+
+PUBLISHED.update({name: FAMILIES[model_type].config(fields) for name, (model_type, fields) in PUBLISHED_HF.items()})
