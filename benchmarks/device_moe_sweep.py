@@ -5,7 +5,7 @@ GPU time only: each point is a CUDA graph of calls that rotate through copies of
 twice the L2) and through different routings, replayed and timed with CUDA events, per call = graph time / calls. A
 point is one whole ``moe_experts`` call (block tables, up, down): the up launch's candidates are timed with the down
 launch at the shipped settings and vice versa, so differences between candidates are the launch's own. Compilation
-first, in parallel worker processes (Triton's disk cache), each checking its point against the reference
+first, in parallel worker processes (``sweep_common``), each checking its point against the reference
 (``ops.moe.moe_experts_ref``). Per token count the block rows (BM, shared by both launches) with the least summed
 best-up + best-down time win; the table gets one entry a token count (max_rows: the mean pairs an expert).
 Usage: python benchmarks/device_moe_sweep.py OUT_DIR [workers] [--write]."""
@@ -13,18 +13,16 @@ Usage: python benchmarks/device_moe_sweep.py OUT_DIR [workers] [--write]."""
 import copy
 import json
 import math
-import multiprocessing as mp
+import os
 import sys
 import time
-
-import os
 
 import torch
 
 SMOKE = os.environ.get("SMOKE") == "1"  # the CPU: tiny experts under Triton's interpreter (a check of this script)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPE = "granite-4.0-h-tiny"
-TOKENS = [1, 64, 1024]
+TOKENS = [1, 64] if SMOKE else [1, 64, 1024]
 BMS = {1: [16], 64: [16, 32], 1024: [16, 32, 64]}
 FMTS = ["int4", "int8"]
 BASE = {"BN": 64, "BK": 64, "warps": 8, "stages": 3, "CVT": 0}  # the settings before this sweep
@@ -48,7 +46,7 @@ def dims():
 
 
 def stacks(fmt, dev, seed=0):
-    """(up, down, gate, (s_up, s_down, s_gate)) of E experts in fmt (float16 for "float")."""
+    """(up, down, gate, s_up, s_down, s_gate) of E experts in fmt (float16 for "float": no scales)."""
     from ssmq.ops.quant_linear import pack_int4
 
     d, f, E, k = dims()
@@ -68,7 +66,7 @@ def stacks(fmt, dev, seed=0):
         out.append(pack_int4(q) if fmt == "int4" else q)
         scales.append(torch.rand(E, n, *((kk // 128,) if fmt == "int4" else ()), device=dev, generator=g) * 0.01
                       + 1e-3)
-    return (*out, tuple(scales) if scales else None)
+    return (*out, *scales)
 
 
 def routing(t, dev, seed):
@@ -90,6 +88,11 @@ def table_for(fmt, which, launch, bm):
     return cfg
 
 
+def point(which, i, bm) -> dict:
+    """A point's settings as compile_points keys them (with its format and token count)."""
+    return {"which": which, "launch": i, "BM": bm}
+
+
 def _compile(chunk):
     """Worker: run each point once at each token count it serves (Triton compiles it into the disk cache) and check
     it against the reference."""
@@ -101,7 +104,8 @@ def _compile(chunk):
     for fmt, which, i, bm in chunk:
         if fmt not in W:
             W[fmt] = stacks(fmt, dev)
-        up, down, gate, sc = W[fmt]
+        up, down, gate, *sc = W[fmt]
+        sc = tuple(sc) or None
         for t in (t for t in TOKENS if bm in BMS[t]):
             x, rw, idx = routing(t, dev, 0)
             if (fmt, t) not in R:
@@ -112,36 +116,13 @@ def _compile(chunk):
                                       cfg=table_for(fmt, which, LAUNCHES[fmt][i], bm))
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 if not err < 3e-3:
-                    bad.append((fmt, which, i, bm, t, f"rel err {err:.2e}"))
+                    bad.append((fmt, t, point(which, i, bm), SHAPE, f"rel err {err:.2e}"))
             except Exception as e:  # reported, the point is left out of the timing
-                bad.append((fmt, which, i, bm, t, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+                why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                bad.append((fmt, t, point(which, i, bm), SHAPE, why))
     if DEV == "cuda":
         torch.cuda.synchronize()
     return bad
-
-
-def graph_us(calls, reps=5):
-    """GPU time a call of ``calls`` (callables, run once each per replay) in a CUDA graph, us."""
-    for f in calls:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(3):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / (reps * len(calls)))
-    del g
-    return sorted(ts)[1]
 
 
 def main():
@@ -149,14 +130,6 @@ def main():
     workers = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 14
     write = "--write" in sys.argv
     t0 = time.time()
-    log = open(f"{out_dir}/moe_sweep_log.txt", "w")
-
-    def say(*a):
-        s = " ".join(str(x) for x in a)
-        print(s, flush=True)
-        log.write(s + "\n")
-        log.flush()
-
     if SMOKE:  # a few points of each kind, one process
         sys.path.insert(0, "tests")
         from test_kernels import _patch_interpreter_scalars
@@ -165,40 +138,36 @@ def main():
         bad = _compile([p for p in POINTS if p[2] in (0, 2, 5, 9, 13) and p[3] == 16])
         print(f"smoke: {len(bad)} failed", bad[:5])
         return
-    chunks = [POINTS[i::workers] for i in range(workers)]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        bad = [b for part in pool.map(_compile, chunks) for b in part]
-    failed = {(fm, w, i, bm, t) for fm, w, i, bm, t, _ in bad}
-    for b in bad[:20]:
-        say("  FAILED", b)
-    say(f"compiled {len(POINTS)} points in {time.time() - t0:.0f} s; {len(bad)} (point, tokens) failed")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sweep_common import compile_points, logger, weight_copies
 
+    say = logger(out_dir)
+    failed = compile_points(_compile, POINTS, workers, say, 1)
+
+    from ssmq.bench.timing import graph_us
     from ssmq.bench.tune import save
     from ssmq.kernels import configs, moe
 
     dev = torch.device("cuda")
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     d, f, E, k = dims()
     name = torch.cuda.get_device_name()
     say(f"device {name}; {SHAPE}: d {d}, f {f}, {E} experts, top-{k}")
-    W = {}
-    for fmt in FMTS + ["float", "fp8-w8a8"]:
-        one = stacks(fmt, dev)
-        nb = sum(t.numel() * t.element_size() for t in one[:3])
-        W[fmt] = [one] + [stacks(fmt, dev, seed=i + 1) for i in range(max(1, math.ceil(2 * l2 / nb)) - 1)]
+    # copies of the stacks (and their scales) together at least twice the L2
+    W = {fmt: weight_copies(lambda seed, fmt=fmt: stacks(fmt, dev, seed), dev) for fmt in FMTS + ["float", "fp8-w8a8"]}
     ROUT = {t: [routing(t, dev, s) for s in range(8)] for t in TOKENS}
 
     def t_call(fmt, t, cfg):
         ws = W[fmt]
         n = max(len(ws), 8)
         return graph_us([lambda i=i: moe.moe_experts(*ROUT[t][i % 8], *ws[i % len(ws)][:3], "silu",
-                                                     ws[i % len(ws)][3], fmt == "fp8-w8a8", cfg=cfg)
+                                                     tuple(ws[i % len(ws)][3:]) or None, fmt == "fp8-w8a8",
+                                                     cfg=cfg)
                          for i in range(n)])
 
     rows = []
     for fmt, which, i, bm in POINTS:
         for t in (t for t in TOKENS if bm in BMS[t]):
-            if (fmt, which, i, bm, t) in failed:
+            if (fmt, t, json.dumps(point(which, i, bm), sort_keys=True)) in failed:
                 continue
             us = t_call(fmt, t, table_for(fmt, which, LAUNCHES[fmt][i], bm))
             rows.append(dict(fmt=fmt, which=which, launch=i, BM=bm, tokens=t, us=us, **LAUNCHES[fmt][i]))
@@ -252,7 +221,7 @@ def main():
             final.append(dict(fmt=fmt, tokens=t, before_us=before, after_us=after, float16_us=ref["float"],
                               fp8_w8a8_us=ref["fp8-w8a8"]))
     json.dump({"gpu": name, "date": time.strftime("%Y-%m-%d"), "shape": SHAPE, "rows": rows, "final": final,
-               "entries": entries, "failed": [list(b) for b in bad]}, open(f"{out_dir}/moe_sweep.json", "w"), indent=1)
+               "entries": entries, "failed": sorted(failed)}, open(f"{out_dir}/moe_sweep.json", "w"), indent=1)
     if write:
         settings = configs.entry(json.loads(configs.path("moe").read_text()), name)
         settings.update(entries)
