@@ -214,6 +214,25 @@ def pdl_args(t: torch.Tensor) -> dict:
 
 
 @triton.jit
+def along_n(v, SWAP: tl.constexpr):
+    """A (BLOCK_N,) vector broadcast along a tile's columns: (BLOCK_N, 1) in a swapped (BLOCK_N, BLOCK_M) tile (weights
+    on the tensor core's wide side), else (1, BLOCK_N)."""
+    if SWAP:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def along_m(v, SWAP: tl.constexpr):
+    """A (BLOCK_M,) vector broadcast along a tile's rows: (1, BLOCK_M) in a swapped tile, else (BLOCK_M, 1)."""
+    if SWAP:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
 def gdc_enter(USE_GDC: tl.constexpr):
     # before the kernel's first load: wait until the previous kernel's writes are visible (transitively, those of
     # every earlier one), then let the next kernel launch while this one runs

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels import configs
-from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, silu
+from ssmq.kernels._common import along_n, dot_precision, gdc_enter, pdl_args, pow2, silu
 from ssmq.kernels.qgemm_mid import _asm, _i4_half
 from ssmq.kernels.quant_gemm import _i8_to_f16, quantize_act
 from ssmq.ops.moe import check_experts
@@ -209,10 +209,7 @@ def _k_step(acc, x_ptr, xq_ptr, x_row, mr, w_ptr, w_row, s_ptr, s_row, offs_k, k
             xv = tl.load(x_ptr + x_row[:, None] + k0 + offs_k[None, :], mask=mr[:, None] & mk[None, :], other=0.0)
             part = _mm(xv, w, part, False, PRECISION, SWAP)
         if POST == 1:
-            if SWAP:
-                acc += part * s[:, None]
-            else:
-                acc += part * s[None, :]
+            acc += part * along_n(s, SWAP)
         else:
             acc = part
     return acc

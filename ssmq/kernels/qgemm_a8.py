@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
+from ssmq.kernels._common import along_m, along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.quant_gemm import _counts, _split_gather
 from ssmq.ops.quant_linear import weight_format
@@ -162,15 +162,9 @@ def _a8_qmm(
                 s = tl.load(s_ptrs + g, mask=mn, other=0.0)
                 pf = _i32_f32(part if (MAGIC == 2 or not W4) else (part >> 4), MAGIC != 0)
                 if XS_ROWS:
-                    if SWAP:
-                        acc += pf * (xs16[None, :] * s[:, None])
-                    else:
-                        acc += pf * (xs16[:, None] * s[None, :])
+                    acc += pf * (along_m(xs16, SWAP) * along_n(s, SWAP))
                 else:
-                    if SWAP:
-                        acc += pf * (x016 * s)[:, None]
-                    else:
-                        acc += pf * (x016 * s)[None, :]
+                    acc += pf * along_n(x016 * s, SWAP)
             else:
                 acc_i = part
         w_ptrs += WK * GPS
@@ -196,16 +190,10 @@ def _a8_qmm(
         else:
             sc = tl.load(ws_ptr + offs_n * 0)
         af = ((acc_i >> 4) if W4 else acc_i).to(tl.float32)
-        if SWAP:
-            acc = af * (xs[None, :] * sc[:, None])
-        else:
-            acc = af * (xs[:, None] * sc[None, :])
+        acc = af * (along_m(xs, SWAP) * along_n(sc, SWAP))
     if HAS_BIAS:
         b = tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
-        if SWAP:
-            acc += b[:, None]
-        else:
-            acc += b[None, :]
+        acc += along_n(b, SWAP)
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mo)
 
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
+from ssmq.kernels._common import along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
 from ssmq.kernels.quant_gemm import _counts, _i8_to_f16, _split_gather
 from ssmq.ops.quant_linear import weight_format
@@ -186,10 +186,7 @@ def _mid_qmm(
             else:
                 part = tl.dot(xv, tl.trans(wf), part)
         if POST_SCALE and WS_MODE == 2:
-            if SWAP:
-                acc += part * s[:, None]
-            else:
-                acc += part * s[None, :]
+            acc += part * along_n(s, SWAP)
         else:
             acc = part
         w_ptrs += WK
@@ -200,10 +197,7 @@ def _mid_qmm(
             sc = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
         else:
             sc = tl.load(ws_ptr + offs_n * 0)
-        if SWAP:
-            acc = acc * sc[:, None]
-        else:
-            acc = acc * sc[None, :]
+        acc = acc * along_n(sc, SWAP)
     if SWAP:
         p_off = cols[:, None] + rows[None, :] * N
         o_off = cols[:, None] + rows[None, :] * s_om
@@ -220,10 +214,7 @@ def _mid_qmm(
         mo = mo & last[:, None]
     if HAS_BIAS:
         b = tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)
-        if SWAP:
-            acc += b[:, None]
-        else:
-            acc += b[None, :]
+        acc += along_n(b, SWAP)
     tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=mo)
 
 
