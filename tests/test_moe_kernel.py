@@ -398,3 +398,15 @@ def test_quantized_kernel_launch_variants_match_reference(MK, variant, fmt, t, s
         out = MK.moe_experts(x, w, idx, qu, qd, qg, "silu", scales, fp8, cfg=table)
         ref = moe_experts_ref(x, w, idx, qu, qd, qg, "silu", scales, fp8)
         assert rel(out, ref) <= (3e-3 if dtype == torch.float16 else 2e-2)
+
+
+def test_int4_tiles_narrower_than_32_columns_keep_the_float32_conversion():
+    """Groups of 16 int4 columns (16-column tiles) convert codes in float32 whatever the table entry asks: the 16-bit
+    conversion gave wrong results on an H100 there. Wider tiles take the entry's 16-bit conversion."""
+    from ssmq.kernels.moe import launch_consts
+
+    entry = {"CVT": 1, "POST": True, "XS": 0, "SWAP": True, "BN": 128, "BK": 128, "warps": 8, "stages": 3}
+    narrow = launch_consts(entry, torch.float16, True, 2, False, 4, 16, 512)
+    wide = launch_consts(entry, torch.float16, True, 2, False, 4, 128, 512)
+    assert (narrow["CVT"], narrow["POST"], narrow["SWAP"], narrow["ASM_LO"]) == (0, 0, False, "")
+    assert (wide["CVT"], wide["POST"], wide["SWAP"], wide["BLOCK_K"]) == (1, 1, True, 128) and wide["ASM_LO"]

@@ -343,15 +343,16 @@ def launch_consts(launch: dict, x_dtype: torch.dtype, cuda: bool, mode: int, act
     """The constexprs and launch keywords of one kernel from a table entry's ``up`` / ``down`` settings (n: the
     kernel's output columns, bk_max: ``_weights``' largest BLOCK_K)."""
     bk = min(launch["BK"], bk_max)
-    cvt = int(launch.get("CVT", 0) and mode != 0 and not act_fp8 and x_dtype != torch.float32)
+    # int4 tiles of fewer than 32 columns (groups of 16) keep the float32 conversion: the 16-bit one gave wrong
+    # results on an H100 there (8-byte tile rows), packed by bit assembly or not
+    cvt = int(launch.get("CVT", 0) and mode != 0 and not act_fp8 and x_dtype != torch.float32
+              and not (mode == 2 and bk < 32))
     xs = launch.get("XS", 0)
-    if mode == 2 and xs != 2 and bk < 32:  # the nibble halves' products need K >= 16
-        xs = 2
     bf16 = x_dtype == torch.bfloat16
     post = (1 if groups > 1 else 2) if cvt and launch.get("POST", False) else 0
     bn = min(launch["BN"], pow2(n, 16))
     # the bit assembly converts 4 codes a register: a thread must hold at least 4 of the tile's codes (with fewer,
-    # the sm_90 build packs values of other positions: wrong results on an H100 at 32 x 8-byte int4 tiles)
+    # the sm_90 build packs values of other positions)
     packed = cuda and cvt and bn * (bk // 2 if mode == 2 else bk) >= 4 * 32 * launch["warps"]
     asm = packed and mode == 2
     return dict(BLOCK_N=bn, BLOCK_K=bk, CVT=cvt, POST=post, XS=xs,
