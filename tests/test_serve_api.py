@@ -346,6 +346,36 @@ def test_stalled_headers_and_silent_connections_are_closed(mamba2):
     assert ok.status_code == 200
 
 
+def _received(sock: socket.socket) -> bytes:
+    chunk = sock.recv(4096)
+    assert chunk, "the server closed the connection"
+    return chunk
+
+
+def test_keep_alive_requests_are_not_timed_out(mamba2):
+    """Requests one after another on one connection, each header block well within the header timeout, pauses
+    between them longer than it: every one is answered (the timer runs only while a request's headers come in)."""
+    with start(mamba2, header_timeout_s=0.3) as url:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.settimeout(10)
+        codes, buf = [], b""
+        for _ in range(3):  # one connection throughout: a closed one fails the test
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+            while b"\r\n\r\n" not in buf:
+                buf += _received(sock)
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(buf) < length:
+                buf += _received(sock)
+            buf = buf[length:]
+            codes.append(int(head.split()[1]))
+            time.sleep(0.5)
+        sock.close()
+    assert codes == [200, 200, 200]
+
+
 def test_open_connections_are_bounded(mamba2):
     with start(mamba2, max_connections=2) as url:
         host, port = url.removeprefix("http://").split(":")
