@@ -13,7 +13,7 @@ PYTHONPATH=$PWD timeout 110 python3 -m ssmq.cli $LAT --out $OUT/lat 2>&1 | grep 
 echo "== latency, baseline tree $(date -u +%T)" | tee -a $OUT/log.txt
 (cd $BASE && PYTHONPATH=$PWD timeout 110 python3 -m ssmq.cli $LAT --out $OUT/lat_main 2>&1 | grep -v "it/s\|s/it" | tail -12) | tee -a $OUT/log.txt
 echo "== kernels $(date -u +%T)" | tee -a $OUT/log.txt
-PYTHONPATH=$PWD timeout 15 python3 -c "from ssmq.bench.gemv import copy_bandwidth; print(f'copy bandwidth {copy_bandwidth() / 1e9:.0f} GB/s (read + write)')" 2>&1 | tee -a $OUT/log.txt
+PYTHONPATH=$PWD timeout 15 python3 -c "from ssmq.bench.timing import copy_bandwidth; print(f'copy bandwidth {copy_bandwidth() / 1e9:.0f} GB/s (read + write)')" 2>&1 | tee -a $OUT/log.txt
 PYTHONPATH=$PWD timeout 45 python3 -m ssmq.cli bench kernels --only moe --shape granite-4.0-h-tiny --rows 1,64,1024 --l2-flush --out $OUT/kern 2>&1 | grep -v "it/s\|s/it" | tail -14 | tee -a $OUT/log.txt
 rm -f $OUT/lat/*.png $OUT/lat_main/*.png $OUT/kern/*.png
 echo "== done $(date -u +%T)" | tee -a $OUT/log.txt

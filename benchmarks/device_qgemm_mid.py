@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ssmq.bench.timing import copy_bandwidth_gbs, graph_us
+from ssmq.bench.timing import copy_bandwidth, graph_us
 from sweep_common import compile_points, logger, weight_copies
 
 ROWS = [16, 32, 64, 128, 256]
@@ -91,7 +91,7 @@ def main():
     from ssmq.kernels import quant_gemm as QG
 
     dev = torch.device("cuda")
-    copy_gbs = copy_bandwidth_gbs(dev)
+    copy_gbs = copy_bandwidth(dev) / 1e9
     say(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s")
     W = {(name, code): weight_copies(lambda seed, name=name, code=code: weights(name, code, dev, seed), dev)
          for name in SHAPES for code in ("w16", "w4", "w8")}

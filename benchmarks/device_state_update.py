@@ -26,6 +26,7 @@ import os
 import torch
 
 from ssmq.bench.kernels import state_update_inputs
+from ssmq.bench.timing import copy_bandwidth
 from ssmq.kernels import state_update as su
 from ssmq.ops.quant_ssm import RowScales, quant_state_update_ref
 
@@ -34,22 +35,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: a smoke test u
 if DEV == "cpu":
     H = int(os.environ.get("SMOKE_HEADS", "2"))
 FMTS = {"fp16": "float", "int8 row scales": "int8_rows", "int8 table": "int8_table"}
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    ts = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    del a, b
-    return 2 * (1 << 30) / (statistics.median(ts) / 1e3)
 
 
 def case(kind: str, b: int, gen):

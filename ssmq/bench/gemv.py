@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from ssmq.bench.timing import copy_bandwidth
 from ssmq.models.published import PUBLISHED
 
 FORMATS = ("fp16", "w4a16-g128", "w8a16", "fp8-w8a8")
@@ -33,14 +34,6 @@ FORMATS = ("fp16", "w4a16-g128", "w8a16", "fp8-w8a8")
 # every call it serves; qgemv: the stored layout's qgemv for every call it serves
 _PACKED_OFF, _PACKED_ALL = {"ROUTE_ROWS": dict(int4=0, int8=0)}, {"ROUTE_ROWS": dict(int4=8, int8=8)}
 VARIANTS = {"old": {"packed_gemv": _PACKED_OFF}, "new": {"packed_gemv": _PACKED_ALL}}
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written (1 GiB copied)."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = _median_ms(lambda: b.copy_(a), None, 20)
-    return 2 * a.numel() / (ms / 1e3)
 
 
 def _median_ms(fn, flush, reps: int) -> float:

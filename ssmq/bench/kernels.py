@@ -259,7 +259,7 @@ def run(args) -> dict:
     cases = [(n, c) for n in names for c in KERNEL_BENCHES[n].fn(ctx)]
     bw = None
     if device.type == "cuda" and any(c.nbytes for _, c in cases):  # the ceiling of a streaming kernel, this run's
-        from ssmq.bench.gemv import copy_bandwidth
+        from ssmq.bench.timing import copy_bandwidth
 
         bw = copy_bandwidth()
         result["copy_bandwidth_GBps"] = bw / 1e9

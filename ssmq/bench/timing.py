@@ -107,9 +107,9 @@ def graph_us(calls: list[Callable[[], object]], reps: int = 5, timings: int = 5)
     return statistics.median(ts)
 
 
-def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """The device's copy bandwidth, GB/s: bytes read + written by a device-to-device copy of ``nbytes`` over its
-    GPU time (``graph_us``)."""
+def copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30) -> float:
+    """The device's copy bandwidth in bytes/s, counting bytes read plus written: a device-to-device copy of
+    ``nbytes``, the median of 20 CUDA-event timings."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    return 2 * nbytes / graph_us([lambda: b.copy_(a)]) / 1e3
+    return 2 * nbytes / (time_fn(lambda: b.copy_(a), device, warmup=1, reps=20).median_ms / 1e3)
