@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import os
 import torch
 
 from ssmq.bench.kernels import state_update_inputs
-from ssmq.bench.timing import copy_bandwidth
+from ssmq.bench.timing import copy_bandwidth, graph_us
 from ssmq.kernels import state_update as su
 from ssmq.ops.quant_ssm import RowScales, quant_state_update_ref
 
@@ -77,29 +76,7 @@ def time_graph(call, K, reps=20) -> float:
         t0 = time.perf_counter()
         call(0)
         return (time.perf_counter() - t0) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for k in range(K):
-            call(k)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for k in range(K):
-            call(k)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(e))
-    del g
-    return statistics.median(ts) * 1e3 / K
+    return graph_us([lambda k=k: call(k) for k in range(K)], reps=1, timings=reps)
 
 
 def main():

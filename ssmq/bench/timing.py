@@ -85,9 +85,14 @@ def wall(device: torch.device | str = "cpu") -> float:
 def graph_us(calls: list[Callable[[], object]], reps: int = 5, timings: int = 5) -> float:
     """GPU time of one call, µs: ``calls`` (run once each per replay, e.g. one per weight copy so that together they
     exceed the L2) captured in a CUDA graph, replayed ``reps`` times per timing; the median of ``timings`` timings,
-    over ``reps`` × ``len(calls)``. No host launch time is counted."""
-    for f in calls:
-        f()
+    over ``reps`` × ``len(calls)``. No host launch time is counted. The calls run once on a side stream first, as
+    CUDA-graph capture asks (lazy initialisation outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
