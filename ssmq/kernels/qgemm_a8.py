@@ -36,7 +36,7 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import along_m, along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
-from ssmq.kernels.quant_gemm import _counts, _split_gather
+from ssmq.kernels.quant_gemm import _split_gather, split_buffers
 from ssmq.ops.quant_linear import weight_format
 
 CFG = configs.load("qgemm_a8")  # launch settings and routes (configs/qgemm_a8.json)
@@ -299,11 +299,7 @@ def quant_linear_a8(x, x_scale, w_q, w_scale, f: dict | None = None, bias=None, 
         return out
     c = _plan(M, N, K, f, sm_count(x.device), cfg)
     split = c["split"]
-    if split > 1:
-        part = torch.empty((split, M, N), device=x.device, dtype=torch.int32)
-        cnt = _counts(x.device, c["tiles"])
-    else:
-        part = cnt = out
+    part, cnt = split_buffers(split, M, N, c["tiles"], x.device, torch.int32, out)
     ws_mode = 2 if w_scale.dim() == 2 else int(w_scale.dim() == 1)
     xs = x_scale.reshape(-1) if x_scale.numel() > 1 else x_scale.reshape(1)
     _a8_qmm[c["grid"]](

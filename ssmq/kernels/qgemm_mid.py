@@ -35,7 +35,7 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
-from ssmq.kernels.quant_gemm import _counts, _i8_to_f16, _split_gather
+from ssmq.kernels.quant_gemm import _i8_to_f16, _split_gather, split_buffers
 from ssmq.ops.quant_linear import weight_format
 
 CFG = configs.load("qgemm_mid")  # launch settings and routes (configs/qgemm_mid.json)
@@ -277,11 +277,7 @@ def quant_linear_mid(x, w_q, w_scale, f: dict | None = None, bias=None, out_dtyp
         return out
     c = _plan(M, N, K, f, sm_count(x.device), cfg)
     split = c["split"]
-    if split > 1:
-        part = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-        cnt = _counts(x.device, c["tiles"])
-    else:
-        part = cnt = out
+    part, cnt = split_buffers(split, M, N, c["tiles"], x.device, torch.float32, out)
     bf16 = x.dtype == torch.bfloat16
     ptx = x.is_cuda
     W4 = f["bits"] == 4

@@ -910,6 +910,16 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def split_buffers(split: int, M: int, N: int, tiles: int, device: torch.device, dtype: torch.dtype,
+                  out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial sums (split, M, N) of ``dtype``, the ``tiles`` output tiles' counters) of a kernel whose K is split
+    ``split`` ways and whose last program of a tile adds them (``_split_gather``); (out, out) placeholders when
+    ``split`` is 1."""
+    if split == 1:
+        return out, out
+    return torch.empty((split, M, N), device=device, dtype=dtype), _counts(device, tiles)
+
+
 def _words_ok(x2, w_q, f: dict, a_mode: int, cfg: dict) -> bool:
     """Whether _qgemv_words serves this call: int8 / int4 codes with float or int8 x, or fp8 codes (per channel /
     tensor) with float or fp8 x, up to WORD_MAX_ROWS rows, rows of whole 32-bit words (k a multiple of 8 for int4,
