@@ -224,6 +224,15 @@ def along_n(v, SWAP: tl.constexpr):
 
 
 @triton.jit
+def tile_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, SWAP: tl.constexpr):
+    """A zeroed accumulator for a (BLOCK_M, BLOCK_N) output tile, (BLOCK_N, BLOCK_M) in a swapped product."""
+    if SWAP:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=DTYPE)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=DTYPE)
+
+
+@triton.jit
 def along_m(v, SWAP: tl.constexpr):
     """A (BLOCK_M,) vector broadcast along a tile's rows: (1, BLOCK_M) in a swapped tile, else (BLOCK_M, 1)."""
     if SWAP:

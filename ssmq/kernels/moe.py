@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels import configs
-from ssmq.kernels._common import along_n, dot_precision, gdc_enter, pdl_args, pow2, silu
+from ssmq.kernels._common import along_n, dot_precision, gdc_enter, pdl_args, pow2, silu, tile_zeros
 from ssmq.kernels.qgemm_mid import _asm, _i4_half
 from ssmq.kernels.quant_gemm import _i8_to_f16, quantize_act
 from ssmq.ops.moe import check_experts
@@ -239,12 +239,8 @@ def _moe_up(
     w_row = e * s_we + offs_n.to(tl.int64)[:, None] * s_wf
     s_row = e * s_se + offs_n.to(tl.int64) * n_groups
     dt = h_ptr.dtype.element_ty
-    if SWAP:
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tile_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP)
+    acc_g = tile_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP)
     k_len = tl.where(nonempty, d, 0)  # an empty block (past the last) runs no iteration
     for k0 in range(0, k_len, BLOCK_K):
         acc_u = _k_step(acc_u, x_ptr, xq_ptr, x_row, mr, wu_ptr, w_row, su_ptr, s_row, offs_k, k0, d, group, mn,
@@ -297,10 +293,7 @@ def _moe_down(
     w_row = e * s_we + offs_n.to(tl.int64)[:, None] * s_wd
     s_row = e * s_se + offs_n.to(tl.int64) * n_groups
     dt = h_ptr.dtype.element_ty
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tile_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP)
     k_len = tl.where(nonempty, f, 0)
     for k0 in range(0, k_len, BLOCK_K):
         acc = _k_step(acc, h_ptr, hq_ptr, h_row, mr, wd_ptr, w_row, sd_ptr, s_row, offs_k, k0, f, group, mn,

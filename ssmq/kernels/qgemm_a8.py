@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import along_m, along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
+from ssmq.kernels._common import (along_m, along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count,
+                                  tile_zeros)
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.quant_gemm import _split_gather, split_buffers
 from ssmq.ops.quant_linear import weight_format
@@ -114,12 +115,8 @@ def _a8_qmm(
     else:
         xs16 = xs
         x016 = x0
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc_i = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    acc = tile_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP)
+    acc_i = tile_zeros(BLOCK_M, BLOCK_N, tl.int32, SWAP)
     for k in range(0, k_len, BLOCK_K * GPS):
         for g in tl.static_range(GPS):  # GPS independent tiles a step: their loads and products overlap
             w = tl.load(w_ptrs + g * WK, mask=mn[:, None], other=0).to(tl.int8, bitcast=True)

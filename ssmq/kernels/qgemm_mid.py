@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count
+from ssmq.kernels._common import along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count, tile_zeros
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
 from ssmq.kernels.quant_gemm import _i8_to_f16, _split_gather, split_buffers
 from ssmq.ops.quant_linear import weight_format
@@ -134,10 +134,7 @@ def _mid_qmm(
         x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + tl.arange(0, BLOCK_K)[None, :]
     s_ptrs = ws_ptr + cols * n_groups + k0 // BLOCK_K
     SCALED: tl.constexpr = WS_MODE == 2 and not POST_SCALE
-    if SWAP:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tile_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP)
     for k in range(0, k_len, BLOCK_K):
         w = tl.load(w_ptrs, mask=mn[:, None], other=0).to(tl.int8, bitcast=True)
         if WS_MODE == 2:
