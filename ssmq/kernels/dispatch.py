@@ -30,7 +30,10 @@ def _use_triton(t) -> bool:
     return t.is_cuda and _HAS_TRITON and not active().reference_ops
 
 
+@functools.cache
 def _kernels(module: str):
+    # cached: a prefill forward asks for a module about 12 times a layer, and the import machinery's lookup is
+    # several microseconds of host time each
     return importlib.import_module(f"ssmq.kernels.{module}")
 
 
@@ -279,6 +282,8 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
+    if math.prod(x.shape[:-1]) > _routed_rows():  # prefill: none of the tables below routes this many rows
+        return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
     if words is not None and w_zero is None and x_scale is None:
         packed = _kernels("packed_gemv")
         bits = 4 if w_q.dtype == torch.uint8 else 8
@@ -299,12 +304,21 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
+def _routed_rows() -> int:
+    """The most rows that any selection table of ``quant_linear`` sends to a kernel other than quant_gemm's, read from
+    the kernels' launch settings at each call (a benchmark or test may change them). A prefill call past it skips the
+    tables: their checks cost more host time than the launch itself (an eager prefill of Mamba2-2.7B runs 128)."""
+    mid, a8 = _kernels("qgemm_mid").CFG["ROUTE"], _kernels("qgemm_a8").CFG["ROUTE"]
+    return max(_kernels("packed_gemv").CFG["MAX_ROWS"], _kernels("qgemv").CFG["MAX_ROWS"],
+               *(hi for _, hi in mid.values()), *(hi for _, hi in a8.values()))
+
+
 def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None):
     """``ops.quant_linear_act_ref``: on CUDA, codes ``qgemv`` or ``qgemm_a8`` serves are quantized by ``quantize_act``
     and multiplied there (``quant_linear``); else ``quant_gemm.quant_linear_act``."""
     if not _use_triton(w_q):
         return ops.quant_linear_act_ref(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
-    if _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype) or \
+    if math.prod(x.shape[:-1]) <= _routed_rows() and _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype) or \
             _kernels("qgemm_a8").serves_codes(x, w_q, w_scale, act_dtype):
         x_q, xs = _kernels("quant_gemm").quantize_act(x, x_scale, per_token, act_dtype)
         return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype)

@@ -1035,9 +1035,10 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
     return out
 
 
-def dequantize_weight(w_q, w_scale, w_zero=None, dtype=torch.float16) -> torch.Tensor:
-    """(n, k) weight in ``dtype``: (q - zero) * scale in float32, rounded once (ops.dequantize_weight's values)."""
-    f = weight_format(w_q, w_scale, w_zero)
+def dequantize_weight(w_q, w_scale, w_zero=None, dtype=torch.float16, f: dict | None = None) -> torch.Tensor:
+    """(n, k) weight in ``dtype``: (q - zero) * scale in float32, rounded once (ops.dequantize_weight's values); f: the
+    weight's ``weight_format`` when the caller has read it."""
+    f = f or weight_format(w_q, w_scale, w_zero)
     N, K = f["n"], f["k"]
     out = torch.empty((N, K), device=w_q.device, dtype=dtype)
     g = f["group_size"]
@@ -1103,7 +1104,7 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
         cublas = cfg["PREFILL_A16"] == "cublas" or (cfg["PREFILL_A16"] == "auto" and (
             M >= cfg["CUBLAS_ROWS"] or (M > cfg["MID_MAX_ROWS"] and _underfilled(N, f, x.device, cfg))))
         if a_mode == 0 and cublas and x.dtype != torch.float32:
-            w = dequantize_weight(w_q, w_scale, w_zero, x.dtype)
+            w = dequantize_weight(w_q, w_scale, w_zero, x.dtype, f)
             return _as_out(torch.nn.functional.linear(x2, w, None if bias is None else bias.to(x.dtype)), out_shape,
                            out_dtype)
     out = torch.empty(out_shape, device=x.device, dtype=out_dtype)
