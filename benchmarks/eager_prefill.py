@@ -3,15 +3,16 @@ recipe and prompt length, and how much of it the host's launches take.
 
     python benchmarks/eager_prefill.py --model mamba2-2.7b --recipes float,rtn-w4a16-g128,fp8-w8a8 --lengths 1024,8192
 
-Random weights at the published config, float16, batch 1, on a CUDA GPU. ``wall_ms``: median of 5 forwards after 3
-warm-ups, each synchronized; ``host_ms``: the same forward's return on the host before synchronizing (the launches
-alone). Where host_ms is close to wall_ms the host, not the GPU, sets the forward's time.
+Random weights at the published config, float16, batch 1, on a CUDA GPU. ``wall_ms``: median of 15 forwards after 3
+warm-ups, each synchronized; ``host_ms``: median of the same forwards' return on the host before synchronizing (the
+launches alone). Where host_ms is close to wall_ms the host, not the GPU, sets the forward's time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -21,23 +22,21 @@ from ssmq.kernels.policy import set_policy
 from ssmq.runtime.kernel_policy import policy_from_env
 
 
-def time_forward(model, ids) -> tuple[float, float]:
-    """(median wall ms of 5 synchronized forwards, host ms of one more) of ``model(ids)``."""
+def time_forward(model, ids, reps: int = 15) -> tuple[float, float]:
+    """(median wall ms, median host ms) of ``reps`` forwards of ``model(ids)`` after 3 warm-ups: wall up to the
+    synchronize after each forward, host up to its return (the launches alone; the queue is empty at each start)."""
+    walls, hosts = [], []
     with torch.inference_mode():
         for _ in range(3):
             model(ids)
         torch.cuda.synchronize()
-        walls = []
-        for _ in range(5):
+        for _ in range(reps):
             t = time.perf_counter()
             model(ids)
+            hosts.append(time.perf_counter() - t)
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        model(ids)
-        host = time.perf_counter() - t
-        torch.cuda.synchronize()
-    return sorted(walls)[2] * 1e3, host * 1e3
+    return statistics.median(walls) * 1e3, statistics.median(hosts) * 1e3
 
 
 def main() -> None:

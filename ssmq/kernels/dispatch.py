@@ -282,7 +282,7 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
-    if math.prod(x.shape[:-1]) > _routed_rows():  # prefill: none of the tables below routes this many rows
+    if math.prod(x.shape[:-1]) > _routed_rows(x.dtype):  # prefill: no table below routes this many rows
         return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
     if words is not None and w_zero is None and x_scale is None:
         packed = _kernels("packed_gemv")
@@ -304,13 +304,20 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
-def _routed_rows() -> int:
-    """The most rows that any selection table of ``quant_linear`` sends to a kernel other than quant_gemm's, read from
-    the kernels' launch settings at each call (a benchmark or test may change them). A prefill call past it skips the
-    tables: their checks cost more host time than the launch itself (an eager prefill of Mamba2-2.7B runs 128)."""
-    mid, a8 = _kernels("qgemm_mid").CFG["ROUTE"], _kernels("qgemm_a8").CFG["ROUTE"]
-    return max(_kernels("packed_gemv").CFG["MAX_ROWS"], _kernels("qgemv").CFG["MAX_ROWS"],
-               *(hi for _, hi in mid.values()), *(hi for _, hi in a8.values()))
+def _routed_rows(x_dtype: torch.dtype) -> float:
+    """The most rows that any selection table of ``quant_linear`` sends to a kernel other than its last (default) one
+    for x of ``x_dtype``, read from the kernels' launch settings at each call (a benchmark or test may change them). A
+    prefill call past it skips the tables: their checks cost more host time than the launch itself (an eager prefill
+    of Mamba2-2.7B runs 128)."""
+    k, x = _kernels, _name(x_dtype)
+    most = 0
+    for table in (quant_linear_rows(k("qgemv").CFG), packed_linear_rows(k("packed_gemv").CFG),
+                  quant_linear_mid_rows(k("qgemm_mid").CFG), quant_linear_a8_rows(k("qgemm_a8").CFG)):
+        for row in table[:-1]:
+            if "x" in row.needs and not row.needs["x"].holds(x):
+                continue
+            most = max(most, row.needs["rows"].most if "rows" in row.needs else math.inf)
+    return most
 
 
 def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None):
@@ -318,8 +325,9 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
     and multiplied there (``quant_linear``); else ``quant_gemm.quant_linear_act``."""
     if not _use_triton(w_q):
         return ops.quant_linear_act_ref(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
-    if math.prod(x.shape[:-1]) <= _routed_rows() and _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype) or \
-            _kernels("qgemm_a8").serves_codes(x, w_q, w_scale, act_dtype):
+    if math.prod(x.shape[:-1]) <= _routed_rows(act_dtype) and (
+            _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype)
+            or _kernels("qgemm_a8").serves_codes(x, w_q, w_scale, act_dtype)):
         x_q, xs = _kernels("quant_gemm").quantize_act(x, x_scale, per_token, act_dtype)
         return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype)
     return _kernels("quant_gemm").quant_linear_act(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
