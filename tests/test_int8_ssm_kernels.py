@@ -281,6 +281,8 @@ CONV_SHAPES = [(2, 40, 7, 4)] if INTERPRET else [(2, 1000, 37, 4), (1, 5376, 300
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_conv1d_silu_quant_equals_reference(CV, b, d, l, w, scale_kind, dtype, with_state):
+    # codes, and with fake_quant their values (codes x scale, one float32 product, in x's dtype: the x, B, C taps
+    # applied in the conv) with the same final state
     from ssmq.ops.quant_ssm import conv1d_silu_quant_ref
 
     g = gen(1)
@@ -288,11 +290,14 @@ def test_conv1d_silu_quant_equals_reference(CV, b, d, l, w, scale_kind, dtype, w
     init = rand(b, d, w - 1, g=g).to(dtype) if with_state else None
     scale = _conv_scale(scale_kind, d, g, (d, 1))
     want = conv1d_silu_quant_ref(x, weight, bias, scale, init, return_final_states=with_state)
-    got = CV.conv1d_silu_quant(*_dev([x, weight, bias, scale, init]), return_final_states=with_state)
+    args = _dev([x, weight, bias, scale, init])
+    got = CV.conv1d_silu_quant(*args, return_final_states=with_state)
+    values = CV.conv1d_silu_quant(*args, return_final_states=with_state, fake_quant=True)
     if with_state:
-        (got, final), (want, want_final) = got, want
-        assert torch.equal(final.cpu(), want_final)
+        (got, final), (want, want_final), (values, final_v) = got, want, values
+        assert torch.equal(final.cpu(), want_final) and torch.equal(final_v, final)
     _assert_codes_close(got, want)
+    assert values.dtype == dtype and torch.equal(values, (got.float() * _to_dev(scale).float()).to(dtype))
 
 
 UPDATE_SHAPES = [(3, 5, 40, 4)] if INTERPRET else [(33, 64, 5376, 4), (1, 2, 1000, 4), (130, 256, 96, 3)]

@@ -623,3 +623,15 @@ def test_sharded_gated_norm_kernels_compile_for_sm90(before):
     _compile_sm90(ns._gated_partial, io, dict(WITH_OUT=True, BLOCK=2048, BLOCK_K=2, NORM_BEFORE_GATE=before,
                                               USE_GDC=True))
     _compile_sm90(ns._gated_reduced, io, dict(BLOCK=2048, NORM_BEFORE_GATE=before, USE_GDC=True), floats=("eps",))
+
+
+# The prefill conv (ssmq.kernels.conv1d._conv1d_fwd): float out, int8 codes out (Quamba's fused conv), and the codes'
+# values (fake_quant: the x, B, C taps applied in the conv), with an initial state
+@pytest.mark.parametrize("out,quant,deq", [("fp16", False, False), ("i8", True, False), ("fp16", True, True)])
+def test_prefill_conv_compiles_for_sm90(out, quant, deq):
+    from ssmq.kernels.conv1d import _conv1d_fwd as kernel
+
+    pointers = {"x_ptr": "fp16", "w_ptr": "fp16", "bias_ptr": "fp16", "init_ptr": "fp16", "out_ptr": out,
+                "qs_ptr": "fp32", "ws_ptr": "fp32", "as_ptr": "fp32", "bs_ptr": "fp32"}
+    _compile_sm90(kernel, pointers, dict(W=4, HAS_BIAS=True, HAS_INIT=True, SILU=True, QUANT=quant, BD=16, BL=128,
+                                         INT8=False, INT8_BIAS=False, DEQ=deq))

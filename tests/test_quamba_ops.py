@@ -6,6 +6,7 @@ from ssmq import ops
 from ssmq.ops.quant_ssm import (
     conv1d_silu_quant_ref,
     dequantize_ref,
+    fake_quantize_ref,
     dequantize_state_ref,
     quant_selective_scan_ref,
     quant_ssd_ref,
@@ -68,6 +69,11 @@ def test_fused_conv_and_norm_quantize_as_their_float_parts():
     q, final = conv1d_silu_quant_ref(x, w, bias, s, return_final_states=True)
     y, ref_final = ops.causal_conv1d_ref(x, w, bias, None, True, "silu")
     assert torch.equal(q, quantize_ref(y, s)) and torch.equal(final, ref_final)
+    for dtype in (torch.float32, torch.float16):  # fake_quant: the taps' output (each channel's scale), not codes
+        values = conv1d_silu_quant_ref(x.to(dtype), w.to(dtype), bias.to(dtype), s, fake_quant=True)
+        yd = ops.causal_conv1d_ref(x.to(dtype), w.to(dtype), bias.to(dtype), None, False, "silu")
+        assert values.dtype == dtype
+        assert torch.equal(values, fake_quantize_ref(yd.transpose(1, 2), s.reshape(-1)).transpose(1, 2))
     h, res, nw = rnd(2, 3, 16), rnd(2, 3, 16), rnd(16)
     q, r = rms_norm_quant_ref(h, nw, 1e-5, res, True, torch.tensor(0.03))
     out, ref_r = ops.rms_norm_ref(h, nw, 1e-5, res, True)

@@ -132,3 +132,57 @@ def test_checkpoint_round_trip(tmp_path):
     again = load_quantized(tmp_path / "q")
     with torch.no_grad():
         assert torch.equal(model(TEST), again(TEST))
+
+
+# ---------------------------------------------------------------------------------------------- prefill taps in the conv
+@pytest.mark.parametrize("arch,name", [("mamba2", "quamba2-w8a8"), ("mamba2", "quamba-w8a8"),
+                                       ("mamba1", "quamba-w8a8"), ("mamba1", "quamba2-w4a8")])
+def test_prefill_taps_in_the_conv_equal_the_taps(arch, name, monkeypatch):
+    # the conv applies the x (B, C) taps' fake-quant itself (conv_prefill's fake_quant): the same logits as calling
+    # the taps, which a forward hook on a tap forces (calibration observes taps through hooks); no tap pass runs
+    from ssmq import kernels
+
+    model = quantized(arch, name)
+    mixer = model.layers[0].mixer
+    taps = (mixer.act_x, mixer.act_B, mixer.act_C) if arch == "mamba2" else (mixer.act_x,)
+    assert all(callable(getattr(t, "codes", None)) for t in taps)
+    calls = []
+    fq = kernels.fake_quantize
+    monkeypatch.setattr(kernels, "fake_quantize", lambda x, s: calls.append(x.shape) or fq(x, s))
+    with torch.inference_mode():
+        fused = model(TEST)
+        n_fused = len(calls)
+        handles = [layer.mixer.act_x.register_forward_hook(lambda *a: None) for layer in model.layers]
+        try:
+            called = model(TEST)
+        finally:
+            for h in handles:
+                h.remove()
+    assert len(calls) - 2 * n_fused == len(taps) * len(model.layers)  # the taps' own passes, only when hooked
+    assert torch.equal(fused, called)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "mamba1"])
+def test_prefill_taps_in_the_conv_continue_the_cache(arch):
+    # with a state cache: the fused prefill leaves the same conv and SSM states, and the decode steps after it give
+    # the same logits, as the taps' own passes (forced by a hook)
+    model = quantized(arch, "quamba-w8a8")
+    ids = TEST[:2]
+
+    def run(hooked):
+        handles = [layer.mixer.act_x.register_forward_hook(lambda *a: None) for layer in model.layers] if hooked \
+            else []
+        try:
+            cache = model.allocate_cache(2, 64)
+            with torch.inference_mode():
+                out = [model(ids[:, :20], cache)]
+                for t in range(20, 24):
+                    out.append(model.step(ids[:, t], cache) if hasattr(model, "step") else model(ids[:, t:t + 1], cache))
+            return out, [s.conv.clone() for s in cache.states]
+        finally:
+            for h in handles:
+                h.remove()
+
+    (fused, conv_f), (called, conv_c) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(fused, called))
+    assert all(torch.equal(a, b) for a, b in zip(conv_f, conv_c))

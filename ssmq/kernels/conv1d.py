@@ -54,6 +54,7 @@ def _conv1d_fwd(
     sxb, sxd, sxl, swd, sww, sib, sid, siw, sob, sod, sol, sqd, swsd,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr, QUANT: tl.constexpr,
     BD: tl.constexpr, BL: tl.constexpr, INT8: tl.constexpr = False, INT8_BIAS: tl.constexpr = False,
+    DEQ: tl.constexpr = False,
 ):
     pid_b, pid_d, pid_l = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_d = pid_d * BD + tl.arange(0, BD)
@@ -84,6 +85,8 @@ def _conv1d_fwd(
         acc = silu(acc)
     if QUANT:
         acc = _quantize_out(acc, x_ptr, qs_ptr + offs_d[:, None] * sqd, mask_d[:, None])
+        if DEQ:  # the codes' values in x's dtype: fake-quant taps' output without a pass (and a copy) of their own
+            acc = acc.to(tl.float32) * tl.load(qs_ptr + offs_d * sqd, mask=mask_d, other=1.0).to(tl.float32)[:, None]
     tl.store(out_ptr + pid_b * sob + offs_d[:, None] * sod + offs_l[None, :] * sol,
              acc.to(out_ptr.dtype.element_ty), mask=mask_d[:, None] & (offs_l < l)[None, :])
 
@@ -97,15 +100,16 @@ def causal_conv1d(x, weight, bias=None, initial_states=None, return_final_states
     return _conv1d(x, weight, bias, initial_states, return_final_states, _check_activation(activation), None, int8)
 
 
-def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None):
+def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None,
+                      fake_quant=False):
     """Causal conv + SiLU + int8 quantization of the output, as ``conv1d_silu_quant_ref``.
 
     x: (b, d, l) float; weight: (d, w); bias: (d,); out_scale: (d, 1) per channel (``ActQuantizer.channel_scale``
-    covers per-group scales) or () per tensor. Returns codes (b, d, l) int8 and, if asked, the float conv state
-    (b, d, w-1).
+    covers per-group scales) or () per tensor. Returns codes (b, d, l) int8 (``fake_quant``: their values, in x's
+    dtype) and, if asked, the float conv state (b, d, w-1).
     """
     return _conv1d(x, weight, bias, initial_states, return_final_states, True,
-                   _out_scale(out_scale, x.shape[1], (x.shape[1], 1)), int8)
+                   _out_scale(out_scale, x.shape[1], (x.shape[1], 1)), int8, fake_quant)
 
 
 def _out_scale(scale, d, per_channel_shape):
@@ -127,11 +131,11 @@ def _int8_args(int8, weight) -> tuple[tuple, dict]:
                                                                    "INT8_BIAS": int8.bias_scale is not None}
 
 
-def _conv1d(x, weight, bias, initial_states, return_final_states, use_silu, qscale, int8=None):
+def _conv1d(x, weight, bias, initial_states, return_final_states, use_silu, qscale, int8=None, fake_quant=False):
     b, d, l = x.shape
     (ws, acts, bs, swsd), int8_kw = _int8_args(int8, weight)
     w = weight.shape[1]
-    out = torch.empty((b, d, l), device=x.device, dtype=x.dtype if qscale is None else torch.int8)
+    out = torch.empty((b, d, l), device=x.device, dtype=x.dtype if qscale is None or fake_quant else torch.int8)
     init = initial_states if initial_states is not None else x  # dummy pointer when absent
     BD, BL = 16, min(128, pow2(l, 16))
     grid = (b, triton.cdiv(d, BD), triton.cdiv(l, BL))
@@ -142,7 +146,7 @@ def _conv1d(x, weight, bias, initial_states, return_final_states, use_silu, qsca
         *(init.stride() if initial_states is not None else (0, 0, 0)), *out.stride(),
         qscale.stride(0) if qscale is not None else 0, swsd,
         W=w, HAS_BIAS=bias is not None, HAS_INIT=initial_states is not None, SILU=use_silu, QUANT=qscale is not None,
-        BD=BD, BL=BL, num_warps=4, **int8_kw,
+        BD=BD, BL=BL, num_warps=4, DEQ=fake_quant and qscale is not None, **int8_kw,
     )
     if not return_final_states:
         return out

@@ -48,12 +48,14 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, conv
     return impl(x, conv_state, weight, bias, activation, conv_state_indices, int8=int8)
 
 
-def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None):
-    """``ops.quant_ssm.conv1d_silu_quant_ref``: conv + SiLU with int8 codes out (Quamba's fused conv)."""
+def conv1d_silu_quant(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None,
+                      fake_quant=False):
+    """``ops.quant_ssm.conv1d_silu_quant_ref``: conv + SiLU with int8 codes out (Quamba's fused conv), or with
+    ``fake_quant`` their values (fake-quant taps on the output, in the conv's kernel)."""
     from ssmq.ops.quant_ssm import conv1d_silu_quant_ref
 
     impl = _kernels("conv1d").conv1d_silu_quant if _use_triton(x) else conv1d_silu_quant_ref
-    return impl(x, weight, bias, out_scale, initial_states, return_final_states, int8=int8)
+    return impl(x, weight, bias, out_scale, initial_states, return_final_states, int8=int8, fake_quant=fake_quant)
 
 
 def conv1d_update_silu_quant(x, conv_state, weight, bias, out_scale, conv_state_indices=None, dequantized=False,
@@ -282,42 +284,43 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     ``quant_gemm``'s kernels."""
     if not _use_triton(w_q):
         return ops.quant_linear_ref(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
-    if math.prod(x.shape[:-1]) > _routed_rows(x.dtype):  # prefill: no table below routes this many rows
-        return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
-    if words is not None and w_zero is None and x_scale is None:
+    maybe = _candidates(x.dtype, math.prod(x.shape[:-1]))  # empty at prefill rows of 16-bit x
+    if words is not None and w_zero is None and x_scale is None and "packed_gemv" in maybe:
         packed = _kernels("packed_gemv")
         bits = 4 if w_q.dtype == torch.uint8 else 8
         if select(packed_linear_rows(packed.CFG), packed.launch(x, words, w_scale, bits)) == "packed_gemv":
             return packed.packed_gemv(x, words, w_scale, bits, bias, out_dtype)
-    gemv = _kernels("qgemv")
-    f = gemv.serves(x, w_q, w_scale, w_zero, x_scale)
-    if f is not None:
-        return gemv.quant_gemv(x, w_q, w_scale, f, x_scale, bias, out_dtype)
-    mid = _kernels("qgemm_mid")
-    f = mid.serves(x, w_q, w_scale, w_zero, x_scale)
-    if f is not None:
-        return mid.quant_linear_mid(x, w_q, w_scale, f, bias, out_dtype)
-    a8 = _kernels("qgemm_a8")
-    f = a8.serves(x, w_q, w_scale, w_zero, x_scale)
-    if f is not None:
-        return a8.quant_linear_a8(x, x_scale, w_q, w_scale, f, bias, out_dtype)
+    if "qgemv" in maybe:
+        gemv = _kernels("qgemv")
+        f = gemv.serves(x, w_q, w_scale, w_zero, x_scale)
+        if f is not None:
+            return gemv.quant_gemv(x, w_q, w_scale, f, x_scale, bias, out_dtype)
+    if "qgemm_mid" in maybe:
+        mid = _kernels("qgemm_mid")
+        f = mid.serves(x, w_q, w_scale, w_zero, x_scale)
+        if f is not None:
+            return mid.quant_linear_mid(x, w_q, w_scale, f, bias, out_dtype)
+    if "qgemm_a8" in maybe:
+        a8 = _kernels("qgemm_a8")
+        f = a8.serves(x, w_q, w_scale, w_zero, x_scale)
+        if f is not None:
+            return a8.quant_linear_a8(x, x_scale, w_q, w_scale, f, bias, out_dtype)
     return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
-def _routed_rows(x_dtype: torch.dtype) -> float:
-    """The most rows that any selection table of ``quant_linear`` sends to a kernel other than its last (default) one
-    for x of ``x_dtype``, read from the kernels' launch settings at each call (a benchmark or test may change them). A
-    prefill call past it skips the tables: their checks cost more host time than the launch itself (an eager prefill
-    of Mamba2-2.7B runs 128)."""
+def _candidates(x_dtype: torch.dtype, rows: int) -> set[str]:
+    """The kernels that a row of one of ``quant_linear``'s selection tables (other than its default) could send a call
+    of ``rows`` rows of x of ``x_dtype`` to, read from the kernels' launch settings at each call (a benchmark or test
+    may change them). Only their tables' other checks (the weight's format, the layout) run: those cost more host time
+    than a launch, and at prefill (an eager prefill of Mamba2-2.7B makes 128 calls) no table is left to ask."""
     k, x = _kernels, _name(x_dtype)
-    most = 0
+    found = set()
     for table in (quant_linear_rows(k("qgemv").CFG), packed_linear_rows(k("packed_gemv").CFG),
                   quant_linear_mid_rows(k("qgemm_mid").CFG), quant_linear_a8_rows(k("qgemm_a8").CFG)):
         for row in table[:-1]:
-            if "x" in row.needs and not row.needs["x"].holds(x):
-                continue
-            most = max(most, row.needs["rows"].most if "rows" in row.needs else math.inf)
-    return most
+            if all(name not in row.needs or row.needs[name].holds(v) for name, v in (("x", x), ("rows", rows))):
+                found.add(row.kernel)
+    return found
 
 
 def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None):
@@ -325,9 +328,9 @@ def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=to
     and multiplied there (``quant_linear``); else ``quant_gemm.quant_linear_act``."""
     if not _use_triton(w_q):
         return ops.quant_linear_act_ref(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)
-    if math.prod(x.shape[:-1]) <= _routed_rows(act_dtype) and (
-            _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype)
-            or _kernels("qgemm_a8").serves_codes(x, w_q, w_scale, act_dtype)):
+    maybe = _candidates(act_dtype, math.prod(x.shape[:-1]))
+    if ("qgemv" in maybe and _kernels("qgemv").serves_codes(x, w_q, w_scale, act_dtype)) or (
+            "qgemm_a8" in maybe and _kernels("qgemm_a8").serves_codes(x, w_q, w_scale, act_dtype)):
         x_q, xs = _kernels("quant_gemm").quantize_act(x, x_scale, per_token, act_dtype)
         return quant_linear(x_q, w_q, w_scale, None, xs, bias, out_dtype or x.dtype)
     return _kernels("quant_gemm").quant_linear_act(x, w_q, w_scale, x_scale, per_token, act_dtype, bias, out_dtype)

@@ -23,14 +23,19 @@ class CausalConv1d(nn.Conv1d):
         return self.weight.squeeze(1), self.bias, None
 
 
-def conv_prefill(conv1d: nn.Module, x: torch.Tensor, state=None, slots=None) -> torch.Tensor:
+def conv_prefill(conv1d: nn.Module, x: torch.Tensor, state=None, slots=None, fake_quant=None) -> torch.Tensor:
     """x: (b, l, c) → silu(causal_conv(x)): (b, l, c). With a ``MambaState``, rows ``slots`` start from their conv
-    state (the last w - 1 inputs seen) and leave the new one there."""
+    state (the last w - 1 inputs seen) and leave the new one there. ``fake_quant``: a float32 scale per channel (c,)
+    or one (): the output as fake-quant taps with these scales would make it (``ActQuantizer``), in the conv's own
+    kernel (a tap's pass reads and writes the output again, and copies a strided one first)."""
     weight, bias, int8 = conv1d.kernel_weights()
-    if state is None:
-        out = kernels.causal_conv1d(x.transpose(1, 2), weight, bias, activation="silu", int8=int8)
+    xt, init = x.transpose(1, 2), None if state is None else state.read_conv(slots)
+    if fake_quant is None:
+        out = kernels.causal_conv1d(xt, weight, bias, init, state is not None, activation="silu", int8=int8)
     else:
-        out, final = kernels.causal_conv1d(x.transpose(1, 2), weight, bias, state.read_conv(slots), True,
-                                           activation="silu", int8=int8)
+        scale = fake_quant.reshape(-1, 1) if fake_quant.dim() else fake_quant
+        out = kernels.conv1d_silu_quant(xt, weight, bias, scale, init, state is not None, int8=int8, fake_quant=True)
+    if state is not None:
+        out, final = out
         state.write_conv(slots, final)
     return out.transpose(1, 2)

@@ -14,7 +14,7 @@ from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import CausalConv1d, conv_prefill
 from ssmq.models.layer_plan import LayerPlan
-from ssmq.models.quant_taps import TapScaleCache, is_quantizer
+from ssmq.models.quant_taps import TapScaleCache, is_quantizer, unobserved_quantizers
 from ssmq.models.ssm_mixer import SSMMixer
 from ssmq.models.state import StateFormat
 from ssmq.ops.quant_ssm import quantize_ref
@@ -88,7 +88,11 @@ class Mamba1Mixer(SSMMixer):
         """hidden: (b, l, d_model) → (b, l, d_model). With a cache, continues and updates the rows ``slots``."""
         x, z = self.proj_segments.split(self.in_proj(hidden))
         state = None if cache is None else cache.states[self.layer_idx]
-        u = self.act_x(conv_prefill(self.conv1d, x, state, slots))  # (b, l, d)
+        if unobserved_quantizers((self.act_x,)):  # the tap's fake-quant in the conv's kernel
+            u = conv_prefill(self.conv1d, x, state, slots, fake_quant=self._tap_scales.get("x", (self.act_x,),
+                                                                                          lambda s: s))
+        else:
+            u = self.act_x(conv_prefill(self.conv1d, x, state, slots))  # (b, l, d)
         dt, B, C = self._ssm_inputs(u)
         z = self.act_z(z)
         A = self._f32.get(self, "A_log")

@@ -18,7 +18,7 @@ from ssmq.models.config import ModelConfig
 from ssmq.models.linear import Linear
 from ssmq.models.conv import CausalConv1d, conv_prefill
 from ssmq.models.layer_plan import LayerPlan
-from ssmq.models.quant_taps import TapScaleCache, is_quantizer, shaped
+from ssmq.models.quant_taps import TapScaleCache, is_quantizer, shaped, unobserved_quantizers
 from ssmq.models.ssm_mixer import SSMMixer
 from ssmq.models.state import StateFormat
 
@@ -136,7 +136,7 @@ class Mamba2Mixer(SSMMixer):
         b, l, _ = hidden.shape
         z, xbc, dt = self._split_proj(self.in_proj(hidden))
         state = None if cache is None else cache.states[self.layer_idx]
-        x, B, C = self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
+        x, B, C = self._prefill_xbc(xbc, state, slots)
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
         # a checkpointed state replays its ring with A as the decode step takes it, (h, p, n)
@@ -152,6 +152,15 @@ class Mamba2Mixer(SSMMixer):
             y, final = y
             state.write_ssm(slots, final)
         return self.out_proj(self._normed(y.reshape(b, l, c.d_inner), z))
+
+    def _prefill_xbc(self, xbc: torch.Tensor, state, slots):
+        """The conv's output through the x, B, C taps: x (b, l, d), B, C (b, l, g·n). When all three fake-quantize,
+        the conv kernel applies their scales (one pass instead of four over the (b, l, conv_dim) output)."""
+        taps = (self.act_x, self.act_B, self.act_C)
+        if unobserved_quantizers(taps):
+            scale = self._tap_scales.get("xbc", taps, self._xbc_scales)[0]
+            return self.conv_segments.split(conv_prefill(self.conv1d, xbc, state, slots, fake_quant=scale))
+        return self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
 
     def _out_codes(self) -> CodeInput | None:
         """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y)."""

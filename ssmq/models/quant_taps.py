@@ -20,6 +20,16 @@ def is_quantizer(tap: nn.Module) -> bool:
     return callable(getattr(tap, "codes", None)) and callable(getattr(tap, "channel_scale", None))
 
 
+def unobserved_quantizers(taps) -> bool:
+    """Whether every tap is a quantizer that no forward hook observes, so that a kernel may apply it in place of its
+    call (calibration observes taps through forward hooks, which a call skipped would not run)."""
+    from torch.nn.modules import module as torch_module
+
+    if getattr(torch_module, "_global_forward_hooks", None) or getattr(torch_module, "_global_forward_pre_hooks", None):
+        return False
+    return all(is_quantizer(t) and not t._forward_hooks and not t._forward_pre_hooks for t in taps)
+
+
 def shaped(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A tap's channel scale () or (d,) as () or ``shape`` (d = prod(shape)): broadcastable against the codes."""
     return scale if scale.dim() == 0 else scale.reshape(shape)

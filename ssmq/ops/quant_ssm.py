@@ -36,16 +36,20 @@ from ssmq.ops.state_update import selective_state_update_ref
 # ---------------------------------------------------------------------------------------------
 # fused producers of int8 activations
 # ---------------------------------------------------------------------------------------------
-def conv1d_silu_quant_ref(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None):
+def conv1d_silu_quant_ref(x, weight, bias, out_scale, initial_states=None, return_final_states=False, int8=None,
+                          fake_quant=False):
     """Causal depthwise conv + SiLU + output quantization (one kernel in Quamba).
 
     x: (b, d, l) float; weight: (d, w); bias: (d,); out_scale: (d, 1) or ().
-    Returns codes (b, d, l) int8 and, if asked, the float conv state (b, d, w-1). int8: an integer conv
-    (``ssmq.ops.conv1d.ConvInt8``: weight and bias are codes).
+    Returns codes (b, d, l) int8 (``fake_quant``: their values in x's dtype, what fake-quant taps on the output would
+    make of it) and, if asked, the float conv state (b, d, w-1). int8: an integer conv (``ssmq.ops.conv1d.ConvInt8``:
+    weight and bias are codes).
     """
     out = causal_conv1d_ref(x, weight, bias, initial_states, return_final_states, activation="silu", int8=int8)
     y, final = out if return_final_states else (out, None)
     q = quantize_ref(y.float(), out_scale)
+    if fake_quant:
+        q = dequantize_ref(q, out_scale).to(x.dtype)
     return (q, final) if return_final_states else q
 
 
