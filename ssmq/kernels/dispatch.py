@@ -308,19 +308,29 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     return _kernels("quant_gemm").quant_linear(x, w_q, w_scale, w_zero, x_scale, bias, out_dtype)
 
 
-def _candidates(x_dtype: torch.dtype, rows: int) -> set[str]:
+_CANDIDATES: dict = {}  # (route ids, max rows, x dtype, rows) -> (the routes, held so their ids stay theirs; kernels)
+
+
+def _candidates(x_dtype: torch.dtype, rows: int) -> frozenset[str]:
     """The kernels that a row of one of ``quant_linear``'s selection tables (other than its default) could send a call
-    of ``rows`` rows of x of ``x_dtype`` to, read from the kernels' launch settings at each call (a benchmark or test
-    may change them). Only their tables' other checks (the weight's format, the layout) run: those cost more host time
-    than a launch, and at prefill (an eager prefill of Mamba2-2.7B makes 128 calls) no table is left to ask."""
-    k, x = _kernels, _name(x_dtype)
-    found = set()
-    for table in (quant_linear_rows(k("qgemv").CFG), packed_linear_rows(k("packed_gemv").CFG),
-                  quant_linear_mid_rows(k("qgemm_mid").CFG), quant_linear_a8_rows(k("qgemm_a8").CFG)):
-        for row in table[:-1]:
-            if all(name not in row.needs or row.needs[name].holds(v) for name, v in (("x", x), ("rows", rows))):
-                found.add(row.kernel)
-    return found
+    of ``rows`` rows of x of ``x_dtype`` to, from the kernels' launch settings in force (a benchmark or test may
+    replace a route; none is edited in place). Only their tables' other checks (the weight's format, the layout) run:
+    those cost more host time than a launch, and at prefill (an eager prefill of Mamba2-2.7B makes 128 calls) no
+    table is left to ask."""
+    cfgs = (_kernels("qgemv").CFG, _kernels("packed_gemv").CFG, _kernels("qgemm_mid").CFG, _kernels("qgemm_a8").CFG)
+    routes = tuple(c.get("ROUTE_ROWS", c.get("ROUTE")) for c in cfgs)
+    key = (tuple(map(id, routes)), tuple(c.get("MAX_ROWS") for c in cfgs), x_dtype, rows)
+    hit = _CANDIDATES.get(key)
+    if hit is None:
+        if len(_CANDIDATES) >= 4096:  # prompt lengths: bounded, not a leak
+            _CANDIDATES.clear()
+        x = _name(x_dtype)
+        tables = (quant_linear_rows(cfgs[0]), packed_linear_rows(cfgs[1]), quant_linear_mid_rows(cfgs[2]),
+                  quant_linear_a8_rows(cfgs[3]))
+        hit = _CANDIDATES[key] = (routes, frozenset(
+            row.kernel for table in tables for row in table[:-1]
+            if all(n not in row.needs or row.needs[n].holds(v) for n, v in (("x", x), ("rows", rows)))))
+    return hit[1]
 
 
 def quant_linear_act(x, w_q, w_scale, x_scale=None, per_token=True, act_dtype=torch.int8, bias=None, out_dtype=None):
