@@ -134,7 +134,7 @@ def test_checkpoint_round_trip(tmp_path):
         assert torch.equal(model(TEST), again(TEST))
 
 
-# ---------------------------------------------------------------------------------------------- prefill taps in the conv
+# ------------------------------------------------------------------------------------- prefill taps in the conv
 @pytest.mark.parametrize("arch,name", [("mamba2", "quamba2-w8a8"), ("mamba2", "quamba-w8a8"),
                                        ("mamba1", "quamba-w8a8"), ("mamba1", "quamba2-w4a8")])
 def test_prefill_taps_in_the_conv_equal_the_taps(arch, name, monkeypatch):
@@ -177,7 +177,7 @@ def test_prefill_taps_in_the_conv_continue_the_cache(arch):
             with torch.inference_mode():
                 out = [model(ids[:, :20], cache)]
                 for t in range(20, 24):
-                    out.append(model.step(ids[:, t], cache) if hasattr(model, "step") else model(ids[:, t:t + 1], cache))
+                    out.append(model.step(ids[:, t], cache))
             return out, [s.conv.clone() for s in cache.states]
         finally:
             for h in handles:

@@ -17,10 +17,11 @@ import triton
 def compile_sm90(kernel, pointers: dict, const: dict, floats=(), num_warps: int = 4, num_stages: int = 3,
                  aligned=(), maxnreg: int | None = None, fp_fusion: bool = True):
     """Compile one ``@triton.jit`` kernel for sm_90 (returned; ``.asm`` holds ttgir / ptx / cubin, ``.metadata``
-    the shared memory; ``fp_fusion``: the launch's ``enable_fp_fusion``): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the other arguments i32 (those named
+    the shared memory): pointers {arg: "fp16" | "i8" | ...}, const {arg: value}, the other arguments i32 (those named
     in ``floats`` fp32; ``const`` may also fix a run-time argument, as the launcher specializes one equal to 1);
     ``aligned``: arguments given as multiples of 16 (addresses in bytes), as the launcher's
-    specialization marks them at run time (vector loads and atomics depend on it); ``maxnreg``: a register cap.
+    specialization marks them at run time (vector loads and atomics depend on it); ``maxnreg``: a register cap;
+    ``fp_fusion``: the launch's ``enable_fp_fusion``.
     Raises what Triton raises (no ptxas: FileNotFoundError or a RuntimeError naming it)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource

@@ -35,8 +35,8 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import gdc_enter, int8_to_float, pdl_args, pow2, sm_count
 from ssmq.kernels.dispatch import quant_linear_rows, select
-from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _counts, _finish_words, _fp8_f32, _rows_tile, \
-    _split_gather, _x_f32
+from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _finish_words, _fp8_f32, _rows_tile, \
+    _split_gather, _x_f32, split_buffers
 from ssmq.ops.quant_linear import weight_format
 
 CFG = configs.load("qgemv")  # launch settings (configs/qgemv.json, keys in docs/kernels.md)
@@ -339,11 +339,7 @@ def quant_gemv(x, w_q, w_scale, f: dict, x_scale=None, bias=None, out_dtype=None
     out = torch.empty((*lead, N), device=x.device, dtype=out_dtype or (torch.float32 if a_mode else x.dtype))
     c = _plan(M, N, K, f, sm_count(x.device), cfg)
     split = c["split"]
-    if split > 1:
-        part = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-        cnt = _counts(x.device, c["grid"][0])
-    else:
-        part = cnt = out
+    part, cnt = split_buffers(split, M, N, c["grid"][0], x.device, torch.float32, out)
     xs = x_scale.reshape(-1) if x_scale is not None and x_scale.dim() else x_scale
     common = dict(A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, W_FP8=f["fp8"],
                   WS_MODE=2 if w_scale.dim() == 2 else int(w_scale.dim() == 1), HAS_BIAS=bias is not None,
