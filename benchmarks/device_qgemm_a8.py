@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ssmq.bench.timing import copy_bandwidth, graph_us
-from sweep_common import compile_points, logger, weight_copies
+from sweep_common import compile_points, logger, route_of, time_points, weight_copies
 
 ROWS = [16, 32, 64, 128, 256]
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120)}
@@ -140,25 +140,7 @@ def main():
         x = XF[(name, m)]
         return graph_us([lambda w=w: F.linear(x, w) for (w,) in W[(name, "w16")]])
 
-    best, res = {}, []
-    for code, rows, over in POINTS:
-        if (code, rows, json.dumps(over, sort_keys=True)) in failed:
-            continue
-        try:
-            ts = [t_new(code, name, rows, over) for name in SHAPES]
-        except Exception as e:
-            say("  TIMING FAILED", code, rows, over, f"{type(e).__name__}: {str(e)[:120]}")
-            continue
-        res.append(dict(code=code, rows=rows, over=over, us=ts))
-        if (code, rows) not in best or sum(ts) < sum(best[(code, rows)]["us"]):
-            best[(code, rows)] = res[-1]
-    say(f"timed {len(res)} points; {time.time() - t0:.0f} s")
-    for code in ("w4", "w8"):
-        for rows in ROWS:
-            top = sorted((r for r in res if r["code"] == code and r["rows"] == rows), key=lambda r: sum(r["us"]))[:3]
-            for r in top:
-                say(f"  {code} {rows:3d} rows: {sum(r['us']):7.1f} us = {' + '.join(f'{t:.1f}' for t in r['us'])}"
-                    f"  {r['over']}")
+    best, res = time_points(POINTS, failed, t_new, SHAPES, say, t0)
 
     data = json.loads(configs.path("qgemm_a8").read_text())
     tuned = data["devices"]["default"]
@@ -184,15 +166,7 @@ def main():
                 sums[1] += new
             wins[rows] = sums[1] < sums[0]
         tuned["ROWS_W4" if code == "w4" else "ROWS_W8"] = entries
-        key = "int4" if code == "w4" else "int8"
-        lo_i = next((i for i, m in enumerate(ROWS) if wins[m]), None)
-        if lo_i is None:
-            route[key] = [1, 0]
-            continue
-        hi_i = lo_i
-        while hi_i + 1 < len(ROWS) and wins[ROWS[hi_i + 1]]:
-            hi_i += 1
-        route[key] = [ROWS[lo_i] if lo_i == 0 else ROWS[lo_i - 1] + 1, ROWS[hi_i] if hi_i + 1 < len(ROWS) else 512]
+        route["int4" if code == "w4" else "int8"] = route_of(wins, ROWS, 512)
         say(f"{code}: wins at {[m for m in ROWS if wins[m]]}")
     tuned["ROUTE"] = route
     data["devices"]["default"] = tuned
