@@ -21,23 +21,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ssmq.bench import models as BM
+from ssmq.bench.models import build
 from ssmq.models.published import mamba2
-from ssmq.quant import get_recipe, quantize
-from ssmq.quant.calibration import CalibrationData
 
 LAYERS, TOKENS, VOCAB = 8, 1024, 512
-
-
-def build(recipe: str):
-    torch.manual_seed(0)
-    model = BM.random_model(mamba2(256, LAYERS, vocab_size=VOCAB), torch.device("cpu"), torch.float16)
-    if recipe != "float":
-        spec = BM.rtn_weights(get_recipe(recipe))
-        calib = CalibrationData(torch.randint(0, VOCAB, (2, TOKENS)), source="random tokens", seed=0) \
-            if spec.needs_calibration() else None
-        quantize(model, spec, calib, progress=False)
-    return model
 
 
 def stub_the_gpu(launches: list) -> None:
@@ -71,7 +58,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None, help="JSON file for the rows")
     args = ap.parse_args()
-    models = {r: build(r) for r in args.recipes.split(",")}  # quantized before the stubs: calibration runs for real
+    cfg = mamba2(256, LAYERS, vocab_size=VOCAB)
+    # quantized before the stubs: calibration runs for real
+    models = {r: build(cfg, r, torch.device("cpu"), torch.float16, gptq_as_rtn=True, calib_samples=2,
+                       calib_seqlen=TOKENS)[0] for r in args.recipes.split(",")}
     launches = [0]
     stub_the_gpu(launches)
     ids = torch.randint(0, VOCAB, (1, TOKENS))

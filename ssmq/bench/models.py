@@ -85,14 +85,16 @@ def rtn_weights(recipe):
     return Recipe.from_dict(d)
 
 
-def build(model_name: str, recipe: str, device: torch.device, dtype: torch.dtype, layers: int | None = None,
+def build(model_name, recipe: str, device: torch.device, dtype: torch.dtype, layers: int | None = None,
           gptq_as_rtn: bool = False, calib_samples: int = 4, calib_seqlen: int = 256):
-    """(model, vocab size): ``model_name`` as a published architecture (random weights) or a checkpoint, quantized
-    by ``recipe`` unless it is ``fp16``. Calibration (when the recipe needs it) runs on random tokens: speed only."""
+    """(model, vocab size): ``model_name`` as a published architecture or a ``ModelConfig`` (random weights), or a
+    checkpoint, quantized by ``recipe`` unless it is ``fp16``. Calibration (when the recipe needs it) runs on random
+    tokens: speed only."""
+    from ssmq.models.config import ModelConfig
     from ssmq.quant import get_recipe, quantize
     from ssmq.quant.calibration import CalibrationData
 
-    cfg = published_config(model_name, layers)
+    cfg = model_name if isinstance(model_name, ModelConfig) else published_config(model_name, layers)
     if cfg is not None:
         model = random_model(cfg, device, dtype)
     else:
