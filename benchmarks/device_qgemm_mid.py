@@ -22,12 +22,14 @@ from sweep_common import compile_points, logger, route_of, time_points, weight_c
 ROWS = [16, 32, 64, 128, 256]
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120), "8b in_proj": (18560, 4096),
           "8b out_proj": (4096, 8192)}
-STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s, x, p in ((True, 0, False), (True, 2, False),
-                                                                     (True, 2, True), (False, 0, False))],
+STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s, x, p in ((True, 2, False), (True, 2, True),
+                                                                     (False, 0, False))],
           "w8": [dict(SWAP=s, X_SPLIT=0, POST_SCALE=False) for s in (True, False)]}
 TILES = [dict(BN=64, warps=4, stages=3), dict(BN=64, warps=4, stages=4), dict(BN=128, warps=8, stages=3)]
-POINTS = [(code, rows, {**st, **t, "waves": wv, "BM": min(128, rows)}) for code in ("w4", "w8") for rows in ROWS
-          for st in STRUCT[code] for t in TILES for wv in (1, 2)]
+WAVES = {"w4": (1, 2), "w8": (1,)}
+# GPS: groups (int4) or 128-wide steps (int8) a loop step, independent loads in flight
+POINTS = [(code, rows, {**st, **t, "waves": wv, "GPS": gps, "BM": min(128, rows)}) for code in ("w4", "w8")
+          for rows in ROWS for st in STRUCT[code] for t in TILES for wv in WAVES[code] for gps in (1, 2)]
 
 
 def weights(name, code, dev, seed=0):

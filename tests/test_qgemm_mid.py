@@ -80,6 +80,23 @@ def test_shapes_and_splits(QM, fmt, rows, n, k):
         assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_groups_a_step(QM, fmt):
+    # two tiles a loop step (GPS 2, as the tuning sweep offers), with and without a K split (each split's share a
+    # whole number of loop steps)
+    torch.manual_seed(3)
+    n, k = N_K[0]
+    w_q, w_s = _weight(n, k, *fmt)
+    x = torch.randn(ROWS[1], k, device=DEV).half()
+    exact = ops.quant_linear_ref(x.double(), w_q, w_s)
+    for waves, min_k in ((1, 512), (64, 32)):
+        cfg = {**_variant(QM, GPS=2, waves=waves), "MIN_SPLIT_K": min_k}
+        plan = QM._plan(x.shape[0], n, k, QM.weight_format(w_q, w_s), 132, {**QM.CFG, **cfg})
+        assert plan["k_split"] % (plan["GPS"] * plan["BLOCK_K"]) == 0 and plan["GPS"] > 1
+        out = QM.quant_linear_mid(x, w_q, w_s, cfg=cfg)
+        assert rel(out, exact) <= rel(ops.quant_linear_ref(x, w_q, w_s), exact) + 2e-3
+
+
 def test_split_forced(QM):
     torch.manual_seed(2)
     n, k = N_K[0]

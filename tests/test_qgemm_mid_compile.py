@@ -10,14 +10,15 @@ pytest.importorskip("triton")
 
 from test_kernel_compile import _compile_sm90  # noqa: E402
 
-# (int4, WS_MODE, bf16, SWAP, X_SPLIT, POST_SCALE, BLOCK_M, SPLIT)
+# (int4, WS_MODE, bf16, SWAP, X_SPLIT, POST_SCALE, BLOCK_M, SPLIT, GPS)
 VARIANTS = {
-    "w4-swap": (True, 2, False, True, 0, False, 32, False),
-    "w4-swap-join-post-bf16": (True, 2, True, True, 2, True, 128, True),
-    "w4-strided-x": (True, 2, False, True, 1, False, 16, False),
-    "w4-plain": (True, 2, False, False, 0, False, 64, True),
-    "w8-channel-swap": (False, 1, False, True, 0, False, 128, False),
-    "w8-group-plain-bf16": (False, 2, True, False, 0, False, 32, False),
+    "w4-swap": (True, 2, False, True, 0, False, 32, False, 1),
+    "w4-swap-join-post-bf16": (True, 2, True, True, 2, True, 128, True, 2),
+    "w4-swap-join-gps2": (True, 2, False, True, 2, False, 64, False, 2),
+    "w4-strided-x": (True, 2, False, True, 1, False, 16, False, 1),
+    "w4-plain": (True, 2, False, False, 0, False, 64, True, 1),
+    "w8-channel-swap": (False, 1, False, True, 0, False, 128, False, 2),
+    "w8-group-plain-bf16": (False, 2, True, False, 0, False, 32, False, 1),
 }
 
 
@@ -25,14 +26,14 @@ VARIANTS = {
 def test_mid_qmm_compiles_for_sm90(variant):
     from ssmq.kernels.qgemm_mid import _asm, _mid_qmm
 
-    w4, ws_mode, bf16, swap, x_split, post, bm, split = VARIANTS[variant]
+    w4, ws_mode, bf16, swap, x_split, post, bm, split, gps = VARIANTS[variant]
     scaled = ws_mode == 2 and not post
     x = "bf16" if bf16 else "fp16"
     pointers = {"x_ptr": x, "w_ptr": "u8" if w4 else "i8", "ws_ptr": "fp32", "b_ptr": x, "out_ptr": x,
                 "part_ptr": "fp32", "cnt_ptr": "i32"}
     const = dict(W4=w4, WS_MODE=ws_mode, HAS_BIAS=True, SPLIT=split, NSP=4 if split else 1, BF16=bf16,
                  ASM_LO=_asm(False, bf16, scaled) if w4 else "", ASM_HI=_asm(True, bf16, scaled) if w4 else "",
-                 FAST_I8=not w4 and not bf16, POST_SCALE=post, SWAP=swap, X_SPLIT=x_split, BLOCK_M=bm, BLOCK_N=64,
+                 FAST_I8=not w4 and not bf16, POST_SCALE=post, SWAP=swap, X_SPLIT=x_split, GPS=gps, BLOCK_M=bm, BLOCK_N=64,
                  BLOCK_K=128, USE_GDC=True)
     aligned = ("x_ptr", "w_ptr", "ws_ptr", "b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "M", "N", "K", "k_split",
                "s_xm", "s_wn", "s_om")

@@ -13,6 +13,7 @@ issues 16 I2F a clock against the 28 codes a clock its share of HBM delivers at 
   - ``SWAP``: the product is formed as out.T = W @ x.T, so the weight tile is the tensor-core instruction's
     M side (64 rows a warp group, operand from registers on Hopper) and the rows of x its N side (8 to 256): a
     batch of 16-128 rows fills the instruction without padding to 64.
+  - ``GPS`` tiles of k (groups, for grouped codes) a loop step: independent loads, more weight bytes in flight.
   - where the output tiles alone give too few programs for the SMs, K is split; the float32 partials are summed
     by the last program of each output tile (``quant_gemm._split_gather``: deterministic, CUDA-graph safe).
 
@@ -106,11 +107,11 @@ def _mid_qmm(
     M, N, K, k_split, n_groups, s_xm, s_wn, s_om,
     W4: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NSP: tl.constexpr,
     BF16: tl.constexpr, ASM_LO: tl.constexpr, ASM_HI: tl.constexpr, FAST_I8: tl.constexpr,
-    POST_SCALE: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr,
+    POST_SCALE: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, GPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     # Program (tile, pid_k): out rows [pid_m BM, +BM) x columns [pid_n BN, +BN) over k in [pid_k k_split, +k_split)
-    # (k_split and K multiples of BLOCK_K; per-group scales: BLOCK_K == GROUP). The row tiles of one column tile are
+    # (k_split and K multiples of GPS * BLOCK_K; per-group scales: BLOCK_K == GROUP). The row tiles of one column tile are
     # neighbours in launch order, so they read its weight tile while it is in L2. WS_MODE: 0 per tensor, 1 per
     # channel, 2 per group. acc is (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
     gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
@@ -135,60 +136,61 @@ def _mid_qmm(
     s_ptrs = ws_ptr + cols * n_groups + k0 // BLOCK_K
     SCALED: tl.constexpr = WS_MODE == 2 and not POST_SCALE
     acc = tile_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP)
-    for k in range(0, k_len, BLOCK_K):
-        w = tl.load(w_ptrs, mask=mn[:, None], other=0).to(tl.int8, bitcast=True)
-        if WS_MODE == 2:
-            s = tl.load(s_ptrs, mask=mn, other=0.0)
-            s16 = tl.broadcast_to(s.to(DT)[:, None], (BLOCK_N, WK))
-        else:
-            s = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            s16 = tl.zeros((BLOCK_N, WK), dtype=DT)
-        if POST_SCALE and WS_MODE == 2:
-            part = tl.zeros(acc.shape, dtype=tl.float32)
-        else:
-            part = acc
-        if W4:
-            lo = _i4_half(w, s16, ASM_LO, False, BF16, SCALED)
-            hi = _i4_half(w, s16, ASM_HI, True, BF16, SCALED)
-            if X_SPLIT == 1:
-                xe = tl.load(x_ptrs, mask=mm[:, None], other=0.0)
-                xo = tl.load(x_ptrs + 1, mask=mm[:, None], other=0.0)
+    for k in range(0, k_len, BLOCK_K * GPS):
+        for g in tl.static_range(GPS):  # GPS independent tiles a step: more weight bytes in flight a program
+            w = tl.load(w_ptrs + g * WK, mask=mn[:, None], other=0).to(tl.int8, bitcast=True)
+            if WS_MODE == 2:
+                s = tl.load(s_ptrs + g, mask=mn, other=0.0)
+                s16 = tl.broadcast_to(s.to(DT)[:, None], (BLOCK_N, WK))
             else:
-                xv = tl.load(x_ptrs, mask=mm[:, None], other=0.0)
-            if X_SPLIT == 2:  # the tile back in k order: one product with the contiguous x tile
-                wf = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+                s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                s16 = tl.zeros((BLOCK_N, WK), dtype=DT)
+            if POST_SCALE and WS_MODE == 2:
+                part = tl.zeros(acc.shape, dtype=tl.float32)
+            else:
+                part = acc
+            if W4:
+                lo = _i4_half(w, s16, ASM_LO, False, BF16, SCALED)
+                hi = _i4_half(w, s16, ASM_HI, True, BF16, SCALED)
+                if X_SPLIT == 1:
+                    xe = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0.0)
+                    xo = tl.load(x_ptrs + g * BLOCK_K + 1, mask=mm[:, None], other=0.0)
+                else:
+                    xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0.0)
+                if X_SPLIT == 2:  # the tile back in k order: one product with the contiguous x tile
+                    wf = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+                    if SWAP:
+                        part = tl.dot(wf, tl.trans(xv), part)
+                    else:
+                        part = tl.dot(xv, tl.trans(wf), part)
+                else:
+                    if X_SPLIT == 0:
+                        xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, WK, 2)))
+                    if SWAP:
+                        part = tl.dot(lo, tl.trans(xe), part)
+                        part = tl.dot(hi, tl.trans(xo), part)
+                    else:
+                        part = tl.dot(xe, tl.trans(lo), part)
+                        part = tl.dot(xo, tl.trans(hi), part)
+            else:
+                if FAST_I8:
+                    wf = _i8_to_f16(w)
+                else:
+                    wf = w.to(DT)
+                if SCALED:
+                    wf = wf * s16
+                xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0.0)
                 if SWAP:
                     part = tl.dot(wf, tl.trans(xv), part)
                 else:
                     part = tl.dot(xv, tl.trans(wf), part)
+            if POST_SCALE and WS_MODE == 2:
+                acc += part * along_n(s, SWAP)
             else:
-                if X_SPLIT == 0:
-                    xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, WK, 2)))
-                if SWAP:
-                    part = tl.dot(lo, tl.trans(xe), part)
-                    part = tl.dot(hi, tl.trans(xo), part)
-                else:
-                    part = tl.dot(xe, tl.trans(lo), part)
-                    part = tl.dot(xo, tl.trans(hi), part)
-        else:
-            if FAST_I8:
-                wf = _i8_to_f16(w)
-            else:
-                wf = w.to(DT)
-            if SCALED:
-                wf = wf * s16
-            xv = tl.load(x_ptrs, mask=mm[:, None], other=0.0)
-            if SWAP:
-                part = tl.dot(wf, tl.trans(xv), part)
-            else:
-                part = tl.dot(xv, tl.trans(wf), part)
-        if POST_SCALE and WS_MODE == 2:
-            acc += part * along_n(s, SWAP)
-        else:
-            acc = part
-        w_ptrs += WK
-        x_ptrs += BLOCK_K
-        s_ptrs += 1
+                acc = part
+        w_ptrs += WK * GPS
+        x_ptrs += BLOCK_K * GPS
+        s_ptrs += GPS
     if WS_MODE != 2:  # per channel / per tensor: once, at the end
         if WS_MODE == 1:
             sc = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
@@ -233,12 +235,15 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
     BN = e["BN"]
     tiles = cdiv(M, BM) * cdiv(N, BN)
     steps = K // BK
-    split = max(1, min(cfg["MAX_SPLIT"], cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
-    per = cdiv(steps, split)
+    gps = e.get("GPS", 1)
+    while steps % gps:
+        gps //= 2
+    split = max(1, min(cfg["MAX_SPLIT"], cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps // gps))
+    per = cdiv(cdiv(steps, split), gps) * gps  # each split whole loop steps of gps tiles
     split = cdiv(steps, per)
-    return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, split=split, k_split=per * BK, tiles=tiles, grid=(tiles, split),
-                num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"], X_SPLIT=e["X_SPLIT"],
-                POST_SCALE=e["POST_SCALE"])
+    return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GPS=gps, split=split, k_split=per * BK, tiles=tiles,
+                grid=(tiles, split), num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"],
+                X_SPLIT=e["X_SPLIT"], POST_SCALE=e["POST_SCALE"])
 
 
 def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scale=None, cfg=None) -> dict:
@@ -286,6 +291,7 @@ def quant_linear_mid(x, w_q, w_scale, f: dict | None = None, bias=None, out_dtyp
         W4=W4, WS_MODE=ws_mode, HAS_BIAS=bias is not None, SPLIT=split > 1, NSP=pow2(split), BF16=bf16,
         ASM_LO=_asm(False, bf16, scaled) if ptx and W4 else "", ASM_HI=_asm(True, bf16, scaled) if ptx and W4 else "",
         FAST_I8=ptx and not bf16 and not W4, POST_SCALE=c["POST_SCALE"], SWAP=c["SWAP"], X_SPLIT=c["X_SPLIT"],
+        GPS=c["GPS"],
         BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], num_warps=c["num_warps"],
         num_stages=c["num_stages"], **pdl_args(x2))
     return out
