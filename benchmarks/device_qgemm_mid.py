@@ -6,7 +6,8 @@ weight in L2 (a model streams each layer's weight from HBM once a step). Compila
 processes (Triton's disk cache), each checking its point's result against the reference. Every (structure, tile,
 waves) point is timed on Mamba2-2.7B and -8B in_proj / out_proj at 16-256 rows; per row count the point with the
 least summed time wins. The winners become configs/qgemm_mid.json (ROWS_W4 / ROWS_W8, and ROUTE: the row counts
-whose summed time beat quant_gemm's), written for the device's name and as the default.
+whose summed time beat quant_gemm's; EXCEPT: the shapes and rows of that route where quant_gemm was faster), written
+for the device's name and as the default.
 Usage: python benchmarks/device_qgemm_mid.py OUT_DIR [workers]."""
 
 import json
@@ -79,6 +80,26 @@ def _compile(chunk):
     return bad
 
 
+def except_of(table: list, route: dict) -> list:
+    """EXCEPT entries: per code type and shape, the routed row counts where qgemm_mid measured slower than quant_gemm,
+    each covering the rows from the measured count before it (the last one up to 512), adjacent ones merged."""
+    out = []
+    for code in ("w4", "w8"):
+        lo_r, hi_r = route["int4" if code == "w4" else "int8"]
+        for name, (n, k) in SHAPES.items():
+            lost = {r["rows"] for r in table if r["code"] == code and r["shape"] == name and r["new_us"] > r["old_us"]}
+            spans = []
+            for i, m in enumerate(ROWS):
+                if m in lost and lo_r <= m <= hi_r:
+                    lo, hi = (ROWS[i - 1] + 1 if i else 1), (m if i + 1 < len(ROWS) else 512)
+                    if spans and spans[-1][1] + 1 == lo:
+                        spans[-1][1] = hi
+                    else:
+                        spans.append([lo, hi])
+            out += [dict(code="int4" if code == "w4" else "int8", n=n, k=k, rows=sp) for sp in spans]
+    return out
+
+
 def main():
     out_dir = sys.argv[1]
     workers = int(sys.argv[2]) if len(sys.argv) > 2 else 14
@@ -141,6 +162,7 @@ def main():
         route["int4" if code == "w4" else "int8"] = route_of(wins, ROWS, ROWS[-1])
         say(f"{code}: wins at {[m for m in ROWS if wins[m]]}")
     tuned["ROUTE"] = route
+    tuned["EXCEPT"] = except_of(rows_out, route)
     data["devices"]["default"] = tuned
     data["devices"][torch.cuda.get_device_name()] = tuned
     configs.path("qgemm_mid").write_text(json.dumps(data, indent=2) + "\n")

@@ -32,7 +32,8 @@ def test_no_kernel_a_table_chooses_is_left_out(x):
         for code in ("int4", "int8", "fp8"):
             for group in (128, None, 4):
                 for scaled in (True, False):
-                    call = dict(code=code, x=x, rows=rows, zero=False, fits=True, group=group, x_scaled=scaled)
+                    call = dict(code=code, x=x, rows=rows, zero=False, fits=True, group=group, x_scaled=scaled,
+                                n=2560, k=5120)
                     for table in tables:
                         chosen = select(table, call)
                         assert chosen == table[-1].kernel or chosen in maybe, (call, chosen, maybe)

@@ -472,15 +472,20 @@ def _packed_linear_rows(route: tuple, max_rows: int) -> tuple[Row, ...]:
 
 
 def quant_linear_mid_rows(cfg: dict) -> tuple[Row, ...]:
-    """The serving-batch weight-only linear's selection table for qgemm_mid's settings ``cfg`` (its ROUTE)."""
-    return _quant_linear_mid_rows(tuple(sorted((code, tuple(r)) for code, r in cfg["ROUTE"].items())))
+    """The serving-batch weight-only linear's selection table for qgemm_mid's settings ``cfg``: its ROUTE (rows a
+    code type runs there), after its EXCEPT entries (a code type, a weight's (n, k) and rows that measured faster on
+    quant_gemm's kernels, which keep them)."""
+    route = tuple(sorted((code, tuple(r)) for code, r in cfg["ROUTE"].items()))
+    return _quant_linear_mid_rows(route, tuple((e["code"], e["n"], e["k"], *e["rows"]) for e in cfg.get("EXCEPT", ())))
 
 
 @functools.lru_cache(maxsize=None)
-def _quant_linear_mid_rows(route: tuple) -> tuple[Row, ...]:
+def _quant_linear_mid_rows(route: tuple, except_: tuple = ()) -> tuple[Row, ...]:
     same = dict(x=_HALF, zero=Need((False,)), fits=Need((True,)))
-    return (*(Row("qgemm_mid", dict(code=Need((code,)), rows=Need(least=lo, most=hi), **same)) for code, (lo, hi) in
-              route), Row("quant_gemm"))
+    keep = (Row("quant_gemm", dict(code=Need((code,)), n=Need((n,)), k=Need((k,)), rows=Need(least=lo, most=hi)))
+            for code, n, k, lo, hi in except_)
+    return (*keep, *(Row("qgemm_mid", dict(code=Need((code,)), rows=Need(least=lo, most=hi), **same))
+                     for code, (lo, hi) in route), Row("quant_gemm"))
 
 
 # W4A8 / W8A8 linear at serving batches: qgemm_a8 for the rows its ROUTE gives each code type (configs/qgemm_a8.json:

@@ -22,7 +22,8 @@ the low / high nibbles are the even / odd columns (``X_SPLIT``: 0 a contiguous x
 strided loads, 2 the weight tile's halves interleaved back into k order instead).
 
 Launch settings per row range are ``configs/qgemm_mid.json``'s ROWS_W4 / ROWS_W8 (the first entry whose max_rows holds);
-which row ranges run here is its ROUTE (``dispatch.quant_linear_mid_rows``), from measurements in its why.
+which row ranges run here is its ROUTE less its EXCEPT entries (weight shapes that measured faster on quant_gemm at
+some rows; ``dispatch.quant_linear_mid_rows``), from measurements in its why.
 """
 
 from __future__ import annotations
@@ -247,16 +248,16 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
 
 
 def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scale=None, cfg=None) -> dict:
-    """The fields ``dispatch.quant_linear_mid_rows`` selects on: code type, x's dtype, rows, zero points, and whether
-    the layout fits (``fits``: float x of k features with unit column stride, stored codes with unit column stride,
-    a tiling ``_plan`` accepts)."""
+    """The fields ``dispatch.quant_linear_mid_rows`` selects on: code type, x's dtype, rows, the weight's (n, k), zero
+    points, and whether the layout fits (``fits``: float x of k features with unit column stride, stored codes with
+    unit column stride, a tiling ``_plan`` accepts)."""
     cfg = CFG if cfg is None else cfg
     M = math.prod(x.shape[:-1])
     K = f["k"]
     fits = (not f["fp8"] and x_scale is None and x.shape[-1] == K and x.stride(-1) == 1 and w_q.stride(-1) == 1
             and M > 0 and _step_k(K, f, rows_entry(M, f["bits"], cfg)) is not None)
     return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(x.dtype).removeprefix("torch."), rows=M,
-                zero=w_zero is not None, fits=fits)
+                n=f["n"], k=K, zero=w_zero is not None, fits=fits)
 
 
 def serves(x: torch.Tensor, w_q, w_scale, w_zero=None, x_scale=None, cfg=None) -> dict | None:
