@@ -7,8 +7,10 @@ processes (Triton's disk cache), each checking its point's result against the re
 waves) point is timed on Mamba2-2.7B and -8B in_proj / out_proj at 16-256 rows; per row count the point with the
 least summed time wins. The winners become configs/qgemm_mid.json (ROWS_W4 / ROWS_W8, and ROUTE: the row counts
 whose summed time beat quant_gemm's; EXCEPT: the shapes and rows of that route where quant_gemm was faster), written
-for the device's name and as the default.
-Usage: python benchmarks/device_qgemm_mid.py OUT_DIR [workers]."""
+for the device's name and as the default. Decode batches of 2-8 rows run the 16-row setting (its tiles pad them):
+they are timed with it and the route extends down to them where it wins there too (1 row is the GEMVs').
+--keep: time the shipped settings only (no sweep), to derive the route and EXCEPT again.
+Usage: python benchmarks/device_qgemm_mid.py OUT_DIR [workers] [--keep]."""
 
 import json
 import sys
@@ -21,6 +23,7 @@ from ssmq.bench.timing import copy_bandwidth, graph_us
 from sweep_common import compile_points, logger, route_of, time_points, weight_copies
 
 ROWS = [16, 32, 64, 128, 256]
+LOW_ROWS = [2, 4, 8]  # served by the 16-row setting
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120), "8b in_proj": (18560, 4096),
           "8b out_proj": (4096, 8192)}
 STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s, x, p in ((True, 2, False), (True, 2, True),
@@ -80,7 +83,7 @@ def _compile(chunk):
     return bad
 
 
-def except_of(table: list, route: dict) -> list:
+def except_of(table: list, route: dict, rows_all: list) -> list:
     """EXCEPT entries: per code type and shape, the routed row counts where qgemm_mid measured slower than quant_gemm,
     each covering the rows from the measured count before it (the last one up to 512), adjacent ones merged."""
     out = []
@@ -89,9 +92,9 @@ def except_of(table: list, route: dict) -> list:
         for name, (n, k) in SHAPES.items():
             lost = {r["rows"] for r in table if r["code"] == code and r["shape"] == name and r["new_us"] > r["old_us"]}
             spans = []
-            for i, m in enumerate(ROWS):
+            for i, m in enumerate(rows_all):
                 if m in lost and lo_r <= m <= hi_r:
-                    lo, hi = (ROWS[i - 1] + 1 if i else 1), (m if i + 1 < len(ROWS) else 512)
+                    lo, hi = (rows_all[i - 1] + 1 if i else lo_r), (m if i + 1 < len(rows_all) else 512)
                     if spans and spans[-1][1] + 1 == lo:
                         spans[-1][1] = hi
                     else:
@@ -102,23 +105,29 @@ def except_of(table: list, route: dict) -> list:
 
 def main():
     out_dir = sys.argv[1]
-    workers = int(sys.argv[2]) if len(sys.argv) > 2 else 14
+    args = [a for a in sys.argv[2:] if a != "--keep"]
+    keep = "--keep" in sys.argv
+    workers = int(args[0]) if args else 14
     t0 = time.time()
     say = logger(out_dir)
-    # compile (and check) every point in parallel; the old path's kernels too
-    jobs = POINTS + [(code, rows, None) for code in ("w4", "w8") for rows in ROWS]
-    failed = compile_points(_compile, jobs, workers, say, len(SHAPES))
+    failed = set()
+    if not keep:  # compile (and check) every point in parallel; the old path's kernels too
+        jobs = POINTS + [(code, rows, None) for code in ("w4", "w8") for rows in ROWS]
+        failed = compile_points(_compile, jobs, workers, say, len(SHAPES))
 
     from ssmq.kernels import configs
     from ssmq.kernels import qgemm_mid as QM
     from ssmq.kernels import quant_gemm as QG
+    from ssmq.kernels._common import rows_entry
 
     dev = torch.device("cuda")
     copy_gbs = copy_bandwidth(dev) / 1e9
     say(f"device {torch.cuda.get_device_name()}; copy bandwidth {copy_gbs:.0f} GB/s")
     W = {(name, code): weight_copies(lambda seed, name=name, code=code: weights(name, code, dev, seed), dev)
          for name in SHAPES for code in ("w16", "w4", "w8")}
-    X = {(name, m): torch.randn(m, SHAPES[name][1], device=dev, dtype=torch.float16) for name in SHAPES for m in ROWS}
+    all_rows = LOW_ROWS + ROWS
+    X = {(name, m): torch.randn(m, SHAPES[name][1], device=dev, dtype=torch.float16) for name in SHAPES
+         for m in all_rows}
 
     def t_new(code, name, m, over):
         cfg = cfg_for(code, over)
@@ -133,24 +142,30 @@ def main():
         x = X[(name, m)]
         return graph_us([lambda w=w: F.linear(x, w) for (w,) in W[(name, "w16")]], timings=3)
 
-    best, res = time_points(POINTS, failed, t_new, SHAPES, say, t0)
-
     data = json.loads(configs.path("qgemm_mid").read_text())
     tuned = data["devices"]["default"]
+    if keep:  # the shipped entry of each row count, timed
+        shipped = [(code, rows, {k: v for k, v in rows_entry(rows, 4 if code == "w4" else 8, tuned).items()
+                                 if k != "max_rows"}) for code in ("w4", "w8") for rows in ROWS]
+        best, res = time_points(shipped, failed, t_new, SHAPES, say, t0)
+    else:
+        best, res = time_points(POINTS, failed, t_new, SHAPES, say, t0)
+
     rows_out, route = [], {}
     for code in ("w4", "w8"):
         entries, wins = [], {}
-        for rows in ROWS:
+        for rows in all_rows:
             near = min((r for c, r in best if c == code), key=lambda r: abs(r - rows))  # every point failed: nearest
-            e = {"BK": 128, **best[(code, near)]["over"], "BM": min(128, rows),
-                 "max_rows": rows if rows < ROWS[-1] else 512}
-            entries.append(e)
-            if near != rows:
+            if rows in ROWS:
+                entries.append({"BK": 128, **best[(code, near)]["over"], "BM": min(128, rows),
+                                "max_rows": rows if rows < ROWS[-1] else 512})
+            if near != rows and rows in ROWS:
                 wins[rows] = False
                 continue
             sums = [0.0, 0.0]
             for i, (name, (n, k)) in enumerate(SHAPES.items()):
-                old, new, f16 = t_old(code, name, rows), best[(code, rows)]["us"][i], t_f16(name, rows)
+                new = best[(code, rows)]["us"][i] if rows in ROWS else t_new(code, name, rows, best[(code, near)]["over"])
+                old, f16 = t_old(code, name, rows), t_f16(name, rows)
                 w, s = W[(name, code)][0]
                 nbytes = w.numel() * w.element_size() + s.numel() * 4 + rows * k * 2 + rows * n * 2
                 rows_out.append(dict(code=code, shape=name, rows=rows, old_us=old, new_us=new, fp16_us=f16,
@@ -159,10 +174,10 @@ def main():
                 sums[1] += new
             wins[rows] = sums[1] < sums[0]
         tuned["ROWS_W4" if code == "w4" else "ROWS_W8"] = entries
-        route["int4" if code == "w4" else "int8"] = route_of(wins, ROWS, ROWS[-1])
-        say(f"{code}: wins at {[m for m in ROWS if wins[m]]}")
+        route["int4" if code == "w4" else "int8"] = route_of(wins, all_rows, 512)
+        say(f"{code}: wins at {[m for m in all_rows if wins[m]]}")
     tuned["ROUTE"] = route
-    tuned["EXCEPT"] = except_of(rows_out, route)
+    tuned["EXCEPT"] = except_of(rows_out, route, all_rows)
     data["devices"]["default"] = tuned
     data["devices"][torch.cuda.get_device_name()] = tuned
     configs.path("qgemm_mid").write_text(json.dumps(data, indent=2) + "\n")
@@ -172,7 +187,7 @@ def main():
     for r in rows_out:
         say(f"{r['code']:4} {r['shape']:14} {r['rows']:4d} {r['old_us']:7.1f} {r['new_us']:7.1f} {r['fp16_us']:7.1f} "
             f"{r['fp16_us'] / r['new_us']:8.2f} {r['new_GBs']:5.0f}")
-    say(f"route {route}; {time.time() - t0:.0f} s")
+    say(f"route {route}; except {tuned['EXCEPT']}; {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":
