@@ -1,5 +1,6 @@
-"""Weight-only low-bit GEMM for serving batches (16-512 rows): ``ops.quant_linear_ref`` for float16 / bfloat16 x
-times symmetric int4 per-group or int8 per-channel / per-tensor / per-group codes, on tensor cores.
+"""Weight-only low-bit GEMM for batched decode (2-512 rows; fewer than 16 padded to a 16-row tile):
+``ops.quant_linear_ref`` for float16 / bfloat16 x times symmetric int4 per-group or int8 per-channel / per-tensor /
+per-group codes, on tensor cores.
 
 At 16-512 rows a weight element meets many rows, so the conversion of each code to the product's type must cost a
 few integer instructions, not the quarter-rate I2F and F2F conversions of a dequantize-in-the-loop: an H100 SM
