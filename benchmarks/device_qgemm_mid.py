@@ -85,7 +85,8 @@ def _compile(chunk):
 
 def except_of(table: list, route: dict, rows_all: list) -> list:
     """EXCEPT entries: per code type and shape, the routed row counts where qgemm_mid measured slower than quant_gemm,
-    each covering the rows from the measured count before it (the last one up to 512), adjacent ones merged."""
+    each covering the rows from the measured count before it (the last one up to the route's end), adjacent ones
+    merged."""
     out = []
     for code in ("w4", "w8"):
         lo_r, hi_r = route["int4" if code == "w4" else "int8"]
@@ -94,7 +95,7 @@ def except_of(table: list, route: dict, rows_all: list) -> list:
             spans = []
             for i, m in enumerate(rows_all):
                 if m in lost and lo_r <= m <= hi_r:
-                    lo, hi = (rows_all[i - 1] + 1 if i else lo_r), (m if i + 1 < len(rows_all) else 512)
+                    lo, hi = (rows_all[i - 1] + 1 if i else lo_r), (m if i + 1 < len(rows_all) else hi_r)
                     if spans and spans[-1][1] + 1 == lo:
                         spans[-1][1] = hi
                     else:
@@ -174,7 +175,7 @@ def main():
                 sums[1] += new
             wins[rows] = sums[1] < sums[0]
         tuned["ROWS_W4" if code == "w4" else "ROWS_W8"] = entries
-        route["int4" if code == "w4" else "int8"] = route_of(wins, all_rows, 512)
+        route["int4" if code == "w4" else "int8"] = route_of(wins, all_rows, ROWS[-1])
         say(f"{code}: wins at {[m for m in all_rows if wins[m]]}")
     tuned["ROUTE"] = route
     tuned["EXCEPT"] = except_of(rows_out, route, all_rows)
