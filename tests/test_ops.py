@@ -122,3 +122,16 @@ def test_pdl_launch_keywords_only_for_cuda_when_enabled(monkeypatch):
     for on in (True, False):
         with policy.using(policy.KernelPolicy(pdl=on)):
             assert _common.pdl_args(torch.zeros(1)) == {}
+
+
+def test_host_launch_arithmetic_equals_tritons():
+    """``cdiv`` and ``next_pow2`` (plain Python, what launch plans call) give what triton.cdiv and
+    triton.next_power_of_2 give, over every value a plan meets and the edges."""
+    triton = pytest.importorskip("triton")
+    from ssmq.kernels._common import cdiv, next_pow2, pow2
+
+    values = [*range(0, 4200), 8191, 8192, 8193, 50288, 1 << 20, (1 << 20) + 1]
+    assert [next_pow2(n) for n in values] == [triton.next_power_of_2(n) for n in values]
+    assert [cdiv(a, b) for a in values[:600] for b in (1, 2, 3, 7, 16, 128, 132)] == \
+        [triton.cdiv(a, b) for a in values[:600] for b in (1, 2, 3, 7, 16, 128, 132)]
+    assert pow2(0) == 1 and pow2(5, 16) == 16 and pow2(17, 16) == 32

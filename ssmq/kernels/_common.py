@@ -170,9 +170,16 @@ def int32_words(index: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) in Python: triton.cdiv is a jit builtin, ~20 us a call from Python, and launch plans run at every
-    call."""
+    """ceil(a / b) in Python. Host code uses this and ``next_pow2``, never ``triton.cdiv`` / ``triton.next_power_of_2``:
+    those are Triton constexpr functions, about 5 us a call from Python (unwrapping their arguments), and launch
+    plans run at every call of an eager forward."""
     return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0), as ``triton.next_power_of_2`` gives it, in plain Python."""
+    n = int(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
 def rows_entry(M: int, bits: int, cfg: dict) -> dict:
@@ -184,7 +191,7 @@ def rows_entry(M: int, bits: int, cfg: dict) -> dict:
 
 def pow2(x: int, lo: int = 1) -> int:
     """Smallest power of two >= max(x, lo): Triton block shapes must be powers of two."""
-    return max(lo, triton.next_power_of_2(int(x)))
+    return max(lo, next_pow2(x))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
+from ssmq.kernels._common import cdiv, next_pow2
 from ssmq.kernels.dispatch import PREFILL_ATTENTION, prefill_launch, serves
 from ssmq.kernels.kv_decode import _page, paging
 
@@ -96,9 +97,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lens
     out = torch.empty_like(q)
     group = hq // hkv
     scale = e ** -0.5 if softmax_scale is None else softmax_scale
-    grid = (triton.cdiv(lq * group, cfg["BLOCK_M"]), b, hkv)
+    grid = (cdiv(lq * group, cfg["BLOCK_M"]), b, hkv)
     _prefill_kernel[grid](q, k, v, out, lens, rows, *pages, lq, scale, *q.stride()[:3], *k.stride()[:3],
-                          *v.stride()[:3], *out.stride()[:3], GROUP=group, E=e, EP=max(16, triton.next_power_of_2(e)),
+                          *v.stride()[:3], *out.stride()[:3], GROUP=group, E=e, EP=max(16, next_pow2(e)),
                           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BS=bs, num_warps=cfg["WARPS"],
                           num_stages=cfg["STAGES"])
     return out

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import gdc_enter, pdl_args, pow2, quantize_rne, silu
+from ssmq.kernels._common import cdiv, gdc_enter, pdl_args, pow2, quantize_rne, silu
 
 
 def _check_activation(activation):
@@ -138,7 +138,7 @@ def _conv1d(x, weight, bias, initial_states, return_final_states, use_silu, qsca
     out = torch.empty((b, d, l), device=x.device, dtype=x.dtype if qscale is None or fake_quant else torch.int8)
     init = initial_states if initial_states is not None else x  # dummy pointer when absent
     BD, BL = 16, min(128, pow2(l, 16))
-    grid = (b, triton.cdiv(d, BD), triton.cdiv(l, BL))
+    grid = (b, cdiv(d, BD), cdiv(l, BL))
     _conv1d_fwd[grid](
         x, weight, bias if bias is not None else weight, init, out, qscale if qscale is not None else weight,
         ws, acts, bs, d, l,
@@ -237,7 +237,7 @@ def _conv1d_update_launch(x, conv_state, weight, bias, use_silu, conv_state_indi
     out = torch.empty((b, d), device=x.device, dtype=x.dtype if qscale is None else torch.int8)
     deq = torch.empty((b, d), device=x.device, dtype=x.dtype) if dequantized else None
     BD = min(256, pow2(d, 16))
-    _conv1d_update[(b, triton.cdiv(d, BD))](
+    _conv1d_update[(b, cdiv(d, BD))](
         x, conv_state, weight, bias if bias is not None else weight,
         conv_state_indices if conv_state_indices is not None else x, out,
         qscale if qscale is not None else weight, deq if deq is not None else out, ws, acts, bs, d,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import pow2, quantize_rne
+from ssmq.kernels._common import cdiv, pow2, quantize_rne
 
 
 @triton.jit
@@ -40,6 +40,6 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return out
     o2 = out.view(-1, d)
     BD = min(1024, pow2(d, 16))
-    _fake_quant[(x2.shape[0], triton.cdiv(d, BD))](x2, s, o2, d, x2.stride(0), o2.stride(0), s.stride(0), BD=BD,
+    _fake_quant[(x2.shape[0], cdiv(d, BD))](x2, s, o2, d, x2.stride(0), o2.stride(0), s.stride(0), BD=BD,
                                                    num_warps=4)
     return out

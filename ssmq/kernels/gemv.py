@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
+from ssmq.kernels._common import cdiv, dot_precision, gdc_enter, pdl_args, pow2, sm_count
 
 MAX_ROWS = 8  # rows an FMA program serves (a DOT program serves 16); more rows take more programs, each
 # re-reading its weight slab
@@ -109,12 +109,12 @@ def _plan(dot: bool, M: int, N: int, K: int, sms: int, cfg: dict) -> dict:
                 break
         BN = min(max(1, cfg["TILE_FMA"] // (BK * BM)), pow2(N))
         nw, stages = cfg["warps_fma"], cfg["stages_fma"]
-    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    m_blocks, n_blocks = cdiv(M, BM), cdiv(N, BN)
     # split K only as far as needed to give every SM WAVES programs, and keep splits long
-    want = triton.cdiv(cfg["WAVES"] * sms, max(1, n_blocks * m_blocks))
+    want = cdiv(cfg["WAVES"] * sms, max(1, n_blocks * m_blocks))
     split = max(1, min(cfg["MAX_SPLIT"], want, K // cfg["MIN_SPLIT_K"]))
-    k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK if K else 0
-    split = triton.cdiv(K, k_split) if K else 1
+    k_split = cdiv(cdiv(K, split), BK) * BK if K else 0
+    split = cdiv(K, k_split) if K else 1
     return dict(DOT=dot, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=stages,
                 EVEN_K=K % BK == 0, split=split, k_split=k_split, grid=(n_blocks * m_blocks, split))
 
@@ -179,7 +179,7 @@ def linear_decode(x, weight, bias=None, cfg=None, out=None):
     )
     if split > 1:
         BLOCK = 1024
-        _sum_splits[(triton.cdiv(M * N, BLOCK),)](
+        _sum_splits[(cdiv(M * N, BLOCK),)](
             part, bias if bias is not None else part, out, M * N, N, split,
             HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(x2), s_om=0 if s_om == N else s_om,
         )

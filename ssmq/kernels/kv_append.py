@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels._common import next_pow2
 from ssmq.kernels.dispatch import QUANT_KV_APPEND, append_launch, serves
 from ssmq.ops.kv_quant import KVParams
 
@@ -171,7 +172,7 @@ def quant_kv_append(x: torch.Tensor, slots: torch.Tensor, positions: torch.Tenso
         xf, slots, positions, *pages, codes, ms, hs, out_idx, out_val, sink, book, lo, hi,
         xf.stride(0), xf.stride(1), l, positions.stride(0), codes.stride(0), codes.stride(1), codes.stride(2),
         ms.stride(0), ms.stride(1), out_idx.stride(0), out_idx.stride(1), sink.stride(0), sink.stride(1),
-        sink.stride(2), HKV=hkv, E=e, HP=triton.next_power_of_2(hkv), EP=max(8, triton.next_power_of_2(e)),
-        NB=codes.shape[-1], LEVELS=book.numel(), BITS=bits, K=k, KP=max(2, triton.next_power_of_2(k)),
+        sink.stride(2), HKV=hkv, E=e, HP=next_pow2(hkv), EP=max(8, next_pow2(e)),
+        NB=codes.shape[-1], LEVELS=book.numel(), BITS=bits, K=k, KP=max(2, next_pow2(k)),
         PER_TOKEN=per_token, SYMMETRIC=p.symmetric, S=sink.shape[1],
         BS=codes.shape[1] if block_table is not None else 0, num_warps=NUM_WARPS)

@@ -32,6 +32,7 @@ import triton.language as tl
 from triton import knobs
 
 from ssmq.kernels import configs
+from ssmq.kernels._common import cdiv, next_pow2
 from ssmq.kernels.rotary import inv_freq_on as _inv_freq  # cached: no per-call table building
 from ssmq.ops.kv_quant import KVSideView
 
@@ -395,10 +396,10 @@ def default_splits(b: int, hkv: int, capacity: int, device: torch.device, block_
     settings holding WAVES and MIN_TILES (default this kernel's). ``resident``: programs of the kernel an SM holds at
     once; given, P is moved to whole rounds of them (``whole_rounds``)."""
     cfg = cfg or CFG
-    fill = triton.cdiv(cfg["WAVES"] * _sm_count(device), b * hkv)
+    fill = cdiv(cfg["WAVES"] * _sm_count(device), b * hkv)
     if resident:
         fill = whole_rounds(fill, b * hkv, resident * _sm_count(device))
-    return max(1, min(fill, triton.cdiv(capacity, block_t * cfg["MIN_TILES"])))
+    return max(1, min(fill, cdiv(capacity, block_t * cfg["MIN_TILES"])))
 
 
 @functools.lru_cache(maxsize=None)  # every decode launch asks: 0.26 ms a call uncached (8 kv heads, batch 1)
@@ -431,9 +432,9 @@ def _side(v: KVSideView):
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
     """_decode_kernel's constexprs for a launch."""
-    return dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), E=e, R=rotary_dim,
-                HP=max(16, triton.next_power_of_2(rotary_dim // 2)), PP=max(16, triton.next_power_of_2(e - rotary_dim)),
-                S=sink, SP=max(16, triton.next_power_of_2(sink)), KP=triton.next_power_of_2(max(flags["KSLOTS"], 1)),
+    return dict(GROUP=group, GP=max(16, next_pow2(group)), E=e, R=rotary_dim,
+                HP=max(16, next_pow2(rotary_dim // 2)), PP=max(16, next_pow2(e - rotary_dim)),
+                S=sink, SP=max(16, next_pow2(sink)), KP=next_pow2(max(flags["KSLOTS"], 1)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split, FAST=FAST_TRIG, DOT=CFG["dot"], **flags)
 
 
@@ -498,11 +499,11 @@ def combine_tiling(b: int, hq: int, e: int, splits: int, device: torch.device) -
     the splits is latency-bound, so a grid of few programs (one row, few heads: SmolLM2's 9 at head dim 64, 528
     splits, 12 programs) takes narrower channel blocks, down to 4, for at least two programs an SM, and every
     program steps over as many splits as a 2048-element tile holds (a step's loads in flight together)."""
-    hb = min(4, triton.next_power_of_2(hq))
+    hb = min(4, next_pow2(hq))
     eb = min(16, e)
-    while eb > 4 and b * triton.cdiv(hq, hb) * (e // eb) < 2 * _sm_count(device):
+    while eb > 4 and b * cdiv(hq, hb) * (e // eb) < 2 * _sm_count(device):
         eb //= 2
-    return hb, eb, min(triton.next_power_of_2(splits), 2048 // (hb * eb))
+    return hb, eb, min(next_pow2(splits), 2048 // (hb * eb))
 
 
 def combine_splits(out: torch.Tensor, ws: torch.Tensor, splits: int, tiling: tuple[int, int, int] | None = None
@@ -512,8 +513,8 @@ def combine_splits(out: torch.Tensor, ws: torch.Tensor, splits: int, tiling: tup
     b, hq, e = out.shape
     if splits > 1:
         hb, eb, pc = tiling or combine_tiling(b, hq, e, splits, out.device)
-        _combine_kernel[(b, triton.cdiv(hq, hb), e // eb)](ws, out, splits, hq, *ws.stride(), out.stride(0),
-                                                           out.stride(1), E=e, PS=triton.next_power_of_2(splits),
+        _combine_kernel[(b, cdiv(hq, hb), e // eb)](ws, out, splits, hq, *ws.stride(), out.stride(0),
+                                                           out.stride(1), E=e, PS=next_pow2(splits),
                                                            HB=hb, EB=eb, PC=pc)
     return out
 

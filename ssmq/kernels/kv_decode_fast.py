@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
+from ssmq.kernels._common import cdiv, next_pow2
 from ssmq.errors import SSMQError
 from ssmq.kernels.dispatch import FLOAT_KV_DECODE, QUANT_KV_DECODE, float_kv_launch, quant_kv_view_launch, serves
 from ssmq.kernels.kv_decode import (FAST_TRIG, _codes, _cos_sin, _inv_freq, _launch, _page, _rope_terms,
@@ -635,10 +636,10 @@ def outlier_workspace_shape(codes: torch.Tensor, b: int, hq: int, paged: bool) -
 
 def constexprs(group: int, e: int, rotary_dim: int, sink: int, flags: dict, block_t: int, one_split: bool) -> dict:
     """_decode_kernel's constexprs for a launch (the compile tests build the same)."""
-    return dict(GROUP=group, GP=max(CFG["GP_MIN"], triton.next_power_of_2(group)), E=e, R=rotary_dim,
-                HP=max(MIN_DIM, triton.next_power_of_2(rotary_dim // 2)),
-                PP=max(MIN_DIM, triton.next_power_of_2(e - rotary_dim)), S=sink,
-                SP=max(16, triton.next_power_of_2(sink)),
+    return dict(GROUP=group, GP=max(CFG["GP_MIN"], next_pow2(group)), E=e, R=rotary_dim,
+                HP=max(MIN_DIM, next_pow2(rotary_dim // 2)),
+                PP=max(MIN_DIM, next_pow2(e - rotary_dim)), S=sink,
+                SP=max(16, next_pow2(sink)),
                 BLOCK_T=block_t, ONE_SPLIT=one_split,
                 FAST=FAST_TRIG, ROPE_SPLIT=rotary_dim > 0 and CFG["ROPE"] == "split", ASM=CFG["ASM"],
                 FOLD=bool(CFG["FOLD"]), **flags)
@@ -715,11 +716,11 @@ def outlier_passes(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: 
         slots: programs a row, the iterations of its capacity at most, SPARSE_PROGRAMS an SM over the rows; each
         loops over the iterations below its row's length (read on the device), so a short row in a long cache (a
         serving slot) costs a few programs, not one an iteration of the capacity."""
-        n = max(CFG["SPARSE_SLOTS"], triton.next_power_of_2(slots_a_token))
+        n = max(CFG["SPARSE_SLOTS"], next_pow2(slots_a_token))
         tok = n // slots_a_token
-        return n, tok, (b, max(1, min(triton.cdiv(cap, tok), CFG["SPARSE_PROGRAMS"] * _sm_count(q.device) // b)))
+        return n, tok, (b, max(1, min(cdiv(cap, tok), CFG["SPARSE_PROGRAMS"] * _sm_count(q.device) // b)))
 
-    gp2 = triton.next_power_of_2(group)
+    gp2 = next_pow2(group)
     kt, ks, vt, vs, _, flags = quant_args(k, v)
     # the passes take a side's pointers and strides without the codes' (``kv_decode._side``'s first 1 and 3): they
     # read only scales, codebook ends and slots
@@ -728,8 +729,8 @@ def outlier_passes(q, slots, kv_lens, k: KVSideView, v: KVSideView, rotary_dim: 
         n, tok, kgrid = grid(ko)
         _key_outlier_kernel[kgrid](
             q, slots, kv_lens, *pages, inv_freq, sc, *kt[1:], q.stride(0), q.stride(1), *ks[3:], *c_strides, scale,
-            hq // group, GROUP=group, GP2=gp2, HKVP=triton.next_power_of_2(hq // group), E=e, R=rotary_dim,
-            S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, N=n, TP=triton.next_power_of_2(tok),
+            hq // group, GROUP=group, GP2=gp2, HKVP=next_pow2(hq // group), E=e, R=rotary_dim,
+            S=k.sink.shape[1], PER_TOKEN=k.per_token, KSLOTS=ko, N=n, TP=next_pow2(tok),
             LEVELS=flags["KLEVELS"], FAST=FAST_TRIG, BS=bs, num_warps=4)
 
     def value_outliers(ws, splits):

@@ -53,13 +53,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import int32_words
+from ssmq.kernels._common import cdiv, int32_words
 from ssmq.kernels.dispatch import QUANT_KV_DECODE, quant_kv_view_launch, serves
 from ssmq.kernels.kv_decode import (_sm_count, combine_splits, paging, resident_programs, split_outputs,
                                     whole_rounds)
@@ -648,9 +647,9 @@ def default_splits(b: int, hkv: int, capacity: int, device: torch.device) -> int
     5.99)."""
     resident = resident_programs(MAXNREG, 1) if MAXNREG else RESIDENT  # as ``kv_decode._launch`` derives it
     slots = resident * _sm_count(device)
-    fill = triton.cdiv(ROUNDS * slots, b * hkv)
+    fill = cdiv(ROUNDS * slots, b * hkv)
     fill = whole_rounds(fill, b * hkv, slots, most=max(2 * fill, WIDEST))
-    return max(1, min(fill, triton.cdiv(capacity, TILE * MIN_TILES)))
+    return max(1, min(fill, cdiv(capacity, TILE * MIN_TILES)))
 
 
 def quant_kv_decode(q: torch.Tensor, slots: torch.Tensor, kv_lens: torch.Tensor, k: KVSideView, v: KVSideView,

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
+from ssmq.kernels._common import cdiv, next_pow2
 from ssmq.kernels.dispatch import QUANT_KV_READ, read_launch, serves
 from ssmq.kernels.kv_decode import FAST_TRIG, _codes, _cos_sin, _inv_freq, _page, _slot_scales, _tile, paging
 from ssmq.ops.kv_quant import KVSideView
@@ -152,19 +153,19 @@ def quant_kv_read(side: KVSideView, slots: torch.Tensor, end: int, rotary_dim: i
     book = side.codebook.float().contiguous()
     inv_freq = _inv_freq(max(rotary_dim, 2), theta, c.device)
     bt, lens = CFG["BT"], slots if kv_lens is None else kv_lens
-    _read_kernel[(triton.cdiv(end, bt), b, hkv)](
+    _read_kernel[(cdiv(end, bt), b, hkv)](
         out, c, m, side.half, book, o, side.out_val, s, slots, lens, *pages,
         inv_freq, end,
         c.stride(0), c.stride(1), c.stride(2), *ms, o.stride(0), o.stride(1), s.stride(0), s.stride(1), s.stride(2),
-        *out.stride()[:3], E=e, R=rotary_dim, HP=max(16, triton.next_power_of_2(max(rotary_dim // 2, 1))),
-        PP=max(16, triton.next_power_of_2(max(e - rotary_dim, 1))), S=s.shape[1], PER_TOKEN=side.per_token,
+        *out.stride()[:3], E=e, R=rotary_dim, HP=max(16, next_pow2(max(rotary_dim // 2, 1))),
+        PP=max(16, next_pow2(max(e - rotary_dim, 1))), S=s.shape[1], PER_TOKEN=side.per_token,
         BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG, HAS_LENS=kv_lens is not None, num_warps=CFG["WARPS"])
     if o.shape[-1]:
         bt = CFG["BT_OUTLIERS"]
-        _outlier_kernel[(b, triton.cdiv(end, bt))](
+        _outlier_kernel[(b, cdiv(end, bt))](
             out, c, m, side.half, book, o, side.out_val, slots, lens, *pages, inv_freq, end,
             c.stride(0), c.stride(1), c.stride(2), *ms, o.stride(0), o.stride(1), *out.stride()[:3],
             E=e, R=rotary_dim, S=s.shape[1], PER_TOKEN=side.per_token, SLOTS=o.shape[-1],
-            P=triton.next_power_of_2(o.shape[-1]), BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG,
+            P=next_pow2(o.shape[-1]), BITS=side.bits, BT=bt, BS=bs, FAST=FAST_TRIG,
             HAS_LENS=kv_lens is not None, num_warps=CFG["OUTLIER_WARPS"])
     return out

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels import configs
-from ssmq.kernels._common import along_n, dot_precision, gdc_enter, pdl_args, pow2, silu, tile_zeros
+from ssmq.kernels._common import along_n, cdiv, dot_precision, gdc_enter, pdl_args, pow2, silu, tile_zeros
 from ssmq.kernels.qgemm_mid import _asm, _i4_half
 from ssmq.kernels.quant_gemm import _i8_to_f16, quantize_act
 from ssmq.ops.moe import check_experts
@@ -76,7 +76,7 @@ def block_tables(idx: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     n_blocks = (counts + block_m - 1) // block_m
     blocks_to = torch.cumsum(n_blocks, 0)  # one past each expert's last block
     rows_from = torch.cumsum(counts, 0) - counts  # each expert's first row in the sorted pairs
-    b = torch.arange(triton.cdiv(n, block_m) + n_experts, device=dev)
+    b = torch.arange(cdiv(n, block_m) + n_experts, device=dev)
     e = torch.searchsorted(blocks_to, b, right=True)  # E for the blocks past the last
     valid = e < n_experts
     e = e.clamp(max=n_experts - 1)
@@ -382,7 +382,7 @@ def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu", w_scales
     precision = dot_precision(x.dtype)
     n_blocks = blk_e.numel()
     up = launch_consts(entry["up"], x.dtype, x.is_cuda, mode, act_fp8, groups_up, bk_up, f)
-    _moe_up[(n_blocks, triton.cdiv(f, up["BLOCK_N"]))](
+    _moe_up[(n_blocks, cdiv(f, up["BLOCK_N"]))](
         x, xq.view(torch.int8) if act_fp8 else x, xs, w_up if w_gate is None else w_gate, w_up,
         s_up if s_gate is None else s_gate, s_up, h, order, blk_e, blk_s, blk_end,
         d, f, k, xq.stride(0), w_up.stride(0), w_up.stride(1), s_up.stride(0), groups_up, group_up, h.stride(0),
@@ -390,7 +390,7 @@ def moe_experts(x, weights, idx, w_up, w_down, w_gate=None, act="silu", w_scales
     )
     hq, hs = quantize_act(h, None, True, torch.float8_e4m3fn) if act_fp8 else (h, rw)
     dn = launch_consts(entry["down"], x.dtype, x.is_cuda, mode, act_fp8, groups_dn, bk_dn, d)
-    _moe_down[(n_blocks, triton.cdiv(d, dn["BLOCK_N"]))](
+    _moe_down[(n_blocks, cdiv(d, dn["BLOCK_N"]))](
         h, hq.view(torch.int8) if act_fp8 else h, hs, w_down, s_down, rw, y, order, blk_e, blk_s, blk_end,
         d, f, h.stride(0), w_down.stride(0), w_down.stride(1), s_down.stride(0), groups_dn, group_dn, y.stride(0),
         W_MODE=mode, A_FP8=act_fp8, PRECISION=precision, BLOCK_M=bm, **dn, **pdl_args(x),

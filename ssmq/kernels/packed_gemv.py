@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import pow2, sm_count, pdl_args
+from ssmq.kernels._common import cdiv, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits
 from ssmq.kernels.quant_gemm import _counts, _finish_words, _rows_tile, _split_gather
 from ssmq.ops.quant_linear import BLOCK_WORDS, pack_words, weight_codes, weight_format
@@ -208,11 +208,11 @@ def _plan(M: int, N: int, K: int, bits: int, group: int | None, sms: int, cfg: d
     # the same tile at every row count: a thread's x (one load and conversion a slot and word) serves its BN / 32
     # columns (BN shrinking with the rows left 1 column a thread at 4 rows: as many x conversions as FFMAs)
     BN = min(max(16, cfg["TILE_WORDS"] // (nb * BLOCK_WORDS)), pow2(N, 16))
-    m_blocks, n_tiles, k_tiles = triton.cdiv(M, BM), triton.cdiv(N, BN), blocks // nb
-    iters = max(1, min(cfg["MAX_ITERS"], triton.cdiv(m_blocks * n_tiles * k_tiles, cfg["WAVES"] * sms)))
-    split = min(triton.cdiv(k_tiles, iters), cfg["MAX_SPLIT"])
-    iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, iters)
+    m_blocks, n_tiles, k_tiles = cdiv(M, BM), cdiv(N, BN), blocks // nb
+    iters = max(1, min(cfg["MAX_ITERS"], cdiv(m_blocks * n_tiles * k_tiles, cfg["WAVES"] * sms)))
+    split = min(cdiv(k_tiles, iters), cfg["MAX_SPLIT"])
+    iters = cdiv(k_tiles, split)
+    split = cdiv(k_tiles, iters)
     return dict(BLOCK_M=BM, BLOCK_N=BN, NB=nb, GB=(group // cb) if group else 1, k_tiles=k_tiles, iters=iters,
                 split=split, grid=(m_blocks, n_tiles, split), num_warps=cfg["warps"])
 
@@ -271,6 +271,6 @@ def packed_gemv(x, words, w_scale, bits: int, bias=None, out_dtype=None, cfg=Non
         num_warps=c["num_warps"], **pdl)
     if split > 1 and not in_kernel:
         BLOCK = 1024
-        _sum_splits[(triton.cdiv(M * N, BLOCK),)](part, b_arg, o2, M * N, N, split, HAS_BIAS=bias is not None,
+        _sum_splits[(cdiv(M * N, BLOCK),)](part, b_arg, o2, M * N, N, split, HAS_BIAS=bias is not None,
                                                  BLOCK=BLOCK, num_warps=4, **pdl)
     return out

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import gdc_enter, int8_to_float, pdl_args, pow2, sm_count
+from ssmq.kernels._common import cdiv, gdc_enter, int8_to_float, pdl_args, pow2, sm_count
 from ssmq.kernels.dispatch import quant_linear_rows, select
 from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _finish_words, _fp8_f32, _rows_tile, \
     _split_gather, _x_f32, split_buffers
@@ -279,11 +279,11 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict | None:
         return None
     BM = 16 if dot else pow2(M)
     BN = min(cfg["BN_DOT" if dot else "BN_FMA"], pow2(N, 16))
-    n_tiles, k_tiles = triton.cdiv(N, BN), K // kt
-    iters = max(1, min(cfg["MAX_ITERS"], triton.cdiv(n_tiles * k_tiles, cfg["WAVES"] * sms)))
-    split = min(triton.cdiv(k_tiles, iters), cfg["MAX_SPLIT_DOT" if dot else "MAX_SPLIT_FMA"])
-    iters = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, iters)
+    n_tiles, k_tiles = cdiv(N, BN), K // kt
+    iters = max(1, min(cfg["MAX_ITERS"], cdiv(n_tiles * k_tiles, cfg["WAVES"] * sms)))
+    split = min(cdiv(k_tiles, iters), cfg["MAX_SPLIT_DOT" if dot else "MAX_SPLIT_FMA"])
+    iters = cdiv(k_tiles, split)
+    split = cdiv(k_tiles, iters)
     gk = g if g is not None else kt  # codes a group (per channel: the tile)
     return dict(DOT=dot, BLOCK_M=BM, BLOCK_N=BN, KT=kt, NG=kt // gk, GK=gk, k_tiles=k_tiles, iters=iters,
                 split=split, grid=(n_tiles, split), num_warps=cfg["warps_dot" if dot else "warps_fma"])

@@ -61,7 +61,7 @@ import triton.language as tl
 
 from ssmq.kernels import configs
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, sm_count
+from ssmq.kernels._common import cdiv, dot_precision, gdc_enter, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
 from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
 
@@ -840,7 +840,7 @@ def _dequant(w_ptr, ws_ptr, wz_ptr, out_ptr, N, K, n_groups, s_wn,
 def _underfilled(N: int, f: dict, device: torch.device, cfg: dict) -> bool:
     """Whether the weight-only prefill tiling has fewer than MID_FILL x SMs column tiles (e.g. out_proj)."""
     bn = cfg["BN_PRE_GROUP"] if f["group_size"] is not None else cfg["BN_PRE"]
-    return triton.cdiv(N, bn) < cfg["MID_FILL"] * sm_count(device)
+    return cdiv(N, bn) < cfg["MID_FILL"] * sm_count(device)
 
 
 def _ws_mode(w_scale) -> int:
@@ -881,16 +881,16 @@ def _plan(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dict) -> 
     if not fma:
         BN = min(BN, pow2(N, 16))
         BK = g if g is not None else min(BK, pow2(K, 32))
-    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    m_blocks, n_blocks = cdiv(M, BM), cdiv(N, BN)
     split = 1
     # split K over programs (float32 partial sums) only where the result is not bit-exact anyway
     if mid:
         split = max(1, min(cfg["MID_SPLIT"], K // cfg["MIN_SPLIT_K"]))
     elif decode and (a_mode == 0 or (a_mode == 2 and fma)):
-        want = triton.cdiv(cfg["WAVES"] * sms, n_blocks * m_blocks)
+        want = cdiv(cfg["WAVES"] * sms, n_blocks * m_blocks)
         split = max(1, min(cfg["MAX_SPLIT"], want, K // cfg["MIN_SPLIT_K"]))
-    k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
-    split = triton.cdiv(K, k_split)
+    k_split = cdiv(cdiv(K, split), BK) * BK
+    split = cdiv(K, k_split)
     return dict(FMA=fma, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=nw, num_stages=ns, split=split,
                 DEQ_W=not decode and a_mode == 0 and g is not None,
                 k_split=k_split, EVEN_K=K % BK == 0 and k_split % BK == 0, grid=(n_blocks * m_blocks, split))
@@ -943,7 +943,7 @@ def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dic
     BM = pow2(M)
     BK = g if g is not None else wpw * min(cfg["KW_W"], pow2(K // wpw))
     BN = min(max(64, cfg["TILE_W"] // BM), pow2(N))  # 64+: each thread's x serves 2+ weight rows
-    m_blocks, n_blocks = triton.cdiv(M, BM), triton.cdiv(N, BN)
+    m_blocks, n_blocks = cdiv(M, BM), cdiv(N, BN)
     split = 1
     # int8 x per group: int_matmul_ref sums the groups' scaled products in order: a split stores them per group
     # (GROUP_PARTS) for the last program to add in that order, up to MAX_GROUP_PARTS groups (its unrolled loads)
@@ -951,11 +951,11 @@ def _plan_words(M: int, N: int, K: int, f: dict, a_mode: int, sms: int, cfg: dic
         # enough programs for WAVES_W an SM, and at most ITERS_W K steps a program: each step is a dependent
         # round trip to memory, so a long K loop is latency-bound (first H100 run: 4 rows unsplit,
         # 20 steps, 46 us at in_proj; W8A8 10 steps 24 us)
-        want = max(triton.cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks),
-                   triton.cdiv(triton.cdiv(K, BK), cfg["ITERS_W"]))
+        want = max(cdiv(cfg["WAVES_W"] * sms, n_blocks * m_blocks),
+                   cdiv(cdiv(K, BK), cfg["ITERS_W"]))
         split = max(1, min(cfg["MAX_SPLIT_W"], want, K // cfg["MIN_SPLIT_K_W"]))
-    k_split = triton.cdiv(triton.cdiv(K, split), BK) * BK
-    split = triton.cdiv(K, k_split)
+    k_split = cdiv(cdiv(K, split), BK) * BK
+    split = cdiv(K, k_split)
     return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, split=split, k_split=k_split, tiles=n_blocks * m_blocks,
                 EVEN_K=K % BK == 0 and k_split % BK == 0, grid=(n_blocks * m_blocks, split))
 
@@ -1029,7 +1029,7 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
                         PRECISION=dot_precision(x2.dtype) if a_mode == 0 else "tf32", **common)
     if split > 1 and not in_kernel:
         BLOCK = 1024
-        _sum_splits[(triton.cdiv(M * N, BLOCK),)](
+        _sum_splits[(cdiv(M * N, BLOCK),)](
             part, bias if bias is not None else part, out, M * N, N, split,
             HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=4, **pdl_args(x2))
     return out
@@ -1043,7 +1043,7 @@ def dequantize_weight(w_q, w_scale, w_zero=None, dtype=torch.float16, f: dict | 
     out = torch.empty((N, K), device=w_q.device, dtype=dtype)
     g = f["group_size"]
     BN, BK = 32, min(128, g) if g and g & (g - 1) == 0 else 128
-    _dequant[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+    _dequant[(cdiv(N, BN), cdiv(K, BK))](
         w_q.view(torch.int8) if f["fp8"] else w_q, w_scale,
         w_zero if w_zero is not None else w_scale, out, N, K,
         w_scale.shape[1] if w_scale.dim() == 2 else 1, w_q.stride(0),
@@ -1089,7 +1089,7 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
             out2 = out.view(M, N)
             acc = torch._int_mm(x2, w_q.t())
             BM, BN = 32, 128
-            _int_epilogue[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+            _int_epilogue[(cdiv(M, BM), cdiv(N, BN))](
                 acc, xs, w_scale, bias if bias is not None else w_scale, out2, M, N, XS_ROWS=xs.dim() == 1,
                 WS_COLS=w_scale.dim() == 1, HAS_BIAS=bias is not None, BLOCK_M=BM, BLOCK_N=BN, num_warps=4,
                 enable_fp_fusion=False)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
+from ssmq.kernels._common import cdiv, next_pow2
 from ssmq.ops.attention import rotary_inv_freq
 
 
@@ -66,9 +67,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, base: float 
     out = torch.empty((b, l, heads, e), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    ep = triton.next_power_of_2(e)
-    hb = min(triton.next_power_of_2(heads), max(1, 2048 // ep))  # ~2K elements a program
-    _rope_kernel[(b * l, triton.cdiv(heads, hb))](
+    ep = next_pow2(e)
+    hb = min(next_pow2(heads), max(1, 2048 // ep))  # ~2K elements a program
+    _rope_kernel[(b * l, cdiv(heads, hb))](
         x, positions, inv_freq_on(rotary_dim, float(base), x.device), out, heads, l, x.stride(0), x.stride(1),
         x.stride(2), positions.stride(0), positions.stride(1), out.stride(0), out.stride(1), out.stride(2),
         E=e, R=rotary_dim, EP=ep, HB=hb, num_warps=4 if hb * ep >= 1024 else 1)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import pow2, silu, softplus
+from ssmq.kernels._common import cdiv, pow2, silu, softplus
 
 
 @triton.jit
@@ -254,12 +254,12 @@ def _scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, re
     # b*d/BD programs alone leave most of the GPU idle at small batch (each is a chain of l/4 dependent
     # iterations): split time into segments, run (1) each segment's end state from zero, in parallel,
     # then (2) every segment again from its entering state (folded from (1)) writing y.
-    progs = b * triton.cdiv(d, BD)
+    progs = b * cdiv(d, BD)
     target = CFG["SEGS"] * torch.cuda.get_device_properties(u.device).multi_processor_count if u.is_cuda else 0
-    nseg = max(1, min(triton.cdiv(target, progs), l // CFG["MIN_SEG"])) if CFG["SEGS"] else 1
+    nseg = max(1, min(cdiv(target, progs), l // CFG["MIN_SEG"])) if CFG["SEGS"] else 1
     nseg = CFG.get("NSEG") or nseg  # tests force a split
-    seg_len = triton.cdiv(triton.cdiv(l, nseg), 4) * 4
-    nseg = triton.cdiv(l, seg_len)
+    seg_len = cdiv(cdiv(l, nseg), 4) * 4
+    nseg = cdiv(l, seg_len)
     hseg = torch.empty((b, nseg, d, n), device=u.device, dtype=torch.float32)
     dsum = torch.empty((b, nseg, d), device=u.device, dtype=torch.float32)
     args = (u, delta, A, B, C, D if D is not None else u, z if z is not None else u,
@@ -272,6 +272,6 @@ def _scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, re
                  HAS_INIT=initial_state is not None, GROUPED=g > 1, QUANT=scales is not None, BD=BD, BN=BN,
                  num_warps=nw)
     if nseg > 1:  # the last segment's own end state is never needed
-        _selective_scan[(b, triton.cdiv(d, BD), nseg - 1)](*args, SEG_STATE=True, **flags)
-    _selective_scan[(b, triton.cdiv(d, BD), nseg)](*args, SEG_STATE=False, **flags)
+        _selective_scan[(b, cdiv(d, BD), nseg - 1)](*args, SEG_STATE=True, **flags)
+    _selective_scan[(b, cdiv(d, BD), nseg)](*args, SEG_STATE=False, **flags)
     return (y, last) if return_last_state else y

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import dot_precision, pow2, silu, softplus
+from ssmq.kernels._common import cdiv, dot_precision, pow2, silu, softplus
 from ssmq.ops.layout import has_dt_limit, heads_per_group
 
 
@@ -371,7 +371,7 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
     g, n = B.shape[2], B.shape[3]
     rep = heads_per_group(h, g)
     T = chunk_size
-    nc = triton.cdiv(l, T)
+    nc = cdiv(l, T)
     dev, f32 = x.device, torch.float32
     quant = xs is not None
     TY = _TL[out_dtype]
@@ -388,7 +388,7 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
     cs = torch.empty_like(dt_out)
     BT, BH = pow2(T, 16), 8 if T <= 256 else 2
     has_limit = has_dt_limit(dt_limit)
-    _chunk_cumsum[(b, nc, triton.cdiv(h, BH))](
+    _chunk_cumsum[(b, nc, cdiv(h, BH))](
         dt, A, dt_bias if dt_bias is not None else A, dt_out, cs,
         l, h, T, nc, float(dt_limit[0]), float(dt_limit[1]), *dt.stride(),
         HAS_DTB=dt_bias is not None, SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit, BT=BT, BH=BH, num_warps=4,
@@ -396,7 +396,7 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
 
     cb = torch.empty((b, nc, g, T, T), device=dev, dtype=f32)
     BMc = min(64, pow2(T, 16))
-    _chunk_cb[(b * nc * g, triton.cdiv(T, BMc), triton.cdiv(T, BMc))](
+    _chunk_cb[(b * nc * g, cdiv(T, BMc), cdiv(T, BMc))](
         C, B, Cs, Bs, cb, l, n, T, nc, g, *C.stride(), *B.stride(),
         QUANT=quant, DOT_PREC="ieee" if quant else prec, BM=BMc, BN=BMc, BK=min(64, pow2(n, 16)), num_warps=4, num_stages=2,
     )
@@ -407,7 +407,7 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
     if CFG["STATES"] == "fused":
         c = CFG["fused"]
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
-        _chunk_state_fused[(b * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
+        _chunk_state_fused[(b * h, cdiv(p, BP), cdiv(n, BN))](
             x, B, xs, Bs, dt_out, cs, init, st_in, final, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
             HAS_INIT=initial_states is not None, QUANT=quant, TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -416,13 +416,13 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
         c = CFG["state"]
         states = torch.empty((b, nc, h, p, n), device=dev, dtype=f32)
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
-        _chunk_state[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
+        _chunk_state[(b * nc * h, cdiv(p, BP), cdiv(n, BN))](
             x, B, xs, Bs, dt_out, cs, states, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
             QUANT=quant, TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)), num_warps=c["num_warps"],
             num_stages=c["num_stages"],
         )
         PBLOCK = min(1024, pow2(p * n, 16))
-        _state_passing[(b * h, triton.cdiv(p * n, PBLOCK))](
+        _state_passing[(b * h, cdiv(p * n, PBLOCK))](
             states, cs, init, final, st_in, h, p * n, T, nc, HAS_INIT=initial_states is not None, BLOCK=PBLOCK,
             num_warps=4,
         )
@@ -431,7 +431,7 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
     c = CFG["scan"]
     BM = min(c["BM"], pow2(T, 16))
     BPs = min(64, pow2(p, 16))
-    _chunk_scan[(b * nc * h, triton.cdiv(T, BM), triton.cdiv(p, BPs))](
+    _chunk_scan[(b * nc * h, cdiv(T, BM), cdiv(p, BPs))](
         x, C, xs, Cs, cb, dt_out, cs, st_in, Dhp if Dhp is not None else A, z if z is not None else A, y,
         l, h, p, n, T, nc, g, rep,
         *x.stride(), *C.stride(), *(Dhp.stride() if Dhp is not None else (0, 0)),

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import dot_precision, pow2, quantize_rne, rne_int8
+from ssmq.kernels._common import cdiv, dot_precision, pow2, quantize_rne, rne_int8
 from ssmq.kernels.ssd import _chunk_cumsum, _scan_epilogue, _scan_tile, _state_tile
 from ssmq.ops.layout import has_dt_limit, heads_per_group
 from ssmq.ops.ssd_int8 import DECAY_BITS, IntStages, SSDi8Options, run_ssd_int8
@@ -261,7 +261,7 @@ def _launch_chunk_state(x, B_q, l, T, nc, mult=None, dt=None, cs=None, xs_scale=
     out = torch.empty(b, nc, h, p, n, dtype=torch.int8, device=x.device)
     c = CFG["state"]
     BT, BP, BN = _blk(T, c["BT"], 32), _blk(p, c["BP"]), _blk(n, c["BN"])
-    _chunk_state_q[(b * nc * h, triton.cdiv(p, BP), triton.cdiv(n, BN))](
+    _chunk_state_q[(b * nc * h, cdiv(p, BP), cdiv(n, BN))](
         x, B_q, *((out,) * 5 if mult is not None else (dt, cs, xs_scale, B_scale, state_scale)),
         mult if mult is not None else out, out, l, h, p, n, T, nc, h // g,
         *x.stride(), *B_q.stride(), QUANT_X=mult is None, F16MMA=c["F16MMA"] and T <= F16MMA_MAX_K, BT=BT, BP=BP,
@@ -275,7 +275,7 @@ def _launch_state_passing(chunk_q, decay, initial_q, T, decay_cs):
     final = torch.empty(b, h, p, n, dtype=torch.int8, device=chunk_q.device)
     BLOCK = min(1024, pow2(p * n))
     init = initial_q.contiguous() if initial_q is not None else final
-    _state_passing_q[(b, h, triton.cdiv(p * n, BLOCK))](
+    _state_passing_q[(b, h, cdiv(p * n, BLOCK))](
         chunk_q, decay, init, enter, final, nc, h, p * n, T,
         HAS_INIT=initial_q is not None, DECAY_CS=decay_cs, BLOCK=BLOCK, SHIFT=DECAY_BITS, num_warps=4)
     return enter, final
@@ -287,7 +287,7 @@ def _launch_chunk_bmm(C_q, B_q, l, T, nc, causal, dtype=torch.int32):
     out = torch.empty(b, nc, g, T, T, dtype=dtype, device=C_q.device)
     c = CFG["bmm"]
     BM, BK = _blk(T, c["BM"]), _blk(n, c["BK"], 32)
-    _chunk_bmm_q[(b * nc, g, triton.cdiv(T, BM) ** 2)](
+    _chunk_bmm_q[(b * nc, g, cdiv(T, BM) ** 2)](
         C_q, B_q, out, l, T, nc, g, n, *C_q.stride(), *B_q.stride(), CAUSAL=causal,
         F16MMA=c["F16MMA"] and n <= F16MMA_MAX_K, BM=BM, BS=BM, BK=BK,
         **_opts(c))
@@ -304,7 +304,7 @@ def _launch_chunk_scan(C_q, enter, ss, y, l, T, nc, lut=None, cs=None, dt=None, 
     c = CFG["scan"]
     BM, BP, BK = _blk(T, c["BM"]), _blk(p, c["BP"]), _blk(n, c["BK"], 32)
     xx = x if x is not None else y
-    _chunk_scan_q[(b * nc * h, triton.cdiv(T, BM), triton.cdiv(p, BP))](
+    _chunk_scan_q[(b * nc * h, cdiv(T, BM), cdiv(p, BP))](
         C_q, enter, lut if lut is not None else y, cs if cs is not None else y, dt if dt is not None else y,
         C_scale if C_scale is not None else y, B_scale if B_scale is not None else y, ss,
         cb if diag else y, xx, Dhp if Dhp is not None else y, z if z is not None else y, y,
@@ -372,12 +372,12 @@ def ssd_int8(x, dt, A, B_q, B_scale, C_q, C_scale, xs_scale, state_scale, chunk_
                            D, z, dt_bias, dt_softplus, dt_limit, initial_states, return_final_states, x_scale, options)
         return (out[0].to(x.dtype), out[1]) if return_final_states else out.to(x.dtype)
     T, dev = chunk_size, x.device
-    nc = triton.cdiv(l, T)
+    nc = cdiv(l, T)
     f32 = lambda t: t.float().contiguous()  # noqa: E731  (the (h,), (h, p), (g,) parameters: no-op on float32)
     dt_out = torch.empty((b, h, nc, T), device=dev, dtype=torch.float32)
     cs = torch.empty_like(dt_out)
     BH = 8 if T <= 256 else 2
-    _chunk_cumsum[(b, nc, triton.cdiv(h, BH))](
+    _chunk_cumsum[(b, nc, cdiv(h, BH))](
         dt, f32(A), f32(dt_bias) if dt_bias is not None else A, dt_out, cs, l, h, T, nc, float(dt_limit[0]),
         float(dt_limit[1]), *dt.stride(), HAS_DTB=dt_bias is not None, SOFTPLUS=dt_softplus,
         HAS_LIMIT=has_dt_limit(dt_limit), BT=pow2(T, 16), BH=BH, num_warps=4)

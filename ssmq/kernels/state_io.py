@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import pow2, quantize_rne, rne_int8
+from ssmq.kernels._common import cdiv, pow2, quantize_rne, rne_int8
 from ssmq.kernels.state_update import _row_scales, _state_table
 
 
@@ -90,7 +90,7 @@ def _launch(read: bool, data, state, state_scale, state_index, slots) -> None:
     b, R, n = data.shape
     BN = pow2(n, 16)
     BR = max(1, min(pow2(R), 4096 // BN))  # ~4K values a program
-    _state_io[(b, triton.cdiv(R, BR))](
+    _state_io[(b, cdiv(R, BR))](
         data, q, rs if rs is not None else q, table if table is not None else q, index if index is not None else q,
         slots, R, n, *data.stride(), *q.stride(), *(rs.stride() if rs is not None else (0, 0)), s_ssg,
         table.stride(1) if table is not None else 0, index.stride(0) if index is not None else 0,

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from ssmq.kernels import configs
 from ssmq.errors import SSMQError
-from ssmq.kernels._common import (_MAGIC_RNE, _PACK_PTX, _UNPACK_PTX, gdc_enter, int8_to_float, pdl_args, pow2,
-                                   rne_int8, rne_int8_of_product, rne_int8_sat, silu, sm_count, softplus)
+from ssmq.kernels._common import (_MAGIC_RNE, _PACK_PTX, _UNPACK_PTX, cdiv, gdc_enter, int8_to_float, pdl_args, pow2,
+    rne_int8, rne_int8_of_product, rne_int8_sat, silu, sm_count, softplus)
 from ssmq.ops.layout import heads_per_group
 from ssmq.ops.quant_ssm import RowScales
 
@@ -571,9 +571,9 @@ def _step_grid(b: int, h: int, p: int, n: int, fmt: str, device) -> tuple[dict, 
     cfg = STEP_CFG[fmt]
     sms = sm_count(device)
     BP = max(1, min(pow2(p), cfg["tile"] // pow2(n, 16)))
-    while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sms:
+    while BP > 16 and b * h * cdiv(p, BP) < 2 * sms:
         BP //= 2
-    TP = triton.cdiv(p, BP)
+    TP = cdiv(p, BP)
     tiles = h * TP
     nt = max(1, min(cfg["max_tiles"], round(b * tiles / (cfg["programs_per_sm"] * sms))))
     while tiles % nt:
@@ -778,12 +778,12 @@ def _launch(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indic
     BP = max(4, min(pow2(p), cfg["tile"] // BNC))  # ~4K state values in registers: enough loads in flight
     # ...but at small batch, at least two programs per SM: Mamba-1 at batch 1 is one "head" of
     # p = d_inner channels, which 4K-element tiles would spread over only d_inner / 256 SMs
-    while BP > 16 and b * h * triton.cdiv(p, BP) < 2 * sm_count(x.device):
+    while BP > 16 and b * h * cdiv(p, BP) < 2 * sm_count(x.device):
         BP //= 2
     BP = cfg["BP"] or BP
-    grid = (b, h, triton.cdiv(p, BP))
+    grid = (b, h, cdiv(p, BP))
     dummy = out  # pointer for absent tensors (never read: its constexpr flag is off)
-    rx, rdt, rB, cnt, done, *ring_rest = _ring_args(ring, state, h, p, g, n, tie, h * triton.cdiv(p, BP))
+    rx, rdt, rB, cnt, done, *ring_rest = _ring_args(ring, state, h, p, g, n, tie, h * cdiv(p, BP))
     RP = pow2(ring_rest[0] + 1)  # the ring's entries and the token
     _state_update[grid](
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,

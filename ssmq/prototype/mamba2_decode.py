@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ssmq.kernels._common import gdc_enter, pdl_args, pow2, silu, sm_count, softplus
+from ssmq.kernels._common import cdiv, gdc_enter, pdl_args, pow2, silu, sm_count, softplus
 from ssmq.ops.layout import NO_DT_LIMIT, has_dt_limit, heads_per_group
 
 QUANT_EPS = tl.constexpr(1e-8)  # ssmq.ops.quant_linear.EPS
@@ -308,7 +308,7 @@ def mamba2_decode_step(xbc, z, dt, conv_state, conv_weight, conv_bias, ssm_state
     )
     block = ngb * pow2(gs)
     sb = 1024  # conv channels a shift program moves
-    _mamba2_decode_tail[(d // unit + triton.cdiv(conv_dim, sb), b)](
+    _mamba2_decode_tail[(d // unit + cdiv(conv_dim, sb), b)](
         xbc, conv_state, idx, out, q, scale, part, gw, d, n, ngroups, gs, unit, eps,
         xbc.stride(0), *conv_state.stride(), out.stride(0), q.stride(0),
         W=w, HAS_IDX=slots is not None, QUANT=quantize, STATIC_SCALE=out_scale is not None, BP=bp,
