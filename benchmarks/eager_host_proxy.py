@@ -8,7 +8,7 @@ tokens; the driver's own launch cost is not in it.
 A narrow Mamba-2 (d_model 256, 8 layers, float16 weights) on 1024 tokens (the rows select the kernels), quantized on
 the CPU (round to nearest in place of GPTQ), then run with CUDA's dispatch: ``kernels.dispatch`` takes the Triton
 paths, the online Hadamard its two-GEMM form, and F.linear, torch._scaled_mm, torch._int_mm and torch.matmul return
-empty outputs of their shape. The outputs are garbage; only the host's work is measured: the fastest of 30 forwards,
+empty outputs of their shape (so does a tensor's @). The outputs are garbage; only the host's work is measured: the fastest of 30 forwards,
 a layer (the one least disturbed by other work on the machine). Process-wide patches: run it alone.
 """
 
@@ -47,6 +47,7 @@ def stub_the_gpu(launches: list) -> None:
     torch._int_mm = lambda a, b: a.new_empty(a.shape[0], b.shape[1], dtype=torch.int32)
     torch.matmul = lambda a, b: a.new_empty(*torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2],
                                             b.shape[-1])
+    torch.Tensor.__matmul__ = lambda a, b: torch.matmul(a, b)  # the online Hadamard's second product is an @
     dispatch._use_triton = lambda t: True
     for module in (hadamard, norm, quant_hadamard, quant_linear):
         module.hadamard_transform = hadamard.hadamard_transform_gemm  # what CUDA tensors run
