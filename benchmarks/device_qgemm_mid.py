@@ -24,6 +24,7 @@ from sweep_common import compile_points, logger, route_of, time_points, weight_c
 
 ROWS = [16, 32, 64, 128, 256]
 LOW_ROWS = [2, 4, 8]  # served by the 16-row setting
+CODE = {"w4": "int4", "w8": "int8"}  # the sweep's code names -> ROUTE / EXCEPT keys
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120), "8b in_proj": (18560, 4096),
           "8b out_proj": (4096, 8192)}
 STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s, x, p in ((True, 2, False), (True, 2, True),
@@ -89,7 +90,7 @@ def except_of(table: list, route: dict, rows_all: list) -> list:
     merged."""
     out = []
     for code in ("w4", "w8"):
-        lo_r, hi_r = route["int4" if code == "w4" else "int8"]
+        lo_r, hi_r = route[CODE[code]]
         for name, (n, k) in SHAPES.items():
             lost = {r["rows"] for r in table if r["code"] == code and r["shape"] == name and r["new_us"] > r["old_us"]}
             spans = []
@@ -100,7 +101,7 @@ def except_of(table: list, route: dict, rows_all: list) -> list:
                         spans[-1][1] = hi
                     else:
                         spans.append([lo, hi])
-            out += [dict(code="int4" if code == "w4" else "int8", n=n, k=k, rows=sp) for sp in spans]
+            out += [dict(code=CODE[code], n=n, k=k, rows=sp) for sp in spans]
     return out
 
 
@@ -165,7 +166,10 @@ def main():
                 continue
             sums = [0.0, 0.0]
             for i, (name, (n, k)) in enumerate(SHAPES.items()):
-                new = best[(code, rows)]["us"][i] if rows in ROWS else t_new(code, name, rows, best[(code, near)]["over"])
+                if rows in ROWS:
+                    new = best[(code, rows)]["us"][i]
+                else:  # decode rows: the nearest swept setting (16 rows), timed at this row count
+                    new = t_new(code, name, rows, best[(code, near)]["over"])
                 old, f16 = t_old(code, name, rows), t_f16(name, rows)
                 w, s = W[(name, code)][0]
                 nbytes = w.numel() * w.element_size() + s.numel() * 4 + rows * k * 2 + rows * n * 2
@@ -175,7 +179,7 @@ def main():
                 sums[1] += new
             wins[rows] = sums[1] < sums[0]
         tuned["ROWS_W4" if code == "w4" else "ROWS_W8"] = entries
-        route["int4" if code == "w4" else "int8"] = route_of(wins, all_rows, ROWS[-1])
+        route[CODE[code]] = route_of(wins, all_rows, ROWS[-1])
         say(f"{code}: wins at {[m for m in all_rows if wins[m]]}")
     tuned["ROUTE"] = route
     tuned["EXCEPT"] = except_of(rows_out, route, all_rows)

@@ -8,8 +8,9 @@ tokens; the driver's own launch cost is not in it.
 A narrow Mamba-2 (d_model 256, 8 layers, float16 weights) on 1024 tokens (the rows select the kernels), quantized on
 the CPU (round to nearest in place of GPTQ), then run with CUDA's dispatch: ``kernels.dispatch`` takes the Triton
 paths, the online Hadamard its two-GEMM form, and F.linear, torch._scaled_mm, torch._int_mm and torch.matmul return
-empty outputs of their shape (so does a tensor's @). The outputs are garbage; only the host's work is measured: the fastest of 30 forwards,
-a layer (the one least disturbed by other work on the machine). Process-wide patches: run it alone.
+empty outputs of their shape (so does a tensor's @). The outputs are garbage; only the host's work is measured: the
+fastest of 30 forwards, a layer (the one least disturbed by other work on the machine). Process-wide patches: run it
+alone.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ def test_mid_qmm_compiles_for_sm90(variant):
                 "part_ptr": "fp32", "cnt_ptr": "i32"}
     const = dict(W4=w4, WS_MODE=ws_mode, HAS_BIAS=True, SPLIT=split, NSP=4 if split else 1, BF16=bf16,
                  ASM_LO=_asm(False, bf16, scaled) if w4 else "", ASM_HI=_asm(True, bf16, scaled) if w4 else "",
-                 FAST_I8=not w4 and not bf16, POST_SCALE=post, SWAP=swap, X_SPLIT=x_split, GPS=gps, BLOCK_M=bm, BLOCK_N=64,
-                 BLOCK_K=128, USE_GDC=True)
+                 FAST_I8=not w4 and not bf16, POST_SCALE=post, SWAP=swap, X_SPLIT=x_split, GPS=gps, BLOCK_M=bm,
+                 BLOCK_N=64, BLOCK_K=128, USE_GDC=True)
     aligned = ("x_ptr", "w_ptr", "ws_ptr", "b_ptr", "out_ptr", "part_ptr", "cnt_ptr", "M", "N", "K", "k_split",
                "s_xm", "s_wn", "s_om")
     compiled = _compile_sm90(_mid_qmm, pointers, const, aligned=aligned)

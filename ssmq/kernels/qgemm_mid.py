@@ -113,9 +113,9 @@ def _mid_qmm(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
     # Program (tile, pid_k): out rows [pid_m BM, +BM) x columns [pid_n BN, +BN) over k in [pid_k k_split, +k_split)
-    # (k_split and K multiples of GPS * BLOCK_K; per-group scales: BLOCK_K == GROUP). The row tiles of one column tile are
-    # neighbours in launch order, so they read its weight tile while it is in L2. WS_MODE: 0 per tensor, 1 per
-    # channel, 2 per group. acc is (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
+    # (k_split and K multiples of GPS * BLOCK_K; per-group scales: BLOCK_K == GROUP). The row tiles of one column
+    # tile are neighbours in launch order, so they read its weight tile while it is in L2. WS_MODE: 0 per tensor,
+    # 1 per channel, 2 per group. acc is (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
     gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
     m_blocks = tl.cdiv(M, BLOCK_M)
     tile = tl.program_id(0)
