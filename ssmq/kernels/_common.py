@@ -182,6 +182,16 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def whole_loop_steps(steps: int, gps: int, split: int) -> tuple[int, int, int]:
+    """A K loop of ``steps`` tiles taken ``gps`` at a time (halved until it divides ``steps``), split in at most
+    ``split`` parts of whole loop steps: (gps, tiles a part, parts). The GEMM kernels that take GPS tiles a step
+    (qgemm_mid, qgemm_a8) need every part's k range a multiple of GPS tiles."""
+    while steps % gps:
+        gps //= 2
+    per = cdiv(cdiv(steps, split), gps) * gps
+    return gps, per, cdiv(steps, per)
+
+
 def rows_entry(M: int, bits: int, cfg: dict) -> dict:
     """The launch settings of a config's ROWS_W4 / ROWS_W8 table (by code width) for M rows: the first entry whose
     max_rows holds, else the last."""

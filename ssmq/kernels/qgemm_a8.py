@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ssmq.kernels import configs
 from ssmq.kernels._common import (along_m, along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count,
-                                  tile_zeros)
+                                  tile_zeros, whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.quant_gemm import _split_gather, split_buffers
 from ssmq.ops.quant_linear import weight_format
@@ -228,14 +228,10 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
         BN //= 2
     tiles = cdiv(M, BM) * cdiv(N, BN)
     steps = K // BK
-    gps = e.get("GPS", 1)
-    while steps % gps:
-        gps //= 2
     split = 1
     if f["group_size"] is None:  # int32 partials add exactly; grouped sums keep their order (no split)
         split = max(1, min(cfg["MAX_SPLIT"], cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
-    per = cdiv(cdiv(steps, split), gps) * gps  # each split whole steps of gps tiles (steps is a multiple of gps)
-    split = cdiv(steps, per)
+    gps, per, split = whole_loop_steps(steps, e.get("GPS", 1), split)
     return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GPS=gps, split=split, k_split=per * BK, tiles=tiles,
                 grid=(tiles, split), num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"],
                 X_SPLIT=e["X_SPLIT"])

@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from ssmq.kernels import configs
-from ssmq.kernels._common import along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count, tile_zeros
+from ssmq.kernels._common import (along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count, tile_zeros,
+                                  whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
 from ssmq.kernels.quant_gemm import _i8_to_f16, _split_gather, split_buffers
 from ssmq.ops.quant_linear import weight_format
@@ -233,16 +234,12 @@ def _plan(M: int, N: int, K: int, f: dict, sms: int, cfg: dict) -> dict:
     """Tiles, K split and grid for M x (N, K) in format f (a layout ``_step_k`` accepts)."""
     e = rows_entry(M, f["bits"], cfg)
     BK = _step_k(K, f, e)
-    BM = min(e["BM"], max(16, 1 << (M - 1).bit_length()))
+    BM = min(e["BM"], pow2(M, 16))
     BN = e["BN"]
     tiles = cdiv(M, BM) * cdiv(N, BN)
     steps = K // BK
-    gps = e.get("GPS", 1)
-    while steps % gps:
-        gps //= 2
-    split = max(1, min(cfg["MAX_SPLIT"], cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps // gps))
-    per = cdiv(cdiv(steps, split), gps) * gps  # each split whole loop steps of gps tiles
-    split = cdiv(steps, per)
+    split = max(1, min(cfg["MAX_SPLIT"], cdiv(int(e["waves"] * sms), tiles), K // cfg["MIN_SPLIT_K"], steps))
+    gps, per, split = whole_loop_steps(steps, e.get("GPS", 1), split)
     return dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GPS=gps, split=split, k_split=per * BK, tiles=tiles,
                 grid=(tiles, split), num_warps=e["warps"], num_stages=e["stages"], SWAP=e["SWAP"],
                 X_SPLIT=e["X_SPLIT"], POST_SCALE=e["POST_SCALE"])
