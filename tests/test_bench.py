@@ -201,6 +201,9 @@ def test_serve_a_model_here_reports_the_share_of_the_decode_step_bound(tmp_path)
         # the engine's own counts over the level (/health): 3 prompts of 5 tokens in chunks of 4 + 1, 4 tokens each
         assert row["prefill_forwards"] * row["rows_per_prefill"] == pytest.approx(3 * 2)
         assert row["engine_steps"] >= 2 + 3
+        # the engine thread's time: prefill inside its steps, both inside the level's wall time
+        assert 0 <= row["prefill_ms"] <= row["engine_busy_ms"] <= row["seconds"] * 1e3 + 50
+        assert 0 <= row["prefill_share"] and row["prefill_share"] + row["idle_share"] <= 1 + 1e-9
     assert "bound_share" in r.stdout
 
 

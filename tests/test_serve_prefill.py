@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import httpx
 import pytest
@@ -90,6 +91,30 @@ def test_prefill_groups_share_forwards_by_chunk_length():
     assert prefill_groups([50], 7, 8) == [(7, [0])]  # the budget is the smaller bound
     assert prefill_groups([4, 4], 4, 8) == [(4, [0])]  # the step's budget is spent: the next waits
     assert prefill_groups([], 10, 8) == []
+
+
+def test_stats_split_the_engine_threads_time_into_steps_and_their_prefills():
+    """/health's time tallies: a prefill forward made to take 0.2 s and decode steps 0.02 s each show up as at least
+    that much prefill time, and busy time that holds the prefill and the decode steps too."""
+    model = tiny_model("mamba2", seed=3)
+    engine = Engine(model, EngineConfig(max_batch=2, max_model_len=64, prefill_chunk=32, prefill_tokens=32))
+    Calls(engine, before_prefill=lambda ids, slots: time.sleep(0.2))
+    decode = engine.runner.decode
+
+    def slow(tokens, slots):
+        time.sleep(0.02)
+        return decode(tokens, slots)
+
+    engine.runner.decode = slow
+    engine.start()
+    try:
+        run_engine(engine, [[5, 6, 7]], [6])
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert stats["prefill_forwards"] == 1
+    assert 200 <= stats["prefill_ms"] < 2000
+    assert stats["busy_ms"] >= stats["prefill_ms"] + 5 * 20  # 5 decode steps after the prefill's first token
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "hybrid"])

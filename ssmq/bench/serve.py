@@ -11,7 +11,10 @@ GPU), then served here (``ssmq serve``'s engine and server; ``--engine``: the en
 ``ssmq serve`` runs it, or in a thread of the server's process) to clients in a child process (so they do not take
 the server's interpreter lock). The decode-step bound of a level is its batch over the step's
 time: the tokens/s the engine would give if every step were a decode step of every client and the host cost
-nothing; ``bound_share`` is the output tokens/s measured over it.
+nothing; ``bound_share`` is the output tokens/s measured over it. Against an ssmq server each level also reports
+where its wall time went on the engine thread (``/health``'s tallies): ``prefill_share`` in steps' prefill forwards
+(each waits for its first tokens, so on a GPU it holds the forward's device time) and ``idle_share`` outside any step
+(waiting for requests: the HTTP side's intake and the clients).
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
     if before and after:
         d = {k: after[k] - before[k] for k in TALLIES}
         row.update(engine_steps=d["steps"], prefill_forwards=d["prefill_forwards"],
-                   rows_per_prefill=d["prefill_rows"] / d["prefill_forwards"] if d["prefill_forwards"] else None)
+                   rows_per_prefill=d["prefill_rows"] / d["prefill_forwards"] if d["prefill_forwards"] else None,
+                   engine_busy_ms=d["busy_ms"], prefill_ms=d["prefill_ms"])
     if errors:
         row["first_error"] = errors[0][:200]
     if not records:
@@ -128,6 +132,9 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
     ttft = [(r["first"] - r["start"]) * 1e3 for r in records]
     # the last token's arrival: a stream behind the engine carries several tokens in a chunk
     tpot = [(r["end"] - r["first"]) * 1e3 / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
+    if "engine_busy_ms" in row and seconds > 0:  # where the level's wall time went on the engine thread
+        row.update(prefill_share=row["prefill_ms"] / 1e3 / seconds,
+                   idle_share=max(0.0, 1 - row["engine_busy_ms"] / 1e3 / seconds))
     row.update({"seconds": seconds, "output_tok_s": out_tokens / seconds if seconds > 0 else None,
                 "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
                 "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99)})
@@ -135,10 +142,10 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
 
 
 LOAD_COLUMNS = ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
-                "tpot_ms_p99", "engine_steps", "prefill_forwards", "rows_per_prefill"]
+                "tpot_ms_p99", "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
 BOUND_COLUMNS = ["recipe", "engine", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
                  "bound_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step",
-                 "engine_steps", "prefill_forwards", "rows_per_prefill"]
+                 "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
 
 
 def run(args) -> dict:

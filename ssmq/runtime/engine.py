@@ -43,8 +43,10 @@ from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_rows, top
 
 log = logging.getLogger("ssmq.serve")
 
-# counts in Engine.stats() that grow every turn (since start): steps, prefill forwards and their rows
-TALLIES = ("steps", "prefill_forwards", "prefill_rows")
+# counts in Engine.stats() that grow every turn (since start): steps, prefill forwards and their rows, and the
+# engine thread's wall time (ms) in its steps and in their prefill forwards (each waits for its first tokens, so on
+# a GPU it holds the forward's device time, and what was queued before it)
+TALLIES = ("steps", "prefill_forwards", "prefill_rows", "prefill_ms", "busy_ms")
 
 
 @dataclass
@@ -279,6 +281,7 @@ class Engine:
         self.blocks = BlockAllocator(*kv) if kv else None  # None: admission counts slots only
         self.steps = 0
         self.prefill_forwards = self.prefill_rows = 0  # forwards of prompt chunks, and their rows in all
+        self.prefill_s = self.busy_s = 0.0  # wall time in steps, and in their prefill forwards
         self._threads = torch.get_num_threads()  # OpenMP's setting is per thread: carried into the loop's
         self._flushes: set = set()  # flush callbacks of the requests emitted to since the last flush
         # on CUDA a step's events wait for the next decode's launch (_deliver), which returns at once; elsewhere the
@@ -343,7 +346,8 @@ class Engine:
     def stats(self) -> dict:
         out = {"waiting": len(self.waiting) + len(self._inbox), "running": len(self.prefilling) + len(self.decoding),
                "slots_used": self.cfg.max_batch - len(self.free_slots), "slots_total": self.cfg.max_batch,
-               "steps": self.steps, "prefill_forwards": self.prefill_forwards, "prefill_rows": self.prefill_rows}
+               "steps": self.steps, "prefill_forwards": self.prefill_forwards, "prefill_rows": self.prefill_rows,
+               "prefill_ms": round(self.prefill_s * 1e3), "busy_ms": round(self.busy_s * 1e3)}
         if self.blocks is not None:
             out.update(kv_blocks_used=self.blocks.used, kv_blocks_total=self.blocks.total)
         return out
@@ -444,12 +448,21 @@ class Engine:
             self.prefilling.append(r)
 
     def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._step_rows(start)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def _step_rows(self, start: float) -> None:
         self.steps += 1
         rows = list(self.prefilling)
         keys = [(r.prompt_logprobs, r.id if r.alone else None) for r in rows]
         for n, group in prefill_groups([len(r.prompt) - r.pos for r in rows], self.cfg.prefill_tokens,
                                        self.cfg.prefill_chunk, keys):
             self._prefill([rows[i] for i in group], n)
+        if rows:
+            self.prefill_s += time.perf_counter() - start
         # (overlap) a row whose last token is still on the device and ends it by length is not decoded again
         rows = [r for r in self.decoding if len(r.output) + r.ahead < r.max_tokens]
         launched = None
