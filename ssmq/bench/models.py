@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import weakref
 
 import torch
 
@@ -43,33 +44,59 @@ def published_config(name: str, layers: int | None = None):
     return dataclasses.replace(cut, attn_layer_idx=attn) if cfg.attn_layer_idx else cut
 
 
-@torch.no_grad()
-def init_random_(model: torch.nn.Module) -> None:
-    """Trained-looking random values: A = -[1..16], Δ biases of softplus⁻¹ [1e-3, 1e-1], unit norms and D."""
-    for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
-        elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
-            dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)))
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-        elif name.endswith(".D") or "norm" in name:
-            p.fill_(1.0)
-        else:
-            p.normal_(0, 0.02)
+def _init_random(name: str, p: torch.Tensor) -> None:
+    """Trained-looking random values for the parameter at path ``name``: A = -[1..16], Δ biases of softplus⁻¹
+    [1e-3, 1e-1], unit norms and D, N(0, 0.02) elsewhere."""
+    if name.endswith("A_log"):
+        p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
+    elif name.endswith("dt_bias") or name.endswith("dt_proj.bias"):
+        dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)))
+        p.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+    elif name.endswith(".D") or "norm" in name:
+        p.fill_(1.0)
+    else:
+        p.normal_(0, 0.02)
+
+
+def _units(model) -> list[tuple[str, torch.nn.Module]]:
+    """The model's top-level parts in order, each block of ``layers`` one part: (path, module)."""
+    out = []
+    for name, child in model.named_children():
+        out += ([(f"{name}.{i}", m) for i, m in enumerate(child)] if isinstance(child, torch.nn.ModuleList)
+                else [(name, child)])
+    return out
 
 
 @torch.no_grad()
-def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """An SSMLM of ``cfg`` with random weights, allocated directly on ``device``."""
+def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0, recipe=None):
+    """An SSMLM of ``cfg`` with random weights, made directly on ``device``; quantized by ``recipe`` (a linears-only
+    one, ``quant.api.linears_only``) part by part as it is made, so that the float model is never whole in memory:
+    Jamba-Mini's float16 weights (104 GB) exceed an 80 GB GPU, its FP8 or int4 ones do not. The same values as
+    making the float model whole and then quantizing it: the parts draw their random values in the same order."""
     from ssmq.models.lm import SSMLM
+    from ssmq.quant.api import check, quantize_linears_under
 
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = SSMLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    init_random_(model)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embedding.weight
+    if recipe is not None:
+        check(recipe, model)
+    # parameters shared between parts (Zamba2's shared blocks) are drawn once; weakly held, so that the float
+    # weights a quantized part lets go are freed, and their entries with them (a new tensor may reuse their id)
+    seen = weakref.WeakValueDictionary()
+    for path, part in _units(model):
+        part._apply(lambda t: torch.empty_like(t, device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                    if t.is_meta else t)
+        for name, p in part.named_parameters(prefix=path):
+            if id(p) not in seen:
+                seen[id(p)] = p
+                _init_random(name, p)
+        if path == "lm_head" and cfg.tie_embeddings:
+            model.lm_head.weight = model.embedding.weight
+        if recipe is not None:
+            quantize_linears_under(model, recipe, path)
+    if recipe is not None:  # what quantize() records for a linears-only recipe
+        model.quantization = {"recipe": recipe.to_dict(), "calibration": None}
     return model.eval()
 
 
@@ -92,9 +119,15 @@ def build(model_name, recipe: str, device: torch.device, dtype: torch.dtype, lay
     tokens: speed only."""
     from ssmq.models.config import ModelConfig
     from ssmq.quant import get_recipe, quantize
+    from ssmq.quant.api import linears_only
     from ssmq.quant.calibration import CalibrationData
 
     cfg = model_name if isinstance(model_name, ModelConfig) else published_config(model_name, layers)
+    spec = None if recipe == FLOAT else get_recipe(recipe)
+    if spec is not None and gptq_as_rtn:
+        spec = rtn_weights(spec)
+    if cfg is not None and spec is not None and linears_only(spec):
+        return random_model(cfg, device, dtype, recipe=spec), cfg.vocab_size
     if cfg is not None:
         model = random_model(cfg, device, dtype)
     else:
@@ -105,11 +138,8 @@ def build(model_name, recipe: str, device: torch.device, dtype: torch.dtype, lay
             raise SSMQError("--layers applies to published architectures only")
         model = load_model(resolve_model_path(model_name), dtype=dtype, device=str(device)).eval()
     vocab = model.config.vocab_size
-    if recipe == FLOAT:
+    if spec is None:
         return model, vocab
-    spec = get_recipe(recipe)
-    if gptq_as_rtn:
-        spec = rtn_weights(spec)
     calib = None
     if spec.needs_calibration():
         gen = torch.Generator().manual_seed(0)

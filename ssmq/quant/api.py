@@ -226,6 +226,25 @@ def _quantize_linears(model, targets: dict[str, Rule], calib, kw, budget_bytes: 
                                               qweights.get(p)))
 
 
+def linears_only(recipe) -> bool:
+    """Whether ``recipe`` swaps linears for ones quantized from their own weights and does nothing else (no
+    calibration, transform, tap, search, embedding, conv or cache format): a block of a model can take it alone."""
+    r = get_recipe(recipe)
+    return not (r.transforms or r.taps or r.search or r.embedding or r.conv or r.cache.kv or r.cache.state_bits != 16
+                or r.needs_calibration())
+
+
+@torch.no_grad()
+def quantize_linears_under(model: nn.Module, recipe, prefix: str) -> None:
+    """What ``quantize`` does to the linears at ``prefix`` ("layers.3", "lm_head") and under it, by the linears-only
+    ``recipe``; the rest of ``model`` is not read (it may still be on the meta device), and no record is set."""
+    recipe = get_recipe(recipe)
+    if not linears_only(recipe):
+        raise SSMQError(f"recipe {recipe.name!r} does more than quantize linears from their weights: use quantize()")
+    targets = {p: r for p, r in plan(recipe, model).items() if p == prefix or p.startswith(prefix + ".")}
+    _quantize_linears(model, targets, None, {"batch_size": 1, "device": None, "progress": False}, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # the pipeline
 # ---------------------------------------------------------------------------------------------
