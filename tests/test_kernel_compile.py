@@ -374,6 +374,9 @@ def test_word_gemv_compiles_for_sm90(variant):
     else:
         assert "dp4a.s32.s32" in ptx
     assert ("atom.global.gpu.acq_rel.add" in ptx) == split
+    # PDL: only the weight's first tile (PREFETCH) is requested before waiting on the kernel before
+    wait = ptx.index("griddepcontrol.wait")
+    assert ("ld.global" in ptx[:wait]) == variant.endswith("prefetch")
 
 
 @pytest.mark.parametrize("w4", [True, False])
@@ -564,10 +567,13 @@ def test_qgemv_compiles_for_sm90(variant):
     name, ptrs, const = QGEMV[variant]
     pointers = {"xs_ptr": "fp32", "ws_ptr": "fp32", "b_ptr": "fp16", "out_ptr": "fp16", "part_ptr": "fp32",
                 "cnt_ptr": "i32", **ptrs}
-    const = dict(const, XS_ROWS=True, HAS_BIAS=True, SPLIT=True, NSP=8, BLOCK_N=64)
+    const = dict(const, XS_ROWS=True, HAS_BIAS=True, SPLIT=True, NSP=8, BLOCK_N=64, USE_GDC=True)
     aligned = ("x_ptr", "w_ptr", "out_ptr", "part_ptr", "s_xm", "s_wn")
     compiled = _compile_sm90(getattr(qgemv, name), pointers, const, aligned=aligned)
     assert "LDG.E.128" in build._cuobjdump(compiled, "-sass")
+    # PDL: the FMA path requests its first weight tile (codes and scales) before waiting on the kernel before
+    ptx = compiled.asm["ptx"]
+    assert ("ld.global" in ptx[:ptx.index("griddepcontrol.wait")]) == (name == "_qgemv_fma")
 
 
 # the grouped MoE's weight formats: (W_MODE, weight pointer type, A_FP8)

@@ -178,7 +178,6 @@ def _qgemv_fma(
     # program (pid_n, pid_k): columns [pid_n * BLOCK_N, +BLOCK_N), tiles [pid_k * iters, +iters) of KW words
     # (w_ptr: the codes as int32 words, s_wn in words; x_ptr: 16-bit x as int32 pairs, fp8 x as int32 words of
     # 4 codes, s_xm in those units); A_MODE 0 float x, 2 fp8 x; WS_MODE 0 per tensor, 1 per channel, 2 per group
-    gdc_enter(USE_GDC)
     WPW: tl.constexpr = 8 if W4 else 4
     KW: tl.constexpr = NG * GW
     XE: tl.constexpr = 4 if A_MODE != 0 else 2  # x columns a pointer unit
@@ -190,8 +189,11 @@ def _qgemv_fma(
     p0 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)  # per row: sums of each group (per channel: of the tile)
     p1, p2, p3 = p0, p0, p0
     mw = mn[:, None, None]
+    # the weight is never written by a decode step: its first tile is requested before waiting on the kernel before
+    # (PDL), so that the stream starts during that kernel's tail
     w_next = tl.load(w_ptrs, mask=mw, other=0)
     s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
+    gdc_enter(USE_GDC)  # PDL (ssmq.kernels._common): x, its scales, the counters and partials only after it
     for i in range(n_it):
         w = w_next
         s = s_next

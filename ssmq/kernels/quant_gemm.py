@@ -620,7 +620,6 @@ def _qgemv_words(
     # each program stores every group's scaled product float(acc_t) * s_t at part_ptr[t] instead, and the last one
     # adds all n_groups of them in group order from 0 (_group_gather): int_matmul_ref's sum, bit for bit, with
     # the K split that a single program per tile lacked (W4A8 at batch 1: 20 dependent K steps, no split).
-    gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
     WPW: tl.constexpr = 8 if W4 else 4
     KW: tl.constexpr = BLOCK_K // WPW
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -636,6 +635,11 @@ def _qgemv_words(
     k0 = pid_k * kw_split * WPW
     k_len = tl.minimum(kw_split * WPW, K - k0)
     w_ptrs = w_ptr + cols[:, None] * s_wn + pid_k * kw_split + offs_c[None, :]
+    if PREFETCH:  # (EVEN_K) the next step's words are loaded before this step's arithmetic: two tiles in flight
+        # the weight is never written by a decode step: its first tile is requested before waiting on the kernel
+        # before (PDL), so that the stream starts during that kernel's tail
+        w_next = tl.load(w_ptrs, mask=mn[:, None], other=0)
+    gdc_enter(USE_GDC)  # PDL (ssmq.kernels._common): x, its scales, the counters and partials only after it
     r0 = pid_m * BLOCK_M
     # x's pointer unit: XE columns (int8 x: int32 words of 4 codes; 16-bit float x: int32 pairs)
     XE: tl.constexpr = 4 if A_MODE != 0 else 2 if X16 else 1
@@ -663,8 +667,6 @@ def _qgemv_words(
     x1, x2, x3 = x0, x0, x0
     a0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     a1, a2, a3 = a0, a0, a0
-    if PREFETCH:  # (EVEN_K) the next step's words are loaded before this step's arithmetic: two tiles in flight
-        w_next = tl.load(w_ptrs, mask=mn[:, None], other=0)
     for k in range(0, k_len, BLOCK_K):
         if EVEN_K:
             mw = mn[:, None]
