@@ -16,9 +16,11 @@ FFMA a code and row; no I2F), for int8 x multiplied by dp4a on whole words (int4
 half of each byte); K split over many programs, the partial sums added by the last program of each output tile
 (an acq_rel counter that resets itself: no second kernel, CUDA-graph safe); int8 x with per-group scales (W4A8)
 splits too, each program storing its groups' scaled products for the last one to add in group order
-(``GROUP_PARTS``: ``int_matmul_ref``'s sum, bit for bit). It serves int8 and int4 codes whose rows are whole words
-(k a multiple of 8 for int4, 4 for int8), float or int8 x, and fp8 e4m3 codes (per channel / tensor) with float
-or fp8 x, each code converted exactly by the hardware e4m3 -> f16 conversion; the rest goes below.
+(``GROUP_PARTS``: ``int_matmul_ref``'s sum, bit for bit); under PDL its first tile of words is requested before
+the wait on the previous kernel (weights are never written by a decode step). It serves int8 and int4 codes whose
+rows are whole words (k a multiple of 8 for int4, 4 for int8), float or int8 x, and fp8 e4m3 codes (per channel /
+tensor) with float or fp8 x, each code converted exactly by the hardware e4m3 -> f16 conversion; the rest goes
+below.
 Two kernels do every other case, with the same arguments:
 ``_qgemv`` (1-2 rows, decode at batch 1-2, when FMA_MAX_ROWS asks for it): CUDA-core multiply-adds, products kept
   elementwise across the K loop and reduced once; small register tiles, so many programs per SM keep loads in
