@@ -173,7 +173,7 @@ def _qgemv_fma(
     A_MODE: tl.constexpr, XS_ROWS: tl.constexpr, W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NSP: tl.constexpr, XBF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr,
-    USE_GDC: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False, EARLY: tl.constexpr = False,
 ):
     # program (pid_n, pid_k): columns [pid_n * BLOCK_N, +BLOCK_N), tiles [pid_k * iters, +iters) of KW words
     # (w_ptr: the codes as int32 words, s_wn in words; x_ptr: 16-bit x as int32 pairs, fp8 x as int32 words of
@@ -189,11 +189,16 @@ def _qgemv_fma(
     p0 = tl.zeros((BLOCK_N, NG), dtype=tl.float32)  # per row: sums of each group (per channel: of the tile)
     p1, p2, p3 = p0, p0, p0
     mw = mn[:, None, None]
-    # the weight is never written by a decode step: its first tile is requested before waiting on the kernel before
-    # (PDL), so that the stream starts during that kernel's tail
-    w_next = tl.load(w_ptrs, mask=mw, other=0)
-    s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
-    gdc_enter(USE_GDC)  # PDL (ssmq.kernels._common): x, its scales, the counters and partials only after it
+    # EARLY: the weight is never written by a decode step, so its first tile can be requested before waiting on the
+    # kernel before (PDL) and stream during that kernel's tail; x, its scales, counters and partials only after
+    if EARLY:
+        w_next = tl.load(w_ptrs, mask=mw, other=0)
+        s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
+        gdc_enter(USE_GDC)
+    else:
+        gdc_enter(USE_GDC)
+        w_next = tl.load(w_ptrs, mask=mw, other=0)
+        s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
     for i in range(n_it):
         w = w_next
         s = s_next
@@ -362,7 +367,9 @@ def quant_gemv(x, w_q, w_scale, f: dict, x_scale=None, bias=None, out_dtype=None
         wpw = 8 if f["bits"] == 4 else 4
         xw = (x2.view(torch.int8) if a_mode else x2).view(torch.int32)
         ww = (w_q.view(torch.int8) if f["fp8"] else w_q).view(torch.int32)
+        code = "fp8" if f["fp8"] else f"int{f['bits']}"
         _qgemv_fma[c["grid"]](xw, xs_arg, ww, w_scale, b_arg, o2, part, cnt, M, N, c["k_tiles"], c["iters"],
                               n_groups, xw.stride(0), ww.stride(0), N,
-                              XBF16=x.dtype == torch.bfloat16, GW=c["GK"] // wpw, **common)
+                              XBF16=x.dtype == torch.bfloat16, GW=c["GK"] // wpw, EARLY=cfg["EARLY_TILE"][code],
+                              **common)
     return out
