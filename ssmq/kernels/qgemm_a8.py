@@ -38,7 +38,7 @@ from ssmq.kernels._common import (along_m, along_n, cdiv, gdc_enter, pdl_args, p
                                   tile_zeros, whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.quant_gemm import _split_gather, split_buffers
-from ssmq.ops.quant_linear import weight_format
+from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemm_a8")  # launch settings and routes (configs/qgemm_a8.json)
 
@@ -255,7 +255,7 @@ def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scale=Non
     fits = (not f["fp8"] and x_ok and x.shape[-1] == K and w_q.stride(-1) == 1 and M > 0
             and _step_k(K, f, rows_entry(M, f["bits"], cfg)) is not None)
     dtype = codes if codes is not None else x.dtype
-    return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(dtype).removeprefix("torch."), rows=M,
+    return dict(code=code_type(f), x=str(dtype).removeprefix("torch."), rows=M,
                 zero=w_zero is not None, fits=fits)
 
 

@@ -40,7 +40,7 @@ from ssmq.kernels._common import (along_n, cdiv, gdc_enter, pdl_args, pow2, rows
                                   whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
 from ssmq.kernels.quant_gemm import _i8_to_f16, _split_gather, split_buffers
-from ssmq.ops.quant_linear import weight_format
+from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemm_mid")  # launch settings and routes (configs/qgemm_mid.json)
 
@@ -254,7 +254,7 @@ def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scale=Non
     K = f["k"]
     fits = (not f["fp8"] and x_scale is None and x.shape[-1] == K and x.stride(-1) == 1 and w_q.stride(-1) == 1
             and M > 0 and _step_k(K, f, rows_entry(M, f["bits"], cfg)) is not None)
-    return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(x.dtype).removeprefix("torch."), rows=M,
+    return dict(code=code_type(f), x=str(x.dtype).removeprefix("torch."), rows=M,
                 n=f["n"], k=K, zero=w_zero is not None, fits=fits)
 
 

@@ -37,7 +37,7 @@ from ssmq.kernels._common import cdiv, gdc_enter, int8_to_float, pdl_args, pow2,
 from ssmq.kernels.dispatch import quant_linear_rows, select
 from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _finish_words, _fp8_f32, _rows_tile, \
     _split_gather, _x_f32, split_buffers
-from ssmq.ops.quant_linear import weight_format
+from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemv")  # launch settings (configs/qgemv.json, keys in docs/kernels.md)
 ALL_ROWS = dict(int4=8, int8=8, fp8=8)  # ROUTE_ROWS that sends every call it can serve here (tests, benchmark)
@@ -191,14 +191,12 @@ def _qgemv_fma(
     mw = mn[:, None, None]
     # EARLY: the weight is never written by a decode step, so its first tile can be requested before waiting on the
     # kernel before (PDL) and stream during that kernel's tail; x, its scales, counters and partials only after
+    if not EARLY:
+        gdc_enter(USE_GDC)
+    w_next = tl.load(w_ptrs, mask=mw, other=0)
+    s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
     if EARLY:
-        w_next = tl.load(w_ptrs, mask=mw, other=0)
-        s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
         gdc_enter(USE_GDC)
-    else:
-        gdc_enter(USE_GDC)
-        w_next = tl.load(w_ptrs, mask=mw, other=0)
-        s_next = _group_scales(s_ptrs, mn, True, WS_MODE)
     for i in range(n_it):
         w = w_next
         s = s_next
@@ -309,7 +307,7 @@ def launch(x: torch.Tensor, w_q: torch.Tensor, f: dict, w_zero=None, x_scaled: b
     if codes is None:
         fits = fits and x.data_ptr() % 16 == 0 and x.stride(-1) == 1 and \
             not (M > 1 and x.dim() > 1 and x.reshape(M, K).stride(0) % 8)
-    return dict(code="fp8" if f["fp8"] else f"int{f['bits']}", x=str(codes or x.dtype).removeprefix("torch."),
+    return dict(code=code_type(f), x=str(codes or x.dtype).removeprefix("torch."),
                 rows=M, group=f["group_size"], zero=w_zero is not None, x_scaled=x_scaled, fits=fits)
 
 
@@ -367,9 +365,7 @@ def quant_gemv(x, w_q, w_scale, f: dict, x_scale=None, bias=None, out_dtype=None
         wpw = 8 if f["bits"] == 4 else 4
         xw = (x2.view(torch.int8) if a_mode else x2).view(torch.int32)
         ww = (w_q.view(torch.int8) if f["fp8"] else w_q).view(torch.int32)
-        code = "fp8" if f["fp8"] else f"int{f['bits']}"
         _qgemv_fma[c["grid"]](xw, xs_arg, ww, w_scale, b_arg, o2, part, cnt, M, N, c["k_tiles"], c["iters"],
-                              n_groups, xw.stride(0), ww.stride(0), N,
-                              XBF16=x.dtype == torch.bfloat16, GW=c["GK"] // wpw, EARLY=cfg["EARLY_TILE"][code],
-                              **common)
+                              n_groups, xw.stride(0), ww.stride(0), N, XBF16=x.dtype == torch.bfloat16,
+                              GW=c["GK"] // wpw, EARLY=cfg["EARLY_TILE"][code_type(f)], **common)
     return out

@@ -209,6 +209,11 @@ def weight_format(w_q: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor
     return {"bits": bits, "fp8": fp8, "n": n, "k": k, "group_size": group}
 
 
+def code_type(f: dict) -> str:
+    """A ``weight_format``'s code type as the kernels' tables name it: "int4", "int8" or "fp8"."""
+    return "fp8" if f["fp8"] else f"int{f['bits']}"
+
+
 def weight_codes(w_q: torch.Tensor) -> torch.Tensor:
     """(n, k) codes: int8 for int8 and int4 (unpacked), float8_e4m3fn for fp8."""
     return unpack_int4(w_q) if w_q.dtype == torch.uint8 else w_q
