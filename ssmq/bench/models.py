@@ -74,7 +74,7 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0, r
     Jamba-Mini's float16 weights (104 GB) exceed an 80 GB GPU, its FP8 or int4 ones do not. The same values as
     making the float model whole and then quantizing it: the parts draw their random values in the same order."""
     from ssmq.models.lm import SSMLM
-    from ssmq.quant.api import check, quantize_linears_under
+    from ssmq.quant.api import check, quantization_record, quantize_linears_under
 
     torch.manual_seed(seed)
     with torch.device("meta"):
@@ -95,8 +95,8 @@ def random_model(cfg, device: torch.device, dtype: torch.dtype, seed: int = 0, r
             model.lm_head.weight = model.embedding.weight
         if recipe is not None:
             quantize_linears_under(model, recipe, path)
-    if recipe is not None:  # what quantize() records for a linears-only recipe
-        model.quantization = {"recipe": recipe.to_dict(), "calibration": None}
+    if recipe is not None:
+        model.quantization = quantization_record(recipe)
     return model.eval()
 
 

@@ -237,12 +237,19 @@ def linears_only(recipe) -> bool:
 @torch.no_grad()
 def quantize_linears_under(model: nn.Module, recipe, prefix: str) -> None:
     """What ``quantize`` does to the linears at ``prefix`` ("layers.3", "lm_head") and under it, by the linears-only
-    ``recipe``; the rest of ``model`` is not read (it may still be on the meta device), and no record is set."""
+    ``recipe``; the rest of ``model`` is not read (it may still be on the meta device), and no record is set
+    (``quantization_record``)."""
     recipe = get_recipe(recipe)
     if not linears_only(recipe):
         raise SSMQError(f"recipe {recipe.name!r} does more than quantize linears from their weights: use quantize()")
     targets = {p: r for p, r in plan(recipe, model).items() if p == prefix or p.startswith(prefix + ".")}
     _quantize_linears(model, targets, None, {"batch_size": 1, "device": None, "progress": False}, 0)
+
+
+def quantization_record(recipe: Recipe, calib: CalibrationData | None = None, info: dict | None = None) -> dict:
+    """What a quantized model carries as ``model.quantization`` (saved with it): the recipe, the calibration data's
+    record, and what the recipe's steps report."""
+    return {"recipe": recipe.to_dict(), "calibration": None if calib is None else calib.record(), **(info or {})}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +271,6 @@ def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, 
     if getattr(model, "quantization", None) is not None:
         raise SSMQError("this model is already quantized; start from the float model")
     kw = {"batch_size": batch_size, "device": device, "progress": progress}
-    record = {"calibration": None if calib is None else calib.record()}
     if recipe.search is None:
         info = _quantize(model, recipe, calib, kw, hessian_budget_bytes)
     else:
@@ -274,7 +280,7 @@ def quantize(model: nn.Module, recipe, calib: CalibrationData | None = None, *, 
         for m, r in ((model, replace(recipe, search=None)), (other, recipe.at_16bit_activations())):
             _quantize(m, r, calib, kw, hessian_budget_bytes)
         info = {"mixed": search_layers(model, other, recipe.search, calib, heldout, batch_size)}
-    model.quantization = {"recipe": recipe.to_dict(), **record, **info}
+    model.quantization = quantization_record(recipe, calib, info)
     # tap quantizers and state tables are built with CPU buffers; a model quantized on a GPU must not keep them
     # there (kernels would copy them host-to-device on every step, which a CUDA-graph capture refuses)
     dev = next(model.parameters()).device

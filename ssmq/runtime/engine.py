@@ -396,6 +396,7 @@ class Engine:
         self._expire()
         self._admit()
         if self.prefilling or self.decoding:
+            start = time.perf_counter()
             try:
                 self._step()
             except Exception as e:  # the batched decode call itself failed: no row to blame, fail its rows
@@ -404,6 +405,7 @@ class Engine:
                     self._finish(r, "error", f"engine error in the batched decode step: {type(e).__name__}: {e}",
                                  500)
                 self._behind = None
+            self.busy_s += time.perf_counter() - start
         if not (self.decoding and self._defer_flush):
             self._flush()
 
@@ -449,12 +451,6 @@ class Engine:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        try:
-            self._step_rows(start)
-        finally:
-            self.busy_s += time.perf_counter() - start
-
-    def _step_rows(self, start: float) -> None:
         self.steps += 1
         rows = list(self.prefilling)
         keys = [(r.prompt_logprobs, r.id if r.alone else None) for r in rows]
