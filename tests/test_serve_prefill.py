@@ -93,6 +93,48 @@ def test_prefill_groups_share_forwards_by_chunk_length():
     assert prefill_groups([], 10, 8) == []
 
 
+def test_graph_row_pieces_split_a_chunk_into_graph_served_forwards():
+    from ssmq.runtime.cuda_graph import graph_row_pieces
+
+    # graphs of up to 512 tokens: 128-token chunks take 4 rows a forward, the rest last
+    assert graph_row_pieces(6, 128, 512, 512, 64) == [4, 2]
+    assert graph_row_pieces(18, 128, 512, 512, 64) == [4, 4, 4, 4, 2]
+    assert graph_row_pieces(3, 100, 512, 512, 64) == [3]  # the longest piece (64) sets the rows: 8 fit
+    assert graph_row_pieces(8, 100, 512, 512, 2) == [2, 2, 2, 2]  # at most max_rows
+    assert graph_row_pieces(5, 600, 512, 4096, 64) == []  # longer than a graph's piece
+    assert graph_row_pieces(5, 512, 512, 256, 64) == []  # one row alone exceeds max_tokens
+
+
+def test_a_turns_admissions_reset_their_slots_together_and_a_reset_fault_fails_one_request():
+    """Requests admitted in one turn have their slots cleared by one runner call; when that call raises, each slot
+    is reset alone, the request whose reset fails gets an error naming it and the others their offline tokens."""
+    model = tiny_model("mamba2", seed=3)
+    engine = Engine(model, EngineConfig(max_batch=4, max_model_len=64, prefill_chunk=32, prefill_tokens=64))
+    reset, resets = engine.runner.reset, []
+    bad = {"slot": None}
+
+    def recorded(slots):
+        resets.append(list(slots))
+        if bad["slot"] is not None and bad["slot"] in slots:
+            raise RuntimeError("injected reset fault")
+        return reset(slots)
+
+    engine.runner.reset = recorded
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, len(TOK), (n,), generator=g).tolist() for n in (5, 9, 3)]
+    threading.Timer(0.3, engine.start).start()  # every request is in the inbox before the loop's first turn
+    out = run_engine(engine, prompts, [6, 6, 6])
+    assert out == [offline(model, p, 6) for p in prompts]
+    assert len(resets) == 1 and sorted(resets[0]) == sorted(set(resets[0])) and len(resets[0]) == 3
+    resets.clear()
+    bad["slot"] = engine.free_slots[-1]  # the slot the next admission takes
+    out = run_engine(engine, prompts[:2], [6, 6])
+    engine.shutdown()
+    assert isinstance(out[0], str) and "injected reset fault" in out[0] and "admission" in out[0]
+    assert out[1] == offline(model, prompts[1], 6)
+    assert engine.stats()["slots_used"] == 0
+
+
 def test_stats_split_the_engine_threads_time_into_steps_and_their_prefills():
     """/health's time tallies: a prefill forward made to take 0.2 s and decode steps 0.02 s each show up as at least
     that much prefill time, and busy time that holds the prefill and the decode steps too."""

@@ -132,6 +132,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "(default 8192)")
     p.add_argument("--graph-prefill-tokens", type=int, default=512, help="with --model: the engine's "
                    "--graph-prefill-tokens (default 512)")
+    p.add_argument("--graph-prefill-pieces", type=int, default=8, help="with --model: the engine's "
+                   "--graph-prefill-pieces (default 8)")
     p.add_argument("--engine", type=_engines, default=["process"],
                    help="with --model: comma-separated 'process' (the engine in a process of its own, as ssmq serve "
                         "runs it) and 'thread' (in a thread of the server's process); both: one after the other on "
@@ -191,7 +193,7 @@ def _run(name: str):
 
         for key in ("steps", "warmup", "reps", "num_prompts", "input_len", "output_len", "max_batch", "seqlen",
                     "limit", "batch_size", "calib_samples", "calib_seqlen", "layers", "prefill_chunk",
-                    "prefill_tokens", "graph_prefill_tokens"):
+                    "prefill_tokens", "graph_prefill_tokens", "graph_prefill_pieces"):
             value = getattr(args, key, None)
             if isinstance(value, int) and value < (0 if key == "warmup" else 1):
                 raise SSMQError(f"--{key.replace('_', '-')} must be >= {0 if key == 'warmup' else 1}, got {value}")

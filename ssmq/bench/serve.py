@@ -227,6 +227,7 @@ def run_model(args) -> dict:
     result = record("serve", device, model=args.model, dtype=str(dtype).removeprefix("torch."),
                     input_len=args.input_len, output_len=args.output_len, prefill_chunk=args.prefill_chunk,
                     prefill_tokens=args.prefill_tokens, graph_prefill_tokens=args.graph_prefill_tokens,
+                    graph_prefill_pieces=args.graph_prefill_pieces,
                     engine=args.engine)
     for recipe in args.recipes:
         _free(device)
@@ -239,7 +240,7 @@ def run_model(args) -> dict:
         blocks = batch * -(-length // EngineConfig.kv_block_size)
         cfg = EngineConfig(max_batch=batch, max_model_len=length, prefill_chunk=args.prefill_chunk,
                            prefill_tokens=args.prefill_tokens, graph_prefill_tokens=args.graph_prefill_tokens,
-                           kv_blocks=blocks)
+                           graph_prefill_pieces=args.graph_prefill_pieces, kv_blocks=blocks)
         # the thread engine serves the model built here; the engine process builds its own, so it goes last, after
         # this one has left the device
         for kind in sorted(set(args.engine), key=ENGINES.index):

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-prefill-tokens", type=int, default=512,
                    help="rows x tokens of the largest prefill forward replayed from CUDA graphs, captured at start; "
                         "larger ones run eagerly (default 512)")
+    p.add_argument("--graph-prefill-pieces", type=int, default=8,
+                   help="a larger prefill forward runs as up to this many graph-sized forwards of its rows instead "
+                        "of eagerly (1: never; default 8)")
     p.add_argument("--kv-block-size", type=int, default=32, help="tokens per KV block (hybrids; default 32)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-memory", type=float, metavar="GIB",
@@ -107,7 +110,7 @@ def engine_config(args):
     from ssmq.runtime.engine import EngineConfig
 
     for name in ("max_batch", "max_model_len", "prefill_chunk", "prefill_tokens", "graph_prefill_tokens",
-                 "kv_block_size"):
+                 "graph_prefill_pieces", "kv_block_size"):
         if getattr(args, name) < 1:
             raise SSMQError(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_blocks is not None and args.kv_blocks < 1:
@@ -116,7 +119,8 @@ def engine_config(args):
         raise SSMQError("--kv-cache-memory must be a positive number of GiB")
     return EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len,
                         prefill_tokens=args.prefill_tokens, prefill_chunk=args.prefill_chunk,
-                        graph_prefill_tokens=args.graph_prefill_tokens, cuda_graphs=not args.eager,
+                        graph_prefill_tokens=args.graph_prefill_tokens,
+                        graph_prefill_pieces=args.graph_prefill_pieces, cuda_graphs=not args.eager,
                         state_checkpoint=state_checkpoint(args), kv_block_size=args.kv_block_size,
                         kv_blocks=args.kv_blocks,
                         kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2 ** 30))

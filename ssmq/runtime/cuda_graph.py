@@ -105,6 +105,20 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def graph_row_pieces(b: int, length: int, max_len: int, max_tokens: int, max_rows: int) -> list[int]:
+    """Rows of the forwards, in order, that a chunk of ``length`` tokens of ``b`` prompts splits into so that each
+    runs from ``CudaGraphPrefill``'s graphs (pieces up to ``max_len`` tokens, rows x piece up to ``max_tokens``, at
+    most ``max_rows`` rows): as many rows a forward as a graph of the chunk's longest piece takes, the rest last;
+    [] when not even one row is served."""
+    if not 0 < length <= max_len or max_rows < 1:
+        return []
+    top = 1 << (length.bit_length() - 1)  # the longest binary piece of the chunk
+    if top > max_tokens:
+        return []
+    cap = min(1 << ((max_tokens // top).bit_length() - 1), max_rows)
+    return [min(cap, b - i) for i in range(0, b, cap)]
+
+
 class CudaGraphPrefill:
     """Replays ``model.forward`` over binary pieces of a chunk of prompts. Call as
     ``prefill(ids (b, L), slots (b,)) -> logits (b, vocab)`` (a single ``int`` slot for b = 1).
@@ -158,6 +172,10 @@ class CudaGraphPrefill:
         # (rows <= max_rows follows: b <= scratch, and rows x piece <= max_tokens)
         return 0 < length <= self.max_len and b <= self.scratch \
             and _pow2_at_least(b) * (1 << (length.bit_length() - 1)) <= self.max_tokens
+
+    def row_pieces(self, b: int, length: int) -> list[int]:
+        """``graph_row_pieces`` of this prefill's graphs."""
+        return graph_row_pieces(b, length, self.max_len, self.max_tokens, min(self.max_rows, self.scratch))
 
     def __call__(self, ids: torch.Tensor, slots, check_fit: bool = True) -> torch.Tensor:
         """check_fit: read the slots' lengths off the device (a sync) to refuse a chunk that overflows the cache;

@@ -71,6 +71,12 @@ class EngineConfig:
     # the host's launches set an eager forward's time (Mamba2-2.7B FP16 on an H100: 1024 tokens take 37 ms eagerly,
     # 15 ms from a graph; 8192 tokens 111 ms eagerly, their GPU time); larger forwards run eagerly, unpadded
     graph_prefill_tokens: int = 512
+    # a prefill forward too large for one graph runs as up to this many graph-sized forwards of its rows (each from
+    # graphs) instead of eagerly: below a few thousand tokens the host's launches, not the device, set an eager
+    # forward's time. Mamba2-2.7B FP16 on an H100, 1024 requests of 128 + 128 tokens, share of the decode-step
+    # bound at 64 / 256 clients: 1 (never split) 0.72 / 0.75, 4 0.75 / 0.73, 8 0.76 / 0.75
+    # (benchmarks/results/serve-admission-h100.json)
+    graph_prefill_pieces: int = 8
     state_checkpoint: int | None = None  # K: SSM states written once every K decode steps (ReplaySSM); None: every step
     # launch decode step n+1 before reading step n's tokens back, so the engine's host work of a step runs while the
     # device computes the next (a row that stops at n has computed one token more, dropped); None: on CUDA
@@ -198,6 +204,15 @@ def kv_block_count(model, cfg: EngineConfig) -> int:
     return max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
 
 
+def _on_device(ids: list, device: torch.device) -> torch.Tensor:
+    """Python ints as a long tensor on ``device``. On CUDA through pinned memory and without waiting: a plain
+    host -> device copy waits for the device's queue, which (overlap) holds the step in flight."""
+    t = torch.tensor(ids, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class LocalRunner:
     """The model calls of the engine on this process: the cache, and the CUDA graphs of decode and prefill on GPU."""
 
@@ -218,7 +233,7 @@ class LocalRunner:
             kw.update(kv_blocks=n + 1, kv_block_size=cfg.kv_block_size)
         # the graphs' padding rows use one more, scratch, slot
         self.cache = model.allocate_cache(cfg.max_batch + graphs, cfg.max_model_len, **kw)
-        self.graph_prefill = None
+        self.graph_prefill, self.graph_pieces = None, cfg.graph_prefill_pieces
         if graphs:
             from ssmq.runtime.cuda_graph import CudaGraphDecoder, CudaGraphPrefill
 
@@ -233,8 +248,9 @@ class LocalRunner:
                      time.monotonic() - start)
             self.decode = dec
 
-    def reset(self, slot: int) -> None:
-        self.cache.reset([slot])
+    def reset(self, slots: list[int]) -> None:
+        """Forget the sequences in ``slots`` so they take new prompts (no wait for the device's queue)."""
+        self.cache.reset(_on_device(slots, self.device))
 
     def assign_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
         """KV blocks ``blocks`` hold the slot's tokens from block index ``start`` on."""
@@ -245,9 +261,19 @@ class LocalRunner:
         all_logits, else (b, vocab) of each row's last token."""
         if all_logits:
             return self.model(ids, self.cache, slots=slots)
-        if self.graph_prefill is not None and self.graph_prefill.serves(*ids.shape):
+        graphs = self.graph_prefill
+        if graphs is not None:
             # no fit check (a sync): the engine admits only what fits (Engine.unfit)
-            return self.graph_prefill(ids, slots, check_fit=False)
+            if graphs.serves(*ids.shape):
+                return graphs(ids, slots, check_fit=False)
+            rows = graphs.row_pieces(*ids.shape)
+            if 1 < len(rows) <= self.graph_pieces:
+                # each piece's logits copied out: a later piece of the same rows replays the same graph
+                out, start = [], 0
+                for r in rows:
+                    out.append(graphs(ids[start:start + r], slots[start:start + r], check_fit=False).clone())
+                    start += r
+                return torch.cat(out)
         return self.model(ids, self.cache, slots=slots, num_last_tokens=1)[:, -1]
 
     def decode(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -430,6 +456,7 @@ class Engine:
             self._finish(r, "error", f"request timed out after {r.timeout:g} s", 408)
 
     def _admit(self) -> None:
+        admitted = []
         while self.waiting and self.free_slots:  # first come, first served: the head waits for room
             r = self.waiting[0]
             if self.blocks is not None and not self.blocks.can_admit(len(r.prompt) + r.max_tokens):
@@ -439,12 +466,28 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.queue.observe(time.monotonic() - r.arrival)
             try:
-                self.runner.reset(r.slot)
                 if self.blocks is not None:
                     self.blocks.admit(r.slot, len(r.prompt) + r.max_tokens)
                 if r.params.seed is not None:
                     r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
             except Exception as e:  # this request's alone
+                self._fail(r, "admission", e)
+                continue
+            admitted.append(r)
+        if not admitted:
+            return
+        # the slots of a turn's admissions are cleared together: one index and two writes a layer for all of them
+        # (a reset a request cost a launch a layer state and, for its index, a wait for the step in flight)
+        try:
+            self.runner.reset([r.slot for r in admitted])
+            self.prefilling.extend(admitted)
+            return
+        except Exception:
+            log.warning("resetting %d slots together failed; resetting them one by one", len(admitted))
+        for r in admitted:  # no row to blame: each alone, so that a fault fails its request only
+            try:
+                self.runner.reset([r.slot])
+            except Exception as e:
                 self._fail(r, "admission", e)
                 continue
             self.prefilling.append(r)
@@ -489,12 +532,7 @@ class Engine:
         return self._slots
 
     def _to_device(self, ids: list) -> torch.Tensor:
-        """Python ints as a long tensor on the device. On CUDA through pinned memory and without waiting: a plain
-        host -> device copy waits for the device's queue, which (overlap) holds the step in flight."""
-        t = torch.tensor(ids, dtype=torch.long)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return _on_device(ids, self.device)
 
     def _prefill(self, rows: list[Request], n: int) -> None:
         """Prefill the next n prompt tokens of each of ``rows`` in one forward; sample the first token of those
@@ -556,7 +594,7 @@ class Engine:
                 self._fail(r, "prefill", e)
                 continue
             try:
-                self.runner.reset(r.slot)  # states, and (paged KV) the slot's block table: its blocks are taken anew
+                self.runner.reset([r.slot])  # states, and (paged KV) the slot's block table: its blocks are taken anew
                 if self.blocks is not None:
                     self.blocks.release(r.slot)
                     self.blocks.admit(r.slot, len(r.prompt) + r.max_tokens)

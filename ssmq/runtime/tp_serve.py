@@ -28,9 +28,9 @@ class BroadcastRunner:
         if n:
             dist.broadcast(payload.to(device=self.device, dtype=torch.long).contiguous(), 0, group=self.group)
 
-    def reset(self, slot: int) -> None:
-        self._send(RESET, torch.tensor([slot]), 1)
-        self.local.reset(slot)
+    def reset(self, slots: list[int]) -> None:
+        self._send(RESET, torch.tensor(slots), len(slots))
+        self.local.reset(slots)
 
     def prefill(self, ids: torch.Tensor, slots: list[int], all_logits: bool) -> torch.Tensor:
         self._send(PREFILL_ALL if all_logits else PREFILL, torch.cat([torch.tensor(slots, device=ids.device),
@@ -64,7 +64,7 @@ def follow(local, group=None) -> None:
             dist.broadcast(payload, 0, group=group)
         a, b = payload[:n_a], payload[n_a:]
         if op == RESET:
-            local.reset(int(a[0]))
+            local.reset(a.tolist())
         elif op in (PREFILL, PREFILL_ALL):
             local.prefill(b.view(n_a, -1), a.tolist(), op == PREFILL_ALL)
         elif op == DECODE:
