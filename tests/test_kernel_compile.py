@@ -335,6 +335,24 @@ def test_pdl_wait_compiles_into_decode_kernels(use_gdc):
         assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
+@pytest.mark.parametrize("early", [False, True])
+@pytest.mark.parametrize("dot", [False, True])
+def test_float_gemv_requests_only_its_first_weight_tile_before_the_pdl_wait(dot, early):
+    """gemv._gemv under PDL: with EARLY the first weight tile is loaded before griddepcontrol.wait (x after it);
+    without, nothing is; the first tile's loads stay 16 bytes wide (EVEN_K: no K mask)."""
+    from ssmq.kernels import gemv
+
+    const = dict(HAS_BIAS=False, DOT=dot, PRECISION="ieee", EVEN_K=True, BLOCK_M=16 if dot else 1,
+                 BLOCK_N=32 if dot else 2, BLOCK_K=128 if dot else 1024, USE_GDC=True, EARLY=early)
+    ptx = _compile_sm90(gemv._gemv, {"x_ptr": "fp16", "w_ptr": "fp16", "b_ptr": "fp16", "out_ptr": "fp16"}, const,
+                        num_warps=4 if dot else 2, num_stages=1,
+                        aligned=("x_ptr", "w_ptr", "out_ptr", "s_xm", "s_wn", "k_split")).asm["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert ("ld.global" in before) == early
+    assert before.count("ld.global") == before.count("ld.global.v4"), "the early weight loads were split"
+    assert ptx.count("ld.global") == ptx.count("ld.global.v4"), "a weight or x load was split"
+
+
 # the word-load decode GEMV of quant_gemm (W4A16 g128 / W8A16 / W8A8 / W4A8 at 1-4 rows; see its CFG)
 WORD_VARIANTS = {  # name: (x, A_MODE, W4, WS_MODE, HAS_ZERO, SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     "w4a16-g128-split": ("fp16", 0, True, 2, False, True, 1, 256, 128),

@@ -376,13 +376,13 @@ def test_gemv(K, dtype, rows, n, k, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path", ["fma", "dot", "split"])
+@pytest.mark.parametrize("path", ["fma", "dot", "split", "fma-late"])
 def test_gemv_paths(K, dtype, path):
     """Each code path forced, whatever the heuristic would pick: both tile kinds at any row count,
     a K split with a ragged last split (K not a multiple of BLOCK_K), more rows than one program
-    serves (several row blocks)."""
+    serves (several row blocks); and the first weight tile loaded after PDL's wait (EARLY_TILE off)."""
     torch.manual_seed(12)
-    cfg = {"fma": dict(PATH="fma"), "dot": dict(PATH="dot"),
+    cfg = {"fma": dict(PATH="fma"), "dot": dict(PATH="dot"), "fma-late": dict(PATH="fma", EARLY_TILE=False),
            "split": dict(MIN_SPLIT_K=16, WAVES=10**6, BK_FMA=32, BK_DOT=32)}[path]
     for rows, n, k in [(1, 45, 200), (6, 33, 170), (19, 20, 96)]:
         x, w, b = rnd(rows, k, dtype=dtype), rnd(n, k, dtype=dtype, scale=k ** -0.5), rnd(n, dtype=dtype)

@@ -28,13 +28,22 @@ CFG = configs.load("gemv")  # launch settings (configs/gemv.json, keys in docs/k
 
 
 @triton.jit
+def _gemv_step(acc, xv, w, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    if DOT:
+        acc = tl.dot(xv, tl.trans(w), acc, input_precision=PRECISION)
+    else:
+        acc += xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@triton.jit
 def _gemv(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, k_split,
     s_xm, s_wn, s_om, s_os,
     HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
-    gdc_enter(USE_GDC)
     # row and output blocks share axis 0 (grid axes past 0 stop at 65535), output blocks fastest so
     # that programs running together read the same rows of x
     n_blocks = tl.cdiv(N, BLOCK_N)
@@ -55,7 +64,23 @@ def _gemv(
         # float32 products summed elementwise across the K loop, reduced over K once at the
         # end: a reduction per tile would cost cross-lane shuffles on every iteration
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, k_len, BLOCK_K):
+    # the first K step peeled: with EARLY its weight tile is requested before waiting on the kernel before (PDL),
+    # so the stream starts during that kernel's tail (the weight is a parameter: no decode kernel writes it); x
+    # only after the wait
+    if EVEN_K:  # (k_len >= BLOCK_K) no K mask, as in the loop
+        mw, mx = mn[:, None], mm[:, None]
+    else:
+        mw, mx = mn[:, None] & (offs_k < k_len)[None, :], mm[:, None] & (offs_k < k_len)[None, :]
+    if EARLY:
+        w = tl.load(w_ptrs, mask=mw, other=0.0)
+    gdc_enter(USE_GDC)
+    if not EARLY:  # nothing before the wait: the PDL contract of every other decode kernel
+        w = tl.load(w_ptrs, mask=mw, other=0.0)
+    xv = tl.load(x_ptrs, mask=mx, other=0.0)
+    acc = _gemv_step(acc, xv, w, DOT, PRECISION)
+    for k in range(BLOCK_K, k_len, BLOCK_K):
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
         if EVEN_K:
             # no K mask: a mask of unknown alignment along K would split the 16-byte weight loads
             w = tl.load(w_ptrs, mask=mn[:, None], other=0.0)
@@ -64,12 +89,7 @@ def _gemv(
             mk = offs_k < k_len - k
             w = tl.load(w_ptrs, mask=mn[:, None] & mk[None, :], other=0.0)
             xv = tl.load(x_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
-        if DOT:
-            acc = tl.dot(xv, tl.trans(w), acc, input_precision=PRECISION)
-        else:
-            acc += xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        acc = _gemv_step(acc, xv, w, DOT, PRECISION)
     if not DOT:
         acc = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -165,7 +185,10 @@ def linear_decode(x, weight, bias=None, cfg=None, out=None):
         s_om = o2.stride(0)
     if M == 0 or N == 0:
         return out
-    c = _config(M, N, K, sm_count(x.device), CFG if cfg is None else {**CFG, **cfg})
+    if K == 0:  # an empty sum: the bias alone (the kernel peels a first K step)
+        return out.copy_(bias.expand_as(out) if bias is not None else torch.zeros_like(out))
+    cfg_ = CFG if cfg is None else {**CFG, **cfg}
+    c = _config(M, N, K, sm_count(x.device), cfg_)
     split = c["split"]
     # split > 1: float32 partial sums (split, M, N); the bias waits for the final sum
     part = out if split == 1 else torch.empty((split, M, N), device=x.device, dtype=torch.float32)
@@ -173,7 +196,7 @@ def linear_decode(x, weight, bias=None, cfg=None, out=None):
         x2, weight, bias if bias is not None else weight, part, M, N, K, c["k_split"],
         x2.stride(0), weight.stride(0), s_om if split == 1 else N, M * N,
         HAS_BIAS=bias is not None and split == 1, DOT=c["DOT"], PRECISION=dot_precision(x.dtype),
-        EVEN_K=c["EVEN_K"],
+        EVEN_K=c["EVEN_K"], EARLY=cfg_["EARLY_TILE"],
         BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
         num_warps=c["num_warps"], num_stages=c["num_stages"], **pdl_args(x2),
     )
