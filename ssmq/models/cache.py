@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmq.models.state import KVState, MambaState
+from ssmq.models.state import KVState, MambaState, zero_rows
 
 
 def int8_state_note(model, state_checkpoint: int | None) -> str | None:
@@ -58,7 +58,7 @@ class InferenceCache:
         idx = None if slots is None else torch.as_tensor(slots, device=self.seqlens.device, dtype=torch.long)
         for st in self.states:
             st.reset(idx)
-        self.seqlens[slice(None) if idx is None else idx] = 0
+        zero_rows(self.seqlens, idx)
 
     def append_kv(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` of attention layer ``layer``."""
