@@ -1,6 +1,6 @@
 """Serving over tensor parallelism: rank 0 runs the engine and the HTTP server; every other rank follows.
 
-Each model call of an engine step (reset a slot, prefill chunks, decode a batch, assign KV blocks) is broadcast by
+Each model call of an engine step (reset slots, prefill chunks, decode a batch, assign KV blocks) is broadcast by
 rank 0 as a header ``[op, n_a, n_b]`` and one int64 payload (the slots and the chunks' ids, or the tokens and
 slots), then run on every rank: the sharded model's own all-reduces keep the ranks in step, and every rank ends
 with the same logits (lm_head is replicated), of which rank 0 samples. ``STOP`` ends the followers when the server
