@@ -204,7 +204,7 @@ def kv_block_count(model, cfg: EngineConfig) -> int:
     return max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
 
 
-def _on_device(ids: list, device: torch.device) -> torch.Tensor:
+def ids_on_device(ids: list, device: torch.device) -> torch.Tensor:
     """Python ints as a long tensor on ``device``. On CUDA through pinned memory and without waiting: a plain
     host -> device copy waits for the device's queue, which (overlap) holds the step in flight."""
     t = torch.tensor(ids, dtype=torch.long)
@@ -250,7 +250,7 @@ class LocalRunner:
 
     def reset(self, slots: list[int]) -> None:
         """Forget the sequences in ``slots`` so they take new prompts (no wait for the device's queue)."""
-        self.cache.reset(_on_device(slots, self.device))
+        self.cache.reset(ids_on_device(slots, self.device))
 
     def assign_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
         """KV blocks ``blocks`` hold the slot's tokens from block index ``start`` on."""
@@ -532,7 +532,7 @@ class Engine:
         return self._slots
 
     def _to_device(self, ids: list) -> torch.Tensor:
-        return _on_device(ids, self.device)
+        return ids_on_device(ids, self.device)
 
     def _prefill(self, rows: list[Request], n: int) -> None:
         """Prefill the next n prompt tokens of each of ``rows`` in one forward; sample the first token of those

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ssmq.runtime.engine import ids_on_device
+
 RESET, PREFILL, PREFILL_ALL, DECODE, ASSIGN, STOP = range(1, 7)
 
 
@@ -22,18 +24,23 @@ class BroadcastRunner:
         self.local, self.group = local, group
         self.cache, self.device, self.kv_blocks = local.cache, local.device, local.kv_blocks
 
-    def _send(self, op: int, payload: torch.Tensor | None = None, n_a: int = 0) -> None:
+    def _send(self, op: int, payload: torch.Tensor | list[int] | None = None, n_a: int = 0) -> None:
+        """The header and the payload (a device tensor, or Python ints), moved to the device without waiting for its
+        queue: a pageable copy would wait for the step in flight, and under overlap rank 0 launches before reading
+        back."""
+        if isinstance(payload, list):
+            payload = ids_on_device(payload, self.device)
         n = 0 if payload is None else payload.numel()
-        dist.broadcast(torch.tensor([op, n_a, n - n_a], dtype=torch.long, device=self.device), 0, group=self.group)
+        dist.broadcast(ids_on_device([op, n_a, n - n_a], self.device), 0, group=self.group)
         if n:
-            dist.broadcast(payload.to(device=self.device, dtype=torch.long).contiguous(), 0, group=self.group)
+            dist.broadcast(payload.to(dtype=torch.long).contiguous(), 0, group=self.group)
 
     def reset(self, slots: list[int]) -> None:
-        self._send(RESET, torch.tensor(slots), len(slots))
+        self._send(RESET, list(slots), len(slots))
         self.local.reset(slots)
 
     def prefill(self, ids: torch.Tensor, slots: list[int], all_logits: bool) -> torch.Tensor:
-        self._send(PREFILL_ALL if all_logits else PREFILL, torch.cat([torch.tensor(slots, device=ids.device),
+        self._send(PREFILL_ALL if all_logits else PREFILL, torch.cat([ids_on_device(list(slots), ids.device),
                                                                       ids.flatten()]), len(slots))
         return self.local.prefill(ids, slots, all_logits)
 
@@ -42,7 +49,7 @@ class BroadcastRunner:
         return self.local.decode(tokens, slots)
 
     def assign_blocks(self, slot: int, start: int, blocks: list[int]) -> None:
-        self._send(ASSIGN, torch.tensor([slot, start, *blocks]), 2)
+        self._send(ASSIGN, [slot, start, *blocks], 2)
         self.local.assign_blocks(slot, start, blocks)
 
     def stop(self) -> None:
