@@ -70,12 +70,13 @@ def _gemv(
     if EVEN_K:  # (k_len >= BLOCK_K) no K mask, as in the loop
         mw, mx = mn[:, None], mm[:, None]
     else:
-        mw, mx = mn[:, None] & (offs_k < k_len)[None, :], mm[:, None] & (offs_k < k_len)[None, :]
-    if EARLY:
-        w = tl.load(w_ptrs, mask=mw, other=0.0)
-    gdc_enter(USE_GDC)
+        mk = offs_k < k_len
+        mw, mx = mn[:, None] & mk[None, :], mm[:, None] & mk[None, :]
     if not EARLY:  # nothing before the wait: the PDL contract of every other decode kernel
-        w = tl.load(w_ptrs, mask=mw, other=0.0)
+        gdc_enter(USE_GDC)
+    w = tl.load(w_ptrs, mask=mw, other=0.0)
+    if EARLY:
+        gdc_enter(USE_GDC)
     xv = tl.load(x_ptrs, mask=mx, other=0.0)
     acc = _gemv_step(acc, xv, w, DOT, PRECISION)
     for k in range(BLOCK_K, k_len, BLOCK_K):
