@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ssmq.errors import SSMQError
+from ssmq.models.cache import ids_on_device
 from ssmq.models.ffn import static_shapes_
 
 # a batch runs in the smallest bucket that holds it. Past ~64 rows a step costs about its batch (Mamba2-2.7B on an
@@ -184,8 +185,8 @@ class CudaGraphPrefill:
         if not self.serves(b, length):
             raise SSMQError(f"graph prefill takes up to {self.max_tokens} tokens of chunks of 1..{self.max_len} "
                             f"tokens, got {tuple(ids.shape)}")
-        if not isinstance(slots, torch.Tensor):  # through pinned memory: a pageable copy would wait for the queue
-            slots = torch.tensor([slots] if isinstance(slots, int) else list(slots), dtype=torch.long).pin_memory()
+        if not isinstance(slots, torch.Tensor):
+            slots = ids_on_device([slots] if isinstance(slots, int) else list(slots), self.model.device)
         slots = slots.reshape(-1).to(self.model.device, non_blocking=True)
         if slots.numel() != b:
             raise SSMQError(f"{b} prompts need {b} slots, got {slots.numel()}")

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.cache import int8_state_note
+from ssmq.models.cache import ids_on_device, int8_state_note
 from ssmq.runtime.kv_blocks import BlockAllocator
 from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_rows, top_logprobs
 
@@ -202,15 +202,6 @@ def kv_block_count(model, cfg: EngineConfig) -> int:
                             f"{cfg.kv_block_size} tokens of this model")
         return n
     return max(2, -(-cfg.max_batch * cfg.max_model_len // (4 * cfg.kv_block_size)))
-
-
-def ids_on_device(ids: list, device: torch.device) -> torch.Tensor:
-    """Python ints as a long tensor on ``device``. On CUDA through pinned memory and without waiting: a plain
-    host -> device copy waits for the device's queue, which (overlap) holds the step in flight."""
-    t = torch.tensor(ids, dtype=torch.long)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class LocalRunner:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ssmq.runtime.engine import ids_on_device
+from ssmq.models.cache import ids_on_device
 
 RESET, PREFILL, PREFILL_ALL, DECODE, ASSIGN, STOP = range(1, 7)
 
