@@ -347,3 +347,58 @@ def test_trained_models_batched_and_chunked_prefill_equal_offline(name):
         engine.shutdown()
     for i, p in enumerate(prompts):
         assert got[i] == offline(model, p, 24, tok.eos_id, len(tok)), texts[i]
+
+
+@pytest.mark.gpu
+def test_overlap_reads_a_step_back_while_the_step_launched_after_it_runs():
+    """Under overlap the engine launches decode step n, then reads step n - 1's tokens back: that read waits for
+    step n - 1 alone (an event after its copy to pinned memory), so it returns while the device still runs step n
+    (here each decode step keeps the device busy ~50 ms after its logits) and the host's turn overlaps the device's;
+    the tokens are the runner's, in order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the overlap reads back from the device)")
+    from types import SimpleNamespace
+
+    vocab = 32
+
+    class SlowRunner:  # next token = the last one + 1; every decode step ends with ~50 ms of device time
+        device, kv_blocks = torch.device("cuda"), None
+
+        def reset(self, slots):
+            pass
+
+        def prefill(self, ids, slots, all_logits):
+            return torch.nn.functional.one_hot((ids[:, -1] + 1) % vocab, vocab).float()
+
+        def decode(self, tokens, slots):
+            logits = torch.nn.functional.one_hot((tokens + 1) % vocab, vocab).float()
+            torch.cuda._sleep(100_000_000)
+            return logits
+
+    engine = Engine(SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)),
+                    EngineConfig(max_batch=2, max_model_len=32), runner=SlowRunner())
+    busy, read = [], engine._read
+
+    def spy(s):  # was the device still busy when a read returned?
+        read(s)
+        busy.append(not torch.cuda.current_stream(engine.device).query())
+
+    engine._read = spy
+    out, done = [], threading.Event()
+
+    def emit(ev):
+        if ev.kind == "token":
+            out.append(ev.token)
+        elif ev.kind in ("done", "error"):
+            done.set()
+
+    engine.start()
+    try:
+        engine.submit(Request([3], SamplingParams(stop_at_eos=False), 5, emit))
+        assert done.wait(30)
+    finally:
+        engine.shutdown()
+    assert out == [4, 5, 6, 7, 8]
+    # the prefill's first token and the last step are read with nothing launched after them; the 3 reads between
+    # returned while the next step ran
+    assert busy == [False, True, True, True, False]

@@ -129,12 +129,34 @@ class Request:
 @dataclass
 class _Sampled:
     """A step's tokens, still on the device: ``toks`` (b,) for ``rows``; ``lp`` (chosen, top values, top ids) for
-    the rows at indices ``want`` (those asking for logprobs)."""
+    the rows at indices ``want`` (those asking for logprobs). On CUDA, ``host`` holds their copies in pinned memory,
+    complete once ``ready`` (an event recorded after the copies) has passed."""
 
     rows: list[Request]
     toks: torch.Tensor
     want: list[int]
     lp: tuple = ()
+    host: tuple = ()
+    ready: object = None
+
+    def send_to_host(self) -> None:
+        """Start copying toks and lp to pinned host memory without waiting (CUDA). Reading them back then waits for
+        this step alone: a read of the whole stream (``.tolist()`` on the device tensor) would also wait for the
+        step launched after it, and the device would idle while the host turns to launch the next one."""
+        if self.toks.device.type != "cuda":
+            return
+        self.host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in (self.toks, *self.lp))
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def on_host(self) -> tuple[list, tuple]:
+        """(tokens, (chosen, top values, top ids) or ()) as lists, once the step is done."""
+        if self.ready is None:
+            return self.toks.tolist(), tuple(t.tolist() for t in self.lp)
+        self.ready.synchronize()
+        toks, *lp = (t.tolist() for t in self.host)
+        return toks, tuple(lp)
 
 
 def prefill_groups(remaining: list[int], budget: int, chunk: int, keys: list | None = None) -> list[tuple[int, list]]:
@@ -640,17 +662,19 @@ class Engine:
             out.lp = top_logprobs(logits[idx], toks[idx], max(rows[i].top_k() for i in out.want))
         for r in rows:
             r.ahead += 1
+        out.send_to_host()
         return out
 
     def _read(self, s: _Sampled) -> None:
         """Read a step's tokens back, report them, finish rows that stop. Call ``_flush()`` first: the previous
         step's events go to the server while the device runs this step, so its event loop thread takes the GIL
-        while the engine waits on the device here, not while the engine launches the step."""
+        while the engine waits on the device here, not while the engine launches the step. Under overlap the
+        wait ends with the step read (``_Sampled.on_host``), while the step launched after it still runs."""
         rows, want = s.rows, s.want
-        toks = s.toks.tolist()  # the step's one device -> host sync (three more with logprobs, for all rows at once)
+        toks, lps = s.on_host()  # the step's one wait for the device
         lp = {}
         if want:
-            chosen, values, indices = (t.tolist() for t in s.lp)
+            chosen, values, indices = lps
             for j, i in enumerate(want):
                 kk = rows[i].top_k()
                 lp[i] = (chosen[j], list(zip(indices[j][:kk], values[j][:kk])))
