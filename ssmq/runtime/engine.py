@@ -147,8 +147,9 @@ class _Sampled:
             return
         self.host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                           for t in (self.toks, *self.lp))
+        # on the copies' stream: the engine's thread may have another current device than the model's
         self.ready = torch.cuda.Event()
-        self.ready.record()
+        self.ready.record(torch.cuda.current_stream(self.toks.device))
 
     def on_host(self) -> tuple[list, tuple]:
         """(tokens, (chosen, top values, top ids) or ()) as lists, once the step is done."""
