@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ssmq.models.state import KVState, MambaState, zero_rows
+from ssmq.models.state import KVState, MambaState, fill_rows
 
 
 def ids_on_device(ids: list, device: torch.device) -> torch.Tensor:
@@ -67,7 +67,7 @@ class InferenceCache:
         idx = None if slots is None else torch.as_tensor(slots, device=self.seqlens.device, dtype=torch.long)
         for st in self.states:
             st.reset(idx)
-        zero_rows(self.seqlens, idx)
+        fill_rows(self.seqlens, idx)
 
     def append_kv(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v (b, l, hkv, e) at ``positions`` (b, l) of the rows ``slots`` of attention layer ``layer``."""

@@ -20,7 +20,7 @@ import torch
 
 from ssmq import kernels
 from ssmq.errors import SSMQError
-from ssmq.models.state import RopeAtRead, StateFormat, kernel_decodes, zero_rows
+from ssmq.models.state import RopeAtRead, StateFormat, kernel_decodes, fill_rows
 from ssmq.ops.attention import check_fits, read_extent
 
 
@@ -40,7 +40,7 @@ class BlockTable:
             self.rows[slot, start:start + len(blocks)].copy_(ids, non_blocking=True)
 
     def reset(self, slots=None) -> None:
-        zero_rows(self.rows, slots)
+        fill_rows(self.rows, slots)
 
     def gather(self, pool: torch.Tensor, slots: torch.Tensor, end: int) -> torch.Tensor:
         """The first ``end`` tokens of the rows ``slots`` (b,) of a pool (N, B, ...), their blocks copied in order:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ssmq import kernels
-from ssmq.models.state import RopeAtRead, StateFormat, zero_rows
+from ssmq.models.state import RopeAtRead, StateFormat, fill_rows
 from ssmq.ops.attention import check_fits, read_extent
 from ssmq.ops.kv_quant import (KVSideView, QuantizedKV, code_bits, dequantize_kv_ref, pack_codes, packed_bytes,
                                quantize_kv_ref, scales_of, unpack_codes)
@@ -137,14 +137,14 @@ class QuantSide:
         return c[3], c[4]
 
     def reset(self, slots) -> None:
-        zero_rows(self.sink, slots)
+        fill_rows(self.sink, slots)
         if self.table is not None:  # the slots' blocks go back to the pool: a token is written before it is read
             return
         for t in self.buffers():
-            zero_rows(t, slots)
-        zero_rows(self.out_idx, slots, -1)
+            fill_rows(t, slots)
+        fill_rows(self.out_idx, slots, -1)
         if self.half is not None:
-            zero_rows(self.half, slots, 1)
+            fill_rows(self.half, slots, 1)
 
 
 class QuantKVState:

@@ -67,7 +67,7 @@ def _rows(slots) -> torch.Tensor | slice:
     return slice(None) if slots is None else slots
 
 
-def zero_rows(t: torch.Tensor, slots, value=0) -> None:
+def fill_rows(t: torch.Tensor, slots, value=0) -> None:
     """t[slots] = value without a host tensor: indexed assignment of a Python number copies it to the device and
     waits for that copy (so for the device's queue: a decode step in flight), which a CUDA-graph capture (prefill
     pieces write their final state through here) refuses; index_fill_ takes it as a kernel argument."""
@@ -170,7 +170,7 @@ class MambaState:
         """Store a prefill's final state (b, …) in the rows ``slots``, in this state's format (checkpointed: as the
         rows' checkpoint, their rings emptied)."""
         if self.ring is not None:
-            zero_rows(self.ring.count, slots)
+            fill_rows(self.ring.count, slots)
         if self.format is StateFormat.INT8:
             kernels.write_state(self.ssm, *self._table(), _rows(slots), values)
         else:
@@ -213,13 +213,13 @@ class MambaState:
 
     # ------------------------------------------------------------------ bookkeeping
     def reset(self, slots=None) -> None:
-        zero_rows(self.conv, slots)
-        zero_rows(self.ssm, slots)
+        fill_rows(self.conv, slots)
+        fill_rows(self.ssm, slots)
         if self.row_scale is not None:
-            zero_rows(self.row_scale, slots)
+            fill_rows(self.row_scale, slots)
         if self.ring is not None:
-            zero_rows(self.ring.count, slots)  # stale entries past the count are never read
-            zero_rows(self.ring.done, slots)  # the kernel's tally (a CUDA graph's scratch slot may leave one)
+            fill_rows(self.ring.count, slots)  # stale entries past the count are never read
+            fill_rows(self.ring.done, slots)  # the kernel's tally (a CUDA graph's scratch slot may leave one)
 
     def nbytes(self) -> int:
         return self.conv_nbytes() + self.ssm_nbytes()
@@ -327,8 +327,8 @@ class KVState:
         return kernels.prefill_attention(q, self.k, self.v, kv_lens, slots=slots)
 
     def reset(self, slots=None) -> None:
-        zero_rows(self.k, slots)
-        zero_rows(self.v, slots)
+        fill_rows(self.k, slots)
+        fill_rows(self.v, slots)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v))
