@@ -153,10 +153,9 @@ class _Sampled:
 
     def on_host(self) -> tuple[list, tuple]:
         """(tokens, (chosen, top values, top ids) or ()) as lists, once the step is done."""
-        if self.ready is None:
-            return self.toks.tolist(), tuple(t.tolist() for t in self.lp)
-        self.ready.synchronize()
-        toks, *lp = (t.tolist() for t in self.host)
+        if self.ready is not None:
+            self.ready.synchronize()
+        toks, *lp = (t.tolist() for t in (self.host or (self.toks, *self.lp)))
         return toks, tuple(lp)
 
 
