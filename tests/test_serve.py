@@ -440,6 +440,9 @@ def test_lm_eval_local_completions_scores_as_ssmq_eval(server, mamba2):
         assert greedy == greedy_ref
 
 
+TP_TIMEOUT_S = 4.0
+
+
 def _tp_rank(rank, world, init_file, port, ready, stop):
     """One rank of a CPU (gloo) tensor-parallel server: rank 0 serves on ``port``, rank 1 follows."""
     import sys
@@ -452,7 +455,8 @@ def _tp_rank(rank, world, init_file, port, ready, stop):
     from ssmq.runtime.tp_serve import BroadcastRunner, follow
 
     torch.set_num_threads(1)
-    init_tp(world, "cpu", init_method=f"file://{init_file}", rank=rank, world=world)
+    # a short timeout: a follower that waited for the next call on the model's group would fail while idle
+    init_tp(world, "cpu", init_method=f"file://{init_file}", rank=rank, world=world, timeout_s=TP_TIMEOUT_S)
     model = apply_tp(tiny_model("mamba2", seed=3), Communicator(device="cpu"))
     cfg = EngineConfig(max_batch=4, max_model_len=96, prefill_tokens=48, prefill_chunk=8)  # batched prefill
     local = LocalRunner(model, cfg)
@@ -468,7 +472,8 @@ def _tp_rank(rank, world, init_file, port, ready, stop):
 
 
 def test_tensor_parallel_server_equals_offline(tmp_path, mamba2):
-    """Two gloo ranks on CPU (as torchrun starts ``ssmq serve --tp 2``): rank 0 serves, rank 1 follows."""
+    """Two gloo ranks on CPU (as torchrun starts ``ssmq serve --tp 2``): rank 0 serves, rank 1 follows; the server
+    idles longer than the process group's timeout and still answers."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -485,7 +490,9 @@ def test_tensor_parallel_server_equals_offline(tmp_path, mamba2):
         prompts = random_prompts(6, seed=2)
         bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0, "stream": i % 2 == 0}
                   for i, p in enumerate(prompts)]
-        texts = run_concurrently(f"http://127.0.0.1:{port}", bodies, [False] * len(bodies))
+        texts = run_concurrently(f"http://127.0.0.1:{port}", bodies[:4], [False] * 4)
+        time.sleep(TP_TIMEOUT_S + 2)
+        texts += run_concurrently(f"http://127.0.0.1:{port}", bodies[4:], [False] * 2)
     finally:
         stop.set()
         for p in procs:
