@@ -189,20 +189,22 @@ class CudaGraphPrefill:
             self._capture(rows, piece)
 
     def time_all(self, reps: int = 3) -> None:
-        """Time one replay of every captured graph (CUDA events, after one untimed replay): ``row_pieces`` then
-        splits a chunk by the measured times rather than by the largest graph that takes it."""
-        reset = lambda: self.cache.reset([self.scratch])  # noqa: E731 - the replays write to the scratch slot
+        """Time a replay of every captured graph (CUDA events; the median of ``reps`` after an untimed one):
+        ``row_pieces`` then splits a chunk by the measured times rather than by the largest graph that takes it."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for key, (graph, *_) in self.graphs.items():
-            reset()
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
+            times = []
+            for _ in range(reps + 1):
+                # the replays write to the scratch slot, from length 0 each time: replays one after the other would
+                # advance it past the cache's end
+                self.cache.reset([self.scratch])
+                start.record()
                 graph.replay()
-            end.record()
-            end.synchronize()
-            self.replay_ms[key] = start.elapsed_time(end) / reps
-        reset()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            self.replay_ms[key] = sorted(times[1:])[reps // 2]
+        self.cache.reset([self.scratch])
 
     def serves(self, b: int, length: int) -> bool:
         """Whether a chunk of ``length`` tokens of ``b`` prompts runs from graphs (its largest piece fits)."""
