@@ -239,8 +239,10 @@ def test_moe_capture_safe_modes_equal_routed(family, mode, tmp_path):
     ref = _forward_and_step(model, ids)
     for m in moes:
         m.set_mode(mode)
+    # float32 sums in another order (every expert, or the stacked experts' GEMM): a few ulp apart, and which terms
+    # differ depends on the CPU's kernels; a wrong expert or weight moves the logits by orders of magnitude more
     for got, want in zip(_forward_and_step(model, ids), ref):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     if mode == "grouped":  # the experts' weights are slices of the stacks: no second copy
         assert moes[0].experts[1].up_proj.weight.data_ptr() == moes[0]._stacked["up_proj"][0][1].data_ptr()
     static_shapes_(model)
