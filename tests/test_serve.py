@@ -471,36 +471,6 @@ def _tp_rank(rank, world, init_file, port, ready, stop):
     torch.distributed.destroy_process_group()  # a group left to the interpreter's exit can abort the process
 
 
-def _share_rank(rank, world, init_file, result):
-    from types import SimpleNamespace
-
-    from ssmq.runtime.tp_launch import init_tp
-    from ssmq.runtime.tp_serve import control_group, share_prefill_times
-
-    init_tp(world, "cpu", init_method=f"file://{init_file}", rank=rank, world=world)
-    local = SimpleNamespace(graph_prefill=SimpleNamespace(replay_ms={(1, 128): 3.0 + rank, (2, 128): 3.1 - rank}))
-    share_prefill_times(local, control_group())
-    result[rank] = local.graph_prefill.replay_ms
-    torch.distributed.destroy_process_group()
-
-
-def test_tensor_parallel_ranks_split_prefill_by_rank_0s_graph_times(tmp_path):
-    """Each rank times its own prefill graphs; all take rank 0's times, so all split a forward alike (the replays
-    hold the model's collectives)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        result = manager.dict()
-        procs = [ctx.Process(target=_share_rank, args=(r, 2, tmp_path / "pg", result)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert [p.exitcode for p in procs] == [0, 0]
-        assert result[0] == result[1] == {(1, 128): 3.0, (2, 128): 3.1}
-
-
 def test_tensor_parallel_server_equals_offline(tmp_path, mamba2):
     """Two gloo ranks on CPU (as torchrun starts ``ssmq serve --tp 2``): rank 0 serves, rank 1 follows; the server
     idles longer than the process group's timeout and still answers."""

@@ -105,20 +105,6 @@ def test_graph_row_pieces_split_a_chunk_into_graph_served_forwards():
     assert graph_row_pieces(5, 512, 512, 256, 64) == []  # one row alone exceeds max_tokens
 
 
-def test_least_time_rows_pads_or_splits_by_the_measured_replay_times():
-    from ssmq.runtime.cuda_graph import least_time_rows
-
-    # a replay's time nearly flat up to 8 rows, then proportional to its rows: 9 rows run as 8 + 1, not padded to 16
-    flat_then_linear = {1: 3.0, 2: 3.2, 4: 3.5, 8: 4.5, 16: 8.0, 32: 15.0, 64: 29.0}
-    assert least_time_rows(9, flat_then_linear) == [8, 1]
-    assert least_time_rows(34, flat_then_linear) == [32, 2]
-    assert least_time_rows(7, flat_then_linear) == [7]  # padded to 8: one replay beats 4 + 2 + 1
-    assert least_time_rows(6, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}) == [6]  # ties go to fewer replays
-    assert least_time_rows(5, {1: 1.0, 2: 2.0, 4: 4.0}) == [4, 1]
-    assert least_time_rows(3, {2: 1.0}) == [2, 1]  # the last forward padded (1 row in the 2-row graphs)
-    assert least_time_rows(0, {1: 1.0}) == []
-
-
 def test_a_turns_admissions_reset_their_slots_together_and_a_reset_fault_fails_one_request():
     """Requests admitted in one turn have their slots cleared by one runner call; when that call raises, each slot
     is reset alone, the request whose reset fails gets an error naming it and the others their offline tokens."""

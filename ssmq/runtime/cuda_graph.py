@@ -10,9 +10,7 @@ continuing from the states the previous left in the cache: exact (no padding ent
 live state: rows that pad b up to its bucket point at the scratch slot) and free of
 per-op Python launch cost. Graphs exist up to ``max_tokens`` = rows x length: past a few
 thousand tokens a forward's GPU time exceeds its host time, and an eager forward costs
-no padding. Once timed (``time_all``), a chunk's rows split into the graph replays of
-least summed time (``least_time_rows``): padded where a replay's time is flat in its rows,
-split where it grows with them.
+no padding.
 """
 
 from __future__ import annotations
@@ -122,23 +120,6 @@ def graph_row_pieces(b: int, length: int, max_len: int, max_tokens: int, max_row
     return [min(cap, b - i) for i in range(0, b, cap)]
 
 
-def least_time_rows(b: int, replay_ms: dict[int, float]) -> list[int]:
-    """Rows of each forward, largest first, that ``b`` rows split into so that the replays' summed time is least:
-    ``replay_ms[r]`` is the time of a replay of the graphs of r rows, which serves up to r rows (fewer are padded).
-    Padding to a larger graph or splitting into smaller ones, whichever measured less."""
-    best, take = [0.0] + [float("inf")] * b, [0] * (b + 1)
-    for n in range(1, b + 1):
-        for r, ms in sorted(replay_ms.items(), reverse=True):  # ties: fewer replays
-            t = ms + best[max(n - r, 0)]
-            if t < best[n]:
-                best[n], take[n] = t, min(r, n)
-    rows, n = [], b
-    while n:
-        rows.append(take[n])
-        n -= take[n]
-    return sorted(rows, reverse=True)
-
-
 class CudaGraphPrefill:
     """Replays ``model.forward`` over binary pieces of a chunk of prompts. Call as
     ``prefill(ids (b, L), slots (b,)) -> logits (b, vocab)`` (a single ``int`` slot for b = 1).
@@ -160,7 +141,6 @@ class CudaGraphPrefill:
         self.scratch = cache.max_batch - 1
         self.max_rows = min(_pow2_at_least(self.scratch), self.max_tokens)  # the live slots, rounded up
         self.graphs: dict[tuple[int, int], tuple] = {}
-        self.replay_ms: dict[tuple[int, int], float] = {}  # (rows, piece) -> a replay's time (``time_all``)
 
     def _capture(self, rows: int, length: int):
         device = self.model.device
@@ -188,24 +168,6 @@ class CudaGraphPrefill:
         for rows, piece in self.shapes():
             self._capture(rows, piece)
 
-    def time_all(self, reps: int = 3) -> None:
-        """Time a replay of every captured graph (CUDA events; the median of ``reps`` after an untimed one):
-        ``row_pieces`` then splits a chunk by the measured times rather than by the largest graph that takes it."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for key, (graph, *_) in self.graphs.items():
-            times = []
-            for _ in range(reps + 1):
-                # the replays write to the scratch slot, from length 0 each time: replays one after the other would
-                # advance it past the cache's end
-                self.cache.reset([self.scratch])
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            self.replay_ms[key] = sorted(times[1:])[reps // 2]
-        self.cache.reset([self.scratch])
-
     def serves(self, b: int, length: int) -> bool:
         """Whether a chunk of ``length`` tokens of ``b`` prompts runs from graphs (its largest piece fits)."""
         # (rows <= max_rows follows: b <= scratch, and rows x piece <= max_tokens)
@@ -213,17 +175,8 @@ class CudaGraphPrefill:
             and _pow2_at_least(b) * (1 << (length.bit_length() - 1)) <= self.max_tokens
 
     def row_pieces(self, b: int, length: int) -> list[int]:
-        """Rows of the graph-served forwards that a chunk of ``length`` tokens of ``b`` prompts runs as ([b]: one
-        forward; []: not served): the split of least measured time where every graph the chunk needs was timed
-        (``least_time_rows`` over the summed replays of its binary pieces), else ``graph_row_pieces``."""
-        rows = graph_row_pieces(b, length, self.max_len, self.max_tokens, min(self.max_rows, self.scratch))
-        if not rows:
-            return rows
-        pieces = [1 << i for i in range(length.bit_length()) if length >> i & 1]
-        counts = [1 << i for i in range(self.max_rows.bit_length())]
-        replay_ms = {r: sum(self.replay_ms[r, p] for p in pieces) for r in counts
-                     if all((r, p) in self.replay_ms for p in pieces)}
-        return least_time_rows(b, replay_ms) if replay_ms else rows
+        """``graph_row_pieces`` of this prefill's graphs."""
+        return graph_row_pieces(b, length, self.max_len, self.max_tokens, min(self.max_rows, self.scratch))
 
     def __call__(self, ids: torch.Tensor, slots, check_fit: bool = True) -> torch.Tensor:
         """check_fit: read the slots' lengths off the device (a sync) to refuse a chunk that overflows the cache;

@@ -256,7 +256,6 @@ class LocalRunner:
             start = time.monotonic()
             dec.capture_all()
             self.graph_prefill.capture_all()
-            self.graph_prefill.time_all()
             log.info("CUDA graphs: %d decode (batch buckets), %d prefill (rows x tokens up to %d), captured in %.1f s",
                      len(dec.graphs), len(self.graph_prefill.graphs), self.graph_prefill.max_tokens,
                      time.monotonic() - start)
@@ -278,9 +277,9 @@ class LocalRunner:
         graphs = self.graph_prefill
         if graphs is not None:
             # no fit check (a sync): the engine admits only what fits (Engine.unfit)
-            rows = graphs.row_pieces(*ids.shape)
-            if len(rows) == 1:
+            if graphs.serves(*ids.shape):
                 return graphs(ids, slots, check_fit=False)
+            rows = graphs.row_pieces(*ids.shape)
             if 1 < len(rows) <= self.graph_pieces:
                 # each piece's logits copied out: a later piece of the same rows replays the same graph
                 out, start = [], 0

@@ -35,16 +35,6 @@ def control_group():
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def share_prefill_times(local, control) -> None:
-    """Every rank takes rank 0's measured prefill graph times, so that all split a prefill forward into the same
-    graph replays (each holds the model's collectives: ranks that split differently would pair them wrongly)."""
-    graphs = local.graph_prefill
-    times = [None if graphs is None else graphs.replay_ms]
-    dist.broadcast_object_list(times, 0, group=control)
-    if graphs is not None:
-        graphs.replay_ms = dict(times[0] or {})
-
-
 class BroadcastRunner:
     """Rank 0's runner: tells the followers each call, then makes it on its own shard.
 
@@ -54,7 +44,6 @@ class BroadcastRunner:
     def __init__(self, local, group=None, control=None):
         self.local, self.group = local, group
         self.control = control_group() if control is None else control
-        share_prefill_times(local, self.control)
         self.cache, self.device, self.kv_blocks = local.cache, local.device, local.kv_blocks
         self._msg = torch.zeros(HEADER + INLINE, dtype=torch.long)
 
@@ -96,7 +85,6 @@ class BroadcastRunner:
 def follow(local, group=None, control=None) -> None:
     """A follower rank's loop: run what rank 0 announces until STOP (``group``, ``control``: as ``BroadcastRunner``'s)."""
     control = control_group() if control is None else control
-    share_prefill_times(local, control)
     msg = torch.empty(HEADER + INLINE, dtype=torch.long)
     while True:
         dist.broadcast(msg, 0, group=control)
