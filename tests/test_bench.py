@@ -63,6 +63,24 @@ def test_profile_accounts_for_each_step_once():
                                                                      if isinstance(m, torch.nn.Linear)]))
 
 
+def test_prefill_profile_shares_out_the_prefill_and_runs_each_scan_once():
+    """--profile on the prefill: the listed rows sum to 'kernels (sum)', shares are of the profiled prefill's time,
+    and each call runs the prompt from an empty slot (one linear product per linear layer per call, not more)."""
+    from ssmq.bench.latency import ttft_ms
+    from ssmq.bench.models import build
+
+    model, _ = build("mamba2-130m", "float", torch.device("cpu"), torch.float32, layers=2)
+    ms, rows = ttft_ms(model, 24, warmup=1, reps=2, profile=True)
+    by = {r["kernel"]: r for r in rows}
+    listed = [r for r in rows if r["kernel"] not in ("kernels (sum)", "between kernels")]
+    assert ms > 0 and sum(r["us"] for r in listed) == pytest.approx(by["kernels (sum)"]["us"])
+    step_us = by["kernels (sum)"]["us"] + by["between kernels"]["us"]
+    assert all(r["us"] / r["share"] == pytest.approx(step_us) for r in rows)
+    mm = [r for r in listed if r["kernel"] in ("aten::mm", "aten::addmm")]
+    assert mm and sum(r["calls"] for r in mm) == pytest.approx(len([m for m in model.modules()
+                                                                     if isinstance(m, torch.nn.Linear)]))
+
+
 def test_results_name_the_commit_and_whether_the_tree_differs_from_it(tmp_path):
     from ssmq.bench.output import _commit
 

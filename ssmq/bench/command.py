@@ -85,9 +85,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--peers", type=_names, default=["mamba_ssm", "transformers"], help="comma-separated peers timed "
                    "alongside when installed: mamba_ssm (on CUDA, Mamba-1 and Mamba-2 architectures), transformers "
                    "(the hybrid families' published architectures, whole) (default both; 'none' for none)")
-    p.add_argument("--profile", action="store_true", help="also profile each decode step: its kernels, their calls "
-                   "and time per step, and the time between kernels, from a step captured without programmatic "
-                   "dependent launch (on the CPU: its PyTorch operators)")
+    p.add_argument("--profile", action="store_true", help="also profile each prefill and each decode step: their "
+                   "kernels, calls and time per call, and the time between kernels; decode from a step captured "
+                   "without programmatic dependent launch (on the CPU: the PyTorch operators)")
     _device_args(p)
     p.set_defaults(func=_run("latency"))
 

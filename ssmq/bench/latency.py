@@ -13,7 +13,7 @@ import re
 import torch
 from tqdm import tqdm
 
-from ssmq.bench.models import (FLOAT, build, mamba_ssm_available, mamba_ssm_model, published_config,
+from ssmq.bench.models import (build, mamba_ssm_available, mamba_ssm_model, published_config,
                                transformers_available, transformers_model)
 from ssmq.bench.output import lines_plot, record, table, write
 from ssmq.bench.timing import time_fn
@@ -26,8 +26,9 @@ def _free(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def ttft_ms(model, prompt_len: int, warmup: int, reps: int) -> float:
-    """Prefill of one ``prompt_len``-token prompt to its first token (batch 1), ms."""
+def ttft_ms(model, prompt_len: int, warmup: int, reps: int, profile: bool = False):
+    """Prefill of one ``prompt_len``-token prompt to its first token (batch 1), ms. With ``profile``: (ms, the
+    per-kernel profile rows of the prefill, ``ssmq.bench.profile.kernel_profile``, each call from an empty slot)."""
     dev = model.device
     ids = torch.randint(0, min(model.config.vocab_size, 50000), (1, prompt_len), device=dev)
     cache = model.allocate_cache(2, prompt_len + 1)
@@ -35,10 +36,22 @@ def ttft_ms(model, prompt_len: int, warmup: int, reps: int) -> float:
         from ssmq.runtime.cuda_graph import CudaGraphPrefill
 
         prefill = CudaGraphPrefill(model, cache, max_len=prompt_len)
-        return time_fn(lambda: prefill(ids, 0).argmax(-1), dev, warmup, reps,
-                       setup=lambda: cache.reset([0])).median_ms
-    return time_fn(lambda: model(ids, cache, [0], num_last_tokens=1).argmax(-1), dev, warmup, reps,
-                   setup=cache.reset).median_ms
+
+        def first():
+            return prefill(ids, 0).argmax(-1)
+    else:
+        def first():
+            return model(ids, cache, [0], num_last_tokens=1).argmax(-1)
+    ms = time_fn(first, dev, warmup, reps, setup=lambda: cache.reset([0])).median_ms
+    if not profile:
+        return ms
+    from ssmq.bench.profile import kernel_profile
+
+    def from_empty():
+        cache.reset([0])
+        return first()
+
+    return ms, kernel_profile(from_empty, dev, ms, max(1, min(reps, 4)))
 
 
 def decode_step(model, batch: int, max_len: int):
@@ -183,7 +196,11 @@ def run(args) -> dict:
         _free(device)
         model, _ = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
         for length in prompt_lens:
-            ms = ttft_ms(model, length, args.warmup, args.reps)
+            ms = ttft_ms(model, length, args.warmup, args.reps, args.profile)
+            if args.profile:
+                ms, kernels = ms
+                result.setdefault("prefill_profile", []).extend(
+                    {"impl": recipe, "prompt_len": length, **k} for k in kernels)
             result["rows"].append({"impl": recipe, "batch": 1, "prompt_len": length, "ttft_ms": ms})
             bar.update()
         for bs in batches:
@@ -202,6 +219,9 @@ def run(args) -> dict:
     bar.update()
     bar.close()
     print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s"]))
+    if result.get("prefill_profile"):
+        print("\nper prefill (time to first token):")
+        print(table(result["prefill_profile"], ["impl", "prompt_len", "kernel", "calls", "us", "share"]))
     if result.get("profile"):
         print("\nper decode step:")
         print(table(result["profile"], ["impl", "batch", "kernel", "calls", "us", "share"]))
