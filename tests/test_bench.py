@@ -214,6 +214,10 @@ def test_serve_a_model_here_reports_the_share_of_the_decode_step_bound(tmp_path)
     for row in res["rows"]:
         assert row["step_ms"] > 0 and row["bound_tok_s"] == pytest.approx(row["concurrency"] / row["step_ms"] * 1e3)
         assert row["bound_share"] == pytest.approx(row["output_tok_s"] / row["bound_tok_s"])
+        # the work bound adds each client's prompt at the batched prefill rate to the decode steps: lower
+        c, step, pre = row["concurrency"], row["step_ms"], row["prefill_ms_per_prompt"]
+        assert pre > 0 and row["work_bound_tok_s"] == pytest.approx(c * 4 / (c * pre + 4 * step) * 1e3)
+        assert row["work_bound_tok_s"] < row["bound_tok_s"] and row["work_share"] > row["bound_share"]
         # ignore_eos: every request gives its 4 tokens (from the usage the server reports)
         assert row["output_tok_s"] * row["seconds"] == pytest.approx(3 * 4)
         # the engine's own counts over the level (/health): 3 prompts of 5 tokens in chunks of 4 + 1, 4 tokens each

@@ -144,7 +144,7 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
 LOAD_COLUMNS = ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
                 "tpot_ms_p99", "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
 BOUND_COLUMNS = ["recipe", "engine", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
-                 "bound_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step",
+                 "bound_share", "work_bound_tok_s", "work_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step",
                  "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
 
 
@@ -215,6 +215,27 @@ def engine_model(cfg, model_name: str, recipe: str, device: str, dtype, layers, 
     return build(model_name, recipe, torch.device(device), dtype, layers, gptq_as_rtn)[0]
 
 
+@torch.inference_mode()
+def prefill_ms_per_prompt(model, prompt_len: int, rows: int, warmup: int, reps: int) -> float:
+    """The GPU time one prompt's prefill costs at its best batched rate: ``rows`` prompts of ``prompt_len`` tokens
+    in one eager forward from empty slots (as many as the engine's per-forward token budget and batch allow), over
+    ``rows``, ms."""
+    from ssmq.bench.timing import time_fn
+
+    dev = model.device
+    ids = torch.randint(0, min(model.config.vocab_size, 50000), (rows, prompt_len), device=dev)
+    cache = model.allocate_cache(rows, prompt_len + 1)
+    slots = torch.arange(rows, device=dev)
+    return time_fn(lambda: model(ids, cache, slots, num_last_tokens=1), dev, warmup, reps,
+                   setup=cache.reset).median_ms / rows
+
+
+def work_bound(clients: int, step_ms: float, prefill_ms: float, output_len: int) -> float:
+    """Output tokens/s if the GPU did nothing but the work: each client's prompt prefilled at the best batched rate
+    (``prefill_ms`` a prompt) and ``output_len`` decode steps of the whole batch (``step_ms`` each), no host cost."""
+    return clients * output_len / (clients * prefill_ms + output_len * step_ms) * 1e3
+
+
 def run_model(args) -> dict:
     """Serve ``--model`` here under each recipe: the load levels beside the decode step's bound at each batch."""
     from ssmq.bench.latency import _free, tpot_ms
@@ -234,6 +255,8 @@ def run_model(args) -> dict:
         model, vocab = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
         args.vocab_limit = min(args.vocab_limit, vocab)
         steps = {c: tpot_ms(model, c, args.steps, args.warmup, args.reps) for c in args.concurrency}
+        rows = max(1, min(max(args.concurrency), args.prefill_tokens // args.input_len))  # as the engine may batch
+        prefill = prefill_ms_per_prompt(model, args.input_len, rows, args.warmup, args.reps)
         _free(device)
         batch, length = max(args.concurrency), args.input_len + args.output_len + 1
         # hybrids: KV blocks for every client at once, so admission never waits on the pool (the bound does not)
@@ -259,9 +282,12 @@ def run_model(args) -> dict:
             for row in rows:
                 step = steps[row["concurrency"]]
                 bound = row["concurrency"] / step * 1e3
+                work = work_bound(row["concurrency"], step, prefill, args.output_len)
                 tok_s, tpot = row.get("output_tok_s"), row.get("tpot_ms_p50")
                 result["rows"].append({"recipe": recipe, "engine": kind, **row, "step_ms": step,
                                        "bound_tok_s": bound, "bound_share": None if tok_s is None else tok_s / bound,
+                                       "prefill_ms_per_prompt": prefill, "work_bound_tok_s": work,
+                                       "work_share": None if tok_s is None else tok_s / work,
                                        "tpot_over_step": None if tpot is None else tpot / step})
             del engine, server
         del model
