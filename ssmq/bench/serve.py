@@ -144,8 +144,8 @@ def run_level(url: str, concurrency: int, n_requests: int, body_of, timeout: flo
 LOAD_COLUMNS = ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
                 "tpot_ms_p99", "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
 BOUND_COLUMNS = ["recipe", "engine", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
-                 "bound_share", "work_bound_tok_s", "work_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "tpot_over_step",
-                 "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
+                 "bound_share", "work_bound_tok_s", "work_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
+                 "tpot_ms_p99", "tpot_over_step", "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
 
 
 def run(args) -> dict:
@@ -255,8 +255,9 @@ def run_model(args) -> dict:
         model, vocab = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
         args.vocab_limit = min(args.vocab_limit, vocab)
         steps = {c: tpot_ms(model, c, args.steps, args.warmup, args.reps) for c in args.concurrency}
-        rows = max(1, min(max(args.concurrency), args.prefill_tokens // args.input_len))  # as the engine may batch
-        prefill = prefill_ms_per_prompt(model, args.input_len, rows, args.warmup, args.reps)
+        # as many prompts in one forward as the engine may batch
+        prefill_rows = max(1, min(max(args.concurrency), args.prefill_tokens // args.input_len))
+        prefill = prefill_ms_per_prompt(model, args.input_len, prefill_rows, args.warmup, args.reps)
         _free(device)
         batch, length = max(args.concurrency), args.input_len + args.output_len + 1
         # hybrids: KV blocks for every client at once, so admission never waits on the pool (the bound does not)

@@ -83,7 +83,8 @@ class BroadcastRunner:
 
 @torch.inference_mode()
 def follow(local, group=None, control=None) -> None:
-    """A follower rank's loop: run what rank 0 announces until STOP (``group``, ``control``: as ``BroadcastRunner``'s)."""
+    """A follower rank's loop: run what rank 0 announces until STOP (``group``, ``control``: as
+    ``BroadcastRunner``'s)."""
     control = control_group() if control is None else control
     msg = torch.empty(HEADER + INLINE, dtype=torch.long)
     while True:
