@@ -204,6 +204,31 @@ def test_ssd_chunk_scan_split_states(K, dtype, monkeypatch):
     check(K["ssd"].ssd_chunk_scan(x, dt, A, B, C, T, **kw), ops.ssd_chunk_scan_ref(x, dt, A, B, C, T, **kw), TOL[dtype])
 
 
+@pytest.mark.parametrize("states", ["fused", "split"])
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.float32])
+def test_ssd_chunk_scan_state_rows_in_place(K, states, state_dtype, monkeypatch):
+    """``state_rows``: the kernels read the initial states from cache rows and write the final states there, as
+    the reference; rows not served stay as they were, bit for bit."""
+    monkeypatch.setitem(K["ssd"].CFG, "STATES", states)
+    torch.manual_seed(10)
+    b, l, h, p, g, n, T, s = (3, 200, 4, 32, 2, 64, 64, 7) if not INTERPRET else (2, 37, 2, 16, 1, 16, 16, 4)
+    x, z = rnd(b, l, h, p, dtype=torch.float16), rnd(b, l, h, p, dtype=torch.float16)
+    dt, A = rnd(b, l, h, dtype=torch.float16), -torch.rand(h, device=DEV) - 0.5
+    B, C = rnd(b, l, g, n, dtype=torch.float16), rnd(b, l, g, n, dtype=torch.float16)
+    kw = dict(D=rnd(h), z=z, dt_bias=rnd(h) - 2, dt_softplus=True)
+    cache = rnd(s, h, p, n).to(state_dtype)
+    rows = torch.tensor([s - 1, 0, 2][:b], device=DEV)
+    want = cache.clone()
+    y_ref = ops.ssd_chunk_scan_ref(x, dt, A, B, C, T, **kw, state_rows=(want, rows))
+    got = cache.clone()
+    y = K["ssd"].ssd_chunk_scan(x, dt, A, B, C, T, **kw, state_rows=(got, rows))
+    check(y, y_ref, TOL[torch.float16])
+    check(got[rows].float(), want[rows].float(), 2e-3)
+    others = torch.ones(s, dtype=torch.bool, device=DEV)
+    others[rows] = False
+    assert torch.equal(got[others], cache[others])
+
+
 def test_ssd_chunk_scan_equals_sequential(K):
     """The kernel against the token-by-token recurrence too, not only the chunked reference."""
     torch.manual_seed(5)

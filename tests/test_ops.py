@@ -35,6 +35,45 @@ def test_ssd_chunked_equals_sequential(l, chunk, g, d_shape, limit):
     torch.testing.assert_close(s1, s2, atol=1e-4, rtol=1e-4)
 
 
+def test_ssd_state_rows_continue_cache_rows_in_place():
+    """state_rows: the scan starts from cache rows and leaves its final states there (in the cache's dtype), equal
+    to gathering initial states and scattering the final ones; rows not served are untouched."""
+    b, l, h, p, g, n, s = 2, 21, 4, 8, 2, 16, 5
+    r = gen(3)
+    x, dt = torch.randn(b, l, h, p, generator=r), torch.randn(b, l, h, generator=r)
+    A, B, C = -torch.rand(h, generator=r) * 3, torch.randn(b, l, g, n, generator=r), torch.randn(b, l, g, n, generator=r)
+    kw = dict(D=torch.randn(h, generator=r), dt_bias=torch.randn(h, generator=r), dt_softplus=True)
+    cache = torch.randn(s, h, p, n, generator=r).to(torch.bfloat16)
+    rows = torch.tensor([3, 1])
+    y, final = ops.ssd_chunk_scan_ref(x, dt, A, B, C, 8, **kw, initial_states=cache[rows], return_final_states=True)
+    got = cache.clone()
+    assert torch.equal(ops.ssd_chunk_scan_ref(x, dt, A, B, C, 8, **kw, state_rows=(got, rows)), y)
+    assert torch.equal(got[rows], final.to(torch.bfloat16))
+    assert torch.equal(got[[0, 2, 4]], cache[[0, 2, 4]])
+
+
+@pytest.mark.parametrize("bad", ["initial", "final", "int8", "strided", "int32-rows", "short-rows"])
+def test_ssd_state_rows_refuse_what_they_cannot_honour(bad):
+    b, l, h, p, n = 2, 4, 2, 4, 8
+    x, dt, A = torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h)
+    B = C = torch.randn(b, l, 1, n)
+    states, rows, kw = torch.zeros(3, h, p, n), torch.tensor([0, 2]), {}
+    if bad == "initial":
+        kw["initial_states"] = torch.zeros(b, h, p, n)
+    elif bad == "final":
+        kw["return_final_states"] = True
+    elif bad == "int8":
+        states = states.to(torch.int8)
+    elif bad == "strided":
+        states = torch.zeros(3, h, n, p).transpose(2, 3)
+    elif bad == "int32-rows":
+        rows = rows.int()
+    else:
+        rows = rows[:1]
+    with pytest.raises(ValueError, match="state_rows"):
+        ops.ssd_chunk_scan_ref(x, dt, A, B, C, 4, **kw, state_rows=(states, rows))
+
+
 def test_conv1d_update_continues_prefill():
     b, d, l, w = 2, 6, 9, 4
     r = gen(1)

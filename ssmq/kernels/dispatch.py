@@ -74,10 +74,10 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-                   dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False):
+                   dt_limit=(0.0, float("inf")), initial_states=None, return_final_states=False, state_rows=None):
     impl = _kernels("ssd").ssd_chunk_scan if _use_triton(x) else ops.ssd_chunk_scan_ref
     return impl(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
-                return_final_states)
+                return_final_states, state_rows)
 
 
 def quant_selective_scan(u_q, u_scale, dt_q, dt_scale, A, B_q, B_scale, C_q, C_scale, D=None, z_q=None, z_scale=None,

@@ -30,6 +30,7 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import cdiv, dot_precision, pow2, silu, softplus
 from ssmq.ops.layout import has_dt_limit, heads_per_group
+from ssmq.ops.ssd import check_state_rows
 
 
 @triton.jit
@@ -161,11 +162,22 @@ def _chunk_state(
 
 
 @triton.jit
+def _state_row(rows_ptr, pid_b, hh, h, HAS_ROWS: tl.constexpr):
+    """The (row, head) index of sequence pid_b's initial and final state: its cache slot ``rows[pid_b]`` when the
+    states are read and written in a cache buffer in place, else pid_b."""
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + pid_b).to(tl.int64)
+    else:
+        row = pid_b.to(tl.int64)
+    return row * h + hh
+
+
+@triton.jit
 def _chunk_state_fused(
-    x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, init_ptr, st_ptr, final_ptr,
+    x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, init_ptr, st_ptr, final_ptr, rows_ptr,
     l, h, p, n, T, nc, heads_per_group,
     s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
-    HAS_INIT: tl.constexpr, QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_ROWS: tl.constexpr, QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Chunk states and the recurrence over chunks in one pass: a program owns a (BP, BN) tile of one
@@ -181,9 +193,9 @@ def _chunk_state_fused(
     offs_k = tl.arange(0, BK)
     mp, mn = offs_p < p, offs_n < n
     m2 = mp[:, None] & mn[None, :]
+    state_at = _state_row(rows_ptr, pid_b, hh, h, HAS_ROWS) * p * n + offs_p[:, None] * n + offs_n[None, :]
     if HAS_INIT:
-        s = tl.load(init_ptr + pid_bh.to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :],
-                    mask=m2, other=0.0).to(tl.float32)
+        s = tl.load(init_ptr + state_at, mask=m2, other=0.0).to(tl.float32)
     else:
         s = tl.zeros((BP, BN), dtype=tl.float32)
     xp = x_ptr + pid_b * s_xb + hh * s_xh + offs_p[:, None] * s_xp
@@ -206,22 +218,23 @@ def _chunk_state_fused(
         out = st_ptr + ((pid_b * nc + c) * h + hh).to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :]
         tl.store(out, s.to(st_ptr.dtype.element_ty), mask=m2)
         s = tl.exp(cs_last) * s + acc
-    tl.store(final_ptr + pid_bh.to(tl.int64) * p * n + offs_p[:, None] * n + offs_n[None, :], s, mask=m2)
+    tl.store(final_ptr + state_at, s.to(final_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
 def _state_passing(
-    st_ptr, cs_ptr, init_ptr, final_ptr, out_ptr,
+    st_ptr, cs_ptr, init_ptr, final_ptr, out_ptr, rows_ptr,
     h, pn, T, nc,
-    HAS_INIT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid_bh, pid_e = tl.program_id(0), tl.program_id(1)
     hh = pid_bh % h
     pid_b = pid_bh // h
     offs = pid_e * BLOCK + tl.arange(0, BLOCK)
     m = offs < pn
+    state_at = _state_row(rows_ptr, pid_b, hh, h, HAS_ROWS) * pn + offs
     if HAS_INIT:
-        s = tl.load(init_ptr + pid_bh.to(tl.int64) * pn + offs, mask=m, other=0.0).to(tl.float32)
+        s = tl.load(init_ptr + state_at, mask=m, other=0.0).to(tl.float32)
     else:
         s = tl.zeros((BLOCK,), dtype=tl.float32)
     for c in range(nc):
@@ -230,7 +243,7 @@ def _state_passing(
         added = tl.load(st_ptr + idx, mask=m, other=0.0)
         tl.store(out_ptr + idx, s.to(out_ptr.dtype.element_ty), mask=m)
         s = tl.exp(tl.load(cs_ptr + (pid_bh * nc + c) * T + T - 1)) * s + added
-    tl.store(final_ptr + pid_bh.to(tl.int64) * pn + offs, s, mask=m)
+    tl.store(final_ptr + state_at, s.to(final_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -279,6 +292,9 @@ def _chunk_scan(
 ):
     pid_bch, pid_m, hh, pid_c, pid_b, grp, chunk_len, offs_m, offs_p, pos_m, row = \
         _scan_tile(l, h, T, nc, heads_per_group, BM, BP)
+    if pid_m * BM >= chunk_len:
+        # past the end of a short last chunk (a 128-token prompt fills half of a 256-token chunk): no rows to write
+        return
     offs_k = tl.arange(0, BK)
     offs_n = tl.arange(0, BN)
     mm, mp = offs_m < chunk_len, offs_p < p
@@ -328,15 +344,18 @@ _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
-                   dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False):
+                   dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False, state_rows=None):
     """Chunked SSD scan, as ``ssd_chunk_scan_ref``.
 
     x, z: (b, l, h, p); dt: (b, l, h); A: (h,); B, C: (b, l, g, n);
     D: (h,) or (h, p); dt_bias: (h,); initial_states: (b, h, p, n).
     Returns y (b, l, h, p) in x's dtype and, if asked, final states (b, h, p, n) float32.
+    state_rows (states (s, h, p, n) float, rows (b,) int64): the kernels read the initial states at ``rows`` of
+    the cache buffer and write the final states there in its dtype (no gather, float32 copy or scatter); y alone.
     """
+    check_state_rows(state_rows, initial_states, return_final_states, x.shape[0])
     return _ssd(x, None, dt, A, B, None, C, None, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
-                return_final_states, x.dtype)
+                return_final_states, x.dtype, state_rows)
 
 
 def quant_ssd_chunk_scan(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_size, D=None, dt_bias=None,
@@ -364,9 +383,10 @@ def quant_ssd_chunk_scan(x_q, x_scale, dt, A, B_q, B_scale, C_q, C_scale, chunk_
 
 
 def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_limit, initial_states,
-         return_final_states, out_dtype):
+         return_final_states, out_dtype, state_rows=None):
     """The five launches for float x, B, C (scales None) or int8 codes with per-(h, p) xs and per-(g, n) Bs, Cs
-    float32 tables. out_dtype: y's dtype, also the tensor-core operand type of the chunk states and the scan."""
+    float32 tables. out_dtype: y's dtype, also the tensor-core operand type of the chunk states and the scan.
+    state_rows: (states, rows) read and written in place, as ``ssd_chunk_scan``."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     rep = heads_per_group(h, g)
@@ -377,7 +397,14 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
     TY = _TL[out_dtype]
     prec = dot_precision(out_dtype)
     y = torch.empty((b, l, h, p), device=dev, dtype=out_dtype)
-    final = torch.empty((b, h, p, n), device=dev, dtype=f32)
+    rows = None
+    if state_rows is not None:  # the initial and the final state are the cache rows themselves
+        final, rows = state_rows
+        initial_states = final
+        if l == 0:
+            return y
+    else:
+        final = torch.empty((b, h, p, n), device=dev, dtype=f32)
     if l == 0:
         final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
         return (y, final) if return_final_states else y
@@ -408,8 +435,8 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
         c = CFG["fused"]
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
         _chunk_state_fused[(b * h, cdiv(p, BP), cdiv(n, BN))](
-            x, B, xs, Bs, dt_out, cs, init, st_in, final, l, h, p, n, T, nc, rep, *x.stride(), *B.stride(),
-            HAS_INIT=initial_states is not None, QUANT=quant, TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
+            x, B, xs, Bs, dt_out, cs, init, st_in, final, rows if rows is not None else cs, l, h, p, n, T, nc, rep,
+            *x.stride(), *B.stride(), HAS_INIT=initial_states is not None, HAS_ROWS=rows is not None, QUANT=quant, TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
     else:
@@ -423,8 +450,8 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
         )
         PBLOCK = min(1024, pow2(p * n, 16))
         _state_passing[(b * h, cdiv(p * n, PBLOCK))](
-            states, cs, init, final, st_in, h, p * n, T, nc, HAS_INIT=initial_states is not None, BLOCK=PBLOCK,
-            num_warps=4,
+            states, cs, init, final, st_in, rows if rows is not None else cs, h, p * n, T, nc,
+            HAS_INIT=initial_states is not None, HAS_ROWS=rows is not None, BLOCK=PBLOCK, num_warps=4,
         )
 
     Dhp = None if D is None else (D[:, None].expand(h, p) if D.dim() == 1 else D)
@@ -440,4 +467,4 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
         BM=BM, BP=BPs, BK=min(c["BK"], pow2(T, 16)), BN=min(128, pow2(n, 16)), num_warps=c["num_warps"],
         num_stages=c["num_stages"], **({"maxnreg": c["maxnreg"]} if c.get("maxnreg") else {}),
     )
-    return (y, final) if return_final_states else y
+    return (y, final) if return_final_states and rows is None else y

@@ -173,6 +173,8 @@ def _chunk_scan_q(C_ptr, S_ptr, lut_ptr, cs_ptr, dt_ptr, Cs_ptr, Bs_ptr, ss_ptr,
     # exp(cs_t)·C_scale from cs (b, h, c, T); Cs, Bs (g,); ss = state_scale (h, p); cb (b, c, t, s, g) integers
     # (int32, or float32 from the whole scan) in (b, c, g, t, s); x, z (b, l, h, p); D (h, p) strides -> y (b, l, h, p) float32
     pid_bch, pid_m, hh, pid_c, pid_b, grp, chunk_len, offs_m, offs_p, pos_m, row = _scan_tile(l, h, T, nc, rep, BM, BP)
+    if pid_m * BM >= chunk_len:  # past the end of a short last chunk: no rows to write
+        return
     mm, mp = offs_m < chunk_len, offs_p < p
 
     # ChunkScan1: int32 C_q · state_q, then float32(acc)·LUT_off[t]·state_scale[p] (the reference's order)

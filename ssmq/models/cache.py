@@ -15,15 +15,6 @@ import torch
 from ssmq.models.state import KVState, MambaState, fill_rows
 
 
-def ids_on_device(ids: list, device: torch.device) -> torch.Tensor:
-    """Python ints (slots, token ids) as a long tensor on ``device``. On CUDA through pinned memory and without
-    waiting: a plain host -> device copy waits for the device's queue, i.e. for a decode step in flight."""
-    t = torch.tensor(ids, dtype=torch.long)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def int8_state_note(model, state_checkpoint: int | None) -> str | None:
     """A one-line caution for decoding ``model`` on its int8 SSM state written every step, else None: re-quantized at
     every token the state drifts (trained mamba2, CPU reference path, perplexity at 2048 tokens: Quamba2's

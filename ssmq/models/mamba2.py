@@ -139,18 +139,21 @@ class Mamba2Mixer(SSMMixer):
         x, B, C = self._prefill_xbc(xbc, state, slots)
         dt = self.act_dt(dt)
         A = self._f32.get(self, "A_log")
-        # a checkpointed state replays its ring with A as the decode step takes it, (h, p, n)
-        initial = None if state is None else state.read_ssm(slots, A[:, None, None].expand(*self.state_shape()))
-        y = self.ssd(
-            x.reshape(b, l, c.nheads, c.headdim), dt, A,
-            B.reshape(b, l, c.ngroups, c.d_state), C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size,
-            D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True, dt_limit=c.dt_limit,
-            initial_states=initial,
-            return_final_states=state is not None,
-        )
-        if state is not None:
-            y, final = y
+        args = (x.reshape(b, l, c.nheads, c.headdim), dt, A, B.reshape(b, l, c.ngroups, c.d_state),
+                C.reshape(b, l, c.ngroups, c.d_state), c.chunk_size)
+        kw = dict(D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True,
+                  dt_limit=c.dt_limit)
+        # the float scan continues a float state in its cache rows (no gather, float32 copy or scatter a layer)
+        rows = state.rows_in_place(slots) if state is not None and type(self.ssd) is ChunkScan else None
+        if rows is not None:
+            y = self.ssd(*args, **kw, state_rows=rows)
+        elif state is not None:
+            # a checkpointed state replays its ring with A as the decode step takes it, (h, p, n)
+            initial = state.read_ssm(slots, A[:, None, None].expand(*self.state_shape()))
+            y, final = self.ssd(*args, **kw, initial_states=initial, return_final_states=True)
             state.write_ssm(slots, final)
+        else:
+            y = self.ssd(*args, **kw)
         return self.out_proj(self._normed(y.reshape(b, l, c.d_inner), z))
 
     def _prefill_xbc(self, xbc: torch.Tensor, state, slots):

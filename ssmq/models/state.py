@@ -67,6 +67,15 @@ def _rows(slots) -> torch.Tensor | slice:
     return slice(None) if slots is None else slots
 
 
+def ids_on_device(ids: list, device: torch.device) -> torch.Tensor:
+    """Python ints (slots, token ids) as a long tensor on ``device``. On CUDA through pinned memory and without
+    waiting: a plain host -> device copy waits for the device's queue, i.e. for a decode step in flight."""
+    t = torch.tensor(ids, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def fill_rows(t: torch.Tensor, slots, value=0) -> None:
     """t[slots] = value without a host tensor: indexed assignment of a Python number copies it to the device and
     waits for that copy (so for the device's queue: a decode step in flight), which a CUDA-graph capture (prefill
@@ -165,6 +174,21 @@ class MambaState:
         if self.format is StateFormat.INT8:
             return kernels.read_state(self.ssm, *self._table(), _rows(slots))
         return self.ssm[_rows(slots)]
+
+    def rows_in_place(self, slots) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the SSM buffer, the rows ``slots`` as a (b,) int64 tensor on its device) for a prefill scan that reads
+        and writes a float state in place (``kernels.ssd_chunk_scan``'s ``state_rows``); None for an int8 or a
+        checkpointed state, which go through ``read_ssm`` and ``write_ssm``."""
+        if self.format is not StateFormat.FLOAT or self.ring is not None:
+            return None
+        dev = self.ssm.device
+        if slots is None:
+            rows = torch.arange(self.ssm.shape[0], device=dev)
+        elif isinstance(slots, torch.Tensor):
+            rows = slots.reshape(-1).to(dev, torch.int64)
+        else:
+            rows = ids_on_device([slots] if isinstance(slots, int) else list(slots), dev)
+        return self.ssm, rows
 
     def write_ssm(self, slots, values: torch.Tensor) -> None:
         """Store a prefill's final state (b, …) in the rows ``slots``, in this state's format (checkpointed: as the

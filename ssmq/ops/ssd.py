@@ -28,6 +28,23 @@ def _skip_and_gate(y, x, D, z):
     return y
 
 
+def check_state_rows(state_rows, initial_states, return_final_states: bool, batch: int) -> None:
+    """Raise on a ``state_rows`` argument the scan cannot honour (read and written in place, it replaces the
+    initial/final state arguments)."""
+    if state_rows is None:
+        return
+    states, rows = state_rows
+    if initial_states is not None or return_final_states:
+        raise ValueError("state_rows reads and writes the states in place: pass no initial_states and "
+                         "return_final_states=False")
+    if not states.is_floating_point() or not states.is_contiguous() or states.dim() != 4:
+        raise ValueError(f"state_rows needs a contiguous float (s, h, p, n) buffer, got {states.dtype} "
+                         f"{tuple(states.shape)}")
+    if rows.dtype != torch.int64 or tuple(rows.shape) != (batch,) or rows.device != states.device:
+        raise ValueError(f"state_rows needs ({batch},) int64 rows on {states.device}, got {rows.dtype} "
+                         f"{tuple(rows.shape)} on {rows.device}")
+
+
 def ssd_chunk_scan_ref(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -42,13 +59,25 @@ def ssd_chunk_scan_ref(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     initial_states: torch.Tensor | None = None,
     return_final_states: bool = False,
+    state_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Chunked SSD scan (Mamba-2 prefill), the contract of ``mamba_chunk_scan_combined``.
 
     x, z: (b, l, h, p); dt: (b, l, h); A: (h,); B, C: (b, l, g, n);
     D: (h,) or (h, p); dt_bias: (h,); initial_states: (b, h, p, n).
     Returns y (b, l, h, p) in x's dtype and, if asked, final states (b, h, p, n) float32.
+
+    state_rows (states (s, h, p, n) float, contiguous; rows (b,) int64, distinct): the scan continues the cache
+    rows ``states[rows]`` and leaves its final states there, in the buffer's dtype; returns y alone (instead of
+    ``initial_states`` and ``return_final_states``).
     """
+    if state_rows is not None:
+        check_state_rows(state_rows, initial_states, return_final_states, x.shape[0])
+        states, rows = state_rows
+        y, final = ssd_chunk_scan_ref(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus, dt_limit,
+                                      states[rows], True)
+        states[rows] = final.to(states.dtype)
+        return y
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     rep = heads_per_group(h, g)

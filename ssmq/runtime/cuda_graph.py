@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.cache import ids_on_device
+from ssmq.models.state import ids_on_device
 from ssmq.models.ffn import static_shapes_
 
 # a batch runs in the smallest bucket that holds it. Past ~64 rows a step costs about its batch (Mamba2-2.7B on an

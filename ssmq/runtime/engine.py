@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.cache import ids_on_device, int8_state_note
+from ssmq.models.cache import int8_state_note
+from ssmq.models.state import ids_on_device
 from ssmq.runtime.kv_blocks import BlockAllocator
 from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_rows, top_logprobs
 
