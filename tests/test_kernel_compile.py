@@ -241,14 +241,22 @@ def _ssd_cases():
             cases[f"chunk_state-{tag}"] = ("_chunk_state", {**io, "st_ptr": "fp32"},
                                            dict(QUANT=q, TY=tys[ty], DOT_PREC=prec, BP=64, BN=64, BK=64))
             cases[f"chunk_state_fused-{tag}"] = ("_chunk_state_fused", io, dict(
-                HAS_INIT=True, QUANT=q, TY=tys[ty], DOT_PREC=prec, BP=64, BN=64, BK=64))
+                HAS_INIT=True, HAS_ROWS=False, QUANT=q, TY=tys[ty], DOT_PREC=prec, BP=64, BN=64, BK=64))
             cases[f"chunk_scan-{tag}"] = ("_chunk_scan", io, dict(HAS_D=True, HAS_Z=not q, QUANT=q, TY=tys[ty],
                                                                    DOT_PREC=prec, BM=64, BP=64, BK=64, BN=128))
+    # a float16 cache state continued in its rows in place (state_rows)
+    rows = {"x_ptr": "fp16", "B_ptr": "fp16", "st_ptr": "fp16", "init_ptr": "fp16", "final_ptr": "fp16"}
+    cases["chunk_state_fused-rows-fp16"] = ("_chunk_state_fused", rows, dict(
+        HAS_INIT=True, HAS_ROWS=True, QUANT=False, TY=tys["fp16"], DOT_PREC="tf32", BP=64, BN=64, BK=64))
+    for has_rows in (False, True):
+        io = {"st_ptr": "fp32", "out_ptr": "fp16"} | ({"init_ptr": "fp16", "final_ptr": "fp16"} if has_rows else {})
+        cases[f"state_passing-{'rows' if has_rows else 'plain'}"] = ("_state_passing", io, dict(
+            HAS_INIT=True, HAS_ROWS=has_rows, BLOCK=1024))
     return cases
 
 
 SSD_POINTERS = {"xs_ptr": "fp32", "Bs_ptr": "fp32", "Cs_ptr": "fp32", "cb_ptr": "fp32", "dt_ptr": "fp32",
-                "cs_ptr": "fp32", "init_ptr": "fp32", "final_ptr": "fp32", "D_ptr": "fp32"}
+                "cs_ptr": "fp32", "init_ptr": "fp32", "final_ptr": "fp32", "D_ptr": "fp32", "rows_ptr": "i64"}
 SSD = _ssd_cases()
 
 
