@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ssmq import ops
+from ssmq.kernels import dispatch
 
 
 def gen(seed):
@@ -174,3 +176,13 @@ def test_host_launch_arithmetic_equals_tritons():
     assert [cdiv(a, b) for a in values[:600] for b in (1, 2, 3, 7, 16, 128, 132)] == \
         [triton.cdiv(a, b) for a in values[:600] for b in (1, 2, 3, 7, 16, 128, 132)]
     assert pow2(0) == 1 and pow2(5, 16) == 16 and pow2(17, 16) == 32
+
+
+@pytest.mark.parametrize("kernel, reference", [("quant_linear", "quant_linear_ref"),
+                                               ("quantize_act", "quantize_act_ref"),
+                                               ("quant_linear_act", "quant_linear_act_ref")])
+def test_quantized_linear_kernels_take_their_references_arguments(kernel, reference):
+    # a model calls kernels.X positionally; swapping in its reference (the reference path of the GPU tests) must
+    # accept the same call
+    assert list(inspect.signature(getattr(dispatch, kernel)).parameters) == \
+        list(inspect.signature(getattr(ops, reference)).parameters)

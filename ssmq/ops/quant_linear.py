@@ -242,11 +242,13 @@ def quant_linear_ref(
     x_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    words: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ W.T + bias for a quantized W (format: module docstring).
 
     x: (..., k) float, int8 or float8_e4m3fn; x_scale: () or x.shape[:-1] float32 for int8 / fp8 x.
     bias: (n,) or None. Returns (..., n) in ``out_dtype`` (default: x's dtype for float x, float32 else).
+    words: the same codes repacked for the decode GEMV (``pack_words``) or None; the reference reads ``w_q``.
     """
     f = weight_format(w_q, w_scale, w_zero)
     k, n = f["k"], f["n"]
