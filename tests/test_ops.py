@@ -43,7 +43,8 @@ def test_ssd_state_rows_continue_cache_rows_in_place():
     b, l, h, p, g, n, s = 2, 21, 4, 8, 2, 16, 5
     r = gen(3)
     x, dt = torch.randn(b, l, h, p, generator=r), torch.randn(b, l, h, generator=r)
-    A, B, C = -torch.rand(h, generator=r) * 3, torch.randn(b, l, g, n, generator=r), torch.randn(b, l, g, n, generator=r)
+    A = -torch.rand(h, generator=r) * 3
+    B, C = torch.randn(b, l, g, n, generator=r), torch.randn(b, l, g, n, generator=r)
     kw = dict(D=torch.randn(h, generator=r), dt_bias=torch.randn(h, generator=r), dt_softplus=True)
     cache = torch.randn(s, h, p, n, generator=r).to(torch.bfloat16)
     rows = torch.tensor([3, 1])

@@ -177,8 +177,8 @@ def _chunk_state_fused(
     x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, init_ptr, st_ptr, final_ptr, rows_ptr,
     l, h, p, n, T, nc, heads_per_group,
     s_xb, s_xl, s_xh, s_xp, s_Bb, s_Bl, s_Bg, s_Bn,
-    HAS_INIT: tl.constexpr, HAS_ROWS: tl.constexpr, QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr, BP: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_ROWS: tl.constexpr, QUANT: tl.constexpr, TY: tl.constexpr, DOT_PREC: tl.constexpr,
+    BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Chunk states and the recurrence over chunks in one pass: a program owns a (BP, BN) tile of one
     head's state and walks the chunks in order, writing the state *entering* each chunk in TY
@@ -436,7 +436,8 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
         _chunk_state_fused[(b * h, cdiv(p, BP), cdiv(n, BN))](
             x, B, xs, Bs, dt_out, cs, init, st_in, final, rows if rows is not None else cs, l, h, p, n, T, nc, rep,
-            *x.stride(), *B.stride(), HAS_INIT=initial_states is not None, HAS_ROWS=rows is not None, QUANT=quant, TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
+            *x.stride(), *B.stride(), HAS_INIT=initial_states is not None, HAS_ROWS=rows is not None, QUANT=quant,
+            TY=TY, DOT_PREC=prec, BP=BP, BN=BN, BK=min(c["BK"], pow2(T, 16)),
             num_warps=c["num_warps"], num_stages=c["num_stages"],
         )
     else:
