@@ -73,6 +73,10 @@ class ChunkScan(nn.Module):
     """The SSD chunked scan of a mixer: ``kernels.ssd_chunk_scan`` (signature and shapes as there). A module, so
     that a quantized scan with its own scales (SSDi8) can take its place and be saved with the model."""
 
+    # continues a float state in its cache rows (``state_rows``); a scan without it gets initial states and returns
+    # final ones
+    takes_state_rows = True
+
     def forward(self, *args, **kwargs):
         return kernels.ssd_chunk_scan(*args, **kwargs)
 
@@ -144,7 +148,7 @@ class Mamba2Mixer(SSMMixer):
         kw = dict(D=self._f32.get(self, "D"), dt_bias=self._f32.get(self, "dt_bias"), dt_softplus=True,
                   dt_limit=c.dt_limit)
         # the float scan continues a float state in its cache rows (no gather, float32 copy or scatter a layer)
-        rows = state.rows_in_place(slots) if state is not None and type(self.ssd) is ChunkScan else None
+        rows = state.rows_in_place(slots) if state is not None and self.ssd.takes_state_rows else None
         if rows is not None:
             y = self.ssd(*args, **kw, state_rows=rows)
         elif state is not None:

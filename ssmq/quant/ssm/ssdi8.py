@@ -37,6 +37,8 @@ class SSDi8Scan(nn.Module):
     scan and record the ranges the scales are set from (calibration).
     """
 
+    takes_state_rows = False  # its int8 state goes through the cache's read_ssm / write_ssm
+
     def __init__(self, nheads: int, headdim: int, ngroups: int, options: SSDi8Options = SSDi8Options()):
         super().__init__()
         self.nheads, self.headdim, self.ngroups, self.options = nheads, headdim, ngroups, options
