@@ -189,3 +189,41 @@ def test_float_state_mixers_are_not_recorded_in_checkpoints(tmp_path):
     model.quantization = {"recipe": {"name": "none"}, "calibration": {"source": "none"}}
     save_quantized(model, tmp_path / "f")
     assert json.loads((tmp_path / "f" / MANIFEST).read_text())["modules"] == {}
+
+
+@pytest.mark.parametrize("int8_state", [False, True])
+def test_mamba2_prefill_continues_its_cache_rows(int8_state, monkeypatch):
+    """A Mamba-2 prefill into cache slots: a float state is handed to the scan as its cache rows (``state_rows``, read
+    and written in place), an int8 state goes through read_ssm / write_ssm; either way two prefills continue each
+    other as one forward does, and unserved rows keep their states."""
+    import ssmq.kernels as kernels
+
+    model = int8_state_model("mamba2") if int8_state else tiny_model("mamba2")
+    calls = []
+    scan = kernels.ssd_chunk_scan
+
+    def spy(*args, **kw):
+        calls.append("state_rows" if "state_rows" in kw else "initial_states" if "initial_states" in kw else "none")
+        return scan(*args, **kw)
+
+    monkeypatch.setattr(kernels, "ssd_chunk_scan", spy)
+    ids = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(5))
+    cache = model.allocate_cache(SLOTS, 32, **({"ssm_dtype": torch.int8} if int8_state else {}))
+    g = torch.Generator().manual_seed(6)
+    for st in cache.states:
+        st.ssm.copy_(torch.randint(-127, 128, st.ssm.shape, generator=g, dtype=torch.int8) if int8_state
+                     else torch.randn(st.ssm.shape, generator=g).to(st.ssm.dtype))
+    others = [i for i in range(SLOTS) if i not in SERVED.tolist()]
+    before = [st.ssm[others].clone() for st in cache.states]
+    with torch.no_grad():
+        whole = model(ids)[:, -1]
+        cache.reset(SERVED.tolist())
+        calls.clear()
+        model(ids[:, :6], cache, SERVED)
+        split = model(ids[:, 6:], cache, SERVED)[:, -1]
+    want = "initial_states" if int8_state else "state_rows"
+    assert calls and set(calls) == {want}, calls
+    if not int8_state:  # an int8 state rounds between the two prefills
+        torch.testing.assert_close(split, whole, atol=1e-4, rtol=1e-4)
+    for st, old in zip(cache.states, before):
+        assert torch.equal(st.ssm[others], old)
