@@ -145,7 +145,8 @@ LOAD_COLUMNS = ["concurrency", "requests", "failed", "output_tok_s", "ttft_ms_p5
                 "tpot_ms_p99", "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
 BOUND_COLUMNS = ["recipe", "engine", "concurrency", "requests", "failed", "step_ms", "bound_tok_s", "output_tok_s",
                  "bound_share", "work_bound_tok_s", "work_share", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
-                 "tpot_ms_p99", "tpot_over_step", "engine_steps", "prefill_forwards", "rows_per_prefill", "prefill_share", "idle_share"]
+                 "tpot_ms_p99", "tpot_over_step", "engine_steps", "prefill_forwards", "rows_per_prefill",
+                 "prefill_share", "idle_share"]
 
 
 def run(args) -> dict:

@@ -401,11 +401,11 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
     if state_rows is not None:  # the initial and the final state are the cache rows themselves
         final, rows = state_rows
         initial_states = final
-        if l == 0:
-            return y
     else:
         final = torch.empty((b, h, p, n), device=dev, dtype=f32)
-    if l == 0:
+    if l == 0:  # nothing to scan: the state passes through (cache rows: already in place)
+        if rows is not None:
+            return y
         final.copy_(initial_states if initial_states is not None else torch.zeros_like(final))
         return (y, final) if return_final_states else y
     # the float scan passes these unread pointers for the scales

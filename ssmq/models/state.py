@@ -76,6 +76,14 @@ def ids_on_device(ids: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def slot_rows(slots, device: torch.device) -> torch.Tensor:
+    """Slots (an int, ints or a tensor) as a (b,) int64 tensor on ``device``, Python ints through ``ids_on_device``
+    (no wait on the device's queue)."""
+    if isinstance(slots, torch.Tensor):
+        return slots.reshape(-1).to(device, torch.int64, non_blocking=True)
+    return ids_on_device([slots] if isinstance(slots, int) else list(slots), device)
+
+
 def fill_rows(t: torch.Tensor, slots, value=0) -> None:
     """t[slots] = value without a host tensor: indexed assignment of a Python number copies it to the device and
     waits for that copy (so for the device's queue: a decode step in flight), which a CUDA-graph capture (prefill
@@ -182,12 +190,7 @@ class MambaState:
         if self.format is not StateFormat.FLOAT or self.ring is not None:
             return None
         dev = self.ssm.device
-        if slots is None:
-            rows = torch.arange(self.ssm.shape[0], device=dev)
-        elif isinstance(slots, torch.Tensor):
-            rows = slots.reshape(-1).to(dev, torch.int64)
-        else:
-            rows = ids_on_device([slots] if isinstance(slots, int) else list(slots), dev)
+        rows = torch.arange(self.ssm.shape[0], device=dev) if slots is None else slot_rows(slots, dev)
         return self.ssm, rows
 
     def write_ssm(self, slots, values: torch.Tensor) -> None:

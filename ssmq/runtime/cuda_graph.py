@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ssmq.errors import SSMQError
-from ssmq.models.state import ids_on_device
+from ssmq.models.state import slot_rows
 from ssmq.models.ffn import static_shapes_
 
 # a batch runs in the smallest bucket that holds it. Past ~64 rows a step costs about its batch (Mamba2-2.7B on an
@@ -185,9 +185,7 @@ class CudaGraphPrefill:
         if not self.serves(b, length):
             raise SSMQError(f"graph prefill takes up to {self.max_tokens} tokens of chunks of 1..{self.max_len} "
                             f"tokens, got {tuple(ids.shape)}")
-        if not isinstance(slots, torch.Tensor):
-            slots = ids_on_device([slots] if isinstance(slots, int) else list(slots), self.model.device)
-        slots = slots.reshape(-1).to(self.model.device, non_blocking=True)
+        slots = slot_rows(slots, self.model.device)
         if slots.numel() != b:
             raise SSMQError(f"{b} prompts need {b} slots, got {slots.numel()}")
         if check_fit and int(self.cache.seqlens[slots].max()) + length > self.cache.max_seqlen:
