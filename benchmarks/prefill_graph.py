@@ -6,8 +6,8 @@ prompts of ``length`` tokens each into cache slots, per rows x length, and optio
 Random weights at the published config, float16, on a CUDA GPU. Each time is the median of 10 graph replays (CUDA
 events) after 2 warm-ups, the rows' cache slots reset before each. ``--profile`` adds the torch-profiler kernel table
 of one replay of the largest rows x the first length. ``--states split,fused`` times each of the SSD scan's state
-paths (``configs/ssd.json``'s ``STATES``: chunk states and their passing as two kernels, or one), graphs captured
-afresh for each.
+paths (``configs/ssd.json``'s ``STATES``: chunk states and their passing as two kernels, or one, or by the chunks a
+sequence spans), graphs captured afresh for each.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file for the rows")
     args = ap.parse_args()
     paths = args.states.split(",") if args.states else [ssd.CFG["STATES"]]
-    if not set(paths) <= {"split", "fused"}:
-        ap.error(f"--states takes split and fused, got {args.states}")
+    if not set(paths) <= {"split", "fused", "by_chunks"}:
+        ap.error(f"--states takes split, fused and by_chunks, got {args.states}")
     dev = torch.device("cuda")
     rows_list = [int(r) for r in args.rows.split(",")]
     lengths = [int(n) for n in args.lengths.split(",")]

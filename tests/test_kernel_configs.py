@@ -77,3 +77,17 @@ def test_the_settings_in_force_are_candidates(op):
     settings = json.loads(configs.path(op).read_text())["devices"][configs.DEFAULT]
     assert all(tune._get(settings, p) in values for p, values in tune.TUNABLE[op].grid.items())
     assert tune.TUNABLE[op].bench in tune.KERNEL_BENCHES
+
+
+def test_ssd_state_path_by_chunks():
+    """The SSD scan's chunk-state path: fused for sequences of at most FUSED_MAX_CHUNKS chunks, split above; a fixed
+    STATES is taken as is."""
+    pytest.importorskip("triton")
+    from ssmq.kernels.ssd import states_path
+
+    cfg = configs.entry(json.loads(configs.path("ssd").read_text()), configs.DEFAULT)
+    assert cfg["STATES"] == "by_chunks"
+    edge = cfg["FUSED_MAX_CHUNKS"]
+    assert states_path(1, cfg) == states_path(edge, cfg) == "fused" and states_path(edge + 1, cfg) == "split"
+    assert states_path(1, {**cfg, "STATES": "split"}) == "split"
+    assert states_path(99, {**cfg, "STATES": "fused"}) == "fused"

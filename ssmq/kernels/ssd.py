@@ -343,6 +343,17 @@ CFG = configs.load("ssd")  # launch settings (configs/ssd.json, keys in docs/ker
 _TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+def states_path(nc: int, cfg: dict | None = None) -> str:
+    """The chunk-state path for sequences of ``nc`` chunks (configs/ssd.json's STATES): "split" (parallel float32
+    chunk states, then the recurrence over chunks: two kernels) or "fused" (one kernel walks the chunks); STATES
+    "by_chunks" takes fused up to FUSED_MAX_CHUNKS chunks a sequence (with one chunk the recurrence has nothing to
+    pass and the second launch is all it costs), split above."""
+    cfg = CFG if cfg is None else cfg
+    if cfg["STATES"] != "by_chunks":
+        return cfg["STATES"]
+    return "fused" if nc <= cfg["FUSED_MAX_CHUNKS"] else "split"
+
+
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), initial_states=None, return_final_states=False, state_rows=None):
     """Chunked SSD scan, as ``ssd_chunk_scan_ref``.
@@ -431,7 +442,7 @@ def _ssd(x, xs, dt, A, B, Bs, C, Cs, chunk_size, D, z, dt_bias, dt_softplus, dt_
     init = initial_states.contiguous() if initial_states is not None else final
     # states entering each chunk, in out_dtype: _chunk_scan's tensor-core operand
     st_in = torch.empty((b, nc, h, p, n), device=dev, dtype=out_dtype)
-    if CFG["STATES"] == "fused":
+    if states_path(nc) == "fused":
         c = CFG["fused"]
         BP, BN = min(c["BP"], pow2(p, 16)), min(c["BN"], pow2(n, 16))
         _chunk_state_fused[(b * h, cdiv(p, BP), cdiv(n, BN))](
