@@ -10,7 +10,9 @@ maps a name to launch-setting overrides of ``kernels.qgemv`` / ``kernels.packed_
 captured (``old``: the stored layout's kernels as shipped, ``new``: ``packed_gemv`` on the codes repacked by
 ``kernels.pack_for_decode`` wherever it serves the call). Achieved bandwidth counts the
 weight bytes (codes and scales) over the flushed time, against the device-to-device copy bandwidth measured in the
-same run (bytes read plus written). Needs a CUDA GPU.
+same run (bytes read plus written). ``--floor P,...`` times, beside each op, a kernel that only reads the op's
+weight bytes with about P programs an SM (``ssmq.bench.read_floor``; variants ``floor-P``): the least time a separate
+kernel takes for those bytes. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -142,7 +144,18 @@ def time_op(make_w, op, fmt: str, rows: int, k: int, flush, reps: int, stream: b
     return {"flushed_us": flushed, "stream_us": stream_us, "bytes": wbytes}
 
 
-def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, linears=None) -> dict:
+def _timed(make_w, op, fmt, rows, k, flush, reps, stream, cfg) -> dict:
+    """time_op under a variant's overrides, with the achieved bandwidth; an op that cannot run is reported."""
+    try:
+        with _variant(cfg):
+            r = time_op(make_w, op, fmt, rows, k, flush, reps, stream)
+        r["GBps"] = r["bytes"] / r["flushed_us"] / 1e3
+        return r
+    except Exception as e:  # one op that cannot run is reported, not fatal
+        return {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+
+
+def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, linears=None, floor=()) -> dict:
     bw = copy_bandwidth()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -155,17 +168,23 @@ def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, l
                 make_w, op = make_op(fmt, n, k)
                 for rows in rows_list:
                     for vname, cfg in (variants.items() if fmt != "fp16" else [("old", {})]):
-                        try:
-                            with _variant(cfg):
-                                r = time_op(make_w, op, fmt, rows, k, flush, reps, stream)
-                            r["GBps"] = r["bytes"] / r["flushed_us"] / 1e3
-                            r["bw_share"] = r["GBps"] * 1e9 / bw
-                        except Exception as e:  # one op that cannot run is reported, not fatal
-                            r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                        r = _timed(make_w, op, fmt, rows, k, flush, reps, stream, cfg)
                         r.update(model=model, linear=lin, n=n, k=k, format=fmt, rows=rows, variant=vname)
                         res["ops"].append(r)
                         log(json.dumps(r))
+                nbytes = sum(t.numel() * t.element_size() for t in make_w()[:2])
+                if floor:
+                    from ssmq.bench.read_floor import read_op
+                for p in floor:  # the op's bytes read by a kernel that does nothing else, under every row count
+                    r = _timed(*read_op(nbytes, p), fmt, 1, k, flush, reps, stream, {})
+                    for rows in rows_list:
+                        res["ops"].append({**r, "model": model, "linear": lin, "n": n, "k": k, "format": fmt,
+                                           "rows": rows, "variant": f"floor-{p}"})
+                    log(json.dumps(res["ops"][-1]))
                 torch.cuda.empty_cache()
+    for r in res["ops"]:
+        if "GBps" in r:
+            r["bw_share"] = r["GBps"] * 1e9 / bw
     return res
 
 
@@ -177,15 +196,16 @@ def table(res: dict) -> str:
     for r in res["ops"]:
         keyed.setdefault((r["model"], r["linear"], r["format"], r["rows"]), {})[r["variant"]] = r
     names = sorted({r["variant"] for r in res["ops"]} - {"old", "new"})
-    if names:
-        lines[1] += "  " + "  ".join(names)
+    if names:  # further variants: flushed / stream us
+        lines[1] += "  " + "  ".join(f"{x:>{max(len(x), 11)}s}" for x in names)
     for (m, lin, fmt, rows), v in keyed.items():
         o, n = v.get("old", {}), v.get("new", {})
         f = lambda d, key: f"{d[key]:.2f}" if key in d else "-"  # noqa: E731
         share = f"{100 * n['bw_share']:.0f}" if "bw_share" in n else "-"
+        both = lambda d: f"{f(d, 'flushed_us')}/{f(d, 'stream_us')}"  # noqa: E731
         lines.append(f"{m:11s} {lin:9s} {fmt:11s} {rows:4d} {f(o, 'flushed_us'):>7s} {f(n, 'flushed_us'):>7s} "
                      f"{f(o, 'stream_us'):>10s} {f(n, 'stream_us'):>11s} {share:>8s}"
-                     + "".join(f"  {f(v.get(x, {}), 'flushed_us'):>{len(x)}s}" for x in names))
+                     + "".join(f"  {both(v.get(x, {})):>{max(len(x), 11)}s}" for x in names))
     return "\n".join(lines)
 
 
@@ -199,13 +219,16 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--linears", default="", help="comma list of in_proj, out_proj (default: both)")
     ap.add_argument("--no-stream", action="store_true", help="the flushed timing only")
+    ap.add_argument("--floor", default="", help="comma list of programs an SM: time a read-only kernel of each op's "
+                    "bytes beside it (ssmq.bench.read_floor)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_gemv: needs a CUDA GPU")
     variants = json.loads(args.variants) if args.variants else VARIANTS
     res = run(args.models.split(","), args.formats.split(","), [int(r) for r in args.rows.split(",")], variants,
-              args.reps, stream=not args.no_stream, linears=[x for x in args.linears.split(",") if x])
+              args.reps, stream=not args.no_stream, linears=[x for x in args.linears.split(",") if x],
+              floor=[int(p) for p in args.floor.split(",") if p])
     res["command"] = "python -m ssmq.bench.gemv " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
         with open(args.json, "w") as fh:
