@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 import tempfile
+import time
 
 from ssmq.errors import SSMQError
 from ssmq.paths import DEFAULT_HUB_MODEL, default_model  # noqa: F401  (re-exported)
@@ -106,6 +107,10 @@ def cmd_generate(args) -> None:
     ids = tok.encode_batch(prompts)
     if any(not i for i in ids):
         raise SSMQError("a prompt encodes to no tokens")
+    vocab = model.config.vocab_size
+    if (top := max(max(i) for i in ids)) >= vocab:
+        raise SSMQError(f"a prompt has token id {top}, beyond the model's vocabulary of {vocab}: the tokenizer does not "
+                        "match the model")
     n_new = max_new_tokens(model, [len(i) for i in ids], args.max_new_tokens)
     params = SamplingParams(max_new_tokens=n_new, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, eos_id=tok.eos_id, vocab_limit=len(tok), seed=args.seed,
@@ -116,22 +121,59 @@ def cmd_generate(args) -> None:
         dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + n_new,
                                state_checkpoint=run["state_checkpoint"])
         run = {"cache": dec.cache, "decode_fn": dec}
+    clock = TokenClock()
     if len(prompts) == 1:  # stream: print the new text as each token arrives
         print(prompts[0], end="", flush=True)
         out: list[int] = []
         shown = ""
-        for _, t in stream_generate(model, ids, params, **run):
+        for _, t in clock.ticks(stream_generate(model, ids, params, **run)):
             out.append(t)
             text = tok.decode(out)
             print(text[len(shown):], end="", flush=True)
             shown = text
         print()
-        return
-    outs: list[list[int]] = [[] for _ in prompts]
-    for row, t in stream_generate(model, ids, params, **run):
-        outs[row].append(t)
-    for prompt, out in zip(prompts, outs):
-        print(f"--- {prompt!r}\n{prompt}{tok.decode(out)}")
+    else:
+        outs: list[list[int]] = [[] for _ in prompts]
+        for row, t in clock.ticks(stream_generate(model, ids, params, **run)):
+            outs[row].append(t)
+        for prompt, out in zip(prompts, outs):
+            print(f"--- {prompt!r}\n{prompt}{tok.decode(out)}")
+    if args.timing:
+        print(clock.summary(len(ids), max(map(len, ids))), file=sys.stderr)
+
+
+class TokenClock:
+    """Wall-clock times of a generation as its caller sees the tokens: from the first request to the first token
+    (TTFT), and between the steps that follow (a step: the tokens of every running row, which arrive together)."""
+
+    def __init__(self):
+        self.start = 0.0
+        self.steps: list[float] = []  # arrival time of each step's first token
+        self.tokens = 0
+        self.first_step_tokens = 0
+
+    def ticks(self, pairs):
+        """Pass ``(row, token)`` pairs through, timing them; a step begins where a row repeats."""
+        self.start = time.perf_counter()
+        seen: set[int] = set()
+        for row, t in pairs:
+            if row in seen or not self.steps:
+                self.steps.append(time.perf_counter())
+                seen.clear()
+            seen.add(row)
+            self.tokens += 1
+            self.first_step_tokens += len(self.steps) == 1
+            yield row, t
+
+    def summary(self, rows: int, prompt_len: int) -> str:
+        ttft = (self.steps[0] - self.start) * 1e3
+        gaps = sorted(b - a for a, b in zip(self.steps, self.steps[1:]))
+        line = f"timing: {rows} x {prompt_len} prompt tokens, TTFT {ttft:.1f} ms, {self.tokens} tokens"
+        if gaps:
+            median, mean = gaps[len(gaps) // 2] * 1e3, sum(gaps) / len(gaps) * 1e3
+            rate = (self.tokens - self.first_step_tokens) / (self.steps[-1] - self.steps[0])
+            line += f", TPOT {median:.3f} ms median ({mean:.3f} mean) over {len(gaps)} steps, {rate:.0f} tok/s"
+        return line
 
 
 def add_state_checkpoint_arg(p: argparse.ArgumentParser) -> None:
@@ -232,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling seed in [0, 2**63): the same seed gives the same text (default 0)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
     p.add_argument("--eager", action="store_true", help="on CUDA, decode without CUDA graphs")
+    p.add_argument("--timing", action="store_true", help="print to stderr the time to the first token and per "
+                   "token (TPOT) as the tokens arrived, printing included")
     add_state_checkpoint_arg(p)
     add_tp_args(p)
     p.set_defaults(func=cmd_generate)

@@ -60,3 +60,32 @@ def test_generate_with_state_checkpoint_gives_the_same_tokens(tmp_path):
     assert replay.stdout == plain.stdout and plain.stdout.count("---") == 2
     bad = run(*args, "--state-checkpoint", "1")
     assert bad.returncode == 1 and "--state-checkpoint must be >= 2" in bad.stderr
+
+
+def test_generate_timing_reports_ttft_and_tpot_without_changing_the_text(tmp_path):
+    save_tiny("mamba2", tmp_path)
+    shared_or_skip("tokenizers")
+    args = ["generate", "--model", str(tmp_path), "--dtype", "float32", "--max-new-tokens", "6", "--ignore-eos",
+            "--temperature", "0", "--prompt", "A", "--prompt", "B"]
+    plain, timed = run(*args), run(*args, "--timing")
+    assert plain.returncode == 0 and timed.returncode == 0, plain.stderr + timed.stderr
+    assert timed.stdout == plain.stdout and "timing" not in plain.stderr
+    line = [x for x in timed.stderr.splitlines() if x.startswith("timing:")]
+    # two rows of 6 tokens: 6 steps, 5 gaps between them
+    assert len(line) == 1 and "2 x " in line[0] and "12 tokens" in line[0] and "over 5 steps" in line[0], line
+
+
+def test_token_clock_counts_a_step_where_a_row_repeats():
+    from ssmq.cli import TokenClock
+
+    clock = TokenClock()
+    pairs = [(0, 5), (1, 6), (0, 7), (1, 8), (1, 9)]  # steps: {0, 1}, {0, 1}, {1} (row 0 ended)
+    assert list(clock.ticks(iter(pairs))) == pairs
+    assert len(clock.steps) == 3 and clock.tokens == 5 and clock.first_step_tokens == 2
+
+
+def test_generate_refuses_token_ids_beyond_the_vocabulary(tmp_path):
+    save_tiny("mamba2", tmp_path)  # a vocabulary smaller than the tokenizer's
+    shared_or_skip("tokenizers")
+    r = run("generate", "--model", str(tmp_path), "--dtype", "float32", "--max-new-tokens", "2", "--prompt", "B c")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "beyond the model's vocabulary" in r.stderr, r.stderr
