@@ -101,3 +101,32 @@ def test_generation_from_a_quantized_checkpoint_with_quantized_embedding(tmp_pat
     loaded = ssmq.load_model(tmp_path / "q")
     params = SamplingParams(max_new_tokens=5, stop_at_eos=False)
     assert generate(loaded, [[1, 2, 3]], params) == generate(model, [[1, 2, 3]], params)
+
+
+def test_the_next_step_is_launched_before_a_token_is_handed_out(tiny_model):
+    """The caller's work on token n overlaps step n + 1: when a token arrives, the step after it has been called
+    (but none beyond it), and a row that ends is left out of the steps after the one in flight."""
+    calls: list[list[int]] = []
+    cache = tiny_model.allocate_cache(2, 32)
+
+    def step(tokens, slots):
+        calls.append(slots.tolist())
+        return tiny_model.step(tokens, cache, slots)
+
+    prompts = [[5, 7, 9], [2, 4]]
+    first = generate(tiny_model, prompts, SamplingParams(max_new_tokens=5, stop_at_eos=False))
+    eos = first[0][1]  # row 0 ends at its second token (unless row 1 makes it earlier)
+    params = SamplingParams(max_new_tokens=5, eos_id=eos)
+    seen = []
+    for row, tok in stream_generate(tiny_model, prompts, params, cache=cache, decode_fn=step):
+        seen.append((row, tok, len(calls)))
+    want = [[t for t in out[:out.index(eos) + 1]] if eos in out else out for out in first]
+    got = [[t for r, t, _ in seen if r == row] for row in (0, 1)]
+    assert got == want
+    # tokens of step n (n = 1 is the prefill's) arrive after n calls: step n + 1 already launched
+    steps = {}
+    for r, t, n in seen:
+        steps.setdefault(n, []).append(r)
+    assert sorted(steps) == list(range(1, len(steps) + 1))
+    ended = len(want[0])  # row 0's tokens arrive through step `ended`; the step after it still computed row 0
+    assert all(0 not in c for c in calls[ended:]) and 0 in calls[ended - 1]

@@ -51,22 +51,56 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
         tokens[row] = sample_next(logits, params, gen, None if counts is None else counts[row:row + 1])[0]
     if counts is not None:
         count_tokens(counts, tokens)
-    active = torch.arange(len(prompts), device=device)
+    # the device runs one step ahead of the caller: step n + 1 is launched before step n's tokens are read back
+    # (into pinned memory, waiting on that copy alone), so printing and detokenizing a token overlap the next step.
+    # A row that ends is dropped one step later: the step launched meanwhile also computed it, and its token is unused.
+    active, rows = torch.arange(len(prompts), device=device), list(range(len(prompts)))
+    readback = _Readback(len(prompts), device)
     for produced in range(1, params.max_new_tokens + 1):
-        for row, tok in zip(active.tolist(), tokens[active].tolist()):
+        current = readback.start(tokens[active])
+        more = produced < params.max_new_tokens
+        if more:
+            tokens[active] = sample_next(step(current, active), params, gen,
+                                         None if counts is None else counts[active])
+            if counts is not None:
+                sub = counts[active]
+                count_tokens(sub, tokens[active])
+                counts[active] = sub
+        values = readback.wait()
+        for row, tok in zip(rows, values):
             if tok < 0:
                 raise SSMQError(f"the model's logits for prompt {row} are not finite (NaN or inf)")
             yield row, tok
-        if params.stop_at_eos:
-            active = active[tokens[active] != params.eos_id]
-        if produced == params.max_new_tokens or active.numel() == 0:
+        if params.stop_at_eos and params.eos_id in values:
+            keep = [i for i, tok in enumerate(values) if tok != params.eos_id]
+            rows = [rows[i] for i in keep]
+            active = active[torch.tensor(keep, dtype=torch.long, device=device)]
+        if not more or not rows:
             return
-        tokens[active] = sample_next(step(tokens[active], active), params, gen,
-                                     None if counts is None else counts[active])
-        if counts is not None:
-            sub = counts[active]
-            count_tokens(sub, tokens[active])
-            counts[active] = sub
+
+
+class _Readback:
+    """A step's tokens copied to the host without waiting for work queued after them: on CUDA a non-blocking copy into
+    pinned memory and an event recorded after it; elsewhere the values themselves."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.n = 0
+
+    def start(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (b,) on the device -> the same; their copy to the host begins."""
+        self.n = tokens.numel()
+        self.host[:self.n].copy_(tokens, non_blocking=self.cuda)
+        if self.cuda:
+            self.event.record()
+        return tokens
+
+    def wait(self) -> list[int]:
+        if self.cuda:
+            self.event.synchronize()
+        return self.host[:self.n].tolist()
 
 
 def generate(model, prompts: list[list[int]], params: SamplingParams, **kwargs) -> list[list[int]]:
