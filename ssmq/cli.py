@@ -120,7 +120,7 @@ def cmd_generate(args) -> None:
 
         dec = CudaGraphDecoder(model, max_batch=len(ids), max_seqlen=max(map(len, ids)) + n_new,
                                state_checkpoint=run["state_checkpoint"])
-        dec.capture_all()  # before the first token: the decode steps replay from the start
+        dec.capture(len(ids))  # before the first token (smaller batches, after rows end, capture when they occur)
         run = {"cache": dec.cache, "decode_fn": dec}
     clock = TokenClock()
     if len(prompts) == 1:  # stream: print the new text as each token arrives

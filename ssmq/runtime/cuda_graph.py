@@ -84,13 +84,18 @@ class CudaGraphDecoder:
         for bs in self.buckets:
             self._capture(bs)
 
-    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        b = tokens.shape[0]
+    def capture(self, b: int) -> int:
+        """The bucket that runs a batch of ``b`` rows, its graph captured now if it was not yet."""
         bs = next((x for x in self.buckets if x >= b), None)
         if bs is None:
             raise SSMQError(f"batch {b} exceeds the decoder's max batch {self.buckets[-1]}")
         if bs not in self.graphs:
             self._capture(bs)
+        return bs
+
+    def __call__(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        b = tokens.shape[0]
+        bs = self.capture(b)
         graph, static_tokens, static_slots, logits = self.graphs[bs]
         static_tokens[:b].copy_(tokens)
         static_slots[:b].copy_(slots)
