@@ -130,3 +130,22 @@ def test_the_next_step_is_launched_before_a_token_is_handed_out(tiny_model):
     assert sorted(steps) == list(range(1, len(steps) + 1))
     ended = len(want[0])  # row 0's tokens arrive through step `ended`; the step after it still computed row 0
     assert all(0 not in c for c in calls[ended:]) and 0 in calls[ended - 1]
+
+
+def test_non_finite_logits_fail_the_generation_with_a_clear_error(tiny_model):
+    """Logits that turn NaN at the second step: the error names the prompt, and no step ever sees a token id of -1
+    (the step after the bad one is already launched when its token is read back)."""
+    calls = []
+
+    def step(tokens, slots):
+        calls.append(tokens.tolist())
+        logits = tiny_model.step(tokens, cache, slots)
+        return logits.fill_(float("nan")) if len(calls) == 2 else logits
+
+    cache = tiny_model.allocate_cache(1, 32)
+    got = []
+    with pytest.raises(SSMQError, match="not finite"):
+        for _, tok in stream_generate(tiny_model, [[5, 7]], SamplingParams(max_new_tokens=8, stop_at_eos=False),
+                                      cache=cache, decode_fn=step):
+            got.append(tok)
+    assert len(got) == 2 and all(t >= 0 for c in calls for t in c)

@@ -59,8 +59,8 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
     for produced in range(1, params.max_new_tokens + 1):
         current = readback.start(tokens[active])
         more = produced < params.max_new_tokens
-        if more:
-            tokens[active] = sample_next(step(current, active), params, gen,
+        if more:  # a row whose logits were not finite (token -1) steps on token 0 and fails when read back below
+            tokens[active] = sample_next(step(current.clamp_min(0), active), params, gen,
                                          None if counts is None else counts[active])
             if counts is not None:
                 sub = counts[active]
