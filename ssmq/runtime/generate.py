@@ -87,14 +87,15 @@ class _Readback:
         self.cuda = device.type == "cuda"
         self.host = torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
         self.event = torch.cuda.Event() if self.cuda else None
+        self.device = device
         self.n = 0
 
     def start(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: (b,) on the device -> the same; their copy to the host begins."""
         self.n = tokens.numel()
         self.host[:self.n].copy_(tokens, non_blocking=self.cuda)
-        if self.cuda:
-            self.event.record()
+        if self.cuda:  # on the stream the copy ran on: the tokens' device's, which need not be the current device
+            self.event.record(torch.cuda.current_stream(self.device))
         return tokens
 
     def wait(self) -> list[int]:
