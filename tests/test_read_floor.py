@@ -9,6 +9,8 @@ import torch
 
 from test_kernels import DEV, kernel_module
 
+from ssmq.kernels._common import sm_count
+
 
 def test_grid_covers_the_words_in_about_one_wave():
     from ssmq.bench.read_floor import BLOCK, grid
@@ -20,14 +22,14 @@ def test_grid_covers_the_words_in_about_one_wave():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n_words,p", [(4 * 1024 * 3, 1), (4 * 1024 * 3 + 517, 1), (9000, 2)])
+# on 132 SMs (sm_count's figure for the interpreter too): one step a program, three, three with the last one partial
+@pytest.mark.parametrize("n_words,p", [(9000, 2), (3 * 1024 * 132, 1), (3 * 1024 * 132 - 517, 1)])
 def test_read_words_sums_each_programs_words(n_words, p):
     mod = kernel_module("ssmq.bench.read_floor")
     torch.manual_seed(n_words)
     words = torch.randint(-1000, 1000, (n_words,), dtype=torch.int32, device=DEV)
     out = mod.read_words(words, p)
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count if DEV == "cuda" else 4
-    programs, iters = mod.grid(n_words, p, sms)
+    programs, iters = mod.grid(n_words, p, sm_count(torch.device(DEV)))
     share = iters * mod.BLOCK
     want = torch.stack([words[i * share:(i + 1) * share].sum() for i in range(programs)]).to(torch.int32)
     assert out.shape == (programs,) and torch.equal(out.cpu(), want.cpu())

@@ -117,12 +117,17 @@ def _overrides(cfg: dict, new: dict):
         cfg.update(old)
 
 
+def _weight_bytes(w: tuple) -> int:
+    """A weight's bytes as a GEMV reads them: codes and scales (not the repacked copy)."""
+    return sum(t.numel() * t.element_size() for t in w[:2])
+
+
 def time_op(make_w, op, fmt: str, rows: int, k: int, flush, reps: int, stream: bool = True) -> dict:
     """{"flushed_us", "stream_us", "bytes"} of op at ``rows`` rows (see the module docstring)."""
     from ssmq.ops.quant_linear import quantize_act_ref
 
     w0 = make_w()
-    wbytes = sum(t.numel() * t.element_size() for t in w0[:2])  # codes and scales (not the repacked copy)
+    wbytes = _weight_bytes(w0)
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
     if fmt == "fp8-w8a8":
         x = quantize_act_ref(x, None, True, torch.float8_e4m3fn)
@@ -156,6 +161,8 @@ def _timed(make_w, op, fmt, rows, k, flush, reps, stream, cfg) -> dict:
 
 
 def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, linears=None, floor=()) -> dict:
+    if floor:
+        from ssmq.bench.read_floor import read_op  # Triton: imported only where a floor is timed
     bw = copy_bandwidth()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -172,9 +179,7 @@ def run(models, formats, rows_list, variants, reps=30, log=print, stream=True, l
                         r.update(model=model, linear=lin, n=n, k=k, format=fmt, rows=rows, variant=vname)
                         res["ops"].append(r)
                         log(json.dumps(r))
-                nbytes = sum(t.numel() * t.element_size() for t in make_w()[:2])
-                if floor:
-                    from ssmq.bench.read_floor import read_op
+                nbytes = _weight_bytes(make_w()) if floor else 0
                 for p in floor:  # the op's bytes read by a kernel that does nothing else, under every row count
                     r = _timed(*read_op(nbytes, p), fmt, 1, k, flush, reps, stream, {})
                     for rows in rows_list:

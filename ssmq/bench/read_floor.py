@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels._common import sm_count
+
 BLOCK = 1024  # int32 words a program loads a step: 8 a thread at 4 warps, two 16-byte loads
 
 
@@ -36,8 +38,7 @@ def grid(n_words: int, programs_per_sm: int, sms: int) -> tuple[int, int]:
 
 def read_words(words: torch.Tensor, programs_per_sm: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """words: (n_words,) int32 -> (programs,) int32, each program's wrapping sum of the words it read."""
-    sms = torch.cuda.get_device_properties(words.device).multi_processor_count if words.is_cuda else 4
-    programs, iters = grid(words.numel(), programs_per_sm, sms)
+    programs, iters = grid(words.numel(), programs_per_sm, sm_count(words.device))
     if out is None:
         out = torch.empty(programs, dtype=torch.int32, device=words.device)
     _read[(programs,)](words, out, words.numel(), ITERS=iters, BLOCK=BLOCK, num_warps=4)
