@@ -1,0 +1,196 @@
+"""A persistent chain of int4 decode GEMVs: in_proj -> out_proj of L layers in one launch, grid-wide barriers
+between them, the next GEMV's first weight tile requested before each barrier.
+
+A measurement of the persistent-decode design, not an executor: one row, int4 codes in groups of 128 in
+``ops.quant_linear.pack_words``' layout (what ``kernels.packed_gemv`` reads), no norm, no mixer between the two
+GEMVs (out_proj reads the first k of in_proj's output). It answers what the layer's two weight streams cost when
+no kernel boundary separates them, against the same chain as ``packed_gemv`` launches (CUDA graph, PDL).
+
+Work: each GEMV is cut in items of (BLOCK_N columns, ``iters`` tiles of k); program p of P runs items p, p + P, ...
+An item's float32 partial goes to ``part`` and the last item of a column tile adds them in a fixed order
+(``quant_gemm._split_gather``: deterministic, its counter reset for the next use). Every program must be resident
+at once (P at most the occupancy times the SMs, checked on the host): a barrier waits for all of them.
+
+Barrier (``_grid_sync``): an arrival counter and a generation; the last to arrive resets the counter and bumps the
+generation (release), the others spin on the generation (acquire). Nothing to reset between launches, so CUDA graph
+replays need no memset. x is read past L1 (``.cg``): another SM wrote it since this one last read that address.
+
+Glossary: P programs, L layers, n columns, k features, CB codes a block (128 for int4), NB blocks a tile row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ssmq.kernels._common import cdiv, pow2, sm_count
+from ssmq.kernels.packed_gemv import _block_scales, _slot_f32
+from ssmq.kernels.quant_gemm import _split_gather
+
+BLOCK_N = 128  # columns an item (packed_gemv's tile at 2048 words, NB 1)
+NB = 1
+CB = 128  # int4 codes a block of 16 words
+GROUP = 128
+
+
+@triton.jit
+def _grid_sync(bar_ptr, P):
+    """Every program of the grid arrives here before any leaves (bar_ptr[0] arrivals, bar_ptr[1] generation)."""
+    tl.debug_barrier()  # the program's stores are issued before it arrives
+    gen = tl.atomic_add(bar_ptr + 1, 0, sem="acquire")
+    arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel")
+    if arrived == P - 1:
+        tl.atomic_xchg(bar_ptr, 0, sem="relaxed")
+        tl.atomic_add(bar_ptr + 1, 1, sem="release")
+    else:
+        g = tl.atomic_add(bar_ptr + 1, 0, sem="acquire")
+        while g == gen:
+            g = tl.atomic_add(bar_ptr + 1, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _first_tile(w_ptr, ws_ptr, item, N, k_tiles, iters, n_split, n_groups, s_wn,
+                BLOCK_N: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr):
+    """The codes and scales of an item's first tile (masked off for an item past the GEMV's)."""
+    pid_n, pid_k = item // n_split, item % n_split
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = item < tl.cdiv(N, BLOCK_N) * n_split
+    mn = (offs_n < N) & ok
+    cols = offs_n.to(tl.int64)
+    offs_b = tl.arange(0, NB)
+    t0 = pid_k * iters
+    w = tl.load(w_ptr + cols[:, None, None] * s_wn + (t0 * NB * 16 + offs_b[:, None] * 16 +
+                                                      tl.arange(0, 16)[None, :])[None, :, :],
+                mask=mn[:, None, None], other=0)
+    s = _block_scales(ws_ptr, cols, n_groups, t0 * NB + offs_b, mn, True, GB, 2)
+    return w, s
+
+
+@triton.jit
+def _gemv_items(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, N, k_tiles, iters, n_split, n_groups, s_wn,
+                w_pre, s_pre, pid, P, BLOCK_N: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr,
+                NSP: tl.constexpr):
+    """This program's items of out = x @ W.T (x (k,) float16, out (n,) float16); w_pre / s_pre: its first item's
+    first tile, loaded already."""
+    CB: tl.constexpr = 128
+    KW: tl.constexpr = NB * 16
+    offs_b = tl.arange(0, NB)
+    offs_w = tl.arange(0, 16)
+    offs_m = tl.arange(0, 1)
+    w_next, s_next = w_pre, s_pre
+    for item in range(pid, tl.cdiv(N, BLOCK_N) * n_split, P):
+        pid_n, pid_k = item // n_split, item % n_split
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mn = offs_n < N
+        cols = offs_n.to(tl.int64)
+        t0 = pid_k * iters
+        n_it = tl.minimum(iters, k_tiles - t0)
+        w_ptrs = w_ptr + cols[:, None, None] * s_wn + (t0 * KW + offs_b[:, None] * 16 + offs_w[None, :])[None, :, :]
+        blk = t0 * NB + offs_b
+        if item != pid:
+            w_next = tl.load(w_ptrs, mask=mn[:, None, None], other=0)
+            s_next = _block_scales(ws_ptr, cols, n_groups, blk, mn, True, GB, 2)
+        x_ptrs = x_ptr + t0 * NB * CB + offs_b[None, :, None] * CB + offs_w[None, None, :]
+        acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for i in range(n_it):
+            w = w_next
+            s = s_next
+            more = i + 1 < n_it
+            w_next = tl.load(w_ptrs + KW, mask=mn[:, None, None] & more, other=0)
+            s_next = _block_scales(ws_ptr, cols, n_groups, blk + NB, mn, more, GB, 2)
+            lo = (w & 0xFFFF) | 0x4B000000
+            hi = ((w >> 16) & 0xFFFF) | 0x4B000000
+            q = tl.zeros(w.shape, dtype=tl.float32)
+            for j in tl.static_range(8):
+                q += tl.load(x_ptrs + j * 16, cache_modifier=".cg").to(tl.float32) * _slot_f32(lo, hi, j, 4)
+            acc += tl.sum(q, axis=2) * s
+            w_ptrs += KW
+            x_ptrs += NB * CB
+            blk += NB
+        tot = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
+        p_off = offs_n[None, :]
+        mo = mn[None, :]
+        tl.store(part_ptr + pid_k * N + p_off, tot, mask=mo)
+        tot, last = _split_gather(part_ptr, cnt_ptr, pid_n, n_split, N, p_off, mo, offs_m, NSP)
+        tl.store(out_ptr + p_off, tot.to(tl.float16), mask=mo & last[:, None])
+
+
+@triton.jit
+def _chain(x_ptr, mid_ptr, bar_ptr,
+           w1_ptr, s1_ptr, part1_ptr, cnt1_ptr, N1, kt1, it1, sp1, ng1, sw1, l_w1, l_s1,
+           w2_ptr, s2_ptr, part2_ptr, cnt2_ptr, N2, kt2, it2, sp2, ng2, sw2, l_w2, l_s2,
+           n_layers, GB: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, NSP: tl.constexpr,
+           SYNC: tl.constexpr = True):
+    # per layer l: mid = x @ W1[l].T (in_proj), barrier, x = mid[:k2] @ W2[l].T (out_proj), barrier
+    pid, P = tl.program_id(0), tl.num_programs(0)
+    w_pre, s_pre = _first_tile(w1_ptr, s1_ptr, pid, N1, kt1, it1, sp1, ng1, sw1, BLOCK_N, NB, GB)
+    for layer in range(n_layers):
+        w1 = w1_ptr + layer * l_w1
+        s1 = s1_ptr + layer * l_s1
+        w2 = w2_ptr + layer * l_w2
+        s2 = s2_ptr + layer * l_s2
+        _gemv_items(x_ptr, w1, s1, mid_ptr, part1_ptr, cnt1_ptr, N1, kt1, it1, sp1, ng1, sw1, w_pre, s_pre, pid, P,
+                    BLOCK_N, NB, GB, NSP)
+        w_pre, s_pre = _first_tile(w2, s2, pid, N2, kt2, it2, sp2, ng2, sw2, BLOCK_N, NB, GB)
+        if SYNC:
+            _grid_sync(bar_ptr, P)
+        _gemv_items(mid_ptr, w2, s2, x_ptr, part2_ptr, cnt2_ptr, N2, kt2, it2, sp2, ng2, sw2, w_pre, s_pre, pid, P,
+                    BLOCK_N, NB, GB, NSP)
+        nxt = tl.where(layer + 1 < n_layers, pid, 1 << 30)  # past the last layer: nothing to request
+        w_pre, s_pre = _first_tile(w1_ptr + (layer + 1) * l_w1, s1_ptr + (layer + 1) * l_s1, nxt, N1, kt1, it1, sp1,
+                                   ng1, sw1, BLOCK_N, NB, GB)
+        if SYNC:
+            _grid_sync(bar_ptr, P)
+
+
+def _split(n: int, k: int, programs: int) -> tuple[int, int]:
+    """(iters, split) of a GEMV: about ``programs`` items, a column tile's k cut in ``split`` runs of ``iters``."""
+    k_tiles = k // (CB * NB)
+    split = max(1, min(k_tiles, programs // cdiv(n, BLOCK_N)))
+    iters = cdiv(k_tiles, split)
+    return iters, cdiv(k_tiles, iters)
+
+
+class Chain:
+    """Buffers and launch of ``_chain`` for L layers' in_proj (n1, k1) and out_proj (n2, k2 <= n1) words
+    (L, n, k // 8) int32 and scales (L, n, k // 128)."""
+
+    def __init__(self, w1, s1, w2, s2, programs: int):
+        self.w1, self.s1, self.w2, self.s2 = w1, s1, w2, s2
+        dev = w1.device
+        self.L, self.n1, self.k1 = w1.shape[0], w1.shape[1], w1.shape[2] * 8
+        self.n2, self.k2 = w2.shape[1], w2.shape[2] * 8
+        self.P = programs
+        self.it1, self.sp1 = _split(self.n1, self.k1, programs)
+        self.it2, self.sp2 = _split(self.n2, self.k2, programs)
+        self.part1 = torch.empty(self.sp1, self.n1, device=dev, dtype=torch.float32)
+        self.part2 = torch.empty(self.sp2, self.n2, device=dev, dtype=torch.float32)
+        self.cnt1 = torch.zeros(cdiv(self.n1, BLOCK_N), device=dev, dtype=torch.int32)
+        self.cnt2 = torch.zeros(cdiv(self.n2, BLOCK_N), device=dev, dtype=torch.int32)
+        self.bar = torch.zeros(2, device=dev, dtype=torch.int32)
+        self.mid = torch.empty(self.n1, device=dev, dtype=torch.float16)
+
+    def __call__(self, x: torch.Tensor, programs: int | None = None, sync: bool = True):
+        """x (k1,) float16, overwritten by the last layer's out_proj output (its first n2 entries). ``sync`` off
+        drops the barriers (a wrong result: the time of the two weight streams alone)."""
+        P = programs or self.P
+        return _chain[(P,)](
+            x, self.mid, self.bar,
+            self.w1, self.s1, self.part1, self.cnt1, self.n1, self.k1 // CB, self.it1, self.sp1, self.s1.shape[2],
+            self.w1.stride(1), self.w1.stride(0), self.s1.stride(0),
+            self.w2, self.s2, self.part2, self.cnt2, self.n2, self.k2 // CB, self.it2, self.sp2, self.s2.shape[2],
+            self.w2.stride(1), self.w2.stride(0), self.s2.stride(0),
+            self.L, GB=GROUP // CB, BLOCK_N=BLOCK_N, NB=NB, NSP=pow2(max(self.sp1, self.sp2)), SYNC=sync, num_warps=4)
+
+
+def resident_programs(compiled, device: torch.device) -> int:
+    """How many programs of a compiled 4-warp kernel fit on the GPU at once (registers, shared memory, threads)."""
+    props = torch.cuda.get_device_properties(device)
+    threads = 128
+    by_regs = props.regs_per_multiprocessor // max(1, compiled.n_regs * threads)
+    smem = compiled.metadata.shared
+    by_smem = props.shared_memory_per_multiprocessor // smem if smem else 64
+    by_threads = props.max_threads_per_multi_processor // threads
+    return min(by_regs, by_smem, by_threads, 32) * sm_count(device)
