@@ -18,8 +18,9 @@ def _layers(L, n, k):
     return words, scales
 
 
+@pytest.mark.parametrize("tiles,warps", [(1, 4), (4, 8)])
 @pytest.mark.parametrize("programs", [1] if INTERPRET else [1, 7, 264])
-def test_chain_equals_the_references(programs):
+def test_chain_equals_the_references(programs, tiles, warps):
     P = kernel_module("ssmq.prototype.persistent_gemv")
     torch.manual_seed(0)
     L, d, d_in, n1 = (2, 256, 256, 384) if INTERPRET else (2, 2560, 5120, 10576)
@@ -30,7 +31,7 @@ def test_chain_equals_the_references(programs):
     for layer in range(L):  # float64 sums: the exact function of the codes
         mid = words_linear_ref(ref.double(), w1[layer], 4, s1[layer]).half()
         ref = words_linear_ref(mid[:, :d_in].double(), w2[layer], 4, s2[layer]).half()
-    chain = P.Chain(w1, s1, w2, s2, programs)
+    chain = P.Chain(w1, s1, w2, s2, programs, tiles, warps)
     x = x0.clone()
     chain(x)
     assert torch.isfinite(x).all() and rel(x.float(), ref[0].float()) < 3e-3

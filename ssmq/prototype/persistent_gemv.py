@@ -51,32 +51,31 @@ def _grid_sync(bar_ptr, P):
 
 
 @triton.jit
-def _first_tile(w_ptr, ws_ptr, item, N, k_tiles, iters, n_split, n_groups, s_wn,
-                BLOCK_N: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr):
-    """The codes and scales of an item's first tile (masked off for an item past the GEMV's)."""
+def _item_request(w_ptr, ws_ptr, item, N, k_tiles, iters, n_split, n_groups, s_wn,
+                  BLOCK_N: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr, T: tl.constexpr):
+    """The codes and scales of an item's first T tiles (masked off past the item, or for an item past the GEMV's)."""
     pid_n, pid_k = item // n_split, item % n_split
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = item < tl.cdiv(N, BLOCK_N) * n_split
-    mn = (offs_n < N) & ok
+    mn = (offs_n < N) & (item < tl.cdiv(N, BLOCK_N) * n_split)
     cols = offs_n.to(tl.int64)
-    offs_b = tl.arange(0, NB)
     t0 = pid_k * iters
-    w = tl.load(w_ptr + cols[:, None, None] * s_wn + (t0 * NB * 16 + offs_b[:, None] * 16 +
-                                                      tl.arange(0, 16)[None, :])[None, :, :],
-                mask=mn[:, None, None], other=0)
-    s = _block_scales(ws_ptr, cols, n_groups, t0 * NB + offs_b, mn, True, GB, 2)
+    blk = t0 * NB + tl.arange(0, NB * T)
+    valid = blk < (t0 + tl.minimum(iters, k_tiles - t0)) * NB
+    w = tl.load(w_ptr + cols[:, None, None] * s_wn + (blk[:, None] * 16 + tl.arange(0, 16)[None, :])[None, :, :],
+                mask=mn[:, None, None] & valid[None, :, None], other=0)
+    s = _block_scales(ws_ptr, cols, n_groups, blk, mn, valid[None, :], GB, 2)
     return w, s
 
 
 @triton.jit
 def _gemv_items(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, N, k_tiles, iters, n_split, n_groups, s_wn,
                 w_pre, s_pre, pid, P, BLOCK_N: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr,
-                NSP: tl.constexpr):
-    """This program's items of out = x @ W.T (x (k,) float16, out (n,) float16); w_pre / s_pre: its first item's
-    first tile, loaded already."""
+                NSP: tl.constexpr, T: tl.constexpr):
+    """This program's items of out = x @ W.T (x (k,) float16, out (n,) float16), T tiles a request, the next
+    request in flight while one is computed; w_pre / s_pre: its first item's first request, loaded already."""
     CB: tl.constexpr = 128
-    KW: tl.constexpr = NB * 16
-    offs_b = tl.arange(0, NB)
+    TB: tl.constexpr = NB * T  # blocks a request
+    offs_b = tl.arange(0, TB)
     offs_w = tl.arange(0, 16)
     offs_m = tl.arange(0, 1)
     w_next, s_next = w_pre, s_pre
@@ -86,29 +85,31 @@ def _gemv_items(x_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, cnt_ptr, N, k_tiles, it
         mn = offs_n < N
         cols = offs_n.to(tl.int64)
         t0 = pid_k * iters
-        n_it = tl.minimum(iters, k_tiles - t0)
-        w_ptrs = w_ptr + cols[:, None, None] * s_wn + (t0 * KW + offs_b[:, None] * 16 + offs_w[None, :])[None, :, :]
+        end = (t0 + tl.minimum(iters, k_tiles - t0)) * NB  # the item's blocks: [t0 * NB, end)
         blk = t0 * NB + offs_b
+        w_ptrs = w_ptr + cols[:, None, None] * s_wn + (blk[:, None] * 16 + offs_w[None, :])[None, :, :]
         if item != pid:
-            w_next = tl.load(w_ptrs, mask=mn[:, None, None], other=0)
-            s_next = _block_scales(ws_ptr, cols, n_groups, blk, mn, True, GB, 2)
-        x_ptrs = x_ptr + t0 * NB * CB + offs_b[None, :, None] * CB + offs_w[None, None, :]
-        acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        for i in range(n_it):
+            w_next, s_next = _item_request(w_ptr, ws_ptr, item, N, k_tiles, iters, n_split, n_groups, s_wn,
+                                           BLOCK_N, NB, GB, T)
+        x_ptrs = x_ptr + blk[None, :, None] * CB + offs_w[None, None, :]
+        acc = tl.zeros((BLOCK_N, TB), dtype=tl.float32)
+        for r in range(tl.cdiv(end - t0 * NB, TB)):
             w = w_next
             s = s_next
-            more = i + 1 < n_it
-            w_next = tl.load(w_ptrs + KW, mask=mn[:, None, None] & more, other=0)
-            s_next = _block_scales(ws_ptr, cols, n_groups, blk + NB, mn, more, GB, 2)
+            valid = blk < end
+            more = (blk + TB) < end
+            w_next = tl.load(w_ptrs + TB * 16, mask=mn[:, None, None] & more[None, :, None], other=0)
+            s_next = _block_scales(ws_ptr, cols, n_groups, blk + TB, mn, more[None, :], GB, 2)
             lo = (w & 0xFFFF) | 0x4B000000
             hi = ((w >> 16) & 0xFFFF) | 0x4B000000
             q = tl.zeros(w.shape, dtype=tl.float32)
-            for j in tl.static_range(8):
-                q += tl.load(x_ptrs + j * 16, cache_modifier=".cg").to(tl.float32) * _slot_f32(lo, hi, j, 4)
+            for j in tl.static_range(8):  # a masked block's codes read -8 and its x 0: it adds nothing
+                q += tl.load(x_ptrs + j * 16, mask=valid[None, :, None], other=0.0,
+                             cache_modifier=".cg").to(tl.float32) * _slot_f32(lo, hi, j, 4)
             acc += tl.sum(q, axis=2) * s
-            w_ptrs += KW
-            x_ptrs += NB * CB
-            blk += NB
+            w_ptrs += TB * 16
+            x_ptrs += TB * CB
+            blk += TB
         tot = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
         p_off = offs_n[None, :]
         mo = mn[None, :]
@@ -122,49 +123,53 @@ def _chain(x_ptr, mid_ptr, bar_ptr,
            w1_ptr, s1_ptr, part1_ptr, cnt1_ptr, N1, kt1, it1, sp1, ng1, sw1, l_w1, l_s1,
            w2_ptr, s2_ptr, part2_ptr, cnt2_ptr, N2, kt2, it2, sp2, ng2, sw2, l_w2, l_s2,
            n_layers, GB: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, NSP: tl.constexpr,
-           SYNC: tl.constexpr = True):
+           SYNC: tl.constexpr = True, T: tl.constexpr = 1):
     # per layer l: mid = x @ W1[l].T (in_proj), barrier, x = mid[:k2] @ W2[l].T (out_proj), barrier
     pid, P = tl.program_id(0), tl.num_programs(0)
-    w_pre, s_pre = _first_tile(w1_ptr, s1_ptr, pid, N1, kt1, it1, sp1, ng1, sw1, BLOCK_N, NB, GB)
+    w_pre, s_pre = _item_request(w1_ptr, s1_ptr, pid, N1, kt1, it1, sp1, ng1, sw1, BLOCK_N, NB, GB, T)
     for layer in range(n_layers):
         w1 = w1_ptr + layer * l_w1
         s1 = s1_ptr + layer * l_s1
         w2 = w2_ptr + layer * l_w2
         s2 = s2_ptr + layer * l_s2
         _gemv_items(x_ptr, w1, s1, mid_ptr, part1_ptr, cnt1_ptr, N1, kt1, it1, sp1, ng1, sw1, w_pre, s_pre, pid, P,
-                    BLOCK_N, NB, GB, NSP)
-        w_pre, s_pre = _first_tile(w2, s2, pid, N2, kt2, it2, sp2, ng2, sw2, BLOCK_N, NB, GB)
+                    BLOCK_N, NB, GB, NSP, T)
+        w_pre, s_pre = _item_request(w2, s2, pid, N2, kt2, it2, sp2, ng2, sw2, BLOCK_N, NB, GB, T)
         if SYNC:
             _grid_sync(bar_ptr, P)
         _gemv_items(mid_ptr, w2, s2, x_ptr, part2_ptr, cnt2_ptr, N2, kt2, it2, sp2, ng2, sw2, w_pre, s_pre, pid, P,
-                    BLOCK_N, NB, GB, NSP)
+                    BLOCK_N, NB, GB, NSP, T)
         nxt = tl.where(layer + 1 < n_layers, pid, 1 << 30)  # past the last layer: nothing to request
-        w_pre, s_pre = _first_tile(w1_ptr + (layer + 1) * l_w1, s1_ptr + (layer + 1) * l_s1, nxt, N1, kt1, it1, sp1,
-                                   ng1, sw1, BLOCK_N, NB, GB)
+        w_pre, s_pre = _item_request(w1_ptr + (layer + 1) * l_w1, s1_ptr + (layer + 1) * l_s1, nxt, N1, kt1, it1,
+                                     sp1, ng1, sw1, BLOCK_N, NB, GB, T)
         if SYNC:
             _grid_sync(bar_ptr, P)
 
 
-def _split(n: int, k: int, programs: int) -> tuple[int, int]:
-    """(iters, split) of a GEMV: about ``programs`` items, a column tile's k cut in ``split`` runs of ``iters``."""
+def _split(n: int, k: int, programs: int, tiles: int) -> tuple[int, int]:
+    """(iters, split) of a GEMV: about ``programs`` items, a column tile's k cut in ``split`` runs of ``iters``; with
+    ``tiles`` > 1 (a request of that many tiles) runs of at most ``tiles``, so an item is one request."""
     k_tiles = k // (CB * NB)
     split = max(1, min(k_tiles, programs // cdiv(n, BLOCK_N)))
+    if tiles > 1:
+        split = max(split, cdiv(k_tiles, tiles))
     iters = cdiv(k_tiles, split)
     return iters, cdiv(k_tiles, iters)
 
 
 class Chain:
     """Buffers and launch of ``_chain`` for L layers' in_proj (n1, k1) and out_proj (n2, k2 <= n1) words
-    (L, n, k // 8) int32 and scales (L, n, k // 128)."""
+    (L, n, k // 8) int32 and scales (L, n, k // 128); ``tiles`` a request (1: the next tile in flight while one is
+    computed, as ``packed_gemv``; more: an item's tiles requested at once), ``warps`` a program."""
 
-    def __init__(self, w1, s1, w2, s2, programs: int):
+    def __init__(self, w1, s1, w2, s2, programs: int, tiles: int = 1, warps: int = 4):
         self.w1, self.s1, self.w2, self.s2 = w1, s1, w2, s2
         dev = w1.device
         self.L, self.n1, self.k1 = w1.shape[0], w1.shape[1], w1.shape[2] * 8
         self.n2, self.k2 = w2.shape[1], w2.shape[2] * 8
-        self.P = programs
-        self.it1, self.sp1 = _split(self.n1, self.k1, programs)
-        self.it2, self.sp2 = _split(self.n2, self.k2, programs)
+        self.P, self.tiles, self.warps = programs, tiles, warps
+        self.it1, self.sp1 = _split(self.n1, self.k1, programs, tiles)
+        self.it2, self.sp2 = _split(self.n2, self.k2, programs, tiles)
         self.part1 = torch.empty(self.sp1, self.n1, device=dev, dtype=torch.float32)
         self.part2 = torch.empty(self.sp2, self.n2, device=dev, dtype=torch.float32)
         self.cnt1 = torch.zeros(cdiv(self.n1, BLOCK_N), device=dev, dtype=torch.int32)
@@ -182,13 +187,15 @@ class Chain:
             self.w1.stride(1), self.w1.stride(0), self.s1.stride(0),
             self.w2, self.s2, self.part2, self.cnt2, self.n2, self.k2 // CB, self.it2, self.sp2, self.s2.shape[2],
             self.w2.stride(1), self.w2.stride(0), self.s2.stride(0),
-            self.L, GB=GROUP // CB, BLOCK_N=BLOCK_N, NB=NB, NSP=pow2(max(self.sp1, self.sp2)), SYNC=sync, num_warps=4)
+            self.L, GB=GROUP // CB, BLOCK_N=BLOCK_N, NB=NB, NSP=pow2(max(self.sp1, self.sp2)), SYNC=sync,
+            T=self.tiles, num_warps=self.warps)
 
 
-def resident_programs(compiled, device: torch.device) -> int:
-    """How many programs of a compiled 4-warp kernel fit on the GPU at once (registers, shared memory, threads)."""
+def resident_programs(compiled, device: torch.device, warps: int = 4) -> int:
+    """How many programs of a compiled kernel of ``warps`` warps fit on the GPU at once (registers, shared memory,
+    threads)."""
     props = torch.cuda.get_device_properties(device)
-    threads = 128
+    threads = 32 * warps
     by_regs = props.regs_per_multiprocessor // max(1, compiled.n_regs * threads)
     smem = compiled.metadata.shared
     by_smem = props.shared_memory_per_multiprocessor // smem if smem else 64
