@@ -9,7 +9,7 @@ no kernel boundary separates them, against the same chain as ``packed_gemv`` lau
 Work: each GEMV is cut in items of (BLOCK_N columns, ``iters`` tiles of k); program p of P runs items p, p + P, ...
 An item's float32 partial goes to ``part`` and the last item of a column tile adds them in a fixed order
 (``quant_gemm._split_gather``: deterministic, its counter reset for the next use). Every program must be resident
-at once (P at most the occupancy times the SMs, checked on the host): a barrier waits for all of them.
+at once (the caller keeps P within ``resident_programs``; more would wait forever): a barrier waits for all of them.
 
 Barrier (``_grid_sync``): an arrival counter and a generation; the last to arrive resets the counter and bumps the
 generation (release), the others spin on the generation (acquire). Nothing to reset between launches, so CUDA graph
