@@ -1,5 +1,5 @@
 """A persistent chain of int4 decode GEMVs: in_proj -> out_proj of L layers in one launch, grid-wide barriers
-between them, the next GEMV's first weight tile requested before each barrier.
+between them, the next GEMV's first weight request (one tile, or an item's whole K run) made before each barrier.
 
 A measurement of the persistent-decode design, not an executor: one row, int4 codes in groups of 128 in
 ``ops.quant_linear.pack_words``' layout (what ``kernels.packed_gemv`` reads), no norm, no mixer between the two
