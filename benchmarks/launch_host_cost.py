@@ -7,9 +7,7 @@ where the host, not the device, sets its time (prefill of a thousand tokens).
 
 from __future__ import annotations
 
-import datetime
 import json
-import subprocess
 import sys
 import time
 
@@ -18,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ssmq import kernels
+from ssmq.bench.output import provenance
 from ssmq.kernels import gemv
 
 
@@ -58,14 +57,11 @@ def main(out: str) -> None:
         "kernels.rms_norm with residual, 1 row": lambda: kernels.rms_norm(x, nw, 1e-5, res, True),
     }
     rows = [[name, f"{host_us(fn):.1f}"] for name, fn in calls.items()]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = {
         "title": "Host time of one call: torch ops, a bare Triton launch, ssmq's kernel wrappers",
         "capability": "kernels",
         "command": "python benchmarks/launch_host_cost.py OUT.json",
-        "gpu": torch.cuda.get_device_name(),
-        "date": datetime.date.today().isoformat(),
-        "commit": commit,
+        **provenance(dev),
         "setup": "Tiny shapes (64 features, one row: about 2 us of GPU time a call), 2000 calls back to back, the best "
                  "of 3 loops; PDL on (the wrappers' launches carry it). The host's CPU time a call, which sets an "
                  "eager forward's time where its kernels are short (prefill of about a thousand tokens).",

@@ -7,14 +7,13 @@ graphs, the copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import datetime
 import json
-import subprocess
 import sys
 
 import torch
 
-from ssmq.bench.timing import copy_bandwidth
+from ssmq.bench.output import provenance
+from ssmq.bench.timing import copy_bandwidth, graph_us
 from ssmq.kernels import policy
 from ssmq.kernels._common import sm_count
 from ssmq.kernels.packed_gemv import packed_gemv
@@ -31,33 +30,10 @@ def _layers(dev, n, k):
     return words, torch.full((L, n, k // 128), 1 / (4.3 * k ** 0.5), device=dev)
 
 
-def _graph(fn):
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def _us_a_layer(g, reps=50) -> float:
-    """Median of 7 timings of ``reps`` back-to-back replays, µs per layer."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        g.replay()
-    ts = []
-    for _ in range(7):
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / reps)
-    return sorted(ts)[3] * 1e3 / L
+def _us_a_layer(fn) -> float:
+    """GPU time of ``fn`` (one chain of L layers) from a CUDA graph, µs a layer: the median of 7 timings of 50
+    replays (``bench.timing.graph_us``)."""
+    return graph_us([fn], reps=50, timings=7) / L
 
 
 def main(out: str) -> None:
@@ -76,20 +52,17 @@ def main(out: str) -> None:
 
     ref = launches(x0.clone())[0].float()
     xb = x0.clone()
-    rows = [["packed_gemv launches, PDL", "-", "-", "-", f"{_us_a_layer(_graph(lambda: launches(xb))):.2f}", "-", "-"]]
+    rows = [["packed_gemv launches, PDL", "-", "-", "-", f"{_us_a_layer(lambda: launches(xb)):.2f}", "-", "-"]]
     with policy.using(policy.active().with_changes(pdl=False)):
-        rows.append(["packed_gemv launches, no PDL", "-", "-", "-", f"{_us_a_layer(_graph(lambda: launches(xb))):.2f}",
+        rows.append(["packed_gemv launches, no PDL", "-", "-", "-", f"{_us_a_layer(lambda: launches(xb)):.2f}",
                      "-", "-"])
 
     def save(rows):
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         doc = {
             "title": "A persistent W4 GEMV chain (in_proj -> out_proj, grid barriers) against separate GEMV launches",
             "capability": "kernels",
             "command": "python benchmarks/persistent_chain.py OUT.json",
-            "gpu": torch.cuda.get_device_name(),
-            "date": datetime.date.today().isoformat(),
-            "commit": commit,
+            **provenance(dev),
             "setup": f"Mamba2-2.7B's in_proj (10576 x 2560) then out_proj (2560 x 5120, reading the first 5120 of "
                      f"in_proj's outputs), int4 codes in groups of 128 in packed_gemv's layout, one row, {L} layers' "
                      f"weights ({mb:.1f} MB a layer, {L * mb:.0f} MB in all: past the L2) in one CUDA graph. Bytes' "
@@ -121,8 +94,8 @@ def main(out: str) -> None:
             xc = x0[0].clone()
             c(xc)
             err = ((xc.float() - ref).norm() / ref.norm()).item()
-            us = _us_a_layer(_graph(lambda: c(xc)))
-            bare = _us_a_layer(_graph(lambda: c(xc, sync=False)))
+            us = _us_a_layer(lambda: c(xc))
+            bare = _us_a_layer(lambda: c(xc, sync=False))
             rows.append([f"persistent, {tiles} tile{'s' if tiles > 1 else ''} a request, {warps} warps", str(P),
                          f"{c.sp1} / {c.sp2}", f"{(us - bare) / 2:.2f}", f"{us:.2f}", f"{bare:.2f}", f"{err:.1e}"])
             print(rows[-1], flush=True)

@@ -38,13 +38,17 @@ def _commit(root: Path | None = None) -> str | None:
     return commit + "-dirty" if changed.returncode == 0 and changed.stdout.strip() else commit
 
 
+def provenance(device: torch.device) -> dict:
+    """Where and when a result was measured: {"gpu", "date" (UTC), "commit"}."""
+    return {"gpu": device_name(device), "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": _commit()}
+
+
 def record(name: str, device: torch.device, argv: list[str] | None = None, **extra) -> dict:
     """The header of a result file: what ran, where and when."""
     from ssmq.version import __version__
 
     argv = sys.argv[1:] if argv is None else argv
-    return {"benchmark": name, "command": "ssmq " + " ".join(argv), "gpu": device_name(device),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": _commit(), "ssmq": __version__,
+    return {"benchmark": name, "command": "ssmq " + " ".join(argv), **provenance(device), "ssmq": __version__,
             "torch": torch.__version__, **extra, "rows": []}
 
 
