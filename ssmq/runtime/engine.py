@@ -39,6 +39,7 @@ import torch
 from ssmq.errors import SSMQError
 from ssmq.models.cache import int8_state_note
 from ssmq.models.state import ids_on_device
+from ssmq.runtime.host_copy import HostCopy
 from ssmq.runtime.kv_blocks import BlockAllocator
 from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_rows, top_logprobs
 
@@ -130,33 +131,22 @@ class Request:
 @dataclass
 class _Sampled:
     """A step's tokens, still on the device: ``toks`` (b,) for ``rows``; ``lp`` (chosen, top values, top ids) for
-    the rows at indices ``want`` (those asking for logprobs). On CUDA, ``host`` holds their copies in pinned memory,
-    complete once ``ready`` (an event recorded after the copies) has passed."""
+    the rows at indices ``want`` (those asking for logprobs); ``host``: their copies on the way to the host."""
 
     rows: list[Request]
     toks: torch.Tensor
     want: list[int]
     lp: tuple = ()
-    host: tuple = ()
-    ready: object = None
+    host: HostCopy | None = None
 
     def send_to_host(self) -> None:
-        """Start copying toks and lp to pinned host memory without waiting (CUDA). Reading them back then waits for
-        this step alone: a read of the whole stream (``.tolist()`` on the device tensor) would also wait for the
-        step launched after it, and the device would idle while the host turns to launch the next one."""
-        if self.toks.device.type != "cuda":
-            return
-        self.host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                          for t in (self.toks, *self.lp))
-        # on the copies' stream: the engine's thread may have another current device than the model's
-        self.ready = torch.cuda.Event()
-        self.ready.record(torch.cuda.current_stream(self.toks.device))
+        """Start copying toks and lp to the host without waiting (``HostCopy``: reading them back then waits for
+        this step alone, not for the step launched after it)."""
+        self.host = HostCopy(self.toks, *self.lp)
 
     def on_host(self) -> tuple[list, tuple]:
         """(tokens, (chosen, top values, top ids) or ()) as lists, once the step is done."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        toks, *lp = (t.tolist() for t in (self.host or (self.toks, *self.lp)))
+        toks, *lp = (self.host or HostCopy(self.toks, *self.lp)).lists()
         return toks, tuple(lp)
 
 

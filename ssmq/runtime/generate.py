@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ssmq.errors import SSMQError
+from ssmq.runtime.host_copy import HostCopy
 from ssmq.runtime.sampling import SamplingParams, count_tokens, sample_next
 
 DecodeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens (b,), slots (b,)) -> logits (b, vocab)
@@ -55,9 +56,9 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
     # (into pinned memory, waiting on that copy alone), so printing and detokenizing a token overlap the next step.
     # A row that ends is dropped one step later: the step launched meanwhile also computed it, and its token is unused.
     active, rows = torch.arange(len(prompts), device=device), list(range(len(prompts)))
-    readback = _Readback(len(prompts), device)
     for produced in range(1, params.max_new_tokens + 1):
-        current = readback.start(tokens[active])
+        current = tokens[active]
+        readback = HostCopy(current)
         more = produced < params.max_new_tokens
         if more:  # a row whose logits were not finite (token -1) steps on token 0 and fails when read back below
             tokens[active] = sample_next(step(current.clamp_min(0), active), params, gen,
@@ -66,7 +67,7 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
                 sub = counts[active]
                 count_tokens(sub, tokens[active])
                 counts[active] = sub
-        values = readback.wait()
+        values = readback.lists()[0]
         for row, tok in zip(rows, values):
             if tok < 0:
                 raise SSMQError(f"the model's logits for prompt {row} are not finite (NaN or inf)")
@@ -77,31 +78,6 @@ def stream_generate(model, prompts: list[list[int]], params: SamplingParams, cac
             active = active[torch.tensor(keep, dtype=torch.long, device=device)]
         if not more or not rows:
             return
-
-
-class _Readback:
-    """A step's tokens copied to the host without waiting for work queued after them: on CUDA a non-blocking copy into
-    pinned memory and an event recorded after it; elsewhere the values themselves."""
-
-    def __init__(self, n: int, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.host = torch.empty(n, dtype=torch.long, pin_memory=self.cuda)
-        self.event = torch.cuda.Event() if self.cuda else None
-        self.device = device
-        self.n = 0
-
-    def start(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (b,) on the device -> the same; their copy to the host begins."""
-        self.n = tokens.numel()
-        self.host[:self.n].copy_(tokens, non_blocking=self.cuda)
-        if self.cuda:  # on the stream the copy ran on: the tokens' device's, which need not be the current device
-            self.event.record(torch.cuda.current_stream(self.device))
-        return tokens
-
-    def wait(self) -> list[int]:
-        if self.cuda:
-            self.event.synchronize()
-        return self.host[:self.n].tolist()
 
 
 def generate(model, prompts: list[list[int]], params: SamplingParams, **kwargs) -> list[list[int]]:
