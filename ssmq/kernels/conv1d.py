@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import cdiv, gdc_enter, pdl_args, pow2, quantize_rne, silu
+from ssmq.kernels.launch import fast_launch
 
 
 def _check_activation(activation):
@@ -47,6 +48,7 @@ def _int8_rescale(offs_d, mask_d, ws_ptr, swsd, as_ptr, bias_ptr, bs_ptr, HAS_BI
     return scale, b
 
 
+@fast_launch
 @triton.jit
 def _conv1d_fwd(
     x_ptr, w_ptr, bias_ptr, init_ptr, out_ptr, qs_ptr, ws_ptr, as_ptr, bs_ptr,

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import FP8_QMAX, gdc_enter, pdl_args, pow2, quantize_codes, quantize_rne, silu, sm_count
+from ssmq.kernels.launch import fast_launch
 from ssmq.kernels.quant_gemm import quantize_act
 from ssmq.ops.norm import rms_norm_quant_ref, rmsnorm_gated_quant_ref
 from ssmq.ops.quant_linear import EPS
@@ -34,6 +35,7 @@ def _row_scale(y, scale_ptr, row, STATIC: tl.constexpr, FP8: tl.constexpr = Fals
     return scale
 
 
+@fast_launch
 @triton.jit
 def _rms_norm(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, d, eps,
@@ -156,6 +158,7 @@ def _gated_group(x_ptr, z_ptr, w_ptr, row, col0, gsize, eps, s_x, s_z, zs_ptr, s
     return y, col, m
 
 
+@fast_launch
 @triton.jit
 def _rmsnorm_gated(
     x_ptr, z_ptr, w_ptr, out_ptr, gsize, eps,

@@ -29,10 +29,12 @@ import triton.language as tl
 
 from ssmq.kernels import configs
 from ssmq.kernels._common import cdiv, dot_precision, pow2, silu, softplus
+from ssmq.kernels.launch import fast_launch
 from ssmq.ops.layout import has_dt_limit, heads_per_group
 from ssmq.ops.ssd import check_state_rows
 
 
+@fast_launch
 @triton.jit
 def _chunk_cumsum(
     dt_ptr, A_ptr, dtb_ptr, dt_out_ptr, cs_ptr,
@@ -65,6 +67,7 @@ def _chunk_cumsum(
     tl.store(cs_ptr + out_off, cs, mask=keep)
 
 
+@fast_launch
 @triton.jit
 def _chunk_cb(
     C_ptr, B_ptr, Cs_ptr, Bs_ptr, cb_ptr,
@@ -131,6 +134,7 @@ def _state_tile(l, h, T, nc, BP: tl.constexpr, BN: tl.constexpr):
     return pid_bch, hh, pid_c, pid_b, offs_p, offs_n, tl.minimum(T, l - pid_c * T)
 
 
+@fast_launch
 @triton.jit
 def _chunk_state(
     x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, st_ptr,
@@ -172,6 +176,7 @@ def _state_row(rows_ptr, pid_b, hh, h, HAS_ROWS: tl.constexpr):
     return row * h + hh
 
 
+@fast_launch
 @triton.jit
 def _chunk_state_fused(
     x_ptr, B_ptr, xs_ptr, Bs_ptr, dt_ptr, cs_ptr, init_ptr, st_ptr, final_ptr, rows_ptr,
@@ -221,6 +226,7 @@ def _chunk_state_fused(
     tl.store(final_ptr + state_at, s.to(final_ptr.dtype.element_ty), mask=m2)
 
 
+@fast_launch
 @triton.jit
 def _state_passing(
     st_ptr, cs_ptr, init_ptr, final_ptr, out_ptr, rows_ptr,
@@ -281,6 +287,7 @@ def _scan_epilogue(acc, x_ptr, xs, D_ptr, z_ptr, y_ptr, pid_b, hh, pos_m, offs_p
              acc.to(y_ptr.dtype.element_ty), mask=m2)
 
 
+@fast_launch
 @triton.jit
 def _chunk_scan(
     x_ptr, C_ptr, xs_ptr, Cs_ptr, cb_ptr, dt_ptr, cs_ptr, st_ptr, D_ptr, z_ptr, y_ptr,
