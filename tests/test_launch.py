@@ -39,6 +39,23 @@ def test_keys_tell_apart_what_triton_tells_apart():
     assert arg_key(t) != arg_key(t[1:]) and arg_key(t) != arg_key(t.float())
 
 
+def test_constexprs_are_keyed_by_value_positional_or_not():
+    import triton.language as tl
+
+    from ssmq.kernels.launch import FastKernel
+
+    @triton.jit
+    def kernel(p, n, B: tl.constexpr, C: tl.constexpr = 2):
+        pass
+
+    sig = FastKernel(kernel).signature
+    t = torch.zeros(16)
+    assert sig((t, 16, 64), {}) != sig((t, 16, 128), {})  # both % 16: a runtime int's key, not a constexpr's
+    assert sig((t, 16), {"B": 64}) != sig((t, 16), {"B": 128})
+    assert sig((t, 16), {"B": 64}) == sig((t, 32), {"B": 64})
+    assert sig((t, 16, 64, 2), {}) != sig((t, 16, 64, 4), {})
+
+
 @pytest.mark.gpu
 def test_fast_launch_equals_triton_launch():
     if not torch.cuda.is_available():

@@ -52,6 +52,7 @@ class FastKernel:
         self.fn = fn
         params = fn.params
         self._runtime = {p.name for p in params if not p.is_constexpr}
+        self._positional_runtime = [not p.is_constexpr for p in params]
         self._names = [p.name for p in params]
         self._defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self._cache: dict = {}
@@ -62,24 +63,24 @@ class FastKernel:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def _key(self, args, kwargs):
-        return (tuple(map(arg_key, args)),
-                tuple((k, arg_key(v) if k in self._runtime else v) for k, v in kwargs.items()),
-                torch._C._cuda_getDevice())
+    def signature(self, args, kwargs) -> tuple:
+        """The key of a call: runtime arguments by ``arg_key``, constexprs (positional or not) and options by value."""
+        return (tuple(arg_key(v) if rt else (v,) for v, rt in zip(args, self._positional_runtime)),
+                tuple((k, arg_key(v) if k in self._runtime else v) for k, v in kwargs.items()))
 
     def launch(self, grid, args, kwargs):
         key = None
         if not callable(grid) and not _hooked(knobs.runtime.launch_enter_hook) \
                 and not _hooked(knobs.runtime.launch_exit_hook):
             try:
-                key = self._key(args, kwargs)
+                key = (*self.signature(args, kwargs), torch._C._cuda_getDevice())
                 hit = self._cache.get(key)
             except (_Unkeyed, TypeError):  # TypeError: an unhashable constexpr
                 key = hit = None
             if hit is not None:
                 kernel, run, function, meta, tail = hit
                 values = [*args, *(kwargs[n] if n in kwargs else self._defaults[n] for n in tail)]
-                dev = key[2]
+                dev = key[-1]
                 run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                     torch._C._cuda_getCurrentRawStream(dev), function, meta, None, None, None, *values)
                 return kernel
