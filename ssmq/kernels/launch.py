@@ -18,6 +18,8 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 
 _I32, _I64 = 2 ** 31, 2 ** 63
+# the current CUDA device, as Triton reads it; absent from CPU builds of torch (then every call goes through Triton)
+_current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 class _Unkeyed(Exception):
@@ -70,10 +72,10 @@ class FastKernel:
 
     def launch(self, grid, args, kwargs):
         key = None
-        if not callable(grid) and not _hooked(knobs.runtime.launch_enter_hook) \
+        if _current_device is not None and not callable(grid) and not _hooked(knobs.runtime.launch_enter_hook) \
                 and not _hooked(knobs.runtime.launch_exit_hook):
             try:
-                key = (*self.signature(args, kwargs), torch._C._cuda_getDevice())
+                key = (*self.signature(args, kwargs), _current_device())
                 hit = self._cache.get(key)
             except (_Unkeyed, TypeError):  # TypeError: an unhashable constexpr
                 key = hit = None
