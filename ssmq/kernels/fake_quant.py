@@ -13,8 +13,10 @@ import triton.language as tl
 
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import cdiv, pow2, quantize_rne
+from ssmq.kernels.launch import fast_launch
 
 
+@fast_launch
 @triton.jit
 def _fake_quant(x_ptr, s_ptr, out_ptr, d, s_xm, s_om, s_sd, BD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

@@ -172,6 +172,7 @@ def _rmsnorm_gated(
     tl.store(out_ptr + row * s_o + col, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
+@fast_launch
 @triton.jit
 def _rmsnorm_gated_quant(
     x_ptr, z_ptr, w_ptr, out_ptr, q_ptr, scale_ptr, zs_ptr, n_groups, gsize, eps,

@@ -39,6 +39,7 @@ from ssmq.kernels._common import (along_m, along_n, cdiv, gdc_enter, pdl_args, p
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.quant_gemm import _split_gather, split_buffers
 from ssmq.ops.quant_linear import code_type, weight_format
+from ssmq.kernels.launch import fast_launch
 
 CFG = configs.load("qgemm_a8")  # launch settings and routes (configs/qgemm_a8.json)
 
@@ -70,6 +71,7 @@ def _i32_f32(v, MAGIC: tl.constexpr):
     return r
 
 
+@fast_launch
 @triton.jit
 def _a8_qmm(
     x_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr,

@@ -66,6 +66,7 @@ from ssmq.errors import SSMQError
 from ssmq.kernels._common import cdiv, dot_precision, gdc_enter, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
 from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
+from ssmq.kernels.launch import fast_launch
 
 DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
 CFG = configs.load("quant_gemm")  # launch settings (configs/quant_gemm.json, keys in docs/kernels.md)
@@ -132,6 +133,7 @@ def _scale_bias_store(acc, xs, xsum, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn,
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
+@fast_launch
 @triton.jit
 def _qmm(
     x_ptr, xs_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, out_ptr, fin_ptr, cnt_ptr,
@@ -769,6 +771,7 @@ def _int_epilogue(acc_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, XS_ROWS: tl.con
     tl.store(out_ptr + idx, out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
+@fast_launch
 @triton.jit
 def _quantize_rows(x_ptr, s_ptr, q_ptr, xs_ptr, K, s_xm, QMAX: tl.constexpr, EPS_: tl.constexpr,
                    STATIC: tl.constexpr, ROW_SCALE: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr):
@@ -797,6 +800,7 @@ def _quantize_rows(x_ptr, s_ptr, q_ptr, xs_ptr, K, s_xm, QMAX: tl.constexpr, EPS
     tl.store(q_ptr + row * K + offs, q, mask=m)
 
 
+@fast_launch
 @triton.jit
 def _dequant(w_ptr, ws_ptr, wz_ptr, out_ptr, N, K, n_groups, s_wn,
              W4: tl.constexpr, W_FP8: tl.constexpr, WS_MODE: tl.constexpr, HAS_ZERO: tl.constexpr,
