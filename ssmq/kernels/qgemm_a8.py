@@ -37,9 +37,9 @@ from ssmq.kernels import configs
 from ssmq.kernels._common import (along_m, along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count,
                                   tile_zeros, whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
+from ssmq.kernels.launch import fast_launch
 from ssmq.kernels.quant_gemm import _split_gather, split_buffers
 from ssmq.ops.quant_linear import code_type, weight_format
-from ssmq.kernels.launch import fast_launch
 
 CFG = configs.load("qgemm_a8")  # launch settings and routes (configs/qgemm_a8.json)
 

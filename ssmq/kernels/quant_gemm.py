@@ -65,8 +65,8 @@ from ssmq.kernels import configs
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import cdiv, dot_precision, gdc_enter, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
-from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
 from ssmq.kernels.launch import fast_launch
+from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
 
 DECODE_ROWS = 16  # one tl.dot row tile: up to this many rows read the weight once
 CFG = configs.load("quant_gemm")  # launch settings (configs/quant_gemm.json, keys in docs/kernels.md)
