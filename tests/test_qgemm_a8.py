@@ -72,11 +72,12 @@ def test_variants_bit_exact(QA, variant, fmt):
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET, reason="the shipped tiles are too large for the interpreter")
 @pytest.mark.parametrize("fmt", FMTS, ids=FMT_IDS.get)
-@pytest.mark.parametrize("rows", [16, 17, 32, 33, 64, 100, 128, 200, 256, 1000, 4096])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 15, 16, 17, 32, 33, 64, 100, 128, 200, 256, 1000, 4096])
 @pytest.mark.parametrize("n,k", [(200, 512), (2560, 5120), (10576, 2560)])
 def test_shipped_settings_bit_exact(QA, fmt, rows, n, k):
-    # every row range of the settings in force (past 256: prefill rows, routed here for int4), odd column counts,
-    # fp16 out as the models ask; twice: a K split's counters must be left at zero for the next launch
+    # every row range of the settings in force (decode rows below 16 padded into the first entry's tiles; past 256:
+    # prefill rows, routed here for int4), odd column counts, fp16 out as the models ask; twice: a K split's
+    # counters must be left at zero for the next launch
     w_q, w_s = _weight(n, k, *fmt, seed=rows)
     x_q, x_s = _x(rows, k, rows % 2 == 0, seed=rows)
     for _ in range(2):
