@@ -1,4 +1,4 @@
-"""W4A8 / W8A8 GEMM from 16 rows (serving batches, prefill) on int8 tensor cores: ``ops.quant_linear_ref`` for int8
+"""W4A8 / W8A8 GEMM on int8 tensor cores (decode rows, serving batches, prefill): ``ops.quant_linear_ref`` for int8
 activation codes x (m, k) with a per-tensor () or per-token (m,) scale, times symmetric int4 (packed) or int8 weight
 codes with per-group, per-channel or per-tensor scales, bit for bit (``ops.quant_linear.int_matmul_ref``'s contract).
 
