@@ -118,13 +118,16 @@ def test_int8_activations_triton_prefill_bit_exact(QK, rows):
 
 @pytest.mark.skipif(INTERPRET, reason="fp8 needs a GPU (the interpreter has no e4m3 arithmetic)")
 @pytest.mark.parametrize("rows", ROWS)
-def test_fp8(QK, rows):
+@pytest.mark.parametrize("cublas_rows", [None, 2], ids=["shipped", "cublas-from-2"])
+def test_fp8(QK, rows, cublas_rows):
+    # fp8 x on the Triton kernels and on cuBLASLt's FP8 GEMM (FP8_CUBLAS_ROWS: from how many rows)
     torch.manual_seed(4)
     n, k = 256, 512
     w_q, w_s, _ = make_weight(n, k, 8, None, False, fp8=True)
     x = torch.randn(rows, k, device=DEV, dtype=torch.float16)
     x_q, x_s = ops.quantize_act_ref(x, None, True, torch.float8_e4m3fn)
-    out = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float16)
+    cfg = None if cublas_rows is None else {"FP8_CUBLAS_ROWS": cublas_rows}
+    out = QK.quant_linear(x_q, w_q, w_s, None, x_s, None, torch.float16, cfg=cfg)
     ref = ops.quant_linear_ref(x_q, w_q, w_s, None, x_s, None, torch.float16)
     assert rel(out, ref) < 2e-3
     out16 = QK.quant_linear(x, w_q, w_s, None, None, None)  # fp8 weight-only

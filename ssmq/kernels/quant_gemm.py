@@ -1088,7 +1088,7 @@ def quant_linear(x, w_q, w_scale, w_zero=None, x_scale=None, bias=None, out_dtyp
     out_shape = (*lead, N)
     if M == 0 or N == 0:
         return torch.empty(out_shape, device=x.device, dtype=out_dtype)
-    if M > DECODE_ROWS:
+    if M > DECODE_ROWS or (a_mode == 2 and M >= cfg["FP8_CUBLAS_ROWS"]):
         int_mm = cfg["PREFILL_A8"] == "int_mm" or (cfg["PREFILL_A8"] == "auto" and M < cfg["A8_TRITON_ROWS"])
         if a_mode == 1 and f["bits"] == 8 and f["group_size"] is None and int_mm \
                 and K % 8 == 0 and N % 8 == 0:
