@@ -44,7 +44,7 @@ Which path serves a call (M rows; every threshold an entry of configs/quant_gemm
     rows                 weight-only (float x)                    W8A8 per channel / tensor      fp8 x
     1-2                  _qgemv_words (8-bit codes: underfilled   _qgemv_words (underfilled      _qgemv_words
                          tilings only, else _qmm)                 tilings only, else _qmm)       (underfilled only)
-    3-16                 _qmm, K split                            _qmm                           _qmm
+    3-16                 _qmm, K split                            _qmm                           _qmm (16: _scaled_mm)
     17-64                _qmm: one row tile, K split in 2         torch._int_mm + _int_epilogue  torch._scaled_mm
     65-511               underfilled -> dequantize + cuBLAS,      torch._int_mm + _int_epilogue  torch._scaled_mm
                          else _qmm (int4 up to 128 rows: 4 warps)
