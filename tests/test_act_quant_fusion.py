@@ -132,3 +132,33 @@ def test_fused_activation_quantization_reference_models(monkeypatch, arch, recip
     ids = torch.randint(0, vocab, (1, 24), generator=torch.Generator().manual_seed(4))
     before, after = _compare(monkeypatch, model, ids, steps=2)
     assert after < before
+
+
+def test_z_quantizer_runs_inside_the_gated_norm(monkeypatch):
+    """Quamba2's act_z quantizer where out_proj rotates its own input (no codes from the norm): z is fake-quantized
+    inside the gated norm's kernel, one kernel a layer and pass fewer, with the logits of the quantizer run on its own
+    bit for bit (CPU)."""
+    from ssmq import kernels
+    from ssmq.models.mamba2 import Mamba2Mixer
+    from ssmq.models.quant_taps import is_quantizer
+    from ssmq.quant.api import quantize
+    from tiny_ssm import synthetic_calibration, tiny_model
+
+    model = tiny_model("mamba2")
+    model = quantize(model, "quamba2-w8a8", synthetic_calibration(model.config.vocab_size, n=4, seqlen=16),
+                     progress=False)
+    mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
+    assert mixers and all(is_quantizer(m.act_z) and m._out_codes() is None for m in mixers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = kernels.fake_quantize
+    monkeypatch.setattr(kernels, "fake_quantize", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        fused = _run(model, ids, 3)
+        fused_calls = len(calls)
+        calls.clear()
+        monkeypatch.setattr(Mamba2Mixer, "_normed", lambda self, y, z: self.act_y(self.norm(y, self.act_z(z))))
+        apart = _run(model, ids, 3)
+    for a, b in zip(fused, apart):
+        assert torch.equal(a, b), (a - b).abs().max()
+    assert len(calls) - fused_calls == len(mixers) * (1 + 3)  # act_z's own pass, every layer, prefill + 3 steps

@@ -214,6 +214,23 @@ def test_fused_models_on_gpu(monkeypatch, arch, recipe):
             torch.testing.assert_close(graph, eager, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("shape,group", cases([((2, 5120), None), ((3, 1024), 256)], [((2, 64), None), ((3, 64), 16)]))
+def test_gated_norm_with_z_fake_quant(N, per_channel, shape, group):
+    """The float gated norm with act_z's fake-quantization in registers (a rotated out_proj's input: no codes) equals
+    the fake-quant kernel's output fed to the same norm kernel, bit for bit, and the reference."""
+    torch.manual_seed(6)
+    dtype = torch.float16
+    d = shape[-1]
+    x, z = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
+    w = (1 + 0.3 * torch.randn(d, device=DEV)).to(dtype)
+    zs = (torch.rand(d, device=DEV) * 0.02 + 0.01) if per_channel else torch.tensor(0.02, device=DEV)
+    got = N.rmsnorm_gated(x, w, z, 1e-6, group, False, zs)
+    assert torch.equal(got, N.rmsnorm_gated(x, w, kernel_module("fake_quant").fake_quantize(z, zs), 1e-6, group))
+    ref = ops.rmsnorm_gated_ref(x.cpu(), w.cpu(), z.cpu(), 1e-6, group, False, zs.cpu())
+    assert rel(got.cpu(), ref) < 8e-3
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("static", [False, True])

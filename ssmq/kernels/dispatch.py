@@ -188,9 +188,9 @@ def rms_norm(x, weight, eps=1e-5, residual=None, residual_in_fp32=True):
     return impl(x, weight, eps, residual, residual_in_fp32)
 
 
-def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False):
+def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, z_scale=None):
     impl = _kernels("norm").rmsnorm_gated if _use_triton(x) else ops.rmsnorm_gated_ref
-    return impl(x, weight, z, eps, group_size, norm_before_gate)
+    return impl(x, weight, z, eps, group_size, norm_before_gate, z_scale)
 
 
 def act_quant_fusion_enabled() -> bool:

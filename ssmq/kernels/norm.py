@@ -161,14 +161,15 @@ def _gated_group(x_ptr, z_ptr, w_ptr, row, col0, gsize, eps, s_x, s_z, zs_ptr, s
 @fast_launch
 @triton.jit
 def _rmsnorm_gated(
-    x_ptr, z_ptr, w_ptr, out_ptr, gsize, eps,
-    s_x, s_z, s_o,
-    HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr = False,
+    x_ptr, z_ptr, w_ptr, out_ptr, zs_ptr, gsize, eps,
+    s_x, s_z, s_o, s_zs,
+    HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, BLOCK: tl.constexpr, Z_QUANT: tl.constexpr = False,
+    USE_GDC: tl.constexpr = False,
 ):
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
-    y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, tl.program_id(1) * gsize, gsize, eps, s_x, s_z, z_ptr, 0,
-                             HAS_Z, NORM_BEFORE_GATE, BLOCK, False)
+    y, col, m = _gated_group(x_ptr, z_ptr, w_ptr, row, tl.program_id(1) * gsize, gsize, eps, s_x, s_z, zs_ptr, s_zs,
+                             HAS_Z, NORM_BEFORE_GATE, BLOCK, Z_QUANT)
     tl.store(out_ptr + row * s_o + col, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -224,20 +225,22 @@ def _gated_args(x, z, group_size):
     return d, gs, x2, _rows(z, d) if z is not None else x2
 
 
-def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False):
+def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, z_scale=None):
     """Gated RMSNorm ``norm(x * silu(z)) * weight`` per group, as ``rmsnorm_gated_ref``.
 
-    x, z: (..., d); weight: (d,); group_size divides d (None: d). Returns x's dtype.
+    x, z: (..., d); weight: (d,); group_size divides d (None: d); z_scale: z is fake-quantized first with it (() or
+    (d,): an ``ActQuantizer`` on z, in registers, so that it needs no kernel of its own). Returns x's dtype.
     """
     d, gs, x2, z2 = _gated_args(x, z, group_size)
+    zs, s_zs, z_quant = z_scale_arg(z_scale if z is not None else None, d, x2)
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     M = x2.shape[0]
     BLOCK = pow2(gs, 16)
     if M:
         _rmsnorm_gated[(M, d // gs)](
-            x2, z2, weight, out, gs, eps, x2.stride(0), z2.stride(0), d,
-            HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=BLOCK, num_warps=_warps(BLOCK),
-            **pdl_args(x2),
+            x2, z2, weight, out, zs, gs, eps, x2.stride(0), z2.stride(0), d, s_zs,
+            HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate, BLOCK=BLOCK, Z_QUANT=z_quant,
+            num_warps=_warps(BLOCK), **pdl_args(x2),
         )
     return out
 
@@ -266,11 +269,11 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
                                        False, z_scale, dtype)
     d, gs, x2, z2 = _gated_args(x, z, group_size)
     M = x2.shape[0]
-    if x_scale is None and gs != d and z_scale is None and M < sm_count(x.device):
+    if x_scale is None and gs != d and M < sm_count(x.device):
         # a dynamic scale over several norm groups: one program a row walks the row's groups twice, serially, and
         # too few rows leave the SMs idle (Mamba2-8B, 8 groups of 1024, batch 1: 16.2 us against the float norm's
         # program a group, 2.1 us, + the quantize kernel, 4.2; H100). Same arithmetic, same codes.
-        out = rmsnorm_gated(x, weight, z, eps, group_size, norm_before_gate)
+        out = rmsnorm_gated(x, weight, z, eps, group_size, norm_before_gate, z_scale)
         q, scale = quantize_act(out, None, True, dtype)
         return q, scale, out if with_out else None
     zs, s_zs, z_quant = z_scale_arg(z_scale if z is not None else None, d, x2)

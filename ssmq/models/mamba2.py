@@ -34,10 +34,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor, codes: CodeInput | None = None,
                 z_scale: torch.Tensor | None = None):
-        """y, z: (..., d) -> (..., d) in y's dtype, or its int8 ``ActCodes`` (quantized in the norm's epilogue; then
-        ``z_scale`` () / (d,) fake-quantizes z in registers first, the ``act_z`` quantizer's job)."""
+        """y, z: (..., d) -> (..., d) in y's dtype, or its int8 ``ActCodes`` (quantized in the norm's epilogue);
+        ``z_scale`` () / (d,) fake-quantizes z in registers first, the ``act_z`` quantizer's job."""
         if codes is None:
-            return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, self.norm_before_gate)
+            return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, self.norm_before_gate, z_scale)
         q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale,
                                                   z_scale=z_scale, dtype=codes.dtype)
         return ActCodes(q, scale, y.dtype)
@@ -177,12 +177,13 @@ class Mamba2Mixer(SSMMixer):
 
     def _normed(self, y: torch.Tensor, z: torch.Tensor):
         """act_z, the gated norm and act_y: out_proj's input, as int8 codes when out_proj takes them (z from in_proj,
-        fake-quantized inside the norm kernel when act_z quantizes)."""
+        fake-quantized inside the plain gated norm's kernel when act_z quantizes: no kernel of its own)."""
         codes = self._out_codes()
+        if is_quantizer(self.act_z) and type(self.norm) is GatedRMSNorm:
+            z_scale = self._tap_scales.get("z", (self.act_z,), lambda s: s)
+            return self.norm(y, z, codes, z_scale) if codes is not None else self.act_y(self.norm(y, z, None, z_scale))
         if codes is None:
             return self.act_y(self.norm(y, self.act_z(z)))
-        if is_quantizer(self.act_z):
-            return self.norm(y, z, codes, self._tap_scales.get("z", (self.act_z,), lambda s: s))
         return self.norm(y, self.act_z(z), codes)
 
     def plan(self, state, executor: str | None = None) -> LayerPlan:

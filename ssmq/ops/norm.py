@@ -36,13 +36,17 @@ def rmsnorm_gated_ref(
     eps: float = 1e-6,
     group_size: int | None = None,
     norm_before_gate: bool = False,
+    z_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mamba-2's gated RMSNorm: ``norm(x * silu(z)) * weight`` per group of channels.
 
     x, z: (..., d); weight: (d,); group_size divides d (None: one group, d).
     With ``norm_before_gate`` the gate is applied after the norm instead.
+    z_scale (() or (d,)): z is fake-quantized with it first (``fake_quantize_ref``: an ``ActQuantizer`` on z).
     Returns x's dtype.
     """
+    if z is not None and z_scale is not None:
+        z = fake_quantize_ref(z, z_scale)
     dtype_in = x.dtype
     xf = x.float()
     if z is not None and not norm_before_gate:
@@ -105,9 +109,7 @@ def rmsnorm_gated_quant_ref(
     Returns (codes (..., d) ``dtype``, scale, the quantized float output (..., d) in x's dtype when ``with_out``, else
     None).
     """
-    if z is not None and z_scale is not None:
-        z = fake_quantize_ref(z, z_scale)
-    out = rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate)
+    out = rmsnorm_gated_ref(x, weight, z, eps, group_size, norm_before_gate, z_scale)
     if rotate:
         out = hadamard_transform(out)
     q, scale = quantize_act_ref(out, x_scale, per_token, dtype)
