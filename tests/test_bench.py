@@ -40,8 +40,20 @@ def test_latency_writes_rows_for_each_recipe(tmp_path):
     assert by == {(i, b, False) for i in ("float", "rtn-w8a16") for b in (1, 2)} | \
         {(i, 1, True) for i in ("float", "rtn-w8a16")}
     assert all(row.get("tpot_ms", 1) > 0 and row.get("ttft_ms", 1) > 0 for row in res["rows"])
+    weights = {row["impl"]: row["weights_GB"] for row in res["rows"] if "tpot_ms" in row}
+    assert 0 < weights["rtn-w8a16"] < weights["float"]  # int8 codes in the layer's linears
+    assert "copy_bandwidth_GBps" not in res and not any("share" in row for row in res["rows"])  # CUDA only
     pytest.importorskip("matplotlib")
     assert (tmp_path / "latency.png").stat().st_size > 0
+
+
+def test_weight_bytes_counts_each_storage_once():
+    from ssmq.bench.latency import weight_bytes
+
+    m = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(8, 4))
+    m[1].weight = m[0].weight  # tied: one storage
+    m.register_buffer("codes", torch.zeros(10, dtype=torch.int8))
+    assert weight_bytes(m) == 4 * 8 * 4 + 4 * 4 + 4 * 4 + 10
 
 
 def test_profile_accounts_for_each_step_once():

@@ -3,11 +3,15 @@ of the whole batch) against batch size, for each recipe side by side, and for th
 (Mamba-1 and Mamba-2 architectures) and transformers (the families of ``ssmq.models.families``).
 
 On CUDA, prefill and decode replay CUDA graphs, as ``ssmq generate`` runs them; on the CPU they run eagerly.
+Each decode row carries the model's weight bytes as built (``weights_GB``) and, on CUDA, the time those bytes take
+to read once at the copy bandwidth measured at the start of the same run (``limit_ms``) and its share of the step
+(``share``): the bandwidth limit of a batch-1 step; the SSM state's bytes, read and written each step, are not in it.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import re
 
 import torch
@@ -16,13 +20,25 @@ from tqdm import tqdm
 from ssmq.bench.models import (build, mamba_ssm_available, mamba_ssm_model, published_config,
                                transformers_available, transformers_model)
 from ssmq.bench.output import lines_plot, record, table, write
-from ssmq.bench.timing import time_fn
+from ssmq.bench.timing import copy_bandwidth, time_fn
 
 
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s parameters and buffers, each storage once (tied weights, views): what a decode step
+    reads at least."""
+    seen, total = set(), 0
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
 
 
 @torch.inference_mode()
@@ -191,10 +207,15 @@ def run(args) -> dict:
     result = record("latency", device, model=args.model, dtype=str(dtype).removeprefix("torch."),
                     steps=args.steps, warmup=args.warmup, reps=args.reps)
     impls = list(args.recipes)
+    bandwidth = None
+    if device.type == "cuda":
+        bandwidth = copy_bandwidth(device)
+        result["copy_bandwidth_GBps"] = bandwidth / 1e9
     bar = tqdm(total=len(impls) * (len(prompt_lens) + len(batches)) + 1, desc="latency", unit="run")
     for recipe in impls:
         _free(device)
         model, _ = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
+        weights = weight_bytes(model)
         for length in prompt_lens:
             ms = ttft_ms(model, length, args.warmup, args.reps, args.profile)
             if args.profile:
@@ -208,7 +229,10 @@ def run(args) -> dict:
             if args.profile:
                 ms, kernels = ms
                 result.setdefault("profile", []).extend({"impl": recipe, "batch": bs, **k} for k in kernels)
-            result["rows"].append({"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3})
+            row = {"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3, "weights_GB": weights / 1e9}
+            if bandwidth:
+                row |= {"limit_ms": weights / bandwidth * 1e3, "share": weights / bandwidth * 1e3 / ms}
+            result["rows"].append(row)
             bar.update()
         del model
     _free(device)
@@ -218,7 +242,10 @@ def run(args) -> dict:
         result["peer_errors"] = errors
     bar.update()
     bar.close()
-    print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s"]))
+    if bandwidth:
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written)")
+    print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s", "weights_GB", "limit_ms",
+                                 "share"]))
     if result.get("prefill_profile"):
         print("\nper prefill (time to first token):")
         print(table(result["prefill_profile"], ["impl", "prompt_len", "kernel", "calls", "us", "share"]))
