@@ -42,9 +42,22 @@ def test_latency_writes_rows_for_each_recipe(tmp_path):
     assert all(row.get("tpot_ms", 1) > 0 and row.get("ttft_ms", 1) > 0 for row in res["rows"])
     weights = {row["impl"]: row["weights_GB"] for row in res["rows"] if "tpot_ms" in row}
     assert 0 < weights["rtn-w8a16"] < weights["float"]  # int8 codes in the layer's linears
+    state = {row["batch"]: row["state_GB"] for row in res["rows"] if row["impl"] == "float" and "tpot_ms" in row}
+    assert state[2] == 2 * state[1] > 0  # read and written, per sequence
     assert "copy_bandwidth_GBps" not in res and not any("share" in row for row in res["rows"])  # CUDA only
     pytest.importorskip("matplotlib")
     assert (tmp_path / "latency.png").stat().st_size > 0
+
+
+def test_state_bytes_is_one_sequences_states():
+    from ssmq.bench.latency import state_bytes
+    from tiny_ssm import tiny_model
+
+    model = tiny_model("mamba2")
+    c = model.config
+    conv = (c.d_inner + 2 * c.ngroups * c.d_state) * (c.d_conv - 1)
+    ssm = c.nheads * c.headdim * c.d_state
+    assert state_bytes(model) == c.n_layer * (conv + ssm) * 4  # float32 states of a float32 model
 
 
 def test_weight_bytes_counts_each_storage_once():

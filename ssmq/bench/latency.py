@@ -3,9 +3,10 @@ of the whole batch) against batch size, for each recipe side by side, and for th
 (Mamba-1 and Mamba-2 architectures) and transformers (the families of ``ssmq.models.families``).
 
 On CUDA, prefill and decode replay CUDA graphs, as ``ssmq generate`` runs them; on the CPU they run eagerly.
-Each decode row carries the model's weight bytes as built (``weights_GB``) and, on CUDA, the time those bytes take
-to read once at the copy bandwidth measured at the start of the same run (``limit_ms``) and its share of the step
-(``share``): the bandwidth limit of a batch-1 step; the SSM state's bytes, read and written each step, are not in it.
+Each decode row carries the bytes a step must move at least: the model's weights as built, read once
+(``weights_GB``), and the batch's SSM and conv states, read and written (``state_GB``; an attention layer's KV cache
+is not counted); on CUDA also the time those bytes take at the copy bandwidth measured at the start of the same run
+(``limit_ms``, the step's bandwidth limit) and its share of the step (``share``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def state_bytes(model) -> int:
+    """Bytes of one sequence's SSM and conv states (every Mamba layer, in the model's own state format)."""
+    from ssmq.models.state import MambaState
+
+    cache = model.allocate_cache(1, 16)
+    return sum(st.nbytes() for st in cache.states if isinstance(st, MambaState))
 
 
 @torch.inference_mode()
@@ -215,7 +224,7 @@ def run(args) -> dict:
     for recipe in impls:
         _free(device)
         model, _ = build(args.model, recipe, device, dtype, args.layers, args.gptq_as_rtn)
-        weights = weight_bytes(model)
+        weights, state = weight_bytes(model), state_bytes(model)
         for length in prompt_lens:
             ms = ttft_ms(model, length, args.warmup, args.reps, args.profile)
             if args.profile:
@@ -229,9 +238,11 @@ def run(args) -> dict:
             if args.profile:
                 ms, kernels = ms
                 result.setdefault("profile", []).extend({"impl": recipe, "batch": bs, **k} for k in kernels)
-            row = {"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3, "weights_GB": weights / 1e9}
+            moved = weights + 2 * bs * state
+            row = {"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3, "weights_GB": weights / 1e9,
+                   "state_GB": 2 * bs * state / 1e9}
             if bandwidth:
-                row |= {"limit_ms": weights / bandwidth * 1e3, "share": weights / bandwidth * 1e3 / ms}
+                row |= {"limit_ms": moved / bandwidth * 1e3, "share": moved / bandwidth * 1e3 / ms}
             result["rows"].append(row)
             bar.update()
         del model
@@ -244,8 +255,8 @@ def run(args) -> dict:
     bar.close()
     if bandwidth:
         print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + written)")
-    print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s", "weights_GB", "limit_ms",
-                                 "share"]))
+    print(table(result["rows"], ["impl", "batch", "prompt_len", "ttft_ms", "tpot_ms", "tok_s", "weights_GB", "state_GB",
+                                 "limit_ms", "share"]))
     if result.get("prefill_profile"):
         print("\nper prefill (time to first token):")
         print(table(result["prefill_profile"], ["impl", "prompt_len", "kernel", "calls", "us", "share"]))
