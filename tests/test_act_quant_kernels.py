@@ -214,17 +214,22 @@ def test_fused_models_on_gpu(monkeypatch, arch, recipe):
             torch.testing.assert_close(graph, eager, atol=1e-3, rtol=1e-3)
 
 
+def _gated_z_case(shape, per_channel, seed):
+    """float16 y, z (shape), norm weight (d,) and act_z's scale (d,) or () for the gated norm with z fake-quantized."""
+    torch.manual_seed(seed)
+    d = shape[-1]
+    x, z = torch.randn(shape, device=DEV).half(), torch.randn(shape, device=DEV).half()
+    w = (1 + 0.3 * torch.randn(d, device=DEV)).half()
+    zs = (torch.rand(d, device=DEV) * 0.02 + 0.01) if per_channel else torch.tensor(0.02, device=DEV)
+    return x, z, w, zs
+
+
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("shape,group", cases([((2, 5120), None), ((3, 1024), 256)], [((2, 64), None), ((3, 64), 16)]))
 def test_gated_norm_with_z_fake_quant(N, per_channel, shape, group):
     """The float gated norm with act_z's fake-quantization in registers (a rotated out_proj's input: no codes) equals
     the fake-quant kernel's output fed to the same norm kernel, bit for bit, and the reference."""
-    torch.manual_seed(6)
-    dtype = torch.float16
-    d = shape[-1]
-    x, z = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
-    w = (1 + 0.3 * torch.randn(d, device=DEV)).to(dtype)
-    zs = (torch.rand(d, device=DEV) * 0.02 + 0.01) if per_channel else torch.tensor(0.02, device=DEV)
+    x, z, w, zs = _gated_z_case(shape, per_channel, seed=6)
     got = N.rmsnorm_gated(x, w, z, 1e-6, group, False, zs)
     assert torch.equal(got, N.rmsnorm_gated(x, w, kernel_module("fake_quant").fake_quantize(z, zs), 1e-6, group))
     ref = ops.rmsnorm_gated_ref(x.cpu(), w.cpu(), z.cpu(), 1e-6, group, False, zs.cpu())
@@ -238,12 +243,7 @@ def test_gated_norm_with_z_fake_quant(N, per_channel, shape, group):
 def test_gated_quant_with_z_fake_quant(N, H, rotate, per_channel, static, shape, group):
     """Quamba2's act_z quantizer inside the gated norm: z fake-quantized in registers equals the fake-quant kernel's
     output fed to the same norm kernel, bit for bit."""
-    torch.manual_seed(5)
-    dtype = torch.float16
-    d = shape[-1]
-    x, z = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
-    w = (1 + 0.3 * torch.randn(d, device=DEV)).to(dtype)
-    zs = (torch.rand(d, device=DEV) * 0.02 + 0.01) if per_channel else torch.tensor(0.02, device=DEV)
+    x, z, w, zs = _gated_z_case(shape, per_channel, seed=5)
     scale = _scale(static)
     fq = kernel_module("fake_quant").fake_quantize(z, zs)
     if rotate:
