@@ -32,7 +32,7 @@ def _free(device: torch.device) -> None:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of ``model``'s parameters and buffers, each storage once (tied weights, views): what a decode step
-    reads at least."""
+    reads, but for an untied input embedding, counted whole though a step reads one row a sequence of it."""
     seen, total = set(), 0
     for t in itertools.chain(model.parameters(), model.buffers()):
         storage = t.untyped_storage()
