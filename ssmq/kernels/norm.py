@@ -232,7 +232,7 @@ def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate
     (d,): an ``ActQuantizer`` on z, in registers, so that it needs no kernel of its own). Returns x's dtype.
     """
     d, gs, x2, z2 = _gated_args(x, z, group_size)
-    zs, s_zs, z_quant = z_scale_arg(z_scale if z is not None else None, d, x2)
+    zs, s_zs, z_quant = z_scale_arg(z_scale, z, d, x2)
     out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     M = x2.shape[0]
     BLOCK = pow2(gs, 16)
@@ -245,9 +245,10 @@ def rmsnorm_gated(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate
     return out
 
 
-def z_scale_arg(z_scale, d: int, like):
-    """(scale tensor, its stride over channels, Z_QUANT) for a z fake-quantization scale () / (d,) or None."""
-    if z_scale is None:
+def z_scale_arg(z_scale, z, d: int, like):
+    """(scale tensor, its stride over channels, Z_QUANT) for a z fake-quantization scale () / (d,) or None; none
+    without a gate z."""
+    if z_scale is None or z is None:
         return like, 0, False
     if z_scale.dim() not in (0, 1) or z_scale.numel() not in (1, d):
         raise SSMQError(f"z's fake-quant scale must be () or ({d},), got {tuple(z_scale.shape)}")
@@ -276,7 +277,7 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
         out = rmsnorm_gated(x, weight, z, eps, group_size, norm_before_gate, z_scale)
         q, scale = quantize_act(out, None, True, dtype)
         return q, scale, out if with_out else None
-    zs, s_zs, z_quant = z_scale_arg(z_scale if z is not None else None, d, x2)
+    zs, s_zs, z_quant = z_scale_arg(z_scale, z, d, x2)
     out = torch.empty(x.shape if with_out else 0, device=x.device, dtype=x.dtype)
     q, scale = _quant_out(x, x_scale, per_token, dtype)
     BLOCK = pow2(gs, 16)

@@ -90,7 +90,7 @@ def _launch(x, z, weight, eps, factors, x_scale, with_y, z_scale=None):
     T, R = left.shape[0], right.shape[0]
     q, scale = _quant_out(x, x_scale, True)
     y = torch.empty(x.shape if with_y else 0, device=x.device, dtype=x.dtype)
-    zs, s_zs, z_quant = z_scale_arg(z_scale if z is not None else None, n, x2)
+    zs, s_zs, z_quant = z_scale_arg(z_scale, z, n, x2)
     M = x2.shape[0]
     if M:
         _hadamard_quant[(M,)](x2, z2, x2 if weight is None else weight, left, right, q, scale, y, zs,
