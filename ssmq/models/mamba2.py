@@ -180,11 +180,12 @@ class Mamba2Mixer(SSMMixer):
         fake-quantized inside the plain gated norm's kernel when act_z quantizes: no kernel of its own)."""
         codes = self._out_codes()
         if is_quantizer(self.act_z) and type(self.norm) is GatedRMSNorm:
-            z_scale = self._tap_scales.get("z", (self.act_z,), lambda s: s)
-            return self.norm(y, z, codes, z_scale) if codes is not None else self.act_y(self.norm(y, z, None, z_scale))
-        if codes is None:
-            return self.act_y(self.norm(y, self.act_z(z)))
-        return self.norm(y, self.act_z(z), codes)
+            out = self.norm(y, z, codes, self._tap_scales.get("z", (self.act_z,), lambda s: s))
+        elif codes is not None:
+            out = self.norm(y, self.act_z(z), codes)
+        else:
+            out = self.norm(y, self.act_z(z))  # the norm may be SiluGate, which takes (y, z) only
+        return out if codes is not None else self.act_y(out)
 
     def plan(self, state, executor: str | None = None) -> LayerPlan:
         """fused when no module sits on a tap before the norm, the norm is the plain gated one, out_proj takes its input float or as int8
