@@ -48,13 +48,14 @@ def test_norm_quant_kernels_compile_for_sm90(static, dtype, fp8):
 def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
     from test_kernel_compile import _compile_sm90
 
-    from ssmq.prototype import hadamard_quant as hadamard
+    from ssmq.kernels import hadamard
 
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "l_ptr": work,
                                              "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype,
                                              "zs_ptr": "fp32"},
                   dict(T=bt, R=br * 5 // 8, GATED=static, HAS_Z=True, Z_QUANT=static, STATIC=static, STORE_Y=True,
-                       PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br, USE_GDC=static), floats=("eps",))
+                       PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br, TT=16 if static else bt,
+                       RT=16 if static else br, USE_GDC=static), floats=("eps",))
 
 
 # --- wiring: quantized models give the same logits with and without the fusion (CPU: bit for bit) ------------------
@@ -62,10 +63,9 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
 CASES = [("mamba2", "static-w8a8"), ("mamba2", "dynamic-w8a8"), ("mamba2", "quamba2-w8a8"), ("mamba1", "quamba-w8a8"),
          ("mamba1", "dynamic-w8a8"), ("mamba2", "ssdi8-w8a8"), ("mamba2", "fp8-w8a8"), ("mamba1", "fp8-w8a8")]
 # A8 linears whose float input is still quantized by the linear itself when the fusion is on, per layer and pass:
-# Mamba-1's x_proj (its input is the conv's output), out_proj (the scan's output), and a rotated out_proj (it
-# applies its online Hadamard, then quantizes)
-UNFUSED = {("mamba1", "quamba-w8a8"): 2, ("mamba1", "dynamic-w8a8"): 2, ("mamba1", "fp8-w8a8"): 2,
-           ("mamba2", "quamba2-w8a8"): 1, ("mamba2", "ssdi8-w8a8"): 1}
+# Mamba-1's x_proj (its input is the conv's output) and out_proj (the scan's output); Mamba-2's rotated out_proj
+# (Quamba2, SSDi8: static scales) takes the codes of its rotated input from the gated norm
+UNFUSED = {("mamba1", "quamba-w8a8"): 2, ("mamba1", "dynamic-w8a8"): 2, ("mamba1", "fp8-w8a8"): 2}
 
 
 def _run(model, ids, steps):
@@ -135,9 +135,9 @@ def test_fused_activation_quantization_reference_models(monkeypatch, arch, recip
 
 
 def test_z_quantizer_runs_inside_the_gated_norm(monkeypatch):
-    """Quamba2's act_z quantizer where out_proj rotates its own input (no codes from the norm): z is fake-quantized
-    inside the gated norm's kernel, one kernel a layer and pass fewer, with the logits of the quantizer run on its own
-    bit for bit (CPU)."""
+    """Quamba2's act_z quantizer before a rotated out_proj (the norm hands it the codes of its rotated output): z is
+    fake-quantized inside the gated norm's kernel, one kernel a layer and pass fewer, with the logits of the quantizer
+    run on its own and of out_proj rotating and quantizing its own input bit for bit (CPU)."""
     from ssmq import kernels
     from ssmq.models.mamba2 import Mamba2Mixer
     from ssmq.models.quant_taps import is_quantizer
@@ -148,7 +148,7 @@ def test_z_quantizer_runs_inside_the_gated_norm(monkeypatch):
     model = quantize(model, "quamba2-w8a8", synthetic_calibration(model.config.vocab_size, n=4, seqlen=16),
                      progress=False)
     mixers = [m for m in model.modules() if isinstance(m, Mamba2Mixer)]
-    assert mixers and all(is_quantizer(m.act_z) and m._out_codes() is None for m in mixers)
+    assert mixers and all(is_quantizer(m.act_z) and m._out_codes().rotate for m in mixers)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     calls = []
     real = kernels.fake_quantize

@@ -25,7 +25,7 @@ def N():
 
 @pytest.fixture(scope="module")
 def H():
-    return kernel_module("ssmq.prototype.hadamard_quant")
+    return kernel_module("ssmq.kernels.hadamard")
 
 
 def _scale(static):

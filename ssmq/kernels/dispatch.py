@@ -208,12 +208,16 @@ def rms_norm_quant(x, weight, eps=1e-5, residual=None, residual_in_fp32=True, x_
 
 
 def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_before_gate=False, x_scale=None,
-                        per_token=True, with_out=False, z_scale=None, dtype=torch.int8):
-    """``ops.norm.rmsnorm_gated_quant_ref`` unrotated: the gated norm (``z_scale``: on z fake-quantized in
-    registers) with int8 or e4m3 codes out -> (codes, scale, out or None)."""
+                        per_token=True, with_out=False, z_scale=None, dtype=torch.int8, rotate=False):
+    """``ops.norm.rmsnorm_gated_quant_ref``: the gated norm (``z_scale``: on z fake-quantized in registers) with int8
+    or e4m3 codes out -> (codes, scale, out or None); ``rotate``: int8 codes of the output's online Hadamard (a
+    rotated A8 linear's input, ``kernels.hadamard``)."""
     if not _use_triton(x):
         return ops.rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
-                                           with_out, False, z_scale, dtype)
+                                           with_out, rotate, z_scale, dtype)
+    if rotate:  # int8 codes only (``QuantLinear.code_input`` offers no rotated e4m3 ones)
+        return _kernels("hadamard").rmsnorm_gated_hadamard_quant(x, weight, z, eps, group_size, norm_before_gate,
+                                                                 x_scale, per_token, with_out, z_scale)
     return _kernels("norm").rmsnorm_gated_quant(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token,
                                                 with_out, z_scale, dtype)
 

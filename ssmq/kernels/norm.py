@@ -263,7 +263,7 @@ def rmsnorm_gated_quant(x, weight, z=None, eps=1e-6, group_size=None, norm_befor
 
     x_scale: a static () scale, or None for dynamic per-token scales (...) (dynamic per tensor: the reference).
     z_scale: z is fake-quantized first with it (() or (d,): an ``ActQuantizer`` on z, in registers).
-    The reference's ``rotate`` (codes of the output's online Hadamard): ``ssmq.prototype.hadamard_quant``.
+    The reference's ``rotate`` (codes of the output's online Hadamard): ``ssmq.kernels.hadamard``.
     """
     if x_scale is None and not per_token:
         return rmsnorm_gated_quant_ref(x, weight, z, eps, group_size, norm_before_gate, x_scale, per_token, with_out,

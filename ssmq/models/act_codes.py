@@ -4,8 +4,9 @@ gated norm) quantizes in its epilogue and the linear multiplies the codes, so no
 Models sit below ``ssmq.quant``: a linear that takes codes says so through a ``code_input()`` method (``QuantLinear``
 has one) returning a ``CodeInput``; its forward accepts an ``ActCodes`` in place of the float tensor. The decision
 is read off the modules (no registry): a producer quantizes when its one consumer asks for unrotated codes and the
-active ``KernelPolicy`` has ``act_quant_fusion`` (the default). A rotated linear (online Hadamard) quantizes its own
-input: the fused Hadamard + quantize kernel measured slower than the pair (``ssmq.prototype.hadamard_quant``).
+active ``KernelPolicy`` has ``act_quant_fusion`` (the default). A rotated linear (online Hadamard) with a static scale
+takes the codes of its rotated input from Mamba-2's gated norm (``kernels.hadamard``: norm, Hadamard and quantize in
+one kernel); with a dynamic scale it rotates and quantizes its own input (that fused form measured slower).
 On CPU the result is bit for bit the unfused one (the same references, in the same order).
 """
 
@@ -45,9 +46,12 @@ class ActCodes:
         return self.q.shape
 
 
-def code_input(linear: nn.Module | None) -> CodeInput | None:
+def code_input(linear: nn.Module | None, rotated: bool = False) -> CodeInput | None:
     """What ``linear`` wants from its producer: a ``CodeInput`` when it takes unrotated codes (and the fusion is
-    on), else None."""
+    on), else None; ``rotated``: the producer can also rotate (Mamba-2's gated norm), so codes of a rotated input
+    with a static scale too."""
     ask = getattr(linear, "code_input", None)
     codes = ask() if callable(ask) and kernels.act_quant_fusion_enabled() else None
-    return None if codes is None or codes.rotate else codes
+    if codes is not None and codes.rotate and not (rotated and codes.scale is not None):
+        return None
+    return codes

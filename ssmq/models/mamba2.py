@@ -39,7 +39,7 @@ class GatedRMSNorm(nn.Module):
         if codes is None:
             return kernels.rmsnorm_gated(y, self.weight, z, self.eps, self.group_size, self.norm_before_gate, z_scale)
         q, scale, _ = kernels.rmsnorm_gated_quant(y, self.weight, z, self.eps, self.group_size, False, codes.scale,
-                                                  z_scale=z_scale, dtype=codes.dtype)
+                                                  z_scale=z_scale, dtype=codes.dtype, rotate=codes.rotate)
         return ActCodes(q, scale, y.dtype)
 
 
@@ -170,10 +170,11 @@ class Mamba2Mixer(SSMMixer):
         return self._split_xbc(conv_prefill(self.conv1d, xbc, state, slots))
 
     def _out_codes(self) -> CodeInput | None:
-        """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y)."""
+        """out_proj's ``CodeInput`` when it reads the plain gated norm's output directly (no quantizer on act_y); the
+        norm also rotates (codes of its output's online Hadamard, for a rotated out_proj with a static scale)."""
         if type(self.act_y) is not nn.Identity or type(self.norm) is not GatedRMSNorm or self.norm.norm_before_gate:
             return None
-        return code_input(self.out_proj)
+        return code_input(self.out_proj, rotated=True)
 
     def _normed(self, y: torch.Tensor, z: torch.Tensor):
         """act_z, the gated norm and act_y: out_proj's input, as int8 codes when out_proj takes them (z from in_proj,
@@ -193,11 +194,11 @@ class Mamba2Mixer(SSMMixer):
         checkpointed; float otherwise (``ssmq.models.layer_plan``). ``executor``: that one instead (int8 and float
         serve every state; fused only the states it would be chosen for)."""
         codes = self._out_codes()
-        norm = "rmsnorm_gated" + ("_quant" if codes is not None else "") if type(self.norm) is GatedRMSNorm \
-            else type(self.norm).__name__
+        norm = type(self.norm).__name__ if type(self.norm) is not GatedRMSNorm else "rmsnorm_gated" if codes is None \
+            else "rmsnorm_gated_hadamard_quant" if codes.rotate else "rmsnorm_gated_quant"
         code_taps = self.quantizing("act_x", "act_B", "act_C")
-        formats = {"state": self.state_format(state), "out_proj input": "float" if codes is None else "int8 codes"
-                   if codes.dtype == torch.int8 else "e4m3 codes"}
+        formats = {"state": self.state_format(state), "out_proj input": "float" if codes is None else
+                   "rotated int8 codes" if codes.rotate else "int8 codes" if codes.dtype == torch.int8 else "e4m3 codes"}
         if quantizing := self.quantizing("act_x", "act_B", "act_C", "act_dt", "act_z"):
             formats["quantized taps"] = " ".join(t.removeprefix("act_") for t in quantizing)
         if self.conv1d.conv_format:
@@ -206,7 +207,7 @@ class Mamba2Mixer(SSMMixer):
         plain_taps = all(type(getattr(self, t)) is nn.Identity
                          for t in ("act_x", "act_B", "act_C", "act_dt", "act_z"))
         fusable = plain_state and plain_taps and type(self.norm) is GatedRMSNorm and \
-            not self.norm.norm_before_gate and (codes is None or codes.dtype == torch.int8) and \
+            not self.norm.norm_before_gate and (codes is None or codes.dtype == torch.int8 and not codes.rotate) and \
             not self.conv1d.conv_format  # the fused step's conv is the float one
         name = executor or ("fused" if fusable else "int8" if code_taps or not plain_state else "float")
         if name == "fused" and not fusable:

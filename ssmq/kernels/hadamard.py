@@ -1,17 +1,20 @@
-"""Triton online Hadamard + int8 quantization: the input of a rotated A8 linear (Quamba's Hadamard on y, Quamba2's
-and QuaRot's online rotation of out_proj's input) in one kernel, as ``ssmq.ops.hadamard.hadamard_quant_ref``.
+"""Triton online Hadamard + int8 quantization: the input of a rotated A8 linear (Quamba2's and QuaRot's online
+rotation of out_proj's input) in one kernel, as ``ssmq.ops.hadamard.hadamard_quant_ref``; with the gated norm before
+it (and act_z's fake-quantization of z) as ``ops.norm.rmsnorm_gated_quant_ref(..., rotate=True)``.
 
 The transform is the two-GEMM Kronecker form that CUDA runs unfused (``ops.hadamard.hadamard_transform_gemm``):
 x (n,) read as X (t1, r), Y = H_t1 X R^T with the ±1 factor H_t1 and R = (H_{t2} (x) H_b) / sqrt(n) (``kron_factors``),
-one program per row with both products on tensor cores (tiles padded to powers of two, zeros outside), rounded
-to the work dtype after each product and to x's dtype at the end as the unfused GEMMs are, then quantized in
-registers: the per-token scale max |y| / 127 of the whole row or a static one, IEEE division, round half to
-even (``_common.quantize_rne``). Replaces two cuBLAS GEMMs and the quantize kernel (three launches) with one; no
-host sync (CUDA-graph capturable).
+both products on tensor cores (tiles padded to powers of two, zeros outside), rounded to the work dtype after each
+product and to x's dtype at the end as the unfused GEMMs are, then quantized in registers: a static scale or the
+per-token max |y| / 127, IEEE division, round half to even (``_common.quantize_rne``). No host sync (CUDA-graph
+capturable).
 
-A prototype: no configuration runs it. On an H100 (Quamba2 W8A8 Mamba2-2.7B, batch 1) it took 14.8 us a layer
-(20.6 in a coalesced-load variant) against ~9.5 us for the float16 Hadamard GEMMs + the quantize kernel it
-replaces: the two small products per row do not fill the tensor cores the way the batched GEMMs do.
+Where it runs: Mamba-2's gated norm hands a rotated out_proj with a static scale its codes through this kernel
+(``models.act_codes``), replacing act_z's fake-quant, the norm, two cuBLAS GEMMs and a quantize kernel. With a static
+scale each program writes one (TT, RT) tile of a row's Y (configs/hadamard.json), reading the whole row: a row on
+one program is latency-bound (one SM), and a static scale needs nothing from the other tiles. A dynamic scale needs
+the row's max, so the row is one tile: that form measured slower than the unfused pair on an H100 (14.8 us a layer
+against ~9.5), and a linear with a dynamic rotated input quantizes it itself.
 
 Glossary: m rows (all leading dims), n = t1 * r row width, BT / BR the padded t1 / r.
 """
@@ -22,25 +25,29 @@ import torch
 import triton
 import triton.language as tl
 
+from ssmq.kernels import configs
 from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, quantize_rne
-from ssmq.kernels.fake_quant import fake_quantize
 from ssmq.kernels.norm import _quant_out, _row_scale, gate, rmsnorm_gated, z_scale_arg
 from ssmq.ops.hadamard import hadamard_quant_ref, kron_factors, split_order
 from ssmq.ops.norm import rmsnorm_gated_quant_ref
 
 MAX_R = 128  # widest right factor tile: larger ones (n > 8192) keep the unfused path (register / smem budget)
-CFG = dict(warps=8)  # launch setting (the benchmark sweeps it; 4 measured 14.8 us a row before the coalesced R load)
+CFG = configs.load("hadamard")  # launch settings (configs/hadamard.json): warps; a static scale's tile of Y a program
 
 
 @triton.jit
 def _hadamard_quant(x_ptr, z_ptr, w_ptr, l_ptr, r_ptr, q_ptr, scale_ptr, y_ptr, zs_ptr, s_xm, s_zm, s_zs, eps,
-                    T: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, HAS_Z: tl.constexpr, STATIC: tl.constexpr, STORE_Y: tl.constexpr,
-                    PRECISION: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, Z_QUANT: tl.constexpr = False,
-                    USE_GDC: tl.constexpr = False):
-    """One row: [gated RMSNorm (GATED: one norm group, the row),] Hadamard, int8 codes. T, R constexpr (a model has
-    one or two widths): masks and addresses fold, loads vectorize (4408 -> 2704 SASS instructions a thread, sm_90)."""
+                    T: tl.constexpr, R: tl.constexpr, GATED: tl.constexpr, HAS_Z: tl.constexpr, STATIC: tl.constexpr,
+                    STORE_Y: tl.constexpr, PRECISION: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr,
+                    TT: tl.constexpr, RT: tl.constexpr, Z_QUANT: tl.constexpr = False, USE_GDC: tl.constexpr = False):
+    """One (TT, RT) tile of a row's Y: [gated RMSNorm (GATED: one norm group, the row),] Hadamard, int8 codes. Every
+    tile's program reads the whole row (the norm's sum of squares and H_t1 X need it) and writes its tile: a static
+    scale needs nothing from the other tiles; a dynamic one runs the row as one tile (TT = BT, RT = BR). T, R
+    constexpr (a model has one or two widths): masks and addresses fold, loads vectorize."""
     gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    n_r: tl.constexpr = (R + RT - 1) // RT
     t = tl.arange(0, BT)
     r = tl.arange(0, BR)
     mt, mr = t < T, r < R
@@ -55,17 +62,20 @@ def _hadamard_quant(x_ptr, z_ptr, w_ptr, l_ptr, r_ptr, q_ptr, scale_ptr, y_ptr, 
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(u * u, axis=1), axis=0) / (T * R) + eps)
         x = (u * rstd * tl.load(w_ptr + cols, mask=mx, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
     x = x.to(work)
-    left = tl.load(l_ptr + t[:, None] * T + t[None, :], mask=mt[:, None] & mt[None, :], other=0.0)
-    # R row-major (coalesced; the first version loaded R^T column by column: 14.8 us a row on the H100), transposed
-    # as a dot operand
-    right = tl.load(r_ptr + r[:, None] * R + r[None, :], mask=mr[:, None] & mr[None, :], other=0.0)
+    to = (tile // n_r) * TT + tl.arange(0, TT)  # the tile's rows of Y (of H_t1) and columns (rows of R)
+    ro = (tile % n_r) * RT + tl.arange(0, RT)
+    left = tl.load(l_ptr + to[:, None] * T + t[None, :], mask=(to < T)[:, None] & mt[None, :], other=0.0)
+    # R's rows loaded row-major (coalesced), transposed as a dot operand
+    right = tl.load(r_ptr + ro[:, None] * R + r[None, :], mask=(ro < R)[:, None] & mr[None, :], other=0.0)
     hx = tl.dot(left, x, input_precision=PRECISION).to(work)
     y = tl.dot(hx, tl.trans(right), input_precision=PRECISION).to(work).to(x_ptr.dtype.element_ty)
+    mo = (to < T)[:, None] & (ro < R)[None, :]
+    out = to[:, None] * R + ro[None, :]
     if STORE_Y:
-        tl.store(y_ptr + row * (T * R) + cols, y, mask=mx)
+        tl.store(y_ptr + row * (T * R) + out, y, mask=mo)
     yf = y.to(tl.float32)
-    scale = _row_scale(tl.reshape(yf, (BT * BR,)), scale_ptr, row, STATIC)
-    tl.store(q_ptr + row * (T * R) + cols, quantize_rne(yf, scale), mask=mx)
+    scale = _row_scale(tl.reshape(yf, (TT * RT,)), scale_ptr, row, STATIC)
+    tl.store(q_ptr + row * (T * R) + out, quantize_rne(yf, scale), mask=mo)
 
 
 def _factors(x):
@@ -92,12 +102,15 @@ def _launch(x, z, weight, eps, factors, x_scale, with_y, z_scale=None):
     y = torch.empty(x.shape if with_y else 0, device=x.device, dtype=x.dtype)
     zs, s_zs, z_quant = z_scale_arg(z_scale, z, n, x2)
     M = x2.shape[0]
+    BT, BR = pow2(T, 16), pow2(R, 16)
+    # a static scale: a program a tile (one row alone on one SM is latency-bound); dynamic: the row's max needs it whole
+    TT, RT = (min(CFG["tile_t"], BT), min(CFG["tile_r"], BR)) if x_scale is not None else (BT, BR)
     if M:
-        _hadamard_quant[(M,)](x2, z2, x2 if weight is None else weight, left, right, q, scale, y, zs,
-                              x2.stride(0), z2.stride(0), s_zs, eps, T=T, R=R, GATED=weight is not None, HAS_Z=z is not None,
-                              STATIC=x_scale is not None, STORE_Y=with_y, PRECISION=dot_precision(left.dtype),
-                              BT=pow2(T, 16), BR=pow2(R, 16), Z_QUANT=z_quant, num_warps=CFG["warps"],
-                              **pdl_args(x2))
+        grid = (M, triton.cdiv(T, TT) * triton.cdiv(R, RT))
+        _hadamard_quant[grid](x2, z2, x2 if weight is None else weight, left, right, q, scale, y, zs, x2.stride(0),
+                              z2.stride(0), s_zs, eps, T=T, R=R, GATED=weight is not None, HAS_Z=z is not None,
+                              STATIC=x_scale is not None, STORE_Y=with_y, PRECISION=dot_precision(left.dtype), BT=BT,
+                              BR=BR, TT=TT, RT=RT, Z_QUANT=z_quant, num_warps=CFG["warps"], **pdl_args(x2))
     return q, scale, y if with_y else None
 
 
@@ -121,9 +134,7 @@ def rmsnorm_gated_hadamard_quant(x, weight, z=None, eps=1e-6, group_size=None, n
                                        z_scale)
     factors = _factors(x)
     if factors is None or (group_size not in (None, x.shape[-1])) or (x_scale is None and not per_token):
-        if z is not None and z_scale is not None:
-            z = fake_quantize(z, z_scale)
-        out = rmsnorm_gated(x, weight, z, eps, group_size, False)
+        out = rmsnorm_gated(x, weight, z, eps, group_size, False, z_scale)
         q, scale, *y = hadamard_quant(out, x_scale, per_token, with_out)
         return q, scale, y[0] if with_out else None
     return _launch(x, z, weight, eps, factors, x_scale, with_out, z_scale)
