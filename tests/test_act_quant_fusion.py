@@ -43,9 +43,11 @@ def test_norm_quant_kernels_compile_for_sm90(static, dtype, fp8):
                       num_warps=16 if one else 8)
 
 
-@pytest.mark.parametrize("static,dtype,work,bt,br", [(False, "fp16", "fp16", 64, 128), (True, "bf16", "fp32", 64, 128),
-                                                     (True, "fp16", "fp16", 16, 16)])
-def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
+@pytest.mark.parametrize("gated,dtype,work,bt,br,warps", [(False, "fp16", "fp16", 64, 128, 8),
+                                                          (True, "bf16", "fp32", 64, 128, 4),
+                                                          (True, "fp16", "fp16", 64, 128, 16),  # shipped: 5120 wide
+                                                          (True, "fp16", "fp16", 16, 16, 4)])
+def test_hadamard_quant_compiles_for_sm90(gated, dtype, work, bt, br, warps):
     from test_kernel_compile import _compile_sm90
 
     from ssmq.kernels import hadamard
@@ -53,9 +55,9 @@ def test_hadamard_quant_compiles_for_sm90(static, dtype, work, bt, br):
     _compile_sm90(hadamard._hadamard_quant, {"x_ptr": dtype, "z_ptr": dtype, "w_ptr": dtype, "l_ptr": work,
                                              "r_ptr": work, "q_ptr": "i8", "scale_ptr": "fp32", "y_ptr": dtype,
                                              "zs_ptr": "fp32"},
-                  dict(T=bt, R=br * 5 // 8, GATED=static, HAS_Z=True, Z_QUANT=static, STATIC=static, STORE_Y=True,
-                       PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br, TT=16 if static else bt,
-                       RT=16 if static else br, USE_GDC=static), floats=("eps",))
+                  dict(T=bt, R=br * 5 // 8, GATED=gated, HAS_Z=True, Z_QUANT=gated, STORE_Y=True,
+                       PRECISION="ieee" if work == "fp32" else "tf32", BT=bt, BR=br, TT=min(64, bt), RT=16,
+                       USE_GDC=gated), floats=("eps",), num_warps=warps)
 
 
 # --- wiring: quantized models give the same logits with and without the fusion (CPU: bit for bit) ------------------

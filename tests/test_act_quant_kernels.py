@@ -108,9 +108,12 @@ def test_rmsnorm_gated_quant(N, dtype, static, with_z, shape, group):
 @pytest.mark.parametrize("shape,group", cases([((1, 5120), None), ((64, 5120), None), ((3, 2, 2560), None),
                                                ((2, 4096), 1024), ((5, 40), None)],
                                               [((1, 64), None), ((3, 40), None), ((2, 64), 32)]))
-def test_rmsnorm_gated_hadamard_quant(H, dtype, static, shape, group):
-    """Quamba2's out_proj input: gated norm, online Hadamard and codes in one kernel (one norm group), or the gated
-    norm kernel then hadamard_quant (several)."""
+@pytest.mark.parametrize("kernel_rows", ["shipped", "all"])
+def test_rmsnorm_gated_hadamard_quant(H, monkeypatch, dtype, static, shape, group, kernel_rows):
+    """Quamba2's out_proj input: gated norm, online Hadamard and codes in one kernel (one norm group, a static scale,
+    up to max_rows rows; ``all``: at every row count), or the gated norm kernel then hadamard_quant."""
+    if kernel_rows == "all":
+        monkeypatch.setitem(H.CFG, "max_rows", 1 << 30)
     torch.manual_seed(4)
     d = shape[-1]
     x, z = torch.randn(shape, device=DEV).to(dtype), torch.randn(shape, device=DEV).to(dtype)
@@ -134,7 +137,10 @@ def test_rmsnorm_gated_hadamard_quant(H, dtype, static, shape, group):
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("shape", cases([(1, 5120), (32, 5120), (3, 2, 2560), (4, 8192), (2, 768), (5, 64), (1, 40)],
                                         [(1, 64), (3, 40), (2, 2, 96)]))
-def test_hadamard_quant(H, dtype, static, shape):
+@pytest.mark.parametrize("kernel_rows", ["shipped", "all"])
+def test_hadamard_quant(H, monkeypatch, dtype, static, shape, kernel_rows):
+    if kernel_rows == "all":
+        monkeypatch.setitem(H.CFG, "max_rows", 1 << 30)
     torch.manual_seed(2)
     x = torch.randn(shape, device=DEV).to(dtype)
     scale = _scale(static)
@@ -149,6 +155,20 @@ def test_hadamard_quant(H, dtype, static, shape):
         q_ref, _ = hadamard_quant_ref(x, scale)
         _close_codes(q, q_ref)
 
+
+
+@pytest.mark.parametrize("rows,static,fused", [(1, True, True), (16, True, True), (17, True, False), (1, False, False)])
+def test_hadamard_kernel_serves_decode_rows_with_a_static_scale(H, monkeypatch, rows, static, fused):
+    """The one-kernel form runs for a static scale up to configs/hadamard.json's max_rows (16 shipped); more rows and
+    dynamic scales run the Hadamard GEMMs, then the quantize kernel."""
+    monkeypatch.setitem(H.CFG, "max_rows", 16)
+    calls = []
+    real = H._launch
+    monkeypatch.setattr(H, "_launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x, z = (torch.randn(rows, 40, device=DEV, dtype=torch.float16) for _ in range(2))
+    H.rmsnorm_gated_hadamard_quant(x, torch.ones(40, device=DEV, dtype=torch.float16), z, 1e-6, None, False,
+                                   _scale(static))
+    assert len(calls) == int(fused)
 
 
 @pytest.mark.skipif(INTERPRET, reason="the interpreter's fp32 -> e4m3 conversion does not round to nearest even")

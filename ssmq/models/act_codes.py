@@ -6,7 +6,7 @@ has one) returning a ``CodeInput``; its forward accepts an ``ActCodes`` in place
 is read off the modules (no registry): a producer quantizes when its one consumer asks for unrotated codes and the
 active ``KernelPolicy`` has ``act_quant_fusion`` (the default). A rotated linear (online Hadamard) with a static scale
 takes the codes of its rotated input from Mamba-2's gated norm (``kernels.hadamard``: norm, Hadamard and quantize in
-one kernel); with a dynamic scale it rotates and quantizes its own input (that fused form measured slower).
+one kernel at decode rows); with a dynamic scale it rotates and quantizes its own input.
 On CPU the result is bit for bit the unfused one (the same references, in the same order).
 """
 
