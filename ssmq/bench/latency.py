@@ -238,11 +238,12 @@ def run(args) -> dict:
             if args.profile:
                 ms, kernels = ms
                 result.setdefault("profile", []).extend({"impl": recipe, "batch": bs, **k} for k in kernels)
-            moved = weights + 2 * bs * state
+            states = 2 * bs * state  # read and written
             row = {"impl": recipe, "batch": bs, "tpot_ms": ms, "tok_s": bs / ms * 1e3, "weights_GB": weights / 1e9,
-                   "state_GB": 2 * bs * state / 1e9}
+                   "state_GB": states / 1e9}
             if bandwidth:
-                row |= {"limit_ms": moved / bandwidth * 1e3, "share": moved / bandwidth * 1e3 / ms}
+                limit = (weights + states) / bandwidth * 1e3
+                row |= {"limit_ms": limit, "share": limit / ms}
             result["rows"].append(row)
             bar.update()
         del model

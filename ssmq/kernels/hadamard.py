@@ -33,7 +33,7 @@ from ssmq.ops.hadamard import hadamard_transform_gemm, kron_factors, split_order
 from ssmq.ops.norm import rmsnorm_gated_quant_ref
 
 MAX_R = 128  # widest right factor tile: larger ones (n > 8192) keep the unfused path (register / smem budget)
-CFG = configs.load("hadamard")  # launch settings (configs/hadamard.json): warps; a static scale's tile of Y a program
+CFG = configs.load("hadamard")  # configs/hadamard.json: warps, the tile of Y a program writes, max_rows it serves
 
 
 @triton.jit
