@@ -12,7 +12,7 @@ import torch
 
 from ssmq import ops
 from ssmq.ops.hadamard import hadamard_quant_ref, hadamard_transform
-from ssmq.ops.quant_linear import quantize_act_ref
+from ssmq.ops.quant_linear import fake_quantize_ref, quantize_act_ref
 from test_kernels import DEV, DTYPES, INTERPRET, TOL, cases, kernel_module, rel
 
 pytestmark = pytest.mark.gpu
@@ -254,6 +254,39 @@ def test_gated_norm_with_z_fake_quant(N, per_channel, shape, group):
     assert torch.equal(got, N.rmsnorm_gated(x, w, kernel_module("fake_quant").fake_quantize(z, zs), 1e-6, group))
     ref = ops.rmsnorm_gated_ref(x.cpu(), w.cpu(), z.cpu(), 1e-6, group, False, zs.cpu())
     assert rel(got.cpu(), ref) < 8e-3
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("d", cases([5120, 1024], [64]))
+def test_z_fake_quant_at_rounding_ties(N, H, rotate, d):
+    """z's fake-quant inside the gated norm rounds every quotient as the reference's IEEE division does: row 0's
+    scales put z / scale within an ulp of a half-integer (there a multiply by the scale's reciprocal rounds a tenth of
+    the codes the other way), the other rows sit at and one or two float16 steps beside half-integer multiples, and
+    +-inf (codes 127 / -128)."""
+    g = torch.Generator().manual_seed(11)
+    rows = 8
+    z0 = (torch.randn(d, generator=g) * 2).half()
+    zs = (z0.float() / (torch.randint(-120, 120, (d,), generator=g).float() + 0.5)).abs()
+    zs = torch.where(zs > 1e-4, zs, torch.full_like(zs, 0.01))
+    k = torch.randint(-130, 130, (rows, d), generator=g).float() + 0.5
+    z = (k * zs).half()
+    step = torch.randint(-2, 3, (rows, d), generator=g).to(torch.int16) * (torch.rand(rows, d, generator=g) < 0.5)
+    z = (z.view(torch.int16) + step.to(torch.int16)).view(torch.float16)
+    z = torch.where(z.isfinite(), z, torch.zeros_like(z))
+    z[0] = z0
+    z[1, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0]).half()
+    x, w = torch.randn(rows, d, generator=g).half(), (1 + 0.3 * torch.randn(d, generator=g)).half()
+    fq = fake_quantize_ref(z, zs)
+    x, z, w, zs, fq = (t.to(DEV) for t in (x, z, w, zs, fq))
+    scale = _scale(True)
+    if rotate:
+        got = H.rmsnorm_gated_hadamard_quant(x, w, z, 1e-6, None, False, scale, True, True, zs)
+        want = H.rmsnorm_gated_hadamard_quant(x, w, fq, 1e-6, None, False, scale, True, True)
+    else:
+        got = (N.rmsnorm_gated(x, w, z, 1e-6, None, False, zs),)
+        want = (N.rmsnorm_gated(x, w, fq, 1e-6, None, False),)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), f"{(a != b).sum().item()} values differ"
 
 
 @pytest.mark.parametrize("rotate", [False, True])
