@@ -67,6 +67,25 @@ def _patch_interpreter_scalars():
     builder.create_masked_load = lambda self, ptrs, mask, *rest: load(self, ptrs, as_bool(mask), *rest)
     builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
 
+    # its fma rounds the product before the sum (numpy a * b + c); a GPU's rounds once, and correctly rounded
+    # quotients (``_common.quotient_rn``) depend on that. float32: the product is exact in float64, the sum's error
+    # exact by TwoSum; rounding that sum to odd and then to float32 rounds the exact result once (53 >= 24 + 2 bits)
+    fma = builder.create_fma
+
+    def fused(self, x, y, z):
+        if x.data.dtype != np.float32:
+            return fma(self, x, y, z)
+        p = x.data.astype(np.float64) * y.data.astype(np.float64)
+        c = np.broadcast_to(z.data.astype(np.float64), p.shape)
+        s = p + c
+        b = s - p
+        err = (p - (s - b)) + (c - b)
+        even = (s.view(np.int64) & 1) == 0
+        s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+        return interpreter.TensorHandle(s.astype(np.float32), z.dtype.scalar)
+
+    builder.create_fma = fused
+
 
 def cases(gpu, interp):
     return interp if INTERPRET else gpu
