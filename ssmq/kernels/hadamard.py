@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ssmq.kernels import configs
 from ssmq.kernels._common import dot_precision, gdc_enter, pdl_args, pow2, quantize_rne
-from ssmq.kernels.norm import _quant_out, gate, rmsnorm_gated, z_scale_arg
+from ssmq.kernels.norm import _quant_out, _rows, gate, rmsnorm_gated, z_scale_arg
 from ssmq.kernels.quant_gemm import quantize_act
 from ssmq.ops.hadamard import hadamard_transform_gemm, kron_factors, split_order
 from ssmq.ops.norm import rmsnorm_gated_quant_ref
@@ -90,12 +90,8 @@ def _factors(x):
 
 def _launch(x, z, weight, eps, factors, x_scale, with_y, z_scale=None):
     n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    z2 = x2 if z is None else z.reshape(-1, n)
-    if z2.stride(-1) != 1:
-        z2 = z2.contiguous()
+    x2 = _rows(x, n)
+    z2 = x2 if z is None else _rows(z, n)
     left, right = factors
     T, R = left.shape[0], right.shape[0]
     q, scale = _quant_out(x, x_scale, True)
