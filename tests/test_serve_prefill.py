@@ -155,9 +155,9 @@ def test_stats_split_the_engine_threads_time_into_steps_and_their_prefills():
     engine.start()
     try:
         run_engine(engine, [[5, 6, 7]], [6])
-        stats = engine.stats()
     finally:
         engine.shutdown()
+    stats = engine.stats()  # after the thread ends: a request's last token is delivered before its step is tallied
     assert stats["prefill_forwards"] == 1 and decodes
     assert 200 <= stats["prefill_ms"] < 2000
     assert stats["busy_ms"] >= stats["prefill_ms"] + len(decodes) * 20 - 1  # (each tally rounded to a ms)
