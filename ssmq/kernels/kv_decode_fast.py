@@ -4,7 +4,7 @@ head dims that are multiples of 32, rotary dims that are multiples of 16, with o
 products are never narrower than 32 (32-token tiles, ``MIN_DIM``-padded rotary halves and pass-through tiles):
 16-wide tensor-core products fed by the PRMT lookups came out wrong on the H100 with Triton 3.6 (16-channel
 rotary halves, 16-token tiles; ``decode_any`` isolates such failures on a GPU). Other formats keep the
-first-generation kernel (``ssmq.kernels.kv_decode``), whose host helpers this one shares.
+general kernel (``ssmq.kernels.kv_decode``, every format), whose host helpers this one shares.
 
 Triton flash-decoding attention over a quantized KV cache (KVQuant: LUT low-bit K and V), or a float one.
 

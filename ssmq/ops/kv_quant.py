@@ -339,7 +339,8 @@ class KVSideView:
         """The rows ``slots`` (b,) of a paged side as a contiguous one of b rows (slots then ``arange(b)``): the
         per-token buffers are block pools (N, B, ...), token t of row i at block block_table[slots[i], t // B],
         offset t % B (``ssmq.models.paged_kv``); each row's blocks are copied in order, (b, M·B, ...). What the CPU
-        reference and the first-generation kernel read of a paged cache (the fast kernel reads the pools in place)."""
+        reference and the general kernel (``ssmq.kernels.kv_decode``) read of a paged cache (the fast kernel reads
+        the pools in place)."""
         rows = block_table[slots]  # (b, M)
         pages = lambda t: t[rows].flatten(1, 2)  # noqa: E731
         mid, half = (pages(self.mid), pages(self.half)) if self.per_token else (self.mid, self.half)
