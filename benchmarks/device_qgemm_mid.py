@@ -27,8 +27,8 @@ LOW_ROWS = [2, 4, 8]  # served by the 16-row setting
 CODE = {"w4": "int4", "w8": "int8"}  # the sweep's code names -> ROUTE / EXCEPT keys
 SHAPES = {"2.7b in_proj": (10576, 2560), "2.7b out_proj": (2560, 5120), "8b in_proj": (18560, 4096),
           "8b out_proj": (4096, 8192)}
-STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s, x, p in ((True, 2, False), (True, 2, True),
-                                                                     (False, 0, False))],
+STRUCT = {"w4": [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s, x, p in ((True, 0, False), (True, 0, True),
+                                                                     (False, 2, False))],
           "w8": [dict(SWAP=s, X_SPLIT=0, POST_SCALE=False) for s in (True, False)]}
 TILES = [dict(BN=64, warps=4, stages=3), dict(BN=64, warps=4, stages=4), dict(BN=128, warps=8, stages=3)]
 WAVES = {"w4": (1, 2), "w8": (1,)}

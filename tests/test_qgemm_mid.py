@@ -38,7 +38,7 @@ def _variant(QM, **over):
 QUICK = os.environ.get("SSMQ_GPU_QUICK") == "1"
 VARIANTS = [dict(SWAP=s, X_SPLIT=x, POST_SCALE=p) for s in (True, False) for x in (0, 1, 2) for p in (False, True)
             if not QUICK or (s, x, p) in ((True, 0, False), (True, 1, False), (True, 2, False), (True, 0, True),
-                                          (False, 0, False))]
+                                          (False, 2, False))]
 FMTS = [(4, 128), (4, 32), (8, None), (8, 64)]
 ROWS = [17, 40, 3] if INTERPRET else [40, 256, 2, 8] if QUICK else [16, 17, 32, 64, 100, 128, 256, 512, 2, 5, 8]
 N_K = [(72, 256)] if INTERPRET else [(200, 512), (2560, 5120)] if QUICK else [(200, 512), (2560, 5120), (10576, 2560)]

@@ -12,11 +12,11 @@ from test_kernel_compile import _compile_sm90  # noqa: E402
 
 # (int4, WS_MODE, bf16, SWAP, X_SPLIT, POST_SCALE, BLOCK_M, SPLIT, GPS)
 VARIANTS = {
-    "w4-swap": (True, 2, False, True, 0, False, 32, False, 1),
-    "w4-swap-join-post-bf16": (True, 2, True, True, 2, True, 128, True, 2),
-    "w4-swap-join-gps2": (True, 2, False, True, 2, False, 64, False, 2),
+    "w4-swap": (True, 2, False, True, 2, False, 32, False, 1),
+    "w4-swap-join-post-bf16": (True, 2, True, True, 0, True, 128, True, 2),
+    "w4-swap-join-gps2": (True, 2, False, True, 0, False, 64, False, 2),
     "w4-strided-x": (True, 2, False, True, 1, False, 16, False, 1),
-    "w4-plain": (True, 2, False, False, 0, False, 64, True, 1),
+    "w4-plain": (True, 2, False, False, 2, False, 64, True, 1),
     "w8-channel-swap": (False, 1, False, True, 0, False, 128, False, 2),
     "w8-group-plain-bf16": (False, 2, True, False, 0, False, 32, False, 1),
 }

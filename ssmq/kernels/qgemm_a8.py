@@ -38,7 +38,7 @@ from ssmq.kernels._common import (along_m, along_n, cdiv, gdc_enter, pdl_args, p
                                   tile_zeros, whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.launch import fast_launch
-from ssmq.kernels.quant_gemm import _split_gather, split_buffers
+from ssmq.kernels.quant_gemm import _code_tiles, _out_offsets, _split_gather, _w4_dot, _w_dot, split_buffers
 from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemm_a8")  # launch settings and routes (configs/qgemm_a8.json)
@@ -81,31 +81,14 @@ def _a8_qmm(
     GPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False,
 ):
-    # Program (tile, pid_k): out rows [pid_m BM, +BM) x columns [pid_n BN, +BN) over k in [pid_k k_split, +k_split)
-    # (K and k_split multiples of GPS * BLOCK_K; per-group scales: BLOCK_K == group, one split). MAGIC (per-group
-    # sums to float32): 0 a conversion, 1 the magic number (int4: on the shifted sums), 2 (int4) on the 16 q sums.
-    # The row tiles of one column
-    # tile are neighbours in launch order, so they read its weight tile while it is in L2. WS_MODE: 0 per tensor,
+    # Program (tile, pid_k): an output tile over a k range (``quant_gemm._code_tiles``; K and k_split multiples of
+    # GPS * BLOCK_K; per-group scales: BLOCK_K == group, one split). MAGIC (per-group sums to float32): 0 a
+    # conversion, 1 the magic number (int4: on the shifted sums), 2 (int4) on the 16 q sums. WS_MODE: 0 per tensor,
     # 1 per channel, 2 per group. Accumulators are (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
     gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
-    m_blocks = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    pid_m, pid_n, pid_k = tile % m_blocks, tile // m_blocks, tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm, mn = offs_m < M, offs_n < N
-    rows = offs_m.to(tl.int64)
-    cols = offs_n.to(tl.int64)
+    tile, pid_k, offs_m, offs_n, mm, mn, rows, cols, k_len, w_ptrs, x_ptrs, s_ptrs = _code_tiles(
+        x_ptr, w_ptr, ws_ptr, M, N, K, k_split, n_groups, s_xm, s_wn, W4, X_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     WK: tl.constexpr = BLOCK_K // 2 if W4 else BLOCK_K  # code bytes a weight row a step
-    offs_kw = tl.arange(0, WK)
-    k0 = pid_k * k_split
-    k_len = tl.minimum(k_split, K - k0)
-    w_ptrs = w_ptr + cols[:, None] * s_wn + ((k0 // 2) if W4 else k0) + offs_kw[None, :]
-    if W4 and X_SPLIT == 1:
-        x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + 2 * offs_kw[None, :]
-    else:
-        x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + tl.arange(0, BLOCK_K)[None, :]
-    s_ptrs = ws_ptr + cols * n_groups + k0 // BLOCK_K
     if XS_ROWS:
         xs = tl.load(xs_ptr + offs_m, mask=mm, other=0.0)
     else:
@@ -127,34 +110,10 @@ def _a8_qmm(
             else:
                 part = acc_i
             if W4:
-                lo = _nib16(w, False, PTX)
-                hi = _nib16(w, True, PTX)
-                if X_SPLIT == 1:
-                    xe = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0)
-                    xo = tl.load(x_ptrs + g * BLOCK_K + 1, mask=mm[:, None], other=0)
-                else:
-                    xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0)
-                if X_SPLIT == 0:  # the tile back in k order: one product with the contiguous x tile
-                    wk = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-                    if SWAP:
-                        part = tl.dot(wk, tl.trans(xv), part, out_dtype=tl.int32)
-                    else:
-                        part = tl.dot(xv, tl.trans(wk), part, out_dtype=tl.int32)
-                else:
-                    if X_SPLIT == 2:
-                        xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, WK, 2)))
-                    if SWAP:
-                        part = tl.dot(lo, tl.trans(xe), part, out_dtype=tl.int32)
-                        part = tl.dot(hi, tl.trans(xo), part, out_dtype=tl.int32)
-                    else:
-                        part = tl.dot(xe, tl.trans(lo), part, out_dtype=tl.int32)
-                        part = tl.dot(xo, tl.trans(hi), part, out_dtype=tl.int32)
+                part = _w4_dot(_nib16(w, False, PTX), _nib16(w, True, PTX), x_ptrs + g * BLOCK_K, mm, part, SWAP,
+                               X_SPLIT, tl.int32, BLOCK_M, BLOCK_N, BLOCK_K)
             else:
-                xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0)
-                if SWAP:
-                    part = tl.dot(w, tl.trans(xv), part, out_dtype=tl.int32)
-                else:
-                    part = tl.dot(xv, tl.trans(w), part, out_dtype=tl.int32)
+                part = _w_dot(w, tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0), part, SWAP, tl.int32)
             if WS_MODE == 2:
                 # int_matmul_ref's order: s_t = x_scale * w_scale[:, t]; out += float(acc_t) * s_t (MAGIC 2: the
                 # 16 q sum times s_t / 16, the same product); a per-tensor x scale makes s_t one a column
@@ -169,16 +128,7 @@ def _a8_qmm(
         w_ptrs += WK * GPS
         x_ptrs += BLOCK_K * GPS
         s_ptrs += GPS
-    if SWAP:
-        p_off = cols[:, None] + rows[None, :] * N
-        o_off = cols[:, None] + rows[None, :] * s_om
-        mo = mn[:, None] & mm[None, :]
-        first = offs_n
-    else:
-        p_off = rows[:, None] * N + cols[None, :]
-        o_off = rows[:, None] * s_om + cols[None, :]
-        mo = mm[:, None] & mn[None, :]
-        first = offs_m
+    p_off, o_off, mo, first = _out_offsets(offs_m, offs_n, rows, cols, mm, mn, N, s_om, SWAP)
     if WS_MODE != 2:  # per channel / per tensor: the exact int32 sum over k, scaled once
         if SPLIT:
             tl.store(part_ptr + pid_k * M * N + p_off, acc_i, mask=mo)

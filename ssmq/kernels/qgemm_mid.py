@@ -19,8 +19,9 @@ issues 16 I2F a clock against the 28 codes a clock its share of HBM delivers at 
     by the last program of each output tile (``quant_gemm._split_gather``: deterministic, CUDA-graph safe).
 
 The kernel reads the stored layout (int4: (n, k // 2) uint8, low nibble = even column): the x columns matching
-the low / high nibbles are the even / odd columns (``X_SPLIT``: 0 a contiguous x tile split in registers, 1 two
-strided loads, 2 the weight tile's halves interleaved back into k order instead).
+the low / high nibbles are the even / odd columns (``X_SPLIT``, as ``qgemm_a8``'s: 0 the weight tile's halves
+interleaved back into k order, 1 two strided loads of x, 2 a contiguous x tile split in registers;
+``quant_gemm._w4_dot``).
 
 Launch settings per row range are ``configs/qgemm_mid.json``'s ROWS_W4 / ROWS_W8 (the first entry whose max_rows holds);
 which row ranges run here is its ROUTE less its EXCEPT entries (weight shapes that measured faster on quant_gemm at
@@ -39,7 +40,8 @@ from ssmq.kernels import configs
 from ssmq.kernels._common import (along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count, tile_zeros,
                                   whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
-from ssmq.kernels.quant_gemm import _i8_to_f16, _split_gather, split_buffers
+from ssmq.kernels.quant_gemm import (_code_tiles, _i8_to_f16, _out_offsets, _split_gather, _w4_dot, _w_dot,
+                                     split_buffers)
 from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemm_mid")  # launch settings and routes (configs/qgemm_mid.json)
@@ -113,30 +115,14 @@ def _mid_qmm(
     POST_SCALE: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, GPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
-    # Program (tile, pid_k): out rows [pid_m BM, +BM) x columns [pid_n BN, +BN) over k in [pid_k k_split, +k_split)
-    # (k_split and K multiples of GPS * BLOCK_K; per-group scales: BLOCK_K == GROUP). The row tiles of one column
-    # tile are neighbours in launch order, so they read its weight tile while it is in L2. WS_MODE: 0 per tensor,
-    # 1 per channel, 2 per group. acc is (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
+    # Program (tile, pid_k): an output tile over a k range (``quant_gemm._code_tiles``; k_split and K multiples of
+    # GPS * BLOCK_K; per-group scales: BLOCK_K == GROUP). WS_MODE: 0 per tensor, 1 per channel, 2 per group. acc is
+    # (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
     gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common
-    m_blocks = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    pid_m, pid_n, pid_k = tile % m_blocks, tile // m_blocks, tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm, mn = offs_m < M, offs_n < N
-    rows = offs_m.to(tl.int64)
-    cols = offs_n.to(tl.int64)
+    tile, pid_k, offs_m, offs_n, mm, mn, rows, cols, k_len, w_ptrs, x_ptrs, s_ptrs = _code_tiles(
+        x_ptr, w_ptr, ws_ptr, M, N, K, k_split, n_groups, s_xm, s_wn, W4, X_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     DT: tl.constexpr = tl.bfloat16 if BF16 else tl.float16
     WK: tl.constexpr = BLOCK_K // 2 if W4 else BLOCK_K  # code bytes a weight row a step
-    offs_kw = tl.arange(0, WK)
-    k0 = pid_k * k_split
-    k_len = tl.minimum(k_split, K - k0)
-    w_ptrs = w_ptr + cols[:, None] * s_wn + ((k0 // 2) if W4 else k0) + offs_kw[None, :]
-    if W4 and X_SPLIT == 1:
-        x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + 2 * offs_kw[None, :]
-    else:
-        x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + tl.arange(0, BLOCK_K)[None, :]
-    s_ptrs = ws_ptr + cols * n_groups + k0 // BLOCK_K
     SCALED: tl.constexpr = WS_MODE == 2 and not POST_SCALE
     acc = tile_zeros(BLOCK_M, BLOCK_N, tl.float32, SWAP)
     for k in range(0, k_len, BLOCK_K * GPS):
@@ -155,26 +141,8 @@ def _mid_qmm(
             if W4:
                 lo = _i4_half(w, s16, ASM_LO, False, BF16, SCALED)
                 hi = _i4_half(w, s16, ASM_HI, True, BF16, SCALED)
-                if X_SPLIT == 1:
-                    xe = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0.0)
-                    xo = tl.load(x_ptrs + g * BLOCK_K + 1, mask=mm[:, None], other=0.0)
-                else:
-                    xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0.0)
-                if X_SPLIT == 2:  # the tile back in k order: one product with the contiguous x tile
-                    wf = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
-                    if SWAP:
-                        part = tl.dot(wf, tl.trans(xv), part)
-                    else:
-                        part = tl.dot(xv, tl.trans(wf), part)
-                else:
-                    if X_SPLIT == 0:
-                        xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, WK, 2)))
-                    if SWAP:
-                        part = tl.dot(lo, tl.trans(xe), part)
-                        part = tl.dot(hi, tl.trans(xo), part)
-                    else:
-                        part = tl.dot(xe, tl.trans(lo), part)
-                        part = tl.dot(xo, tl.trans(hi), part)
+                part = _w4_dot(lo, hi, x_ptrs + g * BLOCK_K, mm, part, SWAP, X_SPLIT, tl.float32, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
             else:
                 if FAST_I8:
                     wf = _i8_to_f16(w)
@@ -182,11 +150,7 @@ def _mid_qmm(
                     wf = w.to(DT)
                 if SCALED:
                     wf = wf * s16
-                xv = tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0.0)
-                if SWAP:
-                    part = tl.dot(wf, tl.trans(xv), part)
-                else:
-                    part = tl.dot(xv, tl.trans(wf), part)
+                part = _w_dot(wf, tl.load(x_ptrs + g * BLOCK_K, mask=mm[:, None], other=0.0), part, SWAP, tl.float32)
             if POST_SCALE and WS_MODE == 2:
                 acc += part * along_n(s, SWAP)
             else:
@@ -200,16 +164,7 @@ def _mid_qmm(
         else:
             sc = tl.load(ws_ptr + offs_n * 0)
         acc = acc * along_n(sc, SWAP)
-    if SWAP:
-        p_off = cols[:, None] + rows[None, :] * N
-        o_off = cols[:, None] + rows[None, :] * s_om
-        mo = mn[:, None] & mm[None, :]
-        first = offs_n
-    else:
-        p_off = rows[:, None] * N + cols[None, :]
-        o_off = rows[:, None] * s_om + cols[None, :]
-        mo = mm[:, None] & mn[None, :]
-        first = offs_m
+    p_off, o_off, mo, first = _out_offsets(offs_m, offs_n, rows, cols, mm, mn, N, s_om, SWAP)
     if SPLIT:
         tl.store(part_ptr + pid_k * M * N + p_off, acc, mask=mo)
         acc, last = _split_gather(part_ptr, cnt_ptr, tile, tl.num_programs(1), M * N, p_off, mo, first, NSP)

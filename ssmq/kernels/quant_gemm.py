@@ -554,6 +554,86 @@ def _rows_tile(t0, t1, t2, t3, offs_m):
 
 
 @triton.jit
+def _code_tiles(x_ptr, w_ptr, ws_ptr, M, N, K, k_split, n_groups, s_xm, s_wn, W4: tl.constexpr,
+                X_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Where program (tile, pid_k) of a GEMM on stored weight codes (qgemm_mid, qgemm_a8) works: output rows
+    [pid_m BM, +BM) x columns [pid_n BN, +BN) over k in [pid_k k_split, +k_split). The row tiles of one column tile
+    are neighbours in launch order, so they read its weight tile while it is in L2. Returns tile, pid_k, offs_m
+    (BM,), offs_n (BN,), their masks mm, mn, rows / cols (int64 offs_m / offs_n), k_len (k this program covers), and
+    the first step's pointers: w_ptrs (BN, BK, or BK / 2 int4 bytes), x_ptrs (BM, BK; X_SPLIT 1 with int4: the even
+    columns' BK / 2), s_ptrs (BN,) the group scales."""
+    m_blocks = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    pid_m, pid_n, pid_k = tile % m_blocks, tile // m_blocks, tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm, mn = offs_m < M, offs_n < N
+    rows = offs_m.to(tl.int64)
+    cols = offs_n.to(tl.int64)
+    WK: tl.constexpr = BLOCK_K // 2 if W4 else BLOCK_K  # code bytes a weight row a step
+    offs_kw = tl.arange(0, WK)
+    k0 = pid_k * k_split
+    k_len = tl.minimum(k_split, K - k0)
+    w_ptrs = w_ptr + cols[:, None] * s_wn + ((k0 // 2) if W4 else k0) + offs_kw[None, :]
+    if W4 and X_SPLIT == 1:
+        x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + 2 * offs_kw[None, :]
+    else:
+        x_ptrs = x_ptr + rows[:, None] * s_xm + k0 + tl.arange(0, BLOCK_K)[None, :]
+    s_ptrs = ws_ptr + cols * n_groups + k0 // BLOCK_K
+    return tile, pid_k, offs_m, offs_n, mm, mn, rows, cols, k_len, w_ptrs, x_ptrs, s_ptrs
+
+
+@triton.jit
+def _w_dot(w, xv, acc, SWAP: tl.constexpr, OUT: tl.constexpr):
+    """acc + the product of a weight tile w (BN, k) and an x tile xv (BM, k): (BN, BM) = W @ x.T with SWAP (the
+    weight tile the tensor-core instruction's M side), else (BM, BN) = x @ W.T; accumulated in OUT."""
+    if SWAP:
+        r = tl.dot(w, tl.trans(xv), acc, out_dtype=OUT)
+    else:
+        r = tl.dot(xv, tl.trans(w), acc, out_dtype=OUT)
+    return r
+
+
+@triton.jit
+def _w4_dot(lo, hi, x_ptrs, mm, acc, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, OUT: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + one k step of int4 codes: lo / hi (BN, BK / 2) the operands of the even / odd columns' codes (low / high
+    nibbles), x read at x_ptrs (``_code_tiles``). X_SPLIT: 0 the codes interleaved back into k order, one product
+    with the contiguous x tile; 1 the even / odd x columns loaded apart; 2 a contiguous x tile split in registers
+    (1 and 2: two products)."""
+    if X_SPLIT == 1:
+        xe = tl.load(x_ptrs, mask=mm[:, None], other=0)
+        xo = tl.load(x_ptrs + 1, mask=mm[:, None], other=0)
+    else:
+        xv = tl.load(x_ptrs, mask=mm[:, None], other=0)
+    if X_SPLIT == 0:
+        acc = _w_dot(tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)), xv, acc, SWAP, OUT)
+    else:
+        if X_SPLIT == 2:
+            xe, xo = tl.split(tl.reshape(xv, (BLOCK_M, BLOCK_K // 2, 2)))
+        acc = _w_dot(lo, xe, acc, SWAP, OUT)
+        acc = _w_dot(hi, xo, acc, SWAP, OUT)
+    return acc
+
+
+@triton.jit
+def _out_offsets(offs_m, offs_n, rows, cols, mm, mn, N, s_om, SWAP: tl.constexpr):
+    """An output tile's offsets in the split partials (rows of N) and in out (rows of s_om), its mask, and the
+    index vector along the accumulator's first axis (``_split_gather``'s offs_m): (BN, BM) with SWAP, else (BM, BN)."""
+    if SWAP:
+        p_off = cols[:, None] + rows[None, :] * N
+        o_off = cols[:, None] + rows[None, :] * s_om
+        mo = mn[:, None] & mm[None, :]
+        first = offs_n
+    else:
+        p_off = rows[:, None] * N + cols[None, :]
+        o_off = rows[:, None] * s_om + cols[None, :]
+        mo = mm[:, None] & mn[None, :]
+        first = offs_m
+    return p_off, o_off, mo, first
+
+
+@triton.jit
 def _split_gather(part_ptr, cnt_ptr, tile, n_split, MN, p_off, mo, offs_m, NSP: tl.constexpr):
     """A K split summed inside the kernel, once this program stored its partial at part_ptr + pid_k * MN + p_off
     (p_off: (BLOCK_M, BLOCK_N) offsets of its output tile, mo their mask). It counts itself at cnt_ptr[tile]
