@@ -28,8 +28,9 @@ import triton.language as tl
 from ssmq.errors import SSMQError
 from ssmq.kernels import configs
 from ssmq.kernels._common import along_n, cdiv, dot_precision, gdc_enter, pdl_args, pow2, silu, tile_zeros
+from ssmq.kernels.gemm_parts import _i8_to_f16
 from ssmq.kernels.qgemm_mid import _asm, _i4_half
-from ssmq.kernels.quant_gemm import _i8_to_f16, quantize_act
+from ssmq.kernels.quant_gemm import quantize_act
 from ssmq.ops.moe import check_experts
 
 # Launch settings by weight format and rows an expert (configs/moe.json): "float" weights, "fp8-w8a8", "float32" and

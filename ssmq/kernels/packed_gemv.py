@@ -17,7 +17,7 @@ program owns ``iters`` tiles of (BLOCK_N, NB blocks) and keeps the next tile's c
 computes one. Under PDL the first tile's codes and scales are requested before waiting on the previous kernel (the
 weight is never written by a decode step), so the weight stream starts during the previous kernel's tail. The
 split's partial sums are added in the kernel by the last program of each output tile (counters of
-``quant_gemm._split_gather``, fixed order) or, with SPLIT_IN_KERNEL off, by ``gemv._sum_splits`` after it.
+``gemm_parts._split_gather``, fixed order) or, with SPLIT_IN_KERNEL off, by ``gemv._sum_splits`` after it.
 
 Launch settings: configs/packed_gemv.json (``CFG``), with the measurements behind them in its ``why``.
 Glossary: m rows of x, n out_features, k in_features, WPW codes a word, CB codes a block (16 words), NB blocks a
@@ -35,7 +35,8 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import cdiv, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits
-from ssmq.kernels.quant_gemm import _counts, _finish_words, _rows_tile, _split_gather
+from ssmq.kernels.gemm_parts import _counts, _split_gather
+from ssmq.kernels.quant_gemm import _finish_words, _rows_tile
 from ssmq.ops.quant_linear import BLOCK_WORDS, pack_words, weight_codes, weight_format
 
 CFG = configs.load("packed_gemv")  # launch settings (configs/packed_gemv.json)

@@ -14,7 +14,7 @@ codes with per-group, per-channel or per-tensor scales, bit for bit (``ops.quant
     ``int_matmul_ref``'s epilogue, so no K split (it would reorder the sums). Instead, a narrow output takes
     narrower column tiles (``fill``), and ``GPS`` groups a loop step are independent products whose loads overlap.
     Per-channel / per-tensor scales: one int32 accumulator over all of k, scaled once at the end; K may be split
-    there (int32 partials add exactly, ``quant_gemm._split_gather`` sums them in the last program of a tile).
+    there (int32 partials add exactly, ``gemm_parts._split_gather`` sums them in the last program of a tile).
   - ``SWAP``: the product is formed as out.T = W @ x.T, so the weight tile is the tensor-core instruction's M side
     (64 rows a warp group, operand from registers on Hopper) and x's rows its N side (16-256).
   - ``X_SPLIT`` (int4): 0 the weight tile's low / high codes interleaved back into k order (one product with the
@@ -38,7 +38,7 @@ from ssmq.kernels._common import (along_m, along_n, cdiv, gdc_enter, pdl_args, p
                                   tile_zeros, whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_a8_rows, select
 from ssmq.kernels.launch import fast_launch
-from ssmq.kernels.quant_gemm import _code_tiles, _out_offsets, _split_gather, _w4_dot, _w_dot, split_buffers
+from ssmq.kernels.gemm_parts import _code_tiles, _out_offsets, _split_gather, _w4_dot, _w_dot, split_buffers
 from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemm_a8")  # launch settings and routes (configs/qgemm_a8.json)
@@ -81,7 +81,7 @@ def _a8_qmm(
     GPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_GDC: tl.constexpr = False,
 ):
-    # Program (tile, pid_k): an output tile over a k range (``quant_gemm._code_tiles``; K and k_split multiples of
+    # Program (tile, pid_k): an output tile over a k range (``gemm_parts._code_tiles``; K and k_split multiples of
     # GPS * BLOCK_K; per-group scales: BLOCK_K == group, one split). MAGIC (per-group sums to float32): 0 a
     # conversion, 1 the magic number (int4: on the shifted sums), 2 (int4) on the 16 q sums. WS_MODE: 0 per tensor,
     # 1 per channel, 2 per group. Accumulators are (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).

@@ -7,7 +7,7 @@ few integer instructions, not the quarter-rate I2F and F2F conversions of a dequ
 issues 16 I2F a clock against the 28 codes a clock its share of HBM delivers at int4. Here:
   - int4: a 32-bit register of 8 codes becomes 4 half2 registers by bit assembly (``_i4_pair``): one PRMT, three
     shifts, four LOP3 that place each nibble (its sign bit flipped) in the mantissa of 1024 (bf16: 128) and four
-    packed subtractions of 1032 (136) that leave the exact code; int8: ``quant_gemm._i8_to_f16`` (fp16 only).
+    packed subtractions of 1032 (136) that leave the exact code; int8: ``gemm_parts._i8_to_f16`` (fp16 only).
   - the group's scales multiply the converted codes in the same registers (one packed multiply a code pair, the
     weight rounded twice: code x scale in 16 bits, scale rounded to 16 bits first), or (``POST_SCALE``) each
     group's product is scaled in float32 after the dot.
@@ -16,12 +16,12 @@ issues 16 I2F a clock against the 28 codes a clock its share of HBM delivers at 
     batch of 16-128 rows fills the instruction without padding to 64.
   - ``GPS`` tiles of k (groups, for grouped codes) a loop step: independent loads, more weight bytes in flight.
   - where the output tiles alone give too few programs for the SMs, K is split; the float32 partials are summed
-    by the last program of each output tile (``quant_gemm._split_gather``: deterministic, CUDA-graph safe).
+    by the last program of each output tile (``gemm_parts._split_gather``: deterministic, CUDA-graph safe).
 
 The kernel reads the stored layout (int4: (n, k // 2) uint8, low nibble = even column): the x columns matching
 the low / high nibbles are the even / odd columns (``X_SPLIT``, as ``qgemm_a8``'s: 0 the weight tile's halves
 interleaved back into k order, 1 two strided loads of x, 2 a contiguous x tile split in registers;
-``quant_gemm._w4_dot``).
+``gemm_parts._w4_dot``).
 
 Launch settings per row range are ``configs/qgemm_mid.json``'s ROWS_W4 / ROWS_W8 (the first entry whose max_rows holds);
 which row ranges run here is its ROUTE less its EXCEPT entries (weight shapes that measured faster on quant_gemm at
@@ -40,7 +40,7 @@ from ssmq.kernels import configs
 from ssmq.kernels._common import (along_n, cdiv, gdc_enter, pdl_args, pow2, rows_entry, sm_count, tile_zeros,
                                   whole_loop_steps)
 from ssmq.kernels.dispatch import quant_linear_mid_rows, select
-from ssmq.kernels.quant_gemm import (_code_tiles, _i8_to_f16, _out_offsets, _split_gather, _w4_dot, _w_dot,
+from ssmq.kernels.gemm_parts import (_code_tiles, _i8_to_f16, _out_offsets, _split_gather, _w4_dot, _w_dot,
                                      split_buffers)
 from ssmq.ops.quant_linear import code_type, weight_format
 
@@ -115,7 +115,7 @@ def _mid_qmm(
     POST_SCALE: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, GPS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_GDC: tl.constexpr = False,
 ):
-    # Program (tile, pid_k): an output tile over a k range (``quant_gemm._code_tiles``; k_split and K multiples of
+    # Program (tile, pid_k): an output tile over a k range (``gemm_parts._code_tiles``; k_split and K multiples of
     # GPS * BLOCK_K; per-group scales: BLOCK_K == GROUP). WS_MODE: 0 per tensor, 1 per channel, 2 per group. acc is
     # (BLOCK_N, BLOCK_M) with SWAP (out.T), else (BLOCK_M, BLOCK_N).
     gdc_enter(USE_GDC)  # PDL: see ssmq.kernels._common

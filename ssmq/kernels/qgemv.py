@@ -11,7 +11,7 @@ of the weight and keeps two (BLOCK_N, KT) tiles in flight (the next tile's codes
 the current one's arithmetic), each thread loading 16 bytes of codes along k at a time. Where it beats
 ``quant_gemm``'s decode kernels, and where not, is ROUTE_ROWS of configs/qgemv.json. The K split that
 fills the grid is summed inside the kernel by the last program of each output tile in a fixed order (the
-counters of ``quant_gemm._split_gather``: deterministic, no second kernel, CUDA-graph safe).
+counters of ``gemm_parts._split_gather``: deterministic, no second kernel, CUDA-graph safe).
 
 Two ways to apply a tile to the rows (``_plan`` picks by rows, CFG's FMA_MAX_ROWS):
   FMA (1-4 rows): codes read as 32-bit words, each code turned into an exact float32 by bit assembly (one LOP3
@@ -35,8 +35,8 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import cdiv, gdc_enter, int8_to_float, pdl_args, pow2, sm_count
 from ssmq.kernels.dispatch import quant_linear_rows, select
-from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _finish_words, _fp8_f32, _rows_tile, \
-    _split_gather, _x_f32, split_buffers
+from ssmq.kernels.gemm_parts import _split_gather, split_buffers
+from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _finish_words, _fp8_f32, _rows_tile, _x_f32
 from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemv")  # launch settings (configs/qgemv.json, keys in docs/kernels.md)

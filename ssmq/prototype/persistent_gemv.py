@@ -8,7 +8,7 @@ no kernel boundary separates them, against the same chain as ``packed_gemv`` lau
 
 Work: each GEMV is cut in items of (BLOCK_N columns, ``iters`` tiles of k); program p of P runs items p, p + P, ...
 An item's float32 partial goes to ``part`` and the last item of a column tile adds them in a fixed order
-(``quant_gemm._split_gather``: deterministic, its counter reset for the next use). Every program must be resident
+(``gemm_parts._split_gather``: deterministic, its counter reset for the next use). Every program must be resident
 at once (the caller keeps P within ``resident_programs``; more would wait forever): a barrier waits for all of them.
 
 Barrier (``_grid_sync``): an arrival counter and a generation; the last to arrive resets the counter and bumps the
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ssmq.kernels._common import cdiv, pow2, sm_count
 from ssmq.kernels.packed_gemv import _block_scales, _slot_f32
-from ssmq.kernels.quant_gemm import _split_gather
+from ssmq.kernels.gemm_parts import _split_gather
 
 BLOCK_N = 128  # columns an item (packed_gemv's tile at 2048 words, NB 1)
 NB = 1
