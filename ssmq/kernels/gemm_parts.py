@@ -1,7 +1,8 @@
 """What the GEMMs and GEMVs on stored weight codes share (``quant_gemm``, ``qgemv``, ``packed_gemv``, ``qgemm_mid``,
-``qgemm_a8``, ``moe``): int8 codes to fp16 by bit assembly, the tile set-up, products and output offsets of a
-program over an output tile and a k range, and the K split summed inside the kernel with its self-resetting
-counters.
+``qgemm_a8``, ``moe``): codes to exact floats by bit assembly (int8 to fp16; a 32-bit word's int4 / int8 / e4m3
+codes to float32 for the word GEMVs), the scale / zero-point / bias epilogue, the tile set-up, products and output
+offsets of a program over an output tile and a k range, and the K split summed inside the kernel with its
+self-resetting counters.
 """
 
 from __future__ import annotations
@@ -29,6 +30,93 @@ def _i8_to_f16(q):
         sub.f16x2 $1, $1, c;
         }""",
         constraints="=r,=r,r", args=[q], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _code_halves(w, W4: tl.constexpr):
+    """Each 32-bit word of codes w as two words (its low / high 16 bits) ready for _code_f32: every code's sign bit
+    flipped (two's complement -> offset binary, q + 2^(b-1)) and the exponent of 2^23 above them. One LOP3 for the
+    low half, a shift and one LOP3 for the high one, shared by the word's 8 (int4) or 4 (int8) codes."""
+    C: tl.constexpr = 0x4B000000 | (0x8888 if W4 else 0x8080)
+    return (w & 0xFFFF) ^ C, ((w >> 16) & 0xFFFF) ^ C
+
+
+@triton.jit
+def _code_f32(lo, hi, J: tl.constexpr, W4: tl.constexpr):
+    """Code J of each word (lo, hi from _code_halves) as an exact float32 times 2^P (P: its bit offset within
+    its half), by bit assembly: no I2F, the quarter-rate conversion that bounded the old decode loop. Masking the
+    half to the exponent and the code gives 2^23 + (q + 2^(b-1)) 2^P (one LOP3, its one constant an immediate);
+    one FADD removes 2^23 + 2^(b-1) 2^P exactly. The caller scales the matching x by 2^-P (exact)."""
+    BITS: tl.constexpr = 4 if W4 else 8
+    H: tl.constexpr = 16 // BITS  # codes per half word
+    P: tl.constexpr = BITS * (J % H)
+    MASK: tl.constexpr = 0x7F800000 | (((1 << BITS) - 1) << P)
+    OFF: tl.constexpr = (1 << 23) + ((1 << (BITS - 1)) << P)
+    src = hi if J >= H else lo
+    return (src & MASK).to(tl.float32, bitcast=True) - OFF
+
+
+@triton.jit
+def _fp8_f32(w, J: tl.constexpr):
+    """Byte J of each 32-bit word of e4m3 codes as its exact float32 value (the hardware e4m3 -> f16 conversion,
+    two codes an instruction; no scale: the epilogue applies it)."""
+    return ((w >> (8 * J)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _x_f32(xv, HI: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr):
+    """float32 x from a load: 16-bit x travels as int32 pairs (HI: the odd column), one load for two columns."""
+    if X16:
+        if XBF16:
+            r = ((xv & -65536) if HI else (xv << 16)).to(tl.float32, bitcast=True)
+        else:
+            r = ((xv >> 16) if HI else xv).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        r = xv.to(tl.float32)
+    return r
+
+
+@triton.jit
+def _rows_tile(t0, t1, t2, t3, offs_m):
+    """(BLOCK_M, BLOCK_N) from the rows' (BLOCK_N,) vectors (BLOCK_M <= 4; t1.. unused past BLOCK_M)."""
+    tile = tl.where(offs_m[:, None] == 0, t0[None, :], 0)
+    tile = tl.where(offs_m[:, None] == 1, t1[None, :], tile)
+    tile = tl.where(offs_m[:, None] == 2, t2[None, :], tile)
+    return tl.where(offs_m[:, None] == 3, t3[None, :], tile)
+
+
+@triton.jit
+def _scale_bias_store(acc, xs, xsum, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, pid_k, s_om, s_os,
+                      SCALE: tl.constexpr, A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_ZERO: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
+    """The end of ``quant_gemm``'s ``_qmm`` and ``_qgemv`` (and of the word GEMVs, ``_finish_words``): acc
+    (BLOCK_M, BLOCK_N) float32 times the per-channel / per-tensor scales (SCALE; per-group scales were applied inside
+    the K loop), minus zero · Σx (xsum (BLOCK_M,)) for asymmetric weight-only formats, plus bias, stored at split
+    pid_k of out."""
+    if SCALE:
+        if WS_MODE == 1:
+            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
+        else:
+            s = tl.load(ws_ptr + offs_n * 0)
+        if A_MODE != 0:
+            acc = acc * (xs[:, None] * s[None, :])
+        else:
+            if HAS_ZERO:
+                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
+                acc -= z[None, :] * xsum[:, None]
+            acc = acc * s[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om,
+                  A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # zero points are already applied (per split): _scale_bias_store's scale epilogue, into out
+    _scale_bias_store(tot.to(tl.float32), xs, xs * 0.0, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, 0,
+                      s_om, 0, WS_MODE != 2, A_MODE, WS_MODE, False, HAS_BIAS)
 
 
 @triton.jit

@@ -35,8 +35,7 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import cdiv, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits
-from ssmq.kernels.gemm_parts import _counts, _split_gather
-from ssmq.kernels.quant_gemm import _finish_words, _rows_tile
+from ssmq.kernels.gemm_parts import _counts, _finish_words, _rows_tile, _split_gather
 from ssmq.ops.quant_linear import BLOCK_WORDS, pack_words, weight_codes, weight_format
 
 CFG = configs.load("packed_gemv")  # launch settings (configs/packed_gemv.json)

@@ -15,7 +15,7 @@ counters of ``gemm_parts._split_gather``: deterministic, no second kernel, CUDA-
 
 Two ways to apply a tile to the rows (``_plan`` picks by rows, CFG's FMA_MAX_ROWS):
   FMA (1-4 rows): codes read as 32-bit words, each code turned into an exact float32 by bit assembly (one LOP3
-      and one FADD a code, ``quant_gemm._code_f32``; fp8: the hardware e4m3 conversion), one FFMA a code and row;
+      and one FADD a code, ``gemm_parts._code_f32``; fp8: the hardware e4m3 conversion), one FFMA a code and row;
       per-group scales multiply each group's sum (BLOCK_N, NG) once per tile.
   DOT (3-8 rows, padded to 16): the tile dequantized in registers to x's dtype ((q * s) in float32, rounded once:
       the reference's weight), one tensor-core product a tile: the cost a code no longer grows with the rows.
@@ -35,8 +35,8 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import cdiv, gdc_enter, int8_to_float, pdl_args, pow2, sm_count
 from ssmq.kernels.dispatch import quant_linear_rows, select
-from ssmq.kernels.gemm_parts import _split_gather, split_buffers
-from ssmq.kernels.quant_gemm import _code_f32, _code_halves, _finish_words, _fp8_f32, _rows_tile, _x_f32
+from ssmq.kernels.gemm_parts import (_code_f32, _code_halves, _finish_words, _fp8_f32, _rows_tile, _split_gather,
+                                     _x_f32, split_buffers)
 from ssmq.ops.quant_linear import code_type, weight_format
 
 CFG = configs.load("qgemv")  # launch settings (configs/qgemv.json, keys in docs/kernels.md)

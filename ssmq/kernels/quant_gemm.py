@@ -64,7 +64,8 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import cdiv, dot_precision, gdc_enter, pdl_args, pow2, sm_count
-from ssmq.kernels.gemm_parts import _counts, _i8_to_f16, _split_gather
+from ssmq.kernels.gemm_parts import (_code_f32, _code_halves, _counts, _finish_words, _fp8_f32, _i8_to_f16,
+                                     _rows_tile, _scale_bias_store, _split_gather, _x_f32)
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
 from ssmq.kernels.launch import fast_launch
 from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
@@ -87,31 +88,6 @@ def _prep_x(xv, xs, QUANT_X: tl.constexpr, A_MODE: tl.constexpr, QMAX: tl.conste
     elif A_MODE == 2:  # fp8 codes travel as raw bytes (masked loads need an integer fill value)
         xv = xv.to(tl.float8e4nv, bitcast=True)
     return xv.to(OP)
-
-
-@triton.jit
-def _scale_bias_store(acc, xs, xsum, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, pid_k, s_om, s_os,
-                      SCALE: tl.constexpr, A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_ZERO: tl.constexpr,
-                      HAS_BIAS: tl.constexpr):
-    """The end of both GEMM kernels: acc (BLOCK_M, BLOCK_N) float32 times the per-channel / per-tensor scales
-    (SCALE; per-group scales were applied inside the K loop), minus zero · Σx (xsum (BLOCK_M,)) for asymmetric
-    weight-only formats, plus bias, stored at split pid_k of out."""
-    if SCALE:
-        if WS_MODE == 1:
-            s = tl.load(ws_ptr + offs_n, mask=mn, other=0.0)
-        else:
-            s = tl.load(ws_ptr + offs_n * 0)
-        if A_MODE != 0:
-            acc = acc * (xs[:, None] * s[None, :])
-        else:
-            if HAS_ZERO:
-                z = tl.load(wz_ptr + (offs_n if WS_MODE == 1 else offs_n * 0), mask=mn, other=0).to(tl.float32)
-                acc -= z[None, :] * xsum[:, None]
-            acc = acc * s[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mn, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + pid_k * s_os + rows[:, None] * s_om + offs_n[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
 
 
 @fast_launch
@@ -379,50 +355,6 @@ def _qgemv(
 
 
 @triton.jit
-def _code_halves(w, W4: tl.constexpr):
-    """Each 32-bit word of codes w as two words (its low / high 16 bits) ready for _code_f32: every code's sign bit
-    flipped (two's complement -> offset binary, q + 2^(b-1)) and the exponent of 2^23 above them. One LOP3 for the
-    low half, a shift and one LOP3 for the high one, shared by the word's 8 (int4) or 4 (int8) codes."""
-    C: tl.constexpr = 0x4B000000 | (0x8888 if W4 else 0x8080)
-    return (w & 0xFFFF) ^ C, ((w >> 16) & 0xFFFF) ^ C
-
-
-@triton.jit
-def _code_f32(lo, hi, J: tl.constexpr, W4: tl.constexpr):
-    """Code J of each word (lo, hi from _code_halves) as an exact float32 times 2^P (P: its bit offset within
-    its half), by bit assembly: no I2F, the quarter-rate conversion that bounded the old decode loop. Masking the
-    half to the exponent and the code gives 2^23 + (q + 2^(b-1)) 2^P (one LOP3, its one constant an immediate);
-    one FADD removes 2^23 + 2^(b-1) 2^P exactly. The caller scales the matching x by 2^-P (exact)."""
-    BITS: tl.constexpr = 4 if W4 else 8
-    H: tl.constexpr = 16 // BITS  # codes per half word
-    P: tl.constexpr = BITS * (J % H)
-    MASK: tl.constexpr = 0x7F800000 | (((1 << BITS) - 1) << P)
-    OFF: tl.constexpr = (1 << 23) + ((1 << (BITS - 1)) << P)
-    src = hi if J >= H else lo
-    return (src & MASK).to(tl.float32, bitcast=True) - OFF
-
-
-@triton.jit
-def _fp8_f32(w, J: tl.constexpr):
-    """Byte J of each 32-bit word of e4m3 codes as its exact float32 value (the hardware e4m3 -> f16 conversion,
-    two codes an instruction; no scale: the epilogue applies it)."""
-    return ((w >> (8 * J)) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _x_f32(xv, HI: tl.constexpr, X16: tl.constexpr, XBF16: tl.constexpr):
-    """float32 x from a load: 16-bit x travels as int32 pairs (HI: the odd column), one load for two columns."""
-    if X16:
-        if XBF16:
-            r = ((xv & -65536) if HI else (xv << 16)).to(tl.float32, bitcast=True)
-        else:
-            r = ((xv >> 16) if HI else xv).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    else:
-        r = xv.to(tl.float32)
-    return r
-
-
-@triton.jit
 def _dp4a(a, b, c, PTX: tl.constexpr):
     """c + the dot product of the four signed bytes of a and b (int32 words): one IDP.4A instruction, or its
     pure-Triton twin for the interpreter."""
@@ -526,15 +458,6 @@ def _row_total(p, xsum, z, A_MODE: tl.constexpr, W4: tl.constexpr, HAS_ZERO: tl.
 
 
 @triton.jit
-def _rows_tile(t0, t1, t2, t3, offs_m):
-    """(BLOCK_M, BLOCK_N) from the rows' (BLOCK_N,) vectors (BLOCK_M <= 4; t1.. unused past BLOCK_M)."""
-    tile = tl.where(offs_m[:, None] == 0, t0[None, :], 0)
-    tile = tl.where(offs_m[:, None] == 1, t1[None, :], tile)
-    tile = tl.where(offs_m[:, None] == 2, t2[None, :], tile)
-    return tl.where(offs_m[:, None] == 3, t3[None, :], tile)
-
-
-@triton.jit
 def _group_gather(part_ptr, cnt_ptr, tile, n_split, n_groups, MN, p_off, mo, offs_m, NSP: tl.constexpr):
     """As _split_gather for GROUP_PARTS: the last program adds the n_groups (<= NSP) stored group products in group
     order, starting from 0 (int_matmul_ref's out = 0; out += ... order; the loads are independent and issued
@@ -548,14 +471,6 @@ def _group_gather(part_ptr, cnt_ptr, tile, n_split, n_groups, MN, p_off, mo, off
         tot += tl.load(part_ptr + t * MN + p_off, mask=ml & (t < n_groups), other=0.0, cache_modifier=".cg")
     tl.store(cnt_ptr + tile + offs_m * 0, offs_m * 0, mask=last)
     return tot, last
-
-
-@triton.jit
-def _finish_words(tot, xs, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, s_om,
-                  A_MODE: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # zero points are already applied (per split): the scale epilogue of the other kernels, into out
-    _scale_bias_store(tot.to(tl.float32), xs, xs * 0.0, ws_ptr, wz_ptr, b_ptr, out_ptr, offs_n, mn, rows, mm, 0,
-                      s_om, 0, WS_MODE != 2, A_MODE, WS_MODE, False, HAS_BIAS)
 
 
 @triton.jit
