@@ -26,7 +26,7 @@ TOKENS = [1, 64] if SMOKE else [1, 64, 1024]
 BMS = {1: [16], 64: [16, 32], 1024: [16, 32, 64]}
 FMTS = ["int4", "int8"]
 BASE = {"BN": 64, "BK": 64, "warps": 8, "stages": 3, "CVT": 0}  # the settings before this sweep
-STRUCT = {"int4": [dict(POST=p, XS=x, SWAP=s) for p, x, s in ((False, 0, False), (True, 0, False), (False, 2, True),
+STRUCT = {"int4": [dict(POST=p, XS=x, SWAP=s) for p, x, s in ((False, 2, False), (True, 2, False), (False, 0, True),
                                                                 (False, 1, False))],
           "int8": [dict(POST=p, XS=0, SWAP=s) for p, s in ((False, False), (True, False), (False, True))]}
 TILES = [dict(BN=16, BK=128, warps=4, stages=3), dict(BN=32, BK=128, warps=4, stages=3),

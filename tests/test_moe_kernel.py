@@ -372,11 +372,11 @@ def test_grouped_quantized_moe_on_cuda_equals_the_modules(fmt, t):
 # launch settings the table may hold (configs/moe.json): codes converted in 16 bits, scaled before or after the
 # product, int4's x columns split three ways, the product swapped, 32-row blocks
 VARIANTS = {
-    "cvt": dict(CVT=1, POST=False, XS=0, SWAP=False),
-    "cvt-post": dict(CVT=1, POST=True, XS=0, SWAP=False),
+    "cvt": dict(CVT=1, POST=False, XS=2, SWAP=False),
+    "cvt-post": dict(CVT=1, POST=True, XS=2, SWAP=False),
     "cvt-strided-x": dict(CVT=1, POST=False, XS=1, SWAP=False),
-    "cvt-join-post-swap": dict(CVT=1, POST=True, XS=2, SWAP=True),
-    "cvt-swap-bm32": dict(CVT=1, POST=False, XS=0, SWAP=True, BM=32),
+    "cvt-join-post-swap": dict(CVT=1, POST=True, XS=0, SWAP=True),
+    "cvt-swap-bm32": dict(CVT=1, POST=False, XS=2, SWAP=True, BM=32),
 }
 
 
@@ -405,7 +405,7 @@ def test_int4_tiles_narrower_than_32_columns_keep_the_float32_conversion():
     conversion gave wrong results on an H100 there. Wider tiles take the entry's 16-bit conversion."""
     from ssmq.kernels.moe import launch_consts
 
-    entry = {"CVT": 1, "POST": True, "XS": 0, "SWAP": True, "BN": 128, "BK": 128, "warps": 8, "stages": 3}
+    entry = {"CVT": 1, "POST": True, "XS": 2, "SWAP": True, "BN": 128, "BK": 128, "warps": 8, "stages": 3}
     narrow = launch_consts(entry, torch.float16, True, 2, False, 4, 16, 512)
     wide = launch_consts(entry, torch.float16, True, 2, False, 4, 128, 512)
     assert (narrow["CVT"], narrow["POST"], narrow["SWAP"], narrow["ASM_LO"]) == (0, 0, False, "")

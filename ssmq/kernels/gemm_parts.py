@@ -150,13 +150,14 @@ def _code_tiles(x_ptr, w_ptr, ws_ptr, M, N, K, k_split, n_groups, s_xm, s_wn, W4
 
 
 @triton.jit
-def _w_dot(w, xv, acc, SWAP: tl.constexpr, OUT: tl.constexpr):
+def _w_dot(w, xv, acc, SWAP: tl.constexpr, OUT: tl.constexpr, PRECISION: tl.constexpr = None):
     """acc + the product of a weight tile w (BN, k) and an x tile xv (BM, k): (BN, BM) = W @ x.T with SWAP (the
-    weight tile the tensor-core instruction's M side), else (BM, BN) = x @ W.T; accumulated in OUT."""
+    weight tile the tensor-core instruction's M side), else (BM, BN) = x @ W.T; accumulated in OUT, float32 operands
+    multiplied at PRECISION (tl.dot's input_precision; None: its default)."""
     if SWAP:
-        r = tl.dot(w, tl.trans(xv), acc, out_dtype=OUT)
+        r = tl.dot(w, tl.trans(xv), acc, out_dtype=OUT, input_precision=PRECISION)
     else:
-        r = tl.dot(xv, tl.trans(w), acc, out_dtype=OUT)
+        r = tl.dot(xv, tl.trans(w), acc, out_dtype=OUT, input_precision=PRECISION)
     return r
 
 

@@ -28,7 +28,7 @@ import triton.language as tl
 from ssmq.errors import SSMQError
 from ssmq.kernels import configs
 from ssmq.kernels._common import along_n, cdiv, dot_precision, gdc_enter, pdl_args, pow2, silu, tile_zeros
-from ssmq.kernels.gemm_parts import _i8_to_f16
+from ssmq.kernels.gemm_parts import _i8_to_f16, _w_dot
 from ssmq.kernels.qgemm_mid import _asm, _i4_half
 from ssmq.kernels.quant_gemm import quantize_act
 from ssmq.ops.moe import check_experts
@@ -41,8 +41,9 @@ from ssmq.ops.moe import check_experts
 #   CVT 1: codes converted in 16 bits (int4 / int8 to fp16 by bit assembly on CUDA), times the scale rounded to 16
 #          bits (the weight rounded twice), or with POST the float32 product scaled instead (per group after each
 #          tile's product, per channel once at the end);
-#   XS (int4, CVT 1): the x columns of the low / high nibbles: 0 the x tile split in registers, 1 two strided loads,
-#          2 the weight tile's halves interleaved back into k order (one product);
+#   XS (int4, CVT 1): the x columns of the low / high nibbles, numbered as the GEMMs' X_SPLIT
+#          (``gemm_parts._w4_dot``): 0 the weight tile's halves interleaved back into k order (one product), 1 two
+#          strided loads, 2 the x tile split in registers;
 #   SWAP (CVT 1): the product formed as h.T = W @ x.T, the weight tile the tensor-core instruction's M side.
 CFG = configs.load("moe")
 BLOCK_M = 16  # rows a block of the tables' default (and of the float entries)
@@ -137,10 +138,8 @@ def _mm(a, w, acc, A_FP8: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.conste
     if A_FP8:  # e4m3 x e4m3, float32 accumulation (no reduced-precision accumulation on sm_90): exact products. At
         # 16-row tiles the sm_90 build multiplies them as fp16 (the codes widened exactly) on the fp16 MMA
         acc = tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=0)
-    elif SWAP:
-        acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
     else:
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        acc = _w_dot(w, a, acc, SWAP, tl.float32, PRECISION)
     return acc
 
 
@@ -181,7 +180,7 @@ def _k_step(acc, x_ptr, xq_ptr, x_row, mr, w_ptr, w_row, s_ptr, s_row, offs_k, k
             s16 = tl.broadcast_to(s.to(OP)[:, None], (BN, KH))
             lo = _i4_half(wb, s16, ASM_LO, False, BF16, POST == 0)
             hi = _i4_half(wb, s16, ASM_HI, True, BF16, POST == 0)
-            if XS == 2:  # back in k order: one product with the contiguous x tile
+            if XS == 0:  # back in k order: one product with the contiguous x tile
                 w = tl.reshape(tl.join(lo, hi), (BN, BLOCK_K))
                 xv = tl.load(x_ptr + x_row[:, None] + k0 + offs_k[None, :], mask=mr[:, None] & mk[None, :],
                              other=0.0)
@@ -222,7 +221,7 @@ def _moe_up(
     d, f, k, s_xt, s_we, s_wf, s_se, n_groups, group, s_ht,
     GATED: tl.constexpr, W_MODE: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CVT: tl.constexpr = 0,
-    POST: tl.constexpr = 0, XS: tl.constexpr = 0, SWAP: tl.constexpr = False, BF16: tl.constexpr = False,
+    POST: tl.constexpr = 0, XS: tl.constexpr = 2, SWAP: tl.constexpr = False, BF16: tl.constexpr = False,
     FAST_I8: tl.constexpr = False, ASM_LO: tl.constexpr = "", ASM_HI: tl.constexpr = "",
     USE_GDC: tl.constexpr = False,
 ):
@@ -277,7 +276,7 @@ def _moe_down(
     d, f, s_ht, s_we, s_wd, s_se, n_groups, group, s_yp,
     W_MODE: tl.constexpr, A_FP8: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CVT: tl.constexpr = 0,
-    POST: tl.constexpr = 0, XS: tl.constexpr = 0, SWAP: tl.constexpr = False, BF16: tl.constexpr = False,
+    POST: tl.constexpr = 0, XS: tl.constexpr = 2, SWAP: tl.constexpr = False, BF16: tl.constexpr = False,
     FAST_I8: tl.constexpr = False, ASM_LO: tl.constexpr = "", ASM_HI: tl.constexpr = "",
     USE_GDC: tl.constexpr = False,
 ):
@@ -341,7 +340,7 @@ def launch_consts(launch: dict, x_dtype: torch.dtype, cuda: bool, mode: int, act
     # results on an H100 there (8-byte tile rows), packed by bit assembly or not
     cvt = int(launch.get("CVT", 0) and mode != 0 and not act_fp8 and x_dtype != torch.float32
               and not (mode == 2 and bk < 32))
-    xs = launch.get("XS", 0)
+    xs = launch.get("XS", 2)
     bf16 = x_dtype == torch.bfloat16
     post = (1 if groups > 1 else 2) if cvt and launch.get("POST", False) else 0
     bn = min(launch["BN"], pow2(n, 16))
