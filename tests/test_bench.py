@@ -273,6 +273,35 @@ def test_accuracy_float_row_is_the_baseline(tmp_path):
     assert abs(rows[1]["delta_pct"]) < 5  # int8 weights barely move perplexity
 
 
+def test_accuracy_decode_path_scores_the_same_windows_token_by_token(tmp_path):
+    """--paths forward,decode: a row per recipe and path; in float32 the decode path (model.step over the cache)
+    predicts the windows as the forward does, so their perplexities agree; a quantized state format moves only the
+    decode path's."""
+    from conftest import shared_or_skip
+
+    shared_or_skip("models", "mamba2")
+    text = tmp_path / "t.txt"
+    text.write_text("The song was released as a single in 2008 . It reached number one in the charts . " * 30)
+    r = run("accuracy", "--recipes", "float,int8-state", "--paths", "forward,decode", "--text", str(text),
+            "--seqlen", "48", "--limit", "2", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    rows = {(row["recipe"], row["path"]): row for row in json.loads((tmp_path / "accuracy.json").read_text())["rows"]}
+    assert set(rows) == {(a, b) for a in ("float", "int8-state") for b in ("forward", "decode")}
+    assert rows["float", "decode"]["ppl"] == pytest.approx(rows["float", "forward"]["ppl"], rel=1e-4)
+    assert rows["int8-state", "forward"]["ppl"] == pytest.approx(rows["float", "forward"]["ppl"], rel=1e-6)
+    assert rows["int8-state", "decode"]["ppl"] != rows["float", "decode"]["ppl"]
+    assert rows["float", "decode"]["delta_pct"] == 0 and rows["float", "decode"]["windows"] == 2
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--against-reference", "--device", "cpu"], "--against-reference compares the GPU kernels"),
+    (["--paths", "forward,prefill"], "--paths: prefill is not a path"),
+])
+def test_accuracy_bad_options_are_one_line(argv, msg):
+    r = run("accuracy", "--recipes", "float", *argv)
+    assert r.returncode == 1 and msg in r.stderr and r.stderr.count("\n") == 1
+
+
 def _param_count(model) -> int:
     """Values of the model's parameters and persistent buffers, each tensor once (a router's bias is either, by
     implementation; tied embeddings are one tensor)."""

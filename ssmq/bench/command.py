@@ -178,6 +178,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, default=2048, help="tokens per window (default 2048)")
     p.add_argument("--limit", type=int, default=8, help="windows scored (default 8)")
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward (default 1)")
+    p.add_argument("--paths", type=_names, default=["forward"], help="comma-separated: forward (each window in "
+                   "one forward, prefill's kernels), decode (the windows token by token through the cache and the "
+                   "decode kernels, one batch) (default forward)")
+    p.add_argument("--against-reference", action="store_true", help="also score each path on the ssmq.ops "
+                   "references and report the kernels' difference from them (CUDA only)")
     p.add_argument("--calib", default=None, help="calibration text file (default: WikiText-2 train from the data "
                    "folder)")
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows (default 128)")
