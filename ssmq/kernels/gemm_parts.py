@@ -236,10 +236,10 @@ def _counts(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 def split_buffers(split: int, M: int, N: int, tiles: int, device: torch.device, dtype: torch.dtype,
-                  out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(partial sums (split, M, N) of ``dtype``, the ``tiles`` output tiles' counters) of a kernel whose K is split
-    ``split`` ways and whose last program of a tile adds them (``_split_gather``); (out, out) placeholders when
-    ``split`` is 1."""
+                  out: torch.Tensor, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial sums (depth, M, N) of ``dtype``, the ``tiles`` output tiles' counters) of a kernel whose K is split
+    ``split`` ways and whose last program of a tile adds them (``_split_gather``); ``depth`` is ``split`` unless the
+    kernel keeps one slice per quantization group; (out, out) placeholders when ``split`` is 1."""
     if split == 1:
         return out, out
-    return torch.empty((split, M, N), device=device, dtype=dtype), _counts(device, tiles)
+    return torch.empty((depth or split, M, N), device=device, dtype=dtype), _counts(device, tiles)

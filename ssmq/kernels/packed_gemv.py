@@ -35,7 +35,7 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.kernels._common import cdiv, pdl_args, pow2, sm_count
 from ssmq.kernels.gemv import _sum_splits
-from ssmq.kernels.gemm_parts import _counts, _finish_words, _rows_tile, _split_gather
+from ssmq.kernels.gemm_parts import _finish_words, _rows_tile, _split_gather, split_buffers
 from ssmq.ops.quant_linear import BLOCK_WORDS, pack_words, weight_codes, weight_format
 
 CFG = configs.load("packed_gemv")  # launch settings (configs/packed_gemv.json)
@@ -256,11 +256,7 @@ def packed_gemv(x, words, w_scale, bits: int, bias=None, out_dtype=None, cfg=Non
     o2 = out.view(M, N)
     split = c["split"]
     in_kernel = cfg["SPLIT_IN_KERNEL"]
-    if split > 1:
-        part = torch.empty((split, M, N), device=x.device, dtype=torch.float32)
-        cnt = _counts(x.device, c["grid"][0] * c["grid"][1]) if in_kernel else part
-    else:
-        part = cnt = o2
+    part, cnt = split_buffers(split, M, N, c["grid"][0] * c["grid"][1], x.device, torch.float32, o2)
     b_arg = bias if bias is not None else w_scale
     pdl = pdl_args(x2)
     _packed_gemv[c["grid"]](

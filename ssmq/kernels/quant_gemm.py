@@ -64,8 +64,9 @@ import triton.language as tl
 from ssmq.kernels import configs
 from ssmq.errors import SSMQError
 from ssmq.kernels._common import cdiv, dot_precision, gdc_enter, pdl_args, pow2, sm_count
-from ssmq.kernels.gemm_parts import (_code_f32, _code_halves, _counts, _finish_words, _fp8_f32, _i8_to_f16,
-                                     _rows_tile, _scale_bias_store, _split_gather, _x_f32)
+from ssmq.kernels.gemm_parts import (_code_f32, _code_halves, _finish_words, _fp8_f32, _i8_to_f16,
+                                     _rows_tile, _scale_bias_store, _split_gather, _x_f32,
+                                     split_buffers)
 from ssmq.kernels.gemv import _sum_splits  # the K-split partial sums + bias, shared with the float GEMV
 from ssmq.kernels.launch import fast_launch
 from ssmq.ops.quant_linear import EPS, FP8_MAX, absmax_scale, given_act_scale, quant_linear_ref, weight_format
@@ -826,12 +827,9 @@ def _launch_words(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg):
     split = c["split"]
     n_groups = w_scale.shape[1] if w_scale.dim() == 2 else 1
     group_parts = split > 1 and a_mode == 1 and f["group_size"] is not None
-    if split > 1:
-        part = torch.empty((n_groups if group_parts else split, M, N), device=x2.device,
-                           dtype=torch.int32 if a_mode == 1 and f["group_size"] is None else torch.float32)
-        cnt = _counts(x2.device, c["tiles"])
-    else:
-        part = cnt = out
+    part, cnt = split_buffers(split, M, N, c["tiles"], x2.device,
+                              torch.int32 if a_mode == 1 and f["group_size"] is None else torch.float32, out,
+                              depth=n_groups if group_parts else split)
     x16 = a_mode == 0 and x2.dtype != torch.float32
     xw = (x2.view(torch.int8) if a_mode == 2 else x2).view(torch.int32) if a_mode != 0 or x16 else x2
     dummy = w_scale
@@ -858,7 +856,7 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
     N = f["n"]
     c = _plan(M, N, K, f, a_mode, sm_count(x2.device), cfg)
     split = c["split"]
-    part = out if split == 1 else torch.empty((split, M, N), device=x2.device, dtype=torch.float32)
+    part, cnt = split_buffers(split, M, N, c["grid"][0], x2.device, torch.float32, out)
     dummy = w_scale
     if f["fp8"]:  # raw bytes: the kernel reinterprets them (see _qmm)
         w_q = w_q.view(torch.int8)
@@ -866,7 +864,7 @@ def _launch_qmm(x2, xs, w_q, w_scale, w_zero, bias, out, f, a_mode, cfg, quant_x
     # the K split summed inside _qmm (SPLIT_IN_KERNEL), or by _sum_splits after it
     in_kernel = split > 1 and cfg["SPLIT_IN_KERNEL"] and not c["FMA"]
     args = (x2, xs if xs is not None else dummy, w_q, w_scale, w_zero if w_zero is not None else dummy,
-            bias if bias is not None else dummy, part, out, _counts(x2.device, c["grid"][0]) if in_kernel else part,
+            bias if bias is not None else dummy, part, out, cnt if in_kernel else part,
             M, N, K, c["k_split"], w_scale.shape[1] if w_scale.dim() == 2 else 1, x2.stride(0), w_q.stride(0),
             N, M * N)
     common = dict(A_MODE=a_mode, XS_ROWS=xs is not None and xs.dim() == 1, W4=f["bits"] == 4, W_FP8=f["fp8"],
