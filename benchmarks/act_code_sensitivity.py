@@ -55,18 +55,22 @@ def jittered_quantizers(ulps: float, seed: int):
             setattr(m, name, fn)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def forward_args(description: str, recipes: str) -> argparse.ArgumentParser:
+    """The options of a script that scores recipes' forward on the trained models with and without a change."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--recipes", default=",".join(A8))
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--ulps", type=float, default=1.0)
+    ap.add_argument("--recipes", default=recipes)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--calib-samples", type=int, default=8)
     ap.add_argument("--calib-seqlen", type=int, default=256)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def score_changed(args, changes) -> list[dict]:
+    """For each of ``args.recipes``: the trained model quantized once, its forward perplexity on the references, and
+    its difference in % under each context manager ``changes()`` yields (a row: recipe, ppl, delta_pct list)."""
     tok = load_tokenizer(args.model)
     ids = tok.encode(open(wikitext2_path(), encoding="utf-8").read())
     calib = load_calibration(None, args.calib_samples, args.calib_seqlen, 0, tok)
@@ -78,12 +82,21 @@ def main() -> None:
         quantize(model, recipe, calib if recipe.needs_calibration() else None, progress=False)
         ref = perplexity_of_ids(model, ids, args.seqlen, 1, args.limit, progress=False)["ppl"]
         moved = []
-        for seed in range(args.seeds):
-            with jittered_quantizers(args.ulps, seed):
-                moved.append(100 * (perplexity_of_ids(model, ids, args.seqlen, 1, args.limit, progress=False)["ppl"]
-                                    / ref - 1))
+        for change in changes():
+            with change:
+                ppl = perplexity_of_ids(model, ids, args.seqlen, 1, args.limit, progress=False)["ppl"]
+            moved.append(100 * (ppl / ref - 1))
         rows.append({"recipe": name, "ppl": ref, "delta_pct": moved})
         print(json.dumps(rows[-1]), f"{time.time() - t0:.0f} s", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = forward_args(__doc__.splitlines()[0], ",".join(A8))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--ulps", type=float, default=1.0)
+    args = ap.parse_args()
+    rows = score_changed(args, lambda: (jittered_quantizers(args.ulps, seed) for seed in range(args.seeds)))
     with open(args.out, "w") as fh:
         json.dump({"model": args.model, "seqlen": args.seqlen, "limit": args.limit, "ulps": args.ulps, "rows": rows},
                   fh, indent=1)
