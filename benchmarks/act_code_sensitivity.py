@@ -70,7 +70,7 @@ def forward_args(description: str, recipes: str) -> argparse.ArgumentParser:
 
 def score_changed(args, changes) -> list[dict]:
     """For each of ``args.recipes``: the trained model quantized once, its forward perplexity on the references, and
-    its difference in % under each context manager ``changes()`` yields (a row: recipe, ppl, delta_pct list)."""
+    its difference in % under each context manager ``changes(model)`` yields (a row: recipe, ppl, delta_pct list)."""
     tok = load_tokenizer(args.model)
     ids = tok.encode(open(wikitext2_path(), encoding="utf-8").read())
     calib = load_calibration(None, args.calib_samples, args.calib_seqlen, 0, tok)
@@ -82,7 +82,7 @@ def score_changed(args, changes) -> list[dict]:
         quantize(model, recipe, calib if recipe.needs_calibration() else None, progress=False)
         ref = perplexity_of_ids(model, ids, args.seqlen, 1, args.limit, progress=False)["ppl"]
         moved = []
-        for change in changes():
+        for change in changes(model):
             with change:
                 ppl = perplexity_of_ids(model, ids, args.seqlen, 1, args.limit, progress=False)["ppl"]
             moved.append(100 * (ppl / ref - 1))
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ulps", type=float, default=1.0)
     args = ap.parse_args()
-    rows = score_changed(args, lambda: (jittered_quantizers(args.ulps, seed) for seed in range(args.seeds)))
+    rows = score_changed(args, lambda model: (jittered_quantizers(args.ulps, seed) for seed in range(args.seeds)))
     with open(args.out, "w") as fh:
         json.dump({"model": args.model, "seqlen": args.seqlen, "limit": args.limit, "ulps": args.ulps, "rows": rows},
                   fh, indent=1)
