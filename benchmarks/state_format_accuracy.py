@@ -6,8 +6,9 @@ state stored in candidate formats, on the same windows of WikiText-2 test, on th
 Formats: float32, float16 and bfloat16 states; int8 with dynamic row scales (``int8-state``); and, emulated in the
 reference step (the codes kept in the int8 buffer, ``ssmq.ops.quant_ssm``'s row quantizer replaced): FP8 e4m3 with a
 row scale (absmax / 448 a row of n, rounded to nearest even by the conversion), FP8 e4m3 without a scale (the state
-cast, saturating at 448), e5m2 with a row scale, and int4 with row scales (absmax / 7). y is computed from the float32
-state before it is stored, as every format does, so only later steps see a format's rounding.
+cast, saturating at 448), e5m2 with a row scale, and int4 with row scales (absmax / 7); int8 and int4 rows also with
+stochastic rounding (``-stochastic``, seeds 0 and 1). y is computed from the float32 state before it is stored, as
+every format does, so only later steps see a format's rounding.
 """
 
 from __future__ import annotations
@@ -50,9 +51,26 @@ def _int_rows(qmax):
     return quantize, Q.dequantize_state_rows_ref
 
 
+def _int_rows_stochastic(qmax, seed):
+    """Row scales as ``_int_rows``; each value rounded down or up with the probability of its distance to the other
+    code (floor(v + u), u uniform in [0, 1)): unbiased, where round-to-nearest drifts a slowly decaying state."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def quantize(state):
+        state = state.float()
+        amax = state.abs().amax(-1)
+        inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
+        v = state * inv[..., None]
+        return torch.floor(v + torch.rand(v.shape, generator=gen)).clamp(-qmax, qmax).to(torch.int8), amax / qmax
+
+    return quantize, Q.dequantize_state_rows_ref
+
+
 ROW_CODECS = {"fp8-e4m3-rows": _fp8_rows(torch.float8_e4m3fn, 448.0), "fp8-e5m2-rows": _fp8_rows(torch.float8_e5m2,
               57344.0), "int4-rows": _int_rows(7.0), "int8-rows": (Q.quantize_state_rows_ref,
-              Q.dequantize_state_rows_ref)}
+              Q.dequantize_state_rows_ref), "int8-rows-stochastic": _int_rows_stochastic(127.0, 0),
+              "int8-rows-stochastic-seed1": _int_rows_stochastic(127.0, 1), "int4-rows-stochastic":
+              _int_rows_stochastic(7.0, 0), "int4-rows-stochastic-seed1": _int_rows_stochastic(7.0, 1)}
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp8-e4m3": torch.float8_e4m3fn}
 
