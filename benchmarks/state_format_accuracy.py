@@ -41,36 +41,28 @@ def _fp8_rows(dtype, qmax):
     return quantize, dequantize
 
 
-def _int_rows(qmax):
-    def quantize(state):
-        state = state.float()
-        amax = state.abs().amax(-1)
-        inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
-        return torch.round(state * inv[..., None]).clamp(-qmax, qmax).to(torch.int8), amax / qmax
-
-    return quantize, Q.dequantize_state_rows_ref
-
-
-def _int_rows_stochastic(qmax, seed):
-    """Row scales as ``_int_rows``; each value rounded down or up with the probability of its distance to the other
-    code (floor(v + u), u uniform in [0, 1)): unbiased, where round-to-nearest drifts a slowly decaying state."""
-    gen = torch.Generator().manual_seed(seed)
+def _int_rows(qmax, seed=None):
+    """Row scales (absmax / qmax a row of n); each value rounded to nearest, or with a ``seed`` stochastically: down or
+    up with the probability of its distance to the other code (floor(v + u), u uniform in [0, 1)), unbiased where
+    round-to-nearest drifts a slowly decaying state."""
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
 
     def quantize(state):
         state = state.float()
         amax = state.abs().amax(-1)
         inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
         v = state * inv[..., None]
-        return torch.floor(v + torch.rand(v.shape, generator=gen)).clamp(-qmax, qmax).to(torch.int8), amax / qmax
+        codes = torch.round(v) if gen is None else torch.floor(v + torch.rand(v.shape, generator=gen))
+        return codes.clamp(-qmax, qmax).to(torch.int8), amax / qmax
 
     return quantize, Q.dequantize_state_rows_ref
 
 
 ROW_CODECS = {"fp8-e4m3-rows": _fp8_rows(torch.float8_e4m3fn, 448.0), "fp8-e5m2-rows": _fp8_rows(torch.float8_e5m2,
               57344.0), "int4-rows": _int_rows(7.0), "int8-rows": (Q.quantize_state_rows_ref,
-              Q.dequantize_state_rows_ref), "int8-rows-stochastic": _int_rows_stochastic(127.0, 0),
-              "int8-rows-stochastic-seed1": _int_rows_stochastic(127.0, 1), "int4-rows-stochastic":
-              _int_rows_stochastic(7.0, 0), "int4-rows-stochastic-seed1": _int_rows_stochastic(7.0, 1)}
+              Q.dequantize_state_rows_ref), "int8-rows-stochastic": _int_rows(127.0, 0),
+              "int8-rows-stochastic-seed1": _int_rows(127.0, 1), "int4-rows-stochastic": _int_rows(7.0, 0),
+              "int4-rows-stochastic-seed1": _int_rows(7.0, 1)}
 FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp8-e4m3": torch.float8_e4m3fn}
 

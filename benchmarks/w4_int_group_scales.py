@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 from act_code_sensitivity import forward_args, score_changed
-from ssmq.ops.quant_linear import pack_int4, weight_codes
+from ssmq.ops.quant_linear import dequantize_weight, pack_int4
 from ssmq.quant.linear import QuantLinear
 
 
@@ -34,9 +34,9 @@ def integer_group_scales(model, levels: int):
                 or m.weight_q.dtype != torch.uint8:
             continue
         saved.append((m, m.weight_q, m.weight_scale))
-        q, s = weight_codes(m.weight_q).float(), m.weight_scale
+        s = m.weight_scale
         n, groups = s.shape
-        w = (q.view(n, groups, -1) * s[..., None])
+        w = dequantize_weight(m.weight_q, s).view(n, groups, -1)
         s_c = s.amax(1, keepdim=True) / levels
         sg = torch.ceil(s / s_c).clamp(1, levels)
         s_new = (sg * s_c).float()
